@@ -1,0 +1,133 @@
+"""Nodes and graphs.
+
+A `Node` is a frozen value: op, input node ids, attrs and an inferred type. A `Graph` owns
+nodes and keeps their edges in a `networkx.DiGraph`; no code outside `ir/` touches networkx.
+Graph arguments are INPUT nodes (`graph.inputs`, in order); results are named
+(`graph.outputs`, an ordered list of `(name, node id)`). Order is deterministic:
+`lexicographical_topological_sort` keyed on node id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator
+
+import networkx as nx
+
+from .ops import Op
+from .types import Type
+
+
+def freeze_attrs(attrs: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((attrs or {}).items()))
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    id: int
+    op: Op
+    inputs: tuple[int, ...]
+    attrs: tuple[tuple[str, Any], ...]
+    type: Type
+
+    def attr(self, key: str, default: Any = ...) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        if default is ...:
+            raise KeyError(f"{self.op.name} node %{self.id} has no attr {key!r}")
+        return default
+
+    @property
+    def attr_dict(self) -> dict[str, Any]:
+        return dict(self.attrs)
+
+    def replace(self, **changes: Any) -> "Node":
+        return replace(self, **changes)
+
+
+@dataclass(eq=False)
+class Graph:
+    name: str = "graph"
+    _nodes: dict[int, Node] = field(default_factory=dict)
+    _dg: nx.DiGraph = field(default_factory=nx.DiGraph)
+    inputs: list[int] = field(default_factory=list)
+    outputs: list[tuple[str, int]] = field(default_factory=list)
+    _next_id: int = 0
+
+    # -- construction -------------------------------------------------------------------------
+    def add(self, op: Op, inputs: Iterable[int] = (), attrs: dict[str, Any] | None = None,
+            type: Type | None = None) -> int:
+        """Append a node; its type is inferred by the op's shape rule unless given."""
+        from .shapes import infer_type
+
+        inputs = tuple(inputs)
+        for i in inputs:
+            if i not in self._nodes:
+                raise KeyError(f"input %{i} of new {op.name} node is not in graph {self.name}")
+        frozen = freeze_attrs(attrs)
+        if type is None:
+            type = infer_type(op, [self._nodes[i].type for i in inputs], dict(frozen))
+        nid = self._next_id
+        self._next_id += 1
+        self._nodes[nid] = Node(nid, op, inputs, frozen, type)
+        self._dg.add_node(nid)
+        for i in inputs:
+            self._dg.add_edge(i, nid)
+        if op is Op.INPUT:
+            self.inputs.append(nid)
+        return nid
+
+    def set_outputs(self, outputs: Iterable[tuple[str, int]]) -> None:
+        self.outputs = list(outputs)
+
+    # -- queries ------------------------------------------------------------------------------
+    def node(self, nid: int) -> Node:
+        return self._nodes[nid]
+
+    def __contains__(self, nid: int) -> bool:
+        return nid in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return (self._nodes[i] for i in self.order())
+
+    def order(self) -> list[int]:
+        return list(nx.lexicographical_topological_sort(self._dg))
+
+    def users(self, nid: int) -> list[int]:
+        return sorted(self._dg.successors(nid))
+
+    def input_names(self) -> list[str]:
+        return [self._nodes[i].attr("name") for i in self.inputs]
+
+    def input_by_name(self, name: str) -> int:
+        for i in self.inputs:
+            if self._nodes[i].attr("name") == name:
+                return i
+        raise KeyError(f"graph {self.name} has no input {name!r}")
+
+    def output(self, name: str) -> int:
+        for n, i in self.outputs:
+            if n == name:
+                return i
+        raise KeyError(f"graph {self.name} has no output {name!r}")
+
+    def is_dag(self) -> bool:
+        return nx.is_directed_acyclic_graph(self._dg)
+
+    def edges(self) -> list[tuple[int, int]]:
+        return sorted(self._dg.edges())
+
+    def reachable_from_outputs(self) -> set[int]:
+        live: set[int] = set()
+        for _, o in self.outputs:
+            live.add(o)
+            live |= nx.ancestors(self._dg, o)
+        return live
+
+    def __repr__(self) -> str:
+        from .printer import format_graph
+
+        return format_graph(self)

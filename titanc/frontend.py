@@ -1,0 +1,54 @@
+"""Frontend: lower a spec into the forward graph (tokens -> loss).
+
+Graph inputs: `tokens` i64 [B, T+1], then every parameter of `params.param_specs` by name.
+Layers are one scan over stacked weights (`layers.*`, leading axis L), so the IR and the
+compiled body do not grow with depth.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from titanc.ir import Builder, Graph, Value, dtype_name
+
+from .blocks import block
+from .nn import rmsnorm
+from .params import param_specs
+
+
+def lm_loss(b: Builder, x: Value, params: dict[str, Value], targets: Value, tied: bool) -> Value:
+    """Mean next-token cross-entropy of rmsnorm(x) @ head; x (B, T, D), targets (B, T)."""
+    h = rmsnorm(x, params["norm_f"])
+    if tied:
+        logits = b.einsum("btd,vd->btv", h, params["embed"])     # (B, T, V)
+    else:
+        logits = b.einsum("btd,dv->btv", h, params["lm_head"])
+    m = logits.amax((-1,), keepdim=True)
+    lse = (logits - m).exp().sum((-1,)).log() + m.reshape(*m.shape[:-1])   # (B, T)
+    return (lse - b.take_along(logits, targets)).mean((0, 1))
+
+
+def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: Any) -> Value:
+    names = sorted(k for k in params if k.startswith("layers."))
+    short = [k.removeprefix("layers.") for k in names]
+
+    def body(bb: Builder, carry: list[Value], xs: list[Value], _: list[Value]):
+        return [block(bb, carry[0], dict(zip(short, xs)), m)], []
+
+    (x,), _ = b.scan(body, [x], [params[k] for k in names], length=m.n_layers,
+                     name="layer", names=["x"] + short)
+    return x
+
+
+def lower_forward(spec: Any, batch: int | None = None, dtype: str | None = None) -> Graph:
+    m = spec.model
+    B = batch or spec.train.batch_size
+    T = m.seq_len
+    dt = dtype_name(dtype or spec.train.dtype)
+    b = Builder("forward")
+    tokens = b.input("tokens", (B, T + 1), "i64")
+    params = {ps.name: b.input(ps.name, ps.shape, dt) for ps in param_specs(m)}
+    x = b.take(params["embed"], tokens.slice(1, 0, T))            # (B, T, D)
+    x = layer_stack(b, x, params, m)
+    loss = lm_loss(b, x, params, tokens.slice(1, 1, T + 1), m.tie_embeddings)
+    b.graph.set_outputs([("loss", loss.id)])
+    return b.graph

@@ -1,0 +1,72 @@
+"""Building blocks shared by every block kind, written against the IR builder.
+
+Einsum letters used throughout the frontend:
+    b batch   t, s sequence positions   d model width   h, n heads   e head width
+    u token in a memory chunk   o, i memory-weight out/in axes   v vocab   f ffn hidden
+"""
+from __future__ import annotations
+
+from titanc.ir import Builder, Value
+
+EPS = 1e-6
+
+
+def rmsnorm(x: Value, w: Value) -> Value:
+    # (..., D) -> (..., D)
+    return x * ((x * x).mean((-1,), keepdim=True) + EPS).rsqrt() * w
+
+
+def l2norm(x: Value) -> Value:
+    # normalise the last (head) axis
+    return x * ((x * x).sum((-1,), keepdim=True) + EPS).rsqrt()
+
+
+def dwconv(x: Value, w: Value) -> Value:
+    """Causal depthwise conv, zero history: out[:, t, c] = Σ_j w[c, j] x[:, t-(K-1)+j, c]."""
+    B, T, C = x.shape
+    K = w.shape[1]
+    xp = x.pad(1, K - 1, 0)                                       # (B, T+K-1, C)
+    out = None
+    for j in range(K):
+        term = xp.slice(1, j, j + T) * w.slice(1, j, j + 1).reshape(C)
+        out = term if out is None else out + term
+    return out
+
+
+def silu_grad(z: Value) -> Value:
+    """d silu(z)/dz = σ(z)(1 + z(1 − σ(z)))."""
+    s = z.sigmoid()
+    return s * (z * (1.0 - s) + 1.0)
+
+
+def split_heads(x: Value, heads: int) -> Value:
+    # (B, T, D) -> (B, H, T, e)
+    B, T, D = x.shape
+    return x.reshape(B, T, heads, D // heads).permute(0, 2, 1, 3)
+
+
+def merge_heads(x: Value) -> Value:
+    # (B, H, T, e) -> (B, T, H·e)
+    B, H, T, E = x.shape
+    return x.permute(0, 2, 1, 3).reshape(B, T, H * E)
+
+
+def rope(b: Builder, x: Value, start: int = 0) -> Value:
+    """Rotate-half RoPE at positions start.. along axis -2 of x (…, T, e)."""
+    T, E = x.shape[-2], x.shape[-1]
+    half = E // 2
+    cos = b.rope("cos", start, T, half, x.dtype)                  # (T, e/2)
+    sin = b.rope("sin", start, T, half, x.dtype)
+    x1, x2 = x.slice(-1, 0, half), x.slice(-1, half, E)
+    return b.concat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+def softmax_last(x: Value) -> Value:
+    m = x.amax((-1,), keepdim=True)
+    e = (x - m).exp()
+    return e / e.sum((-1,), keepdim=True)
+
+
+def ffn(u: Value, w1: Value, w3: Value, w2: Value) -> Value:
+    # SwiGLU: (silu(u W1) ⊙ u W3) W2
+    return ((u @ w1).silu() * (u @ w3)) @ w2
