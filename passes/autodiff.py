@@ -1,0 +1,264 @@
+"""Reverse-mode autodiff on the IR: a VJP rule per op, scans included.
+
+`grad_graph(g, wrt, loss)` returns a new graph computing `loss` and `grad.<name>` for every
+input named in `wrt`. Precondition: `g` verifies and `loss` is a scalar float output.
+Postcondition: the result verifies; its forward part computes exactly what `g` computes.
+
+Scans are differentiated by recomputation: the forward scan also stacks the carry at the
+start of every iteration (for the layer scan that is the per-layer activation checkpoint,
+for the memory scan the per-chunk memory state); the backward is a reverse scan whose body
+recomputes one iteration from its saved carry and pulls cotangents back through it, adding
+the cotangents of loop-invariant operands into accumulator carries.
+"""
+from __future__ import annotations
+
+
+from titanc.ir import Builder, Graph, Op, Value
+from titanc.ir.types import TensorType
+
+from titanc.nn import silu_grad
+
+Ct = dict[int, "Value | list[Value | None]"]   # scan nodes: one entry per tuple element
+
+
+def unbroadcast(ct: Value, shape: tuple[int, ...]) -> Value:
+    """Sum ct over the axes broadcasting added, so it has `shape`."""
+    if ct.shape == shape:
+        return ct
+    lead = ct.rank - len(shape)
+    axes = list(range(lead)) + [lead + i for i, s in enumerate(shape)
+                                if s == 1 and ct.shape[lead + i] != 1]
+    return ct.sum(axes).reshape(*shape)
+
+
+def _einsum_vjp(b: Builder, spec: str, xs: list[Value], ct: Value, k: int) -> Value:
+    lhs, out = spec.split("->")
+    terms = lhs.split(",")
+    term = terms[k]
+    others = [(t, x) for j, (t, x) in enumerate(zip(terms, xs)) if j != k]
+    avail = set(out).union(*[set(t) for t, _ in others]) if others else set(out)
+    kept = "".join(ch for ch in term if ch in avail)
+    g = b.einsum(",".join([out] + [t for t, _ in others]) + "->" + kept,
+                 ct, *[x for _, x in others])
+    if kept != term:               # letters only this operand has: the output is constant in them
+        shape = xs[k].shape
+        g = g.reshape(*[shape[i] if ch in avail else 1 for i, ch in enumerate(term)])
+        g = g.expand(*shape)
+    return g
+
+
+def _amax_vjp(x: Value, y: Value, ct: Value, axes: tuple[int, ...], keepdim: bool) -> Value:
+    keep_shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
+    yk, ck = y.reshape(*keep_shape), ct.reshape(*keep_shape)
+    hit = 1.0 - x.b.op(Op.GT, yk.expand(*x.shape), x)            # 1 where x == max
+    return hit * ck / hit.sum(axes, keepdim=True)
+
+
+def vjp(b: Builder, op: Op, attrs: dict, xs: list[Value], y: Value, ct: Value) -> list[Value | None]:
+    """Cotangents of a node's operands given the cotangent of its (tensor) output."""
+    if op is Op.NEG:
+        return [-ct]
+    if op is Op.EXP:
+        return [ct * y]
+    if op is Op.LOG:
+        return [ct / xs[0]]
+    if op is Op.SIGMOID:
+        return [ct * y * (1.0 - y)]
+    if op is Op.SILU:
+        return [ct * silu_grad(xs[0])]
+    if op is Op.RSQRT:
+        return [ct * (y * y * y) * -0.5]
+    if op is Op.RECIP:
+        return [-(ct * y * y)]
+    if op is Op.CAST:
+        return [b.op(Op.CAST, ct, dtype=xs[0].dtype)]
+    if op is Op.ADD:
+        return [unbroadcast(ct, xs[0].shape), unbroadcast(ct, xs[1].shape)]
+    if op is Op.SUB:
+        return [unbroadcast(ct, xs[0].shape), unbroadcast(-ct, xs[1].shape)]
+    if op is Op.MUL:
+        return [unbroadcast(ct * xs[1], xs[0].shape), unbroadcast(ct * xs[0], xs[1].shape)]
+    if op is Op.DIV:
+        return [unbroadcast(ct / xs[1], xs[0].shape),
+                unbroadcast(-(ct * y / xs[1]), xs[1].shape)]
+    if op is Op.MAX:
+        pick = b.op(Op.GT, xs[0], xs[1])                          # ties go to the second
+        return [unbroadcast(ct * pick, xs[0].shape), unbroadcast(ct * (1.0 - pick), xs[1].shape)]
+    if op is Op.GT:
+        return [None, None]
+    if op is Op.SUM:
+        x = xs[0]
+        keep = tuple(1 if i in attrs["axes"] else s for i, s in enumerate(x.shape))
+        return [ct.reshape(*keep).expand(*x.shape)]
+    if op is Op.AMAX:
+        return [_amax_vjp(xs[0], y, ct, attrs["axes"], attrs["keepdim"])]
+    if op is Op.EINSUM:
+        return [_einsum_vjp(b, attrs["spec"], xs, ct, k) for k in range(len(xs))]
+    if op is Op.RESHAPE:
+        return [ct.reshape(*xs[0].shape)]
+    if op is Op.PERMUTE:
+        perm = attrs["perm"]
+        inv = [perm.index(i) for i in range(len(perm))]
+        return [ct.permute(*inv)]
+    if op is Op.EXPAND:
+        return [unbroadcast(ct, xs[0].shape)]
+    if op is Op.SLICE:
+        ax, size = attrs["axis"], xs[0].shape[attrs["axis"]]
+        return [ct.pad(ax, attrs["start"], size - attrs["stop"])]
+    if op is Op.PAD:
+        ax = attrs["axis"]
+        return [ct.slice(ax, attrs["before"], ct.shape[ax] - attrs["after"])]
+    if op is Op.CONCAT:
+        ax, out, start = attrs["axis"], [], 0
+        for x in xs:
+            out.append(ct.slice(ax, start, start + x.shape[ax]))
+            start += x.shape[ax]
+        return out
+    if op is Op.TAKE:
+        return [b.op(Op.INDEX_ADD, ct, xs[1], rows=xs[0].shape[0]), None]
+    if op is Op.INDEX_ADD:
+        return [b.take(ct, xs[1]), None]
+    if op is Op.TAKE_ALONG:
+        return [b.op(Op.SCATTER_ALONG, ct, xs[1], size=xs[0].shape[-1]), None]
+    if op is Op.SCATTER_ALONG:
+        return [b.take_along(ct, xs[1]), None]
+    if op is Op.CUMSUM:
+        return [ct.cumsum(attrs["axis"], reverse=not attrs["reverse"])]
+    raise NotImplementedError(f"no VJP rule for {op.name}")
+
+
+def _zeros(b: Builder, t: TensorType) -> Value:
+    return b.full(0.0, (), t.dtype).expand(*t.shape) if t.shape else b.full(0.0, (), t.dtype)
+
+
+def _add_ct(acc: Value | None, ct: Value | None) -> Value | None:
+    if ct is None:
+        return acc
+    return ct if acc is None else acc + ct
+
+
+class _Differentiator:
+    """Copies a graph into a builder (saving scan carries) and pulls cotangents back."""
+
+    def __init__(self, b: Builder, g: Graph):
+        self.b, self.g = b, g
+        self.env: dict[int, Value] = {}
+        self.saved: dict[int, list[Value]] = {}   # scan node -> stacked carries per iteration
+
+    def forward(self, args: list[Value]) -> None:
+        b, g = self.b, self.g
+        self.env.update(zip(g.inputs, args))
+        for node in g:
+            if node.op is Op.INPUT:
+                continue
+            ins = [self.env[i] for i in node.inputs]
+            if node.op is Op.SCAN:
+                self.env[node.id] = self._scan_saving_carries(node, ins)
+            else:
+                self.env[node.id] = b.op(node.op, *ins, **node.attr_dict)
+
+    def _scan_saving_carries(self, node, ins: list[Value]) -> Value:
+        a = node.attr_dict
+        body: Graph = a["body"]
+        nc = a["n_carry"]
+        aug = Graph(body.name)
+        ab = Builder(graph=aug)
+        env = {i: ab.op(Op.INPUT, name=body.node(i).attr("name"), type=body.node(i).type)
+               for i in body.inputs}
+        for n in body:
+            if n.op is not Op.INPUT:
+                env[n.id] = ab.op(n.op, *[env[i] for i in n.inputs], **n.attr_dict)
+        outs = [(name, env[i].id) for name, i in body.outputs]
+        outs += [(f"saved{k}", env[body.inputs[k]].id) for k in range(nc)]
+        aug.set_outputs(outs)
+        tup = self.b.op(Op.SCAN, *ins, **{**a, "body": aug})
+        n_out = len(body.outputs)
+        self.saved[node.id] = [self.b.item(tup, n_out + k) for k in range(nc)]
+        return tup       # ITEM k < n_out still names the same element
+
+    def backward(self, seeds: Ct) -> Ct:
+        """seeds: cotangents of some nodes of g (tensor nodes: Value; scan nodes: list)."""
+        ct: Ct = dict(seeds)
+        for nid in reversed(self.g.order()):
+            node = self.g.node(nid)
+            if nid not in ct or node.op in (Op.INPUT, Op.FULL, Op.ROPE, Op.MASK):
+                continue
+            c = ct.pop(nid)
+            if node.op is Op.ITEM:
+                src = node.inputs[0]
+                lst = ct.setdefault(src, [None] * len(self.g.node(src).type))
+                lst[node.attr("index")] = _add_ct(lst[node.attr("index")], c)
+                continue
+            ins = [self.env[i] for i in node.inputs]
+            if node.op is Op.SCAN:
+                grads = self._scan_vjp(node, ins, c)
+            else:
+                grads = vjp(self.b, node.op, node.attr_dict, ins, self.env[nid], c)
+            for i, gi in zip(node.inputs, grads):
+                if gi is not None and self.g.node(i).type.is_float:
+                    ct[i] = _add_ct(ct.get(i), gi)
+        return ct
+
+    def _scan_vjp(self, node, ins: list[Value], cts: list[Value | None]) -> list[Value | None]:
+        b = self.b
+        a = node.attr_dict
+        body: Graph = a["body"]
+        nc, nx_, length = a["n_carry"], a["n_xs"], a["length"]
+        carries, xs, consts = ins[:nc], ins[nc:nc + nx_], ins[nc + nx_:]
+        body_types = [body.node(i).type for i in body.inputs]
+        ny = len(body.outputs) - nc
+        ct_c = [c if c is not None else _zeros(b, v.type) for c, v in zip(cts[:nc], carries)]
+        y_live = [k for k in range(ny) if cts[nc + k] is not None]
+        diff_k = [j for j, v in enumerate(consts) if v.type.is_float]
+        diff_x = [j for j, v in enumerate(xs) if v.type.is_float]
+
+        def bwd(bb: Builder, carry: list[Value], xsl: list[Value], ks: list[Value]):
+            ct_carry, acc = carry[:nc], carry[nc:]
+            saved_c, x_t, ct_y = xsl[:nc], xsl[nc:nc + nx_], xsl[nc + nx_:]
+            inner = _Differentiator(bb, body)
+            inner.forward(list(saved_c) + list(x_t) + list(ks))
+            seeds: Ct = {}
+            for k, (_, oid) in enumerate(body.outputs[:nc]):
+                seeds[oid] = _add_ct(seeds.get(oid), ct_carry[k])
+            for k, cy in zip(y_live, ct_y):
+                oid = body.outputs[nc + k][1]
+                seeds[oid] = _add_ct(seeds.get(oid), cy)
+            got = inner.backward(seeds)
+            def ct_of(k: int) -> Value:
+                v = got.get(body.inputs[k])
+                return v if v is not None else _zeros(bb, body_types[k])
+            new_c = [ct_of(k) for k in range(nc)]
+            new_acc = [acc[m] + ct_of(nc + nx_ + j) for m, j in enumerate(diff_k)]
+            ys = [ct_of(nc + j) for j in diff_x]
+            return new_c + new_acc, ys
+
+        acc0 = [_zeros(b, consts[j].type) for j in diff_k]
+        saved = self.saved[node.id]
+        ct_ys = [cts[nc + k] for k in y_live]
+        (out_c, ys) = b.scan(bwd, ct_c + acc0, saved + list(xs) + ct_ys, consts,
+                             length=length, reverse=True, name=f"{body.name}_bwd")
+        grads: list[Value | None] = list(out_c[:nc]) + [None] * (nx_ + len(consts))
+        for m, j in enumerate(diff_x):
+            grads[nc + j] = ys[m]
+        for m, j in enumerate(diff_k):
+            grads[nc + nx_ + j] = out_c[nc + m]
+        return grads
+
+
+def grad_graph(g: Graph, wrt: list[str], loss: str = "loss", name: str = "grad") -> Graph:
+    """Forward + backward: outputs `loss` and `grad.<name>` for each input named in `wrt`."""
+    b = Builder(name)
+    args = [b.op(Op.INPUT, name=g.node(i).attr("name"), type=g.node(i).type) for i in g.inputs]
+    d = _Differentiator(b, g)
+    d.forward(args)
+    loss_id = g.output(loss)
+    lv = d.env[loss_id]
+    ct = d.backward({loss_id: b.full(1.0, (), lv.dtype)})
+    outs = [(loss, lv.id)]
+    for nm in wrt:
+        i = g.input_by_name(nm)
+        gv = ct.get(i)
+        gv = gv if gv is not None else _zeros(b, g.node(i).type)
+        outs.append((f"grad.{nm}", gv.id))
+    b.graph.set_outputs(outs)
+    return b.graph
