@@ -99,6 +99,7 @@ class Value:
     def sigmoid(self): return self.b.op(Op.SIGMOID, self)
     def silu(self): return self.b.op(Op.SILU, self)
     def rsqrt(self): return self.b.op(Op.RSQRT, self)
+    def sqrt(self): return self.b.op(Op.SQRT, self)
     def recip(self): return self.b.op(Op.RECIP, self)
 
     def __repr__(self) -> str:

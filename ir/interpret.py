@@ -72,6 +72,7 @@ _EVAL: dict[Op, Callable[..., Any]] = {
     Op.SIGMOID: lambda n, x: torch.sigmoid(x),
     Op.SILU: lambda n, x: x * torch.sigmoid(x),
     Op.RSQRT: lambda n, x: torch.rsqrt(x),
+    Op.SQRT: lambda n, x: torch.sqrt(x),
     Op.RECIP: lambda n, x: 1.0 / x,
     Op.ADD: lambda n, x, y: x + y,
     Op.SUB: lambda n, x, y: x - y,

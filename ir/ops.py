@@ -22,6 +22,7 @@ class Op(Enum):
     SIGMOID = auto()
     SILU = auto()
     RSQRT = auto()
+    SQRT = auto()
     RECIP = auto()
     CAST = auto()       # attrs: dtype
     # elementwise binary (numpy broadcasting)
@@ -56,7 +57,7 @@ class Op(Enum):
 class OpGroup:
     SOURCE = frozenset({Op.INPUT, Op.FULL, Op.ROPE, Op.MASK})
     GENERATOR = frozenset({Op.FULL, Op.ROPE, Op.MASK})
-    UNARY = frozenset({Op.NEG, Op.EXP, Op.LOG, Op.SIGMOID, Op.SILU, Op.RSQRT, Op.RECIP, Op.CAST})
+    UNARY = frozenset({Op.NEG, Op.EXP, Op.LOG, Op.SIGMOID, Op.SILU, Op.RSQRT, Op.SQRT, Op.RECIP, Op.CAST})
     BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAX, Op.GT})
     ELEMENTWISE = UNARY | BINARY
     REDUCE = frozenset({Op.SUM, Op.AMAX})

@@ -15,13 +15,17 @@ from .nn import rmsnorm
 from .params import param_specs
 
 
-def lm_loss(b: Builder, x: Value, params: dict[str, Value], targets: Value, tied: bool) -> Value:
-    """Mean next-token cross-entropy of rmsnorm(x) @ head; x (B, T, D), targets (B, T)."""
+def lm_logits(b: Builder, x: Value, params: dict[str, Value], tied: bool) -> Value:
+    """rmsnorm(x) @ head: (B, T, D) -> (B, T, V)."""
     h = rmsnorm(x, params["norm_f"])
     if tied:
-        logits = b.einsum("btd,vd->btv", h, params["embed"])     # (B, T, V)
-    else:
-        logits = b.einsum("btd,dv->btv", h, params["lm_head"])
+        return b.einsum("btd,vd->btv", h, params["embed"])
+    return b.einsum("btd,dv->btv", h, params["lm_head"])
+
+
+def lm_loss(b: Builder, x: Value, params: dict[str, Value], targets: Value, tied: bool) -> Value:
+    """Mean next-token cross-entropy of rmsnorm(x) @ head; x (B, T, D), targets (B, T)."""
+    logits = lm_logits(b, x, params, tied)                        # (B, T, V)
     m = logits.amax((-1,), keepdim=True)
     lse = (logits - m).exp().sum((-1,)).log() + m.reshape(*m.shape[:-1])   # (B, T)
     return (lse - b.take_along(logits, targets)).mean((0, 1))
@@ -39,7 +43,9 @@ def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: Any) -> Value
     return x
 
 
-def lower_forward(spec: Any, batch: int | None = None, dtype: str | None = None) -> Graph:
+def lower_forward(spec: Any, batch: int | None = None, dtype: str | None = None,
+                  output: str = "loss") -> Graph:
+    """The forward graph; `output` is 'loss' (scalar) or 'logits' ([B, T, V])."""
     m = spec.model
     B = batch or spec.train.batch_size
     T = m.seq_len
@@ -49,6 +55,9 @@ def lower_forward(spec: Any, batch: int | None = None, dtype: str | None = None)
     params = {ps.name: b.input(ps.name, ps.shape, dt) for ps in param_specs(m)}
     x = b.take(params["embed"], tokens.slice(1, 0, T))            # (B, T, D)
     x = layer_stack(b, x, params, m)
-    loss = lm_loss(b, x, params, tokens.slice(1, 1, T + 1), m.tie_embeddings)
-    b.graph.set_outputs([("loss", loss.id)])
+    if output == "logits":
+        out = lm_logits(b, x, params, m.tie_embeddings)
+    else:
+        out = lm_loss(b, x, params, tokens.slice(1, 1, T + 1), m.tie_embeddings)
+    b.graph.set_outputs([(output, out.id)])
     return b.graph

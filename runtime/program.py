@@ -1,0 +1,142 @@
+"""Program: a compiled model that trains, evaluates and exposes its state.
+
+At this stage every graph runs on the reference interpreter; compiled executors plug in
+behind the same methods. Parameters, the gradient accumulator and the AdamW moments are
+allocated once and updated in place, so tensors handed out by `parameters()` stay live.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from titanc.errors import TitancError
+from titanc.ir import Graph, Interpreter
+from titanc.ir.types import DTYPES, dtype_name
+from titanc.params import init_params
+
+from .schedule import lr_at
+
+Tensor = torch.Tensor
+
+
+class Program:
+    def __init__(self, compiled: Any):
+        self.compiled = compiled
+        self.spec = compiled.spec
+        self.dtype = DTYPES[dtype_name(self.spec.train.dtype)]
+        self.batch_size = self.spec.train.batch_size
+        self.seq_len = self.spec.model.seq_len
+        self._interp = Interpreter()
+        self._params = init_params(self.spec.model, self.spec.train.seed, self.dtype)
+        self._grad_acc = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        self._m = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        self._v = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        self.step = 0
+        self.last: dict[str, float] = {}
+        self._by_batch: dict[int, Any] = {self.batch_size: compiled}
+        self._extra: dict[tuple[str, int], Graph] = {}
+
+    # -- state ----------------------------------------------------------------------------------
+    def parameters(self) -> dict[str, Tensor]:
+        return dict(self._params)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        sd = {f"param.{n}": t for n, t in self._params.items()}
+        sd.update({f"opt.m.{n}": t for n, t in self._m.items()})
+        sd.update({f"opt.v.{n}": t for n, t in self._v.items()})
+        sd["opt.step"] = torch.tensor(self.step, dtype=torch.int64)
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Tensor], strict: bool = True) -> dict[str, list[str]]:
+        """Copy matching tensors in place. Returns {'new': [...], 'unused': [...]}: names this
+        program has that `sd` lacks (kept at their fresh initialisation) and names of `sd` this
+        program does not use. `strict` refuses any difference; a shape mismatch always fails."""
+        mine = self.state_dict()
+        new = sorted(k for k in mine if k not in sd and k != "opt.step")
+        unused = sorted(k for k in sd if k not in mine)
+        for k, t in sd.items():
+            if k in mine and k != "opt.step" and tuple(t.shape) != tuple(mine[k].shape):
+                raise TitancError(f"checkpoint tensor {k} has shape {list(t.shape)}, "
+                                  f"the spec needs {list(mine[k].shape)}")
+        if strict and (new or unused):
+            raise TitancError(f"checkpoint does not match the spec (--strict): "
+                              f"missing {new[:5]}, unexpected {unused[:5]}")
+        with torch.no_grad():
+            for k, t in sd.items():
+                if k in mine and k != "opt.step":
+                    mine[k].copy_(t.to(mine[k].dtype))
+        if "opt.step" in sd:
+            self.step = int(sd["opt.step"])
+        return {"new": new, "unused": unused}
+
+    # -- running --------------------------------------------------------------------------------
+    def _graphs(self, batch: int) -> Any:
+        if batch not in self._by_batch:
+            from titanc.compiler import compile_graphs
+            self._by_batch[batch] = compile_graphs(self.spec, batch=batch, verify_each=False)
+        return self._by_batch[batch]
+
+    def _check_tokens(self, tokens: Tensor) -> Tensor:
+        if tokens.dim() != 2 or tokens.shape[1] != self.seq_len + 1:
+            raise TitancError(f"tokens must be int64 [batch, seq_len + 1 = {self.seq_len + 1}], "
+                              f"got {list(tokens.shape)}")
+        return tokens.to(torch.int64)
+
+    def _run(self, g: Graph, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        with torch.no_grad():
+            return self._interp(g, inputs)
+
+    def loss(self, tokens: Tensor) -> float:
+        tokens = self._check_tokens(tokens)
+        c = self._graphs(tokens.shape[0])
+        return float(self._run(c.forward, {"tokens": tokens, **self._params})["loss"])
+
+    def logits(self, tokens: Tensor) -> Tensor:
+        """Next-token logits [B, T, V] for tokens [B, T+1] (the last column is ignored)."""
+        tokens = self._check_tokens(tokens)
+        key = ("logits", tokens.shape[0])
+        if key not in self._extra:
+            from titanc.frontend import lower_forward
+            self._extra[key] = lower_forward(self.spec, batch=tokens.shape[0], output="logits")
+        return self._run(self._extra[key], {"tokens": tokens, **self._params})["logits"]
+
+    def grads(self, tokens: Tensor) -> tuple[float, dict[str, Tensor]]:
+        tokens = self._check_tokens(tokens)
+        c = self._graphs(tokens.shape[0])
+        out = self._run(c.grad, {"tokens": tokens, **self._params})
+        return float(out["loss"]), {n: out[f"grad.{n}"] for n in self._params}
+
+    def train_step(self, tokens: Tensor) -> float:
+        """One optimizer step on `grad_accum` micro-batches of `batch_size` rows each
+        (tokens: [grad_accum·batch_size, seq_len+1]). Returns the mean micro-batch loss."""
+        tokens = self._check_tokens(tokens)
+        accum = self.spec.train.grad_accum
+        if tokens.shape[0] != accum * self.batch_size:
+            raise TitancError(f"train_step needs {accum}·{self.batch_size} rows "
+                              f"(train.grad_accum·train.batch_size), got {tokens.shape[0]}")
+        for t in self._grad_acc.values():
+            t.zero_()
+        losses = []
+        for micro in tokens.split(self.batch_size):
+            loss, g = self.grads(micro)
+            losses.append(loss)
+            for n, t in g.items():
+                self._grad_acc[n].add_(t)
+        lr = lr_at(self.step, self.spec.train)
+        scalars = {"lr": lr, "step": float(self.step + 1), "grad_scale": 1.0 / accum}
+        inputs = {k: torch.tensor(v, dtype=self.dtype) for k, v in scalars.items()}
+        for n in self._params:
+            inputs[f"param.{n}"] = self._params[n]
+            inputs[f"grad.{n}"] = self._grad_acc[n]
+            inputs[f"opt.m.{n}"] = self._m[n]
+            inputs[f"opt.v.{n}"] = self._v[n]
+        out = self._run(self.compiled.optimizer, inputs)
+        for n in self._params:
+            self._params[n].copy_(out[f"param.{n}"])
+            self._m[n].copy_(out[f"opt.m.{n}"])
+            self._v[n].copy_(out[f"opt.v.{n}"])
+        self.step += 1
+        loss = sum(losses) / len(losses)
+        self.last = {"loss": loss, "lr": lr, "grad_norm": float(out["grad_norm"])}
+        return loss

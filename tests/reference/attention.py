@@ -1,0 +1,57 @@
+"""Sliding-window attention over [persistent ‖ sequence]: `SWA(u)` of docs/semantics.md.
+
+Used by the attn, mag and mal blocks (MAC's attention lives in mac.py).
+
+Ein notation: B batch, T query time, S key time (P persistent + T sequence), D model
+width, H heads, C = D / H head width, P persistent tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .ops import merge_heads, rope, split_heads
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+    """Softmax attention restricted to the visible keys."""
+    # q (B, H, T, C), k/v (B, H, S, C), visible (T, S) bool
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, S)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.softmax(dim=-1) @ v  # (B, H, T, C)
+
+
+def persistent_kv(p: dict[str, Tensor], B: int, heads: int) -> tuple[Tensor, Tensor] | None:
+    """Keys and values of the persistent tokens (no rope), or None when P = 0."""
+    if "attn_persistent" not in p:
+        return None
+    pm = p["attn_persistent"][None]  # (1, P, D)
+    pk = split_heads(pm @ p["attn_wk"], heads).expand(B, -1, -1, -1)  # (B, H, P, C)
+    pv = split_heads(pm @ p["attn_wv"], heads).expand(B, -1, -1, -1)  # (B, H, P, C)
+    return pk, pv
+
+
+def swa(p: dict[str, Tensor], u: Tensor, cfg) -> Tensor:
+    """Query i sees every persistent key and sequence keys j with i - W < j <= i."""
+    # u (B, T, D)
+    B, T, D = u.shape
+    H = cfg.attention.heads
+    W = cfg.attention.window
+    pos = torch.arange(T)
+    q = rope(split_heads(u @ p["attn_wq"], H), pos)  # (B, H, T, C)
+    k = rope(split_heads(u @ p["attn_wk"], H), pos)  # (B, H, T, C)
+    v = split_heads(u @ p["attn_wv"], H)  # (B, H, T, C)
+
+    i, j = pos[:, None], pos[None, :]
+    visible = j <= i  # (T, T)
+    if W is not None and W > 0:
+        visible = visible & (j > i - W)
+    pkv = persistent_kv(p, B, H)
+    if pkv is not None:
+        k = torch.cat([pkv[0], k], dim=2)  # (B, H, P+T, C)
+        v = torch.cat([pkv[1], v], dim=2)
+        visible = torch.cat([torch.ones(T, pkv[0].shape[2], dtype=torch.bool), visible], dim=1)
+    return merge_heads(attend(q, k, v, visible)) @ p["attn_wo"]  # (B, T, D)

@@ -1,0 +1,44 @@
+"""A typed model config for the reference's own tests.
+
+The real spec objects (titanc's) expose the same attribute names; the reference reads
+nothing else, so either kind can be passed to `forward_loss` / `forward_logits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RefAttention:
+    heads: int = 2
+    window: int = 4  # sliding window W (attn, mag, mal); mac has no window
+    segment: int = 8  # MAC segment length S
+    persistent_tokens: int = 2  # P
+
+
+@dataclass(frozen=True)
+class RefMemory:
+    heads: int = 2  # Nm
+    depth: int = 2  # Ld
+    expansion: int = 2  # E: hidden width h = E * d
+    chunk_size: int = 4  # b
+    adaptive: bool = True  # data-dependent theta/eta/alpha, else the constants below
+    lr_max: float = 0.5
+    momentum: float = 0.9
+    decay: float = 0.05
+    output_gate: bool = True
+    conv_kernel: int = 4  # K
+
+
+@dataclass(frozen=True)
+class RefModelConfig:
+    vocab_size: int = 32
+    d_model: int = 16
+    n_layers: int = 2
+    block: str = "lmm"  # 'attn' | 'lmm' | 'mag' | 'mal' | 'mac'
+    seq_len: int = 16
+    tie_embeddings: bool = False
+    ffn_hidden: int | None = 32  # None: nearest multiple of 8 to 8/3 * d_model
+    attention: RefAttention = field(default_factory=RefAttention)
+    memory: RefMemory = field(default_factory=RefMemory)

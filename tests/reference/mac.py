@@ -1,0 +1,63 @@
+"""Memory as context (`mac`): segment scan with memory state carried across segments.
+
+Per segment s of S tokens (docs/semantics.md, block `mac`, steps 1-4):
+  1. h   = M(q(u)_s; state at segment start)         q(u) over the whole sequence
+  2. ỹ   = attention of u_s over [persistent ‖ h ‖ u_s], local RoPE, causal, no window
+  3. write ỹ into memory chunk by chunk (segment-local conv); r = read at chunk start
+  4. x_s += (ỹ * sigmoid(r)) W_O
+
+Ein notation: B batch, T time, S segment length, D model width, H attention heads,
+N memory heads, C per-head width, P persistent tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .attention import attend, persistent_kv
+from .memory import gates, initial_state, mem_apply, memory_scan, project, projections
+from .ops import ffn, merge_heads, rmsnorm, rope, split_heads
+
+
+def mac_attention(p: dict[str, Tensor], us: Tensor, h: Tensor, cfg) -> Tensor:
+    """Attention of u_s over [persistent ‖ h ‖ u_s]: query i sees all P, and h_j, u_j for j <= i."""
+    # us (B, S, D), h (B, S, D)
+    B, S, D = us.shape
+    H = cfg.attention.heads
+    pos = torch.arange(S)  # local positions
+    q = rope(split_heads(us @ p["attn_wq"], H), pos)  # (B, H, S, C)
+    k = torch.cat(
+        [rope(split_heads(h @ p["attn_wk"], H), pos), rope(split_heads(us @ p["attn_wk"], H), pos)], dim=2
+    )  # (B, H, 2S, C)
+    v = torch.cat([split_heads(h @ p["attn_wv"], H), split_heads(us @ p["attn_wv"], H)], dim=2)
+    causal = pos[None, :] <= pos[:, None]  # (S, S)
+    visible = torch.cat([causal, causal], dim=1)  # (S, 2S)
+    pkv = persistent_kv(p, B, H)
+    if pkv is not None:
+        k = torch.cat([pkv[0], k], dim=2)  # (B, H, P+2S, C)
+        v = torch.cat([pkv[1], v], dim=2)
+        visible = torch.cat([torch.ones(S, pkv[0].shape[2], dtype=torch.bool), visible], dim=1)
+    return merge_heads(attend(q, k, v, visible)) @ p["attn_wo"]  # (B, S, D)
+
+
+def mac_block(p: dict[str, Tensor], x: Tensor, cfg) -> Tensor:
+    """Scan the segments in order; (W, S) after segment s is the state segment s+1 starts from."""
+    B, T, D = x.shape
+    seg = cfg.attention.segment
+    N = cfg.memory.heads
+    u = rmsnorm(x, p["mem_norm"])  # (B, T, D)
+    hq = project(u, p["mem_wq"], p["mem_conv_q"], N, normalize=True)  # (B, N, T, C), conv crosses segments
+    state = initial_state(p, B, cfg)
+    outs = []
+    for s0 in range(0, T, seg):
+        sl = slice(s0, s0 + seg)
+        W, _ = state
+        h = merge_heads(mem_apply(W, hq[:, :, sl]))  # (B, S, D)  read only
+        yt = mac_attention(p, u[:, sl], h, cfg)  # (B, S, D)
+        q, k, v = projections(p, yt, cfg)  # (B, N, S, C), conv history zero at segment start
+        theta, eta, alpha = gates(p, yt, cfg)  # (B, N, S)
+        r, state = memory_scan(state, q, k, v, theta, eta, alpha, cfg.memory.chunk_size)  # (B, N, S, C)
+        outs.append((yt * torch.sigmoid(merge_heads(r))) @ p["mem_wo"])  # (B, S, D)
+    x = x + torch.cat(outs, dim=1)  # (B, T, D)
+    return x + ffn(p, rmsnorm(x, p["ffn_norm"]))

@@ -1,0 +1,139 @@
+"""Neural long-term memory `LMM` of docs/semantics.md, as the token-by-token recurrence.
+
+Every inner gradient g_t is taken by `torch.func.grad` of the per-token inner loss
+(vmapped over batch, head and token), never by a hand-written formula, and the writes run
+token by token -- the closed form is what the compiler uses, so the reference must not.
+`torch.func.grad` builds its graph with create_graph semantics, so the outer loss
+differentiates through g like any other expression.
+
+Ein notation: B batch, N memory heads, T time, b chunk length, C = D / N head width,
+O / I output / input width of one memory weight W_i (O, I), D model width.
+A memory state is a pair of lists (W, S) of (B, N, O, I) tensors, one entry per MLP layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.func import grad, vmap
+
+from .ops import dwconv, l2norm, merge_heads, silu, split_heads
+
+State = tuple[list[Tensor], list[Tensor]]
+
+
+def mem_shapes(cfg) -> list[tuple[int, int]]:
+    """(out_i, in_i) of W_1 .. W_Ld: depth 1 is [d, d]; deeper is [h, d], [h, h]..., [d, h]."""
+    d = cfg.d_model // cfg.memory.heads
+    h = int(cfg.memory.expansion * d)
+    depth = cfg.memory.depth
+    if depth == 1:
+        return [(d, d)]
+    return [(h, d)] + [(h, h)] * (depth - 2) + [(d, h)]
+
+
+def mem_apply(Ws: list[Tensor] | tuple[Tensor, ...], x: Tensor) -> Tensor:
+    """M(x; W) = W_Ld phi(... phi(W_1 x)), phi = silu, no biases."""
+    # Ws[i] (..., O, I), x (..., T, I) or a single vector (I,)
+    a = x
+    for i, W in enumerate(Ws):
+        z = a @ W.transpose(-1, -2)  # (..., T, O)
+        a = silu(z) if i < len(Ws) - 1 else z
+    return a
+
+
+def inner_loss(Ws: tuple[Tensor, ...], k: Tensor, v: Tensor) -> Tensor:
+    """l_t(W) = mean_c (M(k_t; W) - v_t)_c^2 for one token of one head."""
+    # Ws[i] (O, I), k (C,), v (C,)
+    return (mem_apply(Ws, k) - v).pow(2).mean()
+
+
+def inner_grads(Ws: list[Tensor], k: Tensor, v: Tensor) -> list[Tensor]:
+    """Per-token gradients dl_t/dW_i, all at the same weights Ws (the chunk start)."""
+    # Ws[i] (B, N, O, I), k/v (B, N, b, C) -> g[i] (B, N, b, O, I)
+    per_token = vmap(grad(inner_loss), in_dims=(None, 0, 0))  # over b; weights shared
+    per_head = vmap(per_token, in_dims=(0, 0, 0))  # over N
+    per_batch = vmap(per_head, in_dims=(0, 0, 0))  # over B
+    return list(per_batch(tuple(Ws), k, v))
+
+
+def chunk_token_loop(
+    W: list[Tensor], S: list[Tensor], g: list[Tensor], theta: Tensor, eta: Tensor, alpha: Tensor
+) -> State:
+    """Run one chunk's writes: S_t = eta_t S_{t-1} - theta_t g_t, W_t = (1 - alpha_t) W_{t-1} + S_t."""
+    # W[i], S[i] (B, N, O, I); g[i] (B, N, b, O, I); theta/eta/alpha (B, N, b)
+    for t in range(theta.shape[2]):
+        th = theta[:, :, t, None, None]  # (B, N, 1, 1)
+        et = eta[:, :, t, None, None]
+        keep = 1 - alpha[:, :, t, None, None]
+        S = [et * s - th * gi[:, :, t] for s, gi in zip(S, g)]
+        W = [keep * w + s for w, s in zip(W, S)]
+    return W, S
+
+
+def memory_scan(
+    state: State, q: Tensor, k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, chunk: int
+) -> tuple[Tensor, State]:
+    """Read then write, chunk by chunk. Returns y_t = M(q_t; W at t's chunk start) and the end state."""
+    # q/k/v (B, N, T, C); theta/eta/alpha (B, N, T)
+    W, S = state
+    T = q.shape[2]
+    ys = []
+    for c0 in range(0, T, chunk):
+        sl = slice(c0, c0 + chunk)
+        ys.append(mem_apply(W, q[:, :, sl]))  # (B, N, b, C)  read at chunk start
+        g = inner_grads(W, k[:, :, sl], v[:, :, sl])  # (B, N, b, O, I) per layer
+        W, S = chunk_token_loop(W, S, g, theta[:, :, sl], eta[:, :, sl], alpha[:, :, sl])
+    return torch.cat(ys, dim=2), (W, S)  # (B, N, T, C)
+
+
+def initial_state(p: dict[str, Tensor], B: int, cfg) -> State:
+    """W^(0) = mem_w{i} broadcast over the batch, S^(0) = 0."""
+    W = [p[f"mem_w{i + 1}"].expand(B, -1, -1, -1) for i in range(cfg.memory.depth)]  # (B, N, O, I)
+    S = [torch.zeros_like(w) for w in W]
+    return W, S
+
+
+def project(u: Tensor, w: Tensor, conv: Tensor, heads: int, normalize: bool) -> Tensor:
+    """[l2norm](silu(dwconv(u w, conv))) split into heads."""
+    # u (B, T, D) -> (B, N, T, C)
+    x = split_heads(silu(dwconv(u @ w, conv)), heads)
+    return l2norm(x) if normalize else x
+
+
+def projections(p: dict[str, Tensor], u: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
+    """q(u), k(u), v(u), each (B, N, T, C); conv history is zero before u's first position."""
+    N = cfg.memory.heads
+    q = project(u, p["mem_wq"], p["mem_conv_q"], N, normalize=True)
+    k = project(u, p["mem_wk"], p["mem_conv_k"], N, normalize=True)
+    v = project(u, p["mem_wv"], p["mem_conv_v"], N, normalize=False)
+    return q, k, v
+
+
+def gates(p: dict[str, Tensor], u: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
+    """theta (learning rate), eta (momentum), alpha (decay), each (B, N, T)."""
+    m = cfg.memory
+    B, T, _ = u.shape
+    if not m.adaptive:
+        shape = (B, m.heads, T)
+        return (
+            torch.full(shape, float(m.lr_max), dtype=u.dtype),
+            torch.full(shape, float(m.momentum), dtype=u.dtype),
+            torch.full(shape, float(m.decay), dtype=u.dtype),
+        )
+    theta = m.lr_max * torch.sigmoid(u @ p["mem_theta_w"] + p["mem_theta_b"])  # (B, T, N)
+    eta = torch.sigmoid(u @ p["mem_eta_w"] + p["mem_eta_b"])
+    alpha = torch.sigmoid(u @ p["mem_alpha_w"] + p["mem_alpha_b"])
+    return theta.transpose(1, 2), eta.transpose(1, 2), alpha.transpose(1, 2)
+
+
+def lmm(p: dict[str, Tensor], u: Tensor, cfg) -> Tensor:
+    """LMM(u) = (y * silu(u W_G)) W_O (output gate) or y W_O, memory written from u itself."""
+    # u (B, T, D)
+    q, k, v = projections(p, u, cfg)  # (B, N, T, C)
+    theta, eta, alpha = gates(p, u, cfg)  # (B, N, T)
+    y, _ = memory_scan(initial_state(p, u.shape[0], cfg), q, k, v, theta, eta, alpha, cfg.memory.chunk_size)
+    y = merge_heads(y)  # (B, T, D)
+    if cfg.memory.output_gate:
+        y = y * silu(u @ p["mem_wg"])
+    return y @ p["mem_wo"]  # (B, T, D)

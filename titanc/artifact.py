@@ -1,0 +1,77 @@
+"""`titanc compile` output: IR dumps, report.json and manifest.json in a build directory.
+
+Layout (DESIGN.md §6): `ir/NN_<stage>.txt` after every pipeline stage, `report.json`
+(names are an interface: keep them stable), `manifest.json` (spec hash, versions).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from titanc.errors import TitancError
+from titanc.ir import format_graph, graph_stats
+
+from .compiler import Compiled, compile_graphs
+from .params import param_count
+from .spec import spec_hash, spec_to_dict
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("titanc", "torch", "triton", "networkx", "jinja2"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
+    fwd, grad = graph_stats(c.forward), graph_stats(c.grad)
+    return {
+        "name": spec.name,
+        "spec_hash": spec_hash(spec),
+        "block": spec.model.block,
+        "parameters": param_count(spec.model),
+        "compile_seconds": seconds,
+        "graphs": {
+            "forward": {"nodes": fwd["nodes"], "largest_tensor_bytes": fwd["largest_tensor_bytes"]},
+            "training": {"nodes": grad["nodes"] + graph_stats(c.optimizer)["nodes"],
+                         "largest_tensor_bytes": max(grad["largest_tensor_bytes"],
+                                                     graph_stats(c.optimizer)["largest_tensor_bytes"])},
+        },
+        "stages": c.stages,
+    }
+
+
+def write_artifact(spec: Any, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Compile `spec` and write the build directory; returns the report."""
+    out = Path(out_dir)
+    try:
+        (out / "ir").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TitancError(f"cannot create output directory {out}: {e.strerror}") from None
+    t0 = time.perf_counter()
+    c = compile_graphs(spec)
+    seconds = time.perf_counter() - t0
+    for k, (stage, g) in enumerate(c.dumps):
+        _write_text(out / "ir" / f"{k:02d}_{stage}.txt", format_graph(g))
+    report = build_report(spec, c, seconds)
+    _write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    manifest = {"name": spec.name, "spec_hash": report["spec_hash"], "spec": spec_to_dict(spec),
+                "spec_path": spec.path, "versions": _versions(), "argv": sys.argv[1:]}
+    _write_text(out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
+    return report
