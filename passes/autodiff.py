@@ -68,6 +68,8 @@ def vjp(b: Builder, op: Op, attrs: dict, xs: list[Value], y: Value, ct: Value) -
         return [ct * silu_grad(xs[0])]
     if op is Op.RSQRT:
         return [ct * (y * y * y) * -0.5]
+    if op is Op.SQRT:
+        return [ct * 0.5 / y]
     if op is Op.RECIP:
         return [-(ct * y * y)]
     if op is Op.CAST:
@@ -236,7 +238,7 @@ class _Differentiator:
         saved = self.saved[node.id]
         ct_ys = [cts[nc + k] for k in y_live]
         (out_c, ys) = b.scan(bwd, ct_c + acc0, saved + list(xs) + ct_ys, consts,
-                             length=length, reverse=True, name=f"{body.name}_bwd")
+                             length=length, reverse=not a["reverse"], name=f"{body.name}_bwd")
         grads: list[Value | None] = list(out_c[:nc]) + [None] * (nx_ + len(consts))
         for m, j in enumerate(diff_x):
             grads[nc + j] = ys[m]
