@@ -122,9 +122,12 @@ class Graph:
 
     def reachable_from_outputs(self) -> set[int]:
         live: set[int] = set()
-        for _, o in self.outputs:
-            live.add(o)
-            live |= nx.ancestors(self._dg, o)
+        stack = [o for _, o in self.outputs]
+        while stack:
+            n = stack.pop()
+            if n not in live:
+                live.add(n)
+                stack.extend(self._nodes[n].inputs)
         return live
 
     def __repr__(self) -> str:

@@ -1,0 +1,31 @@
+# titanc: `make demo` and `make test` each build .venv from nothing, then run.
+# The venv is (re)built only when pyproject.toml or constraints.txt change (stamp file);
+# constraints.txt pins torch, so the CPU build is installed and no CUDA wheels are pulled.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test venv clean distclean
+
+demo: $(STAMP)
+	$(BIN)/titanc compile examples/tiny.yaml -o build/tiny
+	$(BIN)/python -m titanc.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -c constraints.txt -e '.[dev]'
+	touch $@
+
+clean:
+	rm -rf build runs .pytest_cache *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

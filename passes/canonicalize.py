@@ -1,0 +1,248 @@
+"""canonicalize: constant folding, algebraic simplification, CSE and DCE, to a fixpoint.
+
+Precondition: `g` verifies. Postcondition: the result verifies, computes the same outputs,
+has no two nodes with equal (op, operands, attrs), no node unreachable from an output
+(INPUTs are kept: they are the signature), no scan output nobody reads, and no rule of
+`RULES` applies anywhere (scan bodies included).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.ir.types import TensorType
+
+Rule = Callable[[Node, "Rewriter"], "int | None"]
+
+
+class Rewriter:
+    """Copies a graph node by node into a new one, applying rules and CSE on the way."""
+
+    def __init__(self, name: str):
+        self.g = Graph(name)
+        self.memo: dict[tuple, int] = {}
+
+    def node(self, nid: int) -> Node:
+        return self.g.node(nid)
+
+    def emit(self, op: Op, inputs: tuple[int, ...], attrs: dict[str, Any],
+             type: Any = None) -> int:
+        key = (op, inputs, tuple(sorted(attrs.items(), key=lambda kv: kv[0])))
+        if op is not Op.INPUT:
+            try:
+                hit = self.memo.get(key)
+            except TypeError:
+                hit = None
+            if hit is not None:
+                return hit
+        nid = self.g.add(op, inputs, attrs, type if op is Op.INPUT else None)
+        proto = self.g.node(nid)
+        for rule in RULES.get(op, ()):
+            out = rule(proto, self)
+            if out is not None and out != nid:
+                return out
+        if op is not Op.INPUT:
+            try:
+                self.memo[key] = nid
+            except TypeError:
+                pass
+        return nid
+
+    # helpers for rules ------------------------------------------------------------------------
+    def scalar(self, nid: int) -> float | None:
+        """The value of a constant that is the same everywhere (FULL, maybe broadcast/moved)."""
+        n = self.g.node(nid)
+        while n.op in OpGroup.VIEW or n.op is Op.CAST:
+            n = self.g.node(n.inputs[0])
+        return n.attr("value") if n.op is Op.FULL else None
+
+    def full(self, value: float, t: TensorType) -> int:
+        c = self.emit(Op.FULL, (), {"value": float(value), "shape": (), "dtype": t.dtype})
+        if t.shape == ():
+            return c
+        return self.emit(Op.EXPAND, (c,), {"shape": t.shape})
+
+
+# -- rules: each returns the id that replaces the node, or None ---------------------------------
+
+def _is(r: Rewriter, nid: int, v: float) -> bool:
+    return r.scalar(nid) == v
+
+
+def _same(r: Rewriter, n: Node, k: int) -> int | None:
+    """Operand k if it already has the node's type (no broadcasting hidden in the op)."""
+    return n.inputs[k] if r.node(n.inputs[k]).type == n.type else None
+
+
+_FOLD = {Op.ADD: lambda a, b: a + b, Op.SUB: lambda a, b: a - b, Op.MUL: lambda a, b: a * b,
+         Op.DIV: lambda a, b: a / b if b else None, Op.MAX: max,
+         Op.NEG: lambda a: -a, Op.EXP: math.exp,
+         Op.LOG: lambda a: math.log(a) if a > 0 else None,
+         Op.SIGMOID: lambda a: 1 / (1 + math.exp(-a)),
+         Op.RSQRT: lambda a: a ** -0.5 if a > 0 else None,
+         Op.SQRT: lambda a: a ** 0.5 if a >= 0 else None,
+         Op.RECIP: lambda a: 1 / a if a else None}
+
+
+def fold_constants(n: Node, r: Rewriter) -> int | None:
+    # op(c1, c2) -> c   when every operand is a uniform constant
+    vals = [r.scalar(i) for i in n.inputs]
+    if not vals or any(v is None for v in vals) or n.op not in _FOLD:
+        return None
+    try:
+        v = _FOLD[n.op](*vals)
+    except (OverflowError, ZeroDivisionError):
+        return None
+    return None if v is None else r.full(v, n.type)
+
+
+def add_zero(n: Node, r: Rewriter) -> int | None:
+    # x + 0 -> x ; 0 + x -> x ; x - 0 -> x
+    if _is(r, n.inputs[1], 0.0):
+        return _same(r, n, 0)
+    if n.op is Op.ADD and _is(r, n.inputs[0], 0.0):
+        return _same(r, n, 1)
+    return None
+
+
+def mul_identity(n: Node, r: Rewriter) -> int | None:
+    # x * 1 -> x ; 1 * x -> x ; x * 0 -> 0 ; x / 1 -> x
+    if _is(r, n.inputs[1], 1.0):
+        return _same(r, n, 0)
+    if n.op is Op.MUL and _is(r, n.inputs[0], 1.0):
+        return _same(r, n, 1)
+    if n.op is Op.MUL and (_is(r, n.inputs[0], 0.0) or _is(r, n.inputs[1], 0.0)):
+        return r.full(0.0, n.type)
+    return None
+
+
+_ZERO_ANY = frozenset({Op.EINSUM})                    # zero if any operand is zero
+_ZERO_ALL = frozenset({Op.SUM, Op.NEG, Op.PAD, Op.CONCAT, Op.CUMSUM}) | OpGroup.VIEW
+_ZERO_FIRST = frozenset({Op.INDEX_ADD, Op.SCATTER_ALONG})   # data operand first, index second
+
+
+def zero_through(n: Node, r: Rewriter) -> int | None:
+    # einsum(.., 0, ..) -> 0 ; sum(0) -> 0 ; -0 -> 0 ; pad/concat/cumsum(0) -> 0
+    if n.op in _ZERO_ANY:
+        zero = any(_is(r, i, 0.0) for i in n.inputs)
+    elif n.op in _ZERO_FIRST:
+        zero = _is(r, n.inputs[0], 0.0)
+    else:
+        zero = all(_is(r, i, 0.0) for i in n.inputs)
+    # a view of the FULL itself is already the canonical zero (FULL + EXPAND)
+    if zero and not (n.op in OpGroup.VIEW and r.node(n.inputs[0]).op is Op.FULL):
+        return r.full(0.0, n.type)
+    return None
+
+
+def neg_neg(n: Node, r: Rewriter) -> int | None:
+    # -(-x) -> x
+    x = r.node(n.inputs[0])
+    return x.inputs[0] if x.op is Op.NEG else None
+
+
+def identity_move(n: Node, r: Rewriter) -> int | None:
+    # reshape/expand to the same shape, identity permute, full slice, same-dtype cast -> x
+    return _same(r, n, 0)
+
+
+def collapse_moves(n: Node, r: Rewriter) -> int | None:
+    # reshape(reshape(x)) -> reshape(x) ; permute(permute(x, p), q) -> permute(x, p∘q)
+    x = r.node(n.inputs[0])
+    if n.op is Op.RESHAPE and x.op is Op.RESHAPE:
+        return r.emit(Op.RESHAPE, x.inputs, {"shape": n.attr("shape")})
+    if n.op is Op.PERMUTE and x.op is Op.PERMUTE:
+        p, q = x.attr("perm"), n.attr("perm")
+        return r.emit(Op.PERMUTE, x.inputs, {"perm": tuple(p[i] for i in q)})
+    if n.op is Op.EXPAND and x.op is Op.EXPAND:
+        return r.emit(Op.EXPAND, x.inputs, {"shape": n.attr("shape")})
+    return None
+
+
+RULES: dict[Op, tuple[Rule, ...]] = {}
+for _op in OpGroup.ELEMENTWISE:
+    RULES[_op] = (fold_constants,)
+RULES[Op.ADD] = (fold_constants, add_zero)
+RULES[Op.SUB] = (fold_constants, add_zero)
+RULES[Op.MUL] = (fold_constants, mul_identity)
+RULES[Op.DIV] = (fold_constants, mul_identity)
+RULES[Op.NEG] = (fold_constants, neg_neg, zero_through)
+for _op in (Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.CAST):
+    RULES[_op] = RULES.get(_op, ()) + (identity_move, collapse_moves, zero_through)
+for _op in (Op.EINSUM, Op.SUM, Op.PAD, Op.CONCAT, Op.INDEX_ADD, Op.SCATTER_ALONG, Op.CUMSUM):
+    RULES[_op] = (zero_through,)
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+def _copy(g: Graph, live: set[int] | None = None, bodies: bool = False) -> Graph:
+    """Re-emit `g` through the rules and CSE; `bodies` also canonicalizes scan bodies."""
+    r = Rewriter(g.name)
+    env: dict[int, int] = {}
+    for node in g:
+        if live is not None and node.id not in live and node.op is not Op.INPUT:
+            continue
+        ins = tuple(env[i] for i in node.inputs)
+        attrs = node.attr_dict
+        if node.op is Op.SCAN and bodies:
+            attrs["body"] = canonicalize(attrs["body"])
+        env[node.id] = r.emit(node.op, ins, attrs, node.type)
+    r.g.set_outputs([(name, env[i]) for name, i in g.outputs])
+    return r.g
+
+
+def _prune_scan_outputs(g: Graph) -> Graph:
+    """Drop scan ys nobody reads (ITEMs without users), renumbering the remaining ITEMs."""
+    live = g.reachable_from_outputs()
+    out = Graph(g.name)
+    env: dict[int, int] = {}
+    for node in g:
+        if node.op is Op.ITEM and node.id not in live:
+            continue
+        attrs = node.attr_dict
+        ins = tuple(env.get(i, -1) for i in node.inputs)
+        if node.op is Op.SCAN:
+            nc = attrs["n_carry"]
+            used = sorted({g.node(u).attr("index") for u in g.users(node.id)
+                           if u in live} | set(range(nc)))
+            body: Graph = attrs["body"]
+            if len(used) < len(body.outputs):
+                nb = _copy_graph(body)
+                nb.set_outputs([body.outputs[k] for k in used])
+                attrs["body"] = _dce(nb)
+            env[node.id] = out.add(node.op, ins, attrs)
+            remap = {old: new for new, old in enumerate(used)}
+            for u in g.users(node.id):
+                if u in live:
+                    env[u] = out.add(Op.ITEM, (env[node.id],), {"index": remap[g.node(u).attr("index")]})
+            continue
+        if node.id in env:
+            continue
+        env[node.id] = out.add(node.op, ins, attrs, node.type if node.op is Op.INPUT else None)
+    out.set_outputs([(name, env[i]) for name, i in g.outputs])
+    return out
+
+
+def _copy_graph(g: Graph) -> Graph:
+    out = Graph(g.name)
+    env = {}
+    for node in g:
+        env[node.id] = out.add(node.op, tuple(env[i] for i in node.inputs), node.attr_dict,
+                               node.type if node.op is Op.INPUT else None)
+    out.set_outputs([(n, env[i]) for n, i in g.outputs])
+    return out
+
+
+def _dce(g: Graph) -> Graph:
+    return _copy(g, g.reachable_from_outputs())
+
+
+def canonicalize(g: Graph, max_rounds: int = 4) -> Graph:
+    cur = _copy(g, bodies=True)
+    for _ in range(max_rounds):
+        nxt = _dce(_prune_scan_outputs(_dce(cur)))
+        if len(nxt) == len(cur):
+            return nxt
+        cur = _copy(nxt)
+    return cur

@@ -1,0 +1,46 @@
+"""Shared pytest fixtures and markers.
+
+Markers (declared in pyproject.toml): `slow` for longer end-to-end tests, `gpu` for tests that
+need CUDA; `gpu` tests are skipped when no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from titanc.spec import Spec, load_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch  # only when a gpu test was collected: keeps spec/CLI-only runs fast
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    """The repository root (where pyproject.toml lives)."""
+    return ROOT
+
+
+@pytest.fixture
+def examples_dir() -> Path:
+    return EXAMPLES
+
+
+@pytest.fixture
+def tiny_spec() -> Spec:
+    """examples/tiny.yaml: the tiny MAC model every quick test can use."""
+    return load_spec(EXAMPLES / "tiny.yaml")

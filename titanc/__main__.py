@@ -1,0 +1,6 @@
+"""`python -m titanc ...`: the same as the `titanc` command."""
+
+from titanc.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""The `titanc` command line.
+
+    titanc compile SPEC [-o DIR] [--set KEY=VALUE ...]
+    titanc train SPEC --out RUN [--set KEY=VALUE ...] [--data SRC] [--steps N] [--resume RUN]
+
+`main` returns the exit status: 0 on success, 2 for bad input. A `TitancError` is printed as
+one line, `titanc: error: <message>`, never as a traceback. The heavy modules (artifact writer,
+trainer) are imported inside the commands, so `titanc --help` and spec errors stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from titanc.errors import TitancError
+from titanc.spec import Spec, load_spec, parse_set_args
+
+__all__ = ["main", "build_parser"]
+
+_DESCRIPTION = """\
+titanc compiles Titans-style language models (attention plus a neural long-term memory that
+learns at test time) from a YAML spec into an IR, optimises it, and trains the result.
+See examples/ for specs and docs/semantics.md for the exact model they describe."""
+
+_EPILOG = """\
+examples:
+  titanc compile examples/tiny.yaml -o build/tiny
+  titanc compile examples/tiny.yaml --set model.d_model=128 --set train.batch_size=2
+  titanc train examples/tiny.yaml --steps 100 --out runs/tiny
+
+Run 'titanc COMMAND --help' for the options of a command."""
+
+_SET_HELP = ("override a spec field by its dotted path; VALUE is read as YAML "
+             "(--set model.d_model=128, --set train.betas=[0.9,0.99], "
+             "--set train.remat_budget_mb=null); repeatable, later ones win")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("titanc")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_spec_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="SPEC", help="path to a YAML model spec (see examples/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help=_SET_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="titanc", description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"titanc {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
+                                     required=True)
+
+    compile_ = commands.add_parser(
+        "compile", help="validate a spec and write the compiled artifact to a directory",
+        description="Validate SPEC, lower it to the IR and write the compiled artifact to DIR:\n"
+                    "report.json (graph sizes, spec hash), manifest.json (spec hash, versions)\n"
+                    "and the IR as text under DIR/ir/.",
+        epilog="example:\n  titanc compile examples/tiny.yaml -o build/tiny --set model.n_layers=4",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_spec_args(compile_)
+    compile_.add_argument("-o", "--out", metavar="DIR", default=None,
+                          help="output directory (default: build/<name>, with the spec name "
+                               "reduced to letters, digits and underscores)")
+    compile_.set_defaults(run=_cmd_compile)
+
+    train = commands.add_parser(
+        "train", help="train the model a spec describes and write a run directory",
+        description="Compile SPEC and train it, writing metrics, plots and checkpoints to RUN.",
+        epilog="examples:\n"
+               "  titanc train examples/tiny.yaml --out runs/tiny\n"
+               "  titanc train examples/tiny.yaml --data notes.txt --steps 500 --out runs/notes\n"
+               "  titanc train examples/tiny.yaml --resume runs/tiny --steps 400 --out runs/tiny",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_spec_args(train)
+    train.add_argument("--data", metavar="FILE|synthetic:recall", default=None,
+                       help="training data, instead of the spec's data.source: a UTF-8 text "
+                            "file (byte-level tokens) or synthetic:recall, an associative-recall "
+                            "task that needs a working memory")
+    train.add_argument("--steps", metavar="N", type=_positive_int, default=None,
+                       help="number of optimizer steps, instead of the spec's train.steps")
+    train.add_argument("--out", metavar="RUN", required=True,
+                       help="run directory for metrics.jsonl, loss.png and checkpoints")
+    train.add_argument("--resume", metavar="RUN", default=None,
+                       help="continue from the last checkpoint in RUN; parameters the spec adds "
+                            "are initialised fresh and listed")
+    train.add_argument("--strict", action="store_true",
+                       help="with --resume: refuse any difference between the checkpoint and "
+                            "the spec instead of loading the tensors that match")
+    train.add_argument("--profile", action="store_true",
+                       help="print time per kernel category, tokens/s and peak memory")
+    train.set_defaults(run=_cmd_train)
+    return parser
+
+
+def _load(args: argparse.Namespace) -> Spec:
+    return load_spec(args.spec, parse_set_args(args.overrides))
+
+
+def _import(module: str, name: str, what: str) -> Callable[..., Any]:
+    """Import `module.name`, turning "module not built yet" into a one-line error."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
+            raise
+        raise TitancError(
+            f"{what} is not available in this install ({module} is missing)") from None
+    return getattr(mod, name)
+
+
+def _fmt_bytes(n: Any) -> str:
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        return "?"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
+def _printable(text: str) -> str:
+    return text if text.isprintable() else repr(text)
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    spec = _load(args)
+    out = Path(args.out) if args.out else Path("build") / spec.safe_name
+    write_artifact = _import("titanc.artifact", "write_artifact", "titanc compile")
+    report = write_artifact(spec, out)
+    forward = (report or {}).get("graphs", {}).get("forward", {})
+    nodes = forward.get("nodes", "?")
+    nodes = len(nodes) if isinstance(nodes, (list, dict)) else nodes
+    print(f"compiled {_printable(spec.name)} -> {out}")
+    print(f"  forward graph: {nodes} nodes, largest tensor "
+          f"{_fmt_bytes(forward.get('largest_tensor_bytes'))}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    spec = _load(args)
+    run_training = _import("titanc.runtime.trainer", "run_training", "titanc train")
+    run_training(spec, out=args.out, data=args.data, steps=args.steps, resume=args.resume,
+                 strict=args.strict, profile=args.profile)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on `argv` (default: sys.argv[1:]) and return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help / --version exit 0, usage errors exit 2
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    try:
+        return args.run(args)
+    except TitancError as exc:
+        print(f"titanc: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("titanc: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,31 @@
+"""User-facing errors.
+
+Every problem a user can cause (a bad spec, a missing file, a bad flag value) raises a
+`TitancError` whose message is one line that names the offending value and says how to fix it,
+e.g. `model.memory.chunk_size: 48 must divide model.seq_len=128`. The CLI prints it as
+`titanc: error: <message>` and exits with status 2, without a traceback. Internal invariants
+use `assert`; they are bugs, not user errors.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TitancError", "SpecError"]
+
+
+class TitancError(Exception):
+    """Base class of every error a user of titanc can trigger with bad input.
+
+    The message is kept to one line: any line breaks in it are folded into spaces, so a value
+    quoted inside a message can never break the `titanc: error: ...` format.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).splitlines()).strip())
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class SpecError(TitancError):
+    """A model spec (file, mapping or override) is invalid."""
