@@ -144,6 +144,8 @@ def neg_neg(n: Node, r: Rewriter) -> int | None:
 
 def identity_move(n: Node, r: Rewriter) -> int | None:
     # reshape/expand to the same shape, identity permute, full slice, same-dtype cast -> x
+    if n.op is Op.PERMUTE and tuple(n.attr("perm")) != tuple(range(len(n.attr("perm")))):
+        return None                               # a transpose of equal axes keeps the type
     return _same(r, n, 0)
 
 

@@ -53,7 +53,7 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
                          "largest_tensor_bytes": max(grad["largest_tensor_bytes"],
                                                      graph_stats(c.optimizer)["largest_tensor_bytes"])},
         },
-        "stages": c.stages,
+        "passes": c.passes,
     }
 
 
@@ -67,7 +67,9 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike) -> dict[str, Any]:
     t0 = time.perf_counter()
     c = compile_graphs(spec)
     seconds = time.perf_counter() - t0
-    for k, (stage, g) in enumerate(c.dumps):
+    for old in (out / "ir").glob("*.txt"):
+        old.unlink()                              # no stale dumps from an earlier compile
+    for k, (stage, g) in enumerate(c.log.dumps):
         _write_text(out / "ir" / f"{k:02d}_{stage}.txt", format_graph(g))
     report = build_report(spec, c, seconds)
     _write_text(out / "report.json", json.dumps(report, indent=2) + "\n")

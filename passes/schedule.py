@@ -1,0 +1,145 @@
+"""Kernel schedules: what fusion produces and codegen, the memory planner and the runtime consume.
+
+A `Schedule` is a graph cut into `Kernel`s listed in execution order. Every non-INPUT node of
+the graph belongs to exactly one kernel; the ITEMs of a SCAN belong to the SCAN's kernel, and
+a SCAN's body has its own `Schedule` (in `Schedule.bodies`, keyed by the SCAN node id), never
+mixed with the outside. A value goes to memory exactly when it crosses a kernel boundary: it is
+a graph input, a graph output, or an output of one kernel that a later kernel reads.
+
+Liveness is over kernel indices: value v is live during kernels `first..last` (inclusive),
+where `first` is its producer's index (0 for graph inputs) and `last` the last kernel reading
+it (the last kernel of the schedule for graph outputs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection, Iterator
+
+from titanc.ir import Graph, Op
+from titanc.ir.types import TensorType
+
+CATEGORIES = ("pointwise", "reduction", "matmul", "template")
+PREFIX = {"pointwise": "poi", "reduction": "red", "matmul": "mm", "template": "tem"}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One launch. `nodes` are IR node ids of the schedule's graph, in topological order."""
+    name: str                    # titanc_{poi|red|mm|tem}_fused_<ops>_<n>
+    category: str                # "pointwise" | "reduction" | "matmul" | "template"
+    nodes: tuple[int, ...]       # nodes it computes (a SCAN's ITEMs belong to the SCAN's kernel)
+    inputs: tuple[int, ...]      # values it reads that other kernels / graph inputs produce
+    outputs: tuple[int, ...]     # values it produces that later kernels or graph outputs read
+    flops: int                   # elementwise 1/element, einsum 2*prod(letter sizes),
+                                 # reductions 1/input element, scan: length * body flops
+    bytes: int                   # bytes of distinct inputs read + outputs written
+
+
+@dataclass
+class Schedule:
+    graph: Graph
+    kernels: list[Kernel]                                       # execution order
+    bodies: dict[int, "Schedule"] = field(default_factory=dict)  # SCAN id -> body schedule
+
+    def kernel_index(self) -> dict[int, int]:
+        """Node id -> index of the kernel computing it."""
+        return {nid: k for k, kern in enumerate(self.kernels) for nid in kern.nodes}
+
+    def walk(self, depth: int = 0) -> Iterator[tuple[int, "Schedule"]]:
+        """(depth, schedule) for this schedule and every body schedule, pre-order."""
+        yield depth, self
+        for k in self.kernels:
+            for nid in k.nodes:
+                if nid in self.bodies:
+                    yield from self.bodies[nid].walk(depth + 1)
+
+    def all_kernels(self) -> list[Kernel]:
+        """Every kernel of the schedule and its bodies, pre-order."""
+        return [k for _, s in self.walk() for k in s.kernels]
+
+    def to_text(self, indent: int = 0) -> str:
+        """One line per kernel; body schedules indented under their scan."""
+        pad = "  " * indent
+        lines = [f"{pad}schedule {self.graph.name} ({len(self.kernels)} kernels)"]
+        for i, k in enumerate(self.kernels):
+            lines.append(f"{pad}  [{i}] {k.name} nodes={_ids(k.nodes)} in={_ids(k.inputs)} "
+                         f"out={_ids(k.outputs)} flops={k.flops} bytes={k.bytes}")
+            for nid in k.nodes:
+                if nid in self.bodies:
+                    lines.append(self.bodies[nid].to_text(indent + 2).rstrip("\n"))
+        return "\n".join(lines) + "\n"
+
+    def __repr__(self) -> str:
+        return self.to_text()
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    return "[" + ",".join(f"%{i}" for i in ids) + "]"
+
+
+def value_bytes(g: Graph, vid: int) -> int:
+    """Bytes of one tensor value (tuple-typed SCAN nodes hold no buffer of their own)."""
+    t = g.node(vid).type
+    return t.nbytes if isinstance(t, TensorType) else 0
+
+
+def liveness(schedule: Schedule) -> dict[int, tuple[int, int]]:
+    """value id -> (first, last) kernel index for every value that lives in memory.
+
+    Graph inputs that some kernel reads (or that are graph outputs) are live from kernel 0;
+    kernel outputs from their producer; graph outputs until the last kernel.
+    """
+    g, kernels = schedule.graph, schedule.kernels
+    end = max(len(kernels) - 1, 0)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for k, kern in enumerate(kernels):
+        for v in kern.outputs:
+            first[v] = k
+            last.setdefault(v, k)
+        for v in kern.inputs:
+            first.setdefault(v, 0)          # graph inputs: produced before kernel 0
+            last[v] = max(last.get(v, k), k)
+    for _, v in g.outputs:
+        first.setdefault(v, 0)
+        last[v] = end
+    return {v: (first[v], last[v]) for v in sorted(first)}
+
+
+def live_profile(schedule: Schedule, exclude: Collection[int] = (),
+                 include_bodies: bool = True) -> list[int]:
+    """Bytes live during each kernel; a SCAN kernel adds its body's peak (its workspace)."""
+    g = schedule.graph
+    diff = [0] * (len(schedule.kernels) + 1)
+    for v, (a, b) in liveness(schedule).items():
+        if v not in exclude:
+            n = value_bytes(g, v)
+            diff[a] += n
+            diff[b + 1] -= n
+    prof, run = [], 0
+    for k, kern in enumerate(schedule.kernels):
+        run += diff[k]
+        extra = 0
+        if include_bodies:
+            extra = sum(peak_live_bytes(schedule.bodies[n], exclude_inputs=True)
+                        for n in kern.nodes if n in schedule.bodies)
+        prof.append(run + extra)
+    return prof
+
+
+def peak_live_bytes(schedule: Schedule, exclude: Collection[int] = (),
+                    exclude_inputs: bool = False, include_bodies: bool = True) -> int:
+    """The largest number of bytes live during one kernel (0 for an empty schedule).
+
+    `exclude` drops values by id; `exclude_inputs` drops the graph's inputs (a scan body's
+    inputs live outside its workspace). Scan bodies count at their own peak, inputs excluded.
+    """
+    skip = set(exclude)
+    if exclude_inputs:
+        skip.update(schedule.graph.inputs)
+    return max(live_profile(schedule, skip, include_bodies), default=0)
+
+
+def is_item_of_scan(g: Graph, nid: int) -> bool:
+    node = g.node(nid)
+    return node.op is Op.ITEM and g.node(node.inputs[0]).op is Op.SCAN
