@@ -13,10 +13,16 @@ the cotangents of loop-invariant operands into accumulator carries.
 from __future__ import annotations
 
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
 from titanc.ir import Builder, Graph, Op, Value
 from titanc.ir.types import TensorType
 
 from titanc.nn import silu_grad
+
+if TYPE_CHECKING:
+    from .remat import Policy
 
 Ct = dict[int, "Value | list[Value | None]"]   # scan nodes: one entry per tuple element
 
@@ -139,43 +145,100 @@ def _add_ct(acc: Value | None, ct: Value | None) -> Value | None:
     return ct if acc is None else acc + ct
 
 
+@dataclass(frozen=True)
+class _Unsaved:
+    """Stands in for an operand the remat policy neither saved nor recomputes: VJP rules that
+    only need its type (ADD, RESHAPE, ...) work; one that reads its value fails loudly."""
+    type: TensorType
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype
+
+    @property
+    def rank(self) -> int:
+        return self.type.rank
+
+
+@dataclass
+class ScanSave:
+    """What a forward scan keeps for its backward, each stacked over iterations: the carry at
+    the start of every iteration, the body values the remat policy saves (by body node id),
+    and, for nested scans that will not be re-run, their own ScanSave."""
+    carries: list[Value]
+    values: dict[int, Value] = field(default_factory=dict)
+    nested: dict[int, "ScanSave"] = field(default_factory=dict)
+
+    def flatten(self) -> list[Value]:
+        out = list(self.carries) + [self.values[k] for k in sorted(self.values)]
+        for k in sorted(self.nested):
+            out += self.nested[k].flatten()
+        return out
+
+    def rebuild(self, it: Iterator[Value]) -> "ScanSave":
+        """The same structure over new values (e.g. per-iteration slices inside a body)."""
+        carries = [next(it) for _ in self.carries]
+        values = {k: next(it) for k in sorted(self.values)}
+        nested = {k: self.nested[k].rebuild(it) for k in sorted(self.nested)}
+        return ScanSave(carries, values, nested)
+
+
 class _Differentiator:
-    """Copies a graph into a builder (saving scan carries) and pulls cotangents back."""
+    """Copies a graph into a builder (scans save what the remat policy asks) and pulls
+    cotangents back through it."""
 
-    def __init__(self, b: Builder, g: Graph):
-        self.b, self.g = b, g
+    def __init__(self, b: Builder, g: Graph, policy: "Policy"):
+        self.b, self.g, self.policy = b, g, policy
         self.env: dict[int, Value] = {}
-        self.saved: dict[int, list[Value]] = {}   # scan node -> stacked carries per iteration
+        self.saved: dict[int, ScanSave] = {}
 
-    def forward(self, args: list[Value]) -> None:
+    def forward(self, args: list[Value], provided: dict[int, Value] | None = None,
+                provided_scans: dict[int, ScanSave] | None = None) -> None:
+        """Emit the graph's nodes; `provided` values (and scans' saves) are used, not recomputed."""
         b, g = self.b, self.g
+        provided, provided_scans = provided or {}, provided_scans or {}
         self.env.update(zip(g.inputs, args))
+        self.saved.update(provided_scans)
         for node in g:
             if node.op is Op.INPUT:
                 continue
-            ins = [self.env[i] for i in node.inputs]
-            if node.op is Op.SCAN:
-                self.env[node.id] = self._scan_saving_carries(node, ins)
+            if node.id in provided:
+                self.env[node.id] = provided[node.id]
+            elif node.op is Op.SCAN and node.id in provided_scans:
+                continue                      # not re-run: its used ITEMs are provided
+            elif any(i not in self.env for i in node.inputs):
+                continue                      # reads a scan that is not re-run: not needed
+            elif node.op is Op.SCAN:
+                self.env[node.id] = self._scan_forward(node, [self.env[i] for i in node.inputs])
             else:
-                self.env[node.id] = b.op(node.op, *ins, **node.attr_dict)
+                self.env[node.id] = b.op(node.op, *[self.env[i] for i in node.inputs],
+                                         **node.attr_dict)
 
-    def _scan_saving_carries(self, node, ins: list[Value]) -> Value:
+    def _scan_forward(self, node, ins: list[Value]) -> Value:
+        """The scan, its body also emitting what the backward needs per iteration."""
         a = node.attr_dict
         body: Graph = a["body"]
         nc = a["n_carry"]
-        aug = Graph(body.name)
-        ab = Builder(graph=aug)
-        env = {i: ab.op(Op.INPUT, name=body.node(i).attr("name"), type=body.node(i).type)
-               for i in body.inputs}
-        for n in body:
-            if n.op is not Op.INPUT:
-                env[n.id] = ab.op(n.op, *[env[i] for i in n.inputs], **n.attr_dict)
-        outs = [(name, env[i].id) for name, i in body.outputs]
-        outs += [(f"saved{k}", env[body.inputs[k]].id) for k in range(nc)]
-        aug.set_outputs(outs)
-        tup = self.b.op(Op.SCAN, *ins, **{**a, "body": aug})
+        keep = self.policy.select(body)
+        ab = Builder(body.name)
+        args = [ab.op(Op.INPUT, name=body.node(i).attr("name"), type=body.node(i).type)
+                for i in body.inputs]
+        inner = _Differentiator(ab, body, self.policy.nested())
+        inner.forward(args)
+        nested = {k: v for k, v in inner.saved.items() if self.policy.keeps_nested}
+        proto = ScanSave([inner.env[body.inputs[k]] for k in range(nc)],
+                         {k: inner.env[k] for k in sorted(keep)}, nested)
+        extra = proto.flatten()
+        ab.graph.set_outputs([(name, inner.env[i].id) for name, i in body.outputs]
+                             + [(f"saved{k}", v.id) for k, v in enumerate(extra)])
+        tup = self.b.op(Op.SCAN, *ins, **{**a, "body": ab.graph})
         n_out = len(body.outputs)
-        self.saved[node.id] = [self.b.item(tup, n_out + k) for k in range(nc)]
+        items = iter([self.b.item(tup, n_out + k) for k in range(len(extra))])
+        self.saved[node.id] = proto.rebuild(items)
         return tup       # ITEM k < n_out still names the same element
 
     def backward(self, seeds: Ct) -> Ct:
@@ -191,15 +254,18 @@ class _Differentiator:
                 lst = ct.setdefault(src, [None] * len(self.g.node(src).type))
                 lst[node.attr("index")] = _add_ct(lst[node.attr("index")], c)
                 continue
-            ins = [self.env[i] for i in node.inputs]
+            ins = [self._val(i) for i in node.inputs]
             if node.op is Op.SCAN:
                 grads = self._scan_vjp(node, ins, c)
             else:
-                grads = vjp(self.b, node.op, node.attr_dict, ins, self.env[nid], c)
+                grads = vjp(self.b, node.op, node.attr_dict, ins, self._val(nid), c)
             for i, gi in zip(node.inputs, grads):
                 if gi is not None and self.g.node(i).type.is_float:
                     ct[i] = _add_ct(ct.get(i), gi)
         return ct
+
+    def _val(self, nid: int) -> "Value | _Unsaved":
+        return self.env[nid] if nid in self.env else _Unsaved(self.g.node(nid).type)
 
     def _scan_vjp(self, node, ins: list[Value], cts: list[Value | None]) -> list[Value | None]:
         b = self.b
@@ -214,11 +280,17 @@ class _Differentiator:
         diff_k = [j for j, v in enumerate(consts) if v.type.is_float]
         diff_x = [j for j, v in enumerate(xs) if v.type.is_float]
 
+        save = self.saved[node.id]
+        flat = save.flatten()
+        n_ct_y = len(y_live)
+
         def bwd(bb: Builder, carry: list[Value], xsl: list[Value], ks: list[Value]):
             ct_carry, acc = carry[:nc], carry[nc:]
-            saved_c, x_t, ct_y = xsl[:nc], xsl[nc:nc + nx_], xsl[nc + nx_:]
-            inner = _Differentiator(bb, body)
-            inner.forward(list(saved_c) + list(x_t) + list(ks))
+            here = save.rebuild(iter(xsl[:len(flat)]))              # this iteration's saves
+            x_t = xsl[len(flat):len(flat) + nx_]
+            ct_y = xsl[len(flat) + nx_:len(flat) + nx_ + n_ct_y]
+            inner = _Differentiator(bb, body, self.policy.nested())
+            inner.forward(list(here.carries) + list(x_t) + list(ks), here.values, here.nested)
             seeds: Ct = {}
             for k, (_, oid) in enumerate(body.outputs[:nc]):
                 seeds[oid] = _add_ct(seeds.get(oid), ct_carry[k])
@@ -235,9 +307,8 @@ class _Differentiator:
             return new_c + new_acc, ys
 
         acc0 = [_zeros(b, consts[j].type) for j in diff_k]
-        saved = self.saved[node.id]
         ct_ys = [cts[nc + k] for k in y_live]
-        (out_c, ys) = b.scan(bwd, ct_c + acc0, saved + list(xs) + ct_ys, consts,
+        (out_c, ys) = b.scan(bwd, ct_c + acc0, flat + list(xs) + ct_ys, consts,
                              length=length, reverse=not a["reverse"], name=f"{body.name}_bwd")
         grads: list[Value | None] = list(out_c[:nc]) + [None] * (nx_ + len(consts))
         for m, j in enumerate(diff_x):
@@ -247,11 +318,14 @@ class _Differentiator:
         return grads
 
 
-def grad_graph(g: Graph, wrt: list[str], loss: str = "loss", name: str = "grad") -> Graph:
-    """Forward + backward: outputs `loss` and `grad.<name>` for each input named in `wrt`."""
+def grad_graph(g: Graph, wrt: list[str], loss: str = "loss", name: str = "grad",
+               policy: "Policy | None" = None) -> Graph:
+    """Forward + backward: outputs `loss` and `grad.<name>` for each input named in `wrt`.
+    `policy` says what scans save for their backward (default: carries only)."""
+    from .remat import Policy
     b = Builder(name)
     args = [b.op(Op.INPUT, name=g.node(i).attr("name"), type=g.node(i).type) for i in g.inputs]
-    d = _Differentiator(b, g)
+    d = _Differentiator(b, g, policy or Policy("recompute"))
     d.forward(args)
     loss_id = g.output(loss)
     lv = d.env[loss_id]

@@ -14,6 +14,8 @@ from titanc.ir import Graph, dtype_name
 from titanc.passes.aggregate import aggregate
 from titanc.passes.autodiff import grad_graph
 from titanc.passes.canonicalize import canonicalize
+from titanc.passes.chunked_loss import chunk_loss
+from titanc.passes.remat import Policy, checkpoint_chunks, choose_policy
 from titanc.passes.manager import PassLog
 from titanc.passes.optimizer import optimizer_graph
 
@@ -29,6 +31,7 @@ class Compiled:
     grad: Graph
     optimizer: Graph
     log: PassLog = field(default_factory=PassLog)
+    policy: Policy = field(default_factory=Policy)
 
     @property
     def passes(self) -> list[dict[str, Any]]:
@@ -46,12 +49,20 @@ def compile_graphs(spec: Any, batch: int | None = None, verify_each: bool = True
     # weighted sums of per-token outer products -> contractions (before autodiff, so the
     # backward differentiates the contraction and never builds the per-token tensor)
     fwd = log.apply("aggregate", aggregate, fwd)
-    # forward + backward; scans recompute their bodies from saved carries
-    grad = log.apply("autodiff", lambda g: grad_graph(g, [p.name for p in params]), fwd)
+    # LM head + cross-entropy over chunks of tokens: the [B·T, V] logits never exist
+    fwd = log.apply("chunked_loss", lambda g: chunk_loss(g, spec.train.loss_chunk), fwd)
+    # memory state saved every k ≈ sqrt(n) chunks, recomputed in between (not under `none`)
+    if spec.train.remat != "none":
+        fwd = log.apply("checkpoint_chunks", checkpoint_chunks, fwd)
+    # what scans save for the backward: carries only, everything, or a budgeted min-cut
+    policy = choose_policy(fwd, spec.train)
+    # forward + backward; scans recompute what the policy does not save
+    grad = log.apply("autodiff", lambda g: grad_graph(g, [p.name for p in params],
+                                                      policy=policy), fwd)
     grad = log.apply("canonicalize", canonicalize, grad)
     # catch any weighted outer-product sum the backward exposes
     grad = log.apply("aggregate", aggregate, grad)
     # clipping + AdamW over the flat parameter set
     opt = log.run("optimizer", lambda: optimizer_graph(params, spec.train,
                                                       dtype_name(spec.train.dtype)))
-    return Compiled(spec, params, fwd, grad, opt, log)
+    return Compiled(spec, params, fwd, grad, opt, log, policy)

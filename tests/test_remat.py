@@ -1,0 +1,80 @@
+"""Remat policies and the chunked loss change memory, never values (float64, 1e-10)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tests.reference as R
+from tests.helpers import BLOCKS, tiny_spec, tokens
+from titanc.compiler import compile_graphs
+from titanc.ir import Graph, Op, interpret, largest_tensor_bytes
+from titanc.passes.chunked_loss import chunk_loss
+from titanc.passes.remat import Policy, mincut_saves, saved_bytes
+from titanc.frontend import lower_forward
+
+SETTINGS = [
+    {"train.remat": "none", "train.loss_chunk": 0},
+    {"train.remat": "per_layer", "train.loss_chunk": 0},
+    {"train.remat": "per_layer", "train.loss_chunk": 8},
+    {"train.remat": "budget", "train.remat_budget_mb": 0.3, "train.loss_chunk": 5},
+    {"train.remat": "budget", "train.remat_budget_mb": 0.001, "train.loss_chunk": 32},
+]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_loss_and_gradients_identical_across_policies(block: str) -> None:
+    base = {"model.block": block, "model.seq_len": 32, "model.memory.chunk_size": 2,
+            "model.attention.segment": 16}
+    results = []
+    for extra in SETTINGS:
+        spec = tiny_spec(**base, **extra)
+        params = R.init_params(spec.model, seed=7)
+        out = interpret(compile_graphs(spec).grad, {"tokens": tokens(spec), **params})
+        results.append(out)
+    for other in results[1:]:
+        for k, v in results[0].items():
+            torch.testing.assert_close(other[k], v, rtol=1e-10, atol=1e-12)
+
+
+def test_budget_picks_policies_by_size() -> None:
+    spec = tiny_spec(**{"model.block": "mag"})
+    fwd = compile_graphs(spec).forward
+    sizes = {m: saved_bytes(fwd, p) for m, p in [
+        ("save_all", Policy("save_all")), ("mincut", Policy("mincut", True)),
+        ("mincut_all", Policy("mincut", False)), ("recompute", Policy("recompute"))]}
+    assert sizes["save_all"] > sizes["mincut"] >= sizes["mincut_all"] > sizes["recompute"]
+    for budget, want in [(1e9, "save_all"), (sizes["mincut"] / 2**20, "mincut"),
+                         (1e-6, "recompute")]:
+        c = compile_graphs(tiny_spec(**{"model.block": "mag", "train.remat": "budget",
+                                        "train.remat_budget_mb": budget}))
+        assert c.policy.mode == want
+
+
+def test_mincut_keeps_matmuls_unless_allowed() -> None:
+    spec = tiny_spec(**{"model.block": "attn"})
+    fwd = compile_graphs(spec).forward
+    layer = next(n.attr("body") for n in fwd if n.op is Op.SCAN)
+    saved = mincut_saves(layer, ban_matmul=True)
+    # every einsum whose result some VJP needs is either saved or feeds only saved values
+    assert any(layer.node(i).op is Op.EINSUM for i in saved)
+    assert len(mincut_saves(layer, ban_matmul=False)) >= 1
+
+
+def test_chunked_loss_bounds_logits() -> None:
+    spec = tiny_spec(**{"model.block": "attn", "model.vocab_size": 512,
+                        "model.attention.persistent_tokens": 0})
+    g = lower_forward(spec)
+    chunked = chunk_loss(g, 4)
+    biggest = max(n.type.numel for n in _walk(chunked) if not isinstance(n.type, tuple)
+                  and n.type.shape and n.type.shape[-1] == 512 and n.op is not Op.INPUT)
+    assert biggest == 4 * 512
+    params = R.init_params(spec.model, seed=1)
+    ins = {"tokens": tokens(spec), **params}
+    assert abs(float(interpret(g, ins)["loss"] - interpret(chunked, ins)["loss"])) < 1e-12
+
+
+def _walk(g: Graph):
+    for n in g:
+        yield n
+        if n.op is Op.SCAN:
+            yield from _walk(n.attr("body"))
