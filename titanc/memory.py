@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from titanc.ir import Builder, Value
 
@@ -37,14 +37,17 @@ def _heads(x: Value, nm: int) -> Value:
     return x.reshape(B, T, nm, D // nm).permute(0, 2, 1, 3)
 
 
-def project(b: Builder, u: Value, p: dict[str, Value], mem: Any, want: str = "qkvg") -> MemStreams:
+def project(b: Builder, u: Value, p: dict[str, Value], mem: Any, want: str = "qkvg",
+            conv: Callable[[Value, Value, str], Value] | None = None) -> MemStreams:
     """Projections of u (B, T, D): l2norm(silu(dwconv(u W))) for q, k; silu(dwconv(u W)) for v;
-    gates θ, log η, log(1 − α). `want` picks which of q, k, v, g(ates) to build."""
+    gates θ, log η, log(1 − α). `want` picks which of q, k, v, g(ates) to build; `conv`
+    replaces the zero-history conv (decoding passes one that reads a history)."""
     nm = mem.heads
     B, T, D = u.shape
+    conv = conv or (lambda x, w, name: dwconv(x, w))
 
     def stream(name: str, norm: bool) -> Value:
-        x = dwconv(u @ p[f"mem_w{name}"], p[f"mem_conv_{name}"]).silu()     # (B, T, D)
+        x = conv(u @ p[f"mem_w{name}"], p[f"mem_conv_{name}"], name).silu()  # (B, T, D)
         if norm:                                  # l2norm over each head's e channels
             x = l2norm(x.reshape(B, T, nm, D // nm)).reshape(B, T, D)
         return _heads(x, nm)

@@ -53,10 +53,14 @@ def merge_heads(x: Value) -> Value:
 
 def rope(b: Builder, x: Value, start: int = 0) -> Value:
     """Rotate-half RoPE at positions start.. along axis -2 of x (…, T, e)."""
-    T, E = x.shape[-2], x.shape[-1]
+    T, half = x.shape[-2], x.shape[-1] // 2
+    return rotate(b, x, b.rope("cos", start, T, half, x.dtype), b.rope("sin", start, T, half, x.dtype))
+
+
+def rotate(b: Builder, x: Value, cos: Value, sin: Value) -> Value:
+    """RoPE with given tables broadcastable to (…, T, e/2)."""
+    E = x.shape[-1]
     half = E // 2
-    cos = b.rope("cos", start, T, half, x.dtype)                  # (T, e/2)
-    sin = b.rope("sin", start, T, half, x.dtype)
     x1, x2 = x.slice(-1, 0, half), x.slice(-1, half, E)
     return b.concat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 

@@ -1,0 +1,228 @@
+"""Serving graphs: a step over n new tokens given each layer's state, and the chunk write.
+
+Decoding reproduces the training forward exactly (docs/semantics.md): memory is written only
+when a chunk completes, so a token reads the state at its chunk's start. The step graph
+reads the state and returns what changed; the host (`runtime/generate.py`) keeps ring
+buffers and pending chunk items and calls the write graph when a chunk completes, so every
+shape here is static and the state per sequence is constant in context length.
+
+Per-layer state (stacked over layers, leading L):
+    W{i}, S{i}        (B, Nm, out, in)    memory weights and momentum     memory blocks
+    Wseg{i}           (B, Nm, out, in)    weights at the segment start    mac
+    conv_q/k/v        (B, K-1, D)         conv histories (mac: of ỹ, reset per segment)
+    conv_hq           (B, K-1, D)         history of the x̂ query conv      mac
+    k_cache, v_cache  (B, H, W, e)        sliding-window ring buffer      attn, mag, mal
+    hk, hv, uk, uv    (B, H, S, e)        keys/values of the segment      mac
+Host inputs: tokens (B, n); rope_cos/rope_sin (B, n, e/2) at each token's position (mac: its
+position in the segment); attn_bias (B, n, keys) additive visibility of every key.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from titanc.ir import Builder, Graph, Value, dtype_name
+
+from .attention import _attend, _persistent_kv
+from .frontend import lm_logits
+from .memory import chunk_update, mlp, project
+from .nn import ffn, merge_heads, rmsnorm, rotate, split_heads
+from .params import memory_shapes, param_specs
+
+
+def state_shapes(m: Any, B: int) -> dict[str, tuple[int, ...]]:
+    """Per-layer state tensors (without the leading L axis)."""
+    D, att, mem = m.d_model, m.attention, m.memory
+    out: dict[str, tuple[int, ...]] = {}
+    if m.block != "attn":
+        for i, (o, n) in enumerate(memory_shapes(D // mem.heads, mem.depth, mem.expansion), 1):
+            out[f"W{i}"] = out[f"S{i}"] = (B, mem.heads, o, n)
+            if m.block == "mac":
+                out[f"Wseg{i}"] = (B, mem.heads, o, n)
+        if mem.conv_kernel > 1:
+            for c in ("q", "k", "v") + (("hq",) if m.block == "mac" else ()):
+                out[f"conv_{c}"] = (B, mem.conv_kernel - 1, D)
+    H, e = att.heads, D // att.heads
+    if m.block in ("attn", "mag", "mal"):
+        out["k_cache"] = out["v_cache"] = (B, H, att.window, e)
+    if m.block == "mac":
+        for c in ("hk", "hv", "uk", "uv"):
+            out[c] = (B, H, att.segment, e)
+    return out
+
+
+def n_keys(m: Any, n: int) -> int:
+    """Keys each query of an n-token step sees (the width of attn_bias)."""
+    P = m.attention.persistent_tokens
+    if m.block == "mac":
+        return P + 2 * (m.attention.segment + n)
+    return P + m.attention.window + n
+
+
+class _Step:
+    """Emits one layer's step; collects the state updates it returns."""
+
+    def __init__(self, b: Builder, p: dict[str, Value], st: dict[str, Value], host: dict[str, Value],
+                 m: Any):
+        self.b, self.p, self.st, self.host, self.m = b, p, st, host, m
+        self.new: dict[str, Value] = {}
+
+    def conv(self, x: Value, w: Value, name: str) -> Value:
+        """Causal depthwise conv continuing the history `conv_<name>`."""
+        B, n, C = x.shape
+        K = w.shape[1]
+        if K == 1:
+            return x * w.reshape(C)
+        full = self.b.concat([self.st[f"conv_{name}"], x], 1)    # (B, K-1+n, C)
+        out = None
+        for j in range(K):
+            term = full.slice(1, j, j + n) * w.slice(1, j, j + 1).reshape(C)
+            out = term if out is None else out + term
+        self.new[f"conv_{name}"] = full.slice(1, n, n + K - 1)
+        return out
+
+    def rope(self, x: Value) -> Value:
+        B, H, n, e = x.shape
+        cos = self.host["rope_cos"].reshape(B, 1, n, e // 2)
+        sin = self.host["rope_sin"].reshape(B, 1, n, e // 2)
+        return rotate(self.b, x, cos, sin)
+
+    def attend(self, q: Value, keys: list[Value], values: list[Value]) -> Value:
+        B, H, n, e = q.shape
+        pkv = _persistent_kv(self.p, H, B)
+        if pkv is not None:
+            keys, values = [pkv[0]] + keys, [pkv[1]] + values
+        bias = self.host["attn_bias"]
+        bias = bias.reshape(B, 1, n, bias.shape[-1])
+        o = _attend(q, self.b.concat(keys, 2), self.b.concat(values, 2), bias)
+        return merge_heads(o) @ self.p["attn_wo"]
+
+    def swa(self, u: Value) -> Value:
+        H = self.m.attention.heads
+        q = self.rope(split_heads(u @ self.p["attn_wq"], H))
+        k = self.rope(split_heads(u @ self.p["attn_wk"], H))
+        v = split_heads(u @ self.p["attn_wv"], H)
+        self.new["k_new"], self.new["v_new"] = k, v
+        return self.attend(q, [self.st["k_cache"], k], [self.st["v_cache"], v])
+
+    def memory_read_write(self, u: Value, weights: list[Value]) -> tuple[Value, Any]:
+        """Retrieve with the current (chunk-start) weights; hand the write items to the host."""
+        mem = self.m.memory
+        st = project(self.b, u, self.p, mem, conv=self.conv)
+        y, _, _ = mlp(self.b, weights, st.q)
+        for k, v in (("mk", st.k), ("mv", st.v), ("theta", st.theta),
+                     ("log_eta", st.log_eta), ("log_keep", st.log_keep)):
+            self.new[k] = v
+        return merge_heads(y), st
+
+    def weights(self, prefix: str) -> list[Value]:
+        return [self.st[f"{prefix}{i}"] for i in range(1, self.m.memory.depth + 1)]
+
+    def lmm(self, u: Value) -> Value:
+        y, _ = self.memory_read_write(u, self.weights("W"))
+        if "mem_wg" in self.p:
+            y = y * (u @ self.p["mem_wg"]).silu()
+        return y @ self.p["mem_wo"]
+
+    def block(self, x: Value) -> Value:
+        p, kind = self.p, self.m.block
+        if kind == "attn":
+            x = x + self.swa(rmsnorm(x, p["attn_norm"]))
+        elif kind == "lmm":
+            x = x + self.lmm(rmsnorm(x, p["mem_norm"]))
+        elif kind == "mag":
+            u = rmsnorm(x, p["mem_norm"])
+            y = rmsnorm(self.swa(u), p["mag_norm_y"])
+            g = rmsnorm(self.lmm(u), p["mag_norm_m"]).sigmoid()
+            x = x + (y * g) @ p["mag_wo"]
+        elif kind == "mal":
+            x = x + self.lmm(rmsnorm(x, p["mem_norm"]))
+            x = x + self.swa(rmsnorm(x, p["attn_norm"]))
+        else:
+            x = x + self.mac(rmsnorm(x, p["mem_norm"]))
+        return x + ffn(rmsnorm(x, p["ffn_norm"]), p["ffn_w1"], p["ffn_w3"], p["ffn_w2"])
+
+    def mac(self, u: Value) -> Value:
+        m, p, b = self.m, self.p, self.b
+        H = m.attention.heads
+        hq = project(b, u, p, m.memory, want="q",
+                     conv=lambda x, w, name: self.conv(x, w, "hq")).q
+        h, _, _ = mlp(b, self.weights("Wseg"), hq)                # read at the segment start
+        h = merge_heads(h)                                        # (B, n, D)
+        q = self.rope(split_heads(u @ p["attn_wq"], H))
+        hk, uk = (self.rope(split_heads(z @ p["attn_wk"], H)) for z in (h, u))
+        hv, uv = (split_heads(z @ p["attn_wv"], H) for z in (h, u))
+        self.new.update(hk_new=hk, hv_new=hv, uk_new=uk, uv_new=uv)
+        y = self.attend(q, [self.st["hk"], hk, self.st["uk"], uk],
+                        [self.st["hv"], hv, self.st["uv"], uv])  # ỹ (B, n, D)
+        r, _ = self.memory_read_write(y, self.weights("W"))
+        return (y * r.sigmoid()) @ p["mem_wo"]
+
+
+def lower_step(spec: Any, batch: int, n: int, dtype: str | None = None) -> Graph:
+    """Logits (B, n, V) of n new tokens, and each layer's state updates (`new.<name>`)."""
+    m = spec.model
+    dt = dtype_name(dtype or spec.train.dtype)
+    b = Builder("step")
+    tokens = b.input("tokens", (batch, n), "i64")
+    params = {ps.name: b.input(ps.name, ps.shape, dt) for ps in param_specs(m)}
+    shapes = state_shapes(m, batch)
+    states = {k: b.input(f"state.{k}", (m.n_layers,) + s, dt) for k, s in sorted(shapes.items())}
+    host: dict[str, Value] = {}
+    if m.block != "lmm":
+        half = m.d_model // m.attention.heads // 2
+        host["rope_cos"] = b.input("rope_cos", (batch, n, half), dt)
+        host["rope_sin"] = b.input("rope_sin", (batch, n, half), dt)
+        host["attn_bias"] = b.input("attn_bias", (batch, n, n_keys(m, n)), dt)
+    layer_names = sorted(k for k in params if k.startswith("layers."))
+    short = [k.removeprefix("layers.") for k in layer_names]
+    st_names = sorted(states)
+    host_names = sorted(host)
+    out_names: list[str] = []
+
+    def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+        p = dict(zip(short, xs[: len(short)]))
+        st = dict(zip(st_names, xs[len(short):]))
+        step = _Step(bb, p, st, dict(zip(host_names, consts)), m)
+        x = step.block(carry[0])
+        out_names[:] = sorted(step.new)
+        return [x], [step.new[k] for k in out_names]
+
+    x = b.take(params["embed"], tokens)                           # (B, n, D)
+    (x,), ys = b.scan(body, [x], [params[k] for k in layer_names] + [states[k] for k in st_names],
+                      [host[k] for k in host_names], length=m.n_layers, name="layer_step",
+                      names=["x"] + short + [f"state.{k}" for k in st_names] + host_names)
+    logits = lm_logits(b, x, params, m.tie_embeddings)
+    b.graph.set_outputs([("logits", logits.id)] + [(f"new.{k}", y.id) for k, y in zip(out_names, ys)])
+    return b.graph
+
+
+def lower_write(spec: Any, batch: int, dtype: str | None = None) -> Graph:
+    """Apply one completed chunk of pending items to (W, S), where mask (B,) is 1."""
+    m, mem = spec.model, spec.model.memory
+    dt = dtype_name(dtype or spec.train.dtype)
+    b = Builder("write")
+    shapes = state_shapes(m, batch)
+    L, depth, U = m.n_layers, mem.depth, mem.chunk_size
+    ws = [b.input(f"state.W{i}", (L,) + shapes[f"W{i}"], dt) for i in range(1, depth + 1)]
+    ss = [b.input(f"state.S{i}", (L,) + shapes[f"S{i}"], dt) for i in range(1, depth + 1)]
+    nm, e = mem.heads, m.d_model // mem.heads
+    pend = {k: b.input(f"pending.{k}", (L, batch, nm, U, e), dt) for k in ("mk", "mv")}
+    pend.update({k: b.input(f"pending.{k}", (L, batch, nm, U), dt)
+                 for k in ("theta", "log_eta", "log_keep")})
+    mask = b.input("mask", (batch,), dt).reshape(batch, 1, 1, 1)
+    names = ["mk", "mv", "theta", "log_eta", "log_keep"]
+
+    def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+        w, s = xs[:depth], xs[depth:2 * depth]
+        items = dict(zip(names, xs[2 * depth:]))
+        w2, s2 = chunk_update(bb, w, s, items["mk"], items["mv"], items["theta"],
+                              items["log_eta"], items["log_keep"])
+        msk = consts[0]
+        return [], [a + (c - a) * msk for a, c in zip(w + s, w2 + s2)]
+
+    _, ys = b.scan(body, [], ws + ss + [pend[k] for k in names], [mask], length=L,
+                   name="write_layer")
+    outs = [(f"state.W{i}", ys[i - 1].id) for i in range(1, depth + 1)]
+    outs += [(f"state.S{i}", ys[depth + i - 1].id) for i in range(1, depth + 1)]
+    b.graph.set_outputs(outs)
+    return b.graph
