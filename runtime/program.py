@@ -92,14 +92,21 @@ class Program:
         c = self._graphs(tokens.shape[0])
         return float(self._run(c.forward, {"tokens": tokens, **self._params})["loss"])
 
-    def logits(self, tokens: Tensor) -> Tensor:
-        """Next-token logits [B, T, V] for tokens [B, T+1] (the last column is ignored)."""
+    def _forward_output(self, tokens: Tensor, output: str) -> Tensor:
         tokens = self._check_tokens(tokens)
-        key = ("logits", tokens.shape[0])
+        key = (output, tokens.shape[0])
         if key not in self._extra:
             from titanc.frontend import lower_forward
-            self._extra[key] = lower_forward(self.spec, batch=tokens.shape[0], output="logits")
-        return self._run(self._extra[key], {"tokens": tokens, **self._params})["logits"]
+            self._extra[key] = lower_forward(self.spec, batch=tokens.shape[0], output=output)
+        return self._run(self._extra[key], {"tokens": tokens, **self._params})[output]
+
+    def logits(self, tokens: Tensor) -> Tensor:
+        """Next-token logits [B, T, V] for tokens [B, T+1] (the last column is ignored)."""
+        return self._forward_output(tokens, "logits")
+
+    def logprobs(self, tokens: Tensor) -> Tensor:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) as [B, T], through the chunked LM head."""
+        return self._forward_output(tokens, "logprobs")
 
     def grads(self, tokens: Tensor) -> tuple[float, dict[str, Tensor]]:
         tokens = self._check_tokens(tokens)

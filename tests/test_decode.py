@@ -76,3 +76,20 @@ def test_stop_sequence_ends_a_sequence() -> None:
     stop = text[2:4]
     cut = gen.generate([[5, 6]], 20, Sampling(temperature=0.0, stop=[stop]))[0]
     assert bytes(cut).decode("latin-1").endswith(stop) and len(cut) <= 4
+
+
+@pytest.mark.parametrize("block", ["attn", "mac"])
+def test_logprobs_match_reference_and_never_build_full_logits(block: str) -> None:
+    from titanc.frontend import lower_forward
+    from titanc.ir import Op
+
+    prog, params = _program(block, **{"train.loss_chunk": 4, "model.vocab_size": 64})
+    toks = tokens(prog.spec, 1, seed=4)
+    logits = R.forward_logits(params, toks[:, :-1], prog.spec.model)
+    want = torch.log_softmax(logits, -1).gather(-1, toks[:, 1:, None])[..., 0]
+    torch.testing.assert_close(prog.logprobs(toks), want, rtol=1e-10, atol=1e-10)
+    g = lower_forward(prog.spec, batch=1, output="logprobs")
+    head = [n for n in g if n.op is Op.SCAN and n.attr("body").name == "logprob_chunk"][0]
+    widest = max(n.type.numel for n in head.attr("body") if n.type.shape[-1:] == (64,)
+                 and n.op is not Op.INPUT)
+    assert widest == 4 * 64

@@ -31,6 +31,30 @@ def lm_loss(b: Builder, x: Value, params: dict[str, Value], targets: Value, tied
     return (lse - b.take_along(logits, targets)).mean((0, 1))
 
 
+def lm_logprobs(b: Builder, x: Value, params: dict[str, Value], targets: Value, tied: bool,
+                chunk: int) -> Value:
+    """log p(target) per position (B, T), the head applied `chunk` tokens at a time so the
+    [B·T, V] logits never exist."""
+    from titanc.passes.chunked_loss import _chunk_size
+
+    B, T, D = x.shape
+    c = _chunk_size(B * T, chunk if chunk > 0 else B * T)
+    n = B * T // c
+    h = rmsnorm(x, params["norm_f"]).reshape(n, c, D)
+    head = params["embed"] if tied else params["lm_head"]
+    spec = "cd,vd->cv" if tied else "cd,dv->cv"
+
+    def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+        logits = bb.einsum(spec, xs[0], consts[0])                # (c, V)
+        mx = logits.amax((-1,), keepdim=True)
+        lse = (logits - mx).exp().sum((-1,)).log() + mx.reshape(c)
+        return [], [bb.take_along(logits, xs[1]) - lse]
+
+    _, (lp,) = b.scan(body, [], [h, targets.reshape(n, c)], [head], length=n,
+                      name="logprob_chunk", names=["h", "targets", "head"])
+    return lp.reshape(B, T)
+
+
 def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: Any) -> Value:
     names = sorted(k for k in params if k.startswith("layers."))
     short = [k.removeprefix("layers.") for k in names]
@@ -45,7 +69,8 @@ def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: Any) -> Value
 
 def lower_forward(spec: Any, batch: int | None = None, dtype: str | None = None,
                   output: str = "loss") -> Graph:
-    """The forward graph; `output` is 'loss' (scalar) or 'logits' ([B, T, V])."""
+    """The forward graph; `output` is 'loss' (scalar), 'logits' ([B, T, V]) or 'logprobs'
+    ([B, T], through the chunked head)."""
     m = spec.model
     B = batch or spec.train.batch_size
     T = m.seq_len
@@ -57,6 +82,9 @@ def lower_forward(spec: Any, batch: int | None = None, dtype: str | None = None,
     x = layer_stack(b, x, params, m)
     if output == "logits":
         out = lm_logits(b, x, params, m.tie_embeddings)
+    elif output == "logprobs":
+        out = lm_logprobs(b, x, params, tokens.slice(1, 1, T + 1), m.tie_embeddings,
+                          spec.train.loss_chunk)
     else:
         out = lm_loss(b, x, params, tokens.slice(1, 1, T + 1), m.tie_embeddings)
     b.graph.set_outputs([(output, out.id)])
