@@ -53,6 +53,7 @@ class Graph:
     inputs: list[int] = field(default_factory=list)
     outputs: list[tuple[str, int]] = field(default_factory=list)
     _next_id: int = 0
+    _order: list[int] | None = None      # cached topological order, reset by add()
 
     # -- construction -------------------------------------------------------------------------
     def add(self, op: Op, inputs: Iterable[int] = (), attrs: dict[str, Any] | None = None,
@@ -69,6 +70,7 @@ class Graph:
             type = infer_type(op, [self._nodes[i].type for i in inputs], dict(frozen))
         nid = self._next_id
         self._next_id += 1
+        self._order = None
         self._nodes[nid] = Node(nid, op, inputs, frozen, type)
         self._dg.add_node(nid)
         for i in inputs:
@@ -94,7 +96,9 @@ class Graph:
         return (self._nodes[i] for i in self.order())
 
     def order(self) -> list[int]:
-        return list(nx.lexicographical_topological_sort(self._dg))
+        if self._order is None:
+            self._order = list(nx.lexicographical_topological_sort(self._dg))
+        return list(self._order)
 
     def users(self, nid: int) -> list[int]:
         return sorted(self._dg.successors(nid))

@@ -13,7 +13,7 @@ The rule refuses (leaves the graph as it is) when
 - the weights are not per-position scalars: they vary along an axis of only one side of
   the outer product (o or i), or
 - the summed axis is not shared by both sides of the outer product.
-Scan bodies are rewritten recursively. Run it before autodiff: the VJP of the contraction
+Scan bodies are rewritten recursively. The input should be canonical (views folded). Run it before autodiff: the VJP of the contraction
 is itself a pair of contractions, so the backward never builds the per-position tensor.
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _rewrite(g: Graph) -> Graph:
     for n in g:
         attrs = n.attr_dict
         if n.op is Op.SCAN:
-            attrs["body"] = aggregate(attrs["body"])
+            attrs["body"] = _rewrite(attrs["body"])
         hit = match(g, n) if n.op is Op.SUM else None
         if hit is None:
             env[n.id] = out.add(n.op, tuple(env[i] for i in n.inputs), attrs,
@@ -105,6 +105,6 @@ def _rewrite(g: Graph) -> Graph:
 
 
 def aggregate(g: Graph) -> Graph:
-    # canonicalize first so views and duplicates do not hide the pattern, and after, so the
-    # dead outer products disappear
-    return canonicalize(_rewrite(canonicalize(g)))
+    """Expects canonical input (the pipeline canonicalizes first); canonicalizes after, so the
+    dead outer products disappear."""
+    return canonicalize(_rewrite(g))
