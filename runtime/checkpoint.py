@@ -111,17 +111,20 @@ def _titanc_version() -> str:
 # ---------------------------------------------------------------------------------- reading
 
 
-def checkpoint_path(run_or_file: str | os.PathLike) -> Path:
-    """The checkpoint of a run directory (RUN/checkpoint.safetensors), or the file itself."""
+def checkpoint_path(run_or_file: str | os.PathLike, flag: str = "--resume") -> Path:
+    """The checkpoint of a run directory (RUN/checkpoint.safetensors), or the file itself.
+    `flag` names the option the path came from, for the error message."""
     p = Path(run_or_file)
     if p.is_dir():
         ckpt = p / CHECKPOINT_NAME
         if not ckpt.exists():
-            raise TitancError(f"--resume {p}: there is no checkpoint in it ({ckpt} does not "
-                              f"exist); train without --resume to start a new run")
+            fix = ("train without --resume to start a new run" if flag == "--resume"
+                   else "train it first with 'titanc train'")
+            raise TitancError(f"{flag} {p}: there is no checkpoint in it ({ckpt} does not "
+                              f"exist); {fix}")
         return ckpt
     if not p.exists():
-        raise TitancError(f"--resume {p}: no such run directory or checkpoint file")
+        raise TitancError(f"{flag} {p}: no such run directory or checkpoint file")
     return p
 
 

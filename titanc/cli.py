@@ -111,6 +111,31 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--profile", action="store_true",
                        help="print time per kernel category, tokens/s and peak memory")
     train.set_defaults(run=_cmd_train)
+
+    gen = commands.add_parser(
+        "generate", help="sample text from a trained run (or a compiled artifact)",
+        description="Load RUN (a run directory or checkpoint file) and continue PROMPT.\n"
+                    "Prefill runs whole memory chunks in parallel; decoding is token by token\n"
+                    "with a sliding-window KV cache and the memory state (constant memory).",
+        epilog="example:\n  titanc generate runs/tiny --prompt 'Once upon' --max-new-tokens 64 "
+               "--stream",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen.add_argument("source", metavar="RUN", help="run directory, checkpoint or artifact directory")
+    gen.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                     help="prompt text (byte-level tokens); repeat for a batch of prompts")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
+                     help="tokens to generate per prompt (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.8,
+                     help="sampling temperature; 0 is greedy (default 0.8)")
+    gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+                     help="sample among the K most likely tokens")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="nucleus sampling: the smallest set of tokens with probability > P")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop a sequence once its output ends with TEXT; repeatable")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
+    gen.set_defaults(run=_cmd_generate)
     return parser
 
 
@@ -165,6 +190,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_training = _import("titanc.runtime.trainer", "run_training", "titanc train")
     run_training(spec, out=args.out, data=args.data, steps=args.steps, resume=args.resume,
                  strict=args.strict, profile=args.profile)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import titanc
+    from titanc.runtime.data import decode, encode
+    from titanc.runtime.generate import Generator, Sampling
+
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
+    prog = titanc.load(args.source)
+    gen = Generator(prog)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop))
+    prompts = [encode(p) for p in args.prompt]
+    if args.stream and len(prompts) == 1:
+        sys.stdout.write(args.prompt[0])
+        for _, tok in gen.stream(prompts, args.max_new_tokens, sampling):
+            sys.stdout.write(decode([tok]))
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    outs = gen.generate(prompts, args.max_new_tokens, sampling)
+    for prompt, toks in zip(args.prompt, outs):
+        print(prompt + decode(toks))
     return 0
 
 
