@@ -4,7 +4,8 @@ Precondition: `g` verifies (canonicalized graphs give the best result). Postcond
 non-INPUT node is in exactly one kernel (a SCAN's ITEMs in the SCAN's), no kernel mixes the
 nodes of a scan body with the outside (each body gets its own schedule, fused recursively),
 the kernels form a DAG listed in a topological order, and the schedule's peak of live bytes
-(`schedule.peak_live_bytes`) is no higher than that of one kernel per node.
+(`schedule.peak_live_bytes`: live intermediate values, graph inputs excluded, a scan kernel
+adding its body's peak) is no higher than that of one kernel per node.
 
 Kernel families, with what a kernel may contain:
 - pointwise: elementwise ops, CAST, gathers (TAKE, TAKE_ALONG), views (RESHAPE, PERMUTE,
@@ -27,17 +28,21 @@ or scattering work, so such a value is materialized instead.
 Greedy: start from one kernel per node; candidate merges are producer/consumer pairs and
 siblings reading a common value, scored by bytes saved (`bytes(a) + bytes(b) - bytes(a∪b)`: a
 value read only inside the group never goes to memory, a shared input is read once); the best
-is taken first (ties by program order). A merge is refused if the union breaks the rules above,
-if it closes a cycle in the kernel graph, or if it raises the schedule's peak of live bytes
-(kernels ordered by a topological sort keyed on program order; a scan kernel counts its body's
-peak). The result depends only on the graph.
+is taken first (ties: producer/consumer before siblings, then program order). A merge is
+refused if the union breaks the rules above, if it closes a cycle in the kernel graph, or if it
+raises the schedule's peak of live bytes. The kernel order starts as a topological sort keyed
+on program order; a merge only reorders the kernels between the two it joins, placing the
+merged kernel early (after what the later one needs) or late (before what depends on the
+earlier one), whichever keeps fewer bytes live; the peak is updated over that window only.
+Scalar constants (`schedule.is_immediate`) are inlined by every kernel that reads them.
+The result depends only on the graph.
 """
 from __future__ import annotations
 
 import heapq
 import re
 from dataclasses import dataclass
-from itertools import count
+from itertools import accumulate, count
 from math import prod
 from typing import Iterator
 
@@ -45,7 +50,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.shapes import parse_einsum
 from titanc.ir.types import TensorType
 
-from .schedule import PREFIX, Kernel, Schedule, peak_live_bytes, value_bytes
+from .schedule import PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, value_bytes
 
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
 VIEWS = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT})
@@ -101,6 +106,13 @@ class _Summary:
 # -- the greedy fuser ----------------------------------------------------------------------------
 
 class _Fuser:
+    """Greedy merging over groups of nodes. A group's id is the program position of its first
+    node when it was created; a merge keeps the smaller id.
+
+    State kept incrementally (each merge only reorders the window between the two groups):
+    `order`/`rank` (current kernel order), `prof` (live bytes during each kernel) with prefix
+    and suffix maxima, `preds`/`succs` (the kernel graph), `prod`/`readers` per value."""
+
     def __init__(self, g: Graph, bodies: dict[int, Schedule], check_peak: bool):
         self.g, self.bodies, self.check_peak = g, bodies, check_peak
         order = g.order()
@@ -109,39 +121,65 @@ class _Fuser:
         self.users = {nid: g.users(nid) for nid in order}
         self.graph_out = {v for _, v in g.outputs}
         self.size = {nid: value_bytes(g, nid) for nid in order}
-        self.workspace = {sid: peak_live_bytes(b, exclude_inputs=True) for sid, b in bodies.items()}
-        # groups: id = program position of its first node (stable, deterministic)
+        self.imm = {nid for nid in order if is_immediate(g, nid)}
         self.group: dict[int, int] = {}
         self.members: dict[int, list[int]] = {}
         for nid in order:
             n = self.node[nid]
-            if n.op is Op.INPUT:
+            if n.op is Op.INPUT or nid in self.imm:
                 continue
             gid = self.group[n.inputs[0]] if n.op is Op.ITEM else self.pos[nid]
             self.group[nid] = gid
             self.members.setdefault(gid, []).append(nid)
-        self.info = {gid: self.summary(ms) for gid, ms in self.members.items()}
+        for nid in sorted(self.imm, key=self.pos.__getitem__):
+            # a scalar constant lives in its first plain reader's kernel (others inline it),
+            # or alone when it must be stored (a template reads it or it is a graph output)
+            readers = sorted((u for u in self.users[nid] if self.node[u].op not in TEMPLATES),
+                             key=self.pos.__getitem__)
+            stored = nid in self.graph_out or len(readers) < len(self.users[nid])
+            gid = self.group[readers[0]] if readers and not stored else self.pos[nid]
+            self.group[nid] = gid
+            self.members[gid] = sorted(self.members.get(gid, []) + [nid],
+                                       key=self.pos.__getitem__)
+        self.info = {gid: self.summary(ms, legal=False) for gid, ms in self.members.items()}
+        self.tag = {gid: self._tag(ms) for gid, ms in self.members.items()}
         self.version = {gid: 0 for gid in self.members}
-        self.order = self.schedule_order()
-        self.rank = {gid: k for k, gid in enumerate(self.order)}
-        self.peak = self.peak_of(self.order, self.info) if check_peak else 0
+        self.ws = {gid: sum(peak_live_bytes(bodies[n]) for n in ms if n in bodies)
+                   for gid, ms in self.members.items()}
+        self.prod = {v: gid for gid, s in self.info.items() for v in s.outputs}
+        self.readers: dict[int, set[int]] = {}
+        self.preds: dict[int, set[int]] = {gid: set() for gid in self.members}
+        self.succs: dict[int, set[int]] = {gid: set() for gid in self.members}
+        for gid, s in self.info.items():
+            for v in s.inputs:
+                self.readers.setdefault(v, set()).add(gid)
+                if v in self.prod:
+                    self.preds[gid].add(self.prod[v])
+                    self.succs[self.prod[v]].add(gid)
+        self.order = self._initial_order()
+        self._reindex(self._profile())
 
     # -- group facts ------------------------------------------------------------------------------
-    def summary(self, members: list[int]) -> _Summary:
+    def summary(self, members: list[int], legal: bool = True) -> _Summary:
+        """Inputs, outputs and bytes of `members` as one kernel; its category if `legal`."""
         inside = set(members)
         ins: dict[int, None] = {}
         outs: list[int] = []
         for nid in members:
             n = self.node[nid]
             for i in n.inputs:
-                if i not in inside:
+                if i not in inside and (i not in self.imm or n.op in TEMPLATES):
                     ins.setdefault(i)
-            if n.op is Op.SCAN:
-                continue
-            if nid in self.graph_out or any(u not in inside for u in self.users[nid]):
-                outs.append(nid)
+        outs = self._outputs(members, inside)
         nbytes = sum(self.size[v] for v in ins) + sum(self.size[v] for v in outs)
-        return _Summary(self.category(members, inside), tuple(ins), tuple(outs), nbytes)
+        kind = self.category(members, inside) if legal else None
+        return _Summary(kind, tuple(ins), tuple(outs), nbytes)
+
+    def _outputs(self, members: list[int], inside: set[int]) -> list[int]:
+        """Members some other kernel or the graph's outputs read (immediates: templates only)."""
+        return [nid for nid in members if self.node[nid].op is not Op.SCAN and (
+            nid in self.graph_out or any(u not in inside and (
+                nid not in self.imm or self.node[u].op in TEMPLATES) for u in self.users[nid]))]
 
     def category(self, members: list[int], inside: set[int]) -> str | None:
         nodes = [self.node[n] for n in members]
@@ -180,8 +218,7 @@ class _Fuser:
             if n.op in REDUCTIONS or n.op is Op.EINSUM or any(i in post for i in bound):
                 post.add(n.id)
             computed.append(n)
-        outs = [n for n in nodes if n.id in self.graph_out
-                or any(u not in inside for u in self.users[n.id])]
+        outs = [self.node[v] for v in self._outputs(members, inside)]
         if einsums:
             dom = {_numel(einsums[0])}
             kind = "matmul"
@@ -204,116 +241,168 @@ class _Fuser:
             return None
         return kind
 
+    def _tag(self, members: list[int]) -> tuple[int, int, frozenset]:
+        """(templates, einsums, reduction keys): enough to reject most unions cheaply."""
+        ops = [self.node[n] for n in members]
+        return (sum(n.op in TEMPLATES for n in ops), sum(n.op is Op.EINSUM for n in ops),
+                frozenset(self._reduction_key(n) for n in ops if n.op in REDUCTIONS))
+
+    def compatible(self, a: int, b: int) -> bool:
+        """A necessary condition for `category(a ∪ b)` to be legal."""
+        (ta, ea, ra), (tb, eb, rb) = self.tag[a], self.tag[b]
+        return not (ta or tb or ea + eb > 1 or ((ea or eb) and (ra or rb)) or len(ra | rb) > 1)
+
     def _reduction_key(self, r: Node) -> tuple:
         shape = self.node[r.inputs[0]].type.shape
         if r.op is Op.CUMSUM:
             return ("cumsum", shape, r.attr("axis"), r.attr("reverse"))
         return ("reduce", shape, tuple(r.attr("axes")))
 
-    def preds(self, gid: int, info: _Summary) -> set[int]:
-        return {self.group[i] for i in info.inputs if i in self.group} - {gid}
-
-    def succs(self, gid: int) -> set[int]:
-        out = set()
-        for nid in self.members[gid]:
-            for u in self.users[nid]:
-                out.add(self.group[u])
-        out.discard(gid)
-        return out
-
-    # -- order and peak ---------------------------------------------------------------------------
-    def schedule_order(self, merged: tuple[int, int] | None = None,
-                       info: dict[int, _Summary] | None = None) -> list[int]:
-        """Topological order of the groups (b folded into a when `merged`), by program order."""
-        info = info if info is not None else self.info
-        a, b = merged if merged else (None, None)
-        remap = (lambda x: a if x == b else x)
-        indeg: dict[int, int] = {}
-        succ: dict[int, list[int]] = {}
-        for gid, s in info.items():
-            ps = {remap(self.group[i]) for i in s.inputs if i in self.group} - {gid}
-            indeg[gid] = len(ps)
-            for p in ps:
-                succ.setdefault(p, []).append(gid)
+    # -- order and liveness -----------------------------------------------------------------------
+    def _initial_order(self) -> list[int]:
+        """Topological order of the groups, ties by program position (a heap-based Kahn)."""
+        indeg = {gid: len(ps) for gid, ps in self.preds.items()}
         ready = [gid for gid, d in indeg.items() if d == 0]
         heapq.heapify(ready)
         order = []
         while ready:
             gid = heapq.heappop(ready)
             order.append(gid)
-            for s in succ.get(gid, ()):
+            for s in self.succs[gid]:
                 indeg[s] -= 1
                 if indeg[s] == 0:
                     heapq.heappush(ready, s)
-        if len(order) != len(info):
-            return []                    # a cycle
+        assert len(order) == len(self.members), "the node graph has a cycle"
         return order
 
-    def peak_of(self, order: list[int], info: dict[int, _Summary]) -> int:
-        diff = [0] * (len(order) + 1)
-        first: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for k, gid in enumerate(order):
-            s = info[gid]
-            for v in s.outputs:
-                first[v] = k
-                last.setdefault(v, k)
-            for v in s.inputs:
-                first.setdefault(v, 0)
-                last[v] = k
-            for nid in self.members.get(gid, ()):
-                if nid in self.workspace:
-                    diff[k] += self.workspace[nid]
-                    diff[k + 1] -= self.workspace[nid]
-        end = len(order) - 1
-        for v in self.graph_out:
-            first.setdefault(v, 0)
-            last[v] = end
-        for v, a in first.items():
+    def _profile(self) -> list[int]:
+        """Live bytes during each kernel of the current order, from scratch."""
+        rank = {gid: k for k, gid in enumerate(self.order)}
+        end = len(self.order) - 1
+        diff = [0] * (len(self.order) + 1)
+        for v, p in self.prod.items():
+            a = rank[p]
+            b = end if v in self.graph_out else max(rank[r] for r in self.readers[v])
             diff[a] += self.size[v]
-            diff[last[v] + 1] -= self.size[v]
-        peak = run = 0
-        for d in diff[:-1]:
-            run += d
-            peak = max(peak, run)
-        return peak
+            diff[b + 1] -= self.size[v]
+        prof, run = [], 0
+        for k, gid in enumerate(self.order):
+            run += diff[k]
+            prof.append(run + self.ws[gid])
+        return prof
+
+    def _reindex(self, prof: list[int]) -> None:
+        self.rank = {gid: k for k, gid in enumerate(self.order)}
+        self.prof = prof
+        self.pre = list(accumulate(prof, max))
+        self.suf = list(accumulate(reversed(prof), max))[::-1]
+        self.peak = self.pre[-1] if prof else 0
+
+    def _last(self, v: int) -> int:
+        if v in self.graph_out:
+            return len(self.order) - 1
+        return max(self.rank[r] for r in self.readers[v])
+
+    def union(self, a: int, b: int) -> _Summary:
+        """The summary of a and b as one kernel (without its category)."""
+        sa, sb = self.info[a], self.info[b]
+        pair = (a, b)
+        ins = tuple(dict.fromkeys(v for v in sa.inputs + sb.inputs if self.prod.get(v) not in pair))
+        outs = tuple(sorted((v for v in sa.outputs + sb.outputs
+                             if v in self.graph_out or self.readers.get(v, set()) - {a, b}),
+                            key=self.pos.__getitem__))
+        return _Summary(None, ins, outs, sum(self.size[v] for v in ins + outs))
+
+    def window(self, x: int, y: int, u: _Summary) -> tuple[list[int], list[int]] | None:
+        """Merge x (earlier) and y (later) in the order. Two placements of the merged kernel
+        (labelled x) are tried: early (the groups between them that y depends on move before
+        it) and late (the groups that depend on x move after it); the one with the lower
+        (peak, total) live bytes wins, early on ties. Returns the new window [rank x .. rank y]
+        and its live-bytes profile, or None if the merge closes a cycle."""
+        i, j = self.rank[x], self.rank[y]
+        inside = lambda g: i < self.rank[g] < j                   # noqa: E731
+        anc = self._closure(self.preds, y, inside)
+        desc = self._closure(self.succs, x, inside)
+        if anc & desc or x in anc:
+            return None                           # x -> ... -> y through another kernel
+        old = self.order[i:j + 1]
+        mid = [g for g in old if g != x and g != y]
+        early = [g for g in mid if g in anc] + [x] + [g for g in mid if g not in anc]
+        late = [g for g in mid if g not in desc] + [x] + [g for g in mid if g in desc]
+        best = None
+        for new in (early, late) if early != late else (early,):
+            prof = self._window_profile(old, new, u, x, y)
+            if best is None or (max(prof), sum(prof)) < (max(best[1]), sum(best[1])):
+                best = (new, prof)
+        return best
+
+    @staticmethod
+    def _closure(edges: dict[int, set[int]], start: int, keep) -> set[int]:
+        out: set[int] = set()
+        stack = [g for g in edges[start] if keep(g)]
+        while stack:
+            g = stack.pop()
+            if g not in out:
+                out.add(g)
+                stack.extend(h for h in edges[g] if keep(h) and h not in out)
+        return out
+
+    def _window_profile(self, old: list[int], new: list[int], u: _Summary, x: int,
+                        y: int) -> list[int]:
+        """Live bytes during each kernel of `new`, which replaces `old` (x and y merged)."""
+        i, j = self.rank[x], self.rank[y]
+        npos = {g: i + k for k, g in enumerate(new)}
+        hi = i + len(new) - 1
+        # bytes live across the whole window, untouched by it: prof[i] minus what the old
+        # window touches that is live at i
+        touched_old = {v for g in old for v in self.info[g].inputs + self.info[g].outputs
+                       if v in self.prod}
+        at_i = sum(self.size[v] for v in touched_old
+                   if self.rank[self.prod[v]] <= i <= self._last(v))
+        base = self.prof[i] - self.ws[old[0]] - at_i
+        diff = [0] * (len(new) + 1)
+        seen: set[int] = set()
+        for g in new:
+            s = u if g == x else self.info[g]
+            for v in s.inputs + s.outputs:
+                if v in seen or v not in self.prod:
+                    continue
+                seen.add(v)
+                p = self.prod[v]
+                first = npos.get(x if p == y else p, i)
+                if v in self.graph_out:
+                    last = hi
+                else:
+                    last = i
+                    for r in self.readers[v]:
+                        r = x if r == y else r
+                        last = max(last, npos[r] if r in npos else
+                                   (hi if self.rank[r] > j else i))
+                diff[first - i] += self.size[v]
+                diff[last - i + 1] -= self.size[v]
+        prof, run = [], base
+        for k, g in enumerate(new):
+            run += diff[k]
+            prof.append(run + self.ws[g])
+        return prof
 
     # -- merging ----------------------------------------------------------------------------------
     def candidates(self, gid: int) -> Iterator[tuple[int, int, int]]:
         """(other group, kind, score) for producer/consumer (kind 0) and sibling (1) pairs."""
         info = self.info[gid]
-        seen: set[int] = set()
-        near = [(o, 0) for o in sorted(self.preds(gid, info) | self.succs(gid))]
+        near = [(o, 0) for o in sorted(self.preds[gid] | self.succs[gid])]
         for v in info.inputs:
-            if _numel(self.node[v]) <= 1:
-                continue
-            readers = sorted({self.group[u] for u in self.users[v]} - {gid})
-            if len(readers) <= SIBLING_READERS:
-                near += [(o, 1) for o in readers]
+            if _numel(self.node[v]) > 1:
+                readers = sorted(self.readers[v] - {gid})
+                if len(readers) <= SIBLING_READERS:
+                    near += [(o, 1) for o in readers]
+        seen: set[int] = set()
         for other, kind in near:
-            if other in seen:
-                continue
-            seen.add(other)
-            union = sorted(self.members[gid] + self.members[other], key=self.pos.__getitem__)
-            u = self.summary(union)
-            score = info.bytes + self.info[other].bytes - u.bytes
-            if u.category is not None and score > 0:
-                yield other, kind, score
-
-    def reaches(self, src: int, dst: int) -> bool:
-        """Is there a path src -> x -> ... -> dst through some other group x?"""
-        limit = self.rank[dst]
-        stack = [s for s in self.succs(src) if s != dst and self.rank[s] < limit]
-        seen = set(stack)
-        while stack:
-            x = stack.pop()
-            for s in self.succs(x):
-                if s == dst:
-                    return True
-                if s not in seen and self.rank[s] < limit:
-                    seen.add(s)
-                    stack.append(s)
-        return False
+            if other not in seen and self.compatible(gid, other):
+                seen.add(other)
+                score = info.bytes + self.info[other].bytes - self.union(gid, other).bytes
+                if score > 0:
+                    yield other, kind, score
 
     def run(self) -> None:
         heap: list[tuple] = []
@@ -329,35 +418,65 @@ class _Fuser:
             _, _, a, b, va, vb = heapq.heappop(heap)
             if self.version.get(a) != va or self.version.get(b) != vb:
                 continue
-            x, y = (a, b) if self.rank[a] < self.rank[b] else (b, a)
-            if self.reaches(x, y):
-                continue
             members = sorted(self.members[a] + self.members[b], key=self.pos.__getitem__)
-            summary = self.summary(members)
-            info = {k: v for k, v in self.info.items() if k != b}
-            info[a] = summary
-            order = self.schedule_order((a, b), info)
-            if not order:
+            if self.category(members, set(members)) is None:
                 continue
-            if self.check_peak:
-                peak = self.peak_of(order, info)     # scans are never merged: workspaces hold
-                if peak > self.peak:
-                    continue
-                self.peak = peak
-            for nid in self.members.pop(b):
-                self.group[nid] = a
-            self.members[a] = members
-            self.info = info
-            del self.version[b]
-            self.version[a] += 1
-            self.order = order
-            self.rank = {gid: k for k, gid in enumerate(order)}
-            push(a)
+            x, y = (a, b) if self.rank[a] < self.rank[b] else (b, a)
+            u = self.union(a, b)
+            got = self.window(x, y, u)
+            if got is None:
+                continue
+            new, prof = got
+            i, j = self.rank[x], self.rank[y]
+            peak = max(self.pre[i - 1] if i else 0, max(prof),
+                       self.suf[j + 1] if j + 1 < len(self.order) else 0)
+            if self.check_peak and peak > self.peak:
+                continue
+            self.merge(x, y, u)
+            keep = min(a, b)
+            self.order = self.order[:i] + [keep if g == x else g for g in new] + self.order[j + 1:]
+            self._reindex(self.prof[:i] + prof + self.prof[j + 1:])
+            push(keep)
+
+    def merge(self, x: int, y: int, u: _Summary) -> None:
+        """Fold groups x and y into one labelled min(x, y); update every map but the order."""
+        keep = min(x, y)
+        pair = {x, y}
+        old_in = self.info[x].inputs + self.info[y].inputs
+        old_out = self.info[x].outputs + self.info[y].outputs
+        members = sorted(self.members.pop(x) + self.members.pop(y), key=self.pos.__getitem__)
+        for nid in members:
+            self.group[nid] = keep
+        self.members[keep] = members
+        for v in old_out:
+            del self.prod[v]
+        for v in u.outputs:
+            self.prod[v] = keep
+        for v in old_in:
+            self.readers[v] -= pair
+        for v in u.inputs:
+            self.readers[v].add(keep)
+        preds = (self.preds.pop(x) | self.preds.pop(y)) - pair
+        succs = (self.succs.pop(x) | self.succs.pop(y)) - pair
+        for p in preds:
+            self.succs[p] -= pair
+            self.succs[p].add(keep)
+        for q in succs:
+            self.preds[q] -= pair
+            self.preds[q].add(keep)
+        self.preds[keep], self.succs[keep] = preds, succs
+        self.ws[keep] = self.ws.pop(x) + self.ws.pop(y)
+        version = max(self.version.pop(x), self.version.pop(y)) + 1
+        del self.info[x], self.info[y]
+        self.info[keep], self.version[keep] = u, version
+        ta, tb = self.tag.pop(x), self.tag.pop(y)
+        self.tag[keep] = (ta[0] + tb[0], ta[1] + tb[1], ta[2] | tb[2])
 
     def kernels(self) -> list[Kernel]:
         out = []
         for gid in self.order:
-            members, s = self.members[gid], self.info[gid]
+            members = self.members[gid]
+            s = self.summary(members)
             flops = sum(node_flops(self.node[n], self.g, self._body_flops(n)) for n in members)
             out.append(Kernel("", s.category, tuple(members), s.inputs, s.outputs, flops,
                               s.bytes))
@@ -369,6 +488,7 @@ class _Fuser:
 
 
 def _fuse_graph(g: Graph, check_peak: bool, merge: bool = True) -> Schedule:
+    """Fuse the scan bodies first (a scan kernel's workspace is its body's peak), then `g`."""
     bodies = {n.id: _fuse_graph(n.attr("body"), check_peak, merge)
               for n in g if n.op is Op.SCAN}
     f = _Fuser(g, bodies, check_peak)
@@ -398,7 +518,8 @@ def _name(s: Schedule, counter: Iterator[int]) -> Schedule:
     kernels = []
     bodies: dict[int, Schedule] = {}
     for k in s.kernels:
-        name = f"titanc_{PREFIX[k.category]}_fused_{'_'.join(kernel_ops(s.graph, k))}_{next(counter)}"
+        ops = "_".join(kernel_ops(s.graph, k))
+        name = f"titanc_{PREFIX[k.category]}_fused_{ops}_{next(counter)}"
         kernels.append(Kernel(name, k.category, k.nodes, k.inputs, k.outputs, k.flops, k.bytes))
         for nid in k.nodes:
             if nid in s.bodies:

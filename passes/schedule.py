@@ -4,7 +4,9 @@ A `Schedule` is a graph cut into `Kernel`s listed in execution order. Every non-
 the graph belongs to exactly one kernel; the ITEMs of a SCAN belong to the SCAN's kernel, and
 a SCAN's body has its own `Schedule` (in `Schedule.bodies`, keyed by the SCAN node id), never
 mixed with the outside. A value goes to memory exactly when it crosses a kernel boundary: it is
-a graph input, a graph output, or an output of one kernel that a later kernel reads.
+a graph input, a graph output, or an output of one kernel that a later kernel reads. The one
+exception is an immediate (`is_immediate`: a scalar FULL): a kernel that reads one it does not
+contain uses the literal value (`node.attr("value")`), so it is in no kernel's `inputs`.
 
 Liveness is over kernel indices: value v is live during kernels `first..last` (inclusive),
 where `first` is its producer's index (0 for graph inputs) and `last` the last kernel reading
@@ -24,15 +26,19 @@ PREFIX = {"pointwise": "poi", "reduction": "red", "matmul": "mm", "template": "t
 
 @dataclass(frozen=True)
 class Kernel:
-    """One launch. `nodes` are IR node ids of the schedule's graph, in topological order."""
+    """One launch. `nodes` are IR node ids of the schedule's graph, in topological order.
+    What each category may contain (and so what codegen must handle) is listed in
+    `passes/fusion.py`."""
     name: str                    # titanc_{poi|red|mm|tem}_fused_<ops>_<n>
     category: str                # "pointwise" | "reduction" | "matmul" | "template"
     nodes: tuple[int, ...]       # nodes it computes (a SCAN's ITEMs belong to the SCAN's kernel)
     inputs: tuple[int, ...]      # values it reads that other kernels / graph inputs produce
     outputs: tuple[int, ...]     # values it produces that later kernels or graph outputs read
     flops: int                   # elementwise 1/element, einsum 2*prod(letter sizes),
-                                 # reductions 1/input element, scan: length * body flops
-    bytes: int                   # bytes of distinct inputs read + outputs written
+                                 # reductions and scatter-adds 1/input element,
+                                 # scan: length * its body's flops
+    bytes: int                   # bytes of distinct inputs read + outputs written (a scan:
+                                 # operands and results; its body's traffic is the body's)
 
 
 @dataclass
@@ -128,11 +134,12 @@ def live_profile(schedule: Schedule, exclude: Collection[int] = (),
 
 
 def peak_live_bytes(schedule: Schedule, exclude: Collection[int] = (),
-                    exclude_inputs: bool = False, include_bodies: bool = True) -> int:
+                    exclude_inputs: bool = True, include_bodies: bool = True) -> int:
     """The largest number of bytes live during one kernel (0 for an empty schedule).
 
-    `exclude` drops values by id; `exclude_inputs` drops the graph's inputs (a scan body's
-    inputs live outside its workspace). Scan bodies count at their own peak, inputs excluded.
+    By default graph inputs do not count (parameters and a scan body's inputs live outside
+    the activation arena); `exclude` drops more values by id. A scan kernel adds its body's
+    peak (`include_bodies`), the body's inputs excluded.
     """
     skip = set(exclude)
     if exclude_inputs:
@@ -140,6 +147,79 @@ def peak_live_bytes(schedule: Schedule, exclude: Collection[int] = (),
     return max(live_profile(schedule, skip, include_bodies), default=0)
 
 
-def is_item_of_scan(g: Graph, nid: int) -> bool:
-    node = g.node(nid)
-    return node.op is Op.ITEM and g.node(node.inputs[0]).op is Op.SCAN
+class ScheduleError(Exception):
+    pass
+
+
+def verify_schedule(schedule: Schedule) -> Schedule:
+    """Check a schedule and its bodies; raise `ScheduleError` naming the kernel and the rule.
+
+    1. cover: every non-INPUT node of the graph is in exactly one kernel, and kernels hold
+       only nodes of this graph;
+    2. scan: a SCAN's kernel is a template holding just the SCAN and its ITEMs, and the SCAN
+       has a body schedule over exactly its body graph (verified recursively);
+    3. closed: each operand of a kernel's node is in the kernel, in its `inputs`, or an
+       immediate;
+    4. order: each input is a graph input or an output of an earlier kernel (so the kernel
+       graph is a DAG and the list is a topological order of it);
+    5. outputs: a kernel's `outputs` are exactly its values that a graph output names or
+       another kernel lists as an input;
+    6. names: unique, `titanc_<prefix>_fused_...` with the prefix of the kernel's category.
+    """
+    g = schedule.graph
+    seen: dict[int, str] = {}
+    read: set[int] = set()
+    made: set[int] = set()
+    names: set[str] = set()
+    graph_out = {v for _, v in g.outputs}
+
+    def fail(k: Kernel | None, rule: str, msg: str) -> ScheduleError:
+        return ScheduleError(f"{rule}: {g.name}: {k.name + ': ' if k else ''}{msg}")
+
+    for k in schedule.kernels:
+        if k.category not in PREFIX or not k.name.startswith(f"titanc_{PREFIX[k.category]}_fused_"):
+            raise fail(k, "names", f"category {k.category!r} does not match the name")
+        if k.name in names:
+            raise fail(k, "names", "duplicate kernel name")
+        names.add(k.name)
+        inside = set(k.nodes)
+        for nid in k.nodes:
+            if nid not in g or g.node(nid).op is Op.INPUT:
+                raise fail(k, "cover", f"%{nid} is not a non-INPUT node of the graph")
+            if nid in seen:
+                raise fail(k, "cover", f"%{nid} is also in {seen[nid]}")
+            seen[nid] = k.name
+            node = g.node(nid)
+            for i in node.inputs:
+                if i not in inside and i not in k.inputs and not is_immediate(g, i):
+                    raise fail(k, "closed", f"%{nid} reads %{i}, neither computed nor an input")
+            if node.op is Op.SCAN:
+                extra = [n for n in k.nodes if n != nid and not (
+                    g.node(n).op is Op.ITEM and g.node(n).inputs[0] == nid)]
+                body = schedule.bodies.get(nid)
+                if k.category != "template" or extra:
+                    raise fail(k, "scan", f"scan %{nid} shares its kernel with {extra}")
+                if body is None or body.graph is not node.attr("body"):
+                    raise fail(k, "scan", f"scan %{nid} has no schedule of its body")
+                verify_schedule(body)
+        for v in k.inputs:
+            if v not in made and g.node(v).op is not Op.INPUT:
+                raise fail(k, "order", f"input %{v} is not produced by an earlier kernel")
+        read.update(k.inputs)
+        made.update(k.outputs)
+    missing = [n.id for n in g if n.op is not Op.INPUT and n.id not in seen]
+    if missing:
+        raise fail(None, "cover", f"nodes {missing[:10]} are in no kernel")
+    for k in schedule.kernels:
+        want = [n for n in k.nodes if g.node(n).op is not Op.SCAN and (n in graph_out or n in read)]
+        if list(k.outputs) != want:
+            raise fail(k, "outputs", f"outputs {list(k.outputs)} should be {want}")
+    return schedule
+
+
+def is_immediate(g: Graph, vid: int) -> bool:
+    """A scalar constant (FULL of shape ()). It sits in one kernel like every node, but other
+    pointwise/reduction/matmul kernels that read it inline its value instead of listing it as
+    an input; it goes to memory only when a template kernel reads it or it is a graph output."""
+    n = g.node(vid)
+    return n.op is Op.FULL and tuple(n.attr("shape")) == ()

@@ -1,0 +1,69 @@
+"""The kernel template families: one `render_<family>` hook per `codegen/templates/*.py.jinja`.
+
+Fused families (`fused_families.py`, hook-made statements inside):
+    render_pointwise      poi  launch(*inputs, *outputs, *scalars, shape)
+    render_reduction      red  launch(*inputs, *row_outputs, *reduced_outputs, n_rows, n_cols)
+    render_matmul         mm   launch(a, b, c[, scale], *epilogue_inputs, *scalars)
+Fixed-structure families (`fixed_families.py`):
+    render_gate_scan      tem  launch(log_eta, log_keep, theta, w, s, coef_s, decay_end,
+                                      momentum_end)
+    render_attention_fwd  tem  launch(q, k, v, o, lse, *group_lengths, sm_scale)
+    render_attention_bwd  tem  launch(q, k, v, o, lse, do, dq, dk, dv, delta, *group_lengths,
+                                      sm_scale)
+    render_cross_entropy  tem  launch(h, w, target, loss, lse)
+                               backward: launch(h, w, target, lse, dloss, dh, dw)
+    render_dwconv         tem  launch(x, w, out); backward: launch(x, w, dout, dx, dw)
+    render_adamw          tem  launch(param, grad, exp_avg, exp_avg_sq, decay_mask, *, lr, beta1,
+                                      beta2, eps, weight_decay, step[, max_norm, grad_norm,
+                                      partials])
+
+Each hook returns module source; `render.load_module(source, name)` imports it.
+"""
+
+from __future__ import annotations
+
+from .fixed_families import (
+    ATTENTION_KERNEL_LOCALS,
+    KeyGroup,
+    render_adamw,
+    render_attention_bwd,
+    render_attention_fwd,
+    render_cross_entropy,
+    render_dwconv,
+    render_gate_scan,
+)
+from .fused_families import (
+    MATMUL_KERNEL_LOCALS,
+    POINTWISE_KERNEL_LOCALS,
+    REDUCTION_KERNEL_LOCALS,
+    ReductionStage,
+    render_matmul,
+    render_pointwise,
+    render_reduction,
+)
+from .meta import LAUNCH_LOCALS
+
+__all__ = [
+    "TEMPLATE_LOCALS",
+    "KeyGroup",
+    "ReductionStage",
+    "render_adamw",
+    "render_attention_bwd",
+    "render_attention_fwd",
+    "render_cross_entropy",
+    "render_dwconv",
+    "render_gate_scan",
+    "render_matmul",
+    "render_pointwise",
+    "render_reduction",
+]
+
+# Names each family's template binds itself (kernel and launcher locals, module constants):
+# a user-derived name never equals one of them (`expr.Scope` prefixes it). A test renders the
+# families and checks that these lists are complete.
+TEMPLATE_LOCALS: dict[str, frozenset[str]] = {
+    "pointwise": POINTWISE_KERNEL_LOCALS | LAUNCH_LOCALS,
+    "reduction": REDUCTION_KERNEL_LOCALS | LAUNCH_LOCALS,
+    "matmul": MATMUL_KERNEL_LOCALS | LAUNCH_LOCALS,
+    "attention": ATTENTION_KERNEL_LOCALS | LAUNCH_LOCALS,
+}

@@ -1,0 +1,300 @@
+"""Hooks of the fixed-structure (`tem`) families: chunk-gate scan, flash attention forward and
+backward over key groups, fused LM-head cross-entropy, causal depthwise conv, and AdamW.
+
+Their kernels take no statements; hooks choose dtypes, block sizes and the key-group layout,
+and name the few user-derived identifiers (attention group lengths) through a `Namer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .meta import LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2
+from .render import Namer, render, sanitize_comment
+
+__all__ = [
+    "ATTENTION_KERNEL_LOCALS",
+    "KeyGroup",
+    "render_adamw",
+    "render_attention_bwd",
+    "render_attention_fwd",
+    "render_cross_entropy",
+    "render_dwconv",
+    "render_gate_scan",
+]
+
+
+# --- gate scan --------------------------------------------------------------------------------
+
+def render_gate_scan(
+    name: str,
+    *,
+    chunk: int,
+    dtype: str = "float32",
+    header_lines: Sequence[str] = (),
+    num_warps: int = 4,
+) -> str:
+    """Chunk-gate recurrences in log space (DESIGN.md section 2, closed form), one row per chunk.
+
+    From log eta, log(1 - alpha), theta per (batch, head, chunk, token) it writes the token
+    weights w (for W's update) and s (for S's update), and per chunk coef_s, decay_end = D_b
+    and momentum_end = E_b. A chunk of `chunk` tokens is one block (pairs are chunk^2 values).
+    Launcher: `launch(log_eta, log_keep, theta, w, s, coef_s, decay_end, momentum_end)`.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1")
+    return render(
+        "gate_scan.py.jinja",
+        name=name,
+        header_lines=header_lines,
+        block_t=pow2(chunk, 16),
+        compute_dtype=compute_dtype(dtype),
+        num_warps=num_warps,
+    )
+
+
+# --- attention --------------------------------------------------------------------------------
+
+ATTENTION_KERNEL_LOCALS = frozenset("""
+    BLOCK_M BLOCK_N HEAD_DIM _visible _attend_group _dq_group q k v o do dq dk dv lse delta
+    q_ptr k_ptr v_ptr o_ptr do_ptr dq_ptr dk_ptr dv_ptr lse_ptr delta_ptr n_queries head_dim
+    key_offset key_len sm_scale start_m start_n head batch offs_m offs_n offs_d m_mask n_mask
+    d_mask q_base k_base v_base o_base do_base dq_base dk_base dv_base m_i l_i acc l_safe
+    lo hi CAUSAL WINDOW heads n_keys qi kj visible qk m_new m_safe alpha p dp ds sT pT dpT dsT
+    tile_mask keys lengths GROUPS key_offset causal window kv_mask q_mask lse_base delta_base
+    q_ptrs k_ptrs v_ptrs o_ptrs do_ptrs dq_ptrs dk_ptrs dv_ptrs lse_ptrs delta_ptrs
+""".split()) | frozenset(  # strides: tensor letters x axis letters, as in the Triton tutorials
+    f"stride_{t}{a}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv", "l", "delta")
+    for a in "zhmnd")
+
+
+@dataclass(frozen=True)
+class KeyGroup:
+    """One contiguous run of keys in the attention key/value tensor.
+
+    `causal=False`: every query sees every key of the group (persistent tokens).
+    `causal=True`: query i sees group key j iff j <= i, and with a `window` W also i - W < j
+    (the sequence itself in SWA; both the memory block h and the segment in MAC).
+    """
+
+    label: str
+    causal: bool
+    window: int | None = None
+
+    def rule(self) -> str:
+        if not self.causal:
+            return "every query sees every key"
+        if self.window:
+            return f"causal sliding window, query i sees key j iff i - {self.window} < j <= i"
+        return "causal, query i sees key j iff j <= i"
+
+
+def _attention_context(name: str, groups: Sequence[KeyGroup], head_dim: int, dtype: str,
+                       allow_tf32: bool, block_m: int, block_n: int, num_warps: int,
+                       header_lines: Sequence[str]) -> dict[str, object]:
+    if not groups:
+        raise ValueError("attention needs at least one key group")
+    check_block("block_m", block_m, 16)
+    check_block("block_n", block_n, 16)
+    namer = Namer(ATTENTION_KERNEL_LOCALS | LAUNCH_LOCALS)
+    len_args = [namer.fresh(f"n_{g.label}") for g in groups]
+    ctx_groups = []
+    for i, (g, n) in enumerate(zip(groups, len_args)):
+        if g.window is not None and (not g.causal or g.window < 1):
+            raise ValueError(f"key group {g.label!r}: a window needs causal=True and >= 1")
+        ctx_groups.append({
+            "label": sanitize_comment(g.label),
+            "len_arg": n,
+            "k_start": _group_start("k_base", "stride_kn", len_args[:i]),
+            "v_start": _group_start("v_base", "stride_vn", len_args[:i]),
+            "causal": str(g.causal),
+            "window": str(int(g.window or 0)),
+            "rule": g.rule(),
+        })
+    return dict(
+        name=name,
+        header_lines=header_lines,
+        groups=ctx_groups,
+        group_summary=" | ".join(f"{c['label']}: {'causal' if g.causal else 'all'}"
+                                 + (f" W={g.window}" if g.window else "")
+                                 for c, g in zip(ctx_groups, groups)),
+        len_args=len_args,
+        block_m=block_m,
+        block_n=block_n,
+        head_dim_block=pow2(head_dim, 16),
+        acc_dtype=compute_dtype(dtype),
+        precision=dot_precision(allow_tf32),
+        num_warps=num_warps,
+    )
+
+
+def _group_start(base: str, stride: str, before: Sequence[str]) -> str:
+    """Pointer to a key group's first row: the base moved past the groups before it."""
+    if not before:
+        return base
+    return f"{base} + ({' + '.join(before)}) * {stride}"
+
+
+def render_attention_fwd(
+    name: str,
+    *,
+    groups: Sequence[KeyGroup],
+    head_dim: int,
+    dtype: str = "float32",
+    allow_tf32: bool = False,
+    header_lines: Sequence[str] = (),
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> str:
+    """Flash-attention forward over `groups` of keys (persistent | causal+window | ...).
+
+    SWA: `[KeyGroup("persistent", False), KeyGroup("seq", True, window=W)]`;
+    MAC: `[KeyGroup("persistent", False), KeyGroup("memory", True), KeyGroup("segment", True)]`.
+    Launcher: `launch(q, k, v, o, lse, n_<group>..., sm_scale)`.
+    """
+    ctx = _attention_context(name, groups, head_dim, dtype, allow_tf32, block_m, block_n,
+                             num_warps, header_lines)
+    return render("attention_fwd.py.jinja", **ctx)
+
+
+def render_attention_bwd(
+    name: str,
+    *,
+    groups: Sequence[KeyGroup],
+    head_dim: int,
+    dtype: str = "float32",
+    allow_tf32: bool = False,
+    header_lines: Sequence[str] = (),
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> str:
+    """Flash-attention backward (dq kernel, then a dk/dv kernel per key group).
+
+    Launcher: `launch(q, k, v, o, lse, do, dq, dk, dv, delta, n_<group>..., sm_scale)`;
+    `delta` is a [batch, head, queries] scratch tensor.
+    """
+    ctx = _attention_context(name, groups, head_dim, dtype, allow_tf32, block_m, block_n,
+                             num_warps, header_lines)
+    return render("attention_bwd.py.jinja", **ctx)
+
+
+# --- cross-entropy ----------------------------------------------------------------------------
+
+def render_cross_entropy(
+    name: str,
+    *,
+    d_model: int,
+    backward: bool = False,
+    accumulate_dw: bool = False,
+    ignore_index: int = -100,
+    dtype: str = "float32",
+    allow_tf32: bool = False,
+    header_lines: Sequence[str] = (),
+    block_n: int = 16,
+    block_v: int = 64,
+    num_warps: int = 4,
+) -> str:
+    """Chunked LM-head cross-entropy with the head matmul fused in (forward or backward).
+
+    The whole model width is one block (BLOCK_D = next power of two >= d_model), so h rows
+    and W rows are loaded once per tile and no [rows, vocab] logits exist beyond one block.
+    Forward launcher: `launch(h, w, target, loss, lse)`.
+    Backward launcher: `launch(h, w, target, lse, dloss, dh, dw)`; with `accumulate_dw` the
+    kernel adds into dw (a tied embedding gradient, or several chunks of rows).
+    """
+    check_block("block_n", block_n, 16)
+    check_block("block_v", block_v, 16)
+    if d_model < 1:
+        raise ValueError(f"d_model={d_model} must be >= 1")
+    return render(
+        "cross_entropy.py.jinja",
+        name=name,
+        header_lines=header_lines,
+        backward=backward,
+        accumulate=accumulate_dw,
+        ignore_index=int(ignore_index),
+        block_n=block_n,
+        block_v=block_v,
+        block_d=pow2(d_model, 16),
+        acc_dtype=compute_dtype(dtype),
+        precision=dot_precision(allow_tf32),
+        num_warps=num_warps,
+    )
+
+
+# --- depthwise conv ---------------------------------------------------------------------------
+
+def render_dwconv(
+    name: str,
+    *,
+    kernel_size: int,
+    backward: bool = False,
+    dtype: str = "float32",
+    header_lines: Sequence[str] = (),
+    block_t: int = 64,
+    block_c: int = 32,
+    num_warps: int = 4,
+) -> str:
+    """Causal depthwise conv1d over [batch, time, channel] with zero history (forward or backward).
+
+    Forward launcher: `launch(x, w, out)`; backward: `launch(x, w, dout, dx, dw)` (dx kernel
+    over (time, channel, batch) tiles, then a dw kernel per channel block reducing over batch
+    and time in a fixed order, so dw is deterministic).
+    """
+    if kernel_size < 1:
+        raise ValueError(f"kernel_size={kernel_size} must be >= 1")
+    check_block("block_t", block_t)
+    check_block("block_c", block_c)
+    return render(
+        "dwconv.py.jinja",
+        name=name,
+        header_lines=header_lines,
+        backward=backward,
+        kernel_size=int(kernel_size),
+        kernel_pad=pow2(kernel_size),
+        block_t=block_t,
+        block_c=block_c,
+        acc_dtype=compute_dtype(dtype),
+        num_warps=num_warps,
+    )
+
+
+# --- AdamW ------------------------------------------------------------------------------------
+
+def render_adamw(
+    name: str,
+    *,
+    clip: bool = True,
+    dtype: str = "float32",
+    header_lines: Sequence[str] = (),
+    block: int = 1024,
+    num_partials: int = 1024,
+    num_warps: int = 4,
+) -> str:
+    """AdamW over the flat persistent region, with global grad-norm clipping when `clip`.
+
+    Two launches with clipping (partial sums of grad^2, then the update, which reduces the
+    partials on device), one without. Weight decay applies where `decay_mask` is nonzero.
+    Launcher: `launch(param, grad, exp_avg, exp_avg_sq, decay_mask, *, lr, beta1, beta2, eps,
+    weight_decay, step[, max_norm, grad_norm, partials])`.
+    """
+    check_block("block", block, 16)
+    check_block("num_partials", num_partials)
+    acc = compute_dtype(dtype)
+    return render(
+        "adamw.py.jinja",
+        name=name,
+        header_lines=header_lines,
+        clip=clip,
+        block=block,
+        num_partials=num_partials,
+        acc_dtype=acc,
+        partials_dtype=acc.removeprefix("tl."),
+        num_warps=num_warps,
+    )
+
+
+# Names each family's template binds itself (kernel and launcher locals, module constants):

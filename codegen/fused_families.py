@@ -1,0 +1,306 @@
+"""Hooks of the fused families, whose kernels carry hook-made statements: pointwise (`poi`),
+row reduction with prologue/epilogues (`red`), and batched matmul with an epilogue (`mm`).
+
+Each `render_<family>` returns the source of one module: a `@triton.jit` kernel named as
+passed in (`titanc_{poi|red|mm}_fused_<ops>_<n>`), headed by `header_lines`, and a plain
+`launch(...)` over torch tensors. Every user-derived name and statement goes through one
+`expr.Scope` per kernel, so nothing a spec says can shadow a template's own names or inject
+code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .expr import Scope, slice_statements
+from .meta import LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2
+from .render import render
+
+__all__ = [
+    "MATMUL_KERNEL_LOCALS",
+    "POINTWISE_KERNEL_LOCALS",
+    "REDUCTION_KERNEL_LOCALS",
+    "ReductionStage",
+    "render_matmul",
+    "render_pointwise",
+    "render_reduction",
+]
+
+# --- pointwise --------------------------------------------------------------------------------
+
+POINTWISE_KERNEL_LOCALS = frozenset("""
+    BLOCK RANK pid offs mask rest numel idx_0 idx_1 idx_2 idx_3 size_0 size_1 size_2 size_3
+""".split())
+
+
+def render_pointwise(
+    name: str,
+    *,
+    inputs: Sequence[str],
+    outputs: Sequence[tuple[str, str]],
+    body: Sequence[str],
+    rank: int,
+    scalars: Sequence[str] = (),
+    dtype: str = "float32",
+    header_lines: Sequence[str] = (),
+    block: int = 1024,
+    num_warps: int = 4,
+) -> str:
+    """Fused elementwise kernel over the flat index space of a common rank-`rank` shape.
+
+    inputs: tensor names; each is loaded (with its own strides, 0 on broadcast axes) into a
+        value of the same (sanitised) name that `body` reads.
+    outputs: `(tensor name, body variable)` pairs; the variable is stored into the tensor.
+    body: one-line statements (see `expr.pointwise_statements`).
+    scalars: runtime scalar kernel arguments `body` may read (e.g. a learning rate).
+    Launcher: `launch(*inputs, *outputs, *scalars, shape)`.
+    """
+    if not 1 <= rank <= 4:
+        raise ValueError(f"pointwise rank {rank} must be between 1 and 4")
+    check_block("block", block, 16)
+    scope = Scope(POINTWISE_KERNEL_LOCALS | LAUNCH_LOCALS)
+    strides = [f"stride_{{}}_{d}" for d in range(rank)]
+    in_names = [scope.declare(n, ["{}_ptr", *strides]) for n in inputs]
+    out_names = [scope.declare(n, ["{}_ptr", *strides]) for n, _ in outputs]
+    scalar_names = [scope.declare(n) for n in scalars]
+    stmts = scope.statements(body)
+    out_vars = [scope.ref(var) for _, var in outputs]
+
+    def tensor(arg: str, var: str) -> dict[str, object]:
+        strides = [f"stride_{arg}_{d}" for d in range(rank)]
+        offset = " + ".join(f"idx_{d} * {s}" for d, s in enumerate(strides))
+        return {"arg": arg, "ptr": f"{arg}_ptr", "var": var, "strides": strides,
+                "offset": offset}
+
+    ins = [tensor(a, a) for a in in_names]
+    outs = [tensor(a, v) for a, v in zip(out_names, out_vars)]
+    return render(
+        "pointwise.py.jinja",
+        name=name,
+        header_lines=header_lines,
+        rank=rank,
+        block=block,
+        num_warps=num_warps,
+        compute_dtype=compute_dtype(dtype),
+        inputs=ins,
+        outputs=outs,
+        tensors=ins + outs,
+        sizes=[f"size_{d}" for d in range(rank)],
+        index_lines=_index_lines(rank),
+        scalars=scalar_names,
+        body=stmts,
+        launch_params=in_names + out_names + scalar_names,
+        tensor_args=in_names + out_names,
+    )
+
+
+def _index_lines(rank: int) -> list[str]:
+    """Row-major decomposition of the flat `offs` into `idx_0 .. idx_{rank-1}`."""
+    if rank == 1:
+        return ["idx_0 = offs"]
+    lines = [f"idx_{rank - 1} = offs % size_{rank - 1}", f"rest = offs // size_{rank - 1}"]
+    for d in range(rank - 2, 0, -1):
+        lines += [f"idx_{d} = rest % size_{d}", f"rest = rest // size_{d}"]
+    lines.append("idx_0 = rest")
+    return lines
+
+
+# --- reduction --------------------------------------------------------------------------------
+
+REDUCTION_KERNEL_LOCALS = frozenset("""
+    BLOCK_R BLOCK_C pid rows row_mask cols mask col_start n_rows n_cols
+""".split())
+
+
+@dataclass(frozen=True)
+class ReductionStage:
+    """`result = op(operand)` over each row, after `prologue` computed `operand` from the row.
+
+    `op` is "sum" or "max"; masked columns never contribute. `result` has shape (BLOCK_R, 1),
+    so later statements broadcast it against rows without indexing. `epilogue` statements run
+    on reduced values only (e.g. `inv = tl.rsqrt(ss / n_cols + 1e-6)`).
+    """
+
+    op: str
+    operand: str
+    result: str
+    prologue: tuple[str, ...] = ()
+    epilogue: tuple[str, ...] = ()
+
+
+def render_reduction(
+    name: str,
+    *,
+    inputs: Sequence[str],
+    stages: Sequence[ReductionStage],
+    n_cols: int,
+    row_epilogue: Sequence[str] = (),
+    row_outputs: Sequence[tuple[str, str]] = (),
+    reduced_outputs: Sequence[tuple[str, str]] = (),
+    dtype: str = "float32",
+    header_lines: Sequence[str] = (),
+    block_r: int = 1,
+    block_c: int | None = None,
+    max_single_block: int = 4096,
+    num_warps: int = 4,
+) -> str:
+    """Row reduction(s) over the last axis of [rows, cols] views with prologue and epilogues.
+
+    inputs: row tensors, loaded into values of the same (sanitised) name; a [cols] weight
+        broadcasts over rows, a [rows, 1] tensor over columns.
+    stages: reductions in order; a later stage may read earlier results (softmax: max, then
+        sum of exp(x - max)).
+    row_epilogue / row_outputs: statements on the row and `(tensor, var)` pairs stored per
+        element. reduced_outputs: `(tensor, var)` pairs stored per row ([rows] tensors).
+    n_cols: the static row length. When it fits one block (`block_c` unset, or >= n_cols) the
+        row is loaded once; otherwise each stage loops over column blocks of `block_c`.
+    Launcher: `launch(*inputs, *row_outputs, *reduced_outputs, n_rows, n_cols)`.
+    """
+    if not stages:
+        raise ValueError("a reduction needs at least one stage")
+    check_block("block_r", block_r)
+    if block_c is None:
+        block_c = pow2(n_cols, 16) if n_cols <= max_single_block else 1024
+    check_block("block_c", block_c, 16)
+    single_pass = block_c >= n_cols
+    cd = compute_dtype(dtype)
+    scope = Scope(REDUCTION_KERNEL_LOCALS | LAUNCH_LOCALS)
+    derived = ["{}_ptr", "stride_{}_row", "stride_{}_col"]
+    in_names = [scope.declare(n, derived) for n in inputs]
+    row_out_names = [scope.declare(n, derived) for n, _ in row_outputs]
+    red_out_names = [scope.declare(n, derived) for n, _ in reduced_outputs]
+    all_names = in_names + row_out_names + red_out_names
+
+    def row_tensor(arg: str, var: str) -> dict[str, object]:
+        strides = [f"stride_{arg}_row", f"stride_{arg}_col"]
+        return {"arg": arg, "ptr": f"{arg}_ptr", "var": var, "strides": strides,
+                "offset": f"rows * {strides[0]} + cols * {strides[1]}"}
+
+    stage_ctx: list[dict[str, object]] = []
+    prologues: list[str] = []
+    for st in stages:
+        if st.op not in ("sum", "max"):
+            raise ValueError(f"reduction op {st.op!r} must be 'sum' or 'max'")
+        pro = scope.statements(st.prologue)
+        operand, result = scope.ref(st.operand), scope.assign(st.result)
+        epi = scope.statements(st.epilogue)
+        prologues += pro
+        where = "0.0" if st.op == "sum" else 'float("-inf")'
+        reduced = f"tl.{st.op}(tl.where(mask, {operand}, {where}), axis=1, keep_dims=True)"
+        needed, free = slice_statements(prologues, {operand})
+        stage_ctx.append({
+            "op": st.op, "operand": operand, "result": result, "epilogue": epi,
+            "prologue": pro if single_pass else needed,
+            "reduce": reduced,
+            "init": (f"tl.zeros([BLOCK_R, 1], dtype={cd})" if st.op == "sum"
+                     else f'tl.full([BLOCK_R, 1], float("-inf"), dtype={cd})'),
+            "combine": (f"{result} + {reduced}" if st.op == "sum"
+                        else f"tl.maximum({result}, {reduced})"),
+            "loads": [a for a in in_names if a in free],
+        })
+    row_stmts = scope.statements(row_epilogue)
+    ins = [row_tensor(a, a) for a in in_names]
+    row_outs = [row_tensor(a, scope.ref(v)) for a, (_, v) in zip(row_out_names, row_outputs)]
+    row_values = [{"arg": a, "ptr": f"{a}_ptr", "var": scope.ref(v),
+                   "strides": [f"stride_{a}_row"], "offset": f"rows * stride_{a}_row"}
+                  for a, (_, v) in zip(red_out_names, reduced_outputs)]
+    for stage in stage_ctx:
+        stage["loads"] = [t for t in ins if t["arg"] in stage["loads"]]
+    final_stmts, final_free = slice_statements(prologues + row_stmts, {t["var"] for t in row_outs})
+    return render(
+        "reduction.py.jinja",
+        name=name,
+        header_lines=header_lines,
+        block_r=block_r,
+        block_c=block_c,
+        num_warps=num_warps,
+        compute_dtype=cd,
+        single_pass=single_pass,
+        inputs=ins,
+        stages=stage_ctx,
+        row_epilogue=row_stmts,
+        row_outputs=row_outs,
+        row_values=row_values,
+        final_stmts=final_stmts,
+        final_loads=[t for t in ins if t["var"] in final_free],
+        tensors=ins + row_outs + row_values,
+        row_tensors=ins + row_outs,
+        launch_params=all_names,
+        tensor_args=all_names,
+    )
+
+
+# --- matmul -----------------------------------------------------------------------------------
+
+MATMUL_KERNEL_LOCALS = frozenset("""
+    stride_ab stride_am stride_ak stride_bb stride_bk stride_bn stride_cb stride_cm stride_cn
+    stride_sb stride_sk c_ptrs scale_ptrs BLOCK_M BLOCK_N BLOCK_K GROUP_M a b c a_ptr b_ptr c_ptr
+    scale
+    scale_ptr M N K batch pid num_pid_m num_pid_n num_pid_in_group group_id first_pid_m
+    group_size_m pid_m pid_n offs_m offs_n offs_k m_mask n_mask k_mask a_ptrs b_ptrs acc
+    k_start rows cols mask
+""".split())
+
+
+def render_matmul(
+    name: str,
+    *,
+    k_scale: bool = False,
+    epilogue: Sequence[str] = (),
+    epilogue_inputs: Sequence[str] = (),
+    result: str = "acc",
+    scalars: Sequence[str] = (),
+    dtype: str = "float32",
+    allow_tf32: bool = False,
+    header_lines: Sequence[str] = (),
+    block_m: int = 64,
+    block_n: int = 64,
+    block_k: int = 32,
+    group_m: int = 8,
+    num_warps: int = 4,
+) -> str:
+    """Batched matmul `c[b] = a[b] @ b[b]` over arbitrary strides, fp32 (fp64) accumulation.
+
+    k_scale: multiply A's columns (the contracted axis) by a per-(batch, k) weight first:
+        `sum_u w_u delta_u (x) a_u = (delta * w)^T a`, the aggregated memory update with its
+        token weights folded into one operand (a = delta^T as a strided view, b = a_u rows).
+    epilogue: statements on `acc` (the [BLOCK_M, BLOCK_N] tile) and on `epilogue_inputs`,
+        tensors broadcast to [batch, M, N] (a bias [N], a residual [batch, M, N], a per-batch
+        scalar [batch, 1, 1]); `result` names the value stored into c.
+    allow_tf32: fp32 dots on tensor cores in tf32 (GPU only; the interpreter is exact).
+    Launcher: `launch(a, b, c[, scale], *epilogue_inputs, *scalars)`.
+    """
+    for label, blk in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        check_block(label, blk, 16)  # tl.dot needs every tile side >= 16
+    acc_dtype = compute_dtype(dtype)
+    scope = Scope(MATMUL_KERNEL_LOCALS | LAUNCH_LOCALS)
+    epi_names = [scope.declare(n, ["{}_ptr", "stride_{}_b", "stride_{}_m", "stride_{}_n"])
+                 for n in epilogue_inputs]
+    scalar_names = [scope.declare(n) for n in scalars]
+    stmts = scope.statements(epilogue)
+    res = "acc" if result == "acc" else scope.ref(result)
+    epi = [{"arg": n, "ptr": f"{n}_ptr", "var": n,
+            "strides": [f"stride_{n}_b", f"stride_{n}_m", f"stride_{n}_n"],
+            "offset": f"batch * stride_{n}_b + rows * stride_{n}_m + cols * stride_{n}_n"}
+           for n in epi_names]
+    tensors = ["a", "b", "c"] + (["scale"] if k_scale else []) + epi_names
+    return render(
+        "matmul.py.jinja",
+        name=name,
+        header_lines=header_lines,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        group_m=group_m,
+        num_warps=num_warps,
+        acc_dtype=acc_dtype,
+        precision=dot_precision(allow_tf32),
+        k_scale=k_scale,
+        epilogue=stmts,
+        epilogue_inputs=epi,
+        scalars=scalar_names,
+        result=res,
+        launch_params=tensors + scalar_names,
+        tensor_args=tensors,
+    )

@@ -1,0 +1,191 @@
+"""Rendering kernel templates: the one Jinja2 environment, name/comment sanitising, loading.
+
+Every string that reaches a generated kernel passes through this module:
+
+- `sanitize_identifier` turns any text (a spec name, an IR label) into a safe Python identifier;
+  `Namer` hands out unique sanitised names that never collide with the names a template binds
+  itself (listed per family in `families.TEMPLATE_LOCALS`).
+- `sanitize_comment` turns any text into one printable-ASCII comment line; `render` applies it
+  to `header_lines`, so a hostile spec value can neither end the comment nor add a line.
+- `render(template, **context)` renders `codegen/templates/<template>` with `StrictUndefined`:
+  a variable the hook forgot is an error, never empty text.
+- `load_module(source, name)` writes a rendered module into the kernel cache (Triton's JIT
+  reads kernel source through `inspect`, so it must live in a real file) and imports it.
+
+Rendering is deterministic: the same context gives byte-identical source.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import importlib.util
+import keyword
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+__all__ = [
+    "TEMPLATE_DIR",
+    "Namer",
+    "cache_dir",
+    "kernel_name",
+    "load_module",
+    "render",
+    "sanitize_comment",
+    "sanitize_identifier",
+]
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+
+_ENV = Environment(
+    loader=FileSystemLoader(str(TEMPLATE_DIR)),
+    undefined=StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    autoescape=False,
+)
+
+# Module names every generated file imports; with keywords and builtins, never a user name.
+_MODULE_NAMES = frozenset({"tl", "triton", "torch", "math"})
+_RESERVED: frozenset[str] = frozenset(
+    set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins)) | _MODULE_NAMES
+)
+
+_INVALID_CHARS = re.compile(r"[^A-Za-z0-9_]")
+
+
+def sanitize_identifier(s: str, prefix: str = "v_") -> str:
+    """`s` as a safe Python identifier.
+
+    Characters outside [A-Za-z0-9_] become `_`; a name that is empty, starts with a digit or
+    an underscore, is a keyword, a builtin or a module a kernel imports gets `prefix` in front.
+    The result is never a dunder, so `__import__('os')` becomes `v___import___os__`.
+    """
+    name = _INVALID_CHARS.sub("_", str(s))
+    if not name or name[0].isdigit() or name[0] == "_" or name in _RESERVED:
+        name = prefix + name
+    return name
+
+
+def sanitize_comment(s: object, max_len: int = 160) -> str:
+    """`s` as the text of one comment line: printable ASCII only, at most `max_len` chars.
+
+    Line breaks, tabs and every other control or non-ASCII character are written as visible
+    escapes (`\\n`, `\\x1b`, `\\u2028`), so the text cannot end the comment or start a new line.
+    """
+    out: list[str] = []
+    for ch in str(s):
+        code = ord(ch)
+        if 0x20 <= code < 0x7F:
+            out.append(ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif code < 0x100:
+            out.append(f"\\x{code:02x}")
+        elif code < 0x10000:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    text = "".join(out)
+    if len(text) > max_len:
+        text = text[: max_len - 3] + "..."
+    return text
+
+
+def kernel_name(category: str, ops: Sequence[str], n: int) -> str:
+    """`titanc_{poi|red|mm|tem}_fused_<ops>_<n>`, every part sanitised."""
+    if category not in ("poi", "red", "mm", "tem"):
+        raise ValueError(f"kernel category {category!r} must be one of poi, red, mm, tem")
+    parts = [re.sub("_+", "_", _INVALID_CHARS.sub("_", str(op))).strip("_") for op in ops]
+    body = "_".join(p for p in parts if p) or "kernel"
+    return f"titanc_{category}_fused_{body}_{int(n)}"
+
+
+class Namer:
+    """Hands out unique, sanitised identifiers for one kernel.
+
+    `reserved` are the names the family's template binds itself (its kernel and launcher
+    locals); a hint equal to one of them is prefixed (`mask` becomes `v_mask`). `fresh("w")`
+    gives `w`, a second `fresh("w")` gives `w_1`. `derived` patterns reserve the names a
+    template builds from the result too: `fresh("x", ("{}_ptr",))` also takes `x_ptr`.
+    """
+
+    def __init__(self, reserved: Iterable[str] = ()) -> None:
+        self._reserved = frozenset(reserved)
+        self._taken: set[str] = set()
+
+    def _free(self, name: str) -> bool:
+        return name not in self._taken and name not in self._reserved
+
+    def fresh(self, hint: str, derived: Sequence[str] = ()) -> str:
+        base = sanitize_identifier(hint)
+        if base in self._reserved:
+            base = "v_" + base
+        name, i = base, 0
+        while not (self._free(name) and all(self._free(d.format(name)) for d in derived)):
+            i += 1
+            name = f"{base}_{i}"
+        self._taken.add(name)
+        self._taken.update(d.format(name) for d in derived)
+        return name
+
+
+def render(template: str, **context: Any) -> str:
+    """Render `codegen/templates/<template>`; `header_lines` are sanitised comment lines."""
+    if "header_lines" in context:
+        context["header_lines"] = [sanitize_comment(line) for line in context["header_lines"]]
+    if "name" in context:
+        context["name"] = sanitize_identifier(context["name"], prefix="titanc_")
+    return _ENV.get_template(template).render(**context)
+
+
+def cache_dir() -> Path:
+    """Where `load_module` writes kernel files: `$TITANC_CACHE_DIR`, else a per-user temp dir."""
+    env = os.environ.get("TITANC_CACHE_DIR")
+    if env:
+        path = Path(env)
+    else:
+        user = _INVALID_CHARS.sub("_", os.environ.get("USER", "") or str(os.getuid()))
+        path = Path(tempfile.gettempdir()) / f"titanc-kernels-{user}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+_LOADED: dict[str, ModuleType] = {}
+
+
+def load_module(source: str, name: str) -> ModuleType:
+    """Write `source` to `<cache_dir>/<name>_<hash>.py` and import it as a module.
+
+    The file name carries a hash of the source, so identical sources share one file and one
+    module object, and a changed source never reuses a stale import. The write is atomic
+    (temp file + rename), so concurrent processes can share the cache.
+    """
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    mod_name = f"titanc_kernel_{sanitize_identifier(name, prefix='k_')}_{digest}"
+    # Triton decides at decoration time whether a kernel is interpreted: never hand a module
+    # loaded in one mode to a caller in the other
+    interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
+    key = f"{mod_name}:{'interpret' if interpreted else 'compile'}"
+    if key in _LOADED:
+        return _LOADED[key]
+    path = cache_dir() / f"{mod_name}.py"
+    if not path.exists() or path.read_text() != source:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _LOADED[key] = module
+    return module

@@ -1,0 +1,342 @@
+"""Static memory plan: every activation of a schedule gets a fixed offset in one arena.
+
+`plan_memory(schedule, persistent)` turns the kernel order's liveness into buffers and places
+them with `place` (greedy by size: largest first, each into the smallest address gap that is
+free for its whole live interval, else above everything it overlaps; a few other orders are
+tried and the smallest arena kept). Invariants of the result:
+
+1. two buffers whose live intervals (inclusive kernel indices) intersect never share a byte;
+2. every offset and size is a multiple of `alignment`;
+3. `lower_bound_bytes <= peak_activation_bytes <= arena_bytes`.
+
+What gets a buffer, top level:
+- persistent values (graph inputs and outputs named in `persistent`: parameters, gradients,
+  optimizer state) sit in a separate persistent region, laid out in graph order; a value
+  reachable under several persistent names lives in the first and is copied to the others;
+- other graph inputs (e.g. `tokens`) get activation buffers live from kernel 0;
+- kernel outputs get activation buffers from their producer to their last reader (graph
+  outputs: to the end), except aliases: a RESHAPE whose operand already has storage shares
+  it (same offset, the source's interval stretched to cover the view's; arena buffers are
+  dense row-major, so a reshape is free; a kernel all of whose outputs are aliases is a no-op,
+  `MemoryPlan.is_noop`). A SCAN's results are its ITEMs' buffers (the scan writes them
+  directly), so ITEMs never copy;
+- each SCAN kernel holds a workspace for exactly its own kernel index: the carry state
+  (the current carries, one aligned slot each, initialised from the carry operands) followed
+  by its body's arena. The body is planned recursively with its inputs external (carries read
+  from the state slots, per-iteration slices read in place from the xs operands, constants
+  from their operands); its outputs get body-arena buffers live to the body's last kernel,
+  which the scan copies into the state slots / the stacked ys slice after each iteration.
+  A body's buffers are reused every iteration.
+
+Numbers: `lower_bound_bytes` is the peak over the kernels of live activation bytes (aligned,
+a workspace counted as carry state + its body's lower bound): no placement of this schedule
+fits in less. `peak_activation_bytes` is the same peak with workspaces at their planned size
+(carry state + body arena). `arena_bytes` is what the placement uses.
+`MemoryPlan.location(value)` says where any value that leaves its kernel lives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Collection, Sequence
+
+from titanc.ir import Graph, Op
+from titanc.ir.types import TensorType
+
+from .schedule import Schedule, liveness, value_bytes
+
+Interval = tuple[int, int, int]          # (size, first, last), last inclusive
+
+
+# -- placement of a synthetic buffer list --------------------------------------------------------
+
+def lower_bound(buffers: Sequence[Interval]) -> int:
+    """Peak over time of the summed sizes of live buffers."""
+    events: dict[int, int] = {}
+    for size, first, last in buffers:
+        events[first] = events.get(first, 0) + size
+        events[last + 1] = events.get(last + 1, 0) - size
+    peak = run = 0
+    for t in sorted(events):
+        run += events[t]
+        peak = max(peak, run)
+    return peak
+
+
+def place_in_order(buffers: Sequence[Interval], order: Sequence[int]) -> tuple[list[int], int]:
+    """Place buffers one by one in `order`, each at the start of the smallest gap that is free
+    for its whole interval and fits it (ties: lowest address), else right above the highest
+    buffer it overlaps in time. Returns (offsets, arena size)."""
+    offsets = [0] * len(buffers)
+    placed: list[tuple[int, int, int, int]] = []       # (first, last, start, end)
+    for i in order:
+        size, first, last = buffers[i]
+        if size <= 0:
+            continue
+        busy = sorted((s, e) for f, l, s, e in placed if f <= last and first <= l)
+        best: tuple[int, int] | None = None            # (gap size, start)
+        cursor = 0
+        for s, e in busy:
+            if s - cursor >= size and (best is None or s - cursor < best[0]):
+                best = (s - cursor, cursor)
+            cursor = max(cursor, e)
+        offsets[i] = best[1] if best is not None else cursor
+        placed.append((first, last, offsets[i], offsets[i] + size))
+    return offsets, max((e for _, _, _, e in placed), default=0)
+
+
+def _by_size(b: Sequence[Interval], i: int) -> tuple:
+    return (-b[i][0], b[i][1], b[i][2], i)
+
+
+ORDERS: dict[str, Callable[[Sequence[Interval], int], tuple]] = {
+    "size": _by_size,                                                     # greedy by size
+    "area": lambda b, i: (-b[i][0] * (b[i][2] - b[i][1] + 1), *_by_size(b, i)),
+    "duration": lambda b, i: (b[i][1] - b[i][2], *_by_size(b, i)),       # longest-lived first
+    "start": lambda b, i: (b[i][1], *_by_size(b, i)),                     # by first use
+}
+
+
+def place(buffers: Sequence[Interval], strategy: str = "best") -> tuple[list[int], int]:
+    """Offsets for (size, first, last) buffers and the arena size.
+
+    `strategy`: one of `ORDERS` (`"size"` is classic greedy-by-size), or `"best"`: every order
+    tried, the smallest arena kept (ties: the first in `ORDERS`)."""
+    names = list(ORDERS) if strategy == "best" else [strategy]
+    best: tuple[list[int], int] | None = None
+    for name in names:
+        key = ORDERS[name]
+        got = place_in_order(buffers, sorted(range(len(buffers)), key=lambda i: key(buffers, i)))
+        if best is None or got[1] < best[1]:
+            best = got
+    assert best is not None
+    return best
+
+
+def overlaps(buffers: Sequence[Interval], offsets: Sequence[int]) -> list[tuple[int, int]]:
+    """Pairs (i, j) of buffers that are live together and share an address (should be none)."""
+    bad = []
+    for i, (si, fi, li) in enumerate(buffers):
+        for j in range(i + 1, len(buffers)):
+            sj, fj, lj = buffers[j]
+            if (fi <= lj and fj <= li and si > 0 and sj > 0
+                    and offsets[i] < offsets[j] + sj and offsets[j] < offsets[i] + si):
+                bad.append((i, j))
+    return bad
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Buffer:
+    value: int            # value id; for a workspace, the SCAN node id
+    offset: int           # bytes from the arena base
+    size: int             # bytes reserved (aligned)
+    first: int            # live during kernels first..last (inclusive)
+    last: int
+    producer: str         # producing kernel's name; "input:<name>" for a graph input
+    kind: str = "value"   # "value" | "input" | "workspace"
+
+
+@dataclass
+class MemoryPlan:
+    schedule: Schedule
+    buffers: list[Buffer]                      # activation arena, by (first, offset)
+    aliases: dict[int, int]                    # value -> value whose storage it shares (a root)
+    persistent: dict[str, tuple[int, int]]     # name -> (offset, size) in the persistent region
+    persistent_values: dict[int, list[str]]    # value -> its persistent names (home = first)
+    external: dict[int, str]                   # scan-body inputs: value -> input name
+    arena_bytes: int
+    lower_bound_bytes: int
+    peak_activation_bytes: int
+    persistent_bytes: int
+    alignment: int
+    bodies: dict[int, "MemoryPlan"] = field(default_factory=dict)   # SCAN id -> body plan
+    carry_state: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # SCAN id -> (offset within the workspace, size) of each carry slot; the body arena
+    # starts right after the last slot (at `workspace_body_offset(scan_id)`)
+
+    def location(self, vid: int) -> tuple[str, int | str]:
+        """Where a value lives: ("arena", offset), ("persistent", offset) or, in a scan body,
+        ("external", input name)."""
+        root = self.aliases.get(vid, vid)
+        if root in self.persistent_values:
+            return "persistent", self.persistent[self.persistent_values[root][0]][0]
+        if root in self.external:
+            return "external", self.external[root]
+        if root in self._arena_offsets:
+            return "arena", self._arena_offsets[root]
+        raise KeyError(f"value %{vid} of {self.schedule.graph.name} is not in memory "
+                       f"(it never leaves its kernel)")
+
+    @cached_property
+    def _arena_offsets(self) -> dict[int, int]:
+        return {b.value: b.offset for b in self.buffers if b.kind != "workspace"}
+
+    def workspace_body_offset(self, scan_id: int) -> int:
+        """Where the body's arena starts inside the scan's workspace (after the carry slots)."""
+        return sum(s for _, s in self.carry_state.get(scan_id, []))
+
+    def is_noop(self, kernel_index: int) -> bool:
+        """A kernel all of whose outputs alias storage that already holds them (a lone
+        reshape): the executor skips it."""
+        outs = self.schedule.kernels[kernel_index].outputs
+        return bool(outs) and all(v in self.aliases for v in outs)
+
+    @property
+    def ratio(self) -> float:
+        return self.arena_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
+
+    def to_text(self, indent: int = 0) -> str:
+        """The readable map: buffer, offset, size, live range, producing kernel."""
+        pad = "  " * indent
+        g = self.schedule.graph
+        lines = [f"{pad}memory plan {g.name}: {len(self.schedule.kernels)} kernels, arena "
+                 f"{self.arena_bytes} B, lower bound {self.lower_bound_bytes} B (ratio "
+                 f"{self.ratio:.3f})",
+                 f"{pad}  peak activation {self.peak_activation_bytes} B, persistent "
+                 f"{self.persistent_bytes} B, alignment {self.alignment}"]
+        if self.persistent:
+            lines.append(f"{pad}  persistent region:")
+            lines.append(f"{pad}    {'offset':>12} {'size':>12}  name")
+            for name, (off, size) in self.persistent.items():
+                lines.append(f"{pad}    {off:>12} {size:>12}  {name}")
+        if self.external:
+            names = ", ".join(f"%{v}={n}" for v, n in sorted(self.external.items()))
+            lines.append(f"{pad}  inputs from the scan: {names}")
+        lines.append(f"{pad}  activation arena:")
+        lines.append(f"{pad}    {'buffer':<10} {'offset':>12} {'size':>12}  {'live':<11} kernel")
+        for b in self.buffers:
+            t = g.node(b.value).type
+            what = f"%{b.value}" if b.kind != "workspace" else f"ws %{b.value}"
+            lines.append(f"{pad}    {what:<10} {b.offset:>12} {b.size:>12}  "
+                         f"{f'[{b.first},{b.last}]':<11} {b.producer}"
+                         + (f"  {t}" if isinstance(t, TensorType) else ""))
+            if b.kind == "workspace":
+                slots = self.carry_state.get(b.value, [])
+                if slots:
+                    lines.append(f"{pad}      carry state: " + ", ".join(
+                        f"+{o}:{s}" for o, s in slots))
+                lines.append(self.bodies[b.value].to_text(indent + 3).rstrip("\n"))
+        if self.aliases:
+            lines.append(f"{pad}  aliases (reshapes sharing their source's storage):")
+            for v, r in sorted(self.aliases.items()):
+                lines.append(f"{pad}    %{v} -> %{r}")
+        return "\n".join(lines) + "\n"
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def plan_memory(schedule: Schedule, persistent: Collection[str] = (),
+                alignment: int = 64) -> MemoryPlan:
+    """Plan `schedule`'s activations (and its scan bodies', recursively) into one arena."""
+    return _plan(schedule, set(persistent), alignment, body=False)
+
+
+def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool) -> MemoryPlan:
+    g, kernels = schedule.graph, schedule.kernels
+    live = liveness(schedule)
+    names = {i: g.node(i).attr("name") for i in g.inputs}
+    kernel_of = {v: k for k, kern in enumerate(kernels) for v in kern.outputs}
+
+    # where values that are not activations live
+    external = dict(names) if body else {}
+    pers_vals: dict[int, list[str]] = {}
+    pers_slots: dict[str, tuple[int, int]] = {}
+    if not body:
+        top = 0
+        for vid, name in [(i, names[i]) for i in g.inputs] + [(v, n) for n, v in g.outputs]:
+            if name in persistent and name not in pers_slots:
+                size = _align(value_bytes(g, vid), alignment)
+                pers_slots[name] = (top, size)
+                top += size
+                pers_vals.setdefault(vid, []).append(name)
+    elsewhere = set(pers_vals) | set(external)
+
+    # aliases: a RESHAPE written by a kernel whose operand already has storage
+    aliases: dict[int, int] = {}
+    for kern in kernels:
+        for v in kern.outputs:
+            node = g.node(v)
+            src = node.inputs[0] if node.op is Op.RESHAPE else None
+            if src is not None and src in live and v not in pers_vals:
+                aliases[v] = aliases.get(src, src)
+    span = {v: list(iv) for v, iv in live.items() if v not in aliases and v not in elsewhere}
+    for v, root in aliases.items():
+        if root in span:
+            span[root][0] = min(span[root][0], live[v][0])
+            span[root][1] = max(span[root][1], live[v][1])
+
+    # buffers: values, then one workspace per scan kernel
+    entries: list[tuple[int, str, str]] = []                     # (value, producer, kind)
+    sizes: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for v in sorted(span):
+        is_input = v in names
+        entries.append((v, f"input:{names[v]}" if is_input else kernels[kernel_of[v]].name,
+                        "input" if is_input else "value"))
+        sizes.append(_align(value_bytes(g, v), alignment))
+        spans.append((span[v][0], span[v][1]))
+    bodies: dict[int, MemoryPlan] = {}
+    carry: dict[int, list[tuple[int, int]]] = {}
+    ws_low: dict[int, int] = {}                                  # workspace at the lower bound
+    for k, kern in enumerate(kernels):
+        for sid in kern.nodes:
+            if sid not in schedule.bodies:
+                continue
+            sub = _plan(schedule.bodies[sid], set(), alignment, body=True)
+            bodies[sid] = sub
+            slots, off = [], 0
+            node = g.node(sid)
+            for t in node.type[: node.attr("n_carry")]:
+                slots.append((off, _align(t.nbytes, alignment)))
+                off += slots[-1][1]
+            carry[sid] = slots
+            entries.append((sid, kern.name, "workspace"))
+            sizes.append(off + sub.arena_bytes)
+            spans.append((k, k))
+            ws_low[len(sizes) - 1] = off + sub.lower_bound_bytes
+
+    intervals = [(s, a, b) for s, (a, b) in zip(sizes, spans)]
+    offsets, arena = place(intervals)
+    low = [(ws_low.get(i, s), a, b) for i, (s, a, b) in enumerate(intervals)]
+    buffers = sorted((Buffer(v, off, s, a, b, prod, kind)
+                      for (v, prod, kind), off, (s, a, b) in zip(entries, offsets, intervals)),
+                     key=lambda b: (b.first, b.offset, b.value))
+    return MemoryPlan(schedule, buffers, aliases, pers_slots, pers_vals, external, arena,
+                      lower_bound(low), lower_bound(intervals),
+                      sum(s for _, s in pers_slots.values()), alignment, bodies, carry)
+
+
+def holds_logits(g: Graph, vid: int, vocab_size: int) -> bool:
+    """Is v (or a value it is a reshape of) of rank >= 2 with the vocabulary as last axis?"""
+    node = g.node(vid)
+    while True:
+        t = node.type
+        if isinstance(t, TensorType) and t.rank >= 2 and t.shape[-1] == vocab_size:
+            return True
+        if node.op is not Op.RESHAPE:
+            return False
+        node = g.node(node.inputs[0])
+
+
+def memory_report(plan: MemoryPlan, vocab_size: int) -> dict[str, int]:
+    """report.json `memory`: arena, lower bound, persistent and peak activation bytes, and
+    `logits_bytes`: the largest activation buffer (scan bodies included) holding logits, i.e.
+    a value of rank >= 2 whose last axis is the vocabulary, directly, through a reshape, or
+    as an alias (0 if none)."""
+    def logits(p: MemoryPlan) -> int:
+        g = p.schedule.graph
+        sizes = {b.value: value_bytes(g, b.value) for b in p.buffers if b.kind != "workspace"}
+        hits = [v for v in sizes if holds_logits(g, v, vocab_size)]
+        hits += [p.aliases[v] for v in p.aliases
+                 if p.aliases[v] in sizes and holds_logits(g, v, vocab_size)]
+        return max([sizes[v] for v in hits] + [logits(b) for b in p.bodies.values()],
+                   default=0)
+
+    return {"arena_bytes": plan.arena_bytes, "lower_bound_bytes": plan.lower_bound_bytes,
+            "persistent_bytes": plan.persistent_bytes,
+            "peak_activation_bytes": plan.peak_activation_bytes,
+            "logits_bytes": logits(plan)}

@@ -1,0 +1,301 @@
+"""Tier (c) for the static memory plan: the placement unit on synthetic buffer lists (greedy's
+worst case included), the plan's invariants and ratios on every example graph, a golden map,
+and an executor that runs a schedule inside its planned arena (filled with NaN garbage) and
+must reproduce the reference interpreter."""
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+from tests.helpers import tiny_spec, tokens
+from tests.test_fusion import EXAMPLES, TINY_EXAMPLES, example_graphs, example_schedules
+from titanc.compiler import compile_graphs
+from titanc.ir import Builder, Graph, Interpreter, Op, verify
+from titanc.ir.types import DTYPES, TensorType
+from titanc.params import init_params
+from titanc.passes.fusion import fuse
+from titanc.passes.memory_plan import (ORDERS, MemoryPlan, lower_bound, memory_report, overlaps,
+                                       place, place_in_order, plan_memory)
+from titanc.spec import load_spec
+
+Tensor = torch.Tensor
+
+
+# -- synthetic buffer lists ----------------------------------------------------------------------
+
+def test_disjoint_lifetimes_share_one_address() -> None:
+    bufs = [(64, 0, 0), (128, 1, 1), (64, 2, 3)]
+    offsets, arena = place(bufs, "size")
+    assert offsets == [0, 0, 0] and arena == 128 == lower_bound(bufs)
+
+
+def test_overlapping_lifetimes_stack_largest_first() -> None:
+    bufs = [(64, 0, 3), (256, 1, 2), (128, 2, 5)]
+    offsets, arena = place(bufs, "size")
+    assert offsets == [384, 0, 256] and arena == 448 == lower_bound(bufs)
+
+
+def test_smallest_fitting_gap_wins() -> None:
+    bufs = [(4, 0, 9), (3, 0, 0), (2, 0, 9), (2, 0, 0), (2, 0, 9),   # leave gaps of 3 and 2
+            (2, 1, 9), (3, 1, 9)]
+    offsets, arena = place_in_order(bufs, range(len(bufs)))
+    assert offsets[:5] == [0, 4, 7, 9, 11]
+    assert offsets[5] == 9           # the 2-byte gap at 9, not the 3-byte gap at 4
+    assert offsets[6] == 4           # the 3-byte gap is left for the 3-byte buffer
+    assert arena == 13
+
+
+def test_greedy_by_size_worst_case() -> None:
+    # Two big short-lived buffers A (t=0) and C (t=3) and two small long-lived ones B (t=0..2)
+    # and D (t=2..3) that overlap each other at t=2. Largest first puts A and C both at 0;
+    # then B must sit above A and D above both C and B: 3 + 2 + 2 = 7. Optimal: B at 0, A at
+    # 2, C at 0, D at 3 (B is dead by t=3): 5, the lower bound. Ratio 7/5.
+    bufs = [(3, 0, 0), (2, 0, 2), (3, 3, 3), (2, 2, 3)]
+    assert lower_bound(bufs) == 5
+    offsets, arena = place(bufs, "size")
+    assert (offsets, arena) == ([0, 3, 0, 5], 7)
+    assert arena / lower_bound(bufs) == pytest.approx(1.4)
+    offsets, arena = place(bufs)             # trying other orders recovers the optimum
+    assert arena == 5 and not overlaps(bufs, offsets)
+
+
+def test_random_lists_never_overlap() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        bufs = []
+        for _ in range(rng.randint(1, 25)):
+            a = rng.randint(0, 12)
+            bufs.append((rng.choice([0, 64, 128, 192, 1024]), a, rng.randint(a, 12)))
+        for strategy in list(ORDERS) + ["best"]:
+            offsets, arena = place(bufs, strategy)
+            assert not overlaps(bufs, offsets)
+            assert arena >= lower_bound(bufs)
+            assert arena >= max((o + s for o, (s, _, _) in zip(offsets, bufs)), default=0)
+
+
+# -- a small graph: golden map -------------------------------------------------------------------
+
+def small_scan_graph() -> Graph:
+    b = Builder("small")
+    tok = b.input("tokens", (2, 5), "i64")
+    emb, w = b.input("embed", (10, 8), "f32"), b.input("w", (8, 8), "f32")
+    x = b.take(emb, tok.slice(1, 0, 4))                          # (2, 4, 8)
+
+    def body(bb, c, xt, k):
+        h = (bb.matmul(c[0], k[0]) + xt[0]).silu()                # (2, 8)
+        return [h], [h.sum((1,))]
+
+    (c,), (ys,) = b.scan(body, [b.full(0.0, (2, 8), "f32")], [x.permute(1, 0, 2)], [w],
+                         name="rnn")
+    flat = b.einsum("bd,vd->bv", c, emb).reshape(20)             # logits (2, 10), flattened
+    loss = flat.exp().sum((0,)) + ys.sum((0, 1))
+    b.graph.set_outputs([("loss", loss.id), ("flat", flat.id), ("state", c.reshape(16).id)])
+    return verify(b.graph)
+
+
+GOLDEN = """\
+memory plan small: 8 kernels, arena 640 B, lower bound 640 B (ratio 1.000)
+  peak activation 640 B, persistent 576 B, alignment 64
+  persistent region:
+          offset         size  name
+               0          320  embed
+             320          256  w
+  activation arena:
+    buffer           offset         size  live        kernel
+    %4                    0          256  [0,2]       titanc_poi_fused_take_0  f32[2,4,8]
+    %0                  256          128  [0,0]       input:tokens  i64[2,5]
+    %5                  512           64  [1,3]       titanc_poi_fused_full_1  f32[2,8]
+    %6                  256          256  [2,3]       titanc_poi_fused_permute_2  f32[4,2,8]
+    ws %7                 0          192  [3,3]       titanc_tem_fused_scan_rnn_3
+      carry state: +0:64
+      memory plan rnn: 2 kernels, arena 128 B, lower bound 128 B (ratio 1.000)
+        peak activation 128 B, persistent 0 B, alignment 64
+        inputs from the scan: %0=c0, %1=x1, %2=k2
+        activation arena:
+          buffer           offset         size  live        kernel
+          %5                    0           64  [0,1]       titanc_mm_fused_einsum_add_silu_4  f32[2,8]
+          %6                   64           64  [1,1]       titanc_red_fused_sum_5  f32[2]
+    %9                  192           64  [3,5]       titanc_tem_fused_scan_rnn_3  f32[4,2]
+    %8                  576           64  [3,7]       titanc_tem_fused_scan_rnn_3  f32[2,8]
+    %11                   0          128  [4,7]       titanc_mm_fused_einsum_6  f32[20]
+    %14                 128           64  [5,6]       titanc_red_fused_sum_7  f32[]
+    %15                 192           64  [6,7]       titanc_red_fused_exp_sum_add_8  f32[]
+  aliases (reshapes sharing their source's storage):
+    %16 -> %8
+"""
+
+
+def test_memory_map_golden() -> None:
+    plan = plan_memory(fuse(small_scan_graph()), {"embed", "w"})
+    assert plan.to_text() == GOLDEN
+    assert plan.is_noop(7) and not plan.is_noop(6)        # the lone reshape writes nothing
+    assert plan.location(16) == plan.location(8) == ("arena", 576)
+    assert plan.location(2) == ("persistent", 320)
+    assert memory_report(plan, 10) == {
+        "arena_bytes": 640, "lower_bound_bytes": 640, "persistent_bytes": 576,
+        "peak_activation_bytes": 640, "logits_bytes": 80}   # the flattened [2, 10] logits
+
+
+# -- an executor over the planned arena ----------------------------------------------------------
+
+def _view(mem: Tensor, offset: int, t: TensorType) -> Tensor:
+    return mem[offset:offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
+
+
+def _locator(plan: MemoryPlan, mem: Tensor, pers: Tensor,
+             ext: dict[str, Tensor]) -> Callable[[int], Tensor]:
+    g = plan.schedule.graph
+
+    def where(v: int) -> Tensor:
+        kind, loc = plan.location(v)
+        t = g.node(v).type
+        if kind == "arena":
+            return _view(mem, loc, t)
+        if kind == "persistent":
+            return _view(pers, loc, t)
+        return ext[loc].reshape(t.shape)
+    return where
+
+
+def _execute(plan: MemoryPlan, mem: Tensor, pers: Tensor, ext: dict[str, Tensor],
+             interp: Interpreter) -> Callable[[int], Tensor]:
+    """Run the schedule kernel by kernel: each reads only its inputs' storage (or inlines an
+    immediate) and writes only its outputs'; scans loop over their body's plan inside their
+    workspace."""
+    g = plan.schedule.graph
+    where = _locator(plan, mem, pers, ext)
+    ws = {b.value: b for b in plan.buffers if b.kind == "workspace"}
+    for k, kern in enumerate(plan.schedule.kernels):
+        if plan.is_noop(k):
+            continue
+        env = {v: where(v) for v in kern.inputs}
+        for nid in kern.nodes:
+            node = g.node(nid)
+            if node.op is Op.ITEM:
+                continue                  # the scan writes its ITEMs' buffers itself
+            args = [env[i] if i in env else
+                    torch.tensor(g.node(i).attr("value"), dtype=DTYPES[g.node(i).type.dtype])
+                    for i in node.inputs]
+            if node.op is Op.SCAN:
+                items = {g.node(i).attr("index"): where(i) for i in kern.outputs}
+                _scan(plan, node, args, mem[ws[nid].offset:ws[nid].offset + ws[nid].size],
+                      items, interp)
+            else:
+                env[nid] = interp._eval(node, args)
+        for v in kern.outputs:
+            if v in env and v not in plan.aliases:
+                where(v).copy_(env[v])
+    return where
+
+
+def _scan(plan: MemoryPlan, node, args: list[Tensor], region: Tensor,
+          items: dict[int, Tensor], interp: Interpreter) -> None:
+    """Carry slots at the start of the workspace, the body's arena after them; ys go straight
+    into their stacked ITEM buffers, the final carries into theirs."""
+    a = node.attr_dict
+    body, nc, nx_, length = a["body"], a["n_carry"], a["n_xs"], a["length"]
+    sub = plan.bodies[node.id]
+    slots = [_view(region, off, t) for (off, _), t in zip(plan.carry_state[node.id], node.type)]
+    for slot, init in zip(slots, args[:nc]):
+        slot.copy_(init)
+    names = body.input_names()
+    body_mem = region[plan.workspace_body_offset(node.id):]
+    steps = range(length - 1, -1, -1) if a["reverse"] else range(length)
+    for t in steps:
+        ext = dict(zip(names, slots + [x[t] for x in args[nc:nc + nx_]] + args[nc + nx_:]))
+        where = _execute(sub, body_mem, torch.empty(0), ext, interp)
+        outs = [where(v).clone() for _, v in body.outputs]
+        for slot, new in zip(slots, outs[:nc]):
+            slot.copy_(new)
+        for m, y in enumerate(outs[nc:]):
+            if nc + m in items:
+                items[nc + m][t].copy_(y)
+    for k in range(nc):
+        if k in items:
+            items[k].copy_(slots[k])
+
+
+def run_planned(plan: MemoryPlan, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    g = plan.schedule.graph
+    mem = torch.full((plan.arena_bytes,), 0xFF, dtype=torch.uint8)     # f32/f64 NaN garbage
+    pers = torch.full((plan.persistent_bytes,), 0xFF, dtype=torch.uint8)
+    where = _locator(plan, mem, pers, {})
+    for i in g.inputs:
+        where(i).copy_(inputs[g.node(i).attr("name")])
+    where = _execute(plan, mem, pers, {}, Interpreter())
+    return {name: where(v).clone() for name, v in g.outputs}
+
+
+def test_executor_in_the_arena_matches_the_interpreter_small() -> None:
+    g = small_scan_graph()
+    gen = torch.Generator().manual_seed(0)
+    inputs = {"tokens": torch.randint(0, 10, (2, 5), generator=gen),
+              "embed": torch.randn(10, 8, generator=gen), "w": torch.randn(8, 8, generator=gen)}
+    got = run_planned(plan_memory(fuse(g), {"embed", "w"}), inputs)
+    want = Interpreter()(g, inputs)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
+
+
+def test_executor_in_the_arena_matches_the_interpreter() -> None:
+    # the pipeline's training graph of a tiny float64 MAC model: layer scan (2 iterations)
+    # around a segment scan around a memory-chunk scan (2 iterations), chunked loss
+    spec = tiny_spec(**{"model.block": "mac", "model.seq_len": 8})
+    c = compile_graphs(spec, verify_each=False)
+    names = [p.name for p in c.params]
+    inputs = {"tokens": tokens(spec), **init_params(spec.model, 0, torch.float64)}
+    plan = plan_memory(fuse(c.grad), set(names) | {f"grad.{n}" for n in names})
+    got = run_planned(plan, inputs)
+    want = Interpreter()(c.grad, inputs)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+# -- the example graphs --------------------------------------------------------------------------
+
+def _check_plan(plan: MemoryPlan) -> None:
+    bufs = [(b.size, b.first, b.last) for b in plan.buffers]
+    assert not overlaps(bufs, [b.offset for b in plan.buffers])        # all pairs
+    assert all(b.offset % plan.alignment == 0 == b.size % plan.alignment for b in plan.buffers)
+    assert all(b.offset + b.size <= plan.arena_bytes for b in plan.buffers)
+    assert plan.lower_bound_bytes <= plan.peak_activation_bytes <= plan.arena_bytes
+    for sub in plan.bodies.values():
+        _check_plan(sub)
+
+
+@pytest.mark.parametrize("name", TINY_EXAMPLES)
+def test_example_plans_are_valid_and_tight(name: str) -> None:
+    spec = load_spec(EXAMPLES / name)
+    for g, s in zip(example_graphs(name), example_schedules(name)):
+        params = [n for n in g.input_names() if n != "tokens"]
+        plan = plan_memory(s, set(params) | {f"grad.{p}" for p in params})
+        _check_plan(plan)
+        report = memory_report(plan, spec.model.vocab_size)
+        ratio = report["arena_bytes"] / report["lower_bound_bytes"]
+        print(f"{name} {g.name}: kernels {len(s.all_kernels())} arena/lower_bound {ratio:.4f} "
+              f"{report}")
+        assert ratio < 1.10
+        B, T, V = spec.train.batch_size, spec.model.seq_len, spec.model.vocab_size
+        chunk = spec.train.loss_chunk or B * T
+        assert report["logits_bytes"] == min(chunk, B * T) * V * 4     # f32, per loss chunk
+        assert report["persistent_bytes"] >= sum(
+            g.node(i).type.nbytes for i in g.inputs if g.node(i).attr("name") in params)
+
+
+@pytest.mark.slow
+def test_large_example_plans_in_seconds() -> None:
+    c = compile_graphs(load_spec(EXAMPLES / "large_125m.yaml"), verify_each=False)
+    t0 = time.perf_counter()
+    s = fuse(c.grad)
+    t1 = time.perf_counter()
+    plan = plan_memory(s, {p.name for p in c.params} | {f"grad.{p.name}" for p in c.params})
+    t2 = time.perf_counter()
+    print(f"large_125m grad: fuse {t1 - t0:.2f}s plan {t2 - t1:.3f}s ratio {plan.ratio:.4f} "
+          f"{memory_report(plan, 256)}")
+    assert t2 - t1 < 5.0 and t1 - t0 < 30.0
+    _check_plan(plan)
