@@ -119,7 +119,8 @@ class Generator:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self, st: DecodeState, tokens: Tensor) -> Tensor:
-        """Run n new tokens (B, n) through every layer; returns logits (B, n, V).
+        """Run n new tokens (B, n) through every layer; returns logits (B, n, V), a view that
+        the next step overwrites (clone to keep it).
 
         The n tokens must lie in one memory chunk (n = 1, or a whole aligned chunk)."""
         B, n = tokens.shape
@@ -192,9 +193,9 @@ class Generator:
         logits = []
         full = (len(prompt) // self.chunk) * self.chunk
         for s in range(0, full, self.chunk):
-            logits.append(self.step(st, toks[:, s:s + self.chunk]))
+            logits.append(self.step(st, toks[:, s:s + self.chunk]).clone())
         for s in range(full, len(prompt)):
-            logits.append(self.step(st, toks[:, s:s + 1]))
+            logits.append(self.step(st, toks[:, s:s + 1]).clone())
         return st, torch.cat(logits, 1)
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

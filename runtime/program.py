@@ -1,8 +1,10 @@
 """Program: a compiled model that trains, evaluates and exposes its state.
 
-At this stage every graph runs on the reference interpreter; compiled executors plug in
-behind the same methods. Parameters, the gradient accumulator and the AdamW moments are
-allocated once and updated in place, so tensors handed out by `parameters()` stay live.
+Graphs run on the arena executor over their kernel schedule and memory plan (`cpu`
+target), or on the reference interpreter (`target: reference`, for debugging).
+Parameters, the gradient accumulator and the AdamW moments are allocated once and bound
+into every executor, so tensors handed out by `parameters()` stay live and a steady-state
+training step allocates nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +22,13 @@ from .schedule import lr_at
 Tensor = torch.Tensor
 
 
+def _resolve_target(target: str) -> str:
+    """auto -> triton with CUDA, else the torch executor ('cpu')."""
+    if target == "auto":
+        return "cpu"
+    return target
+
+
 class Program:
     def __init__(self, compiled: Any):
         self.compiled = compiled
@@ -28,8 +37,12 @@ class Program:
         self.batch_size = self.spec.train.batch_size
         self.seq_len = self.spec.model.seq_len
         self._interp = Interpreter()
+        self.target = _resolve_target(self.spec.compile.target)
+        self._executors: dict[Any, Any] = {}
         self._params = init_params(self.spec.model, self.spec.train.seed, self.dtype)
         self._grad_acc = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        self._grad_tmp = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        self._scalars = {k: torch.zeros((), dtype=self.dtype) for k in ("lr", "step", "grad_scale")}
         self._m = {n: torch.zeros_like(t) for n, t in self._params.items()}
         self._v = {n: torch.zeros_like(t) for n, t in self._params.items()}
         self.step = 0
@@ -70,6 +83,12 @@ class Program:
             self.step = int(sd["opt.step"])
         return {"new": new, "unused": unused}
 
+    def storages(self) -> list[Tensor]:
+        """Every tensor storage this program and its executors own (for allocation probes)."""
+        own = [t for d in (self._params, self._grad_acc, self._grad_tmp, self._m, self._v,
+                           self._scalars) for t in d.values()]
+        return own + [t for ex in self._executors.values() for t in ex.storages()]
+
     # -- running --------------------------------------------------------------------------------
     def _graphs(self, batch: int) -> Any:
         if batch not in self._by_batch:
@@ -83,9 +102,34 @@ class Program:
                               f"got {list(tokens.shape)}")
         return tokens.to(torch.int64)
 
-    def _run(self, g: Graph, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _run(self, g: Graph, inputs: dict[str, Tensor], plan: Any = None) -> dict[str, Tensor]:
+        """Run a graph: on the arena executor (bound to this program's parameters and
+        buffers) or, for `target: reference`, on the interpreter."""
         with torch.no_grad():
-            return self._interp(g, inputs)
+            if self.target == "reference":
+                return self._interp(g, inputs)
+            ex = self._executors.get(id(g))
+            if ex is None:
+                ex = self._executors[id(g)] = self._bind(g, plan)
+            return ex.run({k: v for k, v in inputs.items() if k not in ex.bound})
+
+    def _bind(self, g: Graph, plan: Any) -> Any:
+        from .executor import ArenaExecutor, executor_for
+
+        names = set(g.input_names()) | {n for n, _ in g.outputs}
+        bound: dict[str, Tensor] = {}
+        for n, t in self._params.items():
+            for alias in (n, f"param.{n}"):
+                if alias in names:
+                    bound[alias] = t
+            if f"grad.{n}" in names:
+                bound[f"grad.{n}"] = self._grad_acc[n] if g is self.compiled.optimizer \
+                    else self._grad_tmp[n]
+            if f"opt.m.{n}" in names:
+                bound[f"opt.m.{n}"], bound[f"opt.v.{n}"] = self._m[n], self._v[n]
+        if plan is not None:
+            return ArenaExecutor(plan, bound)
+        return executor_for(g, set(bound) | {n for n in names if n.startswith("state.")}, bound)
 
     def loss(self, tokens: Tensor) -> float:
         tokens = self._check_tokens(tokens)
@@ -109,9 +153,14 @@ class Program:
         return self._forward_output(tokens, "logprobs")
 
     def grads(self, tokens: Tensor) -> tuple[float, dict[str, Tensor]]:
+        """Loss and gradients of one batch (copies: the program's buffers stay private)."""
+        loss, g = self._grads(tokens)
+        return loss, {n: t.clone() for n, t in g.items()}
+
+    def _grads(self, tokens: Tensor) -> tuple[float, dict[str, Tensor]]:
         tokens = self._check_tokens(tokens)
         c = self._graphs(tokens.shape[0])
-        out = self._run(c.grad, {"tokens": tokens, **self._params})
+        out = self._run(c.grad, {"tokens": tokens, **self._params}, c.plans.get("training"))
         return float(out["loss"]), {n: out[f"grad.{n}"] for n in self._params}
 
     def train_step(self, tokens: Tensor) -> float:
@@ -126,23 +175,26 @@ class Program:
             t.zero_()
         losses = []
         for micro in tokens.split(self.batch_size):
-            loss, g = self.grads(micro)
+            loss, g = self._grads(micro)
             losses.append(loss)
             for n, t in g.items():
                 self._grad_acc[n].add_(t)
         lr = lr_at(self.step, self.spec.train)
-        scalars = {"lr": lr, "step": float(self.step + 1), "grad_scale": 1.0 / accum}
-        inputs = {k: torch.tensor(v, dtype=self.dtype) for k, v in scalars.items()}
+        for k, v in (("lr", lr), ("step", float(self.step + 1)), ("grad_scale", 1.0 / accum)):
+            self._scalars[k].fill_(v)
+        inputs = dict(self._scalars)
         for n in self._params:
             inputs[f"param.{n}"] = self._params[n]
             inputs[f"grad.{n}"] = self._grad_acc[n]
             inputs[f"opt.m.{n}"] = self._m[n]
             inputs[f"opt.v.{n}"] = self._v[n]
-        out = self._run(self.compiled.optimizer, inputs)
-        for n in self._params:
-            self._params[n].copy_(out[f"param.{n}"])
-            self._m[n].copy_(out[f"opt.m.{n}"])
-            self._v[n].copy_(out[f"opt.v.{n}"])
+        out = self._run(self.compiled.optimizer, inputs, self.compiled.plans.get("optimizer"))
+        with torch.no_grad():
+            for n in self._params:                   # the executor updates in place
+                for dst, key in ((self._params[n], f"param.{n}"), (self._m[n], f"opt.m.{n}"),
+                                 (self._v[n], f"opt.v.{n}")):
+                    if out[key].data_ptr() != dst.data_ptr():
+                        dst.copy_(out[key])
         self.step += 1
         loss = sum(losses) / len(losses)
         self.last = {"loss": loss, "lr": lr, "grad_norm": float(out["grad_norm"])}

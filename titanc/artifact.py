@@ -16,6 +16,8 @@ from typing import Any
 from titanc.errors import TitancError
 from titanc.ir import format_graph, graph_stats
 
+from titanc.passes.memory_plan import memory_report
+
 from .compiler import Compiled, compile_graphs
 from .params import param_count
 from .spec import spec_hash, spec_to_dict
@@ -53,8 +55,21 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
                          "largest_tensor_bytes": max(grad["largest_tensor_bytes"],
                                                      graph_stats(c.optimizer)["largest_tensor_bytes"])},
         },
-        "passes": c.passes,
+        "remat_policy": c.policy.mode + ("" if c.policy.mode != "mincut" or c.policy.ban_matmul
+                                         else "_with_matmuls"),
+        "passes": [r for r in c.passes if "nodes_before" in r],
+        "steps": [r for r in c.passes if "nodes_before" not in r],
+        "kernels": [_kernel_row(k) for name in ("training", "optimizer")
+                    for k in c.schedules[name].all_kernels()],
+        "kernel_counts": {name: len(s.all_kernels()) for name, s in c.schedules.items()},
+        "memory": memory_report(c.plans["training"], spec.model.vocab_size),
+        "memory_forward": memory_report(c.plans["forward"], spec.model.vocab_size),
     }
+
+
+def _kernel_row(k: Any) -> dict[str, Any]:
+    return {"name": k.name, "category": k.category, "flops": k.flops, "bytes": k.bytes,
+            "nodes": len(k.nodes)}
 
 
 def write_artifact(spec: Any, out_dir: str | os.PathLike) -> dict[str, Any]:
@@ -73,6 +88,8 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike) -> dict[str, Any]:
         _write_text(out / "ir" / f"{k:02d}_{stage}.txt", format_graph(g))
     report = build_report(spec, c, seconds)
     _write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    _write_text(out / "memory_plan.txt", "\n".join(
+        f"== {name} ==\n{c.plans[name].to_text()}" for name in ("training", "forward", "optimizer")))
     manifest = {"name": spec.name, "spec_hash": report["spec_hash"], "spec": spec_to_dict(spec),
                 "spec_path": spec.path, "versions": _versions(), "argv": sys.argv[1:]}
     _write_text(out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")

@@ -7,6 +7,7 @@ is a pure `Graph -> Graph` pass, verified after it runs (`verify_each`), recorde
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,9 @@ from titanc.ir import Graph, dtype_name
 from titanc.passes.aggregate import aggregate
 from titanc.passes.autodiff import grad_graph
 from titanc.passes.canonicalize import canonicalize
+from titanc.passes.fusion import fuse
+from titanc.passes.memory_plan import MemoryPlan, plan_memory
+from titanc.passes.schedule import Schedule
 from titanc.passes.chunked_loss import chunk_loss
 from titanc.passes.remat import Policy, checkpoint_chunks, choose_policy
 from titanc.passes.manager import PassLog
@@ -32,6 +36,8 @@ class Compiled:
     optimizer: Graph
     log: PassLog = field(default_factory=PassLog)
     policy: Policy = field(default_factory=Policy)
+    schedules: dict[str, Schedule] = field(default_factory=dict)   # forward/training/optimizer
+    plans: dict[str, MemoryPlan] = field(default_factory=dict)
 
     @property
     def passes(self) -> list[dict[str, Any]]:
@@ -65,4 +71,21 @@ def compile_graphs(spec: Any, batch: int | None = None, verify_each: bool = True
     # clipping + AdamW over the flat parameter set
     opt = log.run("optimizer", lambda: optimizer_graph(params, spec.train,
                                                       dtype_name(spec.train.dtype)))
-    return Compiled(spec, params, fwd, grad, opt, log, policy)
+    # group nodes into kernels (never across a scan boundary, never raising peak memory)
+    schedules = {name: _timed(log, f"fusion_{name}", lambda g=g: fuse(g))
+                 for name, g in (("forward", fwd), ("training", grad), ("optimizer", opt))}
+    # liveness over the kernel order -> offsets in one arena; params/grads/state persistent
+    persistent = {p.name for p in params} | {f"grad.{p.name}" for p in params} | {"loss"}
+    persistent |= set(opt.input_names()) | {n for n, _ in opt.outputs}
+    plans = {name: _timed(log, f"memory_plan_{name}",
+                          lambda s=s: plan_memory(s, persistent))
+             for name, s in schedules.items()}
+    return Compiled(spec, params, fwd, grad, opt, log, policy, schedules, plans)
+
+
+def _timed(log: PassLog, name: str, fn: Any) -> Any:
+    """Run a non-graph step (fusion, planning) and record its time with the passes."""
+    t0 = time.perf_counter()
+    out = fn()
+    log.records.append({"name": name, "seconds": time.perf_counter() - t0})
+    return out

@@ -88,7 +88,7 @@ def ir_summary(compiled: Any) -> list[str]:
     lines = ["IR: " + ", ".join(f"{k} {s['nodes']:,} nodes" for k, s in stats.items())
              + f"; largest tensor {_mib(largest)}"]
     passes = " -> ".join(f"{p['name']}({p.get('graph', '')}) {p['nodes_after']:,}"
-                         for p in getattr(compiled, "passes", []))
+                         for p in getattr(compiled, "passes", []) if "nodes_after" in p)
     if passes:
         lines.append(f"passes: {passes}")
     return lines

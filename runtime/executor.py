@@ -1,0 +1,478 @@
+"""The torch executor: runs a kernel schedule inside its static memory plan.
+
+At build time every value of the schedule is bound to a view of planned storage (the
+activation arena, the persistent region or tensors the caller binds), every kernel-internal
+value to a view of one shared scratch region, and every node becomes a closure that writes
+its result with an `out=` torch op. A step is then a walk over the closures: it creates no
+tensor storage (tested with a dispatch-mode probe), so a training step allocates nothing
+after warm-up.
+
+Scans loop over their body's executor: carries live in the workspace's carry slots, each
+iteration's xs slice is staged into scratch, stacked ys are written into their ITEM buffers.
+Generators (ROPE, MASK) are evaluated once into constant storage at build time.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from titanc.ir import Graph, Node, Op
+from titanc.ir.interpret import mask_table, rope_table
+from titanc.ir.types import DTYPES, ITEMSIZE, TensorType
+from titanc.passes.memory_plan import MemoryPlan
+from titanc.passes.schedule import is_immediate
+
+Tensor = torch.Tensor
+Step = Callable[[], None]
+
+
+class Storage:
+    """A byte region handing out typed views; `meta` regions only measure (no memory)."""
+
+    def __init__(self, nbytes: int, meta: bool = False):
+        self.nbytes = nbytes
+        self.data = torch.empty(nbytes, dtype=torch.uint8, device="meta" if meta else "cpu")
+
+    def view(self, offset: int, t: TensorType, float_dtype: torch.dtype | None) -> Tensor:
+        dt = _dtype(t.dtype, float_dtype)
+        size = t.numel * torch.empty((), dtype=dt).element_size()
+        if offset + size > self.nbytes:
+            raise ValueError(f"view [{offset}, {offset + size}) beyond {self.nbytes} bytes")
+        return self.data[offset:offset + size].view(dt).view(t.shape)
+
+
+def _dtype(name: str, float_dtype: torch.dtype | None) -> torch.dtype:
+    if float_dtype is not None and name in ("f32", "f64"):
+        return float_dtype
+    return DTYPES[name]
+
+
+class Scratch:
+    """A stack allocator over one region: kernels allocate from `mark`, release on exit."""
+
+    def __init__(self, storage: Storage, float_dtype: torch.dtype | None):
+        self.storage, self.float_dtype = storage, float_dtype
+        self.top = 0
+        self.high = 0
+
+    def alloc(self, t: TensorType) -> Tensor:
+        size = -(-t.numel * ITEMSIZE[t.dtype] // 64) * 64
+        if self.float_dtype is not None and t.is_float:
+            size = -(-t.numel * torch.empty((), dtype=self.float_dtype).element_size() // 64) * 64
+        off = self.top
+        self.top += max(size, 64)
+        self.high = max(self.high, self.top)
+        if self.storage.data.device.type == "meta" or off + size > self.storage.nbytes:
+            return torch.empty(t.shape, dtype=_dtype(t.dtype, self.float_dtype), device="meta")
+        return self.storage.view(off, t, self.float_dtype)
+
+
+class _Builder:
+    """Binds one schedule (a graph or a scan body) to storage and emits its steps."""
+
+    def __init__(self, plan: MemoryPlan, arena: Storage, persistent: Storage,
+                 bound: dict[str, Tensor], external: dict[str, Tensor], scratch: Scratch,
+                 consts: list[Tensor], float_dtype: torch.dtype | None):
+        self.plan, self.g = plan, plan.schedule.graph
+        self.arena, self.persistent, self.bound = arena, persistent, bound
+        self.external, self.scratch, self.consts = external, scratch, consts
+        self.float_dtype = float_dtype
+        self.val: dict[int, Any] = {}
+        self.loc: dict[int, Tensor] = {}
+        self.steps: list[Step] = []
+
+    # -- storage of values that cross kernels ---------------------------------------------------
+    def located(self, vid: int) -> Tensor:
+        """The planned storage of a value that leaves its kernel (cached)."""
+        if vid in self.loc:
+            return self.loc[vid]
+        node = self.g.node(vid)
+        where, at = self.plan.location(vid)
+        if where == "external":
+            t = self.external[at]
+        elif where == "persistent":
+            name = self.plan.persistent_values[self.plan.aliases.get(vid, vid)][0]
+            t = self.bound[name] if name in self.bound else \
+                self.persistent.view(at, node.type, self.float_dtype)
+        else:
+            t = self.arena.view(at, node.type, self.float_dtype)
+        if tuple(t.shape) != node.type.shape:
+            t = t.view(node.type.shape)
+        self.loc[vid] = t
+        return t
+
+    def home(self, vid: int) -> Tensor:
+        """The tensor holding a value: what its producer bound, else its planned storage."""
+        return self.val[vid] if vid in self.val else self.located(vid)
+
+    def operand(self, vid: int) -> Any:
+        if is_immediate(self.g, vid):                 # scalar constants are inlined literals
+            return float(self.g.node(vid).attr("value"))
+        return self.home(vid)
+
+    def out(self, node: Node, outputs: set[int]) -> Tensor:
+        """Where node's result goes: its planned home if it leaves the kernel, else scratch."""
+        if node.id in outputs and node.id not in self.plan.aliases:
+            return self.located(node.id)
+        return self.scratch.alloc(node.type)
+
+    # -- kernels ---------------------------------------------------------------------------------
+    def build(self) -> list[Step]:
+        for k, kern in enumerate(self.plan.schedule.kernels):
+            if self.plan.is_noop(k):
+                continue
+            mark = self.scratch.top
+            outputs = set(kern.outputs)
+            for nid in kern.nodes:
+                self.node(self.g.node(nid), outputs)
+            for v in kern.outputs:                   # views that leave the kernel: copy home
+                if v in self.plan.aliases or self.g.node(v).op is Op.ITEM:
+                    continue
+                src, dst = self.val[v], self.located(v)
+                if src is not dst:
+                    self.steps.append(_copy(dst, src))
+                    self.val[v] = dst
+            self.scratch.top = mark
+        return self.steps
+
+    def node(self, n: Node, outputs: set[int]) -> None:
+        op, a = n.op, n.attr_dict
+        if op is Op.ITEM:
+            return                                   # the scan writes its ITEM buffers
+        if op is Op.FULL:
+            if n.type.shape == ():
+                self.val[n.id] = self._const(torch.tensor(a["value"], dtype=_dtype(a["dtype"], self.float_dtype)))
+            else:
+                o = self.out(n, outputs)
+                self.steps.append(lambda o=o, v=a["value"]: o.fill_(v))
+                self.val[n.id] = o
+            return
+        if op is Op.ROPE:
+            self.val[n.id] = self._const(rope_table(a["kind"], a["start"], a["count"], a["half"],
+                                                    a["base"], _dtype(a["dtype"], self.float_dtype)))
+            return
+        if op is Op.MASK:
+            self.val[n.id] = self._const(mask_table(a["n_q"], a["q_start"], a["groups"],
+                                                    _dtype(a["dtype"], self.float_dtype)))
+            return
+        if op is Op.SCAN:
+            self._scan(n, outputs)
+            return
+        xs = [self.operand(i) for i in n.inputs]
+        view = _VIEWS.get(op)
+        if view is not None and isinstance(xs[0], float):     # a view of an inlined scalar
+            xs[0] = self._const(torch.tensor(xs[0], dtype=_dtype(n.type.dtype, self.float_dtype)))
+        if view is not None:
+            v = view(xs[0], a, n)
+            if v is not None:
+                self.val[n.id] = v
+                return
+        o = self.out(n, outputs)
+        self.steps.extend(_emit(self, n, xs, o))
+        self.val[n.id] = o
+
+    def _const(self, t: Tensor) -> Tensor:
+        self.consts.append(t)                        # built once; kept alive by the executor
+        return t
+
+    # -- scans -------------------------------------------------------------------------------------
+    def _scan(self, n: Node, outputs: set[int]) -> None:
+        a = n.attr_dict
+        body: Graph = a["body"]
+        nc, nx_, length = a["n_carry"], a["n_xs"], a["length"]
+        args = [self.operand(i) for i in n.inputs]
+        args = [x if isinstance(x, Tensor) else self._const(torch.tensor(
+            x, dtype=_dtype(self.g.node(i).type.dtype, self.float_dtype)))
+            for i, x in zip(n.inputs, args)]
+        ws = next(b for b in self.plan.buffers if b.kind == "workspace" and b.value == n.id)
+        region = Storage(0)
+        region.data = self.arena.data[ws.offset:ws.offset + ws.size]
+        region.nbytes = ws.size
+        slots = [region.view(off, t, self.float_dtype)
+                 for (off, _), t in zip(self.plan.carry_state[n.id], n.type[:nc])]
+        body_arena = Storage(0)
+        body_arena.data = region.data[self.plan.workspace_body_offset(n.id):]
+        body_arena.nbytes = body_arena.data.shape[0]
+        mark = self.scratch.top
+        staging = [self.scratch.alloc(TensorType(body.node(i).type.shape, body.node(i).type.dtype))
+                   for i in body.inputs[nc:nc + nx_]]
+        names = body.input_names()
+        external = dict(zip(names, slots + staging + args[nc + nx_:]))
+        sub = _Builder(self.plan.bodies[n.id], body_arena, self.persistent, {}, external,
+                       self.scratch, self.consts, self.float_dtype)
+        inner = sub.build()
+        outs = [sub.home(v) for _, v in body.outputs]
+        used = [u for u in self.g.users(n.id) if u in outputs]      # ITEMs read later
+        items = {self.g.node(u).attr("index"): self.located(u) for u in used}
+        for u in used:
+            self.val[u] = items[self.g.node(u).attr("index")]
+        ys = {k: [items[k][t] for t in range(length)] for k in items if k >= nc}
+        xs = [[x[t] for t in range(length)] for x in args[nc:nc + nx_]]
+        carry_in = args[:nc]
+        # a body output that is itself a carry slot must be read before the slots change
+        tmp = [self.scratch.alloc(TensorType(tuple(o.shape), _dname(o.dtype))) if
+               any(o.data_ptr() == s.data_ptr() for s in slots) else None for o in outs[:nc]]
+        order = list(range(length - 1, -1, -1)) if a["reverse"] else list(range(length))
+
+        def run() -> None:
+            for slot, init in zip(slots, carry_in):
+                slot.copy_(init)
+            for t in order:
+                for st, x in zip(staging, xs):
+                    st.copy_(x[t])
+                for s in inner:
+                    s()
+                for k, y in ys.items():
+                    y[t].copy_(outs[k])
+                for slot, new, tm in zip(slots, outs[:nc], tmp):
+                    if tm is not None:
+                        tm.copy_(new)
+                        new = tm
+                    if new.data_ptr() != slot.data_ptr():
+                        slot.copy_(new)
+            for k in range(nc):
+                if k in items:
+                    items[k].copy_(slots[k])
+
+        self.steps.append(run)
+        self.scratch.top = mark
+
+
+def _dname(dt: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.float64: "f64", torch.int64: "i64"}[dt]
+
+
+def _copy(dst: Tensor, src: Tensor) -> Step:
+    return lambda: dst.copy_(src)
+
+
+# -- views: no work when torch can express them on the operand's storage -------------------------
+
+def _reshape(x: Tensor, a: dict, n: Node) -> Tensor | None:
+    try:
+        return x.view(a["shape"])
+    except RuntimeError:
+        return None                                   # needs a copy: computed below
+
+
+_VIEWS: dict[Op, Callable[[Tensor, dict, Node], Tensor | None]] = {
+    Op.RESHAPE: _reshape,
+    Op.PERMUTE: lambda x, a, n: x.permute(*a["perm"]),
+    Op.EXPAND: lambda x, a, n: x.expand(*a["shape"]),
+    Op.SLICE: lambda x, a, n: x.narrow(a["axis"], a["start"], a["stop"] - a["start"]),
+}
+
+
+# -- compute: every op writes into `o` ----------------------------------------------------------
+
+_UNARY = {Op.NEG: torch.neg, Op.EXP: torch.exp, Op.LOG: torch.log, Op.SIGMOID: torch.sigmoid,
+          Op.RSQRT: torch.rsqrt, Op.SQRT: torch.sqrt, Op.RECIP: torch.reciprocal}
+_BINARY = {Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.div,
+           Op.MAX: torch.maximum}
+
+
+def _emit(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
+    op, a = n.op, n.attr_dict
+    if op in _UNARY:
+        f = _UNARY[op]
+        return [lambda: f(xs[0], out=o)]
+    if op is Op.SILU:
+        x = xs[0]
+        return [lambda: torch.sigmoid(x, out=o), lambda: o.mul_(x)]
+    if op is Op.CAST or op is Op.RESHAPE:
+        x = xs[0]
+        flat = o.view(x.shape) if op is Op.RESHAPE else o
+        return [lambda: flat.copy_(x)]
+    if op in _BINARY or op is Op.GT:
+        return _binary(b, op, xs, o)
+    if op is Op.SUM or op is Op.AMAX:
+        f = torch.sum if op is Op.SUM else torch.amax
+        x, dims, keep = xs[0], tuple(a["axes"]), a["keepdim"]
+        return [lambda: f(x, dim=dims, keepdim=keep, out=o)]
+    if op is Op.EINSUM:
+        return _einsum(b, a["spec"], xs, o)
+    if op is Op.PAD:
+        x, ax, before = xs[0], a["axis"], a["before"]
+        inner = o.narrow(ax, before, x.shape[ax])
+        return [lambda: o.zero_(), lambda: inner.copy_(x)]
+    if op is Op.CONCAT:
+        parts, ax = list(xs), a["axis"]
+        return [lambda: torch.cat(parts, ax, out=o)]
+    if op is Op.CUMSUM:
+        return _cumsum(b, xs[0], a["axis"], a["reverse"], o)
+    if op in (Op.TAKE, Op.INDEX_ADD, Op.TAKE_ALONG, Op.SCATTER_ALONG):
+        return _gathers(b, n, xs, o)
+    raise NotImplementedError(f"torch executor: no rule for {op.name}")
+
+
+def _binary(b: _Builder, op: Op, xs: list[Any], o: Tensor) -> list[Step]:
+    x, y = xs
+    if op is Op.GT:
+        zero = b._const(torch.zeros((), dtype=o.dtype))
+        if isinstance(y, float):
+            return [lambda: torch.sub(x, y, out=o), lambda: torch.heaviside(o, zero, out=o)]
+        if isinstance(x, float):
+            return [lambda: torch.sub(y, x, out=o), lambda: o.neg_(),
+                    lambda: torch.heaviside(o, zero, out=o)]
+        return [lambda: torch.sub(x, y, out=o), lambda: torch.heaviside(o, zero, out=o)]
+    f = _BINARY[op]
+    if isinstance(x, float) and isinstance(y, float):
+        v = {Op.ADD: x + y, Op.SUB: x - y, Op.MUL: x * y, Op.DIV: x / y, Op.MAX: max(x, y)}[op]
+        return [lambda: o.fill_(v)]
+    if isinstance(x, float):                          # constant on the left
+        if op in (Op.ADD, Op.MUL):
+            return [lambda: f(y, x, out=o)]
+        if op is Op.SUB:
+            return [lambda: torch.neg(y, out=o), lambda: o.add_(x)]
+        if op is Op.DIV:
+            return [lambda: torch.reciprocal(y, out=o), lambda: o.mul_(x)]
+        return [lambda: torch.clamp_min(y, x, out=o)]
+    if isinstance(y, float) and op is Op.MAX:
+        return [lambda: torch.clamp_min(x, y, out=o)]
+    return [lambda: f(x, y, out=o)]
+
+
+def _einsum(b: _Builder, spec: str, xs: list[Tensor], o: Tensor) -> list[Step]:
+    """A two-operand einsum as one bmm: operands permuted to (batch, M, K) / (batch, K, N),
+    staged into scratch when not viewable that way; the result permuted into `o`."""
+    if len(xs) != 2:
+        raise NotImplementedError("torch executor: einsum of more than two operands")
+    (ta, tb), tc = spec.split("->")[0].split(","), spec.split("->")[1]
+    steps: list[Step] = []
+    x, y = xs
+    # letters only one operand has and the output lacks: sum them out first
+    for which in (0, 1):
+        t, other, v = (ta, tb, x) if which == 0 else (tb, ta, y)
+        lone = [i for i, ch in enumerate(t) if ch not in other and ch not in tc]
+        if lone:
+            keep = "".join(ch for ch in t if ch not in [t[i] for i in lone])
+            s = b.scratch.alloc(TensorType(tuple(v.shape[i] for i, ch in enumerate(t) if ch in keep),
+                                           _dname(v.dtype)))
+            steps.append(lambda v=v, s=s, d=tuple(lone): torch.sum(v, dim=d, out=s))
+            if which == 0:
+                ta, x = keep, s
+            else:
+                tb, y = keep, s
+    size = {ch: d for t, v in ((ta, x), (tb, y)) for ch, d in zip(t, v.shape)}
+    batch = [ch for ch in tc if ch in ta and ch in tb]
+    m = [ch for ch in tc if ch in ta and ch not in tb]
+    nn = [ch for ch in tc if ch in tb and ch not in ta]
+    k = [ch for ch in ta if ch in tb and ch not in tc]
+    prod = lambda cs: int(torch.tensor([size[c] for c in cs] or [1]).prod())
+    B, M, N, K = prod(batch), prod(m), prod(nn), prod(k)
+
+    def arrange(v: Tensor, t: str, order: list[str], shape: tuple[int, ...]) -> Tensor:
+        p = v.permute(*[t.index(ch) for ch in order])
+        try:
+            return p.view(shape)
+        except RuntimeError:
+            s = b.scratch.alloc(TensorType(tuple(p.shape), _dname(v.dtype)))
+            steps.append(lambda s=s, p=p: s.copy_(p))
+            return s.view(shape)
+
+    A = arrange(x, ta, batch + m + k, (B, M, K))
+    Bm = arrange(y, tb, batch + k + nn, (B, K, N))
+    natural = batch + m + nn
+    if list(tc) == natural:
+        C = o.view(B, M, N)
+        steps.append(lambda: torch.bmm(A, Bm, out=C))
+    else:
+        s = b.scratch.alloc(TensorType((B, M, N), _dname(o.dtype)))
+        back = s.view([size[c] for c in natural]).permute(*[natural.index(ch) for ch in tc])
+        steps += [lambda: torch.bmm(A, Bm, out=s), lambda: o.copy_(back)]
+    return steps
+
+
+def _cumsum(b: _Builder, x: Tensor, axis: int, reverse: bool, o: Tensor) -> list[Step]:
+    if not reverse:
+        return [lambda: torch.cumsum(x, axis, out=o)]
+    n = x.shape[axis]
+    rev = b._const(torch.arange(n - 1, -1, -1))
+    s = b.scratch.alloc(TensorType(tuple(x.shape), _dname(x.dtype)))
+    s2 = b.scratch.alloc(TensorType(tuple(x.shape), _dname(x.dtype)))
+    return [lambda: torch.index_select(x, axis, rev, out=s), lambda: torch.cumsum(s, axis, out=s2),
+            lambda: torch.index_select(s2, axis, rev, out=o)]
+
+
+def _contiguous(b: _Builder, v: Tensor, steps: list[Step]) -> Tensor:
+    if v.is_contiguous():
+        return v
+    s = b.scratch.alloc(TensorType(tuple(v.shape), _dname(v.dtype)))
+    steps.append(lambda: s.copy_(v))
+    return s
+
+
+def _gathers(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[Step]:
+    steps: list[Step] = []
+    src, idx = xs[0], _contiguous(b, xs[1], steps)
+    if n.op is Op.TAKE:
+        flat_idx = idx.view(-1)
+        flat_out = o.view(-1, *src.shape[1:])
+        steps.append(lambda: torch.index_select(src, 0, flat_idx, out=flat_out))
+    elif n.op is Op.INDEX_ADD:
+        g = _contiguous(b, src, steps)
+        flat_idx, flat_g = idx.view(-1), g.view(-1, *o.shape[1:])
+        steps += [lambda: o.zero_(), lambda: o.index_add_(0, flat_idx, flat_g)]
+    elif n.op is Op.TAKE_ALONG:
+        i2, o2 = idx.unsqueeze(-1), o.unsqueeze(-1)
+        steps.append(lambda: torch.gather(src, -1, i2, out=o2))
+    else:
+        i2, g2 = idx.unsqueeze(-1), src.unsqueeze(-1)
+        steps += [lambda: o.zero_(), lambda: o.scatter_add_(-1, i2, g2)]
+    return steps
+
+
+class ArenaExecutor:
+    """Run a graph's schedule in its memory plan. `bound` maps persistent names to tensors
+    the caller owns (parameters, gradient buffers): they are used in place."""
+
+    def __init__(self, plan: MemoryPlan, bound: dict[str, Tensor] | None = None,
+                 float_dtype: torch.dtype | None = None):
+        self.plan = plan
+        self.g = plan.schedule.graph
+        self.bound = dict(bound or {})
+        self.float_dtype = float_dtype
+        # pass 1 measures the scratch stack on meta storage, pass 2 binds real storage
+        probe = Scratch(Storage(0, meta=True), float_dtype)
+        self._bind(probe, measure=True)
+        self.scratch = Scratch(Storage(probe.high), float_dtype)
+        self._bind(self.scratch, measure=False)
+
+    def _bind(self, scratch: Scratch, measure: bool) -> None:
+        self.arena = Storage(self.plan.arena_bytes, meta=measure)
+        self.persistent = Storage(self.plan.persistent_bytes, meta=measure)
+        self.consts: list[Tensor] = []
+        bound = {} if measure else self.bound
+        self._b = _Builder(self.plan, self.arena, self.persistent, bound, {}, scratch,
+                           self.consts, self.float_dtype)
+        self.steps = self._b.build()
+        self.inputs = {self.g.node(i).attr("name"): self._b.home(i) for i in self.g.inputs}
+        self.outputs = {name: self._b.home(v) if v not in self._b.val else self._b.val[v]
+                        for name, v in self.g.outputs}
+
+    def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """Copy `inputs` (by graph input name) into their buffers, run every kernel, return
+        the outputs as views of planned storage (valid until the next run)."""
+        for name, t in (inputs or {}).items():
+            dst = self.inputs[name]
+            if dst.data_ptr() != t.data_ptr():
+                dst.copy_(t)
+        for s in self.steps:
+            s()
+        return self.outputs
+
+    def storages(self) -> list[Tensor]:
+        """Every storage the executor writes (for allocation probes)."""
+        return [self.arena.data, self.persistent.data, self.scratch.storage.data,
+                *self.bound.values(), *self.consts]
+
+
+def executor_for(g: Graph, persistent: set[str], bound: dict[str, Tensor] | None = None,
+                 float_dtype: torch.dtype | None = None) -> ArenaExecutor:
+    """Fuse, plan and bind a graph (used for graphs outside the training pipeline: eval,
+    logits, serving steps)."""
+    from titanc.passes.fusion import fuse
+    from titanc.passes.memory_plan import plan_memory
+
+    return ArenaExecutor(plan_memory(fuse(g), persistent), bound, float_dtype)
