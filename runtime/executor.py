@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import time
+
 import torch
 
 from titanc.ir import Graph, Node, Op
@@ -25,6 +27,49 @@ from titanc.passes.schedule import is_immediate
 
 Tensor = torch.Tensor
 Step = Callable[[], None]
+
+PROFILE_CATEGORIES = ("pointwise", "reduction", "matmul", "attention", "memory update",
+                      "optimizer", "other")
+
+
+class Profiler:
+    """Exclusive wall time per kernel category (a scan's own time excludes its body's)."""
+
+    def __init__(self) -> None:
+        self.seconds = {c: 0.0 for c in PROFILE_CATEGORIES}
+        self.calls = {c: 0 for c in PROFILE_CATEGORIES}
+        self._child = [0.0]
+
+    def run(self, label: str, fns: list[Step]) -> None:
+        self._child.append(0.0)
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        dt = time.perf_counter() - t0
+        child = self._child.pop()
+        self.seconds[label] += dt - child
+        self.calls[label] += 1
+        self._child[-1] += dt
+
+
+_ACTIVE: list[Profiler] = []            # the profiler of the run in progress, if any
+
+
+def kernel_label(g: Graph, kernel: Any) -> str:
+    """Profile category: attention (score/value contractions), memory update (kernels of a
+    memory-chunk body), optimizer, else the kernel's own category; scans are 'other'."""
+    if g.name.startswith("optimizer"):
+        return "optimizer"
+    if kernel.category == "template":
+        return "other"
+    if g.name.startswith("memory_chunk") or g.name.startswith("write"):
+        return "memory update"
+    for nid in kernel.nodes:
+        n = g.node(nid)
+        if n.op is Op.MASK or (n.op is Op.EINSUM and "h" in n.attr("spec").split("->")[1]
+                               and "q" in n.attr("spec")):
+            return "attention"
+    return kernel.category
 
 
 class Storage:
@@ -81,6 +126,7 @@ class _Builder:
         self.val: dict[int, Any] = {}
         self.loc: dict[int, Tensor] = {}
         self.steps: list[Step] = []
+        self.groups: list[tuple[str, list[Step]]] = []   # (profile label, a kernel's steps)
 
     # -- storage of values that cross kernels ---------------------------------------------------
     def located(self, vid: int) -> Tensor:
@@ -123,6 +169,7 @@ class _Builder:
             if self.plan.is_noop(k):
                 continue
             mark = self.scratch.top
+            first = len(self.steps)
             outputs = set(kern.outputs)
             for nid in kern.nodes:
                 self.node(self.g.node(nid), outputs)
@@ -133,6 +180,7 @@ class _Builder:
                 if src is not dst:
                     self.steps.append(_copy(dst, src))
                     self.val[v] = dst
+            self.groups.append((kernel_label(self.g, kern), self.steps[first:]))
             self.scratch.top = mark
         return self.steps
 
@@ -202,6 +250,7 @@ class _Builder:
         sub = _Builder(self.plan.bodies[n.id], body_arena, self.persistent, {}, external,
                        self.scratch, self.consts, self.float_dtype)
         inner = sub.build()
+        inner_groups = sub.groups
         outs = [sub.home(v) for _, v in body.outputs]
         used = [u for u in self.g.users(n.id) if u in outputs]      # ITEMs read later
         items = {self.g.node(u).attr("index"): self.located(u) for u in used}
@@ -221,8 +270,12 @@ class _Builder:
             for t in order:
                 for st, x in zip(staging, xs):
                     st.copy_(x[t])
-                for s in inner:
-                    s()
+                if _ACTIVE:
+                    for label, fns in inner_groups:
+                        _ACTIVE[-1].run(label, fns)
+                else:
+                    for s in inner:
+                        s()
                 for k, y in ys.items():
                     y[t].copy_(outs[k])
                 for slot, new, tm in zip(slots, outs[:nc], tmp):
@@ -458,14 +511,29 @@ class ArenaExecutor:
             dst = self.inputs[name]
             if dst.data_ptr() != t.data_ptr():
                 dst.copy_(t)
-        for s in self.steps:
-            s()
+        if _ACTIVE:
+            for label, fns in self._b.groups:
+                _ACTIVE[-1].run(label, fns)
+        else:
+            for s in self.steps:
+                s()
         return self.outputs
 
     def storages(self) -> list[Tensor]:
         """Every storage the executor writes (for allocation probes)."""
         return [self.arena.data, self.persistent.data, self.scratch.storage.data,
                 *self.bound.values(), *self.consts]
+
+
+class profiling:
+    """`with profiling() as prof:` times every kernel run inside, by category."""
+
+    def __enter__(self) -> Profiler:
+        _ACTIVE.append(Profiler())
+        return _ACTIVE[-1]
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.pop()
 
 
 def executor_for(g: Graph, persistent: set[str], bound: dict[str, Tensor] | None = None,
