@@ -24,22 +24,51 @@ class DecodeState:
     """Everything a batch of sequences carries between steps (leading L on layer tensors)."""
     tensors: dict[str, Tensor]                # state.<name> of decode.state_shapes
     pending: dict[str, Tensor]                # items of the memory chunk in progress
-    pos: Tensor                               # (B,) next position of each sequence
+    pos: list[int]                            # next position of each sequence
     slot_pos: Tensor                          # (B, W) position held by each ring slot, -1 empty
 
     @property
     def batch(self) -> int:
-        return int(self.pos.shape[0])
+        return len(self.pos)
 
     @staticmethod
     def cat(states: Sequence["DecodeState"]) -> "DecodeState":
-        def join(key: str, dim: int, get: Callable[[DecodeState], dict[str, Tensor]]):
-            return torch.cat([get(s)[key] for s in states], dim)
+        def join(key: str, get: Callable[[DecodeState], dict[str, Tensor]]) -> Tensor:
+            return torch.cat([get(s)[key] for s in states], 1)
         first = states[0]
-        return DecodeState({k: join(k, 1, lambda s: s.tensors) for k in first.tensors},
-                           {k: join(k, 1, lambda s: s.pending) for k in first.pending},
-                           torch.cat([s.pos for s in states]),
+        return DecodeState({k: join(k, lambda s: s.tensors) for k in first.tensors},
+                           {k: join(k, lambda s: s.pending) for k in first.pending},
+                           [p for s in states for p in s.pos],
                            torch.cat([s.slot_pos for s in states]))
+
+
+class _HostInputs:
+    """Preallocated host-side inputs of an n-token step for B sequences, filled in place
+    (so a decode step allocates nothing)."""
+
+    def __init__(self, gen: "Generator", B: int, n: int):
+        m, dt = gen.m, gen.dtype
+        half = m.d_model // m.attention.heads // 2
+        self.cos = torch.zeros(B, n, half, dtype=dt)
+        self.sin = torch.zeros(B, n, half, dtype=dt)
+        self.inv = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2.0 / (2 * half))
+        self.t = torch.arange(n, dtype=torch.float64)
+        self.pos = torch.zeros(n, dtype=torch.float64)
+        self.ang = torch.zeros(n, half, dtype=torch.float64)
+        self.trig = torch.zeros(n, half, dtype=torch.float64)
+        self.bias = torch.zeros(B, n, n_keys(m, n), dtype=dt)
+        self.mask = torch.zeros(B, dtype=dt)
+        W = m.attention.window
+        t = torch.arange(n)
+        causal = t[None, :] <= t[:, None]
+        if m.block != "mac":
+            causal = causal & (t[:, None] - t[None, :] < W)
+        self.new_keys = torch.zeros(n, n, dtype=dt).masked_fill(~causal, NEG_INF)
+        self.ti = torch.arange(n)[:, None]                 # (n, 1) int64
+        self.q = torch.zeros(n, 1, dtype=torch.int64)
+        self.diff = torch.zeros(n, W, dtype=torch.int64)
+        self.seen = torch.zeros(W, dtype=torch.bool)
+        self.hide = torch.zeros(n, W, dtype=torch.bool)
 
 
 @dataclass
@@ -85,55 +114,66 @@ class Generator:
                 if self.m.block == "mac":
                     tensors[f"Wseg{i}"] = tensors[f"W{i}"].clone()
         window = self.m.attention.window if self.m.block in ("attn", "mag", "mal") else 1
-        return DecodeState(tensors, pending, torch.zeros(batch, dtype=torch.int64),
+        return DecodeState(tensors, pending, [0] * batch,
                            torch.full((batch, window), -1, dtype=torch.int64))
 
     # -- host inputs --------------------------------------------------------------------------
-    def _rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        half = self.m.d_model // self.m.attention.heads // 2
-        inv = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2.0 / (2 * half))
-        ang = pos.to(torch.float64)[..., None] * inv
-        return torch.cos(ang).to(self.dtype), torch.sin(ang).to(self.dtype)
+    def _host(self, B: int, n: int) -> _HostInputs:
+        key = ("host", B, n)
+        if key not in self._graphs:
+            self._graphs[key] = _HostInputs(self, B, n)
+        return self._graphs[key]
 
-    def _bias(self, st: DecodeState, n: int) -> Tensor:
-        m, B = self.m, st.batch
+    def _fill_rope(self, h: _HostInputs, b: int, start: int) -> None:
+        torch.add(h.t, float(start), out=h.pos)
+        torch.outer(h.pos, h.inv, out=h.ang)
+        h.cos[b].copy_(torch.cos(h.ang, out=h.trig))
+        h.sin[b].copy_(torch.sin(h.ang, out=h.trig))
+
+    def _fill_bias(self, h: _HostInputs, st: DecodeState, b: int, n: int) -> None:
+        m = self.m
         P = m.attention.persistent_tokens
-        vis = torch.zeros(B, n, n_keys(m, n), dtype=torch.bool)
-        vis[:, :, :P] = True
-        t = torch.arange(n)
-        causal = t[None, :] <= t[:, None]                                  # (n, n) new keys
+        row = h.bias[b]                                             # (n, keys)
+        row[:, :P].zero_()
         if m.block == "mac":
             S = m.attention.segment
-            filled = torch.arange(S)[None, :] < (st.pos % S)[:, None]      # (B, S)
+            i0 = st.pos[b] % S                                       # cache slots j < i0 filled
             for start in (P, P + S + n):
-                vis[:, :, start:start + S] = filled[:, None, :]
-                vis[:, :, start + S:start + S + n] = causal
-        else:
-            W = m.attention.window
-            qpos = st.pos[:, None] + t[None, :]                             # (B, n)
-            held = st.slot_pos[:, None, :]                                  # (B, 1, W)
-            vis[:, :, P:P + W] = (held >= 0) & (qpos[:, :, None] - held < W)
-            vis[:, :, P + W:] = causal & (t[:, None] - t[None, :] < W)
-        bias = torch.zeros(vis.shape, dtype=self.dtype)
-        return bias.masked_fill(~vis, NEG_INF)
+                row[:, start:start + i0].zero_()
+                row[:, start + i0:start + S].fill_(NEG_INF)
+                row[:, start + S:start + S + n].copy_(h.new_keys)
+            return
+        W = m.attention.window
+        held = st.slot_pos[b]                                        # (W,)
+        torch.add(h.ti, st.pos[b], out=h.q)                          # query positions
+        torch.sub(h.q, held, out=h.diff)
+        torch.ge(held, 0, out=h.seen)
+        torch.lt(h.diff, W, out=h.hide)
+        torch.logical_and(h.hide, h.seen, out=h.hide)
+        torch.logical_not(h.hide, out=h.hide)
+        ring = row[:, P:P + W]
+        ring.zero_()
+        ring.masked_fill_(h.hide, NEG_INF)
+        row[:, P + W:].copy_(h.new_keys)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self, st: DecodeState, tokens: Tensor) -> Tensor:
         """Run n new tokens (B, n) through every layer; returns logits (B, n, V), a view that
-        the next step overwrites (clone to keep it).
+        the next step overwrites (clone to keep it). Allocates nothing after warm-up.
 
         The n tokens must lie in one memory chunk (n = 1, or a whole aligned chunk)."""
         B, n = tokens.shape
-        if n > 1 and bool(((st.pos % self.chunk) != 0).any()) or n > self.chunk:
+        if n > self.chunk or (n > 1 and any(p % self.chunk for p in st.pos)):
             raise TitancError(f"a {n}-token step must start a memory chunk of {self.chunk}")
-        inputs: dict[str, Tensor] = {"tokens": tokens.to(torch.int64), **self.prog.parameters()}
+        inputs: dict[str, Tensor] = {"tokens": tokens}
         inputs.update({f"state.{k}": v for k, v in st.tensors.items()})
         if self.m.block != "lmm":
-            t = st.pos[:, None] + torch.arange(n)[None, :]
-            if self.m.block == "mac":
-                t = t % self.m.attention.segment
-            inputs["rope_cos"], inputs["rope_sin"] = self._rope(t)
-            inputs["attn_bias"] = self._bias(st, n)
+            h = self._host(B, n)
+            S = self.m.attention.segment
+            for b in range(B):
+                self._fill_rope(h, b, st.pos[b] % S if self.m.block == "mac" else st.pos[b])
+                self._fill_bias(h, st, b, n)
+            inputs.update(rope_cos=h.cos, rope_sin=h.sin, attn_bias=h.bias)
         out = self.prog._run(self._graph("step", B, n), inputs)
         self._absorb(st, out, n)
         return out["logits"]
@@ -143,44 +183,48 @@ class Generator:
         for k in st.tensors:
             if k.startswith("conv_"):
                 st.tensors[k].copy_(out[f"new.{k}"])
-        rows = torch.arange(B)
-        for t in range(n):
-            pos = st.pos + t
-            if m.block in ("attn", "mag", "mal"):
-                slot = pos % m.attention.window
-                for name in ("k", "v"):
-                    _put(st.tensors[f"{name}_cache"], rows, slot, out[f"new.{name}_new"][:, :, :, t])
-                st.slot_pos[rows, slot] = pos
-            if m.block == "mac":
-                slot = pos % m.attention.segment
-                for name in ("hk", "hv", "uk", "uv"):
-                    _put(st.tensors[name], rows, slot, out[f"new.{name}_new"][:, :, :, t])
-            if self.has_memory:
-                slot = pos % self.chunk
-                for k in ("mk", "mv", "theta", "log_eta", "log_keep"):
-                    _put(st.pending[k], rows, slot, out[f"new.{k}"][:, :, :, t])
-        st.pos += n
+        ring = ("k", "v") if m.block in ("attn", "mag", "mal") else ()
+        seg = ("hk", "hv", "uk", "uv") if m.block == "mac" else ()
+        items = ("mk", "mv", "theta", "log_eta", "log_keep") if self.has_memory else ()
+        for b in range(B):
+            for t in range(n):
+                p = st.pos[b] + t
+                for name in ring:
+                    slot = p % m.attention.window
+                    st.tensors[f"{name}_cache"][:, b, :, slot].copy_(out[f"new.{name}_new"][:, b, :, t])
+                    st.slot_pos[b, slot].fill_(p)
+                for name in seg:
+                    st.tensors[name][:, b, :, p % m.attention.segment].copy_(
+                        out[f"new.{name}_new"][:, b, :, t])
+                for k in items:
+                    st.pending[k][:, b, :, p % self.chunk].copy_(out[f"new.{k}"][:, b, :, t])
+        st.pos = [p + n for p in st.pos]
         if self.has_memory:
-            done = (st.pos % self.chunk) == 0
-            if bool(done.any()):
+            done = [p % self.chunk == 0 for p in st.pos]
+            if any(done):
                 self._write(st, done)
 
-    def _write(self, st: DecodeState, done: Tensor) -> None:
+    def _write(self, st: DecodeState, done: list[bool]) -> None:
         depth, B = self.m.memory.depth, st.batch
+        mask = self._host(B, 1).mask
+        for b, d in enumerate(done):
+            mask[b].fill_(1.0 if d else 0.0)
         inputs = {f"state.{k}{i}": st.tensors[f"{k}{i}"] for k in ("W", "S")
                   for i in range(1, depth + 1)}
         inputs.update({f"pending.{k}": v for k, v in st.pending.items()})
-        inputs["mask"] = done.to(self.dtype)
+        inputs["mask"] = mask
         out = self.prog._run(self._graph("write", B), inputs)
         for k, v in out.items():
             st.tensors[k.removeprefix("state.")].copy_(v)
         if self.m.block == "mac":
-            seg_done = done & ((st.pos % self.m.attention.segment) == 0)
-            for i in range(1, depth + 1):
-                st.tensors[f"Wseg{i}"][:, seg_done] = st.tensors[f"W{i}"][:, seg_done]
-            for c in ("q", "k", "v"):
-                if f"conv_{c}" in st.tensors:
-                    st.tensors[f"conv_{c}"][:, seg_done] = 0.0    # ỹ convs are segment-local
+            S = self.m.attention.segment
+            for b in range(B):
+                if done[b] and st.pos[b] % S == 0:                  # a segment ended
+                    for i in range(1, depth + 1):
+                        st.tensors[f"Wseg{i}"][:, b].copy_(st.tensors[f"W{i}"][:, b])
+                    for c in ("q", "k", "v"):                       # ỹ convs are segment-local
+                        if f"conv_{c}" in st.tensors:
+                            st.tensors[f"conv_{c}"][:, b].zero_()
 
     # -- prefill and generation ----------------------------------------------------------------
     def prefill(self, prompt: Sequence[int]) -> tuple[DecodeState, Tensor]:
@@ -232,11 +276,6 @@ class Generator:
         for i, tok in self.stream(prompts, max_new_tokens, sampling):
             out[i].append(tok)
         return out
-
-
-def _put(dst: Tensor, rows: Tensor, slot: Tensor, val: Tensor) -> None:
-    """dst[:, b, :, slot[b]] = val[:, b] for every sequence b (val: (L, B, ...))."""
-    dst[:, rows, :, slot] = val.transpose(0, 1)        # advanced indices move B to the front
 
 
 def sample(logits: Tensor, s: Sampling, gen: torch.Generator) -> Tensor:

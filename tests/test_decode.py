@@ -7,7 +7,7 @@ import torch
 import tests.reference as R
 import titanc
 from tests.helpers import BLOCKS, TINY, tokens
-from titanc.runtime.generate import Generator, Sampling, sample
+from titanc.runtime.generate import DecodeState, Generator, Sampling, sample
 
 
 def _program(block: str, **extra):
@@ -52,7 +52,7 @@ def test_state_is_constant_in_context_length(block: str) -> None:
     for t in range(40):                                            # well past seq_len = 16
         gen.step(st, torch.tensor([[t % 32]]))
     assert {k: v.shape for k, v in st.tensors.items()} == sizes
-    assert int(st.pos[0]) == 43
+    assert st.pos[0] == 43
 
 
 def test_sampling_controls() -> None:
@@ -93,3 +93,20 @@ def test_logprobs_match_reference_and_never_build_full_logits(block: str) -> Non
     widest = max(n.type.numel for n in head.attr("body") if n.type.shape[-1:] == (64,)
                  and n.op is not Op.INPUT)
     assert widest == 4 * 64
+
+
+@pytest.mark.parametrize("block", ["attn", "lmm", "mac", "mag"])
+def test_decode_step_allocates_nothing(block: str) -> None:
+    from titanc.runtime.probe import allocations_during
+
+    prog, _ = _program(block, **{"train.dtype": "float32"})
+    gen = Generator(prog)
+    st = DecodeState.cat([gen.prefill([1, 2, 3])[0], gen.prefill([4, 5])[0]])
+    tok = torch.tensor([[7], [8]])
+    for _ in range(2 * prog.spec.model.memory.chunk_size):         # warm-up, incl. a write
+        gen.step(st, tok)
+    known = prog.storages() + [tok, st.slot_pos, *st.tensors.values(), *st.pending.values()]
+    known += [t for h in gen._graphs.values() if hasattr(h, "bias")
+              for t in vars(h).values() if isinstance(t, torch.Tensor)]
+    for _ in range(5):
+        assert allocations_during(lambda: gen.step(st, tok), known) == []
