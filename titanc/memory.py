@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from titanc.ir import Builder, Value
 
-from .nn import dwconv, l2norm, silu_grad
+from .nn import dwconv, l2norm, log_sigmoid, silu_grad
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,8 @@ def project(b: Builder, u: Value, p: dict[str, Value], mem: Any, want: str = "qk
             def gate(name: str) -> Value:          # (B, T, Nm) -> (B, Nm, T)
                 return (u @ p[f"mem_{name}_w"] + p[f"mem_{name}_b"]).permute(0, 2, 1)
             theta = gate("theta").sigmoid() * mem.lr_max
-            log_eta = gate("eta").sigmoid().log()
-            log_keep = (-gate("alpha")).sigmoid().log()
+            log_eta = log_sigmoid(gate("eta"))
+            log_keep = log_sigmoid(-gate("alpha"))
         else:
             def const(value: float) -> Value:
                 return b.full(value, (), u.dtype).expand(B, nm, T)

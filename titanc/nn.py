@@ -33,6 +33,14 @@ def dwconv(x: Value, w: Value) -> Value:
     return out
 
 
+def log_sigmoid(z: Value) -> Value:
+    """log σ(z) = −max(−z, 0) − log(1 + exp(−|z|)): finite for any z (log(sigmoid) is −inf
+    once σ(z) underflows)."""
+    b = z.b
+    absz = b.maximum(z, -z)
+    return -b.maximum(-z, 0.0) - ((-absz).exp() + 1.0).log()
+
+
 def silu_grad(z: Value) -> Value:
     """d silu(z)/dz = σ(z)(1 + z(1 − σ(z)))."""
     s = z.sigmoid()
