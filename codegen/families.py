@@ -17,6 +17,12 @@ Fixed-structure families (`fixed_families.py`):
                                       beta2, eps, weight_decay, step[, max_norm, grad_norm,
                                       partials])
 
+Families added for the IR hooks (`extra_families.py`; `hooks.py` maps schedule kernels onto
+all of these):
+    render_cumsum         red  launch(*indexed, n_rows, n_cols)
+    render_index_add      tem  launch(grad [n, C], index [n], out [R, C])
+    render_scatter_along  tem  launch(grad [R], index [R], out [R, size])
+
 Each hook returns module source; `render.load_module(source, name)` imports it.
 """
 
@@ -32,6 +38,13 @@ from .fixed_families import (
     render_dwconv,
     render_gate_scan,
 )
+from .extra_families import (
+    CUMSUM_KERNEL_LOCALS,
+    CumsumScan,
+    render_cumsum,
+    render_index_add,
+    render_scatter_along,
+)
 from .fused_families import (
     MATMUL_KERNEL_LOCALS,
     POINTWISE_KERNEL_LOCALS,
@@ -45,17 +58,21 @@ from .meta import LAUNCH_LOCALS
 
 __all__ = [
     "TEMPLATE_LOCALS",
+    "CumsumScan",
     "KeyGroup",
     "ReductionStage",
     "render_adamw",
     "render_attention_bwd",
     "render_attention_fwd",
     "render_cross_entropy",
+    "render_cumsum",
     "render_dwconv",
     "render_gate_scan",
+    "render_index_add",
     "render_matmul",
     "render_pointwise",
     "render_reduction",
+    "render_scatter_along",
 ]
 
 # Names each family's template binds itself (kernel and launcher locals, module constants):
@@ -66,4 +83,5 @@ TEMPLATE_LOCALS: dict[str, frozenset[str]] = {
     "reduction": REDUCTION_KERNEL_LOCALS | LAUNCH_LOCALS,
     "matmul": MATMUL_KERNEL_LOCALS | LAUNCH_LOCALS,
     "attention": ATTENTION_KERNEL_LOCALS | LAUNCH_LOCALS,
+    "cumsum": CUMSUM_KERNEL_LOCALS | LAUNCH_LOCALS,
 }

@@ -42,6 +42,7 @@ def render_pointwise(
     body: Sequence[str],
     rank: int,
     scalars: Sequence[str] = (),
+    indexed: Sequence[tuple[str, int]] = (),
     dtype: str = "float32",
     header_lines: Sequence[str] = (),
     block: int = 1024,
@@ -54,7 +55,11 @@ def render_pointwise(
     outputs: `(tensor name, body variable)` pairs; the variable is stored into the tensor.
     body: one-line statements (see `expr.pointwise_statements`).
     scalars: runtime scalar kernel arguments `body` may read (e.g. a learning rate).
-    Launcher: `launch(*inputs, *outputs, *scalars, shape)`.
+    indexed: `(tensor name, rank)` of tensors the body loads itself (gathers, views that are no
+        strided broadcast of the common shape): the kernel gets `<name>_ptr` and the tensor's
+        own strides `stride_<name>_0 ..`, and the body reads them with `tl.load`. Such a name
+        must come back unchanged from the scope (hooks use fresh names like `in3`).
+    Launcher: `launch(*inputs, *outputs, *indexed, *scalars, shape)`.
     """
     if not 1 <= rank <= 4:
         raise ValueError(f"pointwise rank {rank} must be between 1 and 4")
@@ -63,6 +68,7 @@ def render_pointwise(
     strides = [f"stride_{{}}_{d}" for d in range(rank)]
     in_names = [scope.declare(n, ["{}_ptr", *strides]) for n in inputs]
     out_names = [scope.declare(n, ["{}_ptr", *strides]) for n, _ in outputs]
+    idx_tensors = indexed_tensors(scope, indexed)
     scalar_names = [scope.declare(n) for n in scalars]
     stmts = scope.statements(body)
     out_vars = [scope.ref(var) for _, var in outputs]
@@ -90,9 +96,23 @@ def render_pointwise(
         index_lines=_index_lines(rank),
         scalars=scalar_names,
         body=stmts,
-        launch_params=in_names + out_names + scalar_names,
+        indexed=idx_tensors,
+        launch_params=in_names + out_names + [t["arg"] for t in idx_tensors] + scalar_names,
         tensor_args=in_names + out_names,
     )
+
+
+def indexed_tensors(scope: Scope, indexed: Sequence[tuple[str, int]]) -> list[dict[str, object]]:
+    """Declare body-indexed tensors: a pointer and one stride per own axis, names unchanged."""
+    out: list[dict[str, object]] = []
+    for name, rank in indexed:
+        strides = [f"stride_{{}}_{d}" for d in range(rank)]
+        arg = scope.declare(name, ["{}_ptr", *strides])
+        if arg != name:
+            raise ValueError(f"indexed tensor {name!r} clashes with a template name (got {arg!r})")
+        out.append({"arg": arg, "ptr": f"{arg}_ptr",
+                    "strides": [s.format(arg) for s in strides]})
+    return out
 
 
 def _index_lines(rank: int) -> list[str]:
@@ -138,6 +158,8 @@ def render_reduction(
     row_epilogue: Sequence[str] = (),
     row_outputs: Sequence[tuple[str, str]] = (),
     reduced_outputs: Sequence[tuple[str, str]] = (),
+    indexed: Sequence[tuple[str, int]] = (),
+    row_stores: Sequence[tuple[str, str, str]] = (),
     dtype: str = "float32",
     header_lines: Sequence[str] = (),
     block_r: int = 1,
@@ -155,7 +177,12 @@ def render_reduction(
         element. reduced_outputs: `(tensor, var)` pairs stored per row ([rows] tensors).
     n_cols: the static row length. When it fits one block (`block_c` unset, or >= n_cols) the
         row is loaded once; otherwise each stage loops over column blocks of `block_c`.
-    Launcher: `launch(*inputs, *row_outputs, *reduced_outputs, n_rows, n_cols)`.
+    indexed: `(tensor name, rank)` of tensors the statements load (and `row_stores` write)
+        with their own index arithmetic, as in `render_pointwise`.
+    row_stores: `(indexed tensor, offset var, value var)`: per-element stores at an offset the
+        row epilogue computes (an element of a reduction over non-trailing axes is no
+        `[rows, cols]` strided view).
+    Launcher: `launch(*inputs, *row_outputs, *reduced_outputs, *indexed, n_rows, n_cols)`.
     """
     if not stages:
         raise ValueError("a reduction needs at least one stage")
@@ -171,6 +198,7 @@ def render_reduction(
     row_out_names = [scope.declare(n, derived) for n, _ in row_outputs]
     red_out_names = [scope.declare(n, derived) for n, _ in reduced_outputs]
     all_names = in_names + row_out_names + red_out_names
+    idx_tensors = indexed_tensors(scope, indexed)
 
     def row_tensor(arg: str, var: str) -> dict[str, object]:
         strides = [f"stride_{arg}_row", f"stride_{arg}_col"]
@@ -207,7 +235,15 @@ def render_reduction(
                   for a, (_, v) in zip(red_out_names, reduced_outputs)]
     for stage in stage_ctx:
         stage["loads"] = [t for t in ins if t["arg"] in stage["loads"]]
-    final_stmts, final_free = slice_statements(prologues + row_stmts, {t["var"] for t in row_outs})
+    stores = []
+    for tensor, offset, var in row_stores:
+        arg = scope.ref(tensor)
+        if not any(t["arg"] == arg for t in idx_tensors):
+            raise ValueError(f"row store into {tensor!r}, which is not an indexed tensor")
+        stores.append({"ptr": f"{arg}_ptr", "offset": scope.ref(offset), "var": scope.ref(var)})
+    wanted = {t["var"] for t in row_outs} | {t["var"] for t in stores} | {
+        t["offset"] for t in stores}
+    final_stmts, final_free = slice_statements(prologues + row_stmts, wanted)
     return render(
         "reduction.py.jinja",
         name=name,
@@ -222,11 +258,13 @@ def render_reduction(
         row_epilogue=row_stmts,
         row_outputs=row_outs,
         row_values=row_values,
+        row_stores=stores,
         final_stmts=final_stmts,
         final_loads=[t for t in ins if t["var"] in final_free],
         tensors=ins + row_outs + row_values,
         row_tensors=ins + row_outs,
-        launch_params=all_names,
+        indexed=idx_tensors,
+        launch_params=all_names + [t["arg"] for t in idx_tensors],
         tensor_args=all_names,
     )
 
@@ -251,6 +289,10 @@ def render_matmul(
     epilogue_inputs: Sequence[str] = (),
     result: str = "acc",
     scalars: Sequence[str] = (),
+    indexed: Sequence[tuple[str, int]] = (),
+    operand_loads: Sequence[str] = (),
+    operands: tuple[str, str] = ("a", "b"),
+    stores: Sequence[tuple[str, str, str]] = (),
     dtype: str = "float32",
     allow_tf32: bool = False,
     header_lines: Sequence[str] = (),
@@ -270,6 +312,13 @@ def render_matmul(
         scalar [batch, 1, 1]); `result` names the value stored into c.
     allow_tf32: fp32 dots on tensor cores in tf32 (GPU only; the interpreter is exact).
     Launcher: `launch(a, b, c[, scale], *epilogue_inputs, *scalars)`.
+
+    Indexed mode (`indexed` given: `(tensor name, rank)` pairs, read and written through their
+    own strides): `operand_loads` run once per K step and leave the [BLOCK_M, BLOCK_K] and
+    [BLOCK_K, BLOCK_N] tiles in the variables named by `operands` (they may read `offs_m`,
+    `offs_n`, `offs_k`, `k_start`, `m_mask`, `n_mask`, `k_mask`, `batch`); the epilogue reads
+    `acc`, `rows`, `cols`, `batch`, and `stores` are `(indexed tensor, offset var, value var)`
+    written under `mask`. Launcher: `launch(*indexed, *scalars, batch, M, N, K)`.
     """
     for label, blk in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         check_block(label, blk, 16)  # tl.dot needs every tile side >= 16
@@ -277,14 +326,28 @@ def render_matmul(
     scope = Scope(MATMUL_KERNEL_LOCALS | LAUNCH_LOCALS)
     epi_names = [scope.declare(n, ["{}_ptr", "stride_{}_b", "stride_{}_m", "stride_{}_n"])
                  for n in epilogue_inputs]
+    idx_tensors = indexed_tensors(scope, indexed)
     scalar_names = [scope.declare(n) for n in scalars]
+    loads = scope.statements(operand_loads)
+    a_operand, b_operand = (scope.ref(v) for v in operands) if indexed else operands
     stmts = scope.statements(epilogue)
     res = "acc" if result == "acc" else scope.ref(result)
+    store_ctx = []
+    for tensor, offset, var in stores:
+        arg = scope.ref(tensor)
+        if not any(t["arg"] == arg for t in idx_tensors):
+            raise ValueError(f"matmul store into {tensor!r}, which is not an indexed tensor")
+        store_ctx.append({"ptr": f"{arg}_ptr", "offset": scope.ref(offset),
+                          "var": "acc" if var == "acc" else scope.ref(var)})
     epi = [{"arg": n, "ptr": f"{n}_ptr", "var": n,
             "strides": [f"stride_{n}_b", f"stride_{n}_m", f"stride_{n}_n"],
             "offset": f"batch * stride_{n}_b + rows * stride_{n}_m + cols * stride_{n}_n"}
            for n in epi_names]
     tensors = ["a", "b", "c"] + (["scale"] if k_scale else []) + epi_names
+    if indexed:
+        if k_scale or epilogue_inputs:
+            raise ValueError("indexed matmuls read scales and epilogue inputs by statements")
+        tensors = [t["arg"] for t in idx_tensors]
     return render(
         "matmul.py.jinja",
         name=name,
@@ -301,6 +364,11 @@ def render_matmul(
         epilogue_inputs=epi,
         scalars=scalar_names,
         result=res,
+        indexed=idx_tensors,
+        operand_loads=loads,
+        a_operand=a_operand,
+        b_operand=b_operand,
+        stores=store_ctx,
         launch_params=tensors + scalar_names,
         tensor_args=tensors,
     )

@@ -75,9 +75,9 @@ def kernel_label(g: Graph, kernel: Any) -> str:
 class Storage:
     """A byte region handing out typed views; `meta` regions only measure (no memory)."""
 
-    def __init__(self, nbytes: int, meta: bool = False):
+    def __init__(self, nbytes: int, meta: bool = False, device: str = "cpu"):
         self.nbytes = nbytes
-        self.data = torch.empty(nbytes, dtype=torch.uint8, device="meta" if meta else "cpu")
+        self.data = torch.empty(nbytes, dtype=torch.uint8, device="meta" if meta else device)
 
     def view(self, offset: int, t: TensorType, float_dtype: torch.dtype | None) -> Tensor:
         dt = _dtype(t.dtype, float_dtype)
@@ -170,19 +170,28 @@ class _Builder:
                 continue
             mark = self.scratch.top
             first = len(self.steps)
-            outputs = set(kern.outputs)
-            for nid in kern.nodes:
-                self.node(self.g.node(nid), outputs)
-            for v in kern.outputs:                   # views that leave the kernel: copy home
-                if v in self.plan.aliases or self.g.node(v).op is Op.ITEM:
-                    continue
-                src, dst = self.val[v], self.located(v)
-                if src is not dst:
-                    self.steps.append(_copy(dst, src))
-                    self.val[v] = dst
+            self.kernel(kern)
             self.groups.append((kernel_label(self.g, kern), self.steps[first:]))
             self.scratch.top = mark
         return self.steps
+
+    def kernel(self, kern: Any) -> None:
+        """Emit the steps of one kernel: one out= torch closure per node (a subclass may
+        launch the kernel as one generated program instead)."""
+        outputs = set(kern.outputs)
+        for nid in kern.nodes:
+            self.node(self.g.node(nid), outputs)
+        for v in kern.outputs:                       # views that leave the kernel: copy home
+            if v in self.plan.aliases or self.g.node(v).op is Op.ITEM:
+                continue
+            src, dst = self.val[v], self.located(v)
+            if src is not dst:
+                self.steps.append(_copy(dst, src))
+                self.val[v] = dst
+
+    def sub_builder(self, *args: Any) -> "_Builder":
+        """The builder of a scan body (same class, so a subclass's kernels run there too)."""
+        return _Builder(*args)
 
     def node(self, n: Node, outputs: set[int]) -> None:
         op, a = n.op, n.attr_dict
@@ -221,6 +230,9 @@ class _Builder:
         self.val[n.id] = o
 
     def _const(self, t: Tensor) -> Tensor:
+        device = self.arena.data.device
+        if device.type not in ("cpu", "meta"):
+            t = t.to(device)
         self.consts.append(t)                        # built once; kept alive by the executor
         return t
 
@@ -247,8 +259,8 @@ class _Builder:
                    for i in body.inputs[nc:nc + nx_]]
         names = body.input_names()
         external = dict(zip(names, slots + staging + args[nc + nx_:]))
-        sub = _Builder(self.plan.bodies[n.id], body_arena, self.persistent, {}, external,
-                       self.scratch, self.consts, self.float_dtype)
+        sub = self.sub_builder(self.plan.bodies[n.id], body_arena, self.persistent, {}, external,
+                               self.scratch, self.consts, self.float_dtype)
         inner = sub.build()
         inner_groups = sub.groups
         outs = [sub.home(v) for _, v in body.outputs]
@@ -480,6 +492,8 @@ class ArenaExecutor:
     """Run a graph's schedule in its memory plan. `bound` maps persistent names to tensors
     the caller owns (parameters, gradient buffers): they are used in place."""
 
+    device = "cpu"                                   # where the arena and scratch live
+
     def __init__(self, plan: MemoryPlan, bound: dict[str, Tensor] | None = None,
                  float_dtype: torch.dtype | None = None):
         self.plan = plan
@@ -489,16 +503,20 @@ class ArenaExecutor:
         # pass 1 measures the scratch stack on meta storage, pass 2 binds real storage
         probe = Scratch(Storage(0, meta=True), float_dtype)
         self._bind(probe, measure=True)
-        self.scratch = Scratch(Storage(probe.high), float_dtype)
+        self.scratch = Scratch(Storage(probe.high, device=self.device), float_dtype)
         self._bind(self.scratch, measure=False)
 
+    def make_builder(self, *args: Any) -> _Builder:
+        """The builder of the top-level schedule (subclasses emit other kernels)."""
+        return _Builder(*args)
+
     def _bind(self, scratch: Scratch, measure: bool) -> None:
-        self.arena = Storage(self.plan.arena_bytes, meta=measure)
-        self.persistent = Storage(self.plan.persistent_bytes, meta=measure)
+        self.arena = Storage(self.plan.arena_bytes, meta=measure, device=self.device)
+        self.persistent = Storage(self.plan.persistent_bytes, meta=measure, device=self.device)
         self.consts: list[Tensor] = []
         bound = {} if measure else self.bound
-        self._b = _Builder(self.plan, self.arena, self.persistent, bound, {}, scratch,
-                           self.consts, self.float_dtype)
+        self._b = self.make_builder(self.plan, self.arena, self.persistent, bound, {}, scratch,
+                                    self.consts, self.float_dtype)
         self.steps = self._b.build()
         self.inputs = {self.g.node(i).attr("name"): self._b.home(i) for i in self.g.inputs}
         self.outputs = {name: self._b.home(v) if v not in self._b.val else self._b.val[v]
@@ -537,10 +555,11 @@ class profiling:
 
 
 def executor_for(g: Graph, persistent: set[str], bound: dict[str, Tensor] | None = None,
-                 float_dtype: torch.dtype | None = None) -> ArenaExecutor:
+                 float_dtype: torch.dtype | None = None,
+                 cls: type[ArenaExecutor] = ArenaExecutor) -> ArenaExecutor:
     """Fuse, plan and bind a graph (used for graphs outside the training pipeline: eval,
-    logits, serving steps)."""
+    logits, serving steps) on executor class `cls`."""
     from titanc.passes.fusion import fuse
     from titanc.passes.memory_plan import plan_memory
 
-    return ArenaExecutor(plan_memory(fuse(g), persistent), bound, float_dtype)
+    return cls(plan_memory(fuse(g), persistent), bound, float_dtype)

@@ -1,7 +1,9 @@
 """Program: a compiled model that trains, evaluates and exposes its state.
 
 Graphs run on the arena executor over their kernel schedule and memory plan (`cpu`
-target), or on the reference interpreter (`target: reference`, for debugging).
+target), on the same plan with generated Triton kernels (`triton`: on the GPU with CUDA, else
+under Triton's interpreter, see `runtime/triton_executor.py`), or on the reference
+interpreter (`target: reference`, for debugging). `auto` is `triton` when CUDA is present.
 Parameters, the gradient accumulator and the AdamW moments are allocated once and bound
 into every executor, so tensors handed out by `parameters()` stay live and a steady-state
 training step allocates nothing.
@@ -25,8 +27,18 @@ Tensor = torch.Tensor
 def _resolve_target(target: str) -> str:
     """auto -> triton with CUDA, else the torch executor ('cpu')."""
     if target == "auto":
-        return "cpu"
+        return "triton" if torch.cuda.is_available() else "cpu"
     return target
+
+
+def _executor_class(target: str) -> Any:
+    """The executor of a target (the triton one is imported only when used: importing it
+    selects Triton's interpreter when no CUDA device is present)."""
+    if target == "triton":
+        from .triton_executor import TritonExecutor
+        return TritonExecutor
+    from .executor import ArenaExecutor
+    return ArenaExecutor
 
 
 class Program:
@@ -38,11 +50,15 @@ class Program:
         self.seq_len = self.spec.model.seq_len
         self._interp = Interpreter()
         self.target = _resolve_target(self.spec.compile.target)
+        self._executor_cls = None if self.target == "reference" else _executor_class(self.target)
+        self.device = getattr(self._executor_cls, "device", "cpu")   # where state lives
         self._executors: dict[Any, Any] = {}
-        self._params = init_params(self.spec.model, self.spec.train.seed, self.dtype)
+        self._params = {n: t.to(self.device) for n, t in
+                        init_params(self.spec.model, self.spec.train.seed, self.dtype).items()}
         self._grad_acc = {n: torch.zeros_like(t) for n, t in self._params.items()}
         self._grad_tmp = {n: torch.zeros_like(t) for n, t in self._params.items()}
-        self._scalars = {k: torch.zeros((), dtype=self.dtype) for k in ("lr", "step", "grad_scale")}
+        self._scalars = {k: torch.zeros((), dtype=self.dtype, device=self.device)
+                         for k in ("lr", "step", "grad_scale")}
         self._m = {n: torch.zeros_like(t) for n, t in self._params.items()}
         self._v = {n: torch.zeros_like(t) for n, t in self._params.items()}
         self.step = 0
@@ -114,7 +130,7 @@ class Program:
             return ex.run({k: v for k, v in inputs.items() if k not in ex.bound})
 
     def _bind(self, g: Graph, plan: Any) -> Any:
-        from .executor import ArenaExecutor, executor_for
+        from .executor import executor_for
 
         names = set(g.input_names()) | {n for n, _ in g.outputs}
         bound: dict[str, Tensor] = {}
@@ -128,8 +144,9 @@ class Program:
             if f"opt.m.{n}" in names:
                 bound[f"opt.m.{n}"], bound[f"opt.v.{n}"] = self._m[n], self._v[n]
         if plan is not None:
-            return ArenaExecutor(plan, bound)
-        return executor_for(g, set(bound) | {n for n in names if n.startswith("state.")}, bound)
+            return self._executor_cls(plan, bound)
+        return executor_for(g, set(bound) | {n for n in names if n.startswith("state.")}, bound,
+                            cls=self._executor_cls)
 
     def loss(self, tokens: Tensor) -> float:
         tokens = self._check_tokens(tokens)

@@ -1,0 +1,136 @@
+"""Families the IR hooks need beyond the fused three: cumulative sums with a prologue and an
+epilogue (`red`), and the two scatter-adds that are the VJPs of gathers (`tem`).
+
+    render_cumsum         red  launch(*indexed, n_rows, n_cols)
+    render_index_add      tem  launch(grad [n, C], index [n], out [R, C])
+    render_scatter_along  tem  launch(grad [R], index [R], out [R, size])
+
+Like the fused families, `render_cumsum` carries hook-made statements through one `expr.Scope`;
+the scatter-adds take no statements. Both scatter kernels write every output element exactly
+once (no atomics), so their results do not depend on the launch order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .expr import Scope
+from .fused_families import indexed_tensors
+from .meta import LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2
+from .render import render
+
+__all__ = ["CUMSUM_KERNEL_LOCALS", "CumsumScan", "render_cumsum", "render_index_add",
+           "render_scatter_along"]
+
+CUMSUM_KERNEL_LOCALS = frozenset("""
+    BLOCK_R BLOCK_C pid rows row_mask cols mask block col_start n_rows n_cols
+""".split())
+
+
+@dataclass(frozen=True)
+class CumsumScan:
+    """`result = cumsum(operand)` along the columns; `operand` is a prologue variable."""
+
+    operand: str
+    result: str
+
+
+def render_cumsum(
+    name: str,
+    *,
+    indexed: Sequence[tuple[str, int]],
+    scans: Sequence[CumsumScan],
+    n_cols: int,
+    prologue: Sequence[str] = (),
+    epilogue: Sequence[str] = (),
+    stores: Sequence[tuple[str, str, str]] = (),
+    reverse: bool = False,
+    dtype: str = "float32",
+    header_lines: Sequence[str] = (),
+    block_r: int | None = None,
+    block_c: int | None = None,
+    max_single_block: int = 4096,
+    num_warps: int = 4,
+) -> str:
+    """Inclusive cumulative sums along the columns of [rows, cols] tiles.
+
+    prologue: statements on the tile (they read `rows`, `cols`, `mask`) computing each scan's
+        operand; epilogue: statements on the scanned tile (they may read the results);
+    stores: `(indexed tensor, offset var, value var)` written under `mask`.
+    reverse: sums from the last column (`x[j] + x[j + 1] + ...`).
+    Rows wider than one block (`n_cols > block_c`) loop over column blocks, each scan carrying
+    the sum of the blocks already done.
+    """
+    if not scans:
+        raise ValueError("a cumsum kernel needs at least one scan")
+    if block_c is None:
+        block_c = pow2(n_cols, 16) if n_cols <= max_single_block else 1024
+    check_block("block_c", block_c, 16)
+    if block_r is None:
+        block_r = max(1, min(16, 4096 // block_c))
+    check_block("block_r", block_r)
+    scope = Scope(CUMSUM_KERNEL_LOCALS | LAUNCH_LOCALS)
+    idx_tensors = indexed_tensors(scope, indexed)
+    pro = scope.statements(prologue)
+    scan_ctx = []
+    for s in scans:
+        result = scope.assign(s.result)
+        scan_ctx.append({"operand": scope.ref(s.operand), "result": result,
+                         "part": scope.assign(f"{result}_part"),
+                         "carry": scope.assign(f"{result}_carry")})
+    epi = scope.statements(epilogue)
+    store_ctx = [{"ptr": f"{scope.ref(t)}_ptr", "offset": scope.ref(o), "var": scope.ref(v)}
+                 for t, o, v in stores]
+    return render(
+        "scan_cumsum.py.jinja",
+        name=name,
+        header_lines=header_lines,
+        block_r=block_r,
+        block_c=block_c,
+        num_warps=num_warps,
+        compute_dtype=compute_dtype(dtype),
+        single_pass=block_c >= n_cols,
+        reverse=reverse,
+        indexed=idx_tensors,
+        prologue=pro,
+        scans=scan_ctx,
+        epilogue=epi,
+        stores=store_ctx,
+        launch_params=[t["arg"] for t in idx_tensors],
+    )
+
+
+def render_index_add(
+    name: str,
+    *,
+    dtype: str = "float32",
+    header_lines: Sequence[str] = (),
+    block_r: int = 32,
+    block_i: int = 32,
+    block_c: int = 64,
+    num_warps: int = 4,
+) -> str:
+    """`out = zeros; out.index_add_(0, index, grad)` as one-hot matmuls, without atomics."""
+    for label, blk in (("block_r", block_r), ("block_i", block_i), ("block_c", block_c)):
+        check_block(label, blk, 16)  # tl.dot needs every tile side >= 16
+    return render("index_add.py.jinja", name=name, header_lines=header_lines,
+                  block_r=block_r, block_i=block_i, block_c=block_c, num_warps=num_warps,
+                  compute_dtype=compute_dtype(dtype), precision=dot_precision(False))
+
+
+def render_scatter_along(
+    name: str,
+    *,
+    dtype: str = "float32",
+    header_lines: Sequence[str] = (),
+    block_r: int = 16,
+    block_c: int = 64,
+    num_warps: int = 4,
+) -> str:
+    """`out = zeros; out.scatter_add_(-1, index[:, None], grad[:, None])`: one value per row."""
+    check_block("block_r", block_r)
+    check_block("block_c", block_c, 16)
+    return render("scatter_along.py.jinja", name=name, header_lines=header_lines,
+                  block_r=block_r, block_c=block_c, num_warps=num_warps,
+                  compute_dtype=compute_dtype(dtype))

@@ -1,0 +1,202 @@
+"""Hooks from the IR to the template families: Triton source for every kernel of a schedule.
+
+`render_kernel(g, kernel)` maps one fused kernel onto a family (STYLE.md 7: hooks read the IR,
+templates hold plain Triton) and returns a `KernelCode`: the module source and how to launch
+it (which values, viewed how, and the trailing size arguments of its `launch`).
+
+    pointwise            pointwise.py.jinja over the flat element index (rank 1): values read
+                         at the flat index come in as template inputs, every other read (a
+                         view, broadcast, pad, concat, gather) is an indexed load through the
+                         tensor's own strides; outputs are stored flat.
+    reduction (SUM/AMAX) reduction.py.jinja: the reduced axes become the columns and the kept
+                         axes the rows of a [rows, cols] index space; the input-domain nodes
+                         are the prologue (stored prologue values are row stores), the
+                         output-domain nodes the last stage's epilogue, stored per row
+                         (`hooks_rows.py`).
+    reduction (CUMSUM)   scan_cumsum.py.jinja: the scanned axis is the columns (`hooks_rows.py`).
+    matmul               matmul.py.jinja in indexed mode: the einsum's letters grouped into
+                         batch / M / N / K, operand tiles read through their views by index
+                         statements (a concat or a mask operand is never materialized), the
+                         epilogue on the output tile, every output stored at its own offsets.
+    template             index_add.py.jinja / scatter_along.py.jinja for INDEX_ADD and
+                         SCATTER_ALONG; a SCAN is no Triton kernel (the program loops over its
+                         body's kernels), so `render_kernel` refuses it.
+
+Every file starts with a header naming the kernel's IR nodes and the spec path, through
+`render.sanitize_comment`. A kernel that no family can express raises `NotImplementedError`
+naming the kernel and the node; there is no fallback.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Collection, Iterator
+
+from titanc.ir import Graph, Op, format_node
+from titanc.ir.shapes import parse_einsum
+from titanc.passes.memory_plan import MemoryPlan
+from titanc.passes.schedule import Kernel
+
+from .extra_families import render_index_add, render_scatter_along
+from .fused_families import render_matmul, render_pointwise
+from .hooks_rows import lower_cumsum, lower_reduction
+from .indexing import Ix, Names, Section, delinearize, reshape_coords
+from .kernel_code import (KernelCode, TensorArg, code_of, graph_dtype, index_tile,
+                          indexed_args, store)
+from .lowering import KernelLowering, Val
+from .meta import compute_dtype, pow2
+
+__all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
+
+
+def plan_kernels(plan: MemoryPlan, dtype: str | None = None,
+                 spec_path: str = "") -> Iterator[tuple[MemoryPlan, Kernel, KernelCode]]:
+    """(plan, kernel, code) for every kernel of a plan's schedule and its scan bodies
+    (pre-order); no-op kernels (all outputs alias storage that already holds them) and scans
+    are skipped, aliased outputs are not stored."""
+    g = plan.schedule.graph
+    dt = dtype or graph_dtype(g)
+    for k, kern in enumerate(plan.schedule.kernels):
+        scan = [n for n in kern.nodes if n in plan.bodies]
+        if scan:
+            yield from plan_kernels(plan.bodies[scan[0]], dt, spec_path)
+        elif not plan.is_noop(k):
+            yield plan, kern, render_kernel(g, kern, dtype=dt, spec_path=spec_path,
+                                            skip=set(plan.aliases))
+
+
+def render_kernel(g: Graph, kernel: Kernel, *, dtype: str = "float32", spec_path: str = "",
+                  skip: Collection[int] = ()) -> KernelCode:
+    """Triton source of one kernel; `skip` are outputs not to store (aliases of storage that
+    already holds them)."""
+    low = KernelLowering(g, kernel, compute_dtype(dtype))
+    outs = [v for v in kernel.outputs if v not in skip]
+    header = [f"{kernel.name}: {kernel.category} kernel of graph {g.name}",
+              f"spec: {spec_path or '(none)'}", "IR nodes:"]
+    header += ["  " + format_node(g.node(n)) for n in kernel.nodes]
+    ops = {g.node(n).op for n in kernel.nodes}
+    if kernel.category == "pointwise":
+        return _pointwise(low, outs, header, dtype)
+    if kernel.category == "reduction" and Op.CUMSUM in ops:
+        return lower_cumsum(low, outs, header, dtype)
+    if kernel.category == "reduction":
+        return lower_reduction(low, outs, header, dtype)
+    if kernel.category == "matmul":
+        return _matmul(low, outs, header, dtype)
+    if Op.INDEX_ADD in ops or Op.SCATTER_ALONG in ops:
+        return _scatter(low, header, dtype)
+    raise NotImplementedError(low.where("a SCAN is run by the program as a loop over its "
+                                        "body's kernels, not as one Triton kernel"))
+
+
+# -- pointwise -------------------------------------------------------------------------------------
+
+def _pointwise(low: KernelLowering, outs: list[int], header: list[str], dtype: str) -> KernelCode:
+    g, kernel = low.g, low.kernel
+    computed = [n for n in kernel.nodes if low.computed(n)]
+    numel = g.node((computed or outs)[0]).type.numel
+    flat = Ix("idx_0", frozenset({"i"}))
+    sec = Section(Names(), "mask", "[BLOCK]", frozenset({"i"}), flat=flat, numel=numel)
+    for nid in computed:
+        n = g.node(nid)
+        sec.values[nid] = low.compute(sec, n, delinearize(sec, flat, n.type.shape))
+    outputs = []
+    for k, v in enumerate(outs):
+        val = sec.values.get(v) or low.read(sec, v, delinearize(sec, flat, low.shape(v)))
+        outputs.append((f"out{k}", low.block(sec, val).expr))
+    direct = list(low.direct.items())
+    source = render_pointwise(
+        kernel.name, inputs=[name for _, name in direct], outputs=outputs, body=sec.stmts,
+        rank=1, indexed=low.indexed(), dtype=dtype, header_lines=header,
+        block=min(1024, pow2(numel, 16)))
+    args = ([TensorArg(v, (numel,)) for v, _ in direct] + [TensorArg(v, (numel,)) for v in outs]
+            + indexed_args(low))
+    return code_of(low, "pointwise", source, args, ((numel,),))
+
+
+# -- matmul ----------------------------------------------------------------------------------------
+
+def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str) -> KernelCode:
+    g, kernel = low.g, low.kernel
+    e = next(g.node(n) for n in kernel.nodes if g.node(n).op is Op.EINSUM)
+    if len(e.inputs) != 2:
+        raise NotImplementedError(low.where(f"%{e.id} contracts {len(e.inputs)} operands, "
+                                            f"the matmul family takes two"))
+    (ta, tb), tc = parse_einsum(e.attr("spec"), 2)
+    if len(set(ta)) != len(ta) or len(set(tb)) != len(tb):
+        raise NotImplementedError(low.where(f"%{e.id} takes a diagonal ({e.attr('spec')})"))
+    size = dict(zip(ta, low.shape(e.inputs[0]))) | dict(zip(tb, low.shape(e.inputs[1])))
+    batch = [ch for ch in tc if ch in ta and ch in tb]
+    m = [ch for ch in tc if ch in ta and ch not in tb]
+    n = [ch for ch in tc if ch in tb and ch not in ta]
+    k = list(dict.fromkeys(ch for ch in ta + tb if ch not in tc))
+    sz = {name: prod(size[ch] for ch in group)
+          for name, group in (("batch", batch), ("M", m), ("N", n), ("K", k))}
+    cd = low.cd
+    names, loads = Names(), []
+    letters: dict[str, dict[str, Ix]] = {}
+
+    def group(sec: Section, chars: list[str], index: Ix) -> dict[str, Ix]:
+        return dict(zip(chars, delinearize(sec, index, [size[ch] for ch in chars])))
+
+    tiles = []
+    for term, vid, (outer_chars, inner_chars), mask, block, dims, idx in (
+            (ta, e.inputs[0], (m, k), "m_mask[:, None] & k_mask[None, :]", "[BLOCK_M, BLOCK_K]",
+             ("m", "k"), ("offs_m[:, None]", "(k_start + offs_k)[None, :]")),
+            (tb, e.inputs[1], (k, n), "k_mask[:, None] & n_mask[None, :]", "[BLOCK_K, BLOCK_N]",
+             ("k", "n"), ("(k_start + offs_k)[:, None]", "offs_n[None, :]"))):
+        sec = Section(names, mask, block, frozenset(dims), stmts=loads)
+        outer = group(sec, outer_chars, index_tile(sec, idx[0], dims[0]))
+        inner = group(sec, inner_chars, index_tile(sec, idx[1], dims[1]))
+        coord = group(sec, batch, Ix("batch")) | outer | inner
+        val = low.read(sec, vid, [coord[ch] for ch in term])
+        cast = f".to({cd})" if val.literal is not None or cd != "tl.float32" else ""
+        tiles.append(sec.let(f"tl.where({mask}, {val.expr}, 0.0){cast}", "t"))
+    epi = Section(names, "mask", "[BLOCK_M, BLOCK_N]", frozenset({"m", "n"}))
+    letters = (group(epi, batch, Ix("batch")) | group(epi, m, index_tile(epi, "rows", "m"))
+               | group(epi, n, index_tile(epi, "cols", "n")))
+    oc = [letters[ch] for ch in tc]
+    oshape = e.type.shape
+
+    def coords(shape: tuple[int, ...]) -> list[Ix]:
+        return reshape_coords(epi, oc, oshape, shape)
+
+    epi.values[e.id] = Val("acc", epi.dims)
+    for nid in kernel.nodes:
+        node = g.node(nid)
+        if low.computed(nid) and nid != e.id:
+            epi.values[nid] = low.compute(epi, node, coords(node.type.shape))
+    stores: list[tuple[str, str, str]] = []
+    for v in outs:
+        store(low, epi, v, coords(low.shape(v)), stores)
+    blocks = {f"block_{d}": max(16, min(64, pow2(sz[s]))) for d, s in
+              (("m", "M"), ("n", "N"), ("k", "K"))}
+    source = render_matmul(kernel.name, indexed=low.indexed(), operand_loads=loads,
+                           operands=(tiles[0], tiles[1]), epilogue=epi.stmts, stores=stores,
+                           dtype=dtype, header_lines=header, **blocks)
+    return code_of(low, "matmul", source, indexed_args(low),
+                 (sz["batch"], sz["M"], sz["N"], sz["K"]))
+
+
+# -- scatter-adds ----------------------------------------------------------------------------------
+
+def _scatter(low: KernelLowering, header: list[str], dtype: str) -> KernelCode:
+    g, kernel = low.g, low.kernel
+    node = next(g.node(n) for n in kernel.nodes)
+    grad, idx = node.inputs
+    n_idx = g.node(idx).type.numel
+    if node.op is Op.INDEX_ADD:
+        cols = g.node(grad).type.numel // max(n_idx, 1)
+        source = render_index_add(kernel.name, dtype=dtype, header_lines=header,
+                                  block_r=max(16, min(32, pow2(node.attr("rows")))),
+                                  block_i=max(16, min(32, pow2(n_idx))),
+                                  block_c=max(16, min(64, pow2(cols))))
+        args = [TensorArg(grad, (n_idx, cols)), TensorArg(idx, (n_idx,)),
+                TensorArg(node.id, (node.attr("rows"), cols))]
+        return code_of(low, "index_add", source, args, ())
+    source = render_scatter_along(kernel.name, dtype=dtype, header_lines=header,
+                                  block_r=min(16, pow2(n_idx)),
+                                  block_c=max(16, min(64, pow2(node.attr("size")))))
+    args = [TensorArg(grad, (n_idx,)), TensorArg(idx, (n_idx,)),
+            TensorArg(node.id, (n_idx, node.attr("size")))]
+    return code_of(low, "scatter_along", source, args, ())

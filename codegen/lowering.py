@@ -1,0 +1,348 @@
+"""Lowering a kernel's IR nodes to Triton statements: the part of the hooks that reads the IR.
+
+`KernelLowering` knows one kernel of one schedule: which of its nodes are computed (once per
+element of their domain) and which are free (generators, and views of values read from
+memory), the tensors it reads and writes, and the compute dtype. Given a `Section` and
+coordinates it produces values:
+
+- `read(sec, v, coords)`: value `v` at `coords` when `v` is not computed here: a kernel input
+  (a masked `tl.load` through the tensor's own strides), an immediate (a literal), or a free
+  node, composed down to its operands: PERMUTE/EXPAND/SLICE/RESHAPE remap coordinates, PAD
+  and CONCAT add validity conditions (and a `tl.where` chain for CONCAT), TAKE/TAKE_ALONG load
+  the index first, and FULL, ROPE and MASK are computed from the coordinates (ROPE in float64,
+  as the reference does, then rounded to the node's dtype);
+- `compute(sec, node, coords)`: an elementwise node (or CAST, or a gather) from its operands;
+  operands computed in the same section are reused, anything else is `read` at the operand's
+  broadcast coordinates.
+
+Everything becomes statements checked by `expr.check_statement`; tensors are named `in<k>`
+(read) and `out<k>` (written) in first-use order, so rendering is deterministic. Loads are
+not cast: hooks render for the dtype the storage holds (`graph_dtype`, or the executor's
+float dtype), and index arithmetic is int64.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.ir.types import TensorType
+from titanc.passes.schedule import Kernel, is_immediate
+
+from .expr import POINTWISE_OPS, format_number
+from .indexing import (Ix, Section, broadcast_coords, const, delinearize, reshape_coords,
+                       shift)
+
+__all__ = ["KernelLowering", "Val", "VIEWS", "GATHERS"]
+
+VIEWS = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT})
+GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
+
+_OP_NAMES = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SIGMOID: "sigmoid",
+             Op.SILU: "silu", Op.RSQRT: "rsqrt", Op.SQRT: "sqrt", Op.RECIP: "recip",
+             Op.ADD: "add", Op.SUB: "sub", Op.MUL: "mul", Op.DIV: "div", Op.MAX: "max",
+             Op.GT: "gt"}
+
+# constant folding when every operand is a literal (float64, as Python computes)
+_FOLD = {
+    Op.NEG: lambda x: -x, Op.EXP: math.exp, Op.LOG: math.log,
+    Op.SIGMOID: lambda x: 1.0 / (1.0 + math.exp(-x)), Op.SILU: lambda x: x / (1.0 + math.exp(-x)),
+    Op.RSQRT: lambda x: 1.0 / math.sqrt(x), Op.SQRT: math.sqrt, Op.RECIP: lambda x: 1.0 / x,
+    Op.ADD: lambda x, y: x + y, Op.SUB: lambda x, y: x - y, Op.MUL: lambda x, y: x * y,
+    Op.DIV: lambda x, y: x / y, Op.MAX: max, Op.GT: lambda x, y: float(x > y),
+}
+
+
+@dataclass(frozen=True)
+class Val:
+    """A value in a section: a variable (or literal) varying along `dims`."""
+
+    expr: str
+    dims: frozenset[str] = frozenset()
+    literal: float | None = None
+    is_int: bool = False
+
+
+def literal(x: float) -> Val:
+    return Val(format_number(x), frozenset(), float(x))
+
+
+def _cmp(a: Ix, op: str, b: Ix) -> str | bool:
+    """`a op b`, folded to a bool when both are constants."""
+    if a.value is not None and b.value is not None:
+        return {">=": a.value >= b.value, "<": a.value < b.value, "<=": a.value <= b.value}[op]
+    return f"{a.expr} {op} {b.expr}"
+
+
+class KernelLowering:
+    """The IR facts and tensor table of one kernel (see the module docstring)."""
+
+    def __init__(self, g: Graph, kernel: Kernel, cd: str):
+        self.g, self.kernel, self.cd = g, kernel, cd
+        self.inside = set(kernel.nodes)
+        self.free: set[int] = set()
+        for nid in kernel.nodes:
+            n = g.node(nid)
+            local = [i for i in n.inputs if i in self.inside]
+            if n.op in OpGroup.GENERATOR or (n.op in VIEWS and all(i in self.free for i in local)):
+                self.free.add(nid)
+        self.tensors: dict[int, tuple[str, int]] = {}       # value -> (name, rank), first use
+        self.direct: dict[int, str] = {}                    # value -> template-loaded input
+
+    # -- tensors -------------------------------------------------------------------------------
+    def tensor(self, vid: int, prefix: str = "in") -> str:
+        """The kernel argument naming value `vid` (registered on first use)."""
+        if vid not in self.tensors:
+            k = sum(1 for name, _ in self.tensors.values() if name.startswith(prefix))
+            self.tensors[vid] = (f"{prefix}{k}", self.node(vid).type.rank)
+        return self.tensors[vid][0]
+
+    def indexed(self) -> list[tuple[str, int]]:
+        return list(self.tensors.values())
+
+    def node(self, vid: int) -> Node:
+        return self.g.node(vid)
+
+    def shape(self, vid: int) -> tuple[int, ...]:
+        return self.g.node(vid).type.shape
+
+    def computed(self, vid: int) -> bool:
+        return vid in self.inside and vid not in self.free
+
+    def where(self, what: str) -> str:
+        return f"kernel {self.kernel.name} of graph {self.g.name}: {what}"
+
+    # -- reading values that are not computed here ---------------------------------------------
+    def read(self, sec: Section, vid: int, coords: Sequence[Ix],
+             valid: tuple[str, ...] = ()) -> Val:
+        if vid in sec.values:
+            return sec.values[vid]
+        if is_immediate(self.g, vid):
+            return self._guard(sec, literal(self.node(vid).attr("value")), valid)
+        if vid not in self.inside:
+            return self.load(sec, vid, coords, valid)
+        n = self.node(vid)
+        if vid not in self.free and n.op not in GATHERS:
+            raise NotImplementedError(self.where(
+                f"%{vid} ({n.op.name}) is computed here but read at other coordinates"))
+        key = ("read", vid, tuple(c.expr for c in coords), valid, sec.mask)
+        if key not in sec.cache:
+            sec.cache[key] = self._read_node(sec, n, list(coords), valid)
+        return sec.cache[key]
+
+    def _read_node(self, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
+        a, op = n.attr_dict, n.op
+        if op is Op.FULL:
+            return self._guard(sec, literal(a["value"]), valid)
+        if op is Op.ROPE:
+            return self._guard(sec, self._rope(sec, a, c), valid)
+        if op is Op.MASK:
+            return self._guard(sec, self._mask(sec, a, c), valid)
+        src = n.inputs[0]
+        if op is Op.PERMUTE:
+            inner = [const(0)] * len(a["perm"])
+            for i, p in enumerate(a["perm"]):
+                inner[p] = c[i]
+            return self.read(sec, src, inner, valid)
+        if op is Op.EXPAND:
+            return self.read(sec, src, broadcast_coords(c, n.type.shape, self.shape(src)), valid)
+        if op is Op.SLICE:
+            ax = a["axis"] % n.type.rank
+            c[ax] = shift(sec, c[ax], a["start"])
+            return self.read(sec, src, c, valid)
+        if op is Op.RESHAPE:
+            return self.read(sec, src, reshape_coords(sec, c, n.type.shape, self.shape(src)),
+                             valid)
+        if op is Op.PAD:
+            ax = a["axis"] % n.type.rank
+            size = self.shape(src)[ax]
+            c[ax] = shift(sec, c[ax], -a["before"])
+            conds = self._range(sec, c[ax], 0, size)
+            if conds is None:
+                return literal(0.0)
+            return self.read(sec, src, c, valid + conds)
+        if op is Op.CONCAT:
+            return self._concat(sec, n, c, valid)
+        if op is Op.TAKE:
+            idx = n.inputs[1]
+            r = self.node(idx).type.rank
+            row = self.read(sec, idx, c[:r], valid)
+            return self.read(sec, src, [self._as_ix(row)] + c[r:], valid)
+        if op is Op.TAKE_ALONG:
+            row = self.read(sec, n.inputs[1], c, valid)
+            return self.read(sec, src, c + [self._as_ix(row)], valid)
+        raise NotImplementedError(self.where(f"no index rule for %{n.id} ({op.name})"))
+
+    def _as_ix(self, v: Val) -> Ix:
+        if v.literal is not None:
+            return const(int(v.literal))
+        return Ix(v.expr, v.dims)
+
+    def _range(self, sec: Section, c: Ix, lo: int, hi: int) -> tuple[str, ...] | None:
+        """Conditions for lo <= c < hi (None: never true; (): always true)."""
+        if c.value is not None:
+            return () if lo <= c.value < hi else None
+        return (f"{c.expr} >= {lo}", f"{c.expr} < {hi}")
+
+    def _concat(self, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
+        ax = n.attr("axis") % n.type.rank
+        parts: list[tuple[int, Val]] = []
+        lo = 0
+        for src in n.inputs:
+            size = self.shape(src)[ax]
+            cc = list(c)
+            cc[ax] = shift(sec, c[ax], -lo)
+            conds = self._range(sec, c[ax], lo, lo + size)
+            if conds is not None:
+                parts.append((lo + size, self.read(sec, src, cc, valid + conds)))
+            lo += size
+        if len(parts) == 1:
+            return parts[0][1]
+        out = parts[-1][1]
+        for hi, v in reversed(parts[:-1]):
+            out = self._let(sec, f"tl.where({c[ax].expr} < {hi}, {v.expr}, {out.expr})",
+                            [v, out, Val("", c[ax].dims)])
+        return out
+
+    def load(self, sec: Section, vid: int, coords: Sequence[Ix], valid: tuple[str, ...]) -> Val:
+        """`tl.load` of kernel input `vid` at `coords`, 0 where `valid` fails."""
+        t = self.node(vid).type
+        is_int = not t.is_float
+        if (sec.flat is not None and not is_int and not valid and t.numel == sec.numel
+                and list(coords) == delinearize(sec, sec.flat, t.shape)):
+            if vid not in self.direct:                # the template loads it at the flat index
+                self.direct[vid] = f"src{len(self.direct)}"
+            return Val(self.direct[vid], sec.dims)
+        name = self.tensor(vid)
+        terms = [f"{c.expr} * stride_{name}_{d}" if c.value != 1 else f"stride_{name}_{d}"
+                 for d, c in enumerate(coords) if c.value != 0]
+        dims = frozenset().union(*(c.dims for c in coords))
+        ptr = f"{name}_ptr" + "".join(f" + {term}" for term in terms)
+        cast = ""                 # storage holds the compute dtype (hooks render for it)
+        if not dims:                                  # one address for the whole tile
+            v = self._let(sec, f"tl.load({ptr}){cast}", [], is_int=is_int)
+            return self._guard(sec, v, valid)
+        mask = " & ".join([sec.mask, *(f"({v})" for v in valid)])
+        return self._let(sec, f"tl.load({ptr}, mask={mask}, other=0){cast}",
+                         [Val("", sec.dims)], is_int=is_int, prefix="x")
+
+    def offset(self, sec: Section, vid: int, coords: Sequence[Ix]) -> str:
+        """A variable holding, for the whole tile, where output `vid`'s element at `coords`
+        goes (in elements, through the output's own strides)."""
+        name = self.tensor(vid, "out")
+        terms = [f"{c.expr} * stride_{name}_{d}" if c.value != 1 else f"stride_{name}_{d}"
+                 for d, c in enumerate(coords) if c.value != 0]
+        dims = frozenset().union(*(c.dims for c in coords))
+        expr = " + ".join(terms) or "0"
+        if dims != sec.dims:                          # a full tile, so the mask applies per lane
+            expr = f"{expr} + tl.zeros({sec.block}, dtype=tl.int32)"
+        return sec.let(expr, "o")
+
+    def _guard(self, sec: Section, v: Val, valid: tuple[str, ...]) -> Val:
+        """`v` where every condition of `valid` holds, else 0."""
+        if not valid:
+            return v
+        if v.literal == 0.0:
+            return v
+        cond = " & ".join(f"({c})" for c in valid)
+        return self._let(sec, f"tl.where({cond}, {v.expr}, 0)", [v, Val("", sec.dims)],
+                         is_int=v.is_int)
+
+    def _let(self, sec: Section, expr: str, args: Sequence[Val], is_int: bool = False,
+             prefix: str = "t") -> Val:
+        dims = frozenset().union(*(a.dims for a in args)) if args else frozenset()
+        return Val(sec.let(expr, prefix), dims, None, is_int)
+
+    # -- generators ----------------------------------------------------------------------------
+    def _rope(self, sec: Section, a: dict, c: list[Ix]) -> Val:
+        """cos/sin((start + p) * base^(-2j / (2 half))) in float64, rounded to the node dtype."""
+        p, j = c
+        coef = -2.0 / (2 * a["half"]) * math.log(a["base"])
+        fn = "cos" if a["kind"] == "cos" else "sin"
+        if p.value is not None and j.value is not None:
+            ang = (a["start"] + p.value) * math.exp(j.value * coef)
+            return literal(math.cos(ang) if fn == "cos" else math.sin(ang))
+        pos = (format_number(a["start"] + p.value) if p.value is not None
+               else f"({p.expr} + {a['start']}).to(tl.float64)")
+        inv = (format_number(math.exp(j.value * coef)) if j.value is not None
+               else f"tl.exp({j.expr}.to(tl.float64) * {format_number(coef)})")
+        return self._let(sec, f"tl.{fn}({pos} * {inv}).to({self.cd})",
+                         [Val("", p.dims | j.dims)])
+
+    def _mask(self, sec: Section, a: dict, c: list[Ix]) -> Val:
+        """0 where key kj is visible to query qi, -inf elsewhere (`interpret.mask_table`):
+        a key group ('all', n) is always visible, ('causal', n, window) when its local key
+        index j satisfies j <= q_start + qi and q_start + qi - j < window."""
+        qi, kj = c
+        pos = shift(sec, qi, a["q_start"])
+        alts: list[str] = []
+        off = 0
+        for kind, length, window in a["groups"]:
+            j = shift(sec, kj, -off)
+            conds = [_cmp(j, ">=", const(0)), _cmp(j, "<", const(length))]
+            if kind != "all":
+                conds.append(_cmp(j, "<=", pos))
+                if window is not None:
+                    conds.append(_cmp(shift(sec, pos, -window), "<", j))
+            off += length
+            if False in conds:
+                continue
+            text = [f"({t})" for t in conds if isinstance(t, str)]
+            if not text:
+                return literal(0.0)                   # visible for every element of the tile
+            alts.append(" & ".join(text))
+        if not alts:
+            return literal(-math.inf)
+        cond = " | ".join(f"({t})" if len(alts) > 1 else t for t in alts)
+        cast = "" if self.cd == "tl.float32" else f".to({self.cd})"
+        return self._let(sec, f'tl.where({cond}, 0.0, float("-inf")){cast}',
+                         [Val("", qi.dims | kj.dims)])
+
+    # -- computed nodes ------------------------------------------------------------------------
+    def compute(self, sec: Section, n: Node, coords: Sequence[Ix]) -> Val:
+        """Value of computed node `n` at its coordinates `coords` (its own shape)."""
+        if n.op is Op.RESHAPE:                        # of a value computed here: same element
+            if n.inputs[0] not in sec.values:
+                raise NotImplementedError(self.where(
+                    f"%{n.id} reshapes %{n.inputs[0]}, computed in another domain"))
+            return sec.values[n.inputs[0]]
+        if n.op in GATHERS:
+            return self.read(sec, n.id, coords)
+        if n.op is Op.CAST:
+            x = self.operand(sec, n, n.inputs[0], coords)
+            to = "tl.int64" if n.attr("dtype") == "i64" else self.cd
+            if x.literal is not None:
+                return literal(x.literal) if to != "tl.int64" else Val(str(int(x.literal)))
+            return self._let(sec, f"{x.expr}.to({to})", [x], is_int=to == "tl.int64")
+        if n.op not in _OP_NAMES:
+            raise NotImplementedError(self.where(
+                f"%{n.id} ({n.op.name}) has no pointwise lowering"))
+        args = [self.operand(sec, n, i, coords) for i in n.inputs]
+        if all(a.literal is not None for a in args):
+            return literal(_FOLD[n.op](*(a.literal for a in args)))
+        arity, fmt = POINTWISE_OPS[_OP_NAMES[n.op]]
+        names = [f"({a.expr})" if a.expr.startswith("-") else a.expr for a in args]
+        return self._let(sec, fmt.format(*names), args)
+
+    def operand(self, sec: Section, n: Node, vid: int, coords: Sequence[Ix]) -> Val:
+        """Operand `vid` of `n` at the element of `n` at `coords`."""
+        if vid in sec.values:
+            return sec.values[vid]
+        if self.computed(vid):
+            raise NotImplementedError(self.where(
+                f"%{n.id} reads %{vid}, computed in another domain of the kernel"))
+        t = self.node(vid).type
+        assert isinstance(t, TensorType)
+        return self.read(sec, vid, broadcast_coords(coords, n.type.shape, t.shape))
+
+    def block(self, sec: Section, v: Val, dtype: str | None = None) -> Val:
+        """`v` as a full tile of the section (constants and scalars broadcast)."""
+        if v.dims >= sec.dims and v.literal is None:
+            return v
+        cd = dtype or ("tl.int64" if v.is_int else self.cd)
+        if v.literal is not None:
+            return self._let(sec, f"tl.full({sec.block}, {v.expr}, {cd})", [Val("", sec.dims)])
+        return self._let(sec, f"{v.expr} + tl.zeros({sec.block}, dtype={cd})",
+                         [Val("", sec.dims)], is_int=v.is_int)

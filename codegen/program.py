@@ -1,0 +1,385 @@
+"""The program emitter: a build directory's `kernels/*.py` and its `program.py`.
+
+`emit_artifact(compiled, out_dir)` renders every kernel of the compiled graphs (`forward`,
+`training`, `optimizer`, scan bodies included) through `codegen.hooks` and writes
+
+    kernels/<kernel>.py   one module per distinct source: kernels whose sources differ only in
+                          their header and name share the file of the first one (its header
+                          lists the others); a name two graphs use for different sources gets
+                          `_<graph>` appended to the second file;
+    kernels/index.json    graph -> kernel name -> module file (the deduplication mapping);
+    program.py            one straight-line function per graph that creates the planned views
+                          of its arena and persistent region and launches the kernels in
+                          schedule order; a scan is a `for` loop over a function running one
+                          step of its body in the scan's workspace (carry slots, xs slices,
+                          ys written into their ITEM buffers), as `runtime.executor` does.
+
+Nothing from the spec reaches the output unsanitised: comments go through `sanitize_comment`,
+identifiers are built from node ids and sanitised kernel and graph names, and persistent
+names are Python string literals (`repr`). Importing program.py imports no kernel (they load
+on first call) and runs nothing. The output depends only on the compiled graphs, so compiling
+twice gives byte-identical files.
+"""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from pprint import pformat
+from typing import Any, Iterator
+
+from titanc.ir import Graph
+from titanc.ir.types import TensorType
+from titanc.passes.memory_plan import MemoryPlan
+from titanc.passes.schedule import is_immediate
+
+from .expr import format_number
+from .hooks import KernelCode, plan_kernels
+from .render import sanitize_comment, sanitize_identifier
+
+__all__ = ["Artifact", "emit_artifact", "GRAPHS"]
+
+GRAPHS = ("training", "optimizer", "forward")
+_TORCH = {"f32": "torch.float32", "f64": "torch.float64", "i64": "torch.int64"}
+
+
+@dataclass
+class Artifact:
+    """What `emit_artifact` wrote: kernel name -> module file stem, per graph."""
+
+    out_dir: Path
+    modules: dict[str, dict[str, str]] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+
+
+class _Lines:
+    """An indented text buffer (STYLE.md 7: glue code is not built with `+=`)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.depth = 0
+
+    def __call__(self, text: str = "") -> None:
+        self.lines.append("    " * self.depth + text if text else "")
+
+    def comment(self, text: str) -> None:
+        self(f"# {sanitize_comment(text)}")
+
+    @contextmanager
+    def block(self, head: str) -> Iterator[None]:
+        self(head)
+        self.depth += 1
+        yield
+        self.depth -= 1
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
+    """Write `out_dir/kernels/*.py`, `kernels/index.json` and `out_dir/program.py`."""
+    out = Path(out_dir)
+    kdir = out / "kernels"
+    kdir.mkdir(parents=True, exist_ok=True)
+    spec = compiled.spec
+    spec_path = str(getattr(spec, "path", None) or "")
+    art = Artifact(out)
+    codes: dict[str, list[tuple[str, KernelCode]]] = {}          # key -> (graph, code)
+    per_graph: dict[str, list[KernelCode]] = {}
+    rendered: dict[tuple[int, str], KernelCode] = {}            # (id(plan), kernel) -> code
+    for name in GRAPHS:
+        per_graph[name] = []
+        for plan, kern, code in plan_kernels(compiled.plans[name], spec_path=spec_path):
+            rendered[(id(plan), kern.name)] = code
+            per_graph[name].append(code)
+            codes.setdefault(code.key, []).append((name, code))
+    stems: dict[str, str] = {}                                   # key -> file stem
+    taken: set[str] = set()
+    for key, users in codes.items():
+        graph, first = users[0]
+        stem = first.name if first.name not in taken else f"{first.name}_{graph}"
+        taken.add(stem)
+        stems[key] = stem
+        path = kdir / f"{stem}.py"
+        _write(path, _shared_source(first, users))
+        art.files.append(path)
+    for old in sorted(kdir.glob("*.py")):                        # no stale kernels
+        if old.stem not in taken:
+            old.unlink()
+    art.modules = {name: {c.name: stems[c.key] for c in per_graph[name]} for name in GRAPHS}
+    index = kdir / "index.json"
+    _write(index, json.dumps(art.modules, indent=2, sort_keys=True) + "\n")
+    program = out / "program.py"
+    _write(program, program_source(compiled, art.modules, rendered, spec_path))
+    art.files += [index, program]
+    return art
+
+
+def _shared_source(first: KernelCode, users: list[tuple[str, KernelCode]]) -> str:
+    """The first kernel's source; its header also names the kernels that share it."""
+    others = [f"{c.name} ({graph}/{c.graph})" for graph, c in users[1:]]
+    if not others:
+        return first.source
+    head, rest = first.source.split("\n", 1)
+    lines = [f"# {sanitize_comment(f'also the source of {len(others)} identical kernels:')}"]
+    lines += [f"#   {sanitize_comment(o)}" for o in others]
+    return "\n".join([head, *lines, rest])
+
+
+# -- program.py ------------------------------------------------------------------------------------
+
+_PRELUDE = '''\
+"""Launch the kernels of kernels/ in schedule order over a static memory plan.
+
+Each graph function takes `arena` and `persistent`, uint8 tensors of at least ARENA_BYTES[graph]
+and PERSISTENT_BYTES[graph] bytes (`allocate(graph)` makes them), copies `inputs` (by graph
+input name) into their planned buffers, uses the tensors of `bound` (persistent name -> tensor)
+in place of their persistent slots, runs, and returns the outputs as views of the storage
+(valid until the next call). On CPU, run with TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+_LOADED = {}
+
+
+def load_kernel(module):
+    """Import kernels/<module>.py once (Triton reads a kernel's source from its file)."""
+    if module not in _LOADED:
+        spec = importlib.util.spec_from_file_location(f"titanc_artifact_{module}",
+                                                      KERNEL_DIR / f"{module}.py")
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        _LOADED[module] = loaded
+    return _LOADED[module]
+
+
+def view(storage, offset, shape, dtype):
+    """`shape` elements of `dtype` at byte `offset` of a uint8 storage tensor."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return storage[offset:offset + size].view(dtype).view(shape)
+
+
+def slot(bound, name, persistent, offset, shape, dtype):
+    """A persistent value: the caller's tensor when bound, else its slot of `persistent`."""
+    if name in bound:
+        return bound[name].view(shape)
+    return view(persistent, offset, shape, dtype)
+
+
+def allocate(graph, device="cpu"):
+    """Fresh (arena, persistent) storage for `graph`."""
+    return (torch.zeros(ARENA_BYTES[graph], dtype=torch.uint8, device=device),
+            torch.zeros(PERSISTENT_BYTES[graph], dtype=torch.uint8, device=device))
+'''
+
+
+def program_source(compiled: Any, modules: dict[str, dict[str, str]],
+                   rendered: dict[tuple[int, str], KernelCode], spec_path: str = "") -> str:
+    """The text of program.py for `compiled`: kernel modules named by `modules`, launches as
+    `rendered` ((id(plan), kernel name) -> code) says."""
+    spec = compiled.spec
+    buf = _Lines()
+    buf.comment("program.py: straight-line launches of the titanc kernels of one compiled spec")
+    buf.comment(f"spec name: {getattr(spec, 'name', '')}")
+    buf.comment(f"spec: {spec_path or '(none)'}")
+    buf.comment("Generated by titanc from codegen/program.py; do not edit.")
+    buf.lines += _PRELUDE.splitlines()
+    buf()
+    plans = {name: compiled.plans[name] for name in GRAPHS}
+    tables = {
+        "ARENA_BYTES": {n: p.arena_bytes for n, p in plans.items()},
+        "PERSISTENT_BYTES": {n: p.persistent_bytes for n, p in plans.items()},
+        "INPUTS": {n: p.schedule.graph.input_names() for n, p in plans.items()},
+        "OUTPUTS": {n: [o for o, _ in p.schedule.graph.outputs] for n, p in plans.items()},
+    }
+    for label, table in tables.items():
+        buf()
+        buf.lines += f"{label} = {pformat(table, width=96, sort_dicts=False)}".splitlines()
+    for name, plan in plans.items():
+        _Emitter(buf, name, modules[name], rendered).graph(plan)
+    return buf.text()
+
+
+class _Emitter:
+    """Writes one graph's function and, before it, its scan bodies' functions."""
+
+    def __init__(self, buf: _Lines, graph: str, modules: dict[str, str],
+                 rendered: dict[tuple[int, str], KernelCode]):
+        self.buf, self.name, self.modules = buf, sanitize_identifier(graph), modules
+        self.rendered = rendered
+
+    def graph(self, plan: MemoryPlan) -> None:
+        g = plan.schedule.graph
+        self._bodies(plan)
+        b = self.buf
+        b()
+        b()
+        with b.block(f"def {self.name}(arena, persistent, inputs=None, bound=None):"):
+            b(f'"""Graph {self.name}: {len(plan.schedule.kernels)} kernels in schedule order."""')
+            b("bound = bound or {}")
+            self._kernel_imports(plan)
+            self._views(plan, set(g.inputs))
+            b("graph_inputs = {" + ", ".join(f"{n!r}: v{i}" for n, i in
+                                             zip(g.input_names(), g.inputs)) + "}")
+            with b.block("for name, tensor in (inputs or {}).items():"):
+                with b.block("if graph_inputs[name].data_ptr() != tensor.data_ptr():"):
+                    b("graph_inputs[name].copy_(tensor)")
+            self._launches(plan)
+            b("return {" + ", ".join(f"{n!r}: v{v}" for n, v in g.outputs) + "}")
+
+    def _bodies(self, plan: MemoryPlan) -> None:
+        """Functions running one step of each scan body (nested bodies first)."""
+        g = plan.schedule.graph
+        for kern in plan.schedule.kernels:
+            for sid in kern.nodes:
+                if sid not in plan.bodies:
+                    continue
+                body = plan.bodies[sid]
+                self._bodies(body)
+                bg = body.schedule.graph
+                b = self.buf
+                b()
+                b()
+                params = ", ".join(f"v{i}" for i in bg.inputs)
+                with b.block(f"def {self._body_name(kern.name)}(arena, {params}):"):
+                    b(f'"""One step of scan %{sid} of {self.name} (body '
+                      f'{sanitize_identifier(bg.name)}) in its workspace arena."""')
+                    self._kernel_imports(body)
+                    self._views(body, set(bg.inputs), external=True)
+                    self._launches(body)
+                    b("return [" + ", ".join(f"v{v}" for _, v in bg.outputs) + "]")
+
+    def _body_name(self, kernel: str) -> str:
+        return sanitize_identifier(f"{self.name}_{kernel}_body")
+
+    def _kernel_imports(self, plan: MemoryPlan) -> None:
+        seen: list[str] = []
+        for k, kern in enumerate(plan.schedule.kernels):
+            if kern.name in self.modules and kern.name not in seen and not plan.is_noop(k):
+                seen.append(kern.name)
+        if seen:
+            self.buf.comment("kernels (modules shared by identical kernels)")
+        for name in seen:
+            self.buf(f"{sanitize_identifier(name)} = load_kernel({self.modules[name]!r})")
+
+    # -- values ------------------------------------------------------------------------------------
+    def _views(self, plan: MemoryPlan, inputs: set[int], external: bool = False) -> None:
+        """Bind `v<id>` for every value a launch, a scan or the return statement uses."""
+        g = plan.schedule.graph
+        used: list[int] = [] if external else list(g.inputs)
+        for k, kern in enumerate(plan.schedule.kernels):
+            if plan.is_noop(k):
+                continue
+            scan = [n for n in kern.nodes if n in plan.bodies]
+            if scan:
+                node = g.node(scan[0])
+                used += [i for i in node.inputs if not is_immediate(g, i)]
+                used += [u for u in g.users(node.id) if u in kern.outputs]
+            else:
+                used += [a.value for a in self._code(plan, kern).args]
+        used += [v for _, v in g.outputs]
+        b = self.buf
+        b.comment("planned views: every value that crosses a kernel boundary")
+        bound: set[int] = set(inputs) if external else set()
+        for vid in dict.fromkeys(used):
+            if vid in bound:
+                continue
+            bound.add(vid)
+            b(f"v{vid} = {self._storage(plan, vid)}")
+
+    def _storage(self, plan: MemoryPlan, vid: int) -> str:
+        g = plan.schedule.graph
+        t = g.node(vid).type
+        assert isinstance(t, TensorType)
+        shape, dt = tuple(t.shape), _TORCH[t.dtype]
+        where, at = plan.location(vid)
+        note = f"  # %{vid}"
+        if where == "persistent":
+            name = plan.persistent_values[plan.aliases.get(vid, vid)][0]
+            return f"slot(bound, {name!r}, persistent, {at}, {shape!r}, {dt}){note}"
+        if where == "external":
+            src = g.input_by_name(at)
+            return f"v{src}.view({shape!r}){note}"
+        return f"view(arena, {at}, {shape!r}, {dt}){note}"
+
+    def _code(self, plan: MemoryPlan, kern: Any) -> KernelCode:
+        return self.rendered[(id(plan), kern.name)]
+
+    # -- launches ----------------------------------------------------------------------------------
+    def _launches(self, plan: MemoryPlan) -> None:
+        g = plan.schedule.graph
+        b = self.buf
+        for k, kern in enumerate(plan.schedule.kernels):
+            b.comment(f"[{k}] {kern.name}: {kern.category} "
+                      + " ".join(f"%{n}" for n in kern.nodes))
+            if plan.is_noop(k):
+                b.comment("no-op: its outputs alias storage that already holds them")
+                continue
+            scan = [n for n in kern.nodes if n in plan.bodies]
+            if scan:
+                self._scan(plan, kern, g.node(scan[0]))
+                continue
+            code = self._code(plan, kern)
+            args = [f"v{a.value}" if a.view is None else f"v{a.value}.view({a.view!r})"
+                    for a in code.args] + [repr(s) for s in code.sizes]
+            b(f"{sanitize_identifier(kern.name)}.launch({', '.join(args)})")
+
+    def _scan(self, plan: MemoryPlan, kern: Any, node: Any) -> None:
+        g = plan.schedule.graph
+        a = node.attr_dict
+        body: MemoryPlan = plan.bodies[node.id]
+        bg: Graph = a["body"]
+        nc, nx, length = a["n_carry"], a["n_xs"], a["length"]
+        b = self.buf
+        ws = next(x for x in plan.buffers if x.kind == "workspace" and x.value == node.id)
+        args = [self._operand(g, i) for i in node.inputs]
+        b(f"ws = arena[{ws.offset}:{ws.offset + ws.size}]  # carry slots, then the body's arena")
+        slots = [f"view(ws, {off}, {tuple(t.shape)!r}, {_TORCH[t.dtype]})"
+                 for (off, _), t in zip(plan.carry_state[node.id], node.type[:nc])]
+        b("carry = [" + ", ".join(slots) + "]")
+        for j in range(nc):
+            b(f"carry[{j}].copy_({args[j]})")
+        items = {g.node(u).attr("index"): u for u in g.users(node.id) if u in kern.outputs}
+        order = f"range({length - 1}, -1, -1)" if a["reverse"] else f"range({length})"
+        outs = [v for _, v in bg.outputs]
+        # a carry output that is another carry's slot must be read before the slots change
+        carried = {bg.inputs[j]: j for j in range(nc)}
+        swap = any(outs[j] in carried and carried[outs[j]] != j for j in range(nc))
+        with b.block(f"for t in {order}:"):
+            step = ["carry[%d]" % j for j in range(nc)] + [f"{x}[t]" for x in args[nc:nc + nx]]
+            step += args[nc + nx:]
+            b(f"out = {self._body_name(kern.name)}(ws[{plan.workspace_body_offset(node.id)}:], "
+              f"{', '.join(step)})")
+            for k in sorted(items):
+                if k >= nc:
+                    b(f"v{items[k]}[t].copy_(out[{k}])")
+            if swap:
+                b(f"out[:{nc}] = [x.clone() for x in out[:{nc}]]")
+            for j in range(nc):
+                if outs[j] != bg.inputs[j]:
+                    b(f"carry[{j}].copy_(out[{j}])")
+        for k in sorted(items):
+            if k < nc:
+                b(f"v{items[k]}.copy_(carry[{k}])")
+
+    def _operand(self, g: Graph, vid: int) -> str:
+        if is_immediate(g, vid):
+            n = g.node(vid)
+            return (f"torch.full((), {format_number(n.attr('value'))}, "
+                    f"dtype={_TORCH[n.type.dtype]}, device=arena.device)")
+        return f"v{vid}"
