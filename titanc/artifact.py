@@ -16,6 +16,7 @@ from typing import Any
 from titanc.errors import TitancError
 from titanc.ir import format_graph, graph_stats
 
+from titanc.passes.manager import debug_level
 from titanc.passes.memory_plan import memory_report
 
 from .compiler import Compiled, compile_graphs
@@ -88,6 +89,11 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike) -> dict[str, Any]:
         _write_text(out / "ir" / f"{k:02d}_{stage}.txt", format_graph(g))
     report = build_report(spec, c, seconds)
     _write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    from titanc.codegen.program import emit_artifact
+    emit_artifact(c, out)
+    if debug_level() >= 3:
+        for f in sorted((out / "kernels").glob("*.py")):
+            print(f"# ---- {f.name}\n{f.read_text()}", file=sys.stderr)
     _write_text(out / "memory_plan.txt", "\n".join(
         f"== {name} ==\n{c.plans[name].to_text()}" for name in ("training", "forward", "optimizer")))
     manifest = {"name": spec.name, "spec_hash": report["spec_hash"], "spec": spec_to_dict(spec),
