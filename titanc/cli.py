@@ -2,6 +2,8 @@
 
     titanc compile SPEC [-o DIR] [--set KEY=VALUE ...]
     titanc train SPEC --out RUN [--set KEY=VALUE ...] [--data SRC] [--steps N] [--resume RUN]
+    titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory]
+    titanc bench SPEC [--set KEY=VALUE ...] [--steps N] [--warmup N] [--threads N] [--json]
 
 `main` returns the exit status: 0 on success, 2 for bad input. A `TitancError` is printed as
 one line, `titanc: error: <message>`, never as a traceback. The heavy modules (artifact writer,
@@ -33,6 +35,8 @@ examples:
   titanc compile examples/tiny.yaml -o build/tiny
   titanc compile examples/tiny.yaml --set model.d_model=128 --set train.batch_size=2
   titanc train examples/tiny.yaml --steps 100 --out runs/tiny
+  titanc inspect build/tiny --memory
+  titanc bench examples/tiny.yaml --steps 3
 
 Run 'titanc COMMAND --help' for the options of a command."""
 
@@ -55,6 +59,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -136,6 +150,52 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop a sequence once its output ends with TEXT; repeatable")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
     gen.set_defaults(run=_cmd_generate)
+
+    inspect = commands.add_parser(
+        "inspect", help="show the kernels, IR graphs and memory plan of a compiled artifact",
+        description="Read the artifact 'titanc compile' wrote to DIR. Without options: a table of\n"
+                    "kernels (category, FLOPs, bytes, arithmetic intensity, IR nodes) and totals\n"
+                    "per category.",
+        epilog="examples:\n"
+               "  titanc inspect build/tiny\n"
+               "  titanc inspect build/tiny --kernel titanc_red_fused_mul_sum_add_rsqrt_73\n"
+               "  titanc inspect build/tiny --graph --pass aggregate\n"
+               "  titanc inspect build/tiny --memory",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    inspect.add_argument("dir", metavar="DIR", help="artifact directory ('titanc compile -o DIR')")
+    what = inspect.add_mutually_exclusive_group()
+    what.add_argument("--kernel", metavar="NAME",
+                      help="print one kernel's source with its header (DIR/kernels/NAME.py)")
+    what.add_argument("--graph", action="store_true",
+                      help="write the IR after a pass as DIR/graph_<pass>.dot (and .png when "
+                           "Graphviz is installed)")
+    what.add_argument("--memory", action="store_true",
+                      help="print the memory plan summary (arena, lower bound, persistent, "
+                           "peak activation, logits) and the head of memory_plan.txt")
+    inspect.add_argument("--pass", dest="pass_name", metavar="NAME", default=None,
+                         help="with --graph: the pass whose output to draw, by pass name "
+                              "(aggregate: its last run) or dump name (02_aggregate_forward); "
+                              "default: the final training graph")
+    inspect.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                         help="list only the first N kernels (totals still cover all)")
+    inspect.set_defaults(run=_cmd_inspect)
+
+    bench = commands.add_parser(
+        "bench", help="time compiled training steps and print a profile per kernel category",
+        description="Compile SPEC, run warm-up steps, then N training steps on random tokens\n"
+                    "under the profiler: time per kernel category, tokens/s, MFU where the\n"
+                    "device peak is known, peak memory.",
+        epilog="example:\n  titanc bench examples/tiny.yaml --steps 3 --threads 2 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_spec_args(bench)
+    bench.add_argument("--steps", type=_positive_int, default=5, metavar="N",
+                       help="profiled training steps (default 5)")
+    bench.add_argument("--warmup", type=_non_negative_int, default=1, metavar="N",
+                       help="unprofiled warm-up steps first (default 1)")
+    bench.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                       help="torch CPU threads (default: torch's default); always reported")
+    bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    bench.set_defaults(run=_cmd_bench)
     return parser
 
 
@@ -214,6 +274,37 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     outs = gen.generate(prompts, args.max_new_tokens, sampling)
     for prompt, toks in zip(args.prompt, outs):
         print(prompt + decode(toks))
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from titanc import inspect
+
+    if args.pass_name is not None and not args.graph:
+        raise TitancError("--pass selects the graph to draw; use it with --graph")
+    art = inspect.open_artifact(args.dir)
+    if args.kernel is not None:
+        sys.stdout.write(inspect.kernel_source(art, args.kernel).rstrip("\n") + "\n")
+    elif args.graph:
+        stage, written, note = inspect.write_graph(art, args.pass_name)
+        print(f"{stage}: wrote {', '.join(map(str, written))}")
+        if note:
+            print(note)
+    elif args.memory:
+        print(inspect.memory_summary(art))
+    else:
+        rows, note = inspect.resolved_rows(art)
+        print(inspect.kernel_table(art, args.limit, rows, note))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from titanc.bench import bench_table, run_bench
+
+    result = run_bench(_load(args), steps=args.steps, warmup=args.warmup, threads=args.threads)
+    print(json.dumps(result, indent=2) if args.json else bench_table(result))
     return 0
 
 

@@ -1,0 +1,94 @@
+"""`titanc bench` and the profile summary; the remat benchmark's claims as assertions.
+
+The remat numbers come from static plans (compile_graphs, nothing model-sized allocated):
+per_layer remat cuts an 8-layer model's peak activation bytes by more than 2x, and the
+chunked LM head keeps the largest logits buffer at loss_chunk x vocab x 4 bytes whatever
+the batch and sequence length."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+from tests.helpers import TINY
+from titanc.bench import peak_flops, profile_summary, profile_table
+from titanc.cli import main
+from titanc.runtime.executor import PROFILE_CATEGORIES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_benchmark(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_one_step_prints_every_category(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "model": {**TINY["model"], "block": "mac"}}))
+    code = main(["bench", str(path), "--steps", "1", "--warmup", "1", "--threads", "1",
+                 "--set", "train.dtype=float32"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("t: compiled in ") and "1 warm-up steps" in lines[0]
+    assert lines[1].startswith("profile: 1 steps, 32 tokens in ") and "(cpu, 1 thread, float32)" in lines[1]
+    rows = {cat: next((l for l in lines if l.startswith(f"  {cat} ")), None)
+            for cat in (*PROFILE_CATEGORIES, "outside kernels", "total")}
+    assert all(rows.values()), rows
+    for cat in PROFILE_CATEGORIES:                 # time, share, launches per step (all ran)
+        assert float(rows[cat].split()[-1]) > 0, rows[cat]
+    assert any(l.startswith("  tokens/s ") for l in lines)
+    assert "  MFU              n/a (no known peak FLOP/s for cpu)" in lines
+    assert any(l.startswith("  peak memory ") and "(process RSS); planned arena + persistent"
+               in l for l in lines)
+
+
+def test_profile_summary_json_and_mfu() -> None:
+    prof = {c: 0.1 for c in PROFILE_CATEGORIES}
+    s = profile_summary(prof, steps=2, tokens=4096, seconds=1.0, peak_bytes=2**30,
+                        flops_per_step=5e14, device="NVIDIA H100 80GB HBM3", dtype="bfloat16")
+    json.dumps(s)
+    assert s["tokens_per_s"] == 4096
+    assert s["outside_kernels_seconds"] == pytest.approx(0.3)
+    assert s["mfu"] == pytest.approx(1e15 / 989.5e12)
+    text = profile_table(prof, 2, 4096, 1.0, 2**30, flops_per_step=5e14,
+                         device="NVIDIA H100 80GB HBM3", dtype="bfloat16")
+    assert f"  MFU              {100e15 / 989.5e12:.2f}% of NVIDIA H100 80GB HBM3 990TFLOP/s " \
+           f"(bfloat16)" in text
+    assert "peak memory      1.0 GiB (CUDA allocator)" in text
+
+
+def test_peak_flops_by_device_name() -> None:
+    assert peak_flops("cpu") is None
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.5e12
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert peak_flops("NVIDIA H100 NVL", "float64") == 60e12
+    assert peak_flops("NVIDIA H200", "float64") == 67e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "bfloat16") is None
+
+
+def test_remat_per_layer_cuts_peak_activation_of_8_layers() -> None:
+    rm = _load_benchmark("remat_memory")
+    r = rm.remat(8, base={**TINY, "model": {**TINY["model"], "block": "mac"}})
+    none, per_layer = r["none"]["peak_activation_bytes"], r["per_layer"]["peak_activation_bytes"]
+    assert per_layer < none
+    assert r["factor"] == none / per_layer > 2
+
+
+def test_logits_buffer_is_one_loss_chunk_whatever_batch_and_seq_len() -> None:
+    rm = _load_benchmark("remat_memory")
+    V = rm.VOCAB
+    rows = [rm.big_vocab(seq, batch, base=TINY) for seq, batch in ((2048, 1), (2048, 4),
+                                                                   (4096, 1))]
+    for r in rows:
+        assert r["logits_bytes"] == 1024 * V * 4 == r["one_chunk_bytes"]
+        assert r["full_logits_bytes"] == r["batch_size"] * r["seq_len"] * V * 4

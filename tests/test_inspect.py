@@ -1,0 +1,183 @@
+"""`titanc inspect DIR`: the kernel table and its totals, one kernel's source, the IR as DOT,
+the memory summary, and one-line errors (exit 2) for a bad directory, kernel or pass.
+
+One artifact of a tiny MAC spec is compiled per module; the kernels/ directory is faked
+(kernel emission is tested with codegen)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_spec
+from titanc import inspect
+from titanc.artifact import write_artifact
+from titanc.cli import main
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("art") / "build"
+    write_artifact(tiny_spec(**{"model.block": "mac"}), out)
+    return out
+
+
+@pytest.fixture
+def art(artifact: Path, tmp_path: Path) -> Path:
+    """A private copy (tests write kernels/ and graph files into it)."""
+    return Path(shutil.copytree(artifact, tmp_path / "build"))
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    code = main(["inspect", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table_lists_every_kernel_with_intensity_and_per_step_totals(
+        art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = json.loads((art / "report.json").read_text())
+    code, out, err = run(capsys, art)
+    assert code == 0 and err == ""
+    for k in report["kernels"]:
+        assert k["name"] in out
+    assert "launches" in out and "FLOP/B" in out and "totals (per training step):" in out
+    for cat in {k["category"] for k in report["kernels"]}:
+        assert any(line.startswith(cat) for line in out.splitlines()), cat
+    row = next(k for k in report["kernels"] if k["category"] == "matmul")
+    line = next(l for l in out.splitlines() if l.strip().startswith(row["name"] + " "))
+    assert line.split()[-2] == f"{row['flops'] / row['bytes']:.2f}"  # arithmetic intensity
+
+
+def test_launch_counts_make_leaf_totals_equal_the_top_level_flops(art: Path) -> None:
+    rows, note = inspect.resolved_rows(inspect.open_artifact(art))
+    assert note == ""
+    assert {r["name"] for r in rows} == {k["name"] for k in json.loads(
+        (art / "report.json").read_text())["kernels"]}
+    top = sum(r["flops"] for r in rows if r["depth"] == 0)        # a scan: length x its body
+    totals = inspect.category_totals(rows)
+    assert sum(t["flops"] for t in totals.values()) == top
+    assert max(r["launches"] for r in rows) > 1                   # memory chunks inside layers
+
+
+def test_table_without_launch_counts_says_so(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (art / "manifest.json").unlink()
+    code, out, _ = run(capsys, art, "--limit", "3")
+    assert code == 0
+    assert "totals (each kernel counted once):" in out
+    assert ("  (no launch counts in report.json and no manifest.json to recompute them: body "
+            "kernels count once, not once per iteration)") in out
+    assert "more kernels (drop --limit to list all)" in out
+
+
+def test_kernel_prints_source_with_header(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    names = [k["name"] for k in json.loads((art / "report.json").read_text())["kernels"]]
+    shutil.rmtree(art / "kernels", ignore_errors=True)         # stand-in sources below
+    (art / "kernels").mkdir()
+    source = (f"# {names[0]}\n# IR nodes: %3 %4 (spec: tiny.yaml)\n\nimport triton\n\n"
+              f"@triton.jit\ndef {names[0]}(x_ptr, N: tl.constexpr):\n    pass\n")
+    (art / "kernels" / f"{names[0]}.py").write_text(source)
+    code, out, _ = run(capsys, art, "--kernel", names[0])
+    assert code == 0 and out == source
+    # a deduplicated kernel: its name appears in another file's header
+    (art / "kernels" / f"{names[0]}.py").write_text(f"# {names[0]}\n# also: {names[1]}\n\npass\n")
+    code, out, _ = run(capsys, art, "--kernel", names[1])
+    assert code == 0 and f"deduplicated into {names[0]}.py" in out
+
+
+def test_kernel_errors(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.rmtree(art / "kernels", ignore_errors=True)         # an artifact from before kernels
+    code, out, err = run(capsys, art, "--kernel", "titanc_poi_fused_add_1")
+    assert code == 2 and out == ""
+    assert err == (f"titanc: error: {art} has no kernels/ directory (compiled before kernels "
+                   f"were emitted); recompile with 'titanc compile SPEC -o {art}'\n")
+    (art / "kernels").mkdir()
+    (art / "kernels" / "titanc_poi_fused_add_1.py").write_text("# titanc_poi_fused_add_1\n")
+    (art / "kernels" / "titanc_red_fused_sum_2.py").write_text("# titanc_red_fused_sum_2\n")
+    code, _, err = run(capsys, art, "--kernel", "titanc_poi_fused_add_7")
+    assert code == 2
+    assert err == ("titanc: error: unknown kernel 'titanc_poi_fused_add_7'; did you mean "
+                   "titanc_poi_fused_add_1, titanc_red_fused_sum_2? (2 in kernels/)\n")
+    code, _, err = run(capsys, art, "--kernel", "../report")
+    assert code == 2 and err.startswith("titanc: error: unknown kernel '../report'")
+
+
+def test_graph_writes_dot_and_png_with_graphviz(art: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, _ = run(capsys, art, "--graph")
+    assert code == 0
+    stage = sorted(p.stem for p in (art / "ir").glob("*_grad.txt"))[-1]   # final training graph
+    dot = art / f"graph_{stage.split('_', 1)[1]}.dot"
+    assert out.startswith(f"{stage}: wrote {dot}")
+    text = dot.read_text()
+    assert text.startswith('digraph "grad" {') and text.rstrip().endswith("}")
+    assert "scan body" in text and "->" in text
+    # with Graphviz: a PNG next to it (a stand-in `dot` that writes its -o file)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "dot").write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\n'
+                              'printf PNG > "$2"\n')
+    (fake / "dot").chmod((fake / "dot").stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    code, out, _ = run(capsys, art, "--graph", "--pass", "aggregate")
+    assert code == 0
+    assert "_aggregate_grad: wrote" in out and (art / "graph_aggregate_grad.png").exists()
+    code, out, _ = run(capsys, art, "--graph", "--pass", "00_frontend_forward")
+    assert code == 0 and out.startswith("00_frontend_forward: wrote")
+    assert (art / "graph_frontend_forward.dot").read_text().startswith('digraph "forward"')
+
+
+def test_graph_unknown_pass_names_the_choices(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, art, "--graph", "--pass", "fusion")
+    stages = sorted(p.stem for p in (art / "ir").glob("*.txt"))
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("titanc: error: unknown pass 'fusion'; choose one of frontend, "
+                          "canonicalize, aggregate, chunked_loss")
+    assert err.rstrip().endswith(", ".join(stages))
+
+
+def test_memory_summary(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mem = json.loads((art / "report.json").read_text())["memory"]
+    code, out, _ = run(capsys, art, "--memory")
+    assert code == 0
+    assert out.startswith("training step:\n")
+    arena = inspect.format_bytes(mem["arena_bytes"])
+    ratio = mem["arena_bytes"] / mem["lower_bound_bytes"]
+    assert f"activation arena {arena:>49}"[-10:] in out
+    assert f"(arena / lower bound {ratio:.3f})" in out
+    for key in ("peak activation", "persistent (params, grads, optimizer)",
+                "largest logits buffer", "total planned (arena + persistent)"):
+        assert key in out
+    n = len((art / "memory_plan.txt").read_text().splitlines())
+    assert f"memory_plan.txt (first 40 of {n} lines):\n== training ==\nmemory plan grad:" in out
+
+
+@pytest.mark.parametrize("case", ["missing", "file", "no report", "bad json", "pass alone"])
+def test_bad_input_is_one_line_exit_2(case: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "d"
+    args: list[str | Path] = [d]
+    if case == "missing":
+        want = f"{d}: no such artifact directory; create one with 'titanc compile SPEC -o {d}'"
+    elif case == "file":
+        d.write_text("x")
+        want = f"{d}: not a directory; pass the directory 'titanc compile -o' wrote"
+    elif case == "no report":
+        d.mkdir()
+        want = f"{d}: not a titanc artifact (no report.json); create one with " \
+               f"'titanc compile SPEC -o {d}'"
+    elif case == "bad json":
+        d.mkdir()
+        (d / "report.json").write_text("[1, 2")
+        want = f"{d / 'report.json'}: unreadable ("
+    else:
+        args = [d, "--pass", "aggregate"]
+        want = "--pass selects the graph to draw; use it with --graph"
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"titanc: error: {want}")
