@@ -205,10 +205,14 @@ class Trainer:
         self._start_metrics()
         self._report_start()
         start_step, t_start = prog.step, time.perf_counter()
+        self._start_step = start_step
         last: dict[str, float] = {}
         evals: dict[str, float] = {}
         bar = _progress(self.until, start_step, spec.name, enabled=self.progress)
         self._metrics = open(self.metrics_path, "a")
+        from .executor import profiling
+        profiler = profiling() if self.profile else None
+        self._kernel_profile = profiler.__enter__() if profiler else None
         try:
             while prog.step < self.until:
                 last = self.step()
@@ -231,6 +235,8 @@ class Trainer:
             self.log(f"interrupted after step {prog.step}; {kept}")
             raise
         finally:
+            if profiler:
+                profiler.__exit__(None, None, None)
             bar.close()
             self._metrics.close()
             self._timed("plot", self._plot)
@@ -280,8 +286,13 @@ class Trainer:
         prof["peak_rss_bytes"] = _peak_rss_bytes()
         if torch.cuda.is_available():
             prof["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
-        self.log("profile (the reference interpreter runs every graph; kernel categories come "
-                 "with the compiled executors):")
+        from titanc.bench import profile_table
+        steps = max(1, self.prog.step - self._start_step)
+        self.log(profile_table(self._kernel_profile, steps, steps * self.tokens_per_step,
+                               self.times["train_step"], prof["peak_rss_bytes"],
+                               dtype=str(self.spec.train.dtype),
+                               threads=torch.get_num_threads()))
+        self.log("time per phase of the run:")
         rows = dict(self.times)
         rows["other"] = max(0.0, seconds - sum(rows.values()))
         for k, v in rows.items():
