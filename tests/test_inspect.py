@@ -28,8 +28,16 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def art(artifact: Path, tmp_path: Path) -> Path:
-    """A private copy (tests write kernels/ and graph files into it)."""
+    """A private copy (tests write graph files into it)."""
     return Path(shutil.copytree(artifact, tmp_path / "build"))
+
+
+@pytest.fixture
+def bare(art: Path) -> Path:
+    """The copy without generated kernels/ and program.py (tests fake them)."""
+    shutil.rmtree(art / "kernels", ignore_errors=True)
+    (art / "program.py").unlink(missing_ok=True)
+    return art
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
@@ -74,7 +82,18 @@ def test_table_without_launch_counts_says_so(art: Path, capsys: pytest.CaptureFi
     assert "more kernels (drop --limit to list all)" in out
 
 
-def test_kernel_prints_source_with_header(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_kernel_of_a_compiled_artifact(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not (art / "kernels").is_dir():
+        pytest.skip("this titanc compile emits no kernels/")
+    rows = json.loads((art / "report.json").read_text())["kernels"]
+    for row in (next(r for r in rows if r["category"] == "matmul"),
+                next(r for r in rows if inspect.is_scan(r))):
+        code, out, _ = run(capsys, art, "--kernel", row["name"])
+        assert code == 0 and row["name"] in out.split("\n\n", 1)[0]   # named in the header
+
+
+def test_kernel_prints_source_with_header(bare: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    art = bare
     names = [k["name"] for k in json.loads((art / "report.json").read_text())["kernels"]]
     shutil.rmtree(art / "kernels", ignore_errors=True)         # stand-in sources below
     (art / "kernels").mkdir()
@@ -86,10 +105,48 @@ def test_kernel_prints_source_with_header(art: Path, capsys: pytest.CaptureFixtu
     # a deduplicated kernel: its name appears in another file's header
     (art / "kernels" / f"{names[0]}.py").write_text(f"# {names[0]}\n# also: {names[1]}\n\npass\n")
     code, out, _ = run(capsys, art, "--kernel", names[1])
-    assert code == 0 and f"deduplicated into {names[0]}.py" in out
+    assert code == 0 and f"deduplicated into kernels/{names[0]}.py" in out
 
 
-def test_kernel_errors(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_kernel_through_index_graphs_and_scans(bare: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """kernels/index.json (graph -> kernel -> module): deduplicated kernels, names repeated
+    across graphs (training wins unqualified), and a scan's loop body from program.py."""
+    art = bare
+    k = art / "kernels"
+    k.mkdir()
+    (k / "titanc_mm_fused_einsum_5.py").write_text("# titanc_mm_fused_einsum_5: matmul\npass\n")
+    (k / "titanc_mm_fused_einsum_6.py").write_text("# titanc_mm_fused_einsum_6: matmul\npass\n")
+    (k / "index.json").write_text(json.dumps({
+        "training": {"titanc_mm_fused_einsum_5": "titanc_mm_fused_einsum_5",
+                     "titanc_mm_fused_einsum_9": "titanc_mm_fused_einsum_5"},
+        "forward": {"titanc_mm_fused_einsum_5": "titanc_mm_fused_einsum_6"}}))
+    (art / "program.py").write_text(
+        "import torch\n\n\ndef training_titanc_tem_fused_scan_layer_2_body(arena, v0):\n"
+        "    return v0\n\n\ndef training(arena):\n    pass\n")
+    code, out, _ = run(capsys, art, "--kernel", "titanc_mm_fused_einsum_5")
+    assert code == 0 and out == (
+        "# note: forward/titanc_mm_fused_einsum_5 is another kernel (kernels/"
+        "titanc_mm_fused_einsum_6.py); select it with --kernel forward/titanc_mm_fused_einsum_5\n"
+        "# titanc_mm_fused_einsum_5: matmul\npass\n")
+    code, out, _ = run(capsys, art, "--kernel", "forward/titanc_mm_fused_einsum_5")
+    assert out.splitlines()[:2] == [
+        "# forward/titanc_mm_fused_einsum_5: identical source deduplicated into "
+        "kernels/titanc_mm_fused_einsum_6.py", "# titanc_mm_fused_einsum_6: matmul"]
+    code, out, _ = run(capsys, art, "--kernel", "titanc_mm_fused_einsum_9")
+    assert "deduplicated into kernels/titanc_mm_fused_einsum_5.py" in out
+    code, out, _ = run(capsys, art, "--kernel", "titanc_tem_fused_scan_layer_2")
+    assert code == 0 and out == (
+        "# training/titanc_tem_fused_scan_layer_2: a scan; program.py runs this body once per "
+        "iteration (program.py line 4)\n"
+        "def training_titanc_tem_fused_scan_layer_2_body(arena, v0):\n    return v0\n")
+    code, _, err = run(capsys, art, "--kernel", "eval/titanc_mm_fused_einsum_5")
+    assert code == 2 and err == ("titanc: error: unknown graph 'eval' in --kernel "
+                                 "eval/titanc_mm_fused_einsum_5; choose one of forward, training\n")
+
+
+def test_kernel_errors(bare: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    art = bare
     shutil.rmtree(art / "kernels", ignore_errors=True)         # an artifact from before kernels
     code, out, err = run(capsys, art, "--kernel", "titanc_poi_fused_add_1")
     assert code == 2 and out == ""

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from titanc.errors import TitancError
 
-__all__ = ["Artifact", "open_artifact", "kernel_rows", "resolved_rows", "category_totals",
+__all__ = ["Artifact", "open_artifact", "kernel_rows", "resolved_rows", "category_totals", "is_scan",
            "kernel_table", "kernel_source", "pass_dumps", "pick_dump", "write_graph",
            "memory_summary", "format_count", "format_bytes"]
 
@@ -224,28 +224,86 @@ def kernel_table(art: Artifact, limit: int | None = None,
 
 # -- one kernel's source ----------------------------------------------------------------------
 
+GRAPH_ORDER = ("training", "optimizer", "forward")   # report.json lists training + optimizer
+
+
 def kernel_source(art: Artifact, name: str) -> str:
-    """DIR/kernels/NAME.py, header included. A kernel whose source was deduplicated into
-    another file is found through the header that names it."""
+    """One kernel's source, header included. `name` is a kernel name, optionally qualified by
+    its graph (`forward/NAME`: names repeat across the training, optimizer and forward
+    schedules; unqualified, training wins). kernels/index.json (graph -> kernel -> module)
+    resolves deduplicated kernels to the module holding their source; a scan kernel has no
+    module and prints its body's loop function from program.py. Without an index, the file
+    DIR/kernels/NAME.py or a module whose header names NAME."""
     kdir = art.file("kernels")
     if not kdir.is_dir():
         raise TitancError(f"{art.path} has no kernels/ directory (compiled before kernels were "
                           f"emitted); recompile with 'titanc compile SPEC -o {art.path}'")
-    files = sorted(kdir.glob("*.py"))
-    names = [f.stem for f in files]
-    if _NAME.fullmatch(name) and name in names:
-        return (kdir / f"{name}.py").read_text()
-    if _NAME.fullmatch(name):
-        for f in files:                              # deduplicated: another file's header
-            text = f.read_text()
-            header = text.split("\n\n", 1)[0]
-            if re.search(rf"\b{re.escape(name)}\b", header):
-                return f"# {name}: identical source deduplicated into {f.name}\n" + text
-    if name in {k["name"] for k in art.kernels}:
-        raise TitancError(f"kernel {name} is in report.json but {kdir} has no source for it "
+    graph, _, kname = name.rpartition("/")
+    files = sorted(f.stem for f in kdir.glob("*.py"))
+    index = _kernel_index(kdir)
+    known = sorted({n for m in index.values() for n in m} | set(files))
+    if not _NAME.fullmatch(kname) or (graph and not _NAME.fullmatch(graph)):
+        raise TitancError(f"unknown kernel {name!r}; {_choices(kname, known, 'kernels/')}")
+    if graph and index and graph not in index:
+        raise TitancError(f"unknown graph {graph!r} in --kernel {name}; choose one of "
+                          f"{', '.join(sorted(index))}")
+    order = [graph] if graph else [*GRAPH_ORDER, *sorted(set(index) - set(GRAPH_ORDER))]
+    for g in order:
+        module = index.get(g, {}).get(kname)
+        if module is None or not _NAME.fullmatch(module) or module not in files:
+            continue
+        notes = [] if module == kname else [
+            f"# {g}/{kname}: identical source deduplicated into kernels/{module}.py"]
+        notes += [f"# note: {o}/{kname} is another kernel (kernels/{m}.py); select it with "
+                  f"--kernel {o}/{kname}" for o in order if o != g
+                  for m in [index.get(o, {}).get(kname)] if m is not None and m != module]
+        text = (kdir / f"{module}.py").read_text()
+        return "\n".join(notes) + ("\n" if notes else "") + text
+    body = _scan_body(art, order, kname)
+    if body is not None:
+        return body
+    if not index and not graph:
+        if kname in files:
+            return (kdir / f"{kname}.py").read_text()
+        for stem in files:                           # deduplicated: another file's header
+            text = (kdir / f"{stem}.py").read_text()
+            if re.search(rf"\b{re.escape(kname)}\b", text.split("\n\n", 1)[0]):
+                return f"# {kname}: identical source deduplicated into kernels/{stem}.py\n" + text
+    if not graph and kname in {k["name"] for k in art.kernels}:
+        raise TitancError(f"kernel {kname} is in report.json but {kdir} has no source for it "
                           f"(an older or partial emission); recompile with "
                           f"'titanc compile SPEC -o {art.path}'")
-    raise TitancError(f"unknown kernel {name!r}; {_choices(name, names, 'kernels/')}")
+    raise TitancError(f"unknown kernel {name!r}; {_choices(kname, known, 'kernels/')}")
+
+
+def _kernel_index(kdir: Path) -> dict[str, dict[str, str]]:
+    try:
+        data = json.loads((kdir / "index.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {g: {k: v for k, v in m.items() if isinstance(v, str)}
+            for g, m in data.items() if isinstance(m, dict)}
+
+
+def _scan_body(art: Artifact, graphs: Sequence[str], name: str) -> str | None:
+    """The loop-body function `def <graph>_<name>_body(...)` of program.py, if any."""
+    program = art.file("program.py")
+    if not program.exists():
+        return None
+    lines = program.read_text().splitlines()
+    for g in graphs:
+        head = f"def {g}_{name}_body("
+        for i, line in enumerate(lines):
+            if line.startswith(head):
+                end = next((j for j in range(i + 1, len(lines))
+                            if lines[j].startswith(("def ", "class "))), len(lines))
+                while end > i + 1 and not lines[end - 1].strip():
+                    end -= 1
+                return "\n".join([f"# {g}/{name}: a scan; program.py runs this body once per "
+                                  f"iteration (program.py line {i + 1})", *lines[i:end]]) + "\n"
+    return None
 
 
 def _choices(name: str, names: Sequence[str], where: str) -> str:
