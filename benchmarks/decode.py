@@ -122,7 +122,8 @@ def table(res: dict[str, Any]) -> str:
             f"{'buffers':>10} {'RSS':>10}")
     lines = [f"{res['config']['name']}: decoded {res['tokens_decoded']:,} tokens in "
              f"{res['decode_seconds']:.1f} s ({res['mean_tokens_per_s']:,.0f} tokens/s, "
-             f"{res['threads']} thread(s), flush denormals {'on' if res['flush_denormal'] else 'off'})",
+             f"{res['threads']} thread(s), flush denormals "
+             f"{'on' if res['flush_denormal'] else 'off'})",
              head, "-" * len(head)]
     for r in res["checkpoints"]:
         cpu = r["cpu_seconds_per_1k_tokens"]

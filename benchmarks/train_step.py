@@ -177,7 +177,8 @@ def _make_titanc(torch: Any, spec: dict[str, Any]) -> tuple[Callable[[], float],
         mem["persistent_bytes"]}
 
 
-def _reference(torch: Any, spec: dict[str, Any], compiled: bool) -> tuple[Callable[[], float], dict]:
+def _reference(torch: Any, spec: dict[str, Any],
+               compiled: bool) -> tuple[Callable[[], float], dict]:
     sys.path.insert(0, str(ROOT))
     import tests.reference as R
     from titanc.spec import load_spec
@@ -211,7 +212,8 @@ def _titans(torch: Any, spec: dict[str, Any], matched: bool) -> tuple[Callable[[
             heads=mem["heads"], dim_head=D // mem["heads"], momentum=True,
             mem_model_norm_add_residual=False, default_step_transform_max_lr=mem["lr_max"],
             activation=torch.nn.SiLU(),
-            default_model_kwargs=dict(depth=mem["depth"], expansion_factor=float(mem["expansion"]))))
+            default_model_kwargs=dict(depth=mem["depth"],
+                                      expansion_factor=float(mem["expansion"]))))
     for p in model.parameters():       # per-head memory weights are expanded views; AdamW's
         p.data = p.data.clone()        # in-place update needs real storage
     opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=tuple(t["betas"]),

@@ -189,7 +189,8 @@ def test_graph_writes_dot_and_png_with_graphviz(art: Path, tmp_path: Path,
     assert (art / "graph_frontend_forward.dot").read_text().startswith('digraph "forward"')
 
 
-def test_graph_unknown_pass_names_the_choices(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_graph_unknown_pass_names_the_choices(art: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, art, "--graph", "--pass", "fusion")
     stages = sorted(p.stem for p in (art / "ir").glob("*.txt"))
     assert code == 2 and err.count("\n") == 1

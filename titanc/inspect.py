@@ -30,8 +30,8 @@ from typing import Any, Sequence
 
 from titanc.errors import TitancError
 
-__all__ = ["Artifact", "open_artifact", "kernel_rows", "resolved_rows", "category_totals", "is_scan",
-           "kernel_table", "kernel_source", "pass_dumps", "pick_dump", "write_graph",
+__all__ = ["Artifact", "open_artifact", "kernel_rows", "resolved_rows", "category_totals",
+           "is_scan", "kernel_table", "kernel_source", "pass_dumps", "pick_dump", "write_graph",
            "memory_summary", "format_count", "format_bytes"]
 
 CATEGORY_ORDER = ("pointwise", "reduction", "matmul", "template")
@@ -66,7 +66,8 @@ def open_artifact(path: str | Path) -> Artifact:
     try:
         data = json.loads(report.read_text())
     except (OSError, ValueError) as exc:
-        raise TitancError(f"{report}: unreadable ({exc}); recompile with 'titanc compile'") from None
+        raise TitancError(f"{report}: unreadable ({exc}); recompile with "
+                          f"'titanc compile'") from None
     if not isinstance(data, dict) or not isinstance(data.get("kernels", []), list):
         raise TitancError(f"{report}: not a titanc report; recompile with 'titanc compile'")
     return Artifact(p, data)
@@ -201,7 +202,8 @@ def kernel_table(art: Artifact, limit: int | None = None,
         lines.append(f"... {len(rows) - len(shown)} more kernels (drop --limit to list all)")
     totals = category_totals(rows)
     per = "per training step" if has_launches else "each kernel counted once"
-    thead = f"{'category':<10} {'kernels':>7} {'FLOPs':>10} {'bytes':>10} {'FLOP/B':>7} {'share':>6}"
+    thead = (f"{'category':<10} {'kernels':>7} {'FLOPs':>10} {'bytes':>10} {'FLOP/B':>7} "
+             f"{'share':>6}")
     all_flops = sum(t["flops"] for t in totals.values())
     lines += ["", f"totals ({per}):", thead, "-" * len(thead)]
     for cat, t in totals.items():
