@@ -20,6 +20,11 @@ frequencies would get on it, the baseline a trained model must beat.
 with keys, values and filler drawn from disjoint token ranges and the mapping fresh in every
 sequence, so the only way to predict the value after a queried key is to remember the pair
 seen ~seq_len tokens earlier. `accuracy` scores the argmax prediction at the query positions.
+By default a quarter of the vocabulary are keys, a quarter values and the rest filler;
+`n_keys`, `n_values` and `filler_tokens` narrow the alphabets (tokens past them go unused).
+With `n_keys == n_pairs` every sequence uses the same keys in a fresh order, so *which* keys
+appear carries no information and only the key–value binding is left to learn; a single
+filler token makes the filler free to predict, so the loss is not dominated by noise.
 """
 from __future__ import annotations
 
@@ -181,19 +186,42 @@ class SyntheticRecall:
     """Multi-query associative recall (see the module docstring for the layout)."""
 
     def __init__(self, seq_len: int, vocab_size: int = VOCAB_SIZE, seed: int = 0,
-                 n_pairs: int | None = None, n_queries: int | None = None):
+                 n_pairs: int | None = None, n_queries: int | None = None, *,
+                 n_keys: int | None = None, n_values: int | None = None,
+                 filler_tokens: int | None = None):
+        """`n_keys` / `n_values`: sizes of the key and value alphabets (tokens [0, n_keys) and
+        [n_keys, n_keys + n_values)); each defaults to a quarter of `vocab_size`.
+        `filler_tokens`: how many distinct filler tokens (from n_keys + n_values up) are drawn;
+        default all the remaining vocabulary. Chance accuracy is 1 / n_values."""
         length = seq_len + 1
         if n_pairs is None:
             n_pairs = max(1, min(8, length // 8))
         if n_queries is None:
             n_queries = n_pairs
-        if vocab_size < 8:
+        if vocab_size < 8 and n_keys is None and n_values is None:
             raise TitancError(f"{SYNTHETIC_RECALL} needs model.vocab_size >= 8 (disjoint key, "
                               f"value and filler tokens), got {vocab_size}")
-        n_keys = vocab_size // 4
+        if n_keys is None:
+            n_keys = vocab_size // 4
+            keys_from = f"a quarter of model.vocab_size={vocab_size}"
+        else:
+            keys_from = "n_keys"
+        if n_values is None:
+            n_values = vocab_size // 4
+        if n_keys < 1 or n_values < 1 or n_keys + n_values >= vocab_size:
+            raise TitancError(f"{SYNTHETIC_RECALL}: n_keys={n_keys} and n_values={n_values} "
+                              f"must be >= 1 and leave at least one filler token in "
+                              f"model.vocab_size={vocab_size}")
+        f_lo = n_keys + n_values
+        if filler_tokens is None:
+            filler_tokens = vocab_size - f_lo
+        if not 1 <= filler_tokens <= vocab_size - f_lo:
+            raise TitancError(f"{SYNTHETIC_RECALL}: filler_tokens={filler_tokens} must be in "
+                              f"[1, {vocab_size - f_lo}] (the vocabulary left after keys and "
+                              f"values)")
         if not 1 <= n_pairs <= n_keys:
             raise TitancError(f"{SYNTHETIC_RECALL}: n_pairs={n_pairs} must be in [1, "
-                              f"{n_keys}] (a quarter of model.vocab_size={vocab_size})")
+                              f"{n_keys}] ({keys_from})")
         if not 1 <= n_queries <= n_pairs:
             raise TitancError(f"{SYNTHETIC_RECALL}: n_queries={n_queries} must be in [1, "
                               f"n_pairs={n_pairs}]")
@@ -204,11 +232,17 @@ class SyntheticRecall:
                 f"raise model.seq_len")
         self.seq_len = seq_len
         self.vocab_size = vocab_size
-        self.layout = RecallLayout(length, n_pairs, n_queries, (0, n_keys),
-                                   (n_keys, 2 * n_keys), (2 * n_keys, vocab_size))
+        self.layout = RecallLayout(length, n_pairs, n_queries, (0, n_keys), (n_keys, f_lo),
+                                   (f_lo, f_lo + filler_tokens))
         self._gens = {s: _generator(seed + i) for i, s in enumerate(SPLITS)}
         self.description = (f"{SYNTHETIC_RECALL} ({n_pairs} pairs, {n_queries} queries, "
                             f"{length - 2 * (n_pairs + n_queries)} filler tokens)")
+
+    @property
+    def chance(self) -> float:
+        """Accuracy of a model that knows which tokens are values but not the pairs."""
+        lo, hi = self.layout.value_range
+        return 1.0 / (hi - lo)
 
     def batch(self, n: int, split: str = "train",
               generator: torch.Generator | None = None) -> Tensor:
