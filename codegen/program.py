@@ -11,8 +11,10 @@
     program.py            one straight-line function per graph that creates the planned views
                           of its arena and persistent region and launches the kernels in
                           schedule order; a scan is a `for` loop over a function running one
-                          step of its body in the scan's workspace (carry slots, xs slices,
-                          ys written into their ITEM buffers), as `runtime.executor` does.
+                          step of its body in the scan's workspace, copying nothing (carries
+                          ping-pong between two slot sets, xs are slices of the stacked
+                          operands, ys are written into their slices of the ITEM buffers),
+                          as `runtime.executor` runs it.
 
 Nothing from the spec reaches the output unsanitised: comments go through `sanitize_comment`,
 identifiers are built from node ids and sanitised kernel and graph names, and persistent
@@ -32,7 +34,7 @@ from typing import Any, Iterator
 
 from titanc.ir import Graph
 from titanc.ir.types import TensorType
-from titanc.passes.memory_plan import MemoryPlan
+from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan
 from titanc.passes.schedule import is_immediate
 
 from .expr import format_number
@@ -255,12 +257,14 @@ class _Emitter:
                 b = self.buf
                 b()
                 b()
-                params = ", ".join(f"v{i}" for i in bg.inputs)
+                direct = [v for k, (_, v) in enumerate(bg.outputs) if body.direct_output(k)]
+                params = ", ".join(f"v{i}" for i in [*bg.inputs, *direct])
                 with b.block(f"def {self._body_name(kern.name)}(arena, {params}):"):
                     b(f'"""One step of scan %{sid} of {self.name} (body '
-                      f'{sanitize_identifier(bg.name)}) in its workspace arena."""')
+                      f'{sanitize_identifier(bg.name)}) in its workspace arena; the outputs '
+                      f'it writes in place are parameters too."""')
                     self._kernel_imports(body)
-                    self._views(body, set(bg.inputs), external=True)
+                    self._views(body, set(bg.inputs) | set(direct), external=True)
                     self._launches(body)
                     b("return [" + ", ".join(f"v{v}" for _, v in bg.outputs) + "]")
 
@@ -313,7 +317,8 @@ class _Emitter:
             name = plan.persistent_values[plan.aliases.get(vid, vid)][0]
             return f"slot(bound, {name!r}, persistent, {at}, {shape!r}, {dt}){note}"
         if where == "external":
-            src = g.input_by_name(at)
+            src = (g.output(at[len(OUTPUT_PREFIX):]) if at.startswith(OUTPUT_PREFIX)
+                   else g.input_by_name(at))
             return f"v{src}.view({shape!r}){note}"
         return f"view(arena, {at}, {shape!r}, {dt}){note}"
 
@@ -340,6 +345,10 @@ class _Emitter:
             b(f"{sanitize_identifier(kern.name)}.launch({', '.join(args)})")
 
     def _scan(self, plan: MemoryPlan, kern: Any, node: Any) -> None:
+        """The host loop of a scan, copying nothing (as `runtime.executor` runs it): iteration
+        i reads the carry operands (i = 0) or the slot set iteration i-1 wrote, writes its
+        carries into set i % 2 (the last iteration into their ITEM buffers) and its ys into
+        their slices of the stacked ITEM buffers."""
         g = plan.schedule.graph
         a = node.attr_dict
         body: MemoryPlan = plan.bodies[node.id]
@@ -348,34 +357,36 @@ class _Emitter:
         b = self.buf
         ws = next(x for x in plan.buffers if x.kind == "workspace" and x.value == node.id)
         args = [self._operand(g, i) for i in node.inputs]
-        b(f"ws = arena[{ws.offset}:{ws.offset + ws.size}]  # carry slots, then the body's arena")
-        slots = [f"view(ws, {off}, {tuple(t.shape)!r}, {_TORCH[t.dtype]})"
-                 for (off, _), t in zip(plan.carry_state[node.id], node.type[:nc])]
-        b("carry = [" + ", ".join(slots) + "]")
-        for j in range(nc):
-            b(f"carry[{j}].copy_({args[j]})")
+        b(f"ws = arena[{ws.offset}:{ws.offset + ws.size}]  # carry slots A and B, then the body's arena")
+        state = plan.carry_state[node.id]
+        sets = [[f"view(ws, {off}, {tuple(t.shape)!r}, {_TORCH[t.dtype]})"
+                 for (off, _), t in zip(state[s * nc:(s + 1) * nc], node.type[:nc])]
+                for s in (0, 1)]
+        b("slots = ([" + ", ".join(sets[0]) + "], [" + ", ".join(sets[1]) + "])")
+        b("carry = [" + ", ".join(args[:nc]) + "]")
         items = {g.node(u).attr("index"): u for u in g.users(node.id) if u in kern.outputs}
         order = f"range({length - 1}, -1, -1)" if a["reverse"] else f"range({length})"
-        outs = [v for _, v in bg.outputs]
-        # a carry output that is another carry's slot must be read before the slots change
-        carried = {bg.inputs[j]: j for j in range(nc)}
-        swap = any(outs[j] in carried and carried[outs[j]] != j for j in range(nc))
-        with b.block(f"for t in {order}:"):
-            step = ["carry[%d]" % j for j in range(nc)] + [f"{x}[t]" for x in args[nc:nc + nx]]
-            step += args[nc + nx:]
+        with b.block(f"for i, t in enumerate({order}):"):
+            b("homes = list(slots[i % 2])")
+            finals = [f"homes[{k}] = v{items[k]}" for k in range(nc) if k in items]
+            if finals:
+                with b.block(f"if i == {length - 1}:"):
+                    for line in finals:
+                        b(line)
+            for k, (_, v) in enumerate(bg.outputs[nc:], start=nc):
+                t = bg.node(v).type
+                b(f"homes.append(v{items[k]}[t])" if k in items else
+                  f"homes.append(torch.empty({tuple(t.shape)!r}, dtype={_TORCH[t.dtype]}, "
+                  f"device=arena.device))")
+            direct = [k for k in range(len(bg.outputs)) if body.direct_output(k)]
+            step = [f"carry[{j}]" for j in range(nc)] + [f"{x}[t]" for x in args[nc:nc + nx]]
+            step += args[nc + nx:] + [f"homes[{k}]" for k in direct]
             b(f"out = {self._body_name(kern.name)}(ws[{plan.workspace_body_offset(node.id)}:], "
               f"{', '.join(step)})")
-            for k in sorted(items):
-                if k >= nc:
-                    b(f"v{items[k]}[t].copy_(out[{k}])")
-            if swap:
-                b(f"out[:{nc}] = [x.clone() for x in out[:{nc}]]")
-            for j in range(nc):
-                if outs[j] != bg.inputs[j]:
-                    b(f"carry[{j}].copy_(out[{j}])")
-        for k in sorted(items):
-            if k < nc:
-                b(f"v{items[k]}.copy_(carry[{k}])")
+            for k in range(len(bg.outputs)):
+                if k not in direct:
+                    b(f"homes[{k}].copy_(out[{k}])")
+            b(f"carry = homes[:{nc}]")
 
     def _operand(self, g: Graph, vid: int) -> str:
         if is_immediate(g, vid):

@@ -21,12 +21,16 @@ What gets a buffer, top level:
   `MemoryPlan.is_noop`). A SCAN's results are its ITEMs' buffers (the scan writes them
   directly), so ITEMs never copy;
 - each SCAN kernel holds a workspace for exactly its own kernel index: the carry state
-  (the current carries, one aligned slot each, initialised from the carry operands) followed
-  by its body's arena. The body is planned recursively with its inputs external (carries read
-  from the state slots, per-iteration slices read in place from the xs operands, constants
-  from their operands); its outputs get body-arena buffers live to the body's last kernel,
-  which the scan copies into the state slots / the stacked ys slice after each iteration.
-  A body's buffers are reused every iteration.
+  (two aligned slots per carry, A then B, that iterations write in turn) followed by its
+  body's arena. The body is planned recursively with its inputs external (the first
+  iteration reads the carry operands, later ones the slot the previous iteration wrote;
+  per-iteration slices are read in place from the xs operands, constants from their
+  operands). Its outputs are external too, written where the scan wants them (`OUTPUT_PREFIX`
+  + output name): a carry into the other slot (into its ITEM buffer on the last iteration),
+  a ys value straight into its slice of the stacked ITEM buffer. So a scan copies nothing.
+  The exceptions keep a body-arena buffer and are copied: an output that is a body input, an
+  alias (reshape) of another value, or a value returned under several names (all but the
+  first). A body's buffers are reused every iteration.
 
 Numbers: `lower_bound_bytes` is the peak over the kernels of live activation bytes (aligned,
 a workspace counted as carry state + its body's lower bound): no placement of this schedule
@@ -46,6 +50,7 @@ from titanc.ir.types import TensorType
 from .schedule import Schedule, liveness, value_bytes
 
 Interval = tuple[int, int, int]          # (size, first, last), last inclusive
+OUTPUT_PREFIX = "out:"                   # external names of scan-body outputs
 
 
 # -- placement of a synthetic buffer list --------------------------------------------------------
@@ -153,8 +158,9 @@ class MemoryPlan:
     alignment: int
     bodies: dict[int, "MemoryPlan"] = field(default_factory=dict)   # SCAN id -> body plan
     carry_state: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
-    # SCAN id -> (offset within the workspace, size) of each carry slot; the body arena
-    # starts right after the last slot (at `workspace_body_offset(scan_id)`)
+    # SCAN id -> (offset within the workspace, size) of each carry slot: slots A of every
+    # carry, then slots B; the body arena starts right after the last slot (at
+    # `workspace_body_offset(scan_id)`)
 
     def location(self, vid: int) -> tuple[str, int | str]:
         """Where a value lives: ("arena", offset), ("persistent", offset) or, in a scan body,
@@ -172,6 +178,30 @@ class MemoryPlan:
     @cached_property
     def _arena_offsets(self) -> dict[int, int]:
         return {b.value: b.offset for b in self.buffers if b.kind != "workspace"}
+
+    def direct_output(self, index: int) -> bool:
+        """Does a body plan write output `index` straight where the scan passes it
+        (rather than into its own arena, to be copied)?"""
+        name, v = self.schedule.graph.outputs[index]
+        return self.external.get(v) == OUTPUT_PREFIX + name
+
+    def launches(self, one_kernel: Callable[["MemoryPlan", int], bool] | None = None) -> int:
+        """Kernel launches in one run of this plan: every kernel that is not a no-op; a scan
+        launches its body's kernels once per iteration (a host loop), or is one launch in all
+        where `one_kernel(plan, scan id)` says the target runs it as a single kernel."""
+        g, count = self.schedule.graph, 0
+        for k, kern in enumerate(self.schedule.kernels):
+            if self.is_noop(k):
+                continue
+            scans = [n for n in kern.nodes if n in self.bodies]
+            if not scans:
+                count += 1
+            for sid in scans:
+                if one_kernel is not None and one_kernel(self, sid):
+                    count += 1
+                else:
+                    count += g.node(sid).attr("length") * self.bodies[sid].launches(one_kernel)
+        return count
 
     def workspace_body_offset(self, scan_id: int) -> int:
         """Where the body's arena starts inside the scan's workspace (after the carry slots)."""
@@ -203,7 +233,7 @@ class MemoryPlan:
                 lines.append(f"{pad}    {off:>12} {size:>12}  {name}")
         if self.external:
             names = ", ".join(f"%{v}={n}" for v, n in sorted(self.external.items()))
-            lines.append(f"{pad}  inputs from the scan: {names}")
+            lines.append(f"{pad}  bound by the scan (inputs; outputs as out:NAME): {names}")
         lines.append(f"{pad}  activation arena:")
         lines.append(f"{pad}    {'buffer':<10} {'offset':>12} {'size':>12}  {'live':<11} kernel")
         for b in self.buffers:
@@ -253,6 +283,11 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool) 
                 pers_slots[name] = (top, size)
                 top += size
                 pers_vals.setdefault(vid, []).append(name)
+    if body:                                 # outputs written where the scan wants them
+        for name, v in g.outputs:
+            node = g.node(v)
+            if v not in external and not (node.op is Op.RESHAPE and node.inputs[0] in live):
+                external[v] = OUTPUT_PREFIX + name
     elsewhere = set(pers_vals) | set(external)
 
     # aliases: a RESHAPE written by a kernel whose operand already has storage
@@ -290,7 +325,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool) 
             bodies[sid] = sub
             slots, off = [], 0
             node = g.node(sid)
-            for t in node.type[: node.attr("n_carry")]:
+            for t in 2 * node.type[: node.attr("n_carry")]:         # slots A, then slots B
                 slots.append((off, _align(t.nbytes, alignment)))
                 off += slots[-1][1]
             carry[sid] = slots

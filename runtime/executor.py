@@ -7,8 +7,9 @@ its result with an `out=` torch op. A step is then a walk over the closures: it 
 tensor storage (tested with a dispatch-mode probe), so a training step allocates nothing
 after warm-up.
 
-Scans loop over their body's executor: carries live in the workspace's carry slots, each
-iteration's xs slice is staged into scratch, stacked ys are written into their ITEM buffers.
+Scans are unrolled at build time (`_Builder._scan`): each iteration is its own instance of
+the body's closures, bound to that iteration's xs slices (views of the stacked operands),
+its carry slots (ping-pong) and its ys slices, so a scan copies nothing at run time.
 Generators (ROPE, MASK) are evaluated once into constant storage at build time.
 """
 from __future__ import annotations
@@ -22,14 +23,14 @@ import torch
 from titanc.ir import Graph, Node, Op
 from titanc.ir.interpret import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType
-from titanc.passes.memory_plan import MemoryPlan
+from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan
 from titanc.passes.schedule import is_immediate
 
 Tensor = torch.Tensor
 Step = Callable[[], None]
 
 PROFILE_CATEGORIES = ("pointwise", "reduction", "matmul", "attention", "memory update",
-                      "optimizer", "other")
+                      "optimizer", "scan", "other")
 
 
 class Profiler:
@@ -57,11 +58,12 @@ _ACTIVE: list[Profiler] = []            # the profiler of the run in progress, i
 
 def kernel_label(g: Graph, kernel: Any) -> str:
     """Profile category: attention (score/value contractions), memory update (kernels of a
-    memory-chunk body), optimizer, else the kernel's own category; scans are 'other'."""
+    memory-chunk body), optimizer, else the kernel's own category; a scan's own time (its
+    loop, excluding its body's kernels) is 'scan', other template kernels are 'other'."""
     if g.name.startswith("optimizer"):
         return "optimizer"
     if kernel.category == "template":
-        return "other"
+        return "scan" if any(g.node(n).op is Op.SCAN for n in kernel.nodes) else "other"
     if g.name.startswith("memory_chunk") or g.name.startswith("write"):
         return "memory update"
     for nid in kernel.nodes:
@@ -238,70 +240,77 @@ class _Builder:
 
     # -- scans -------------------------------------------------------------------------------------
     def _scan(self, n: Node, outputs: set[int]) -> None:
+        """A scan, unrolled at build time into one body instance per iteration, each bound to
+        that iteration's storage, so running it copies nothing: iteration i reads the carry
+        operands (i = 0) or the slot set iteration i-1 wrote, reads its xs as views of the
+        stacked operands, and writes its carries into the other slot set (on the last
+        iteration straight into the carries' ITEM buffers) and its ys into their slice of the
+        stacked ITEM buffers. Only outputs the body plan cannot write in place (see
+        `MemoryPlan.direct_output`) are copied."""
         a = n.attr_dict
         body: Graph = a["body"]
+        body_plan = self.plan.bodies[n.id]
         nc, nx_, length = a["n_carry"], a["n_xs"], a["length"]
         args = [self.operand(i) for i in n.inputs]
         args = [x if isinstance(x, Tensor) else self._const(torch.tensor(
             x, dtype=_dtype(self.g.node(i).type.dtype, self.float_dtype)))
             for i, x in zip(n.inputs, args)]
         ws = next(b for b in self.plan.buffers if b.kind == "workspace" and b.value == n.id)
-        region = Storage(0)
-        region.data = self.arena.data[ws.offset:ws.offset + ws.size]
-        region.nbytes = ws.size
-        slots = [region.view(off, t, self.float_dtype)
-                 for (off, _), t in zip(self.plan.carry_state[n.id], n.type[:nc])]
-        body_arena = Storage(0)
-        body_arena.data = region.data[self.plan.workspace_body_offset(n.id):]
-        body_arena.nbytes = body_arena.data.shape[0]
-        mark = self.scratch.top
-        staging = [self.scratch.alloc(TensorType(body.node(i).type.shape, body.node(i).type.dtype))
-                   for i in body.inputs[nc:nc + nx_]]
-        names = body.input_names()
-        external = dict(zip(names, slots + staging + args[nc + nx_:]))
-        sub = self.sub_builder(self.plan.bodies[n.id], body_arena, self.persistent, {}, external,
-                               self.scratch, self.consts, self.float_dtype)
-        inner = sub.build()
-        inner_groups = sub.groups
-        outs = [sub.home(v) for _, v in body.outputs]
+        region = _region(self.arena, ws.offset, ws.size)
+        state = self.plan.carry_state[n.id]
+        carry_types = list(n.type[:nc])
+        slot_sets = [[region.view(off, t, self.float_dtype)
+                      for (off, _), t in zip(state[s * nc:(s + 1) * nc], carry_types)]
+                     for s in (0, 1)]
+        body_offset = self.plan.workspace_body_offset(n.id)
+        body_arena = _region(region, body_offset, ws.size - body_offset)
         used = [u for u in self.g.users(n.id) if u in outputs]      # ITEMs read later
         items = {self.g.node(u).attr("index"): self.located(u) for u in used}
         for u in used:
             self.val[u] = items[self.g.node(u).attr("index")]
-        ys = {k: [items[k][t] for t in range(length)] for k in items if k >= nc}
-        xs = [[x[t] for t in range(length)] for x in args[nc:nc + nx_]]
+        in_names = body.input_names()
+        out_names = [name for name, _ in body.outputs]
+        order = range(length - 1, -1, -1) if a["reverse"] else range(length)
+        iterations: list[list[tuple[str, list[Step]]]] = []
         carry_in = args[:nc]
-        # a body output that is itself a carry slot must be read before the slots change
-        tmp = [self.scratch.alloc(TensorType(tuple(o.shape), _dname(o.dtype))) if
-               any(o.data_ptr() == s.data_ptr() for s in slots) else None for o in outs[:nc]]
-        order = list(range(length - 1, -1, -1)) if a["reverse"] else list(range(length))
+        for i, t in enumerate(order):
+            last = i == length - 1
+            homes = [items[k] if last and k in items else slot_sets[i % 2][k] for k in range(nc)]
+            homes += [items[k][t] if k in items else self.scratch.alloc(body.node(v).type)
+                      for k, (_, v) in enumerate(body.outputs) if k >= nc]
+            external = dict(zip(in_names, carry_in + [x[t] for x in args[nc:nc + nx_]]
+                                + args[nc + nx_:]))
+            external.update({OUTPUT_PREFIX + name: home for name, home in zip(out_names, homes)})
+            sub = self.sub_builder(body_plan, body_arena, self.persistent, {}, external,
+                                   self.scratch, self.consts, self.float_dtype)
+            sub.build()
+            groups = list(sub.groups)
+            copies = [_copy(home, sub.home(v)) for k, ((_, v), home)
+                      in enumerate(zip(body.outputs, homes)) if not body_plan.direct_output(k)]
+            if copies:
+                groups.append(("scan", copies))
+            iterations.append(groups)
+            carry_in = homes[:nc]
+        flat = [f for groups in iterations for _, fns in groups for f in fns]
 
         def run() -> None:
-            for slot, init in zip(slots, carry_in):
-                slot.copy_(init)
-            for t in order:
-                for st, x in zip(staging, xs):
-                    st.copy_(x[t])
-                if _ACTIVE:
-                    for label, fns in inner_groups:
+            if _ACTIVE:
+                for groups in iterations:
+                    for label, fns in groups:
                         _ACTIVE[-1].run(label, fns)
-                else:
-                    for s in inner:
-                        s()
-                for k, y in ys.items():
-                    y[t].copy_(outs[k])
-                for slot, new, tm in zip(slots, outs[:nc], tmp):
-                    if tm is not None:
-                        tm.copy_(new)
-                        new = tm
-                    if new.data_ptr() != slot.data_ptr():
-                        slot.copy_(new)
-            for k in range(nc):
-                if k in items:
-                    items[k].copy_(slots[k])
+            else:
+                for f in flat:
+                    f()
 
         self.steps.append(run)
-        self.scratch.top = mark
+
+
+def _region(storage: Storage, offset: int, size: int) -> Storage:
+    """A sub-region of `storage` as a Storage of its own."""
+    region = Storage(0)
+    region.data = storage.data[offset:offset + size]
+    region.nbytes = size
+    return region
 
 
 def _dname(dt: torch.dtype) -> str:

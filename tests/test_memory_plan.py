@@ -18,7 +18,7 @@ from titanc.ir import Builder, Graph, Interpreter, Op, verify
 from titanc.ir.types import DTYPES, TensorType
 from titanc.params import init_params
 from titanc.passes.fusion import fuse
-from titanc.passes.memory_plan import (ORDERS, MemoryPlan, lower_bound, memory_report, overlaps,
+from titanc.passes.memory_plan import (ORDERS, OUTPUT_PREFIX, MemoryPlan, lower_bound, memory_report, overlaps,
                                        place, place_in_order, plan_memory)
 from titanc.spec import load_spec
 
@@ -98,8 +98,8 @@ def small_scan_graph() -> Graph:
 
 
 GOLDEN = """\
-memory plan small: 8 kernels, arena 640 B, lower bound 640 B (ratio 1.000)
-  peak activation 640 B, persistent 576 B, alignment 64
+memory plan small: 8 kernels, arena 576 B, lower bound 576 B (ratio 1.000)
+  peak activation 576 B, persistent 576 B, alignment 64
   persistent region:
           offset         size  name
                0          320  embed
@@ -110,20 +110,18 @@ memory plan small: 8 kernels, arena 640 B, lower bound 640 B (ratio 1.000)
     %0                  256          128  [0,0]       input:tokens  i64[2,5]
     %5                  512           64  [1,3]       titanc_poi_fused_full_1  f32[2,8]
     %6                  256          256  [2,3]       titanc_poi_fused_permute_2  f32[4,2,8]
-    ws %7                 0          192  [3,3]       titanc_tem_fused_scan_rnn_3
-      carry state: +0:64
-      memory plan rnn: 2 kernels, arena 128 B, lower bound 128 B (ratio 1.000)
-        peak activation 128 B, persistent 0 B, alignment 64
-        inputs from the scan: %0=c0, %1=x1, %2=k2
+    ws %7                 0          128  [3,3]       titanc_tem_fused_scan_rnn_3
+      carry state: +0:64, +64:64
+      memory plan rnn: 2 kernels, arena 0 B, lower bound 0 B (ratio 1.000)
+        peak activation 0 B, persistent 0 B, alignment 64
+        bound by the scan (inputs; outputs as out:NAME): %0=c0, %1=x1, %2=k2, %5=out:carry0, %6=out:y0
         activation arena:
           buffer           offset         size  live        kernel
-          %5                    0           64  [0,1]       titanc_mm_fused_einsum_add_silu_4  f32[2,8]
-          %6                   64           64  [1,1]       titanc_red_fused_sum_5  f32[2]
-    %9                  192           64  [3,5]       titanc_tem_fused_scan_rnn_3  f32[4,2]
-    %8                  576           64  [3,7]       titanc_tem_fused_scan_rnn_3  f32[2,8]
+    %9                  128           64  [3,5]       titanc_tem_fused_scan_rnn_3  f32[4,2]
+    %8                  192           64  [3,7]       titanc_tem_fused_scan_rnn_3  f32[2,8]
     %11                   0          128  [4,7]       titanc_mm_fused_einsum_6  f32[20]
-    %14                 128           64  [5,6]       titanc_red_fused_sum_7  f32[]
-    %15                 192           64  [6,7]       titanc_red_fused_exp_sum_add_8  f32[]
+    %14                 256           64  [5,6]       titanc_red_fused_sum_7  f32[]
+    %15                 128           64  [6,7]       titanc_red_fused_exp_sum_add_8  f32[]
   aliases (reshapes sharing their source's storage):
     %16 -> %8
 """
@@ -133,11 +131,11 @@ def test_memory_map_golden() -> None:
     plan = plan_memory(fuse(small_scan_graph()), {"embed", "w"})
     assert plan.to_text() == GOLDEN
     assert plan.is_noop(7) and not plan.is_noop(6)        # the lone reshape writes nothing
-    assert plan.location(16) == plan.location(8) == ("arena", 576)
+    assert plan.location(16) == plan.location(8) == ("arena", 192)
     assert plan.location(2) == ("persistent", 320)
     assert memory_report(plan, 10) == {
-        "arena_bytes": 640, "lower_bound_bytes": 640, "persistent_bytes": 576,
-        "peak_activation_bytes": 640, "logits_bytes": 80}   # the flattened [2, 10] logits
+        "arena_bytes": 576, "lower_bound_bytes": 576, "persistent_bytes": 576,
+        "peak_activation_bytes": 576, "logits_bytes": 80}   # the flattened [2, 10] logits
 
 
 # -- an executor over the planned arena ----------------------------------------------------------
@@ -194,29 +192,34 @@ def _execute(plan: MemoryPlan, mem: Tensor, pers: Tensor, ext: dict[str, Tensor]
 
 def _scan(plan: MemoryPlan, node, args: list[Tensor], region: Tensor,
           items: dict[int, Tensor], interp: Interpreter) -> None:
-    """Carry slots at the start of the workspace, the body's arena after them; ys go straight
-    into their stacked ITEM buffers, the final carries into theirs."""
+    """Two carry slot sets at the start of the workspace, the body's arena after them.
+    Iteration i reads the operands (i = 0) or the set iteration i-1 wrote, and writes its
+    carries into set i % 2 (the last iteration into the carries' ITEM buffers) and its ys
+    straight into their stacked ITEM buffers; outputs the body cannot write in place are
+    copied there."""
     a = node.attr_dict
     body, nc, nx_, length = a["body"], a["n_carry"], a["n_xs"], a["length"]
     sub = plan.bodies[node.id]
-    slots = [_view(region, off, t) for (off, _), t in zip(plan.carry_state[node.id], node.type)]
-    for slot, init in zip(slots, args[:nc]):
-        slot.copy_(init)
+    state = plan.carry_state[node.id]
+    sets = [[_view(region, off, t) for (off, _), t in zip(state[s * nc:(s + 1) * nc], node.type)]
+            for s in (0, 1)]
     names = body.input_names()
     body_mem = region[plan.workspace_body_offset(node.id):]
     steps = range(length - 1, -1, -1) if a["reverse"] else range(length)
-    for t in steps:
-        ext = dict(zip(names, slots + [x[t] for x in args[nc:nc + nx_]] + args[nc + nx_:]))
+    carry = args[:nc]
+    for i, t in enumerate(steps):
+        last = i == length - 1
+        homes = [items[k] if last and k in items else sets[i % 2][k] for k in range(nc)]
+        homes += [items[k][t] if k in items else torch.empty(body.node(v).type.shape,
+                  dtype=DTYPES[body.node(v).type.dtype])
+                  for k, (_, v) in enumerate(body.outputs) if k >= nc]
+        ext = dict(zip(names, carry + [x[t] for x in args[nc:nc + nx_]] + args[nc + nx_:]))
+        ext.update({OUTPUT_PREFIX + name: h for (name, _), h in zip(body.outputs, homes)})
         where = _execute(sub, body_mem, torch.empty(0), ext, interp)
-        outs = [where(v).clone() for _, v in body.outputs]
-        for slot, new in zip(slots, outs[:nc]):
-            slot.copy_(new)
-        for m, y in enumerate(outs[nc:]):
-            if nc + m in items:
-                items[nc + m][t].copy_(y)
-    for k in range(nc):
-        if k in items:
-            items[k].copy_(slots[k])
+        for k, ((_, v), home) in enumerate(zip(body.outputs, homes)):
+            if not sub.direct_output(k):
+                home.copy_(where(v))
+        carry = homes[:nc]
 
 
 def run_planned(plan: MemoryPlan, inputs: dict[str, Tensor]) -> dict[str, Tensor]:

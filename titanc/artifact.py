@@ -19,7 +19,7 @@ from titanc.ir import format_graph, graph_stats
 from titanc.passes.manager import debug_level
 from titanc.passes.memory_plan import memory_report
 
-from .compiler import Compiled, compile_graphs
+from .compiler import Compiled, compile_graphs, launches_per_step
 from .params import param_count
 from .spec import spec_hash, spec_to_dict
 
@@ -63,6 +63,7 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         "kernels": [_kernel_row(k) for name in ("training", "optimizer")
                     for k in c.schedules[name].all_kernels()],
         "kernel_counts": {name: len(s.all_kernels()) for name, s in c.schedules.items()},
+        "launches_per_step": {"cpu": launches_per_step(c)},
         "memory": memory_report(c.plans["training"], spec.model.vocab_size),
         "memory_forward": memory_report(c.plans["forward"], spec.model.vocab_size),
     }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from titanc.ir import Graph, dtype_name
 from titanc.passes.aggregate import aggregate
@@ -89,3 +89,21 @@ def _timed(log: PassLog, name: str, fn: Any) -> Any:
     out = fn()
     log.records.append({"name": name, "seconds": time.perf_counter() - t0})
     return out
+
+
+def launches_per_step(c: Compiled, one_kernel: Callable[[MemoryPlan, int], bool] | None = None
+                      ) -> dict[str, int]:
+    """Kernel launches of a training step (grad_accum backward passes + one optimizer
+    update), a decode step (one token, batch 1) and the memory write a decode makes once per
+    completed chunk. `one_kernel(plan, scan id)` says which scans the target runs as a single
+    kernel (None: every scan is a host loop over its body's kernels)."""
+    from titanc.decode import lower_step, lower_write
+
+    spec = c.spec
+    counts = {"training": spec.train.grad_accum * c.plans["training"].launches(one_kernel)
+              + c.plans["optimizer"].launches(one_kernel)}
+    step = plan_memory(fuse(lower_step(spec, 1, 1)))
+    counts["decode"] = step.launches(one_kernel)
+    if spec.model.block != "attn":
+        counts["decode_write_per_chunk"] = plan_memory(fuse(lower_write(spec, 1))).launches(one_kernel)
+    return counts
