@@ -3,6 +3,7 @@ reference vs titans-pytorch's MemoryAsContextTransformer, at one matched MAC con
 
     .venv/bin/python benchmarks/train_step.py            # d_model 64, 2 layers, seq 128, batch 4
     .venv/bin/python benchmarks/train_step.py --quick    # CI size: d_model 32, seq 32, batch 2
+    .venv/bin/python benchmarks/train_step.py --size large --only titanc,titans_pytorch_matched
     .venv/bin/python benchmarks/train_step.py --only titanc,eager --rounds 5 --threads 2
 
 A step is forward + backward + gradient clipping (norm 1.0) + AdamW, same hyper-parameters
@@ -81,9 +82,20 @@ NOTES = {
 }
 
 
-def config(quick: bool) -> dict[str, Any]:
-    """The titanc spec of the matched configuration (block mac, float32)."""
-    if quick:
+SIZES = ("quick", "small", "large")
+
+
+def config(size: str) -> dict[str, Any]:
+    """The titanc spec of the matched configuration (block mac, float32) at `size`: quick
+    (CI), small (d_model 64, 2 layers, seq 128) or large (d_model 128, 4 layers, seq 256:
+    about 16x small's FLOPs per step)."""
+    if size == "large":
+        model = {"vocab_size": 256, "d_model": 128, "n_layers": 4, "seq_len": 256,
+                 "ffn_hidden": 341, "attention": {"heads": 4, "window": 64, "segment": 64,
+                                                  "persistent_tokens": 4},
+                 "memory": {"heads": 2, "depth": 2, "expansion": 2, "chunk_size": 16}}
+        batch = 4
+    elif size == "quick":
         model = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "seq_len": 32,
                  "ffn_hidden": 84, "attention": {"heads": 2, "window": 16, "segment": 16,
                                                  "persistent_tokens": 2},
@@ -375,7 +387,11 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="CI-sized config and step counts")
+    ap.add_argument("--quick", action="store_true", help="CI-sized config and step counts "
+                    "(the same as --size quick)")
+    ap.add_argument("--size", choices=SIZES, default="small",
+                    help="model size: quick (CI), small (default: d_model 64, 2 layers, seq 128, "
+                         "batch 4), large (d_model 128, 4 layers, seq 256, batch 4)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; quick 2)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; quick 1)")
     ap.add_argument("--rounds", type=int, default=None,
@@ -393,6 +409,9 @@ def main() -> None:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.size = "quick"
+    args.quick = args.size == "quick"
     args.steps = args.steps or (2 if args.quick else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.rounds = args.rounds or (1 if args.quick else 3)
@@ -400,7 +419,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, json.loads(args.spec), args.steps, args.warmup, args.threads)
         return
-    spec = config(args.quick)
+    spec = config(args.size)
     default = [n for n in FRAMEWORKS if not (args.quick and n == "torch_compile")]
     names = [n for n in args.only.split(",") if n] if args.only else default
     unknown = [n for n in names if n not in FRAMEWORKS]

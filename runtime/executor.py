@@ -160,9 +160,15 @@ class _Builder:
         return self.home(vid)
 
     def out(self, node: Node, outputs: set[int]) -> Tensor:
-        """Where node's result goes: its planned home if it leaves the kernel, else scratch."""
+        """Where node's result goes: its planned home if it leaves the kernel; the home of a
+        reshape of it that leaves the kernel (viewed in node's shape, so the reshape costs
+        nothing); else scratch."""
         if node.id in outputs and node.id not in self.plan.aliases:
             return self.located(node.id)
+        for u in self.g.users(node.id):
+            if (u in outputs and u not in self.plan.aliases and self.g.node(u).op is Op.RESHAPE
+                    and self.located(u).is_contiguous()):
+                return self.located(u).view(node.type.shape)
         return self.scratch.alloc(node.type)
 
     # -- kernels ---------------------------------------------------------------------------------
@@ -187,7 +193,7 @@ class _Builder:
             if v in self.plan.aliases or self.g.node(v).op is Op.ITEM:
                 continue
             src, dst = self.val[v], self.located(v)
-            if src is not dst:
+            if src is not dst and not _same_view(src, dst):
                 self.steps.append(_copy(dst, src))
                 self.val[v] = dst
 
@@ -315,6 +321,12 @@ def _region(storage: Storage, offset: int, size: int) -> Storage:
 
 def _dname(dt: torch.dtype) -> str:
     return {torch.float32: "f32", torch.float64: "f64", torch.int64: "i64"}[dt]
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """Do a and b view the same elements in the same layout (a copy would change nothing)?"""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
 
 
 def _copy(dst: Tensor, src: Tensor) -> Step:
@@ -451,6 +463,9 @@ def _einsum(b: _Builder, spec: str, xs: list[Tensor], o: Tensor) -> list[Step]:
     if list(tc) == natural:
         C = o.view(B, M, N)
         steps.append(lambda: torch.bmm(A, Bm, out=C))
+    elif list(tc) == batch + nn + m:                 # C^T = B^T A^T: transposes are views
+        Ct, At, Bt = o.view(B, N, M), A.transpose(1, 2), Bm.transpose(1, 2)
+        steps.append(lambda: torch.bmm(Bt, At, out=Ct))
     else:
         s = b.scratch.alloc(TensorType((B, M, N), _dname(o.dtype)))
         back = s.view([size[c] for c in natural]).permute(*[natural.index(ch) for ch in tc])
@@ -565,10 +580,10 @@ class profiling:
 
 def executor_for(g: Graph, persistent: set[str], bound: dict[str, Tensor] | None = None,
                  float_dtype: torch.dtype | None = None,
-                 cls: type[ArenaExecutor] = ArenaExecutor) -> ArenaExecutor:
+                 cls: type[ArenaExecutor] = ArenaExecutor, **options: Any) -> ArenaExecutor:
     """Fuse, plan and bind a graph (used for graphs outside the training pipeline: eval,
-    logits, serving steps) on executor class `cls`."""
+    logits, serving steps) on executor class `cls` (with its `options`)."""
     from titanc.passes.fusion import fuse
     from titanc.passes.memory_plan import plan_memory
 
-    return cls(plan_memory(fuse(g), persistent), bound, float_dtype)
+    return cls(plan_memory(fuse(g), persistent), bound, float_dtype, **options)

@@ -52,6 +52,8 @@ class Program:
         self.target = _resolve_target(self.spec.compile.target)
         self._executor_cls = None if self.target == "reference" else _executor_class(self.target)
         self.device = getattr(self._executor_cls, "device", "cpu")   # where state lives
+        self._executor_options = ({"cuda_graphs": self.spec.compile.cuda_graphs}
+                                  if self.target == "triton" else {})
         self._executors: dict[Any, Any] = {}
         self._params = {n: t.to(self.device) for n, t in
                         init_params(self.spec.model, self.spec.train.seed, self.dtype).items()}
@@ -144,9 +146,9 @@ class Program:
             if f"opt.m.{n}" in names:
                 bound[f"opt.m.{n}"], bound[f"opt.v.{n}"] = self._m[n], self._v[n]
         if plan is not None:
-            return self._executor_cls(plan, bound)
+            return self._executor_cls(plan, bound, **self._executor_options)
         return executor_for(g, set(bound) | {n for n in names if n.startswith("state.")}, bound,
-                            cls=self._executor_cls)
+                            cls=self._executor_cls, **self._executor_options)
 
     def loss(self, tokens: Tensor) -> float:
         tokens = self._check_tokens(tokens)

@@ -204,6 +204,9 @@ class DataSpec:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CompileSpec:
     target: str = _field("auto", choices=TARGETS)
+    # capture each graph's run into a CUDA graph and replay it (every address is fixed by
+    # the memory plan); None: on whenever the triton target runs on a CUDA device
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self)
