@@ -38,11 +38,17 @@ def open_eval_data(source: str, spec: Any, tok: Tokenizer) -> ShardData | TextDa
         return SyntheticRecall(m.seq_len, m.vocab_size, spec.train.seed)
     if os.path.isdir(source):
         return ShardData(source, m.seq_len, m.vocab_size, tokenizer=tok, seed=spec.train.seed)
-    if not isinstance(tok, ByteTokenizer):
+    _check_text_source(source, tok)
+    return TextData(source, m.seq_len, spec.data.val_fraction, spec.train.seed)
+
+
+def _check_text_source(source: str, tok: Tokenizer) -> None:
+    """A text file is read as bytes: only a byte-tokenizer run can be evaluated on one."""
+    if (source != SYNTHETIC_RECALL and os.path.isfile(source)
+            and not isinstance(tok, ByteTokenizer)):
         raise TitancError(f"--data {source} is a text file, but the run uses the tokenizer "
                           f"{tok.name}; prepare shards with 'titanc data prepare {source} -o DIR "
                           f"--tokenizer {tok.name}' and pass --data DIR")
-    return TextData(source, m.seq_len, spec.data.val_fraction, spec.train.seed)
 
 
 def _split_tokens(data: ShardData | TextData, split: str) -> Any:
@@ -111,6 +117,7 @@ def evaluate_run(run: str | os.PathLike, data: str, *, batches: int = 8, split: 
     import titanc
 
     tok = load_tokenizer(run)
+    _check_text_source(os.fspath(data), tok)       # before paying for a compile
     prog = titanc.load(run)
     dataset = open_eval_data(os.fspath(data), prog.spec, tok)
     result = evaluate(prog, dataset, tok, batches=batches, split=split, recall=recall)

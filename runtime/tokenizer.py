@@ -206,7 +206,7 @@ def load_tokenizer(source: Any = BYTE) -> Tokenizer:
     if name == BYTE:
         return ByteTokenizer()
     p = Path(name)
-    if p.is_file() and p.suffix == ".safetensors":
+    if p.suffix == ".safetensors":                 # a checkpoint: its run directory
         p = p.parent
     if p.is_dir():
         if (p / TOKENIZER_FILE).exists():
@@ -220,6 +220,9 @@ def load_tokenizer(source: Any = BYTE) -> Tokenizer:
             raise TitancError(f"{p} holds no tokenizer.json and no spec; pass a run directory, "
                               f"an artifact directory or a tokenizer.json file")
         return _from_name(_spec_tokenizer(spec))
+    if not p.exists() and p.suffix != ".json":
+        raise TitancError(f"load {p}: no such run directory, artifact directory or "
+                          f"tokenizer.json")
     return BPETokenizer(p)
 
 

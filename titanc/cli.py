@@ -261,8 +261,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
-    tokenizer = load_tokenizer(args.source)       # the run's / artifact's own tokenizer
     prog = titanc.load(args.source)
+    tokenizer = load_tokenizer(args.source)       # the run's / artifact's own tokenizer
     gen = Generator(prog, tokenizer)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop))
     prompts = [tokenizer.encode(p) for p in args.prompt]
