@@ -27,7 +27,7 @@ from titanc.errors import TitancError
 
 from .corpus import PIECE_BYTES, Piece, find_files, plan, read_piece
 from .shards import FORMAT, HEADER, VERSION, dtype_for
-from .tokenizer import BYTE, Tokenizer, load_tokenizer, tokenizer_info
+from .tokenizer import BYTE, ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_info
 
 __all__ = ["prepare"]
 
@@ -53,17 +53,17 @@ def _tokenize(piece: Piece, text_field: str, dtype: str,
     for text, end in read_piece(piece, text_field):
         texts.append(text)
         ends.append(end)
-    if hasattr(tok, "encode_batch"):
-        encoded = tok.encode_batch(texts)
+    raw = [t.encode("utf-8") for t in texts]
+    if isinstance(tok, ByteTokenizer):                     # the ids are the bytes
+        encoded = [np.frombuffer(r, dtype=np.uint8) for r in raw]
+    elif hasattr(tok, "encode_batch"):
+        encoded = [np.asarray(ids, dtype=dtype) for ids in tok.encode_batch(texts)]
     else:
-        encoded = [tok.encode(t) for t in texts]
-    out: list[int] = []
-    for ids, end in zip(encoded, ends):
-        out.extend(ids)
-        if end and tok.eot is not None:
-            out.append(tok.eot)
-    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    return np.asarray(out, dtype=dtype), n_bytes
+        encoded = [np.asarray(tok.encode(t), dtype=dtype) for t in texts]
+    eot = np.asarray([] if tok.eot is None else [tok.eot], dtype=dtype)
+    parts = [p for ids, end in zip(encoded, ends) for p in ((ids, eot) if end else (ids,))]
+    out = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+    return out, sum(len(r) for r in raw)
 
 
 # -- parent side -------------------------------------------------------------------------------

@@ -124,7 +124,10 @@ class BPETokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        """Ids of each text; the library's offset-free batch encoder where it has one."""
+        fast = getattr(self._tok, "encode_batch_fast", None)
+        batch = fast if fast is not None else self._tok.encode_batch
+        return [e.ids for e in batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [t for t in _ids(ids) if 0 <= t < self.vocab_size]
