@@ -33,7 +33,8 @@ from titanc.errors import TitancError
 
 __all__ = [
     "Tokenizer", "ByteTokenizer", "BPETokenizer", "BYTE", "TOKENIZER_FILE", "EOT_TOKEN",
-    "load_tokenizer", "train_bpe", "check_vocab", "save_tokenizer", "tokenizer_info",
+    "load_tokenizer", "train_bpe", "check_vocab", "check_same_tokenizer", "save_tokenizer",
+    "tokenizer_info",
 ]
 
 BYTE = "byte"
@@ -236,6 +237,17 @@ def check_vocab(spec: Any, tok: Tokenizer) -> None:
     if not isinstance(tok, ByteTokenizer) and v != tok.vocab_size:
         raise TitancError(f"model.vocab_size: {v} does not match the tokenizer {tok.name} "
                           f"({tok.vocab_size} tokens); set model.vocab_size={tok.vocab_size}")
+
+
+def check_same_tokenizer(tok: Tokenizer, recorded: str | None, checkpoint: Any) -> None:
+    """Resuming must keep the tokenizer: `recorded` is the hash a checkpoint was trained with
+    (None for checkpoints older than tokenizers, which were byte-level)."""
+    recorded = recorded or ByteTokenizer.hash
+    if recorded != tok.hash:
+        raise TitancError(f"checkpoint {checkpoint} was trained with another tokenizer (hash "
+                          f"{recorded[:12]}) than data.tokenizer {tok.name} (hash "
+                          f"{tok.hash[:12]}); resume with the tokenizer the run holds (its "
+                          f"tokenizer.json, or byte) or train from scratch")
 
 
 def save_tokenizer(tok: Tokenizer, directory: str | os.PathLike) -> Path | None:

@@ -40,7 +40,7 @@ from titanc.spec import Spec, load_spec, spec_to_dict
 from .checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_resumable, checkpoint_path,
                          load_checkpoint, restore, save_checkpoint)
 from .data import SyntheticRecall, TextData, make_data
-from .tokenizer import check_vocab, load_tokenizer, save_tokenizer
+from .tokenizer import check_same_tokenizer, check_vocab, load_tokenizer, save_tokenizer
 
 __all__ = ["Trainer", "run_training", "write_loss_plot", "read_metrics"]
 
@@ -87,6 +87,8 @@ class Trainer:
                 raise TitancError(f"{self.resume_path} has no sampler state ({RNG_KEY}); it "
                                   f"cannot be resumed bit for bit")
             check_resumable(tensors, meta, spec, strict=strict, path=self.resume_path)
+            check_same_tokenizer(self.tokenizer, meta["extra"].get("tokenizer_hash"),
+                                 self.resume_path)
             start = meta["step"]
         if start >= self.until:
             raise TitancError(
@@ -156,6 +158,7 @@ class Trainer:
     def _checkpoint(self) -> None:
         save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
                         extra={"data": self.spec.data.source,
+                               "tokenizer_hash": self.tokenizer.hash,
                                "tokens_seen": self.prog.step * self.tokens_per_step})
         self.last_ckpt_step = self.prog.step
 

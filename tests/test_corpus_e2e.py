@@ -2,8 +2,8 @@
 
 1. From the files of a fresh clone: train a 4,096-token byte-level BPE on the repository's own
    text (docs, sources, examples, README), prepare shards with it, train tiny.yaml on them for
-   100 steps, evaluate, and generate with the run's own copy of the tokenizer (the original
-   file is deleted first). To keep the test's runtime modest, training uses
+   100 steps, compile it (the artifact holds the tokenizer), evaluate, and generate with the
+   run's own copy of the tokenizer (the original file is deleted first). To keep the test's runtime modest, training uses
    `model.seq_len=32, train.batch_size=2` (tiny.yaml's own sizes are 128 and 8); the model
    itself (widths, layers, memory) is tiny.yaml's.
 2. Peak RSS while training on a 1 GiB shard stays far below 1 GiB: the shard is read through
@@ -65,6 +65,22 @@ def test_bpe_prepare_train_eval_generate_from_the_repository(
     assert len(losses) == 100 and len(evals) == 2
     assert losses[0] > math.log(4096) - 0.5                      # starts near uniform
     assert np.mean(losses[-10:]) < losses[0] - 1.5               # and learns
+    capsys.readouterr()
+    # resuming under another tokenizer (same vocabulary size) is refused before any step
+    assert main(["train", str(TINY), *SMALL, "--set", "model.vocab_size=4096", "--data",
+                 "synthetic:recall", "--steps", "110", "--resume", str(run),
+                 "--out", str(tmp_path / "run2")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"titanc: error: checkpoint {run / 'checkpoint.safetensors'} was trained with another "
+        f"tokenizer (hash {header['tokenizer']['hash'][:12]}) than data.tokenizer byte (hash "
+        f"{ByteTokenizer.hash[:12]}); resume with the tokenizer the run holds (its "
+        f"tokenizer.json, or byte) or train from scratch")
+
+    # a compiled artifact carries the tokenizer too
+    assert main(["compile", str(TINY), *sets, "-o", str(tmp_path / "build")]) == 0
+    manifest = json.loads((tmp_path / "build" / "manifest.json").read_text())
+    assert manifest["tokenizer"]["hash"] == header["tokenizer"]["hash"]
+    assert (tmp_path / "build" / "tokenizer.json").read_bytes() == tok.read_bytes()
     capsys.readouterr()
 
     tok.unlink()                                                 # the run carries its own copy
