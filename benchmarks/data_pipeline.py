@@ -1,6 +1,6 @@
 """Data pipeline throughput: `titanc data prepare` MB/s and the memmap loader's cost per batch.
 
-    python benchmarks/data_pipeline.py            # ~32 MB corpus, 3 repeats
+    python benchmarks/data_pipeline.py            # ~8 MB corpus, 3 repeats
     python benchmarks/data_pipeline.py --quick    # ~4 MB, 1 repeat
 
 The corpus is the repository's own text (docs, sources, examples) repeated to --mb megabytes
@@ -37,7 +37,7 @@ SOURCES = [ROOT / d for d in ("docs", "titanc", "ir", "passes", "codegen", "runt
 def make_corpus(d: Path, mb: float) -> Path:
     text = "".join(iter_texts(SOURCES + [ROOT / "README.md"], ext=["md", "py", "yaml"]))
     per_file = int(mb * 1e6 / 8)
-    reps = max(1, per_file // len(text.encode()))
+    reps = max(1, round(per_file / len(text.encode())))
     corpus = d / "corpus"
     corpus.mkdir()
     for k in range(8):
@@ -94,7 +94,7 @@ def big_shard(d: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=float, default=32.0, help="corpus size in MB (default 32)")
+    ap.add_argument("--mb", type=float, default=8.0, help="corpus size in MB (default 8)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=500, help="loader calls timed per case")
     ap.add_argument("--quick", action="store_true", help="--mb 4 --repeats 1 --calls 100")

@@ -106,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                "  titanc train examples/tiny.yaml --resume runs/tiny --steps 400 --out runs/tiny",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_spec_args(train)
-    train.add_argument("--data", metavar="FILE|synthetic:recall", default=None,
+    train.add_argument("--data", metavar="FILE|DIR|synthetic:recall", default=None,
                        help="training data, instead of the spec's data.source: a UTF-8 text "
-                            "file (byte-level tokens) or synthetic:recall, an associative-recall "
+                            "file (byte-level tokens), a token-shard directory from 'titanc "
+                            "data prepare' or synthetic:recall, an associative-recall "
                             "task that needs a working memory")
     train.add_argument("--steps", metavar="N", type=_positive_int, default=None,
                        help="number of optimizer steps, instead of the spec's train.steps")
