@@ -58,8 +58,9 @@ def time_prepare(corpus: Path, tok: str, workers: int, repeats: int, d: Path) ->
             shutil.rmtree(out)
     tokens = sum(s["tokens"] for s in h["splits"].values())
     return {"tokenizer": "byte" if tok == "byte" else "bpe4096", "workers": workers,
-            "text_mb": h["text_bytes"] / 1e6, "tokens": tokens, "mb_per_s": statistics.median(rates),
-            "seconds": statistics.median(seconds), "shards": str(out)}
+            "text_mb": h["text_bytes"] / 1e6, "tokens": tokens,
+            "mb_per_s": statistics.median(rates), "seconds": statistics.median(seconds),
+            "shards": str(out)}
 
 
 def time_loader(data: ShardData, batch: int, calls: int) -> dict:

@@ -31,7 +31,10 @@ __all__ = ["evaluate", "evaluate_run", "open_eval_data"]
 RECALL_SEED = 1_000_003
 
 
-def open_eval_data(source: str, spec: Any, tok: Tokenizer) -> ShardData | TextData | SyntheticRecall:
+EvalData = ShardData | TextData | SyntheticRecall
+
+
+def open_eval_data(source: str, spec: Any, tok: Tokenizer) -> EvalData:
     """The dataset `--data` names for a model of `spec` read with `tok`."""
     m = spec.model
     if source == SYNTHETIC_RECALL:
@@ -63,7 +66,7 @@ def _windows(tokens: Any, seq_len: int, count: int) -> np.ndarray:
     return np.linspace(0, last, count).round().astype(np.int64)
 
 
-def evaluate(prog: Any, data: ShardData | TextData | SyntheticRecall, tok: Tokenizer, *,
+def evaluate(prog: Any, data: EvalData, tok: Tokenizer, *,
              batches: int = 8, split: str = "val", recall: bool = False) -> dict[str, Any]:
     """Evaluate `prog` on `data` (see the module docstring); returns the result dict."""
     spec = prog.spec
@@ -74,10 +77,10 @@ def evaluate(prog: Any, data: ShardData | TextData | SyntheticRecall, tok: Token
     else:
         tokens = _split_tokens(data, split)
         if len(tokens) < T + 1:
-            raise TitancError(f"the {split} split of {getattr(data, 'path', None) or data.directory} "
-                              f"has {len(tokens)} tokens, fewer than one window of "
-                              f"model.seq_len+1 = {T + 1}; use more data or a larger "
-                              f"--val-fraction when preparing it")
+            where = getattr(data, "path", None) or data.directory
+            raise TitancError(f"the {split} split of {where} has {len(tokens)} tokens, fewer "
+                              f"than one window of model.seq_len+1 = {T + 1}; use more data or "
+                              f"a larger --val-fraction when preparing it")
         starts = _windows(tokens, T, batches * B)
         nbytes = tok.token_bytes()
         loss_sum, n_bytes = 0.0, 0

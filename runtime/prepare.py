@@ -2,13 +2,13 @@
 
     header = prepare(["wiki/", "dump.jsonl"], "data/wiki", tokenizer="tokenizer.json")
 
-The corpus is cut into pieces (runtime/corpus.py); worker processes (`workers`; by default the
-CPU count, fewer for a small corpus) each load the tokenizer once and tokenize pieces; the parent writes their token
-arrays in input order, so the output does not depend on the number of workers. The tokenizer's
-end-of-text id (BPE) follows every document. Tokens go to `train.bin` as they arrive; at the
-end the last `val_fraction` of the stream moves to `val.bin` and `header.json` is written last,
-atomically, so a directory with a header is always complete. Memory stays bounded: at most
-`2 x workers` pieces are in flight.
+The corpus is cut into pieces (runtime/corpus.py); worker processes (`workers`; by default
+the CPU count, fewer for a small corpus) each load the tokenizer once and tokenize pieces; the
+parent writes their token arrays in input order, so the output does not depend on the number
+of workers. The tokenizer's end-of-text id (BPE) follows every document. Tokens go to
+`train.bin` as they arrive; at the end the last `val_fraction` of the stream moves to `val.bin`
+and `header.json` is written last, atomically, so a directory with a header is complete.
+Memory stays bounded: at most `2 x workers` pieces are in flight.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from titanc.errors import TitancError
 
-from .corpus import PIECE_BYTES, Piece, find_files, plan, read_piece
+from .corpus import PIECE_BYTES, Piece, plan, read_piece
 from .shards import FORMAT, HEADER, VERSION, dtype_for
 from .tokenizer import BYTE, ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_info
 
@@ -130,7 +130,8 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     dtype = dtype_for(tok.vocab_size)
     pieces = plan(inputs, ext)
     if workers is None:  # a worker costs ~0.3 s to start: give each at least two pieces
-        workers = min(os.cpu_count() or 1, max(1, sum(p.size for p in pieces) // (2 * PIECE_BYTES)))
+        total = sum(p.size for p in pieces)
+        workers = min(os.cpu_count() or 1, max(1, total // (2 * PIECE_BYTES)))
     out.mkdir(parents=True, exist_ok=True)
     if overwrite:
         (out / HEADER).unlink(missing_ok=True)        # the old shards are invalid from now on
@@ -176,7 +177,3 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     os.replace(tmp, out / HEADER)
     return {**header, "seconds": seconds, "workers": workers}
 
-
-def count_files(inputs: Sequence[str | os.PathLike], ext: Sequence[str] | None = None) -> int:
-    """How many files `inputs` expand to (for messages)."""
-    return len(find_files(inputs, ext))

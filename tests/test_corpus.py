@@ -8,7 +8,6 @@ import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest

@@ -3,9 +3,9 @@
 1. From the files of a fresh clone: train a 4,096-token byte-level BPE on the repository's own
    text (docs, sources, examples, README), prepare shards with it, train tiny.yaml on them for
    100 steps, compile it (the artifact holds the tokenizer), evaluate, and generate with the
-   run's own copy of the tokenizer (the original file is deleted first). To keep the test's runtime modest, training uses
-   `model.seq_len=32, train.batch_size=2` (tiny.yaml's own sizes are 128 and 8); the model
-   itself (widths, layers, memory) is tiny.yaml's.
+   run's own copy of the tokenizer (the original file is deleted first). To keep the test's
+   runtime modest, training uses `model.seq_len=32, train.batch_size=2` (tiny.yaml's own sizes
+   are 128 and 8); the model itself (widths, layers, memory) is tiny.yaml's.
 2. Peak RSS while training on a 1 GiB shard stays far below 1 GiB: the shard is read through
    numpy.memmap, only the sampled windows are touched.
 """
