@@ -354,3 +354,28 @@ def test_eval_bad_inputs(bpe: BPETokenizer, tmp_path: Path,
         f"{tmp_path / 'a.txt'} -o DIR --tokenizer {run / 'tokenizer.json'}' and pass --data DIR")
     assert main(["eval", str(tmp_path / "nothing"), "--data", str(tmp_path)]) == 2
     assert err_line(capsys).startswith("titanc: error: ")
+
+
+def test_eval_recall_accuracy_and_a_split_too_short(tmp_path: Path) -> None:
+    """--recall scores the argmax at the query positions: an oracle scores 1, a constant 0."""
+    from titanc.runtime.data import SyntheticRecall
+
+    spec = load_spec(TINY, {"model.seq_len": 32, "train.batch_size": 2})
+    oracle = SimpleNamespace(spec=spec, loss=lambda t: 0.0, logits=lambda t: torch.nn.functional
+                             .one_hot(t[:, 1:], 256).double())
+    blind = SimpleNamespace(spec=spec, loss=lambda t: 5.5, logits=lambda t: torch.zeros(
+        t.shape[0], t.shape[1] - 1, 256).index_fill_(2, torch.tensor([255]), 1.0))
+    task = SyntheticRecall(32, 256)
+    r = evaluate(oracle, task, ByteTokenizer(), batches=2)
+    assert r["recall_accuracy"] == 1.0 and r["loss"] == 0.0 and "bits_per_byte" not in r
+    write(tmp_path / "a.txt", TEXT)
+    prepare([tmp_path / "a.txt"], tmp_path / "s", progress=False, val_fraction=0.01)
+    data = ShardData(tmp_path / "s", 32, 256)
+    r = evaluate(blind, data, ByteTokenizer(), batches=2, recall=True)
+    assert r["recall_accuracy"] == 0.0 and r["recall_chance"] == 1 / 64
+    assert r["bits_per_byte"] == pytest.approx(5.5 / math.log(2))   # one byte per token
+    short = ShardData(tmp_path / "s", 256, 256)                       # val: ~50 tokens < 257
+    with pytest.raises(TitancError, match=r"the val split of .* has \d+ tokens, fewer than "
+                                          r"one window of model.seq_len\+1 = 257"):
+        evaluate(SimpleNamespace(spec=load_spec(TINY, {"model.seq_len": 256}), loss=None),
+                 short, ByteTokenizer())
