@@ -6,7 +6,9 @@
 The corpus is the repository's own text (docs, sources, examples) repeated to --mb megabytes
 over 8 files. Prepare is timed end to end (reading, tokenizing in worker processes, writing,
 the val split) for the byte tokenizer and a 4,096-token byte-level BPE trained on the same
-text, with 1 and 2 workers; MB/s is UTF-8 text bytes per wall second, median of the repeats.
+text, with 1 and 2 workers; MB/s is UTF-8 text bytes per wall second, median of the repeats, and
+MB/cpu-s the same per CPU second of this process and its workers (what one uncontended core
+does; on a shared, loaded machine the wall rate cannot show the second worker's gain).
 The loader is timed per `batch()` call (random windows, int64 tensor out) on the prepared BPE
 shards and on a 1 GiB shard (sparse apart from its first MiB), median over the calls.
 Prints a table, then the JSON.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -45,21 +48,31 @@ def make_corpus(d: Path, mb: float) -> Path:
     return corpus
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the prepare workers)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def time_prepare(corpus: Path, tok: str, workers: int, repeats: int, d: Path) -> dict:
-    rates, seconds = [], []
+    rates, seconds, cpu_rates = [], [], []
     for r in range(repeats):
         out = d / f"shards_{Path(tok).stem}_{workers}_{r}"
+        c0 = _cpu_seconds()
         t0 = time.perf_counter()
         h = prepare([corpus], out, tokenizer=tok, workers=workers, progress=False)
         dt = time.perf_counter() - t0
         seconds.append(dt)
         rates.append(h["text_bytes"] / 1e6 / dt)
+        cpu_rates.append(h["text_bytes"] / 1e6 / (_cpu_seconds() - c0))
         if r < repeats - 1:
             shutil.rmtree(out)
     tokens = sum(s["tokens"] for s in h["splits"].values())
     return {"tokenizer": "byte" if tok == "byte" else "bpe4096", "workers": workers,
             "text_mb": h["text_bytes"] / 1e6, "tokens": tokens,
             "mb_per_s": statistics.median(rates), "seconds": statistics.median(seconds),
+            "mb_per_cpu_s": statistics.median(cpu_rates),
             "shards": str(out)}
 
 
@@ -122,10 +135,11 @@ def main() -> None:
     result = {"cpus": os.cpu_count(), "load_average": os.getloadavg(),
               "bpe_train_seconds": train_s, "prepare": prep, "loader": loader,
               "python": sys.version.split()[0]}
-    print(f"{'tokenizer':<10} {'workers':>7} {'MB':>7} {'tokens':>11} {'MB/s':>7} {'s':>7}")
+    print(f"{'tokenizer':<10} {'workers':>7} {'MB':>7} {'tokens':>11} {'MB/s':>7} {'s':>7} "
+          f"{'MB/cpu-s':>9}")
     for p in prep:
         print(f"{p['tokenizer']:<10} {p['workers']:>7} {p['text_mb']:>7.1f} {p['tokens']:>11,} "
-              f"{p['mb_per_s']:>7.2f} {p['seconds']:>7.2f}")
+              f"{p['mb_per_s']:>7.2f} {p['seconds']:>7.2f} {p['mb_per_cpu_s']:>9.2f}")
     print(f"\n{'shard':<12} {'train tokens':>13} {'batch':>6} {'seq':>5} {'us/batch':>9}")
     for l in loader:
         print(f"{l['shard']:<12} {l['train_tokens']:>13,} {l['batch']:>6} {l['seq_len']:>5} "
