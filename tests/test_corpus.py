@@ -99,6 +99,19 @@ def test_load_tokenizer_resolves_runs_artifacts_and_specs(bpe: BPETokenizer,
         check_vocab(load_spec(TINY, {"data.tokenizer": str(bpe.path)}), bpe)
 
 
+def test_compiled_artifact_carries_the_tokenizer(bpe: BPETokenizer, tmp_path: Path) -> None:
+    small = ["--set", "model.d_model=16", "--set", "model.n_layers=1", "--set",
+             "model.seq_len=16", "--set", "model.memory.chunk_size=4", "--set",
+             "model.vocab_size=320", "--set", f"data.tokenizer={bpe.path}"]
+    out = tmp_path / "build"
+    assert main(["compile", str(ROOT / "examples" / "tiny_lmm.yaml"), *small, "-o", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tokenizer"] == {"name": str(bpe.path), "kind": "bpe", "vocab_size": 320,
+                                     "eot": 0, "hash": bpe.hash}
+    assert (out / "tokenizer.json").read_bytes() == bpe.path.read_bytes()
+    assert load_tokenizer(out).hash == bpe.hash
+
+
 # --- corpus reading ---------------------------------------------------------------------------
 
 
