@@ -32,7 +32,7 @@ import numpy as np
 from titanc.errors import TitancError
 
 __all__ = [
-    "Tokenizer", "ByteTokenizer", "BPETokenizer", "BYTE", "TOKENIZER_FILE", "EOT_TOKEN",
+    "Tokenizer", "ByteTokenizer", "BPETokenizer", "StreamDecoder", "BYTE", "TOKENIZER_FILE", "EOT_TOKEN",
     "load_tokenizer", "train_bpe", "check_vocab", "check_same_tokenizer", "save_tokenizer",
     "tokenizer_info",
 ]
@@ -164,6 +164,30 @@ def _read_text(path: Path, what: str) -> str:
                           f"file") from None
     except OSError as exc:
         raise TitancError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+
+
+class StreamDecoder:
+    """Incremental decoding for streaming: `push(id)` returns the text that became complete.
+    A token that ends inside a multi-byte UTF-8 character is held back until the character
+    is whole, so a stream never shows U+FFFD for a character split across tokens."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self._pending: list[int] = []
+
+    def push(self, token: int) -> str:
+        self._pending.append(int(token))
+        text = self.tok.decode(self._pending)
+        if text.endswith("\ufffd") and len(self._pending) < 8:
+            return ""                               # wait for the rest of the character
+        self._pending = []
+        return text
+
+    def flush(self) -> str:
+        """Whatever is held back (as U+FFFD when it never became a whole character)."""
+        text = self.tok.decode(self._pending) if self._pending else ""
+        self._pending = []
+        return text
 
 
 # ---------------------------------------------------------------------------------- resolving

@@ -19,8 +19,8 @@ from titanc.runtime.corpus import plan, read_piece
 from titanc.runtime.evaluate import evaluate
 from titanc.runtime.prepare import prepare
 from titanc.runtime.shards import HEADER, ShardData, dtype_for
-from titanc.runtime.tokenizer import (BPETokenizer, ByteTokenizer, check_vocab, load_tokenizer,
-                                      save_tokenizer, train_bpe)
+from titanc.runtime.tokenizer import (BPETokenizer, ByteTokenizer, StreamDecoder, check_vocab,
+                                      load_tokenizer, save_tokenizer, train_bpe)
 from titanc.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +75,16 @@ def test_bpe_round_trip_hash_and_token_bytes(bpe: BPETokenizer, tmp_path: Path) 
     assert BPETokenizer(pretty).hash == bpe.hash
     other = train_bpe([TEXT], 300, tmp_path / "other.json")
     assert other.hash != bpe.hash and other.hash != ByteTokenizer.hash
+
+
+def test_stream_decoder_never_splits_a_character(bpe: BPETokenizer) -> None:
+    for tok in (ByteTokenizer(), bpe):
+        dec = StreamDecoder(tok)
+        pieces = [dec.push(t) for t in tok.encode(TEXT)] + [dec.flush()]
+        assert "".join(pieces) == TEXT and not any("\ufffd" in p for p in pieces)
+    dec = StreamDecoder(ByteTokenizer())
+    assert [dec.push(t) for t in "東".encode()] == ["", "", "東"]
+    assert dec.push(0xE6) == "" and dec.flush() == "\ufffd"    # a cut character at the end
 
 
 def test_load_tokenizer_resolves_runs_artifacts_and_specs(bpe: BPETokenizer,

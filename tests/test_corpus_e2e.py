@@ -87,23 +87,27 @@ def test_bpe_prepare_train_eval_generate_from_the_repository(
     from titanc.runtime.generate import Generator
     from titanc.runtime.tokenizer import load_tokenizer
 
-    seen: list[tuple[list[list[int]], list[list[int]]]] = []
-    generate = Generator.generate
+    seen: list[tuple[list[list[int]], list[int]]] = []
+    stream = Generator.stream
 
     def record(self, prompts, *args, **kwargs):  # noqa: ANN001, ANN202 - a spy
-        out = generate(self, prompts, *args, **kwargs)
-        seen.append((prompts, out))
-        return out
+        ids: list[int] = []
+        seen.append((prompts, ids))
+        for i, tok in stream(self, prompts, *args, **kwargs):
+            ids.append(tok)
+            yield i, tok
 
-    monkeypatch.setattr(Generator, "generate", record)
+    monkeypatch.setattr(Generator, "stream", record)
     assert main(["generate", str(run), "--prompt", "def load(", "--max-new-tokens", "12",
-                 "--temperature", "1", "--seed", "0"]) == 0
-    out = capsys.readouterr().out.rstrip("\n")
+                 "--temperature", "1", "--seed", "0", "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n")
+    out = out[:-1]                                               # the line end the CLI adds
     bpe = load_tokenizer(run)
-    (prompts, outs), = seen
+    (prompts, ids), = seen
     assert prompts == [bpe.encode("def load(")] and len(prompts[0]) < len("def load(")
-    assert len(outs[0]) == 12 and max(outs[0]) >= 256            # BPE ids, not bytes
-    assert out == "def load(" + bpe.decode(outs[0])
+    assert len(ids) == 12 and max(ids) >= 256                    # BPE ids, not bytes
+    assert out == "def load(" + bpe.decode(ids)                  # streamed, character-whole
 
 
 _RSS_SCRIPT = r"""

@@ -258,7 +258,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import titanc
     from titanc.runtime.generate import Generator, Sampling
-    from titanc.runtime.tokenizer import load_tokenizer
+    from titanc.runtime.tokenizer import StreamDecoder, load_tokenizer
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
@@ -269,16 +269,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = [tokenizer.encode(p) for p in args.prompt]
     if args.stream and len(prompts) == 1:
         sys.stdout.write(args.prompt[0])
-        toks: list[int] = []
-        shown = ""
+        out = StreamDecoder(tokenizer)           # holds back a character split over tokens
         for _, tok in gen.stream(prompts, args.max_new_tokens, sampling):
-            toks.append(tok)
-            text = tokenizer.decode(toks)
-            if text.startswith(shown) and not text.endswith("\ufffd"):  # whole characters
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
-        sys.stdout.write(tokenizer.decode(toks)[len(shown):] + "\n")
+            sys.stdout.write(out.push(tok))
+            sys.stdout.flush()
+        sys.stdout.write(out.flush() + "\n")
         return 0
     outs = gen.generate(prompts, args.max_new_tokens, sampling)
     for prompt, toks in zip(args.prompt, outs):
