@@ -301,9 +301,9 @@ def recall_accuracy(prog: Any, tokens: Tensor, data: SyntheticRecall | None = No
 
 
 def make_data(spec_or_source: Any, seq_len: int | None = None, vocab_size: int | None = None,
-              seed: int = 0, val_fraction: float = 0.1) -> TextData | SyntheticRecall:
+              seed: int = 0, val_fraction: float = 0.1) -> Dataset:
     """The dataset a spec (or a source string with the sizes given) asks for:
-    `synthetic:recall` or a path to a text file."""
+    `synthetic:recall`, a path to a text file, or a token-shard directory (runtime/shards.py)."""
     if isinstance(spec_or_source, (str, os.PathLike)):
         source = os.fspath(spec_or_source)
         if seq_len is None:
@@ -321,6 +321,16 @@ def make_data(spec_or_source: Any, seq_len: int | None = None, vocab_size: int |
     if source.startswith("synthetic:"):
         raise TitancError(f"unknown synthetic task {source!r}; the known task is "
                           f"{SYNTHETIC_RECALL}")
+    from .tokenizer import BYTE, load_tokenizer
+    tok = None if isinstance(spec_or_source, (str, os.PathLike)) else load_tokenizer(spec)
+    if os.path.isdir(source):                    # token shards from 'titanc data prepare'
+        from .shards import ShardData
+        return ShardData(source, seq_len, vocab_size, tokenizer=tok, seed=seed)
+    if tok is not None and tok.name != BYTE:
+        raise TitancError(f"data.source {source} is a text file, read as bytes, but "
+                          f"data.tokenizer is {tok.name}; prepare shards with 'titanc data "
+                          f"prepare {source} -o DIR --tokenizer {tok.name}' and set "
+                          f"data.source to DIR")
     if vocab_size < VOCAB_SIZE:
         raise TitancError(f"text data is byte-level and needs model.vocab_size >= {VOCAB_SIZE}, "
                           f"got {vocab_size}; set model.vocab_size=256")

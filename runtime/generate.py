@@ -81,8 +81,10 @@ class Sampling:
 
 
 class Generator:
-    def __init__(self, prog: Any):
+    def __init__(self, prog: Any, tokenizer: Any = None):
+        """`tokenizer` (runtime/tokenizer.py; default bytes) decodes output for stop sequences."""
         self.prog = prog
+        self.tokenizer = tokenizer
         self.spec = prog.spec
         self.m = prog.spec.model
         self.dtype = prog.dtype
@@ -258,7 +260,9 @@ class Generator:
             last.append(lg[:, -1])
         st = DecodeState.cat(states)
         logits = torch.cat(last)
-        texts = [b"" for _ in prompts]
+        outs: list[list[int]] = [[] for _ in prompts]
+        decode = self.tokenizer.decode if self.tokenizer is not None else _decode_bytes
+        tail = max((len(x.encode("utf-8")) for x in s.stop), default=0) + 4
         alive = [True] * len(prompts)
         for _ in range(max_new_tokens):
             nxt = sample(logits, s, gen)
@@ -266,8 +270,10 @@ class Generator:
                 if not alive[i]:
                     continue
                 yield i, tok
-                texts[i] += bytes([tok % 256])
-                text = texts[i].decode("utf-8", errors="replace")
+                outs[i].append(tok)
+                if not any(s.stop):
+                    continue
+                text = decode(outs[i][-tail:])   # a stop of n bytes spans <= n tokens
                 if any(text.endswith(x) for x in s.stop if x):
                     alive[i] = False
             if not any(alive):
@@ -280,6 +286,10 @@ class Generator:
         for i, tok in self.stream(prompts, max_new_tokens, sampling):
             out[i].append(tok)
         return out
+
+
+def _decode_bytes(tokens: Sequence[int]) -> str:
+    return bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
 
 
 def sample(logits: Tensor, s: Sampling, gen: torch.Generator) -> Tensor:

@@ -4,6 +4,7 @@
 
 A run directory holds
     spec.yaml               the spec as trained (with --data / --steps folded in)
+    tokenizer.json          a copy of data.tokenizer when it is a BPE file (not for byte)
     metrics.jsonl           {step, loss, lr, grad_norm, tokens_per_s} per step and
                             {step, eval_loss[, eval_accuracy]} every train.eval_every steps
     checkpoint.safetensors  model + optimizer + step + sampler RNG + spec, written atomically
@@ -39,6 +40,7 @@ from titanc.spec import Spec, load_spec, spec_to_dict
 from .checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_resumable, checkpoint_path,
                          load_checkpoint, restore, save_checkpoint)
 from .data import SyntheticRecall, TextData, make_data
+from .tokenizer import check_same_tokenizer, check_vocab, load_tokenizer, save_tokenizer
 
 __all__ = ["Trainer", "run_training", "write_loss_plot", "read_metrics"]
 
@@ -71,6 +73,8 @@ class Trainer:
         self.profile = profile
         self.progress = progress
         self.log = log or _write_line
+        self.tokenizer = load_tokenizer(spec)      # data.tokenizer; copied into the run
+        check_vocab(spec, self.tokenizer)
         self.data = make_data(spec)
         self.resume_path: Path | None = None
         self.restored: dict[str, Any] | None = None
@@ -83,6 +87,8 @@ class Trainer:
                 raise TitancError(f"{self.resume_path} has no sampler state ({RNG_KEY}); it "
                                   f"cannot be resumed bit for bit")
             check_resumable(tensors, meta, spec, strict=strict, path=self.resume_path)
+            check_same_tokenizer(self.tokenizer, meta["extra"].get("tokenizer_hash"),
+                                 self.resume_path)
             start = meta["step"]
         if start >= self.until:
             raise TitancError(
@@ -135,7 +141,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Mean held-out loss over train.eval_batches batches (the same batches every time);
         for synthetic:recall also the recall accuracy, when the program exposes logits."""
-        if isinstance(self.data, TextData) and not self.data.has_split("val"):
+        if hasattr(self.data, "has_split") and not self.data.has_split("val"):
             return {}
         gen = torch.Generator().manual_seed(self.spec.train.seed + EVAL_SEED_OFFSET)
         losses, accs = [], []
@@ -152,6 +158,7 @@ class Trainer:
     def _checkpoint(self) -> None:
         save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
                         extra={"data": self.spec.data.source,
+                               "tokenizer_hash": self.tokenizer.hash,
                                "tokens_seen": self.prog.step * self.tokens_per_step})
         self.last_ckpt_step = self.prog.step
 
@@ -202,6 +209,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "spec.yaml").write_text(
             yaml.safe_dump(spec_to_dict(spec), sort_keys=False, default_flow_style=None))
+        save_tokenizer(self.tokenizer, self.out)
         self._start_metrics()
         self._report_start()
         start_step, t_start = prog.step, time.perf_counter()

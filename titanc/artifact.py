@@ -76,6 +76,10 @@ def _kernel_row(k: Any) -> dict[str, Any]:
 
 def write_artifact(spec: Any, out_dir: str | os.PathLike) -> dict[str, Any]:
     """Compile `spec` and write the build directory; returns the report."""
+    from titanc.runtime.tokenizer import (check_vocab, load_tokenizer, save_tokenizer,
+                                          tokenizer_info)
+    tok = load_tokenizer(spec)
+    check_vocab(spec, tok)
     out = Path(out_dir)
     try:
         (out / "ir").mkdir(parents=True, exist_ok=True)
@@ -97,7 +101,9 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike) -> dict[str, Any]:
             print(f"# ---- {f.name}\n{f.read_text()}", file=sys.stderr)
     _write_text(out / "memory_plan.txt", "\n".join(
         f"== {name} ==\n{c.plans[name].to_text()}" for name in ("training", "forward", "optimizer")))
+    save_tokenizer(tok, out)                      # the tokenizer travels with the artifact
     manifest = {"name": spec.name, "spec_hash": report["spec_hash"], "spec": spec_to_dict(spec),
-                "spec_path": spec.path, "versions": _versions(), "argv": sys.argv[1:]}
+                "spec_path": spec.path, "tokenizer": tokenizer_info(tok),
+                "versions": _versions(), "argv": sys.argv[1:]}
     _write_text(out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
     return report

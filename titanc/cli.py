@@ -4,6 +4,7 @@
     titanc train SPEC --out RUN [--set KEY=VALUE ...] [--data SRC] [--steps N] [--resume RUN]
     titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory]
     titanc bench SPEC [--set KEY=VALUE ...] [--steps N] [--warmup N] [--threads N] [--json]
+    titanc tokenizer train | data prepare | eval     (titanc/corpus_cli.py)
 
 `main` returns the exit status: 0 on success, 2 for bad input. A `TitancError` is printed as
 one line, `titanc: error: <message>`, never as a traceback. The heavy modules (artifact writer,
@@ -105,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                "  titanc train examples/tiny.yaml --resume runs/tiny --steps 400 --out runs/tiny",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_spec_args(train)
-    train.add_argument("--data", metavar="FILE|synthetic:recall", default=None,
+    train.add_argument("--data", metavar="FILE|DIR|synthetic:recall", default=None,
                        help="training data, instead of the spec's data.source: a UTF-8 text "
-                            "file (byte-level tokens) or synthetic:recall, an associative-recall "
+                            "file (byte-level tokens), a token-shard directory from 'titanc "
+                            "data prepare' or synthetic:recall, an associative-recall "
                             "task that needs a working memory")
     train.add_argument("--steps", metavar="N", type=_positive_int, default=None,
                        help="number of optimizer steps, instead of the spec's train.steps")
@@ -133,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("source", metavar="RUN", help="run directory, checkpoint or artifact directory")
     gen.add_argument("--prompt", action="append", required=True, metavar="TEXT",
-                     help="prompt text (byte-level tokens); repeat for a batch of prompts")
+                     help="prompt text (encoded with the run's tokenizer); repeat for a batch")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
                      help="tokens to generate per prompt (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8,
@@ -193,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch CPU threads (default: torch's default); always reported")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.set_defaults(run=_cmd_bench)
+
+    from titanc.corpus_cli import add_commands   # tokenizer train, data prepare, eval
+    add_commands(commands)
     return parser
 
 
@@ -252,25 +257,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import titanc
-    from titanc.runtime.data import decode, encode
     from titanc.runtime.generate import Generator, Sampling
+    from titanc.runtime.tokenizer import StreamDecoder, load_tokenizer
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
     prog = titanc.load(args.source)
-    gen = Generator(prog)
+    tokenizer = load_tokenizer(args.source)       # the run's / artifact's own tokenizer
+    gen = Generator(prog, tokenizer)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop))
-    prompts = [encode(p) for p in args.prompt]
+    prompts = [tokenizer.encode(p) for p in args.prompt]
     if args.stream and len(prompts) == 1:
         sys.stdout.write(args.prompt[0])
+        out = StreamDecoder(tokenizer)           # holds back a character split over tokens
         for _, tok in gen.stream(prompts, args.max_new_tokens, sampling):
-            sys.stdout.write(decode([tok]))
+            sys.stdout.write(out.push(tok))
             sys.stdout.flush()
-        sys.stdout.write("\n")
+        sys.stdout.write(out.flush() + "\n")
         return 0
     outs = gen.generate(prompts, args.max_new_tokens, sampling)
     for prompt, toks in zip(args.prompt, outs):
-        print(prompt + decode(toks))
+        print(prompt + tokenizer.decode(toks))
     return 0
 
 

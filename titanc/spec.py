@@ -191,14 +191,18 @@ class TrainSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataSpec:
-    source: str = "synthetic:recall"             # or a path to a UTF-8 text file
+    source: str = "synthetic:recall"             # a UTF-8 text file or a token-shard directory
     val_fraction: float = _field(0.1, ge=0, lt=1)
+    tokenizer: str = "byte"                      # or a tokenizer.json ('titanc tokenizer train')
 
     def __post_init__(self) -> None:
         _check_fields(self)
         if not self.source.strip():
             raise SpecError(
                 "data.source: must not be empty; use synthetic:recall or a path to a text file")
+        if not self.tokenizer.strip():
+            raise SpecError("data.tokenizer: must not be empty; use byte or a path to a "
+                            "tokenizer.json")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
