@@ -381,7 +381,10 @@ def _emit(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
     if op is Op.PAD:
         x, ax, before = xs[0], a["axis"], a["before"]
         inner = o.narrow(ax, before, x.shape[ax])
-        return [lambda: o.zero_(), lambda: inner.copy_(x)]
+        after = o.shape[ax] - before - x.shape[ax]
+        margins = [o.narrow(ax, 0, before)] if before else []
+        margins += [o.narrow(ax, before + x.shape[ax], after)] if after else []
+        return [*(lambda m=m: m.zero_() for m in margins), lambda: inner.copy_(x)]
     if op is Op.CONCAT:
         parts, ax = list(xs), a["axis"]
         return [lambda: torch.cat(parts, ax, out=o)]
