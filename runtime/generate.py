@@ -41,6 +41,15 @@ class DecodeState:
                            [p for s in states for p in s.pos],
                            torch.cat([s.slot_pos for s in states]))
 
+    def put(self, b: int, src: "DecodeState", j: int = 0) -> None:
+        """Copy sequence j of `src` into sequence b of this state, in place: a serving engine
+        keeps a fixed batch of slots and moves a prefilled sequence into a free one."""
+        for mine, theirs in ((self.tensors, src.tensors), (self.pending, src.pending)):
+            for k, t in mine.items():
+                t[:, b].copy_(theirs[k][:, j])
+        self.pos[b] = src.pos[j]
+        self.slot_pos[b].copy_(src.slot_pos[j])
+
 
 class _HostInputs:
     """Preallocated host-side inputs of an n-token step for B sequences, filled in place
