@@ -218,17 +218,18 @@ class Generator:
                 self._write(st, done)
 
     def _write(self, st: DecodeState, done: list[bool]) -> None:
+        """Write the completed chunks into memory. The write graph costs in proportion to its
+        batch, so when only some sequences completed a chunk (sequences out of phase, as in a
+        serving engine's slots) each of them is written alone through the batch-1 graph."""
         depth, B = self.m.memory.depth, st.batch
-        mask = self._host(B, 1).mask
-        for b, d in enumerate(done):
-            mask[b].fill_(1.0 if d else 0.0)
-        inputs = {f"state.{k}{i}": st.tensors[f"{k}{i}"] for k in ("W", "S")
-                  for i in range(1, depth + 1)}
-        inputs.update({f"pending.{k}": v for k, v in st.pending.items()})
-        inputs["mask"] = mask
-        out = self.prog._run(self._graph("write", B), inputs)
-        for k, v in out.items():
-            st.tensors[k.removeprefix("state.")].copy_(v)
+        keys = [f"{k}{i}" for k in ("W", "S") for i in range(1, depth + 1)]
+        if all(done) or B == 1:
+            self._write_rows(st.tensors, st.pending, keys, done)
+        else:
+            for b in (b for b, d in enumerate(done) if d):
+                row = {k: st.tensors[k][:, b:b + 1] for k in keys}             # views
+                self._write_rows(row, {k: v[:, b:b + 1] for k, v in st.pending.items()},
+                                 keys, [True])
         if self.m.block == "mac":
             S = self.m.attention.segment
             for b in range(B):
@@ -238,6 +239,19 @@ class Generator:
                     for c in ("q", "k", "v"):                       # ỹ convs are segment-local
                         if f"conv_{c}" in st.tensors:
                             st.tensors[f"conv_{c}"][:, b].zero_()
+
+    def _write_rows(self, tensors: dict[str, Tensor], pending: dict[str, Tensor],
+                    keys: list[str], done: list[bool]) -> None:
+        B = len(done)
+        mask = self._host(B, 1).mask
+        for b, d in enumerate(done):
+            mask[b].fill_(1.0 if d else 0.0)
+        inputs = {f"state.{k}": tensors[k] for k in keys}
+        inputs.update({f"pending.{k}": v for k, v in pending.items()})
+        inputs["mask"] = mask
+        out = self.prog._run(self._graph("write", B), inputs)
+        for k, v in out.items():
+            tensors[k.removeprefix("state.")].copy_(v)
 
     # -- prefill and generation ----------------------------------------------------------------
     def prefill(self, prompt: Sequence[int]) -> tuple[DecodeState, Tensor]:
