@@ -78,6 +78,8 @@ class _HostInputs:
         self.diff = torch.zeros(n, W, dtype=torch.int64)
         self.seen = torch.zeros(W, dtype=torch.bool)
         self.hide = torch.zeros(n, W, dtype=torch.bool)
+        self.at = torch.zeros(B, dtype=torch.int64)        # per sequence: position, then slot
+        self.slot = torch.zeros(B, dtype=torch.int64)
 
 
 @dataclass
@@ -199,6 +201,41 @@ class Generator:
         ring = ("k", "v") if m.block in ("attn", "mag", "mal") else ()
         seg = ("hk", "hv", "uk", "uv") if m.block == "mac" else ()
         items = ("mk", "mv", "theta", "log_eta", "log_keep") if self.has_memory else ()
+        if n == 1 and B > 1:
+            self._absorb_one(st, out, ring, seg, items)
+        else:
+            self._absorb_loop(st, out, n, ring, seg, items)
+        st.pos = [p + n for p in st.pos]
+        if self.has_memory:
+            done = [p % self.chunk == 0 for p in st.pos]
+            if any(done):
+                self._write(st, done)
+
+    def _absorb_one(self, st: DecodeState, out: dict[str, Tensor], ring: tuple[str, ...],
+                    seg: tuple[str, ...], items: tuple[str, ...]) -> None:
+        """One new token per sequence: each output lands at its sequence's own time slot
+        (dim 3), one scatter per tensor for the whole batch instead of one copy per row."""
+        h = self._host(st.batch, 1)
+        for b, p in enumerate(st.pos):
+            h.at[b].fill_(p)
+        for names, period, dst, fmt in ((ring, self.m.attention.window, st.tensors,
+                                         "{}_cache"),
+                                        (seg, self.m.attention.segment, st.tensors, "{}"),
+                                        (items, self.chunk, st.pending, "{}")):
+            if not names:
+                continue
+            torch.remainder(h.at, period, out=h.slot)
+            for name in names:
+                src = out[f"new.{name}_new"] if dst is st.tensors else out[f"new.{name}"]
+                view = [1] * src.dim()
+                view[1] = st.batch
+                dst[fmt.format(name)].scatter_(3, h.slot.view(view).expand(src.shape), src)
+            if names is ring:
+                st.slot_pos.scatter_(1, h.slot[:, None], h.at[:, None])
+
+    def _absorb_loop(self, st: DecodeState, out: dict[str, Tensor], n: int,
+                     ring: tuple[str, ...], seg: tuple[str, ...], items: tuple[str, ...]) -> None:
+        m, B = self.m, st.batch
         for b in range(B):
             for t in range(n):
                 p = st.pos[b] + t
@@ -211,11 +248,6 @@ class Generator:
                         out[f"new.{name}_new"][:, b, :, t])
                 for k in items:
                     st.pending[k][:, b, :, p % self.chunk].copy_(out[f"new.{k}"][:, b, :, t])
-        st.pos = [p + n for p in st.pos]
-        if self.has_memory:
-            done = [p % self.chunk == 0 for p in st.pos]
-            if any(done):
-                self._write(st, done)
 
     def _write(self, st: DecodeState, done: list[bool]) -> None:
         """Write the completed chunks into memory. The write graph costs in proportion to its
