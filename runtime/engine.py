@@ -7,12 +7,12 @@ out of cache. One thread, the engine loop, owns the compiled decode program. Eac
 1. frees the slots of finished or cancelled requests (a cancellation takes effect before the
    next decode step, so a cancelled request holds its slot for at most one step);
 2. admits queued requests into free slots;
-3. prefills admitted requests by pieces of one memory chunk (batch 1, the graphs `Generator.
-   prefill` uses), at most `prefill_budget` prompt tokens per iteration, so a long prompt does
-   not stall the others; a finished prefill samples its first token and is copied into its slot
-   (`DecodeState.put`);
+3. prefills admitted requests by whole memory chunks in parallel (batch 1, the graph
+   `Generator.prefill` uses), at most `prefill_budget` prompt tokens per iteration, so a long
+   prompt does not stall the others; the prompt's last partial chunk is then copied into
+   its slot (`DecodeState.put`) and fed through the batched decode steps, one token a step;
 4. runs one batched decode step over all N slots (free slots decode a dummy token and are reset
-   when reused) and samples the next token of every decoding request.
+   when reused) and samples the next token of every request whose prompt is in.
 
 Each request samples with its own `torch.Generator` seeded by its seed, and a row of the batched
 step does not depend on the other rows (same batch shape every step), so a request's tokens do
@@ -22,6 +22,7 @@ through a `Codec` because stopping must free the slot at once.
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections import deque
@@ -82,6 +83,8 @@ class Request:
     echo: bool = False                        # with logprobs: also score the prompt
     # -- engine-owned -----------------------------------------------------------------------------
     tokens: list[int] = field(default_factory=list)
+    feed: list[int] = field(default_factory=list)       # prompt tokens still to decode
+    prompt_lp: list[TokenLogprob] = field(default_factory=list)
     text: str = ""                            # decoded output, cut at a stop sequence
     sent: str = ""                            # the prefix of `text` already sent
     finish_reason: str | None = None
@@ -101,7 +104,6 @@ class _Prefill:
     state: DecodeState                        # batch 1
     cursor: int = 0
     logits: Tensor | None = None              # (1, V) of the last prompt position
-    prompt_lp: list[TokenLogprob] = field(default_factory=list)
 
 
 class Observer(Protocol):
@@ -240,56 +242,76 @@ class Engine:
                     r.slot = s
                     self.slots[s] = r
                     self._prefills[s] = _Prefill(r, self.gen.new_state(1))
+                    if r.echo and r.logprobs is not None:
+                        r.prompt_lp = [TokenLogprob(r.prompt[0], None, None)]
                     seed = r.sampling.seed
                     self._samplers[s] = torch.Generator().manual_seed(seed)
 
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill(self) -> None:
-        budget = self.prefill_budget
+        """Whole memory chunks of admitted prompts, in parallel (batch 1), oldest first, up
+        to the token budget; the rest of a prompt (less than a chunk) is fed through the
+        batched decode steps, one token per step, at no extra cost."""
+        budget, chunk = self.prefill_budget, self.gen.chunk
         for s in sorted(self._prefills, key=lambda s: self._prefills[s].req.t_submit):
-            if budget <= 0:
-                break
             p = self._prefills[s]
-            while budget > 0 and p.cursor < len(p.req.prompt):
-                budget -= self._prefill_piece(p)
-            if p.cursor == len(p.req.prompt):
+            r = p.req
+            while budget > 0 and p.cursor + chunk <= len(r.prompt):
+                self._prefill_chunk(p)
+                budget -= chunk
+            if p.cursor + chunk > len(r.prompt):
                 del self._prefills[s]
                 self.state.put(s, p.state)
-                r = p.req
-                if r.echo and r.logprobs is not None:
-                    r.on_update(Update("", [], [], prompt_logprobs=p.prompt_lp))
-                if r.max_tokens == 0:
-                    self._finish(r, "length")
-                else:
-                    self._emit(s, p.logits)
+                r.feed = r.prompt[p.cursor:]
+                if not r.feed:                              # the prompt ended on a chunk
+                    self._start(s, p.logits)
+            if budget <= 0:
+                break
 
-    def _prefill_piece(self, p: _Prefill) -> int:
-        """Whole chunk in parallel when aligned, else one token (as `Generator.prefill`)."""
-        chunk, prompt, c = self.gen.chunk, p.req.prompt, p.cursor
-        n = chunk if c % chunk == 0 and c + chunk <= len(prompt) else 1
-        toks = torch.tensor([prompt[c:c + n]], dtype=torch.int64)
-        logits = self.gen.step(p.state, toks)                # (1, n, V)
-        r = p.req
+    def _prefill_chunk(self, p: _Prefill) -> None:
+        chunk, r, c = self.gen.chunk, p.req, p.cursor
+        toks = torch.tensor([r.prompt[c:c + chunk]], dtype=torch.int64)
+        logits = self.gen.step(p.state, toks)                # (1, chunk, V)
         if r.echo and r.logprobs is not None:
-            if c == 0:
-                p.prompt_lp.append(TokenLogprob(prompt[0], None, None))
-            for t in range(n):
-                if c + t + 1 < len(prompt):
-                    p.prompt_lp.append(self._logprob(logits[0, t], prompt[c + t + 1], r.logprobs))
+            for t in range(chunk):
+                if c + t + 1 < len(r.prompt):
+                    r.prompt_lp.append(self._logprob(logits[0, t], r.prompt[c + t + 1],
+                                                     r.logprobs))
         p.logits = logits[:, -1].clone()
-        p.cursor += n
-        return n
+        p.cursor += chunk
+
+    def _start(self, s: int, logits: Tensor) -> None:
+        """The prompt is in: score it (echo), then sample the first token."""
+        r = self.slots[s]
+        assert r is not None
+        if r.echo and r.logprobs is not None:
+            self._notify(r, Update("", [], [], prompt_logprobs=r.prompt_lp))
+        if r.max_tokens == 0:
+            self._finish(r, "length")
+        else:
+            self._emit(s, logits)
 
     # -- decode ----------------------------------------------------------------------------------
     def _decode(self) -> None:
+        """One batched step over every slot: the next prompt token of a slot still feeding
+        its prompt, the last sampled token of a decoding slot, a dummy token elsewhere."""
         for s, r in enumerate(self.slots):
-            decoding = r is not None and s not in self._prefills
-            self._tokens[s, 0] = r.tokens[-1] if decoding else 0
+            live = r is not None and s not in self._prefills
+            self._tokens[s, 0] = ((r.feed[0] if r.feed else r.tokens[-1]) if live
+                                  else 0)                    # type: ignore[union-attr]
         logits = self.gen.step(self.state, self._tokens)[:, -1]     # (N, V)
         self.steps += 1
         for s, r in enumerate(self.slots):
-            if r is not None and s not in self._prefills and not r.cancelled:
+            if r is None or s in self._prefills or r.cancelled:
+                continue
+            if not r.feed:
                 self._emit(s, logits[s:s + 1])
+                continue
+            r.feed.pop(0)
+            if not r.feed:
+                self._start(s, logits[s:s + 1])
+            elif r.echo and r.logprobs is not None:
+                r.prompt_lp.append(self._logprob(logits[s], r.feed[0], r.logprobs))
 
     def _emit(self, s: int, logits: Tensor) -> None:
         """Sample the next token of slot s from its logits (1, V) and tell the request."""
@@ -311,7 +333,16 @@ class Engine:
         if reason is not None:
             self._finish(r, reason, lp, [tok])
             return
-        r.on_update(Update(self._take_text(r, final=False), [tok], lp))
+        self._notify(r, Update(self._take_text(r, final=False), [tok], lp))
+
+    def _notify(self, r: Request, update: Update) -> None:
+        """Hand an update to its request; a failing callback cancels that request only."""
+        try:
+            r.on_update(update)
+        except Exception as exc:                            # noqa: BLE001 - keep serving
+            print(f"titanc engine: dropping a request whose callback failed: {exc!r}",
+                  file=sys.stderr)
+            r.cancelled = True
 
     def _logprob(self, logits: Tensor, tok: int, k: int | None) -> TokenLogprob:
         lsm = torch.log_softmax(logits.to(torch.float64), -1)
@@ -358,7 +389,7 @@ class Engine:
         r.finish_reason = reason
         if self.observer is not None:
             self.observer.finished(reason, len(r.tokens))
-        r.on_update(Update(self._take_text(r, final=True), tokens or [], lp or [],
+        self._notify(r, Update(self._take_text(r, final=True), tokens or [], lp or [],
                            finish_reason=reason))
 
 

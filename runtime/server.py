@@ -19,7 +19,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, AsyncIterator
 
 import uvicorn
@@ -246,12 +245,22 @@ def _make_requests(params: CompletionParams, codec: Any, loop: asyncio.AbstractE
             index = p * params.n + j
             seed = random_seed() if params.seed is None else (params.seed + j) % (1 << 64)
             sampling = Sampling(params.temperature, params.top_k, params.top_p, seed, params.stop)
-            post = partial(loop.call_soon_threadsafe, channel.put_nowait)
+            post = _poster(loop, channel)
             reqs.append(Request(prompt, params.max_tokens, sampling,
                                 on_update=lambda up, i=index, post=post: post((i, up)),
                                 logprobs=params.logprobs, echo=params.echo))
             choices.append(_Choice(index, prompt, text, params.echo, params.logprobs is not None))
     return reqs, choices
+
+
+def _poster(loop: asyncio.AbstractEventLoop, channel: asyncio.Queue) -> Any:
+    """A thread-safe put into `channel` that does nothing once the event loop is gone."""
+    def post(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(channel.put_nowait, item)
+        except RuntimeError:                  # loop closed at shutdown: nobody is listening
+            pass
+    return post
 
 
 def _usage(params: CompletionParams, choices: list[_Choice]) -> dict[str, int]:

@@ -353,13 +353,13 @@ def test_cancel_frees_the_slot_before_the_next_step(engine_parts: Any) -> None:
     eng = Engine(gen, codec, slots=2)
     a, b = _req([1, 2, 3], 100), _req([4, 5], 100, seed=1)
     eng.submit([a, b])
-    for _ in range(3):
-        eng.iterate()                 # the first also prefills and samples a first token
-    assert eng.active == 2 and len(a.tokens) == len(b.tokens) == 4
+    for _ in range(10):                               # prompts fed, a few tokens out
+        eng.iterate()
+    assert eng.active == 2 and len(a.tokens) >= 2 and len(b.tokens) >= 2
     eng.cancel(a)
-    steps, n_b = eng.steps, len(b.tokens)
+    steps, n_a, n_b = eng.steps, len(a.tokens), len(b.tokens)
     eng.iterate()                                     # one iteration = one decode step
-    assert eng.slots[0] is None and a.finish_reason == "abort" and len(a.tokens) == 4
+    assert eng.slots[0] is None and a.finish_reason == "abort" and len(a.tokens) == n_a
     assert eng.steps == steps + 1 and len(b.tokens) == n_b + 1
     c = _req([9], 50)                                 # the freed slot is reused at once
     eng.submit([c])
