@@ -377,6 +377,7 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     from .codec import codec_for
     from .generate import Generator
 
+    _check_address(host, port)
     prog = titanc.load(source)
     codec = codec_for(prog, source)
     engine_ref: list[Engine] = []
@@ -396,6 +397,22 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     finally:
         engine.stop()
     return 0
+
+
+def _check_address(host: str, port: int) -> None:
+    """Fail early, in one line, when the address cannot be listened on."""
+    import socket
+
+    from titanc.errors import TitancError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(infos[0][4])
+    except OSError as exc:
+        raise TitancError(f"--host/--port: cannot listen on {host}:{port} "
+                          f"({exc.strerror or exc}); pick another port or --port 0") from None
 
 
 def warm_up(engine: Engine) -> None:

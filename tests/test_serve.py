@@ -409,3 +409,17 @@ def test_sigterm_drains_then_exits_0(artifact: Path, server: Server) -> None:
     assert len(rest_short) == 30                     # 29 more tokens + [DONE]
     assert rest_long[-2]["choices"][0]["finish_reason"] == "abort"
     assert server.proc.wait(30) == 0
+
+
+def test_serve_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import socket
+
+    assert main(["serve", str(tmp_path / "missing"), "--port", "0"]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tmp_path), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("titanc: error: --host/--port: cannot listen") and err.count("\n") == 1
