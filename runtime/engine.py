@@ -134,6 +134,10 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self._outbox: list[tuple[Request, Update]] = []
+        # called on the engine thread with each iteration's (request, update) pairs; it must
+        # not block and must arrange for each request's on_update to be called
+        self.deliver: Callable[[list[tuple[Request, Update]]], None] | None = None
 
     # -- public, any thread ----------------------------------------------------------------------
     def submit(self, reqs: Sequence[Request]) -> None:
@@ -209,16 +213,20 @@ class Engine:
                 for r in list(self.waiting) + [r for r in self.slots if r is not None]:
                     r.cancelled = True
             self._reap()
+            self._flush()
             raise
 
     def iterate(self) -> None:
         """One engine iteration (public so tests can drive the engine without its thread)."""
-        self._reap()
-        self._admit()
-        self._prefill()
-        if any(r is not None and s not in self._prefills for s, r in enumerate(self.slots)):
-            self._decode()
-        self._reap()
+        try:
+            self._reap()
+            self._admit()
+            self._prefill()
+            if any(r is not None and s not in self._prefills for s, r in enumerate(self.slots)):
+                self._decode()
+            self._reap()
+        finally:
+            self._flush()
 
     def _reap(self) -> None:
         with self._cv:
@@ -336,13 +344,25 @@ class Engine:
         self._notify(r, Update(self._take_text(r, final=False), [tok], lp))
 
     def _notify(self, r: Request, update: Update) -> None:
-        """Hand an update to its request; a failing callback cancels that request only."""
-        try:
-            r.on_update(update)
-        except Exception as exc:                            # noqa: BLE001 - keep serving
-            print(f"titanc engine: dropping a request whose callback failed: {exc!r}",
-                  file=sys.stderr)
-            r.cancelled = True
+        self._outbox.append((r, update))
+
+    def _flush(self) -> None:
+        """Deliver this iteration's updates: all at once through `deliver` when set (one
+        wake-up of the server's event loop per step instead of one per token), else each to
+        its request's callback here; a failing callback cancels that request only."""
+        out, self._outbox = self._outbox, []
+        if not out:
+            return
+        if self.deliver is not None:
+            self.deliver(out)
+            return
+        for r, update in out:
+            try:
+                r.on_update(update)
+            except Exception as exc:                        # noqa: BLE001 - keep serving
+                print(f"titanc engine: dropping a request whose callback failed: {exc!r}",
+                      file=sys.stderr)
+                r.cancelled = True
 
     def _logprob(self, logits: Tensor, tok: int, k: int | None) -> TokenLogprob:
         lsm = torch.log_softmax(logits.to(torch.float64), -1)

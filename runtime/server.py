@@ -209,8 +209,10 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
         params = parse_completion(body, codec, limits)
         check_model(body.get("model"), [model_name])
         loop = asyncio.get_running_loop()
+        if engine.deliver is None:
+            engine.deliver = _deliverer(loop)
         channel: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
-        reqs, choices = _make_requests(params, codec, loop, channel)
+        reqs, choices = _make_requests(params, codec, channel)
         if len(reqs) > engine.max_queue:
             raise ApiError(400, f"prompts x n = {len(reqs)} completions is more than the "
                                 f"server queues at once ({engine.max_queue})", param="n")
@@ -236,8 +238,7 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
     return app
 
 
-def _make_requests(params: CompletionParams, codec: Any, loop: asyncio.AbstractEventLoop,
-                   channel: asyncio.Queue) -> tuple[list[Request], list[_Choice]]:
+def _make_requests(params: CompletionParams, codec: Any, channel: asyncio.Queue) -> tuple[list[Request], list[_Choice]]:
     """One engine request per (prompt, choice); choice i of a seeded request uses seed + i."""
     reqs, choices = [], []
     for p, (prompt, text) in enumerate(zip(params.prompts, params.prompt_texts)):
@@ -245,22 +246,26 @@ def _make_requests(params: CompletionParams, codec: Any, loop: asyncio.AbstractE
             index = p * params.n + j
             seed = random_seed() if params.seed is None else (params.seed + j) % (1 << 64)
             sampling = Sampling(params.temperature, params.top_k, params.top_p, seed, params.stop)
-            post = _poster(loop, channel)
             reqs.append(Request(prompt, params.max_tokens, sampling,
-                                on_update=lambda up, i=index, post=post: post((i, up)),
+                                on_update=lambda up, i=index: channel.put_nowait((i, up)),
                                 logprobs=params.logprobs, echo=params.echo))
             choices.append(_Choice(index, prompt, text, params.echo, params.logprobs is not None))
     return reqs, choices
 
 
-def _poster(loop: asyncio.AbstractEventLoop, channel: asyncio.Queue) -> Any:
-    """A thread-safe put into `channel` that does nothing once the event loop is gone."""
-    def post(item: Any) -> None:
+def _deliverer(loop: asyncio.AbstractEventLoop) -> Any:
+    """The engine's `deliver`: one thread-safe call into the event loop per engine iteration,
+    which runs every request's on_update (a put into its handler's queue) there."""
+    def run(batch: list[tuple[Request, Update]]) -> None:
+        for r, update in batch:
+            r.on_update(update)
+
+    def deliver(batch: list[tuple[Request, Update]]) -> None:
         try:
-            loop.call_soon_threadsafe(channel.put_nowait, item)
+            loop.call_soon_threadsafe(run, batch)
         except RuntimeError:                  # loop closed at shutdown: nobody is listening
             pass
-    return post
+    return deliver
 
 
 def _usage(params: CompletionParams, choices: list[_Choice]) -> dict[str, int]:

@@ -232,6 +232,11 @@ def test_32_concurrent_clients_equal_their_solo_runs(server: Server, client: Any
     assert steps < tokens / 3, (steps, tokens)        # ~8 tokens per batched step
     assert peak[0] == 8 and peak[1] > 0, peak
     assert server.health()["active"] == 0
+    assert server.metric("titanc_slots") == 8 and server.metric("titanc_queue_depth") == 0
+    assert server.metric("titanc_slots_active") == 0
+    assert server.metric("titanc_time_to_first_token_seconds_count") >= 64
+    assert server.metric("titanc_inter_token_latency_seconds_count") >= tokens - 64
+    assert server.metric("titanc_requests_total") >= 64
 
 
 def test_disconnects_free_their_slots(server: Server) -> None:
