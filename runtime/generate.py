@@ -258,10 +258,16 @@ class Generator:
         if all(done) or B == 1:
             self._write_rows(st.tensors, st.pending, keys, done)
         else:
+            # views into the batch on the cpu target (its executor takes strided inputs and
+            # the step stays allocation-free); contiguous copies for generated kernels
+            own = (lambda t: t) if self.prog.target == "cpu" else (lambda t: t.contiguous())
             for b in (b for b, d in enumerate(done) if d):
-                row = {k: st.tensors[k][:, b:b + 1] for k in keys}             # views
-                self._write_rows(row, {k: v[:, b:b + 1] for k, v in st.pending.items()},
+                row = {k: own(st.tensors[k][:, b:b + 1]) for k in keys}
+                self._write_rows(row, {k: own(v[:, b:b + 1]) for k, v in st.pending.items()},
                                  keys, [True])
+                for k in keys:
+                    if row[k].data_ptr() != st.tensors[k][:, b:b + 1].data_ptr():
+                        st.tensors[k][:, b:b + 1].copy_(row[k])
         if self.m.block == "mac":
             S = self.m.attention.segment
             for b in range(B):

@@ -146,7 +146,7 @@ class Stream:
 @pytest.fixture(scope="module")
 def server(artifact: Path) -> Iterator[Server]:
     s = Server(artifact, "--slots", "8", "--max-queue", "40", "--max-prompt-tokens", "512",
-               "--max-tokens", "4000", "--max-body-bytes", "65536", "--grace", "3")
+               "--max-tokens", "4000", "--max-body-bytes", "65536", "--grace", "5")
     yield s
     s.stop()
 
