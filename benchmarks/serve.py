@@ -9,7 +9,8 @@ on a free port) on examples/tiny.yaml compiled with fresh weights (speed does no
 the weights), then for each client count runs that many concurrent streaming clients, each
 sending `--requests` completions (prompts of 10 to 200 bytes, `--max-tokens` new tokens each,
 temperature 0.8). `--slots 1` is one-at-a-time serving: requests queue for the single slot.
-Reported per (slots, clients): generated tokens/s over the whole run (wall clock), p50 / p99
+Reported per (slots, clients): generated tokens/s over the whole run (wall clock), tokens per
+CPU second of the server process (steadier than wall clock on a shared machine), p50 / p99
 time to first token (from sending the request to the first streamed token, queueing
 included), and the engine's batched decode steps. The clients run as threads of this process
 and share the machine with the server. Prints JSON, then a table.
@@ -57,6 +58,12 @@ class Server:
             if "listening on" in line:
                 self.port = int(line.rsplit(":", 1)[1])
                 return
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used (user + system)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def get(self, path: str) -> Any:
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -143,11 +150,14 @@ def main() -> None:
             server = Server(artifact, n, max_queue=max(clients) * 2)
             try:
                 for c in clients:
-                    steps0 = server.get("/health")["steps"]
+                    steps0, cpu0 = server.get("/health")["steps"], server.cpu_s()
                     row = {"slots": n, "mode": "one-at-a-time" if n == 1 else
                            "continuous batching", **run_clients(server.port, c, args.requests,
                                                                 args.max_tokens)}
+                    cpu = server.cpu_s() - cpu0
                     row["decode_steps"] = server.get("/health")["steps"] - steps0
+                    row["server_cpu_s"] = round(cpu, 2)
+                    row["tokens_per_server_cpu_s"] = round(row["tokens"] / max(cpu, 1e-9), 1)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
             finally:
@@ -158,11 +168,13 @@ def main() -> None:
               "torch_threads": 1, "loadavg": [round(x, 2) for x in load], "rows": rows}
     print(json.dumps(result, indent=2))
     print()
-    print("| mode | slots | clients | tokens/s | TTFT p50 | TTFT p99 | decode steps |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | slots | clients | tokens/s | tokens per server CPU-s | TTFT p50 | TTFT p99 "
+          "| decode steps |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['slots']} | {r['clients']} | {r['tokens_per_s']:.1f} | "
-              f"{r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | {r['decode_steps']} |")
+              f"{r['tokens_per_server_cpu_s']:.0f} | {r['ttft_p50_ms']:.0f} ms | "
+              f"{r['ttft_p99_ms']:.0f} ms | {r['decode_steps']} |")
     print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
