@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import torch
 
 import titanc
 from titanc.cli import main
