@@ -41,6 +41,15 @@ class DecodeState:
                            [p for s in states for p in s.pos],
                            torch.cat([s.slot_pos for s in states]))
 
+    def put(self, b: int, src: "DecodeState", j: int = 0) -> None:
+        """Copy sequence j of `src` into sequence b of this state, in place: a serving engine
+        keeps a fixed batch of slots and moves a prefilled sequence into a free one."""
+        for mine, theirs in ((self.tensors, src.tensors), (self.pending, src.pending)):
+            for k, t in mine.items():
+                t[:, b].copy_(theirs[k][:, j])
+        self.pos[b] = src.pos[j]
+        self.slot_pos[b].copy_(src.slot_pos[j])
+
 
 class _HostInputs:
     """Preallocated host-side inputs of an n-token step for B sequences, filled in place
@@ -69,6 +78,8 @@ class _HostInputs:
         self.diff = torch.zeros(n, W, dtype=torch.int64)
         self.seen = torch.zeros(W, dtype=torch.bool)
         self.hide = torch.zeros(n, W, dtype=torch.bool)
+        self.at = torch.zeros(B, dtype=torch.int64)        # per sequence: position, then slot
+        self.slot = torch.zeros(B, dtype=torch.int64)
 
 
 @dataclass
@@ -192,6 +203,41 @@ class Generator:
         ring = ("k", "v") if m.block in ("attn", "mag", "mal") else ()
         seg = ("hk", "hv", "uk", "uv") if m.block == "mac" else ()
         items = ("mk", "mv", "theta", "log_eta", "log_keep") if self.has_memory else ()
+        if n == 1 and B > 1:
+            self._absorb_one(st, out, ring, seg, items)
+        else:
+            self._absorb_loop(st, out, n, ring, seg, items)
+        st.pos = [p + n for p in st.pos]
+        if self.has_memory:
+            done = [p % self.chunk == 0 for p in st.pos]
+            if any(done):
+                self._write(st, done)
+
+    def _absorb_one(self, st: DecodeState, out: dict[str, Tensor], ring: tuple[str, ...],
+                    seg: tuple[str, ...], items: tuple[str, ...]) -> None:
+        """One new token per sequence: each output lands at its sequence's own time slot
+        (dim 3), one scatter per tensor for the whole batch instead of one copy per row."""
+        h = self._host(st.batch, 1)
+        for b, p in enumerate(st.pos):
+            h.at[b].fill_(p)
+        for names, period, dst, fmt in ((ring, self.m.attention.window, st.tensors,
+                                         "{}_cache"),
+                                        (seg, self.m.attention.segment, st.tensors, "{}"),
+                                        (items, self.chunk, st.pending, "{}")):
+            if not names:
+                continue
+            torch.remainder(h.at, period, out=h.slot)
+            for name in names:
+                src = out[f"new.{name}_new"] if dst is st.tensors else out[f"new.{name}"]
+                view = [1] * src.dim()
+                view[1] = st.batch
+                dst[fmt.format(name)].scatter_(3, h.slot.view(view).expand(src.shape), src)
+            if names is ring:
+                st.slot_pos.scatter_(1, h.slot[:, None], h.at[:, None])
+
+    def _absorb_loop(self, st: DecodeState, out: dict[str, Tensor], n: int,
+                     ring: tuple[str, ...], seg: tuple[str, ...], items: tuple[str, ...]) -> None:
+        m, B = self.m, st.batch
         for b in range(B):
             for t in range(n):
                 p = st.pos[b] + t
@@ -204,24 +250,26 @@ class Generator:
                         out[f"new.{name}_new"][:, b, :, t])
                 for k in items:
                     st.pending[k][:, b, :, p % self.chunk].copy_(out[f"new.{k}"][:, b, :, t])
-        st.pos = [p + n for p in st.pos]
-        if self.has_memory:
-            done = [p % self.chunk == 0 for p in st.pos]
-            if any(done):
-                self._write(st, done)
 
     def _write(self, st: DecodeState, done: list[bool]) -> None:
+        """Write the completed chunks into memory. The write graph costs in proportion to its
+        batch, so when only some sequences completed a chunk (sequences out of phase, as in a
+        serving engine's slots) each of them is written alone through the batch-1 graph."""
         depth, B = self.m.memory.depth, st.batch
-        mask = self._host(B, 1).mask
-        for b, d in enumerate(done):
-            mask[b].fill_(1.0 if d else 0.0)
-        inputs = {f"state.{k}{i}": st.tensors[f"{k}{i}"] for k in ("W", "S")
-                  for i in range(1, depth + 1)}
-        inputs.update({f"pending.{k}": v for k, v in st.pending.items()})
-        inputs["mask"] = mask
-        out = self.prog._run(self._graph("write", B), inputs)
-        for k, v in out.items():
-            st.tensors[k.removeprefix("state.")].copy_(v)
+        keys = [f"{k}{i}" for k in ("W", "S") for i in range(1, depth + 1)]
+        if all(done) or B == 1:
+            self._write_rows(st.tensors, st.pending, keys, done)
+        else:
+            # views into the batch on the cpu target (its executor takes strided inputs and
+            # the step stays allocation-free); contiguous copies for generated kernels
+            own = (lambda t: t) if self.prog.target == "cpu" else (lambda t: t.contiguous())
+            for b in (b for b, d in enumerate(done) if d):
+                row = {k: own(st.tensors[k][:, b:b + 1]) for k in keys}
+                self._write_rows(row, {k: own(v[:, b:b + 1]) for k, v in st.pending.items()},
+                                 keys, [True])
+                for k in keys:
+                    if row[k].data_ptr() != st.tensors[k][:, b:b + 1].data_ptr():
+                        st.tensors[k][:, b:b + 1].copy_(row[k])
         if self.m.block == "mac":
             S = self.m.attention.segment
             for b in range(B):
@@ -231,6 +279,19 @@ class Generator:
                     for c in ("q", "k", "v"):                       # ỹ convs are segment-local
                         if f"conv_{c}" in st.tensors:
                             st.tensors[f"conv_{c}"][:, b].zero_()
+
+    def _write_rows(self, tensors: dict[str, Tensor], pending: dict[str, Tensor],
+                    keys: list[str], done: list[bool]) -> None:
+        B = len(done)
+        mask = self._host(B, 1).mask
+        for b, d in enumerate(done):
+            mask[b].fill_(1.0 if d else 0.0)
+        inputs = {f"state.{k}": tensors[k] for k in keys}
+        inputs.update({f"pending.{k}": v for k, v in pending.items()})
+        inputs["mask"] = mask
+        out = self.prog._run(self._graph("write", B), inputs)
+        for k, v in out.items():
+            tensors[k.removeprefix("state.")].copy_(v)
 
     # -- prefill and generation ----------------------------------------------------------------
     def prefill(self, prompt: Sequence[int]) -> tuple[DecodeState, Tensor]:

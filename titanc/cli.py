@@ -5,6 +5,7 @@
     titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory]
     titanc bench SPEC [--set KEY=VALUE ...] [--steps N] [--warmup N] [--threads N] [--json]
     titanc tokenizer train | data prepare | eval     (titanc/corpus_cli.py)
+    titanc serve RUN [--host H] [--port N] [--slots N] [--max-queue N] [--grace S]
 
 `main` returns the exit status: 0 on success, 2 for bad input. A `TitancError` is printed as
 one line, `titanc: error: <message>`, never as a traceback. The heavy modules (artifact writer,
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
     gen.set_defaults(run=_cmd_generate)
 
+    _add_serve_parser(commands)
+
     inspect = commands.add_parser(
         "inspect", help="show the kernels, IR graphs and memory plan of a compiled artifact",
         description="Read the artifact 'titanc compile' wrote to DIR. Without options: a table of\n"
@@ -199,6 +202,57 @@ def build_parser() -> argparse.ArgumentParser:
     from titanc.corpus_cli import add_commands   # tokenizer train, data prepare, eval
     add_commands(commands)
     return parser
+
+
+def _add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve a run over HTTP with an OpenAI-compatible API",
+        description="Load RUN (a run directory, checkpoint or artifact directory) and serve\n"
+                    "POST /v1/completions, GET /v1/models, /health and /metrics, decoding a\n"
+                    "fixed pool of SLOTS sequences per batched step (continuous batching).\n"
+                    "SIGTERM stops admission, lets requests finish for --grace seconds, exits 0.",
+        epilog="example:\n  titanc serve runs/tiny --port 8000 --slots 8\n"
+               "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
+               "-d '{\"prompt\": \"Once\", \"max_tokens\": 32}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("source", metavar="RUN", help="run directory, checkpoint or artifact directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=_non_negative_int, default=8000,
+                       help="port (default 8000; 0 picks a free one and prints it)")
+    serve.add_argument("--slots", type=_positive_int, default=8, metavar="N",
+                       help="sequences decoded together in each step (default 8)")
+    serve.add_argument("--max-queue", type=_positive_int, default=64, metavar="N",
+                       help="completions that may wait for a slot; more get 429 (default 64)")
+    serve.add_argument("--max-prompt-tokens", type=_positive_int, default=8192, metavar="N",
+                       help="longest prompt accepted, in tokens (default 8192)")
+    serve.add_argument("--max-tokens", type=_positive_int, default=4096, metavar="N",
+                       help="largest max_tokens accepted (default 4096)")
+    serve.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, metavar="N",
+                       help="largest request body accepted (default 1 MiB)")
+    serve.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, how long running requests may finish (default 30)")
+    serve.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                       help="torch CPU threads (default: torch's default)")
+    serve.add_argument("--model-name", default=None, metavar="NAME",
+                       help="model id in the API (default: the spec's name)")
+    serve.set_defaults(run=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from titanc.runtime.completions import Limits
+
+    try:
+        serve = _import("titanc.runtime.server", "serve", "titanc serve")
+    except ModuleNotFoundError as exc:
+        raise TitancError(f"titanc serve needs {exc.name}: pip install 'titanc[serve]'") from None
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    if not args.grace >= 0:
+        raise TitancError(f"--grace: {args.grace} must be a number of seconds >= 0")
+    limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
+    return serve(args.source, args.host, args.port, args.slots, args.max_queue, limits,
+                 args.grace, args.model_name)
 
 
 def _load(args: argparse.Namespace) -> Spec:
