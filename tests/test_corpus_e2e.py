@@ -109,6 +109,21 @@ def test_bpe_prepare_train_eval_generate_from_the_repository(
     assert len(ids) == 12 and max(ids) >= 256                    # BPE ids, not bytes
     assert out == "def load(" + bpe.decode(ids)                  # streamed, character-whole
 
+    # served over HTTP from the run directory: the same tokenizer, the same greedy text
+    assert main(["generate", str(run), "--prompt", "def load(", "--max-new-tokens", "8",
+                 "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out[:-1]
+    from tests.test_serve import Server
+
+    server = Server(run, "--slots", "2")
+    try:
+        status, _, body = server.post({"prompt": "def load(", "max_tokens": 8,
+                                       "temperature": 0})
+    finally:
+        server.stop()
+    assert status == 200 and body["usage"]["prompt_tokens"] == len(bpe.encode("def load("))
+    assert "def load(" + body["choices"][0]["text"] == greedy
+
 
 _RSS_SCRIPT = r"""
 import json, resource, sys
