@@ -28,7 +28,10 @@ if not torch.cuda.is_available():
 
 from titanc.codegen.hooks import KernelCode, graph_dtype, render_kernel  # noqa: E402
 from titanc.codegen.render import load_module  # noqa: E402
+from titanc.codegen.scan_kernel import ScanFallback, ScanKernel, render_scan  # noqa: E402
 from titanc.ir import Op  # noqa: E402
+from titanc.ir.interpret import mask_table, rope_table  # noqa: E402
+from titanc.passes.schedule import is_immediate  # noqa: E402
 from titanc.passes.manager import debug_level  # noqa: E402
 from titanc.passes.memory_plan import MemoryPlan  # noqa: E402
 
@@ -64,24 +67,61 @@ def launch_tensors(code: KernelCode, tensor_of: Any) -> list[Tensor]:
 
 
 class _TritonBuilder(_Builder):
-    """Binds like `_Builder`; a non-scan kernel becomes one launch of its rendered module."""
+    """Binds like `_Builder`; a non-scan kernel becomes one launch of its rendered module, a
+    scan one launch of its scan kernel (`codegen.scan_kernel`) or, where the scan cannot be
+    one kernel, the host loop over its body's launches. `launches` counts the kernel launches
+    of one run of the schedule (a host-loop scan: its body's launches times its length)."""
 
     def __init__(self, owner: "TritonExecutor", *args: Any):
         super().__init__(*args)
         self.owner = owner
+        self.launches = 0
+        self._subs: list[_TritonBuilder] = []
 
     def sub_builder(self, *args: Any) -> _Builder:
-        return _TritonBuilder(self.owner, *args)
+        sub = _TritonBuilder(self.owner, *args)
+        self._subs.append(sub)
+        return sub
 
     def kernel(self, kern: Any) -> None:
-        if any(self.g.node(n).op is Op.SCAN for n in kern.nodes):
+        scans = [n for n in kern.nodes if self.g.node(n).op is Op.SCAN]
+        if scans:
+            sk = self.owner.scan_code(self.plan, kern, scans[0])
+            if isinstance(sk, ScanKernel):
+                self._scan_kernel(kern, scans[0], sk)
+                return
             super().kernel(kern)                     # the loop; its body builds through us
+            self.launches += self._subs[-1].launches * self.g.node(scans[0]).attr("length")
             return
         code = self.owner.code(self.plan, kern)
         module = module_for(code)
         tensors = launch_tensors(code, self.home)
         sizes = code.sizes
         self.steps.append(lambda: module.launch(*tensors, *sizes))
+        self.launches += 1
+
+    def _scan_kernel(self, kern: Any, sid: int, sk: ScanKernel) -> None:
+        """Bind one scan kernel: operands, the ITEM outputs the program reads, tables, and a
+        workspace of GRID x WS elements (made once, at bind time)."""
+        n = self.g.node(sid)
+        dt = {"float64": torch.float64}.get(self.owner.dtype, torch.float32)
+        args = [self.operand(n.inputs[i]) for i in sk.inputs]
+        outs = set(kern.outputs)
+        items = {self.g.node(u).attr("index"): u for u in self.g.users(sid) if u in outs}
+        for k in sk.outputs:
+            self.val[items[k]] = self.located(items[k])
+        tables = [self._const(mask_table(a["n_q"], a["q_start"], a["groups"], dt)) if op == "MASK"
+                  else self._const(rope_table(a["kind"], a["start"], a["count"], a["half"],
+                                              a["base"], dt)) for op, a in sk.tables]
+        device = self.arena.data.device
+        ws = (torch.empty(sk.grid * sk.ws_per_program, dtype=dt, device=device)
+              if device.type != "meta" else None)
+        if ws is not None:
+            self.consts.append(ws)
+        module = self.owner.scan_module(sk)
+        tensors = [ws, *args, *(self.val[items[k]] for k in sk.outputs), *tables]
+        self.steps.append(lambda: module.launch(*tensors))
+        self.launches += 1
 
 
 class TritonExecutor(ArenaExecutor):
@@ -95,6 +135,9 @@ class TritonExecutor(ArenaExecutor):
         self.dtype = {torch.float64: "float64", torch.float32: "float32"}.get(
             float_dtype, graph_dtype(plan.schedule.graph))
         self._codes: dict[tuple[int, str], KernelCode] = {}
+        self._scans: dict[tuple[int, str], ScanKernel | str] = {}
+        self._scan_modules: dict[str, ModuleType] = {}
+        self.fallbacks: list[dict[str, str]] = []
         super().__init__(plan, bound, float_dtype)
 
     def make_builder(self, *args: Any) -> _Builder:
@@ -110,6 +153,42 @@ class TritonExecutor(ArenaExecutor):
             if debug_level() >= 3:
                 print(code.source, file=sys.stderr)
         return self._codes[key]
+
+    def scan_code(self, plan: MemoryPlan, kern: Any, sid: int) -> ScanKernel | str:
+        """The scan kernel of `kern`'s scan, or the reason it runs as a host loop (recorded
+        in `fallbacks`; `TITANC_DEBUG=2` prints it)."""
+        key = (id(plan), kern.name)
+        if key not in self._scans:
+            g = plan.schedule.graph
+            outs = set(kern.outputs)
+            used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
+            try:
+                sk: ScanKernel | str = render_scan(
+                    g, sid, dtype=self.dtype, used=used, name=kern.name,
+                    immediate=lambda v: (float(g.node(v).attr("value"))
+                                         if is_immediate(g, v) else None))
+                if debug_level() >= 3:
+                    print(sk.source, file=sys.stderr)
+            except ScanFallback as e:
+                sk = str(e)
+                self.fallbacks.append({"graph": g.name, "scan": kern.name, "reason": sk})
+                if debug_level() >= 2:
+                    print(f"titanc: scan {kern.name} of graph {g.name} runs as a host loop: "
+                          f"{sk}", file=sys.stderr)
+            self._scans[key] = sk
+        return self._scans[key]
+
+    def scan_module(self, sk: ScanKernel) -> ModuleType:
+        body = sk.source.split("# Generated by titanc", 1)[1].replace(sk.name, "KERNEL")
+        key = f"{body}|{interpreting()}"
+        if key not in self._scan_modules:
+            self._scan_modules[key] = load_module(sk.source, sk.name)
+        return self._scan_modules[key]
+
+    def launches_per_run(self) -> int:
+        """Kernel launches of one `run` (a host-loop scan counts its body's launches once per
+        iteration)."""
+        return self._b.launches
 
     def kernels(self) -> list[KernelCode]:
         """Every kernel rendered for this executor, in first-bind order."""
