@@ -53,12 +53,17 @@ __all__ = ["ScanFallback", "ScanKernel", "render_scan", "MAX_TILE", "MAX_WORKSPA
 MAX_TILE = 4096                 # elements of one register tile (rows x cols of a reduction)
 MAX_CUMSUM = 1024               # longest cumsum axis done as one tl.cumsum
 MAX_WORKSPACE = 1 << 24         # workspace elements per program
+MAX_WORKSPACE_TOTAL = 1 << 26   # workspace elements of all programs
 DOT_BLOCK = 64                  # largest M / N / K tile of an einsum
 
 _POINTWISE = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SIGMOID: "sigmoid",
               Op.SILU: "silu", Op.RSQRT: "rsqrt", Op.SQRT: "sqrt", Op.RECIP: "recip",
               Op.ADD: "add", Op.SUB: "sub", Op.MUL: "mul", Op.DIV: "div", Op.MAX: "max",
               Op.GT: "gt"}
+# sigmoid spelled out: the same formula as tl.sigmoid, without a nested @jit call (which
+# costs the interpreter a re-patch of triton.language per call)
+_FORMATS = {Op.SIGMOID: (1, "1.0 / (1.0 + tl.exp(-{0}))"),
+            Op.SILU: (1, "{0} / (1.0 + tl.exp(-{0}))")}
 _VIEW_OPS = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT})
 
 
@@ -178,6 +183,7 @@ class _Emitter:
         self.stages = 0
         self.loop_depth = 0
         self.pc = [f"pc{i}" for i in range(self.p)]
+        self.shared = 0               # workspace elements of values every program computes whole
 
     # -- buffer helpers ---------------------------------------------------------------------------
     def line(self, s: str) -> None:
@@ -215,7 +221,7 @@ class _Emitter:
                 r = sc.g.node(i).type.rank
                 got.add(tuple(R - r + x for x in q) if op is not Op.CONCAT else q)
             if len(got) > 1:
-                raise bad("misaligns")
+                raise bad(f"misaligns (operand axes {sorted(got)} of)")
             q = got.pop() if got else None
             if q is not None and op is Op.CONCAT and a["axis"] % R in q:
                 raise bad("concatenates along")
@@ -227,7 +233,7 @@ class _Emitter:
                 if q is not None:
                     lets.add(tuple(t[x] for x in q))
             if len(lets) > 1:
-                raise bad("misaligns")
+                raise bad(f"misaligns (letters {sorted(lets)} of)")
             if not lets:
                 return None
             ls = lets.pop()
@@ -363,7 +369,7 @@ class _Emitter:
             if n.attr("dtype") not in ("f32", "f64"):
                 raise ScanFallback(f"%{n.id}: cast to {n.attr('dtype')}")
             return f"({args[0]}).to({self.cd})"
-        _, fmt = POINTWISE_OPS[_POINTWISE[n.op]]
+        _, fmt = _FORMATS.get(n.op) or POINTWISE_OPS[_POINTWISE[n.op]]
         return fmt.format(*[f"({x})" for x in args])
 
 
@@ -575,6 +581,8 @@ class _ScanGen(_Emitter):
         return len(g.users(vid)) + sum(1 for _, v in g.outputs if v == vid)
 
     def local_ref(self, shape: tuple[int, ...], pax: tuple[int, ...] | None) -> Ref:
+        if pax is None and self.p:
+            self.shared += prod(shape)
         return Ref("ws", shape, pax, base=str(self.alloc(prod(_local(shape, pax)))))
 
     def body(self, sc: Scope) -> None:
@@ -631,7 +639,8 @@ class _ScanGen(_Emitter):
         """Emit scan `n` of scope `sc` as a loop; bind its ITEMs (nested) or write the
         kernel's outputs (`top`: item index -> output Ref)."""
         while True:
-            state = (len(self.lines), self.n, self.ws, len(self.tables), self.stages)
+            state = (len(self.lines), self.n, self.ws, len(self.tables), self.stages,
+                     self.depth, self.loop_depth, self.shared)
             try:
                 self._scan_loop(sc, n, top)
                 return
@@ -640,6 +649,7 @@ class _ScanGen(_Emitter):
                     raise
                 del self.lines[state[0]:]
                 self.n, self.ws, self.stages = state[1], state[2], state[4]
+                self.depth, self.loop_depth, self.shared = state[5], state[6], state[7]
                 del self.tables[state[3]:]
                 self.carry_pax[(n.id, r.k)] = r.pax
 
@@ -765,10 +775,10 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
     name = sanitize_identifier(name or f"titanc_scan_{scan_id}")
     why = "no carry with a leading axis"
     for prefix in _prefixes(g, n):
-        for shared_consts in (False, True):
+        for shared in (0, 1, 2):     # operands other than carries taken by shape, or not
             try:
                 return _render(g, n, cd, dtype, prefix, used, name, spec_path, immediate,
-                               shared_consts)
+                               shared)
             except _PaxError as e:
                 why = str(e)
     raise ScanFallback(f"no independent leading axes ({why})")
@@ -776,7 +786,10 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
 
 def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
             name: str, spec_path: str, immediate: Callable[[int], float | None],
-            shared_consts: bool) -> ScanKernel:
+            shared: int) -> ScanKernel:
+    """Render with independent axes `prefix`: the carries whose shape starts with it vary
+    per program, and so do the xs (`shared` < 2) and the other operands (`shared` < 1) whose
+    shape does; every other operand is shared (read at full coordinates)."""
     em = _ScanGen(g, n, cd, prefix)
     p = len(prefix)
     nc, nx = n.attr("n_carry"), n.attr("n_xs")
@@ -790,9 +803,9 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
         if lit is not None:
             sc.refs[v], sc.pax[v] = Ref("lit", shape, None, value=lit), None
             continue
-        if i < nx + nc and i >= nc:
-            q = tuple(range(1, p + 1)) if shape[1:p + 1] == prefix else None
-        elif i < nc or not shared_consts:
+        if nc <= i < nx + nc:
+            q = tuple(range(1, p + 1)) if shape[1:p + 1] == prefix and shared < 2 else None
+        elif i < nc or shared < 1:
             q = tuple(range(p)) if shape[:p] == prefix else None
         else:
             q = None
@@ -811,6 +824,13 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
     if not any(sc.pax.get(v) is not None for v in n.inputs[:nc]):
         raise _PaxError(f"no carry has the leading axes {list(prefix)}")
     em.scan_loop(sc, n, top)
+    if em.shared * 2 > em.ws and prod(prefix) > 1:
+        raise _PaxError(f"with independent axes {list(prefix)} most of the work "
+                        f"({em.shared} of {em.ws} workspace elements) would be repeated by "
+                        "every program")
+    if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
+        raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
+                        f"{MAX_WORKSPACE_TOTAL}")
     tensors = ([f"a{k}" for k in range(len(inputs))] + [f"o{k}" for k in range(len(outputs))]
                + [f"g{k}" for k in range(len(em.tables))])
     ranks = ([g.node(n.inputs[i]).type.rank for i in inputs]

@@ -138,6 +138,7 @@ class TritonExecutor(ArenaExecutor):
         self._scans: dict[tuple[int, str], ScanKernel | str] = {}
         self._scan_modules: dict[str, ModuleType] = {}
         self.fallbacks: list[dict[str, str]] = []
+        self.scan_kernels = os.environ.get("TITANC_SCAN_KERNELS", "1") != "0"
         super().__init__(plan, bound, float_dtype)
 
     def make_builder(self, *args: Any) -> _Builder:
@@ -158,6 +159,8 @@ class TritonExecutor(ArenaExecutor):
         """The scan kernel of `kern`'s scan, or the reason it runs as a host loop (recorded
         in `fallbacks`; `TITANC_DEBUG=2` prints it)."""
         key = (id(plan), kern.name)
+        if key not in self._scans and not self.scan_kernels:
+            self._scans[key] = "scan kernels are off (TITANC_SCAN_KERNELS=0)"
         if key not in self._scans:
             g = plan.schedule.graph
             outs = set(kern.outputs)
