@@ -37,7 +37,7 @@ host loop and reports the reason.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Any, Callable
 
@@ -54,6 +54,7 @@ MAX_TILE = 4096                 # elements of one register tile (rows x cols of 
 MAX_CUMSUM = 1024               # longest cumsum axis done as one tl.cumsum
 MAX_WORKSPACE = 1 << 24         # workspace elements per program
 MAX_WORKSPACE_TOTAL = 1 << 26   # workspace elements of all programs
+MAX_SERIAL = 1 << 22            # workspace elements of a one-program (serial) scan kernel
 DOT_BLOCK = 64                  # largest M / N / K tile of an einsum
 
 _POINTWISE = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SIGMOID: "sigmoid",
@@ -88,7 +89,8 @@ class ScanKernel:
     inputs: tuple[int, ...]                  # positions in the scan's operands passed
     outputs: tuple[int, ...]                 # item indices written
     tables: tuple[tuple[str, dict], ...]     # (op name, attrs) of each host-made table
-    stages: int                              # stages per innermost iteration (for reports)
+    stages: int                              # stages emitted (for reports)
+    serial: str = ""                         # why the grid is one program (else "")
 
 
 # -- references: where a value lives --------------------------------------------------------------
@@ -440,8 +442,8 @@ class _ScanGen(_Emitter):
         o = self._open_loop(self.fresh("o"), N, B)
         ix = self.let(f"{o} + tl.arange(0, {B}).to(tl.int64)" if o != "0"
                       else f"tl.arange(0, {B}).to(tl.int64)", "i")
-        m = self.let(f"({ix} < {N})" + (" & (pid == 0)" if guard else ""), "m")
         z = self.let(_tile_zero(f"[{B}]"), "z")
+        m = self.let(f"({ix} < {N})" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
         sec = Tile(m, z)
         c = self.full_coords(_delin(ix, L), shape, pax)
         r = expr(sec, c)
@@ -781,7 +783,14 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                                shared)
             except _PaxError as e:
                 why = str(e)
-    raise ScanFallback(f"no independent leading axes ({why})")
+    try:                             # one program for the whole scan, when that is small
+        sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2)
+    except _PaxError as e:
+        raise ScanFallback(f"no independent leading axes ({why}); serial: {e}") from None
+    if sk.ws_per_program > MAX_SERIAL:
+        raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel "
+                           f"would need {sk.ws_per_program} > {MAX_SERIAL} workspace elements")
+    return replace(sk, serial=f"no independent leading axes ({why})")
 
 
 def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
@@ -821,7 +830,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
                 body.node(v).type.shape
             top[k] = Ref("arg", shape, None, name=f"o{len(outputs)}")
             outputs.append(k)
-    if not any(sc.pax.get(v) is not None for v in n.inputs[:nc]):
+    if p and not any(sc.pax.get(v) is not None for v in n.inputs[:nc]):
         raise _PaxError(f"no carry has the leading axes {list(prefix)}")
     em.scan_loop(sc, n, top)
     if em.shared * 2 > em.ws and prod(prefix) > 1:

@@ -37,7 +37,8 @@ from titanc.passes.memory_plan import MemoryPlan  # noqa: E402
 
 from .executor import ArenaExecutor, Tensor, _Builder  # noqa: E402
 
-__all__ = ["TritonExecutor", "interpreting", "launch_tensors", "module_for"]
+__all__ = ["TritonExecutor", "count_launches", "interpreting", "launch_tensors", "module_for",
+           "scan_kernel_for"]
 
 
 def interpreting() -> bool:
@@ -64,6 +65,44 @@ def launch_tensors(code: KernelCode, tensor_of: Any) -> list[Tensor]:
         t = tensor_of(a.value)
         out.append(t.view(a.view) if a.view is not None else t)
     return out
+
+
+def scan_kernel_for(plan: MemoryPlan, kern: Any, sid: int, dtype: str) -> ScanKernel:
+    """The scan kernel of schedule kernel `kern` (scan node `sid`), or `ScanFallback`."""
+    g = plan.schedule.graph
+    outs = set(kern.outputs)
+    used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
+    return render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
+                       immediate=lambda v: (float(g.node(v).attr("value"))
+                                            if is_immediate(g, v) else None))
+
+
+def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: bool = True,
+                   fallbacks: list[dict[str, str]] | None = None) -> int:
+    """Kernel launches of one run of `plan` on the triton target, from the plan alone: one
+    per kernel, one per scan that renders to a scan kernel, and for a scan that runs as a
+    host loop its body's launches times its length (its reason appended to `fallbacks`)."""
+    g = plan.schedule.graph
+    dt = dtype or graph_dtype(g)
+    total = 0
+    for k, kern in enumerate(plan.schedule.kernels):
+        if plan.is_noop(k):
+            continue
+        scans = [n for n in kern.nodes if g.node(n).op is Op.SCAN]
+        if not scans:
+            total += 1
+            continue
+        try:
+            if not scan_kernels:
+                raise ScanFallback("scan kernels are off")
+            scan_kernel_for(plan, kern, scans[0], dt)
+            total += 1
+        except ScanFallback as e:
+            if fallbacks is not None:
+                fallbacks.append({"graph": g.name, "scan": kern.name, "reason": str(e)})
+            total += g.node(scans[0]).attr("length") * count_launches(
+                plan.bodies[scans[0]], dt, scan_kernels, fallbacks)
+    return total
 
 
 class _TritonBuilder(_Builder):
@@ -163,13 +202,8 @@ class TritonExecutor(ArenaExecutor):
             self._scans[key] = "scan kernels are off (TITANC_SCAN_KERNELS=0)"
         if key not in self._scans:
             g = plan.schedule.graph
-            outs = set(kern.outputs)
-            used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
             try:
-                sk: ScanKernel | str = render_scan(
-                    g, sid, dtype=self.dtype, used=used, name=kern.name,
-                    immediate=lambda v: (float(g.node(v).attr("value"))
-                                         if is_immediate(g, v) else None))
+                sk: ScanKernel | str = scan_kernel_for(plan, kern, sid, self.dtype)
                 if debug_level() >= 3:
                     print(sk.source, file=sys.stderr)
             except ScanFallback as e:
