@@ -18,10 +18,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from titanc.compiler import compile_graphs  # noqa: E402
 from titanc.runtime.triton_executor import count_launches  # noqa: E402
-from titanc.spec import load_spec  # noqa: E402
+from titanc.spec import load_spec, parse_set_args  # noqa: E402
 
 
-def launches(path: str, overrides: dict[str, str]) -> dict[str, object]:
+def launches(path: str, overrides: dict[str, object]) -> dict[str, object]:
     c = compile_graphs(load_spec(path, overrides))
     row: dict[str, object] = {"spec": path}
     for mode, on in (("host_loops", False), ("scan_kernels", True)):
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
-    overrides = dict(kv.split("=", 1) for kv in args.set)
+    overrides = parse_set_args(args.set)
     rows = [launches(p, overrides) for p in args.specs]
     print(json.dumps(rows, indent=1))
     print(f"\n{'spec':32} {'host loops':>10} {'scan kernels':>12}")

@@ -37,6 +37,7 @@ host loop and reports the reason.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Any, Callable
@@ -185,6 +186,8 @@ class _Emitter:
         self.stages = 0
         self.loop_depth = 0
         self.pc = [f"pc{i}" for i in range(self.p)]
+        self.tiles: set[str] = set()          # names holding full tiles
+        self.loads: set[str] = set()          # names holding masked loads (0 off the mask)
         self.shared = 0               # workspace elements of values every program computes whole
 
     # -- buffer helpers ---------------------------------------------------------------------------
@@ -195,9 +198,11 @@ class _Emitter:
         self.n += 1
         return f"{prefix}{self.n}"
 
-    def let(self, expr: str, prefix: str = "v") -> str:
+    def let(self, expr: str, prefix: str = "v", tile: bool = False) -> str:
         name = self.fresh(prefix)
         self.line(f"{name} = {expr}")
+        if tile:
+            self.tiles.add(name)
         return name
 
     def alloc(self, numel: int) -> int:
@@ -270,15 +275,39 @@ class _Emitter:
                     raise bad("reshapes")
                 out.append(j)
             return tuple(out)
-        if op is Op.CAST:
+        if op is Op.CAST or op is Op.SCATTER_ALONG:
+            return q
+        if op is Op.TAKE_ALONG:
+            if len(shape) in q or (ins[1] is not None and ins[1] != q):
+                raise bad("gathers along")
             return q
         raise ScanFallback(f"%{n.id}: no scan-kernel rule for {op.name}")
 
+    def ptr(self, sec: "Tile", ref: Ref, coords: list[str]) -> str:
+        """A pointer tile: `addr`, broadcast by the zero tile when it has no tile index."""
+        a = self.addr(ref, coords, sec)
+        if not sec.vars or not all(re.search(rf"\b{v}\b", a) for v in sec.vars):
+            a += f" + {sec.zero}"
+        return a
+
+    def full(self, x: str, shape: str) -> str:
+        """`x` as a full tile of `shape` (a scalar expression is broadcast)."""
+        return x if x in self.tiles else f"({x}) + tl.zeros({shape}, dtype={self.cd})"
+
+    def masked(self, x: str, mask: str, shape: str, fill: str = "0.0") -> str:
+        """`x` with `fill` outside `mask` (a masked load already holds 0 there)."""
+        if x in self.loads and fill == "0.0":
+            return x
+        return self.let(f"tl.where({mask}, {self.full(x, shape)}, {fill})", "op", tile=True)
+
     # -- addresses and values -----------------------------------------------------------------------
-    def addr(self, ref: Ref, coords: list[str]) -> str:
+    def addr(self, ref: Ref, coords: list[str], sec: "Tile | None" = None) -> str:
         if ref.kind == "ws":
             local = [c for i, c in enumerate(coords) if ref.pax is None or i not in ref.pax]
-            return f"ws_ptr + pbase + {_sum([ref.base, _lin(local, _local(ref.shape, ref.pax))])}"
+            shape = _local(ref.shape, ref.pax)
+            if sec is not None and sec.flat is not None and sec.flat[1:] == (shape, tuple(local)):
+                return f"ws_ptr + pbase + {_sum([ref.base, sec.flat[0]])}"   # contiguous
+            return f"ws_ptr + pbase + {_sum([ref.base, _lin(local, shape)])}"
         full = list(ref.lead) + coords
         terms = [None if c == "0" else f"s_{ref.name}_{j}" if c == "1"
                  else f"({c}) * s_{ref.name}_{j}" for j, c in enumerate(full)]
@@ -296,7 +325,8 @@ class _Emitter:
             if key not in sec.cache:
                 mask = " & ".join((sec.mask,) + tuple(f"({c})" for c in conds))
                 sec.cache[key] = self.let(
-                    f"tl.load({self.addr(ref, coords)} + {sec.zero}, mask={mask}, other=0.0)", "x")
+                    f"tl.load({self.ptr(sec, ref, coords)}, mask={mask}, other=0)", "x", True)
+                self.loads.add(sec.cache[key])
             return sec.cache[key]
         assert ref.node is not None and ref.scope is not None
         if ref.kind == "at":                          # an outer value at leading coordinates
@@ -342,14 +372,25 @@ class _Emitter:
                 lo += size
             out = parts[-1][1]
             for hi, v in reversed(parts[:-1]):
-                out = self.let(f"tl.where({c[ax]} < {hi}, {v}, {out})")
+                out = self.let(f"tl.where({c[ax]} < {hi}, {v}, {out})",
+                               tile=v in self.tiles or out in self.tiles)
             return out
+        if op is Op.TAKE_ALONG:                          # x[..., idx[...]]
+            idx = self.value(sec, sc, n.inputs[1], c, conds)
+            return self.value(sec, sc, src, list(c) + [idx], conds)
+        if op is Op.SCATTER_ALONG:                       # grad[...] where idx[...] == j
+            g = self.value(sec, sc, src, c[:-1], conds)
+            idx = self.value(sec, sc, n.inputs[1], c[:-1], conds)
+            return self.let(f"tl.where({idx} == {c[-1]}, {g}, 0.0)",
+                            tile=g in self.tiles or idx in self.tiles)
         if op in _POINTWISE or op is Op.CAST:            # an inlined elementwise node
             args = [self.value(sec, sc, i, _bcast(c, n.type.shape, sc.g.node(i).type.shape),
                                conds) for i in n.inputs]
-            r = self.let(self._pointwise(n, args))
+            tile = any(x in self.tiles for x in args)
+            r = self.let(self._pointwise(n, args), tile=tile)
             if conds:                                 # a pad / concat above: 0 outside
-                r = self.let(f"tl.where({' & '.join(f'({x})' for x in conds)}, {r}, 0.0)")
+                r = self.let(f"tl.where({' & '.join(f'({x})' for x in conds)}, {r}, 0.0)",
+                             tile=tile)
             return r
         raise ScanFallback(f"%{n.id}: no index rule for {op.name}")
 
@@ -382,6 +423,8 @@ class Tile:
     mask: str
     zero: str
     cache: dict = field(default_factory=dict)
+    vars: tuple[str, ...] = ()                 # the tile's index variables
+    flat: tuple[str, tuple[int, ...], tuple[str, ...]] | None = None   # (ix, shape, coords)
 
 
 class _PaxError(ScanFallback):
@@ -444,11 +487,12 @@ class _ScanGen(_Emitter):
                       else f"tl.arange(0, {B}).to(tl.int64)", "i")
         z = self.let(_tile_zero(f"[{B}]"), "z")
         m = self.let(f"({ix} < {N})" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
-        sec = Tile(m, z)
-        c = self.full_coords(_delin(ix, L), shape, pax)
+        local = _delin(ix, L)
+        sec = Tile(m, z, vars=(ix,), flat=(ix, L, tuple(local)))
+        c = self.full_coords(local, shape, pax)
         r = expr(sec, c)
-        self.line(f"tl.store({self.addr(dest, list(lead) + c)} + {z}, ({r}) + "
-                  f"tl.zeros([{B}], dtype={self.cd}), mask={m})")
+        self.line(f"tl.store({self.ptr(sec, dest, list(lead) + c)}, {self.full(r, f'[{B}]')}, "
+                  f"mask={m})")
         self._close(o)
         self.barrier()
 
@@ -497,16 +541,15 @@ class _ScanGen(_Emitter):
             lmap = {**base, **letters(rdim, rows), **letters(cdim, cols)}
             mask = self.let(f"({rows} < {rsz}) & ({cols} < {csz})", "m")
             shape = f"[{BM if t == ta else BK}, {BK if t == ta else BN}]"
-            sec = Tile(mask, self.let(_tile_zero(shape), "z"))
+            sec = Tile(mask, self.let(_tile_zero(shape), "z"), vars=(rows, cols))
             x = self.value(sec, sc, v, [lmap[ch] for ch in t])
-            tiles.append(self.let(f"tl.where({mask}, ({x}) + tl.zeros({shape}, "
-                                  f"dtype={self.cd}), 0.0)", "op"))
+            tiles.append(self.masked(x, mask, shape))
         self.line(f"{acc} += tl.dot({tiles[0]}, {tiles[1]}, input_precision={self.precision})")
         self._close(k0)
         lmap = {**base, **letters(ms, rm), **letters(ns, rn)}
         mask = self.let(f"({rm} < {M}) & ({rn} < {N})", "m")
-        z = self.let(_tile_zero(f"[{BM}, {BN}]"), "z")
-        self.line(f"tl.store({self.addr(dest, [lmap[ch] for ch in out])} + {z}, {acc}, "
+        sec = Tile(mask, self.let(_tile_zero(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
+        self.line(f"tl.store({self.ptr(sec, dest, [lmap[ch] for ch in out])}, {acc}, "
                   f"mask={mask})")
         self._close(n0)
         self._close(m0)
@@ -549,12 +592,10 @@ class _ScanGen(_Emitter):
         if n.op is Op.CUMSUM:
             jx = self.let(f"tl.arange(0, {BR}).to(tl.int64)[None, :]", "j")
             mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
-            sec = Tile(mask, self.let(_tile_zero(f"[{BO}, {BR}]"), "z"))
+            sec = Tile(mask, self.let(_tile_zero(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))
-            y = self.let(f"tl.cumsum(tl.where({mask}, ({v}) + tl.zeros([{BO}, {BR}], "
-                         f"dtype={self.cd}), 0.0), axis=1)", "y")
-            self.line(f"tl.store({self.addr(dest, in_coords(jx))} + {sec.zero}, {y}, "
-                      f"mask={mask})")
+            y = self.let(f"tl.cumsum({self.masked(v, mask, f'[{BO}, {BR}]')}, axis=1)", "y")
+            self.line(f"tl.store({self.ptr(sec, dest, in_coords(jx))}, {y}, mask={mask})")
         else:
             is_max = n.op is Op.AMAX
             fill = 'float("-inf")' if is_max else "0.0"
@@ -562,10 +603,9 @@ class _ScanGen(_Emitter):
             r0 = self._open_loop(self.fresh("c"), Rn, BR)
             jx = self.let(f"({r0} + tl.arange(0, {BR}).to(tl.int64))[None, :]", jx_)
             mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
-            sec = Tile(mask, self.let(_tile_zero(f"[{BO}, {BR}]"), "z"))
+            sec = Tile(mask, self.let(_tile_zero(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))
-            v = self.let(f"tl.where({mask}, ({v}) + tl.zeros([{BO}, {BR}], "
-                         f"dtype={self.cd}), {fill})")
+            v = self.masked(v, mask, f"[{BO}, {BR}]", fill)
             self.line(f"{acc} = tl.maximum({acc}, {v})" if is_max else f"{acc} += {v}")
             self._close(r0)
             red = self.let(f"tl.{'max' if is_max else 'sum'}({acc}, axis=1, keep_dims=True)",
@@ -573,8 +613,8 @@ class _ScanGen(_Emitter):
             oc = in_coords("0")
             out_c = ([oc[i] for i in range(len(xs))] if n.attr("keepdim")
                      else [oc[i] for i in kept])
-            z = self.let(_tile_zero(f"[{BO}, 1]"), "z")
-            self.line(f"tl.store({self.addr(dest, out_c)} + {z}, {red}, mask={rmask})")
+            sec = Tile(rmask, self.let(_tile_zero(f"[{BO}, 1]"), "z"), vars=(ix,))
+            self.line(f"tl.store({self.ptr(sec, dest, out_c)}, {red}, mask={rmask})")
         self._close(o)
         self.barrier()
 
@@ -609,7 +649,7 @@ class _ScanGen(_Emitter):
             sc.pax[vid] = q = self.pax_of(sc, n) if op is not Op.SCAN else None
             if op in _VIEW_OPS:
                 sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
-            elif op in _POINTWISE or op is Op.CAST:
+            elif op in _POINTWISE or op in (Op.CAST, Op.TAKE_ALONG, Op.SCATTER_ALONG):
                 if op is Op.CAST and n.attr("dtype") not in ("f32", "f64"):
                     raise ScanFallback(f"%{vid}: cast to {n.attr('dtype')}")
                 if self.uses(g, vid) == 1 and all(g.node(u).op is not Op.SCAN
@@ -743,7 +783,7 @@ class _ScanGen(_Emitter):
         key = ("ref", ref.base, tuple(c))
         if key not in sec.cache:
             sec.cache[key] = self.let(
-                f"tl.load({self.addr(ref, c)} + {sec.zero}, mask={sec.mask}, other=0.0)", "x")
+                f"tl.load({self.ptr(sec, ref, c)}, mask={sec.mask}, other=0.0)", "x", True)
         return sec.cache[key]
 
 
