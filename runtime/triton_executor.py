@@ -3,8 +3,13 @@
 `TritonExecutor` is an `ArenaExecutor` whose builder launches one rendered kernel per fused
 kernel (`codegen.hooks.render_kernel`) instead of one torch closure per node. Binding is the
 arena executor's: every value a kernel reads or writes is a view of the activation arena, the
-persistent region or a caller-bound tensor. Scans keep its loop too (carry slots, xs staged
-per iteration, ys copied into their ITEM buffers) and run their body's kernels the same way.
+persistent region or a caller-bound tensor. A scan is one launch of its scan kernel
+(`codegen.scan_kernel`: the iterations loop inside the kernel, grid over the scan's
+independent axes, workspace made once at bind time); a scan that cannot be one kernel keeps the
+arena executor's host loop (carry slots, xs staged per iteration, ys copied into their ITEM
+buffers) over its body's kernels, and its reason is kept in `fallbacks` (`TITANC_DEBUG=2`
+prints it). `launches_per_run()` counts the launches of one run; `count_launches(plan)` gives
+the same figure from the plan alone.
 No kernel falls back to torch: a kernel no family can express fails at bind time with the
 hooks' `NotImplementedError`.
 
@@ -176,7 +181,8 @@ class TritonExecutor(ArenaExecutor):
         self._codes: dict[tuple[int, str], KernelCode] = {}
         self._scans: dict[tuple[int, str], ScanKernel | str] = {}
         self._scan_modules: dict[str, ModuleType] = {}
-        self.fallbacks: list[dict[str, str]] = []
+        self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
+        self.serial: list[dict[str, str]] = []        # scan kernels of one program, and why
         self.scan_kernels = os.environ.get("TITANC_SCAN_KERNELS", "1") != "0"
         super().__init__(plan, bound, float_dtype)
 
@@ -204,6 +210,12 @@ class TritonExecutor(ArenaExecutor):
             g = plan.schedule.graph
             try:
                 sk: ScanKernel | str = scan_kernel_for(plan, kern, sid, self.dtype)
+                if sk.serial:
+                    self.serial.append({"graph": g.name, "scan": kern.name,
+                                        "reason": sk.serial})
+                    if debug_level() >= 2:
+                        print(f"titanc: scan {kern.name} of graph {g.name} is one program "
+                              f"(serial kernel): {sk.serial}", file=sys.stderr)
                 if debug_level() >= 3:
                     print(sk.source, file=sys.stderr)
             except ScanFallback as e:
