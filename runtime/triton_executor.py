@@ -3,8 +3,13 @@
 `TritonExecutor` is an `ArenaExecutor` whose builder launches one rendered kernel per fused
 kernel (`codegen.hooks.render_kernel`) instead of one torch closure per node. Binding is the
 arena executor's: every value a kernel reads or writes is a view of the activation arena, the
-persistent region or a caller-bound tensor. Scans keep its loop too (carry slots, xs staged
-per iteration, ys copied into their ITEM buffers) and run their body's kernels the same way.
+persistent region or a caller-bound tensor. A scan is one launch of its scan kernel
+(`codegen.scan_kernel`: the iterations loop inside the kernel, grid over the scan's
+independent axes, workspace made once at bind time); a scan that cannot be one kernel keeps the
+arena executor's host loop (carry slots, xs staged per iteration, ys copied into their ITEM
+buffers) over its body's kernels, and its reason is kept in `fallbacks` (`TITANC_DEBUG=2`
+prints it). `launches_per_run()` counts the launches of one run; `count_launches(plan)` gives
+the same figure from the plan alone.
 No kernel falls back to torch: a kernel no family can express fails at bind time with the
 hooks' `NotImplementedError`.
 
@@ -28,13 +33,17 @@ if not torch.cuda.is_available():
 
 from titanc.codegen.hooks import KernelCode, graph_dtype, render_kernel  # noqa: E402
 from titanc.codegen.render import load_module  # noqa: E402
+from titanc.codegen.scan_kernel import (ScanFallback, ScanKernel, count_launches,  # noqa: E402
+                                        scan_kernel_for)
 from titanc.ir import Op  # noqa: E402
+from titanc.ir.interpret import mask_table, rope_table  # noqa: E402
 from titanc.passes.manager import debug_level  # noqa: E402
 from titanc.passes.memory_plan import MemoryPlan  # noqa: E402
 
 from .executor import ArenaExecutor, Tensor, _Builder  # noqa: E402
 
-__all__ = ["TritonExecutor", "interpreting", "launch_tensors", "module_for"]
+__all__ = ["TritonExecutor", "count_launches", "interpreting", "launch_tensors", "module_for",
+           "scan_kernel_for"]
 
 
 def interpreting() -> bool:
@@ -64,24 +73,61 @@ def launch_tensors(code: KernelCode, tensor_of: Any) -> list[Tensor]:
 
 
 class _TritonBuilder(_Builder):
-    """Binds like `_Builder`; a non-scan kernel becomes one launch of its rendered module."""
+    """Binds like `_Builder`; a non-scan kernel becomes one launch of its rendered module, a
+    scan one launch of its scan kernel (`codegen.scan_kernel`) or, where the scan cannot be
+    one kernel, the host loop over its body's launches. `launches` counts the kernel launches
+    of one run of the schedule (a host-loop scan: its body's launches times its length)."""
 
     def __init__(self, owner: "TritonExecutor", *args: Any):
         super().__init__(*args)
         self.owner = owner
+        self.launches = 0
+        self._subs: list[_TritonBuilder] = []
 
     def sub_builder(self, *args: Any) -> _Builder:
-        return _TritonBuilder(self.owner, *args)
+        sub = _TritonBuilder(self.owner, *args)
+        self._subs.append(sub)
+        return sub
 
     def kernel(self, kern: Any) -> None:
-        if any(self.g.node(n).op is Op.SCAN for n in kern.nodes):
+        scans = [n for n in kern.nodes if self.g.node(n).op is Op.SCAN]
+        if scans:
+            sk = self.owner.scan_code(self.plan, kern, scans[0])
+            if isinstance(sk, ScanKernel):
+                self._scan_kernel(kern, scans[0], sk)
+                return
             super().kernel(kern)                     # the loop; its body builds through us
+            self.launches += self._subs[-1].launches * self.g.node(scans[0]).attr("length")
             return
         code = self.owner.code(self.plan, kern)
         module = module_for(code)
         tensors = launch_tensors(code, self.home)
         sizes = code.sizes
         self.steps.append(lambda: module.launch(*tensors, *sizes))
+        self.launches += 1
+
+    def _scan_kernel(self, kern: Any, sid: int, sk: ScanKernel) -> None:
+        """Bind one scan kernel: operands, the ITEM outputs the program reads, tables, and a
+        workspace of GRID x WS elements (made once, at bind time)."""
+        n = self.g.node(sid)
+        dt = {"float64": torch.float64}.get(self.owner.dtype, torch.float32)
+        args = [self.operand(n.inputs[i]) for i in sk.inputs]
+        outs = set(kern.outputs)
+        items = {self.g.node(u).attr("index"): u for u in self.g.users(sid) if u in outs}
+        for k in sk.outputs:
+            self.val[items[k]] = self.located(items[k])
+        tables = [self._const(mask_table(a["n_q"], a["q_start"], a["groups"], dt)) if op == "MASK"
+                  else self._const(rope_table(a["kind"], a["start"], a["count"], a["half"],
+                                              a["base"], dt)) for op, a in sk.tables]
+        device = self.arena.data.device
+        ws = (torch.empty(sk.grid * sk.ws_per_program, dtype=dt, device=device)
+              if device.type != "meta" else None)
+        if ws is not None:
+            self.consts.append(ws)
+        module = self.owner.scan_module(sk)
+        tensors = [ws, *args, *(self.val[items[k]] for k in sk.outputs), *tables]
+        self.steps.append(lambda: module.launch(*tensors))
+        self.launches += 1
 
 
 class TritonExecutor(ArenaExecutor):
@@ -103,6 +149,11 @@ class TritonExecutor(ArenaExecutor):
         self.cuda_graphs = self.device == "cuda" and cuda_graphs is not False
         self._graph: Any = None
         self._runs = 0
+        self._scans: dict[tuple[int, str], ScanKernel | str] = {}
+        self._scan_modules: dict[str, ModuleType] = {}
+        self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
+        self.serial: list[dict[str, str]] = []        # scan kernels of one program, and why
+        self.scan_kernels = os.environ.get("TITANC_SCAN_KERNELS", "1") != "0"
         super().__init__(plan, bound, float_dtype)
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
@@ -136,6 +187,45 @@ class TritonExecutor(ArenaExecutor):
             if debug_level() >= 3:
                 print(code.source, file=sys.stderr)
         return self._codes[key]
+
+    def scan_code(self, plan: MemoryPlan, kern: Any, sid: int) -> ScanKernel | str:
+        """The scan kernel of `kern`'s scan, or the reason it runs as a host loop (recorded
+        in `fallbacks`; `TITANC_DEBUG=2` prints it)."""
+        key = (id(plan), kern.name)
+        if key not in self._scans and not self.scan_kernels:
+            self._scans[key] = "scan kernels are off (TITANC_SCAN_KERNELS=0)"
+        if key not in self._scans:
+            g = plan.schedule.graph
+            try:
+                sk: ScanKernel | str = scan_kernel_for(plan, kern, sid, self.dtype)
+                if sk.serial:
+                    self.serial.append({"graph": g.name, "scan": kern.name,
+                                        "reason": sk.serial})
+                    if debug_level() >= 2:
+                        print(f"titanc: scan {kern.name} of graph {g.name} is one program "
+                              f"(serial kernel): {sk.serial}", file=sys.stderr)
+                if debug_level() >= 3:
+                    print(sk.source, file=sys.stderr)
+            except ScanFallback as e:
+                sk = str(e)
+                self.fallbacks.append({"graph": g.name, "scan": kern.name, "reason": sk})
+                if debug_level() >= 2:
+                    print(f"titanc: scan {kern.name} of graph {g.name} runs as a host loop: "
+                          f"{sk}", file=sys.stderr)
+            self._scans[key] = sk
+        return self._scans[key]
+
+    def scan_module(self, sk: ScanKernel) -> ModuleType:
+        body = sk.source.split("# Generated by titanc", 1)[1].replace(sk.name, "KERNEL")
+        key = f"{body}|{interpreting()}"
+        if key not in self._scan_modules:
+            self._scan_modules[key] = load_module(sk.source, sk.name)
+        return self._scan_modules[key]
+
+    def launches_per_run(self) -> int:
+        """Kernel launches of one `run` (a host-loop scan counts its body's launches once per
+        iteration)."""
+        return self._b.launches
 
     def kernels(self) -> list[KernelCode]:
         """Every kernel rendered for this executor, in first-bind order."""

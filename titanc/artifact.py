@@ -44,6 +44,7 @@ def _versions() -> dict[str, str]:
 
 def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
     fwd, grad = graph_stats(c.forward), graph_stats(c.grad)
+    fallbacks: list[dict[str, str]] = []
     return {
         "name": spec.name,
         "spec_hash": spec_hash(spec),
@@ -63,7 +64,9 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         "kernels": [_kernel_row(k) for name in ("training", "optimizer")
                     for k in c.schedules[name].all_kernels()],
         "kernel_counts": {name: len(s.all_kernels()) for name, s in c.schedules.items()},
-        "launches_per_step": {"cpu": launches_per_step(c)},
+        "launches_per_step": {"cpu": launches_per_step(c, "cpu"),
+                              "triton": launches_per_step(c, "triton", fallbacks)},
+        "scan_fallbacks": {"triton": fallbacks},   # scans that stay host loops, and why
         "memory": memory_report(c.plans["training"], spec.model.vocab_size),
         "memory_forward": memory_report(c.plans["forward"], spec.model.vocab_size),
     }

@@ -91,19 +91,27 @@ def _timed(log: PassLog, name: str, fn: Any) -> Any:
     return out
 
 
-def launches_per_step(c: Compiled, one_kernel: Callable[[MemoryPlan, int], bool] | None = None
-                      ) -> dict[str, int]:
-    """Kernel launches of a training step (grad_accum backward passes + one optimizer
-    update), a decode step (one token, batch 1) and the memory write a decode makes once per
-    completed chunk. `one_kernel(plan, scan id)` says which scans the target runs as a single
-    kernel (None: every scan is a host loop over its body's kernels)."""
+def launches_per_step(c: Compiled, target: str = "cpu",
+                      fallbacks: list[dict[str, str]] | None = None) -> dict[str, int]:
+    """Kernel launches on `target` ("cpu" or "triton") of a training step (grad_accum
+    backward passes + one optimizer update), a decode step (one token, batch 1) and the
+    memory write a decode makes once per completed chunk. On the cpu target every scan is a
+    host loop over its body's kernels; on triton a scan that renders to one scan kernel is
+    one launch (`codegen.scan_kernel.count_launches`); the scans it cannot render, and why,
+    are appended to `fallbacks`."""
     from titanc.decode import lower_step, lower_write
 
+    if target == "triton":
+        from titanc.codegen.scan_kernel import count_launches
+
+        def count(plan: MemoryPlan) -> int:
+            return count_launches(plan, fallbacks=fallbacks)
+    else:
+        count = MemoryPlan.launches  # type: ignore[assignment]
     spec = c.spec
-    counts = {"training": spec.train.grad_accum * c.plans["training"].launches(one_kernel)
-              + c.plans["optimizer"].launches(one_kernel)}
-    step = plan_memory(fuse(lower_step(spec, 1, 1)))
-    counts["decode"] = step.launches(one_kernel)
+    counts = {"training": spec.train.grad_accum * count(c.plans["training"])
+              + count(c.plans["optimizer"])}
+    counts["decode"] = count(plan_memory(fuse(lower_step(spec, 1, 1))))
     if spec.model.block != "attn":
-        counts["decode_write_per_chunk"] = plan_memory(fuse(lower_write(spec, 1))).launches(one_kernel)
+        counts["decode_write_per_chunk"] = count(plan_memory(fuse(lower_write(spec, 1))))
     return counts

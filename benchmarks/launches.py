@@ -1,0 +1,51 @@
+"""Kernel launches per training step on the triton target, with and without scan kernels.
+
+    python benchmarks/launches.py examples/tiny.yaml examples/tiny_lmm.yaml [--set k=v ...]
+
+Counted from the compiled plans (`runtime.triton_executor.count_launches`, the same figure
+`TritonExecutor.launches_per_run()` reports after binding): the training graph (forward +
+backward) plus the optimizer. A scan that runs as a host loop counts its body's launches once
+per iteration; the scans that still do are listed with the reason. Prints JSON, then a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from titanc.compiler import compile_graphs  # noqa: E402
+from titanc.runtime.triton_executor import count_launches  # noqa: E402
+from titanc.spec import load_spec, parse_set_args  # noqa: E402
+
+
+def launches(path: str, overrides: dict[str, object]) -> dict[str, object]:
+    c = compile_graphs(load_spec(path, overrides))
+    row: dict[str, object] = {"spec": path}
+    for mode, on in (("host_loops", False), ("scan_kernels", True)):
+        fallbacks: list[dict[str, str]] = []
+        row[mode] = sum(count_launches(c.plans[g], scan_kernels=on, fallbacks=fallbacks)
+                        for g in ("training", "optimizer"))
+        if on:
+            row["fallbacks"] = sorted({f"{f['scan']}: {f['reason']}" for f in fallbacks})
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("specs", nargs="+")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    overrides = parse_set_args(args.set)
+    rows = [launches(p, overrides) for p in args.specs]
+    print(json.dumps(rows, indent=1))
+    print(f"\n{'spec':32} {'host loops':>10} {'scan kernels':>12}")
+    for r in rows:
+        print(f"{r['spec']:32} {r['host_loops']:>10} {r['scan_kernels']:>12}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

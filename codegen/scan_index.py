@@ -1,0 +1,134 @@
+"""Index arithmetic and value references of a scan kernel (`codegen.scan_kernel`).
+
+Coordinates are Triton expressions (strings); a `Ref` says where a body value lives (the
+program's workspace region, a kernel tensor, a literal, or a view / inlined node evaluated
+from its operands); a `Tile` is one stage's tile (mask, zero offsets, load cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+from titanc.ir import Graph, Node, Op
+
+__all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_WORKSPACE", "Ref", "ScanFallback",
+           "Scope", "Tile"]
+
+MAX_TILE = 4096                 # elements of one register tile (rows x cols of a reduction)
+MAX_CUMSUM = 1024               # longest cumsum axis done as one tl.cumsum
+MAX_WORKSPACE = 1 << 24         # workspace elements per program
+DOT_BLOCK = 64                  # largest M / N / K tile of an einsum
+
+_POINTWISE = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SIGMOID: "sigmoid",
+              Op.SILU: "silu", Op.RSQRT: "rsqrt", Op.SQRT: "sqrt", Op.RECIP: "recip",
+              Op.ADD: "add", Op.SUB: "sub", Op.MUL: "mul", Op.DIV: "div", Op.MAX: "max",
+              Op.GT: "gt"}
+# sigmoid spelled out: the same formula as tl.sigmoid, without a nested @jit call (which
+# costs the interpreter a re-patch of triton.language per call)
+_FORMATS = {Op.SIGMOID: (1, "1.0 / (1.0 + tl.exp(-{0}))"),
+            Op.SILU: (1, "{0} / (1.0 + tl.exp(-{0}))")}
+_VIEW_OPS = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT})
+
+
+class ScanFallback(Exception):
+    """The scan cannot be one kernel; `str(self)` says why (reported to the user)."""
+
+
+
+
+class _PaxError(ScanFallback):
+    """The candidate independent axes are mixed somewhere (try a shorter prefix)."""
+
+
+# -- references: where a value lives --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ref:
+    """How to read a value at full coordinates.
+
+    kind 'ws': local storage at workspace offset `base` (an expression), contiguous over the
+    value's shape without its `pax` axes; 'arg': a kernel tensor `name` (full coordinates,
+    through its strides), with `lead` fixed leading coordinates (an xs slice at iteration t);
+    'lit': the literal `value`; 'node': a view / inlined node evaluated from its operands;
+    'at': value `node` of the enclosing `scope` at leading coordinates `lead` (an xs slice,
+    or a value a nested scan closes over).
+    """
+
+    kind: str
+    shape: tuple[int, ...]
+    pax: tuple[int, ...] | None
+    base: str = "0"
+    name: str = ""
+    lead: tuple[str, ...] = ()
+    value: float = 0.0
+    node: Node | None = None
+    scope: "Scope | None" = None
+
+
+@dataclass
+class Scope:
+    """The references of one body graph's values during emission."""
+
+    g: Graph
+    refs: dict[int, Ref] = field(default_factory=dict)
+    pax: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
+
+
+def _mul(c: str, s: int) -> str | None:
+    if c == "0" or s == 0:
+        return None
+    if s == 1:
+        return c
+    return f"{c} * {s}"
+
+
+def _sum(terms: list[str | None]) -> str:
+    ts = [t for t in terms if t is not None and t != "0"]
+    return " + ".join(ts) if ts else "0"
+
+
+def _delin(ix: str, shape: tuple[int, ...]) -> list[str]:
+    """Coordinates of flat index `ix` over `shape` (row-major)."""
+    out = []
+    for j, d in enumerate(shape):
+        st = prod(shape[j + 1:])
+        if d == 1:
+            out.append("0")
+        elif j == 0 or prod(shape[:j]) == 1:
+            out.append(f"({ix} // {st})" if st != 1 else f"({ix})")
+        elif st == 1:
+            out.append(f"({ix} % {d})")
+        else:
+            out.append(f"(({ix} // {st}) % {d})")
+    return out
+
+
+def _lin(coords: list[str], shape: tuple[int, ...]) -> str:
+    return _sum([_mul(f"({c})" if " " in c else c, prod(shape[j + 1:]))
+                 for j, c in enumerate(coords)])
+
+
+def _local(shape: tuple[int, ...], pax: tuple[int, ...] | None) -> tuple[int, ...]:
+    return tuple(d for i, d in enumerate(shape) if pax is None or i not in pax)
+
+
+def _bcast(coords: list[str], out_shape: tuple[int, ...], shape: tuple[int, ...]) -> list[str]:
+    """Coordinates of an operand of `shape` broadcast (numpy rules) to `out_shape`."""
+    off = len(out_shape) - len(shape)
+    return [coords[off + j] if d == out_shape[off + j] else "0" for j, d in enumerate(shape)]
+
+
+
+def _tile_zero(shape: str) -> str:
+    return f"tl.zeros({shape}, dtype=tl.int64)"
+
+@dataclass
+class Tile:
+    """One stage's tile: its mask, a zero offset tile (so every pointer is a tile), load cache."""
+
+    mask: str
+    zero: str
+    cache: dict = field(default_factory=dict)
+    vars: tuple[str, ...] = ()                 # the tile's index variables
+    flat: tuple[str, tuple[int, ...], tuple[str, ...]] | None = None   # (ix, shape, coords)
+

@@ -1,0 +1,236 @@
+"""One Triton kernel per scan: a SCAN node's body, loops and all, as a single generated program.
+
+`render_scan(g, scan_id, dtype)` reads a scan's body graph and emits one `@triton.jit` kernel
+(template `scan.py.jinja`) that runs every iteration inside the kernel. Nothing in it is
+specific to Titans: a changed memory rule is a changed body graph, and it compiles the same way.
+
+Independent axes. The grid is the product of the scan's *independent leading axes* (e.g.
+[B, Nm] of a memory-chunk body): the longest prefix `P` of the carries' shape such that no body
+op mixes those axes. Every body value gets a `pax` (where the axes of `P` sit in its shape, or
+None when it does not vary along them); the rules, per op, are in `_Analysis.pax_of`: einsum
+letters of P appear in the output, reductions, cumsums, slices, pads and concats leave them
+alone, reshapes keep them as whole axes, permutes move them. A value with a `pax` is computed
+per program on its local slice (the P axes dropped); a value without one ("shared": scalars,
+the causal mask table, shared weights) is computed whole in every program and read at full
+coordinates. Each program runs the whole loop for its slice.
+
+Storage. Each program owns a region of a global workspace (`ws`, `WS` elements per program):
+every computed body value has a fixed offset there (contiguous over its local shape), carries
+ping-pong between two slots (`it % 2`), xs are read straight from the stacked inputs at
+iteration `t`, ys are written straight into their slice of the stacked outputs. Views
+(reshape, permute, expand, slice, pad, concat) cost nothing: they are index arithmetic on the
+loads of their consumers, and single-use elementwise nodes are inlined into their consumer's
+expression. `tl.debug_barrier()` separates stages that talk through the workspace.
+
+Stages. Elementwise nodes (and copies) are tile expressions over the flat local index;
+einsums are `tl.dot` on [M, K] x [K, N] tiles (padded to powers of two >= 16, masked, letters
+grouped into batch / M / N / K); SUM / AMAX are `tl.sum` / `tl.max` over a [rows, cols]
+tile; CUMSUM is `tl.cumsum` along the columns; a nested SCAN becomes a nested loop (its
+carries are slots of the same workspace). MASK and ROPE tables are computed once on the host
+(`tables`) and passed in.
+
+A scan with no independent axes becomes a one-program ("serial") kernel when its workspace is
+at most `MAX_SERIAL` elements. Anything else (TAKE, INDEX_ADD, integer casts, a larger scan
+without independent axes, tiles or a workspace beyond the caps) raises `ScanFallback` with the
+reason; the executor then keeps the host loop and reports the reason.
+
+Modules: `scan_index` (references, coordinates), `scan_values` (the independence analysis and
+values at coordinates), `scan_stages` (stages and loops), this one (the kernel and its launch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import prod
+from typing import Callable
+
+from titanc.ir import Graph, Node, Op
+from titanc.passes.memory_plan import MemoryPlan
+from titanc.passes.schedule import Kernel, is_immediate
+
+from .meta import compute_dtype
+from .render import render, sanitize_identifier
+from .scan_index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
+from .scan_stages import _ScanGen
+
+__all__ = ["MAX_SERIAL", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
+           "render_scan"]
+
+MAX_WORKSPACE_TOTAL = 1 << 26   # workspace elements of all programs
+MAX_SERIAL = 1 << 22            # workspace elements of a one-program (serial) scan kernel
+
+
+@dataclass(frozen=True)
+class ScanKernel:
+    """A rendered scan kernel and how to launch it.
+
+    `launch(ws, *inputs, *outputs, *tables)`: `inputs` are the scan node's operands (in
+    order, immediates excluded: they are inlined), `outputs` the scan's result items listed in
+    `outputs` (item index -> written), `tables` the MASK / ROPE tables (node attrs, host-made).
+    """
+
+    name: str
+    source: str
+    grid: int
+    prefix: tuple[int, ...]
+    ws_per_program: int
+    inputs: tuple[int, ...]                  # positions in the scan's operands passed
+    outputs: tuple[int, ...]                 # item indices written
+    tables: tuple[tuple[str, dict], ...]     # (op name, attrs) of each host-made table
+    stages: int                              # stages emitted (for reports)
+    serial: str = ""                         # why the grid is one program (else "")
+
+
+
+# -- the kernel -------------------------------------------------------------------------------------
+
+def _prefixes(g: Graph, n: Node) -> list[tuple[int, ...]]:
+    """Candidate independent axes, longest first: leading shapes of the carries."""
+    nc = n.attr("n_carry")
+    seen: dict[tuple[int, ...], None] = {}
+    shapes = [g.node(i).type.shape for i in n.inputs[:nc]]
+    for p in range(max((len(s) for s in shapes), default=0), 0, -1):
+        for s in shapes:
+            if len(s) >= p:
+                seen[tuple(s[:p])] = None
+    return sorted(seen, key=len, reverse=True)
+
+
+def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int] | None = None,
+                name: str | None = None, spec_path: str = "",
+                immediate: Callable[[int], float | None] = lambda v: None) -> ScanKernel:
+    """One Triton kernel running scan `scan_id` of `g` (raises `ScanFallback` with the reason
+    when it cannot). `used`: the item indices the program reads afterwards (default all);
+    `immediate(vid)`: the literal of an operand inlined as a constant, else None."""
+    n = g.node(scan_id)
+    if n.op is not Op.SCAN:
+        raise ValueError(f"%{scan_id} is not a scan")
+    cd = compute_dtype(dtype)
+    used = set(range(len(n.attr("body").outputs))) if used is None else set(used)
+    name = sanitize_identifier(name or f"titanc_scan_{scan_id}")
+    why = "no carry with a leading axis"
+    for prefix in _prefixes(g, n):
+        for shared in (0, 1, 2):     # operands other than carries taken by shape, or not
+            try:
+                return _render(g, n, cd, dtype, prefix, used, name, spec_path, immediate,
+                               shared)
+            except _PaxError as e:
+                why = str(e)
+    try:                             # one program for the whole scan, when that is small
+        sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2)
+    except _PaxError as e:
+        raise ScanFallback(f"no independent leading axes ({why}); serial: {e}") from None
+    if sk.ws_per_program > MAX_SERIAL:
+        raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel "
+                           f"would need {sk.ws_per_program} > {MAX_SERIAL} workspace elements")
+    return replace(sk, serial=f"no independent leading axes ({why})")
+
+
+def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
+            name: str, spec_path: str, immediate: Callable[[int], float | None],
+            shared: int) -> ScanKernel:
+    """Render with independent axes `prefix`: the carries whose shape starts with it vary
+    per program, and so do the xs (`shared` < 2) and the other operands (`shared` < 1) whose
+    shape does; every other operand is shared (read at full coordinates)."""
+    em = _ScanGen(g, n, cd, prefix)
+    p = len(prefix)
+    nc, nx = n.attr("n_carry"), n.attr("n_xs")
+    sc = Scope(g)
+    inputs: list[int] = []
+    for i, v in enumerate(n.inputs):
+        shape = g.node(v).type.shape
+        if v in sc.refs:                              # the same value passed twice
+            continue
+        lit = immediate(v)
+        if lit is not None:
+            sc.refs[v], sc.pax[v] = Ref("lit", shape, None, value=lit), None
+            continue
+        if nc <= i < nx + nc:
+            q = tuple(range(1, p + 1)) if shape[1:p + 1] == prefix and shared < 2 else None
+        elif i < nc or shared < 1:
+            q = tuple(range(p)) if shape[:p] == prefix else None
+        else:
+            q = None
+        sc.refs[v] = Ref("arg", shape, q, name=f"a{len(inputs)}")
+        sc.pax[v] = q
+        inputs.append(i)
+    body: Graph = n.attr("body")
+    top: dict[int, Ref] = {}
+    outputs = []
+    for k, (_, v) in enumerate(body.outputs):
+        if k in used:
+            shape = body.node(v).type.shape if k < nc else (n.attr("length"),) + \
+                body.node(v).type.shape
+            top[k] = Ref("arg", shape, None, name=f"o{len(outputs)}")
+            outputs.append(k)
+    if p and not any(sc.pax.get(v) is not None for v in n.inputs[:nc]):
+        raise _PaxError(f"no carry has the leading axes {list(prefix)}")
+    em.scan_loop(sc, n, top)
+    if em.shared * 2 > em.ws and prod(prefix) > 1:
+        raise _PaxError(f"with independent axes {list(prefix)} most of the work "
+                        f"({em.shared} of {em.ws} workspace elements) would be repeated by "
+                        "every program")
+    if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
+        raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
+                        f"{MAX_WORKSPACE_TOTAL}")
+    tensors = ([f"a{k}" for k in range(len(inputs))] + [f"o{k}" for k in range(len(outputs))]
+               + [f"g{k}" for k in range(len(em.tables))])
+    ranks = ([g.node(n.inputs[i]).type.rank for i in inputs]
+             + [top[k].shape.__len__() for k in outputs]
+             + [len(_table_shape(op, a)) for op, a in em.tables])
+    strides = [[f"s_{t}_{d}" for d in range(r)] for t, r in zip(tensors, ranks)]
+    pcs = []
+    for i in range(p):
+        inner = prod(prefix[i + 1:])
+        pcs.append(f"pc{i} = (pid // {inner}) % {prefix[i]}" if inner > 1
+                   else f"pc{i} = pid % {prefix[i]}")
+    header = [f"{name}: scan kernel of graph {g.name}", f"spec: {spec_path or '(none)'}",
+              f"scan %{n.id}: length {n.attr('length')}, {nc} carries, {nx} xs; grid over the "
+              f"independent axes {list(prefix)}; {em.stages} stages"]
+    source = render("scan.py.jinja", name=name, header_lines=header, tensors=tensors,
+                    strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
+                    grid=prod(prefix), num_warps=4)
+    return ScanKernel(name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
+                      tuple(outputs), tuple(em.tables), em.stages)
+
+
+def _table_shape(op: str, a: dict) -> tuple[int, ...]:
+    if op == "MASK":
+        return (a["n_q"], sum(length for _, length, _ in a["groups"]))
+    return (a["count"], a["half"])
+
+
+
+def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str) -> ScanKernel:
+    """The scan kernel of schedule kernel `kern` (scan node `sid`), or `ScanFallback`."""
+    g = plan.schedule.graph
+    outs = set(kern.outputs)
+    used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
+    return render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
+                       immediate=lambda v: (float(g.node(v).attr("value"))
+                                            if is_immediate(g, v) else None))
+
+
+def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: bool = True,
+                   fallbacks: list[dict[str, str]] | None = None) -> int:
+    """Kernel launches of one run of `plan` on the triton target, from the plan alone
+    (`MemoryPlan.launches`): a scan that renders to a scan kernel is one launch, one that
+    runs as a host loop launches its body's kernels once per iteration (its reason appended
+    to `fallbacks`)."""
+    from .hooks import graph_dtype
+
+    dt = dtype or graph_dtype(plan.schedule.graph)
+
+    def one_kernel(p: MemoryPlan, sid: int) -> bool:
+        kern = next(k for k in p.schedule.kernels if sid in k.nodes)
+        try:
+            if not scan_kernels:
+                raise ScanFallback("scan kernels are off")
+            scan_kernel_for(p, kern, sid, dt)
+            return True
+        except ScanFallback as e:
+            if fallbacks is not None:
+                fallbacks.append({"graph": p.schedule.graph.name, "scan": kern.name,
+                                  "reason": str(e)})
+            return False
+
+    return plan.launches(one_kernel)

@@ -1,0 +1,369 @@
+"""Scan kernels, part 2: stages (elementwise, einsum, reductions, cumsums) and scan loops.
+
+`_ScanGen` emits each computed body node as a stage over the program's local slice, each
+nested scan as a loop with ping-pong carry slots, and the top-level scan's outputs.
+"""
+from __future__ import annotations
+
+from math import prod
+from typing import Any, Callable
+
+from titanc.ir import Graph, Node, Op
+
+from .meta import pow2
+from .render import sanitize_comment
+from .scan_index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
+                         _POINTWISE, _PaxError, _VIEW_OPS, _delin, _local, _tile_zero)
+from .scan_values import _Emitter
+
+
+class _Redo(Exception):
+    """A carry turned out to vary per program: emit its scan again with that `pax`."""
+
+    def __init__(self, scan: int, k: int, pax: tuple[int, ...]):
+        super().__init__(scan, k, pax)
+        self.scan, self.k, self.pax = scan, k, pax
+
+
+class _ScanGen(_Emitter):
+    """Stages (elementwise, einsum, reductions, cumsums) and the scan loops."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.carry_pax: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.precision = '"ieee"'
+
+    def full_coords(self, local: list[str], shape: tuple[int, ...],
+                    pax: tuple[int, ...] | None) -> list[str]:
+        it = iter(local)
+        return [self.pc[pax.index(i)] if pax is not None and i in pax else next(it)
+                for i in range(len(shape))]
+
+    def _open_loop(self, var: str, total: int, block: int) -> str:
+        """`var` = start of the block: a loop when `total` needs more than one block."""
+        if total > block:
+            self.line(f"for {var} in range(0, {total}, {block}):")
+            self.depth += 1
+            return var
+        return "0"
+
+    def _close(self, opened: str) -> None:
+        if opened != "0":
+            self.depth -= 1
+
+    def barrier(self) -> None:
+        self.line("tl.debug_barrier()")
+        self.stages += 1
+
+    # -- stages -----------------------------------------------------------------------------------
+    def pointwise_stage(self, label: str, shape: tuple[int, ...], pax: tuple[int, ...] | None,
+                        dest: Ref, lead: tuple[str, ...],
+                        expr: Callable[[Tile, list[str]], str], guard: bool = False) -> None:
+        """dest[lead + c] = expr(c) for every c of `shape` local to the program."""
+        self.line(f"# {sanitize_comment(label)}")
+        L = _local(shape, pax)
+        N = prod(L)
+        B = min(pow2(N, 16), 1024)
+        o = self._open_loop(self.fresh("o"), N, B)
+        ix = self.let(f"{o} + tl.arange(0, {B}).to(tl.int64)" if o != "0"
+                      else f"tl.arange(0, {B}).to(tl.int64)", "i")
+        z = self.let(_tile_zero(f"[{B}]"), "z")
+        m = self.let(f"({ix} < {N})" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
+        local = _delin(ix, L)
+        sec = Tile(m, z, vars=(ix,), flat=(ix, L, tuple(local)))
+        c = self.full_coords(local, shape, pax)
+        r = expr(sec, c)
+        self.line(f"tl.store({self.ptr(sec, dest, list(lead) + c)}, {self.full(r, f'[{B}]')}, "
+                  f"mask={m})")
+        self._close(o)
+        self.barrier()
+
+    def einsum_stage(self, sc: Scope, n: Node, dest: Ref) -> None:
+        terms, out = n.attr("spec").split("->")
+        tt = terms.split(",")
+        if len(tt) != 2 or any(len(set(t)) != len(t) for t in tt + [out]):
+            raise ScanFallback(f"%{n.id}: einsum {n.attr('spec')} is not a two-operand "
+                               "contraction")
+        ta, tb = tt
+        ia, ib = n.inputs
+        size = {ch: d for t, v in ((ta, ia), (tb, ib)) for ch, d in
+                zip(t, sc.g.node(v).type.shape)}
+        q = sc.pax[n.id]
+        pref = {out[x]: self.pc[i] for i, x in enumerate(q)} if q is not None else {}
+        batch = [c for c in out if c in ta and c in tb and c not in pref]
+        ms = [c for c in out if c in ta and c not in tb and c not in pref]
+        ns = [c for c in out if c in tb and c not in ta and c not in pref]
+        ks = [c for c in dict.fromkeys(ta + tb) if c not in out]
+        gsize = lambda cs: prod(size[c] for c in cs)
+        NB, M, N, K = gsize(batch), gsize(ms), gsize(ns), gsize(ks)
+        BM, BN, BK = (min(pow2(x, 16), DOT_BLOCK) for x in (M, N, K))
+        self.line(f"# %{n.id} = einsum[{n.attr('spec')}]: [{M}, {K}] x [{K}, {N}], "
+                  f"{NB} local batch")
+
+        def letters(cs: list[str], ix: str) -> dict[str, str]:
+            return dict(zip(cs, _delin(ix, tuple(size[c] for c in cs))))
+
+        zb = "0"
+        if NB > 1:
+            zb = self.fresh("zb")
+            self.line(f"for {zb} in range(0, {NB}):")
+            self.depth += 1
+        m0 = self._open_loop(self.fresh("m"), M, BM)
+        n0 = self._open_loop(self.fresh("n"), N, BN)
+        rm = self.let(f"({m0} + tl.arange(0, {BM}).to(tl.int64))[:, None]", "rm")
+        rn = self.let(f"({n0} + tl.arange(0, {BN}).to(tl.int64))[None, :]", "rn")
+        acc = self.let(f"tl.zeros([{BM}, {BN}], dtype={self.cd})", "acc")
+        k0 = self._open_loop(self.fresh("k"), K, BK)
+        ka = self.let(f"({k0} + tl.arange(0, {BK}).to(tl.int64))[None, :]", "ka")
+        kb = self.let(f"({k0} + tl.arange(0, {BK}).to(tl.int64))[:, None]", "kb")
+        base = {**pref, **letters(batch, zb)}
+        tiles = []
+        for t, v, rows, cols, rdim, cdim, rsz, csz in (
+                (ta, ia, rm, ka, ms, ks, M, K), (tb, ib, kb, rn, ks, ns, K, N)):
+            lmap = {**base, **letters(rdim, rows), **letters(cdim, cols)}
+            mask = self.let(f"({rows} < {rsz}) & ({cols} < {csz})", "m")
+            shape = f"[{BM if t == ta else BK}, {BK if t == ta else BN}]"
+            sec = Tile(mask, self.let(_tile_zero(shape), "z"), vars=(rows, cols))
+            x = self.value(sec, sc, v, [lmap[ch] for ch in t])
+            tiles.append(self.masked(x, mask, shape))
+        self.line(f"{acc} += tl.dot({tiles[0]}, {tiles[1]}, input_precision={self.precision})")
+        self._close(k0)
+        lmap = {**base, **letters(ms, rm), **letters(ns, rn)}
+        mask = self.let(f"({rm} < {M}) & ({rn} < {N})", "m")
+        sec = Tile(mask, self.let(_tile_zero(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
+        self.line(f"tl.store({self.ptr(sec, dest, [lmap[ch] for ch in out])}, {acc}, "
+                  f"mask={mask})")
+        self._close(n0)
+        self._close(m0)
+        if NB > 1:
+            self.depth -= 1
+        self.barrier()
+
+    def reduce_stage(self, sc: Scope, n: Node, dest: Ref) -> None:
+        """SUM / AMAX over axes, or CUMSUM along one: a [rows, cols] tile per step."""
+        x = n.inputs[0]
+        xs = sc.g.node(x).type.shape
+        qx = sc.pax.get(x)
+        if n.op is Op.CUMSUM:
+            axes = [n.attr("axis") % len(xs)]
+        else:
+            axes = sorted(a % len(xs) for a in n.attr("axes"))
+        kept = [i for i in range(len(xs)) if i not in axes]
+        rloc = [i for i in kept if qx is None or i not in qx]        # row axes (local)
+        O = prod(xs[i] for i in rloc)
+        Rn = prod(xs[i] for i in axes)
+        if n.op is Op.CUMSUM and Rn > MAX_CUMSUM:
+            raise ScanFallback(f"%{n.id}: cumsum over {Rn} > {MAX_CUMSUM} elements")
+        BR = pow2(Rn, 2) if n.op is Op.CUMSUM else min(pow2(Rn, 2), 1024)
+        BO = max(2, min(pow2(O, 2), MAX_TILE // BR))
+        self.line(f"# %{n.id} = {n.op.name.lower()}: {O} rows of {Rn}")
+        o = self._open_loop(self.fresh("o"), O, BO)
+        ix = self.let(f"({o} + tl.arange(0, {BO}).to(tl.int64))[:, None]", "r")
+        jx_ = self.fresh("j")
+        row_c = dict(zip(rloc, _delin(ix, tuple(xs[i] for i in rloc))))
+
+        def in_coords(jx: str) -> list[str]:
+            col_c = dict(zip(axes, _delin(jx, tuple(xs[i] for i in axes))))
+            if n.op is Op.CUMSUM and n.attr("reverse"):
+                col_c = {a: f"({Rn - 1} - {jx})" for a in axes}
+            return [self.pc[qx.index(i)] if qx is not None and i in qx else
+                    row_c[i] if i in row_c else col_c[i] for i in range(len(xs))]
+
+        rmask = f"({ix} < {O})"
+        if n.op is Op.CUMSUM:
+            jx = self.let(f"tl.arange(0, {BR}).to(tl.int64)[None, :]", "j")
+            mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
+            sec = Tile(mask, self.let(_tile_zero(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
+            v = self.value(sec, sc, x, in_coords(jx))
+            y = self.let(f"tl.cumsum({self.masked(v, mask, f'[{BO}, {BR}]')}, axis=1)", "y")
+            self.line(f"tl.store({self.ptr(sec, dest, in_coords(jx))}, {y}, mask={mask})")
+        else:
+            is_max = n.op is Op.AMAX
+            fill = 'float("-inf")' if is_max else "0.0"
+            acc = self.let(f"tl.full([{BO}, {BR}], {fill}, dtype={self.cd})", "acc")
+            r0 = self._open_loop(self.fresh("c"), Rn, BR)
+            jx = self.let(f"({r0} + tl.arange(0, {BR}).to(tl.int64))[None, :]", jx_)
+            mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
+            sec = Tile(mask, self.let(_tile_zero(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
+            v = self.value(sec, sc, x, in_coords(jx))
+            v = self.masked(v, mask, f"[{BO}, {BR}]", fill)
+            self.line(f"{acc} = tl.maximum({acc}, {v})" if is_max else f"{acc} += {v}")
+            self._close(r0)
+            red = self.let(f"tl.{'max' if is_max else 'sum'}({acc}, axis=1, keep_dims=True)",
+                           "y")
+            oc = in_coords("0")
+            out_c = ([oc[i] for i in range(len(xs))] if n.attr("keepdim")
+                     else [oc[i] for i in kept])
+            sec = Tile(rmask, self.let(_tile_zero(f"[{BO}, 1]"), "z"), vars=(ix,))
+            self.line(f"tl.store({self.ptr(sec, dest, out_c)}, {red}, mask={rmask})")
+        self._close(o)
+        self.barrier()
+
+    # -- bodies -----------------------------------------------------------------------------------
+    def uses(self, g: Graph, vid: int) -> int:
+        return len(g.users(vid)) + sum(1 for _, v in g.outputs if v == vid)
+
+    def local_ref(self, shape: tuple[int, ...], pax: tuple[int, ...] | None) -> Ref:
+        if pax is None and self.p:
+            self.shared += prod(shape)
+        return Ref("ws", shape, pax, base=str(self.alloc(prod(_local(shape, pax)))))
+
+    def body(self, sc: Scope) -> None:
+        """Emit every node of `sc.g` (its inputs are already in `sc.refs`)."""
+        g = sc.g
+        for vid in g.order():
+            n = g.node(vid)
+            op = n.op
+            if op is Op.INPUT:
+                continue
+            if op is Op.FULL:
+                sc.refs[vid], sc.pax[vid] = Ref("lit", n.type.shape, None,
+                                                value=float(n.attr("value"))), None
+                continue
+            if op in (Op.MASK, Op.ROPE):
+                name = f"g{len(self.tables)}"
+                self.tables.append((op.name, dict(n.attr_dict)))
+                sc.refs[vid], sc.pax[vid] = Ref("arg", n.type.shape, None, name=name), None
+                continue
+            if op is Op.ITEM:
+                continue                              # bound by its scan
+            sc.pax[vid] = q = self.pax_of(sc, n) if op is not Op.SCAN else None
+            if op in _VIEW_OPS:
+                sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
+            elif op in _POINTWISE or op in (Op.CAST, Op.TAKE_ALONG, Op.SCATTER_ALONG):
+                if op is Op.CAST and n.attr("dtype") not in ("f32", "f64"):
+                    raise ScanFallback(f"%{vid}: cast to {n.attr('dtype')}")
+                if self.uses(g, vid) == 1 and all(g.node(u).op is not Op.SCAN
+                                                  for u in g.users(vid)):
+                    sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
+                else:
+                    sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
+                    self.pointwise_stage(
+                        f"%{vid} = {op.name.lower()}", n.type.shape, q, dest, (),
+                        lambda sec, c, n=n: self._node_value(sec, sc, n, c, ()))
+            elif op is Op.EINSUM:
+                sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
+                self.einsum_stage(sc, n, dest)
+            elif op in (Op.SUM, Op.AMAX, Op.CUMSUM):
+                sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
+                self.reduce_stage(sc, n, dest)
+            elif op is Op.SCAN:
+                self.scan_loop(sc, n)
+            else:
+                raise ScanFallback(f"%{vid}: no scan-kernel rule for {op.name}")
+
+    def copy(self, label: str, sc: Scope, vid: int, shape: tuple[int, ...],
+             pax: tuple[int, ...] | None, dest: Ref, lead: tuple[str, ...] = (),
+             guard: bool = False) -> None:
+        self.pointwise_stage(label, shape, pax, dest, lead,
+                             lambda sec, c: self.value(sec, sc, vid, c), guard)
+
+    def scan_loop(self, sc: Scope, n: Node, top: dict | None = None) -> None:
+        """Emit scan `n` of scope `sc` as a loop; bind its ITEMs (nested) or write the
+        kernel's outputs (`top`: item index -> output Ref)."""
+        while True:
+            state = (len(self.lines), self.n, self.ws, len(self.tables), self.stages,
+                     self.depth, self.loop_depth, self.shared)
+            try:
+                self._scan_loop(sc, n, top)
+                return
+            except _Redo as r:
+                if r.scan != n.id:
+                    raise
+                del self.lines[state[0]:]
+                self.n, self.ws, self.stages = state[1], state[2], state[4]
+                self.depth, self.loop_depth, self.shared = state[5], state[6], state[7]
+                del self.tables[state[3]:]
+                self.carry_pax[(n.id, r.k)] = r.pax
+
+    def _scan_loop(self, sc: Scope, n: Node, top: dict | None) -> None:
+        a = n.attr_dict
+        body: Graph = a["body"]
+        nc, nx, L = a["n_carry"], a["n_xs"], a["length"]
+        self.loop_depth += 1
+        d = self.loop_depth
+        it, t = f"it{d}", f"t{d}"
+        bsc = Scope(body)
+        ins = body.inputs
+        slots = []
+        self.line(f"# scan %{n.id}: {L} iterations{', reversed' if a['reverse'] else ''}, "
+                  f"{nc} carries")
+        for k in range(nc):                           # carries: two slots each, init -> slot 0
+            shape = body.node(ins[k]).type.shape
+            q = self.carry_pax.get((n.id, k), sc.pax.get(n.inputs[k]))
+            size = -(-prod(_local(shape, q)) // 16) * 16
+            off = self.alloc(2 * size)
+            slots.append((off, size, q, shape))
+            self.copy(f"carry {k} of %{n.id}: initial value", sc, n.inputs[k], shape, q,
+                      Ref("ws", shape, q, base=str(off)))
+            bsc.refs[ins[k]] = Ref("ws", shape, q, base=f"{off} + ({it} % 2) * {size}")
+            bsc.pax[ins[k]] = q
+        for j in range(nx):                           # xs: the stacked operand at t
+            v = n.inputs[nc + j]
+            q = sc.pax.get(v)
+            if q is not None and 0 in q:
+                raise _PaxError(f"scan %{n.id} iterates along the independent axes")
+            bsc.refs[ins[nc + j]] = Ref("at", (), None, lead=(t,), node=sc.g.node(v), scope=sc)
+            bsc.pax[ins[nc + j]] = tuple(x - 1 for x in q) if q is not None else None
+        for i in range(nc + nx, len(ins)):            # closed-over operands
+            v = n.inputs[i]
+            bsc.refs[ins[i]] = Ref("at", (), None, node=sc.g.node(v), scope=sc)
+            bsc.pax[ins[i]] = sc.pax.get(v)
+        self.line(f"for {it} in range(0, {L}):")
+        self.depth += 1
+        self.line(f"{t} = {L - 1} - {it}" if a["reverse"] else f"{t} = {it}")
+        self.body(bsc)
+        outs = [v for _, v in body.outputs]
+        for k, v in enumerate(outs[:nc]):
+            qo = bsc.pax.get(v)
+            off, size, q, shape = slots[k]
+            if qo is not None and q != qo:
+                if q is None:
+                    raise _Redo(n.id, k, qo)
+                raise _PaxError(f"carry {k} of scan %{n.id} moves the independent axes")
+        items: dict[int, Ref] = {}
+        for k, v in enumerate(outs[nc:], start=nc):   # ys: into their slice at t
+            qo = bsc.pax.get(v)
+            shape = body.node(v).type.shape
+            if top is not None:
+                if k in top:
+                    self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, top[k], (t,),
+                              guard=qo is None)
+                continue
+            stacked = (L,) + shape
+            qs = tuple(x + 1 for x in qo) if qo is not None else None
+            dest = self.local_ref(stacked, qs)
+            self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, dest, (t,))
+            items[k] = dest
+        for k, v in enumerate(outs[:nc]):             # next carry into the other slot
+            off, size, q, shape = slots[k]
+            self.copy(f"carry {k} of %{n.id}: next", bsc, v, shape, q,
+                      Ref("ws", shape, q, base=f"{off} + (({it} + 1) % 2) * {size}"))
+        self.depth -= 1
+        self.loop_depth -= 1
+        for k in range(nc):
+            off, size, q, shape = slots[k]
+            final = Ref("ws", shape, q, base=f"{off} + {(L % 2) * size}")
+            if top is not None:
+                if k in top:
+                    self.pointwise_stage(
+                        f"final carry {k} of %{n.id}", shape, q, top[k], (),
+                        lambda sec, c, final=final: self._ref_value(sec, final, c),
+                        guard=q is None)
+            else:
+                items[k] = final
+        if top is None:
+            for u in sc.g.users(n.id):
+                un = sc.g.node(u)
+                if un.op is Op.ITEM:
+                    r = items[un.attr("index")]
+                    sc.refs[u] = r
+                    sc.pax[u] = r.pax
+
+    def _ref_value(self, sec: Tile, ref: Ref, c: list[str]) -> str:
+        key = ("ref", ref.base, tuple(c))
+        if key not in sec.cache:
+            sec.cache[key] = self.let(
+                f"tl.load({self.ptr(sec, ref, c)}, mask={sec.mask}, other=0.0)", "x", True)
+        return sec.cache[key]
+
