@@ -34,7 +34,8 @@ PROFILE_CATEGORIES = ("pointwise", "reduction", "matmul", "attention", "memory u
 
 
 class Profiler:
-    """Exclusive wall time per kernel category (a scan's own time excludes its body's)."""
+    """Exclusive wall time per kernel category (a scan's own time excludes its body's, and
+    the profiler's own bookkeeping for the body's kernels)."""
 
     def __init__(self) -> None:
         self.seconds = {c: 0.0 for c in PROFILE_CATEGORIES}
@@ -42,15 +43,17 @@ class Profiler:
         self._child = [0.0]
 
     def run(self, label: str, fns: list[Step]) -> None:
-        self._child.append(0.0)
-        t0 = time.perf_counter()
+        clock = time.perf_counter
+        enter = clock()
+        stack = self._child
+        stack.append(0.0)
+        t0 = clock()
         for f in fns:
             f()
-        dt = time.perf_counter() - t0
-        child = self._child.pop()
-        self.seconds[label] += dt - child
+        dt = clock() - t0
+        self.seconds[label] += dt - stack.pop()
         self.calls[label] += 1
-        self._child[-1] += dt
+        stack[-1] += clock() - enter          # the parent is not charged our bookkeeping
 
 
 _ACTIVE: list[Profiler] = []            # the profiler of the run in progress, if any
@@ -277,11 +280,24 @@ class _Builder:
         in_names = body.input_names()
         out_names = [name for name, _ in body.outputs]
         order = range(length - 1, -1, -1) if a["reverse"] else range(length)
+        # a carry the body also returns as a ys value (a residual saved for the backward)
+        # lives in that stacked buffer instead of a slot: saved as it enters an iteration
+        # (the previous iteration writes it into this iteration's slice) or as it leaves
+        outs = [v for _, v in body.outputs]
+        saved_in = {j: k for k in reversed(range(nc, len(outs))) if k in items
+                    for j in range(nc) if outs[k] == body.inputs[j]}
+        saved_out = {j: k for k in reversed(range(nc, len(outs))) if k in items
+                     for j in range(nc) if outs[k] == outs[j]}
         iterations: list[list[tuple[str, list[Step]]]] = []
         carry_in = args[:nc]
+        order = list(order)
         for i, t in enumerate(order):
             last = i == length - 1
-            homes = [items[k] if last and k in items else slot_sets[i % 2][k] for k in range(nc)]
+            homes = [items[j] if last and j in items else
+                     slot_sets[i % 2][j] if last else
+                     items[saved_in[j]][order[i + 1]] if j in saved_in else
+                     items[saved_out[j]][t] if j in saved_out else
+                     slot_sets[i % 2][j] for j in range(nc)]
             homes += [items[k][t] if k in items else self.scratch.alloc(body.node(v).type)
                       for k, (_, v) in enumerate(body.outputs) if k >= nc]
             external = dict(zip(in_names, carry_in + [x[t] for x in args[nc:nc + nx_]]
@@ -292,7 +308,8 @@ class _Builder:
             sub.build()
             groups = list(sub.groups)
             copies = [_copy(home, sub.home(v)) for k, ((_, v), home)
-                      in enumerate(zip(body.outputs, homes)) if not body_plan.direct_output(k)]
+                      in enumerate(zip(body.outputs, homes))
+                      if not body_plan.direct_output(k) and not _same_view(home, sub.home(v))]
             if copies:
                 groups.append(("scan", copies))
             iterations.append(groups)
@@ -301,9 +318,10 @@ class _Builder:
 
         def run() -> None:
             if _ACTIVE:
+                timed = _ACTIVE[-1].run
                 for groups in iterations:
                     for label, fns in groups:
-                        _ACTIVE[-1].run(label, fns)
+                        timed(label, fns)
             else:
                 for f in flat:
                     f()
