@@ -106,6 +106,10 @@ class Graph:
     def input_names(self) -> list[str]:
         return [self._nodes[i].attr("name") for i in self.inputs]
 
+    def input_types(self) -> dict[str, Type]:
+        """Each graph input's name and type."""
+        return {self._nodes[i].attr("name"): self._nodes[i].type for i in self.inputs}
+
     def input_by_name(self, name: str) -> int:
         for i in self.inputs:
             if self._nodes[i].attr("name") == name:

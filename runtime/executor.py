@@ -597,14 +597,3 @@ class profiling:
 
     def __exit__(self, *exc: Any) -> None:
         _ACTIVE.pop()
-
-
-def executor_for(g: Graph, persistent: set[str], bound: dict[str, Tensor] | None = None,
-                 float_dtype: torch.dtype | None = None,
-                 cls: type[ArenaExecutor] = ArenaExecutor, **options: Any) -> ArenaExecutor:
-    """Fuse, plan and bind a graph (used for graphs outside the training pipeline: eval,
-    logits, serving steps) on executor class `cls` (with its `options`)."""
-    from titanc.passes.fusion import fuse
-    from titanc.passes.memory_plan import plan_memory
-
-    return cls(plan_memory(fuse(g), persistent), bound, float_dtype, **options)

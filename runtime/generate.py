@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from titanc.decode import lower_step, lower_write, n_keys, state_shapes
 from titanc.errors import TitancError
 
 Tensor = torch.Tensor
@@ -22,7 +21,7 @@ NEG_INF = -math.inf
 @dataclass
 class DecodeState:
     """Everything a batch of sequences carries between steps (leading L on layer tensors)."""
-    tensors: dict[str, Tensor]                # state.<name> of decode.state_shapes
+    tensors: dict[str, Tensor]                # the decode step graph's state.<name> inputs
     pending: dict[str, Tensor]                # items of the memory chunk in progress
     pos: list[int]                            # next position of each sequence
     slot_pos: Tensor                          # (B, W) position held by each ring slot, -1 empty
@@ -65,7 +64,8 @@ class _HostInputs:
         self.pos = torch.zeros(n, dtype=torch.float64)
         self.ang = torch.zeros(n, half, dtype=torch.float64)
         self.trig = torch.zeros(n, half, dtype=torch.float64)
-        self.bias = torch.zeros(B, n, n_keys(m, n), dtype=dt)
+        bias = gen.prog.graph("decode_step", B, n).graph.input_types().get("attn_bias")
+        self.bias = torch.zeros(B, n, bias.shape[-1] if bias else 0, dtype=dt)
         self.mask = torch.zeros(B, dtype=dt)
         W = m.attention.window
         t = torch.arange(n)
@@ -108,22 +108,12 @@ class Generator:
         self._graphs: dict[tuple, Any] = {}
 
     # -- graphs -------------------------------------------------------------------------------
-    def _graph(self, kind: str, batch: int, n: int = 1):
-        key = (kind, batch, n)
-        if key not in self._graphs:
-            self._graphs[key] = (lower_step(self.spec, batch, n) if kind == "step"
-                                 else lower_write(self.spec, batch))
-        return self._graphs[key]
-
     def new_state(self, batch: int) -> DecodeState:
         L = self.m.n_layers
-        z = lambda *s: torch.zeros(*s, dtype=self.dtype)
-        tensors = {k: z(L, *s) for k, s in state_shapes(self.m, batch).items()}
+        tensors = self._zeros("decode_step", batch, "state.")
         pending: dict[str, Tensor] = {}
         if self.has_memory:
-            nm, e = self.m.memory.heads, self.m.d_model // self.m.memory.heads
-            pending = {k: z(L, batch, nm, self.chunk, e) for k in ("mk", "mv")}
-            pending.update({k: z(L, batch, nm, self.chunk) for k in ("theta", "log_eta", "log_keep")})
+            pending = self._zeros("decode_write", batch, "pending.")
             params = self.prog.parameters()
             for i in range(1, self.m.memory.depth + 1):
                 w0 = params[f"layers.mem_w{i}"].to(self.dtype)          # (L, Nm, o, i)
@@ -133,6 +123,12 @@ class Generator:
         window = self.m.attention.window if self.m.block in ("attn", "mag", "mal") else 1
         return DecodeState(tensors, pending, [0] * batch,
                            torch.full((batch, window), -1, dtype=torch.int64))
+
+    def _zeros(self, kind: str, batch: int, prefix: str) -> dict[str, Tensor]:
+        """Zeros shaped like the `prefix`-named inputs of a compiled graph, by short name."""
+        types = self.prog.graph(kind, batch).graph.input_types()
+        return {k.removeprefix(prefix): torch.zeros(*t.shape, dtype=self.dtype)
+                for k, t in types.items() if k.startswith(prefix)}
 
     # -- host inputs --------------------------------------------------------------------------
     def _host(self, B: int, n: int) -> _HostInputs:
@@ -191,7 +187,7 @@ class Generator:
                 self._fill_rope(h, b, st.pos[b] % S if self.m.block == "mac" else st.pos[b])
                 self._fill_bias(h, st, b, n)
             inputs.update(rope_cos=h.cos, rope_sin=h.sin, attn_bias=h.bias)
-        out = self.prog._run(self._graph("step", B, n), inputs)
+        out = self.prog._run(self.prog.graph("decode_step", B, n), inputs)
         self._absorb(st, out, n)
         return out["logits"]
 
@@ -289,7 +285,7 @@ class Generator:
         inputs = {f"state.{k}": tensors[k] for k in keys}
         inputs.update({f"pending.{k}": v for k, v in pending.items()})
         inputs["mask"] = mask
-        out = self.prog._run(self._graph("write", B), inputs)
+        out = self.prog._run(self.prog.graph("decode_write", B), inputs)
         for k, v in out.items():
             tensors[k.removeprefix("state.")].copy_(v)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from titanc.errors import TitancError
-from titanc.ir import Graph, Interpreter
+from titanc.ir import Interpreter
 from titanc.ir.types import DTYPES, dtype_name
 from titanc.params import init_params
 
@@ -66,7 +66,6 @@ class Program:
         self.step = 0
         self.last: dict[str, float] = {}
         self._by_batch: dict[int, Any] = {self.batch_size: compiled}
-        self._extra: dict[tuple[str, int], Graph] = {}
 
     # -- state ----------------------------------------------------------------------------------
     def parameters(self) -> dict[str, Tensor]:
@@ -109,10 +108,14 @@ class Program:
 
     # -- running --------------------------------------------------------------------------------
     def _graphs(self, batch: int) -> Any:
+        """The compiled program (titanc.compiler.Compiled) at `batch` rows."""
         if batch not in self._by_batch:
-            from titanc.compiler import compile_graphs
-            self._by_batch[batch] = compile_graphs(self.spec, batch=batch, verify_each=False)
+            self._by_batch[batch] = self.compiled.for_batch(batch)
         return self._by_batch[batch]
+
+    def graph(self, kind: str, batch: int, n: int = 1) -> Any:
+        """The compiled graph of `kind` (titanc.compiler.GRAPH_KINDS) at `batch` rows."""
+        return self._graphs(batch).graph(kind, n)
 
     def _check_tokens(self, tokens: Tensor) -> Tensor:
         if tokens.dim() != 2 or tokens.shape[1] != self.seq_len + 1:
@@ -120,20 +123,20 @@ class Program:
                               f"got {list(tokens.shape)}")
         return tokens.to(torch.int64)
 
-    def _run(self, g: Graph, inputs: dict[str, Tensor], plan: Any = None) -> dict[str, Tensor]:
-        """Run a graph: on the arena executor (bound to this program's parameters and
-        buffers) or, for `target: reference`, on the interpreter."""
+    def _run(self, cg: Any, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Run a compiled graph (titanc.compiler.CompiledGraph): on the arena executor of its
+        plan, bound to this program's parameters and buffers, or, for `target: reference`, its
+        graph on the interpreter."""
         with torch.no_grad():
             if self.target == "reference":
-                return self._interp(g, inputs)
-            ex = self._executors.get(id(g))
+                return self._interp(cg.graph, inputs)
+            ex = self._executors.get(id(cg))
             if ex is None:
-                ex = self._executors[id(g)] = self._bind(g, plan)
+                ex = self._executors[id(cg)] = self._bind(cg)
             return ex.run({k: v for k, v in inputs.items() if k not in ex.bound})
 
-    def _bind(self, g: Graph, plan: Any) -> Any:
-        from .executor import executor_for
-
+    def _bind(self, cg: Any) -> Any:
+        g = cg.graph
         names = set(g.input_names()) | {n for n, _ in g.outputs}
         bound: dict[str, Tensor] = {}
         for n, t in self._params.items():
@@ -141,27 +144,21 @@ class Program:
                 if alias in names:
                     bound[alias] = t
             if f"grad.{n}" in names:
-                bound[f"grad.{n}"] = self._grad_acc[n] if g is self.compiled.optimizer \
+                bound[f"grad.{n}"] = self._grad_acc[n] if cg.kind == "optimizer" \
                     else self._grad_tmp[n]
             if f"opt.m.{n}" in names:
                 bound[f"opt.m.{n}"], bound[f"opt.v.{n}"] = self._m[n], self._v[n]
-        if plan is not None:
-            return self._executor_cls(plan, bound, **self._executor_options)
-        return executor_for(g, set(bound) | {n for n in names if n.startswith("state.")}, bound,
-                            cls=self._executor_cls, **self._executor_options)
+        return self._executor_cls(cg.plan, bound, **self._executor_options)
 
     def loss(self, tokens: Tensor) -> float:
         tokens = self._check_tokens(tokens)
-        c = self._graphs(tokens.shape[0])
-        return float(self._run(c.forward, {"tokens": tokens, **self._params})["loss"])
+        cg = self.graph("forward", tokens.shape[0])
+        return float(self._run(cg, {"tokens": tokens, **self._params})["loss"])
 
     def _forward_output(self, tokens: Tensor, output: str) -> Tensor:
         tokens = self._check_tokens(tokens)
-        key = (output, tokens.shape[0])
-        if key not in self._extra:
-            from titanc.frontend import lower_forward
-            self._extra[key] = lower_forward(self.spec, batch=tokens.shape[0], output=output)
-        return self._run(self._extra[key], {"tokens": tokens, **self._params})[output]
+        cg = self.graph(output, tokens.shape[0])
+        return self._run(cg, {"tokens": tokens, **self._params})[output]
 
     def logits(self, tokens: Tensor) -> Tensor:
         """Next-token logits [B, T, V] for tokens [B, T+1] (the last column is ignored)."""
@@ -178,8 +175,8 @@ class Program:
 
     def _grads(self, tokens: Tensor) -> tuple[float, dict[str, Tensor]]:
         tokens = self._check_tokens(tokens)
-        c = self._graphs(tokens.shape[0])
-        out = self._run(c.grad, {"tokens": tokens, **self._params}, c.plans.get("training"))
+        cg = self.graph("training", tokens.shape[0])
+        out = self._run(cg, {"tokens": tokens, **self._params})
         return float(out["loss"]), {n: out[f"grad.{n}"] for n in self._params}
 
     def train_step(self, tokens: Tensor) -> float:
@@ -207,7 +204,7 @@ class Program:
             inputs[f"grad.{n}"] = self._grad_acc[n]
             inputs[f"opt.m.{n}"] = self._m[n]
             inputs[f"opt.v.{n}"] = self._v[n]
-        out = self._run(self.compiled.optimizer, inputs, self.compiled.plans.get("optimizer"))
+        out = self._run(self.compiled.graph("optimizer"), inputs)
         with torch.no_grad():
             for n in self._params:                   # the executor updates in place
                 for dst, key in ((self._params[n], f"param.{n}"), (self._m[n], f"opt.m.{n}"),

@@ -1,9 +1,20 @@
-"""The compile pipeline: one flat function of named steps (STYLE.md 6).
+"""The compile pipeline: the only way a graph reaches an executor (STYLE.md 6).
 
-spec -> forward graph -> optimised forward -> training graph -> optimizer graph. Every step
-is a pure `Graph -> Graph` pass, verified after it runs (`verify_each`), recorded in
-`Compiled.passes` (report.json `passes`) and dumped by `titanc compile` as `ir/NN_<pass>_<graph>.txt`.
-`TITANC_DEBUG=1` prints pass timings, `=2` the IR after each pass.
+Every graph kind (`GRAPH_KINDS`) goes through the same steps:
+
+    lower (frontend / decode / optimizer) -> graph passes -> fusion -> verify_schedule
+        -> memory plan  =>  `CompiledGraph(kind, graph, schedule, plan, passes)`
+
+The graph passes are canonicalize and aggregate for every kind; the forward graph adds the
+chunked loss and (unless `remat: none`) the chunk-carry checkpoints, and the training graph is
+the autodiff of that forward. Each graph pass is verified after it runs (`verify_each`),
+recorded in the `PassLog` (report.json `graphs.<kind>.passes`) and dumped by `titanc compile`
+as `ir/NN_<pass>_<graph>.txt`. `TITANC_DEBUG=1` prints pass timings, `=2` the IR after each
+pass and every fusion refusal.
+
+`compile_graphs` builds the training kinds (forward, training, optimizer) at once; the others
+(logits, logprobs, decode_step, decode_write) are built on first use by `Compiled.graph`, so
+the runtime receives compiled graphs and never imports a frontend module.
 """
 from __future__ import annotations
 
@@ -17,70 +28,153 @@ from titanc.passes.autodiff import grad_graph
 from titanc.passes.canonicalize import canonicalize
 from titanc.passes.fusion import fuse
 from titanc.passes.memory_plan import MemoryPlan, plan_memory
-from titanc.passes.schedule import Schedule
+from titanc.passes.schedule import Schedule, verify_schedule
 from titanc.passes.chunked_loss import chunk_loss
 from titanc.passes.remat import Policy, checkpoint_chunks, choose_policy
 from titanc.passes.manager import PassLog
 from titanc.passes.optimizer import optimizer_graph
 
+from .decode import lower_step, lower_write
 from .frontend import lower_forward
 from .params import ParamSpec, param_specs
+
+# forward: the loss; training: loss and gradients; optimizer: clip + AdamW; logits / logprobs:
+# the forward with another output; decode_step: n new tokens given each layer's state;
+# decode_write: one completed memory chunk applied to the state
+GRAPH_KINDS = ("forward", "training", "optimizer", "logits", "logprobs", "decode_step",
+               "decode_write")
+
+
+@dataclass
+class CompiledGraph:
+    """One graph after the whole pipeline: what an executor binds."""
+    kind: str                      # one of GRAPH_KINDS
+    graph: Graph                   # after the graph passes
+    schedule: Schedule             # fused kernels, verified
+    plan: MemoryPlan               # arena offsets; persistent names are bound by the caller
+    passes: list[dict[str, Any]]   # this graph's records of the pass log
 
 
 @dataclass
 class Compiled:
     spec: Any
+    batch: int
     params: list[ParamSpec]
-    forward: Graph
-    grad: Graph
-    optimizer: Graph
     log: PassLog = field(default_factory=PassLog)
     policy: Policy = field(default_factory=Policy)
-    schedules: dict[str, Schedule] = field(default_factory=dict)   # forward/training/optimizer
-    plans: dict[str, MemoryPlan] = field(default_factory=dict)
+    graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
+
+    # the training kinds, as the tests, inspection and codegen read them
+    @property
+    def forward(self) -> Graph:
+        return self.graphs["forward"].graph
+
+    @property
+    def grad(self) -> Graph:
+        return self.graphs["training"].graph
+
+    @property
+    def optimizer(self) -> Graph:
+        return self.graphs["optimizer"].graph
+
+    @property
+    def schedules(self) -> dict[str, Schedule]:
+        return {k: self.graphs[k].schedule for k in ("forward", "training", "optimizer")}
+
+    @property
+    def plans(self) -> dict[str, MemoryPlan]:
+        return {k: self.graphs[k].plan for k in ("forward", "training", "optimizer")}
 
     @property
     def passes(self) -> list[dict[str, Any]]:
         return self.log.records
 
+    def graph(self, kind: str, n: int = 1) -> CompiledGraph:
+        """The compiled graph of `kind` at this batch (`n`: new tokens of a decode step),
+        built through the pipeline on first use."""
+        key = kind if kind in ("forward", "training", "optimizer") else (kind, n)
+        if key not in self.graphs:
+            self.graphs[key] = self._compile(kind, n)
+        return self.graphs[key]
+
+    def _compile(self, kind: str, n: int) -> CompiledGraph:
+        spec, log, B, persistent = self.spec, self.log, self.batch, self._persistent()
+        if kind == "forward":
+            # the direct program: per-token outer products, layers and memory chunks as
+            # scans; then the shared passes: fold constants, simplify, CSE, DCE, and weighted
+            # sums of per-token outer products -> contractions (before autodiff, so the
+            # backward differentiates the contraction and never builds the per-token tensor);
+            # then LM head + cross-entropy over chunks of tokens (the [B·T, V] logits never
+            # exist) and the memory state saved every k ≈ sqrt(n) chunks, recomputed between
+            extra: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
+                ("chunked_loss", lambda g: chunk_loss(g, spec.train.loss_chunk)),)
+            if spec.train.remat != "none":
+                extra += (("checkpoint_chunks", checkpoint_chunks),)
+            return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra)
+        if kind == "training":
+            fwd = self.graph("forward").graph
+            # what scans save for the backward: carries only, everything, or a budgeted min-cut
+            self.policy = choose_policy(fwd, spec.train)
+            # forward + backward (scans recompute what the policy does not save), then the
+            # shared passes again: aggregate catches any weighted outer-product sum the
+            # backward exposes
+            start = len(log.records)
+            g = log.apply("autodiff", lambda g: grad_graph(g, [p.name for p in self.params],
+                                                           policy=self.policy), fwd)
+            g = log.apply("canonicalize", canonicalize, g)
+            g = log.apply("aggregate", aggregate, g)
+            return _finish(log, kind, g, persistent, start)
+        if kind == "optimizer":
+            # clipping + AdamW over the flat parameter set
+            return _pipeline(log, kind, lambda: optimizer_graph(
+                self.params, spec.train, dtype_name(spec.train.dtype)), persistent)
+        if kind in ("logits", "logprobs"):
+            return _pipeline(log, kind, lambda: lower_forward(spec, B, output=kind), persistent)
+        if kind == "decode_step":
+            return _pipeline(log, kind, lambda: lower_step(spec, B, n), persistent)
+        if kind == "decode_write":
+            return _pipeline(log, kind, lambda: lower_write(spec, B), persistent)
+        raise ValueError(f"unknown graph kind {kind!r}; one of {GRAPH_KINDS}")
+
+    def for_batch(self, batch: int) -> "Compiled":
+        """The same spec at another batch size; its graphs compile on first use."""
+        return Compiled(self.spec, batch, self.params, PassLog(verify_each=False))
+
+    def _persistent(self) -> set[str]:
+        """Names bound to the caller's tensors rather than planned in the arena: parameters
+        and their gradients, the optimizer's inputs and outputs, and the loss (a decoder's
+        per-layer `state.*` inputs are added per graph, in `_finish`)."""
+        names = {p.name for p in self.params} | {"loss", "lr", "step", "grad_scale", "grad_norm"}
+        return names | {f"{k}.{p.name}" for p in self.params
+                        for k in ("grad", "param", "opt.m", "opt.v")}
+
+
+def _pipeline(log: PassLog, kind: str, lower: Callable[[], Graph], persistent: set[str],
+              extra: tuple[tuple[str, Callable[[Graph], Graph]], ...] = ()) -> CompiledGraph:
+    """Lower a graph and run it through the passes every kind shares (plus `extra`), fusion,
+    schedule verification and the memory plan."""
+    start = len(log.records)
+    g = log.run("frontend", lower)
+    for name, fn in (("canonicalize", canonicalize), ("aggregate", aggregate), *extra):
+        g = log.apply(name, fn, g)
+    return _finish(log, kind, g, persistent, start)
+
+
+def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int) -> CompiledGraph:
+    schedule = _timed(log, f"fusion_{kind}", lambda: verify_schedule(fuse(g)))
+    persistent = persistent | {n for n in g.input_names() if n.startswith("state.")}
+    plan = _timed(log, f"memory_plan_{kind}", lambda: plan_memory(schedule, persistent))
+    return CompiledGraph(kind, g, schedule, plan, log.records[start:])
+
 
 def compile_graphs(spec: Any, batch: int | None = None, verify_each: bool = True) -> Compiled:
-    """Lower `spec` and build its training graphs. Allocates no model-sized tensors."""
-    params = param_specs(spec.model)
-    log = PassLog(verify_each=verify_each)
-    # the direct program: per-token outer products, layers and memory chunks as scans
-    fwd = log.run("frontend", lambda: lower_forward(spec, batch))
-    # fold constants, simplify, CSE, DCE
-    fwd = log.apply("canonicalize", canonicalize, fwd)
-    # weighted sums of per-token outer products -> contractions (before autodiff, so the
-    # backward differentiates the contraction and never builds the per-token tensor)
-    fwd = log.apply("aggregate", aggregate, fwd)
-    # LM head + cross-entropy over chunks of tokens: the [B·T, V] logits never exist
-    fwd = log.apply("chunked_loss", lambda g: chunk_loss(g, spec.train.loss_chunk), fwd)
-    # memory state saved every k ≈ sqrt(n) chunks, recomputed in between (not under `none`)
-    if spec.train.remat != "none":
-        fwd = log.apply("checkpoint_chunks", checkpoint_chunks, fwd)
-    # what scans save for the backward: carries only, everything, or a budgeted min-cut
-    policy = choose_policy(fwd, spec.train)
-    # forward + backward; scans recompute what the policy does not save
-    grad = log.apply("autodiff", lambda g: grad_graph(g, [p.name for p in params],
-                                                      policy=policy), fwd)
-    grad = log.apply("canonicalize", canonicalize, grad)
-    # catch any weighted outer-product sum the backward exposes
-    grad = log.apply("aggregate", aggregate, grad)
-    # clipping + AdamW over the flat parameter set
-    opt = log.run("optimizer", lambda: optimizer_graph(params, spec.train,
-                                                      dtype_name(spec.train.dtype)))
-    # group nodes into kernels (never across a scan boundary, never raising peak memory)
-    schedules = {name: _timed(log, f"fusion_{name}", lambda g=g: fuse(g))
-                 for name, g in (("forward", fwd), ("training", grad), ("optimizer", opt))}
-    # liveness over the kernel order -> offsets in one arena; params/grads/state persistent
-    persistent = {p.name for p in params} | {f"grad.{p.name}" for p in params} | {"loss"}
-    persistent |= set(opt.input_names()) | {n for n, _ in opt.outputs}
-    plans = {name: _timed(log, f"memory_plan_{name}",
-                          lambda s=s: plan_memory(s, persistent))
-             for name, s in schedules.items()}
-    return Compiled(spec, params, fwd, grad, opt, log, policy, schedules, plans)
+    """Lower `spec` and compile its training graphs (forward, training, optimizer); the other
+    kinds compile on first use. Allocates no model-sized tensors."""
+    c = Compiled(spec, batch or spec.train.batch_size, param_specs(spec.model),
+                 PassLog(verify_each=verify_each))
+    for kind in ("forward", "training", "optimizer"):
+        c.graph(kind)
+    return c
 
 
 def _timed(log: PassLog, name: str, fn: Any) -> Any:
@@ -99,8 +193,6 @@ def launches_per_step(c: Compiled, target: str = "cpu",
     host loop over its body's kernels; on triton a scan that renders to one scan kernel is
     one launch (`codegen.scan_kernel.count_launches`); the scans it cannot render, and why,
     are appended to `fallbacks`."""
-    from titanc.decode import lower_step, lower_write
-
     if target == "triton":
         from titanc.codegen.scan_kernel import count_launches
 
@@ -111,7 +203,8 @@ def launches_per_step(c: Compiled, target: str = "cpu",
     spec = c.spec
     counts = {"training": spec.train.grad_accum * count(c.plans["training"])
               + count(c.plans["optimizer"])}
-    counts["decode"] = count(plan_memory(fuse(lower_step(spec, 1, 1))))
+    one = c if c.batch == 1 else c.for_batch(1)
+    counts["decode"] = count(one.graph("decode_step").plan)
     if spec.model.block != "attn":
-        counts["decode_write_per_chunk"] = count(plan_memory(fuse(lower_write(spec, 1))))
+        counts["decode_write_per_chunk"] = count(one.graph("decode_write").plan)
     return counts
