@@ -162,18 +162,22 @@ def cache_dir() -> Path:
 _LOADED: dict[str, ModuleType] = {}
 
 
-def load_module(source: str, name: str) -> ModuleType:
+def load_module(source: str, name: str, interpret: bool | None = None) -> ModuleType:
     """Write `source` to `<cache_dir>/<name>_<hash>.py` and import it as a module.
 
     The file name carries a hash of the source, so identical sources share one file and one
     module object, and a changed source never reuses a stale import. The write is atomic
     (temp file + rename), so concurrent processes can share the cache.
+
+    Triton decides when a kernel is decorated whether it runs under its interpreter, from
+    `TRITON_INTERPRET`: `interpret` (True / False) sets that variable for the import only and
+    restores it after; None leaves the environment as the caller set it.
     """
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     mod_name = f"titanc_kernel_{sanitize_identifier(name, prefix='k_')}_{digest}"
-    # Triton decides at decoration time whether a kernel is interpreted: never hand a module
-    # loaded in one mode to a caller in the other
-    interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
+    interpreted = (os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
+                   if interpret is None else interpret)
+    # never hand a module loaded in one mode to a caller in the other
     key = f"{mod_name}:{'interpret' if interpreted else 'compile'}"
     if key in _LOADED:
         return _LOADED[key]
@@ -186,6 +190,14 @@ def load_module(source: str, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(mod_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpreted else "0"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
     _LOADED[key] = module
     return module

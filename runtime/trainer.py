@@ -294,7 +294,7 @@ class Trainer:
         prof["peak_rss_bytes"] = _peak_rss_bytes()
         if torch.cuda.is_available():
             prof["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
-        from titanc.bench import profile_table
+        from .profile import profile_table
         steps = max(1, self.prog.step - self._start_step)
         self.log(profile_table(self._kernel_profile, steps, steps * self.tokens_per_step,
                                self.times["train_step"], prof["peak_rss_bytes"],

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.helpers import TINY
-from titanc.bench import peak_flops, profile_summary, profile_table
+from titanc.runtime.profile import peak_flops, profile_summary, profile_table
 from titanc.cli import main
 from titanc.runtime.executor import PROFILE_CATEGORIES
 

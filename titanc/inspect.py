@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from titanc.errors import TitancError
+from titanc.runtime.profile import format_bytes, format_count
 
 __all__ = ["Artifact", "open_artifact", "kernel_rows", "resolved_rows", "category_totals",
            "is_scan", "kernel_table", "kernel_source", "pass_dumps", "pick_dump", "write_graph",
@@ -74,28 +75,6 @@ def open_artifact(path: str | Path) -> Artifact:
 
 
 # -- formatting -------------------------------------------------------------------------------
-
-def format_count(n: float | None) -> str:
-    """1234567 -> '1.23M' (SI prefixes, three significant digits)."""
-    if n is None:
-        return "n/a"
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if abs(n) < 1024 or unit == "TiB":
-            break
-    return f"{n:.1f} {unit}"
-
 
 def _intensity(flops: float, nbytes: float) -> str:
     return f"{flops / nbytes:.2f}" if nbytes else "-"

@@ -1,0 +1,120 @@
+"""The layering of docs/architecture.md, checked on the source: the runtime never reaches a
+frontend module, every graph kind goes through the one pipeline, and imports change no
+process-wide state."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# what lowers a spec to graphs, compiles them, or drives the command line
+FRONTEND = {"titanc.frontend", "titanc.blocks", "titanc.decode", "titanc.attention",
+            "titanc.memory", "titanc.nn", "titanc.compiler", "titanc.cli", "titanc.bench",
+            "titanc.corpus_cli", "titanc.artifact", "titanc.inspect", "titanc.demo"}
+# the package facade (`titanc.compile`, `titanc.load`): the public API the trainer, the
+# evaluator and the server call exactly as a user's script does; not followed
+FACADE = "titanc"
+
+
+def _module_file(mod: str) -> Path | None:
+    """The source file of a titanc module (titanc.runtime.x lives in runtime/x.py)."""
+    parts = mod.split(".")
+    if parts[0] != "titanc":
+        return None
+    base = ROOT.joinpath(*parts[1:])
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _imports(mod: str, path: Path) -> set[str]:
+    """Every titanc module `path` imports, at module level or inside functions."""
+    package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.add(name)
+            out |= {f"{name}.{a.name}" for a in node.names
+                    if _module_file(f"{name}.{a.name}") is not None}
+    return {m for m in out if m.split(".")[0] == "titanc"}
+
+
+def _reaches(start: str) -> dict[str, str]:
+    """Each titanc module reachable from `start`, with the module that imports it."""
+    seen: dict[str, str] = {start: ""}
+    todo = [start]
+    while todo:
+        mod = todo.pop()
+        path = _module_file(mod)
+        if path is None or mod == FACADE:
+            continue
+        for dep in _imports(mod, path):
+            if dep not in seen:
+                seen[dep] = mod
+                todo.append(dep)
+    return seen
+
+
+def test_the_runtime_imports_no_frontend_module() -> None:
+    bad = []
+    for path in sorted((ROOT / "runtime").glob("*.py")):
+        mod = f"titanc.runtime.{path.stem}" if path.stem != "__init__" else "titanc.runtime"
+        for dep, via in _reaches(mod).items():
+            if dep in FRONTEND:
+                bad.append(f"{mod} reaches {dep} (imported by {via})")
+    assert bad == []
+
+
+def test_the_check_sees_a_frontend_import(tmp_path, monkeypatch) -> None:
+    """The import walk follows function-level and relative imports (so the test above can fail)."""
+    fake = tmp_path / "runtime"
+    fake.mkdir()
+    (fake / "leak.py").write_text("def f():\n    from ..decode import lower_step\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "decode.py").write_text("")
+    assert "titanc.decode" in _reaches("titanc.runtime.leak")
+
+
+@pytest.mark.parametrize("module", ["titanc.runtime.triton_executor", "titanc.runtime.generate",
+                                    "titanc.runtime.program"])
+def test_importing_changes_no_process_state(module) -> None:
+    """No environment variable or torch flag is changed by importing a runtime module."""
+    code = (f"import os, torch; env = dict(os.environ); fd = torch.get_num_threads(); "
+            f"import {module}; "
+            f"assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items()); "
+            f"assert torch.get_num_threads() == fd")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_decoding_leaves_the_denormal_mode_as_it_was() -> None:
+    import torch
+
+    import titanc
+    from titanc.runtime.generate import Generator
+
+    from .helpers import tiny_spec
+
+    subnormal = lambda: float(torch.tensor(5e-324, dtype=torch.float64) * 1.0) != 0.0
+    assert subnormal()
+    gen = Generator(titanc.compile(tiny_spec()))
+    assert subnormal()
+    gen.generate([[1, 2, 3]], 3)
+    assert subnormal()
