@@ -118,3 +118,28 @@ def test_decoding_leaves_the_denormal_mode_as_it_was() -> None:
     assert subnormal()
     gen.generate([[1, 2, 3]], 3)
     assert subnormal()
+
+
+def test_every_graph_kind_goes_through_the_pipeline(examples_dir) -> None:
+    """report.json lists each graph kind with its pass log; the decode write graph is
+    aggregated like the training graphs (no per-token outer product survives)."""
+    from titanc.artifact import build_report
+    from titanc.compiler import GRAPH_KINDS, compile_graphs
+    from titanc.decode import lower_write
+    from titanc.ir import graph_stats
+    from titanc.spec import load_spec
+
+    spec = load_spec(examples_dir / "tiny.yaml")
+    report = build_report(spec, compile_graphs(spec), 0.0)
+    assert set(report["graphs"]) == set(GRAPH_KINDS)
+    for kind, row in report["graphs"].items():
+        names = [p["name"] for p in row["passes"]]
+        assert names[-2:] == [f"fusion_{kind}", f"memory_plan_{kind}"], kind
+        assert {"canonicalize", "aggregate"} <= set(names), kind
+    direct = graph_stats(lower_write(spec, spec.train.batch_size))["largest_tensor_bytes"]
+    write = report["graphs"]["decode_write"]
+    # the per-token outer product [B, Nm, U, o, i] of the direct graph is gone
+    assert write["largest_tensor_bytes"] < direct
+    agg = next(p for p in write["passes"] if p["name"] == "aggregate")
+    assert agg["largest_tensor_bytes_after"] < agg["largest_tensor_bytes_before"] == direct
+    assert write["largest_tensor_bytes"] == agg["largest_tensor_bytes_after"]

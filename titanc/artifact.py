@@ -19,7 +19,7 @@ from titanc.ir import format_graph, graph_stats
 from titanc.passes.manager import debug_level
 from titanc.passes.memory_plan import memory_report
 
-from .compiler import Compiled, compile_graphs, launches_per_step
+from .compiler import GRAPH_KINDS, Compiled, compile_graphs, launches_per_step
 from .params import param_count
 from .spec import spec_hash, spec_to_dict
 
@@ -43,20 +43,18 @@ def _versions() -> dict[str, str]:
 
 
 def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
-    fwd, grad = graph_stats(c.forward), graph_stats(c.grad)
     fallbacks: list[dict[str, str]] = []
+    launches = {"cpu": launches_per_step(c, "cpu"),
+                "triton": launches_per_step(c, "triton", fallbacks)}
     return {
         "name": spec.name,
         "spec_hash": spec_hash(spec),
         "block": spec.model.block,
         "parameters": param_count(spec.model),
         "compile_seconds": seconds,
-        "graphs": {
-            "forward": {"nodes": fwd["nodes"], "largest_tensor_bytes": fwd["largest_tensor_bytes"]},
-            "training": {"nodes": grad["nodes"] + graph_stats(c.optimizer)["nodes"],
-                         "largest_tensor_bytes": max(grad["largest_tensor_bytes"],
-                                                     graph_stats(c.optimizer)["largest_tensor_bytes"])},
-        },
+        # every graph kind the runtime runs, each through the same pipeline (its pass log)
+        "graphs": {kind: _graph_row(c, kind) for kind in GRAPH_KINDS
+                   if kind != "decode_write" or spec.model.block != "attn"},
         "remat_policy": c.policy.mode + ("" if c.policy.mode != "mincut" or c.policy.ban_matmul
                                          else "_with_matmuls"),
         "passes": [r for r in c.passes if "nodes_before" in r],
@@ -64,12 +62,21 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         "kernels": [_kernel_row(k) for name in ("training", "optimizer")
                     for k in c.schedules[name].all_kernels()],
         "kernel_counts": {name: len(s.all_kernels()) for name, s in c.schedules.items()},
-        "launches_per_step": {"cpu": launches_per_step(c, "cpu"),
-                              "triton": launches_per_step(c, "triton", fallbacks)},
+        "launches_per_step": launches,
         "scan_fallbacks": {"triton": fallbacks},   # scans that stay host loops, and why
         "memory": memory_report(c.plans["training"], spec.model.vocab_size),
         "memory_forward": memory_report(c.plans["forward"], spec.model.vocab_size),
     }
+
+
+def _graph_row(c: Compiled, kind: str) -> dict[str, Any]:
+    """A graph kind at the compile's batch (decode kinds: one new token)."""
+    cg = c.graph(kind)
+    st = graph_stats(cg.graph)
+    return {"nodes": st["nodes"], "largest_tensor_bytes": st["largest_tensor_bytes"],
+            "kernels": len(cg.schedule.all_kernels()),
+            "arena_bytes": cg.plan.arena_bytes,
+            "passes": [{k: r[k] for k in r if k != "graph"} for r in cg.passes]}
 
 
 def _kernel_row(k: Any) -> dict[str, Any]:
