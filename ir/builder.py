@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from .graph import Graph
-from .ops import Op
+from .ops import SCAN_ROLES, Op
 from .types import TensorType
 
 Number = int | float
@@ -169,11 +169,16 @@ class Builder:
     def scan(self, fn: Callable[..., tuple[Sequence[Value], Sequence[Value]]],
              carries: Sequence[Value], xs: Sequence[Value] = (), consts: Sequence[Value] = (),
              *, length: int | None = None, reverse: bool = False, name: str = "body",
-             names: Sequence[str] | None = None) -> tuple[list[Value], list[Value]]:
+             names: Sequence[str] | None = None,
+             role: str = "loop") -> tuple[list[Value], list[Value]]:
         """`fn(b, carries, x_slices, consts) -> (new_carries, ys)` traced into a body graph.
 
-        Returns the final carries and the ys stacked along a new leading axis.
+        Returns the final carries and the ys stacked along a new leading axis. `role` (one of
+        `SCAN_ROLES`) says what the scan is to the passes and the profiler; `name` only
+        names the body (kernel names, dumps).
         """
+        if role not in SCAN_ROLES:
+            raise ValueError(f"scan role {role!r}: one of {SCAN_ROLES}")
         length = length if length is not None else xs[0].shape[0]
         body = Builder(name)
         all_in = list(carries) + list(xs) + list(consts)
@@ -188,6 +193,6 @@ class Builder:
         body.graph.set_outputs([(f"carry{i}", v.id) for i, v in enumerate(new_c)]
                                + [(f"y{i}", v.id) for i, v in enumerate(ys)])
         tup = self.op(Op.SCAN, *all_in, body=body.graph, length=length, n_carry=nc,
-                      n_xs=nx_, reverse=reverse)
+                      n_xs=nx_, reverse=reverse, role=role)
         outs = [self.item(tup, k) for k in range(len(new_c) + len(ys))]
         return outs[:nc], outs[nc:]

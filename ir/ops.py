@@ -50,7 +50,7 @@ class Op(Enum):
     SCATTER_ALONG = auto()  # VJP of TAKE_ALONG: (grad [...], idx) -> [..., size]; attrs: size
     # scans
     CUMSUM = auto()     # attrs: axis, reverse
-    SCAN = auto()       # attrs: body, length, n_carry, n_xs, reverse   (outputs a tuple)
+    SCAN = auto()       # attrs: body, length, n_carry, n_xs, reverse, role (outputs a tuple)
     ITEM = auto()       # attrs: index   picks one value of a tuple-typed node
 
 
@@ -68,3 +68,9 @@ class OpGroup:
     TUPLE = frozenset({Op.ITEM})
     # ops whose output is a view-like rearrangement (no arithmetic)
     VIEW = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE})
+
+
+# what a SCAN is (its `role` attr), for the passes and the profiler: the layer stack, a MAC
+# segment, a memory update over chunks (forward, backward and the decode write), the outer scan
+# of chunk-carry checkpoints, a chunk of the LM-head loss, anything else
+SCAN_ROLES = ("layer", "segment", "memory", "memory_group", "loss", "loop")

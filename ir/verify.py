@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .graph import Graph
-from .ops import Op, OpGroup
+from .ops import SCAN_ROLES, Op, OpGroup
 from .printer import format_lines
 from .shapes import ShapeError, infer_type
 from .types import TensorType, Type
@@ -35,6 +35,8 @@ class IRError(Exception):
 def scan_signature(ts: list[Type], a: dict[str, Any]) -> Type:
     """Type of a SCAN node from its operand types; checks the body's signature (rule 8)."""
     body: Graph = a["body"]
+    if a.get("role", "loop") not in SCAN_ROLES:
+        raise ShapeError(f"scan role {a['role']!r}: one of {SCAN_ROLES}")
     nc, nx_, length = a["n_carry"], a["n_xs"], a["length"]
     carries, xs, consts = ts[:nc], ts[nc:nc + nx_], ts[nc + nx_:]
     expected = list(carries)

@@ -309,7 +309,8 @@ class _Differentiator:
         acc0 = [_zeros(b, consts[j].type) for j in diff_k]
         ct_ys = [cts[nc + k] for k in y_live]
         (out_c, ys) = b.scan(bwd, ct_c + acc0, flat + list(xs) + ct_ys, consts,
-                             length=length, reverse=not a["reverse"], name=f"{body.name}_bwd")
+                             length=length, reverse=not a["reverse"], name=f"{body.name}_bwd",
+                             role=a.get("role", "loop"))
         grads: list[Value | None] = list(out_c[:nc]) + [None] * (nx_ + len(consts))
         for m, j in enumerate(diff_x):
             grads[nc + j] = ys[m]

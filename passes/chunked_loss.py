@@ -83,7 +83,8 @@ def chunk_loss(g: Graph, chunk: int) -> Graph:
         return [carry[0] + (lse - bb.take_along(logits, tc)).sum((0,))], []
 
     (acc,), _ = b.scan(body, [b.full(0.0, (), head.dtype)], [h, targets], [head], length=n,
-                       name="loss_chunk", names=["acc", "h", "targets", "head"])
+                       name="loss_chunk", names=["acc", "h", "targets", "head"],
+                       role="loss")
     loss = acc * (1.0 / (B * T))
     rest = [(name, env[i].id) for name, i in g.outputs if name != "loss" and i in env]
     b.graph.set_outputs([("loss", loss.id)] + rest)

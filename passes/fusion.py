@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import re
+import sys
 from dataclasses import dataclass
 from itertools import accumulate, count
 from math import prod
@@ -50,6 +51,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.shapes import parse_einsum
 from titanc.ir.types import TensorType
 
+from .manager import debug_level
 from .schedule import PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, value_bytes
 
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
@@ -115,6 +117,8 @@ class _Fuser:
 
     def __init__(self, g: Graph, bodies: dict[int, Schedule], check_peak: bool):
         self.g, self.bodies, self.check_peak = g, bodies, check_peak
+        self.debug = debug_level()
+        self.why = ""                       # why the last `category` call refused
         order = g.order()
         self.pos = {nid: k for k, nid in enumerate(order)}
         self.node = {nid: g.node(nid) for nid in order}
@@ -181,18 +185,23 @@ class _Fuser:
             nid in self.graph_out or any(u not in inside and (
                 nid not in self.imm or self.node[u].op in TEMPLATES) for u in self.users[nid]))]
 
+    def _refuse(self, why: str) -> None:
+        self.why = why
+        return None
+
     def category(self, members: list[int], inside: set[int]) -> str | None:
+        """The kernel category of `members` fused, or None (the reason in `self.why`)."""
         nodes = [self.node[n] for n in members]
         tmpl = [n for n in nodes if n.op in TEMPLATES]
         if tmpl:
             t = tmpl[0]
             ok = len(tmpl) == 1 and all(n is t or (n.op is Op.ITEM and n.inputs[0] == t.id)
                                          for n in nodes)
-            return "template" if ok else None
+            return "template" if ok else self._refuse("a template kernel holds one template node")
         einsums = [n for n in nodes if n.op is Op.EINSUM]
         reds = [n for n in nodes if n.op in REDUCTIONS]
         if len(einsums) > 1 or (einsums and reds):
-            return None
+            return self._refuse("two contractions, or a contraction and a reduction")
         free: set[int] = set()
         post: set[int] = set()           # depends on a reduction / einsum of this kernel
         computed: list[Node] = []
@@ -203,18 +212,19 @@ class _Fuser:
                 free.add(n.id)
                 continue
             if n.op in VIEWS and n.op is not Op.RESHAPE:
-                return None              # broadcast/slice/pad/permute of a computed value
+                return self._refuse(f"%{n.id} ({n.op.name.lower()}) views a computed value")
             if n.op in GATHERS or n.op is Op.EINSUM:
                 if bound:
-                    return None          # gathers and matmul operands read memory only
+                    return self._refuse(f"%{n.id} ({n.op.name.lower()}) reads a computed "
+                                        f"operand (gathers and matmuls read memory)")
             elif n.op in OpGroup.ELEMENTWISE:
                 if any(_numel(self.node[i]) != _numel(n) for i in bound):
-                    return None          # implicit broadcast of a computed value
+                    return self._refuse(f"%{n.id} broadcasts a computed value")
             elif n.op in REDUCTIONS:
                 if any(i in post or self.node[i].op in REDUCTIONS for i in bound):
-                    return None          # a reduction of a reduction: a second pass
+                    return self._refuse(f"%{n.id} reduces a reduction (a second pass)")
             elif n.op is not Op.RESHAPE:
-                return None
+                return self._refuse(f"%{n.id} ({n.op.name.lower()}) fuses with nothing")
             if n.op in REDUCTIONS or n.op is Op.EINSUM or any(i in post for i in bound):
                 post.add(n.id)
             computed.append(n)
@@ -226,19 +236,19 @@ class _Fuser:
             r0 = reds[0]
             key = self._reduction_key(r0)
             if any(self._reduction_key(r) != key for r in reds[1:]):
-                return None
+                return self._refuse("reductions over different axes")
             n_in, n_out = _numel(self.node[r0.inputs[0]]), _numel(r0)
             if any(_numel(n) == n_in != n_out and n.id in post for n in computed):
-                return None              # input-domain work after the reduction: second pass
+                return self._refuse("input-domain work after the reduction (a second pass)")
             dom = {n_in, n_out}
             kind = "reduction"
         else:
             dom = {_numel(computed[0])} if computed else {_numel(n) for n in outs}
             kind = "pointwise"
         if len(dom) == 0 or any(_numel(n) not in dom for n in computed + outs):
-            return None
+            return self._refuse("values of more than one iteration domain")
         if kind == "pointwise" and len(dom) != 1:
-            return None
+            return self._refuse("a pointwise kernel over two domains")
         return kind
 
     def _tag(self, members: list[int]) -> tuple[int, int, frozenset]:
@@ -420,23 +430,34 @@ class _Fuser:
                 continue
             members = sorted(self.members[a] + self.members[b], key=self.pos.__getitem__)
             if self.category(members, set(members)) is None:
+                self._refused(a, b, self.why)
                 continue
             x, y = (a, b) if self.rank[a] < self.rank[b] else (b, a)
             u = self.union(a, b)
             got = self.window(x, y, u)
             if got is None:
+                self._refused(a, b, "a path between them runs through another kernel")
                 continue
             new, prof = got
             i, j = self.rank[x], self.rank[y]
             peak = max(self.pre[i - 1] if i else 0, max(prof),
                        self.suf[j + 1] if j + 1 < len(self.order) else 0)
             if self.check_peak and peak > self.peak:
+                self._refused(a, b, f"peak memory would rise to {peak} B (> {self.peak} B)")
                 continue
             self.merge(x, y, u)
             keep = min(a, b)
             self.order = self.order[:i] + [keep if g == x else g for g in new] + self.order[j + 1:]
             self._reindex(self.prof[:i] + prof + self.prof[j + 1:])
             push(keep)
+
+    def _refused(self, a: int, b: int, why: str) -> None:
+        """`TITANC_DEBUG=2`: print each refused merge and its reason."""
+        if self.debug >= 2:
+            name = lambda gid: "+".join(f"%{n}" for n in self.members[gid][:3]) + (
+                "+..." if len(self.members[gid]) > 3 else "")
+            print(f"[titanc] fusion {self.g.name}: [{name(a)}] with [{name(b)}] refused: {why}",
+                  file=sys.stderr)
 
     def merge(self, x: int, y: int, u: _Summary) -> None:
         """Fold groups x and y into one labelled min(x, y); update every map but the order."""

@@ -149,8 +149,8 @@ def _split_factor(n: int) -> int:
     return best
 
 
-def checkpoint_chunks(g: Graph, prefix: str = "memory_chunk") -> Graph:
-    """Split every scan whose body is named `prefix` (length n) into an outer scan of n/k
+def checkpoint_chunks(g: Graph) -> Graph:
+    """Split every memory scan (role "memory", length n) into an outer scan of n/k
     iterations over an inner scan of k, k ≈ sqrt(n). Under the `recompute` policy the outer
     scan saves the memory state every k chunks and the backward recomputes the k states in
     between: saved states drop from n to n/k + k. Same values (tested)."""
@@ -165,9 +165,9 @@ def checkpoint_chunks(g: Graph, prefix: str = "memory_chunk") -> Graph:
             env[node.id] = ins[0][attrs["index"]]
             continue
         if node.op is Op.SCAN:
-            attrs["body"] = checkpoint_chunks(attrs["body"], prefix)
+            attrs["body"] = checkpoint_chunks(attrs["body"])
         k = _split_factor(attrs["length"]) if node.op is Op.SCAN else 1
-        if k == 1 or not attrs["body"].name.startswith(prefix):
+        if k == 1 or attrs.get("role") != "memory":
             env[node.id] = (b.op(node.op, type=node.type, **attrs) if node.op is Op.INPUT
                             else b.op(node.op, *ins, **attrs))
             continue
@@ -181,7 +181,8 @@ def checkpoint_chunks(g: Graph, prefix: str = "memory_chunk") -> Graph:
             return outs[:nc], outs[nc:]
 
         cs, ys = b.scan(outer, ins[:nc], xs, ins[nc + nx_:], length=n // k,
-                        reverse=attrs["reverse"], name=f"{attrs['body'].name}_group")
+                        reverse=attrs["reverse"], name=f"{attrs['body'].name}_group",
+                        role="memory_group")
         env[node.id] = cs + [y.reshape(n, *y.shape[2:]) for y in ys]
     b.graph.set_outputs([(name, env[i].id) for name, i in g.outputs])
     return b.graph

@@ -59,15 +59,15 @@ class Profiler:
 _ACTIVE: list[Profiler] = []            # the profiler of the run in progress, if any
 
 
-def kernel_label(g: Graph, kernel: Any) -> str:
-    """Profile category: attention (score/value contractions), memory update (kernels of a
-    memory-chunk body), optimizer, else the kernel's own category; a scan's own time (its
-    loop, excluding its body's kernels) is 'scan', other template kernels are 'other'."""
+def kernel_label(g: Graph, kernel: Any, role: str = "") -> str:
+    """Profile category: attention (score/value contractions), memory update (kernels in the
+    body of a scan of role "memory"), optimizer, else the kernel's own category; a scan's own
+    time (its loop, excluding its body's kernels) is 'scan', other template kernels 'other'."""
     if g.name.startswith("optimizer"):
         return "optimizer"
     if kernel.category == "template":
         return "scan" if any(g.node(n).op is Op.SCAN for n in kernel.nodes) else "other"
-    if g.name.startswith("memory_chunk") or g.name.startswith("write"):
+    if role == "memory":
         return "memory update"
     for nid in kernel.nodes:
         n = g.node(nid)
@@ -132,6 +132,7 @@ class _Builder:
         self.loc: dict[int, Tensor] = {}
         self.steps: list[Step] = []
         self.groups: list[tuple[str, list[Step]]] = []   # (profile label, a kernel's steps)
+        self.role = ""                                   # of the scan whose body this is
 
     # -- storage of values that cross kernels ---------------------------------------------------
     def located(self, vid: int) -> Tensor:
@@ -182,7 +183,7 @@ class _Builder:
             mark = self.scratch.top
             first = len(self.steps)
             self.kernel(kern)
-            self.groups.append((kernel_label(self.g, kern), self.steps[first:]))
+            self.groups.append((kernel_label(self.g, kern, self.role), self.steps[first:]))
             self.scratch.top = mark
         return self.steps
 
@@ -305,6 +306,7 @@ class _Builder:
             external.update({OUTPUT_PREFIX + name: home for name, home in zip(out_names, homes)})
             sub = self.sub_builder(body_plan, body_arena, self.persistent, {}, external,
                                    self.scratch, self.consts, self.float_dtype)
+            sub.role = a.get("role", "loop")
             sub.build()
             groups = list(sub.groups)
             copies = [_copy(home, sub.home(v)) for k, ((_, v), home)

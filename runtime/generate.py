@@ -92,17 +92,21 @@ class Sampling:
     stop: Sequence[str] = field(default_factory=tuple)
 
 
+def _flushing_denormals() -> bool:
+    """Does the CPU flush subnormal floats to zero now (torch has no getter)?"""
+    return float(torch.tensor(5e-324, dtype=torch.float64) * 2.0) == 0.0
+
+
 @contextmanager
-def _flush_denormals() -> Iterator[None]:
-    """Subnormal floats flushed to zero inside, the caller's setting restored after. The
+def _flush_denormals(restore: bool) -> Iterator[None]:
+    """Subnormal floats flushed to zero inside, `restore` (the caller's setting) after. The
     memory weights decay geometrically; on CPU, once they turn subnormal every op on them
     slows down ~2x (measured after ~8k decoded tokens)."""
-    was = float(torch.tensor(5e-324, dtype=torch.float64) * 1.0) == 0.0   # flushing already?
     torch.set_flush_denormal(True)
     try:
         yield
     finally:
-        torch.set_flush_denormal(was)
+        torch.set_flush_denormal(restore)
 
 
 class Generator:
@@ -114,6 +118,7 @@ class Generator:
         self.m = prog.spec.model
         self.dtype = prog.dtype
         self.has_memory = self.m.block != "attn"
+        self._flush_after = _flushing_denormals()        # the caller's setting, restored
         self.chunk = self.m.memory.chunk_size if self.has_memory else 16
         self._graphs: dict[tuple, Any] = {}
 
@@ -197,7 +202,7 @@ class Generator:
                 self._fill_rope(h, b, st.pos[b] % S if self.m.block == "mac" else st.pos[b])
                 self._fill_bias(h, st, b, n)
             inputs.update(rope_cos=h.cos, rope_sin=h.sin, attn_bias=h.bias)
-        with _flush_denormals():
+        with _flush_denormals(self._flush_after):
             out = self.prog._run(self.prog.graph("decode_step", B, n), inputs)
         self._absorb(st, out, n)
         return out["logits"]
@@ -296,7 +301,7 @@ class Generator:
         inputs = {f"state.{k}": tensors[k] for k in keys}
         inputs.update({f"pending.{k}": v for k, v in pending.items()})
         inputs["mask"] = mask
-        with _flush_denormals():
+        with _flush_denormals(self._flush_after):
             out = self.prog._run(self.prog.graph("decode_write", B), inputs)
         for k, v in out.items():
             tensors[k.removeprefix("state.")].copy_(v)

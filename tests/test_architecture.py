@@ -143,3 +143,39 @@ def test_every_graph_kind_goes_through_the_pipeline(examples_dir) -> None:
     agg = next(p for p in write["passes"] if p["name"] == "aggregate")
     assert agg["largest_tensor_bytes_after"] < agg["largest_tensor_bytes_before"] == direct
     assert write["largest_tensor_bytes"] == agg["largest_tensor_bytes_after"]
+
+
+def test_scans_carry_their_role(examples_dir) -> None:
+    """What a scan is comes from its `role` attribute (body names are only names)."""
+    from titanc.compiler import compile_graphs
+    from titanc.ir import Op
+    from titanc.spec import load_spec
+
+    c = compile_graphs(load_spec(examples_dir / "tiny.yaml"))
+    roles: dict[str, set[str]] = {}
+
+    def walk(g) -> None:
+        for n in g:
+            if n.op is Op.SCAN:
+                roles.setdefault(n.attr("role"), set()).add(n.attr("body").name)
+                walk(n.attr("body"))
+
+    for g in (c.forward, c.grad, c.graph("decode_write").graph):
+        walk(g)
+    assert set(roles) == {"layer", "segment", "memory", "loss"}   # chunks too few to group
+    assert {"memory_chunk", "memory_chunk_bwd", "write_layer"} <= roles["memory"]
+    assert roles["layer"] == {"layer", "layer_bwd"}
+
+
+def test_debug_2_prints_fusion_refusals(monkeypatch, capsys) -> None:
+    from titanc.ir import Builder
+    from titanc.passes.fusion import fuse
+
+    b = Builder("g")
+    x = b.input("x", (4, 4), "f32")
+    y = (x.exp() @ x).sum((0,))          # the einsum reads a computed operand: refused
+    b.graph.set_outputs([("y", y.id)])
+    monkeypatch.setenv("TITANC_DEBUG", "2")
+    fuse(b.graph)
+    err = capsys.readouterr().err
+    assert "refused: " in err and "reads a computed operand" in err

@@ -79,7 +79,8 @@ def block_mac(b: Builder, x: Value, p: Params, m: Any) -> Value:
 
     names = [f"W{i}" for i in range(1, depth + 1)] + [f"S{i}" for i in range(1, depth + 1)]
     _, (out,) = b.scan(body, ws + ss, [u_seg, hq_seg], [p[k] for k in keys], length=n_seg,
-                       name="mac_segment", names=names + ["u", "hq"] + keys)
+                       name="mac_segment", names=names + ["u", "hq"] + keys,
+                       role="segment")
     x = x + out.permute(1, 0, 2, 3).reshape(B, T, D)
     return x
 

@@ -189,7 +189,7 @@ def lower_step(spec: Any, batch: int, n: int, dtype: str | None = None) -> Graph
 
     x = b.take(params["embed"], tokens)                           # (B, n, D)
     (x,), ys = b.scan(body, [x], [params[k] for k in layer_names] + [states[k] for k in st_names],
-                      [host[k] for k in host_names], length=m.n_layers, name="layer_step",
+                      [host[k] for k in host_names], length=m.n_layers, name="layer_step", role="layer",
                       names=["x"] + short + [f"state.{k}" for k in st_names] + host_names)
     logits = lm_logits(b, x, params, m.tie_embeddings)
     b.graph.set_outputs([("logits", logits.id)] + [(f"new.{k}", y.id) for k, y in zip(out_names, ys)])
@@ -221,7 +221,7 @@ def lower_write(spec: Any, batch: int, dtype: str | None = None) -> Graph:
         return [], [a + (c - a) * msk for a, c in zip(w + s, w2 + s2)]
 
     _, ys = b.scan(body, [], ws + ss + [pend[k] for k in names], [mask], length=L,
-                   name="write_layer")
+                   name="write_layer", role="memory")
     outs = [(f"state.W{i}", ys[i - 1].id) for i in range(1, depth + 1)]
     outs += [(f"state.S{i}", ys[depth + i - 1].id) for i in range(1, depth + 1)]
     b.graph.set_outputs(outs)

@@ -51,7 +51,7 @@ def lm_logprobs(b: Builder, x: Value, params: dict[str, Value], targets: Value, 
         return [], [bb.take_along(logits, xs[1]) - lse]
 
     _, (lp,) = b.scan(body, [], [h, targets.reshape(n, c)], [head], length=n,
-                      name="logprob_chunk", names=["h", "targets", "head"])
+                      name="logprob_chunk", names=["h", "targets", "head"], role="loss")
     return lp.reshape(B, T)
 
 
@@ -63,7 +63,7 @@ def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: Any) -> Value
         return [block(bb, carry[0], dict(zip(short, xs)), m)], []
 
     (x,), _ = b.scan(body, [x], [params[k] for k in names], length=m.n_layers,
-                     name="layer", names=["x"] + short)
+                     name="layer", names=["x"] + short, role="layer")
     return x
 
 

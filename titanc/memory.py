@@ -160,7 +160,8 @@ def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, ch
 
     names = [f"W{i}" for i in range(1, L + 1)] + [f"S{i}" for i in range(1, L + 1)]
     names += ["q", "k", "v", "theta", "log_eta", "log_keep"]
-    carry, ys = b.scan(body, ws + ss, xs, length=n, name="memory_chunk", names=names)
+    carry, ys = b.scan(body, ws + ss, xs, length=n, name="memory_chunk", names=names,
+                       role="memory")
     return carry[:L], carry[L:], _unchunked(ys[0])
 
 
