@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.types import TensorType
 from titanc.passes.schedule import Kernel, is_immediate
 
-from .expr import POINTWISE_OPS, format_number
+from .expr import format_number
 from .indexing import (Ix, Section, broadcast_coords, const, delinearize, reshape_coords,
                        shift)
 
@@ -39,21 +40,6 @@ __all__ = ["KernelLowering", "Val", "VIEWS", "GATHERS"]
 
 VIEWS = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT})
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
-
-_OP_NAMES = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SIGMOID: "sigmoid",
-             Op.SILU: "silu", Op.RSQRT: "rsqrt", Op.SQRT: "sqrt", Op.RECIP: "recip",
-             Op.ADD: "add", Op.SUB: "sub", Op.MUL: "mul", Op.DIV: "div", Op.MAX: "max",
-             Op.GT: "gt"}
-
-# constant folding when every operand is a literal (float64, as Python computes)
-_FOLD = {
-    Op.NEG: lambda x: -x, Op.EXP: math.exp, Op.LOG: math.log,
-    Op.SIGMOID: lambda x: 1.0 / (1.0 + math.exp(-x)), Op.SILU: lambda x: x / (1.0 + math.exp(-x)),
-    Op.RSQRT: lambda x: 1.0 / math.sqrt(x), Op.SQRT: math.sqrt, Op.RECIP: lambda x: 1.0 / x,
-    Op.ADD: lambda x, y: x + y, Op.SUB: lambda x, y: x - y, Op.MUL: lambda x, y: x * y,
-    Op.DIV: lambda x, y: x / y, Op.MAX: max, Op.GT: lambda x, y: float(x > y),
-}
-
 
 @dataclass(frozen=True)
 class Val:
@@ -316,13 +302,14 @@ class KernelLowering:
             if x.literal is not None:
                 return literal(x.literal) if to != "tl.int64" else Val(str(int(x.literal)))
             return self._let(sec, f"{x.expr}.to({to})", [x], is_int=to == "tl.int64")
-        if n.op not in _OP_NAMES:
+        if n.op not in ELEMENTWISE:
             raise NotImplementedError(self.where(
                 f"%{n.id} ({n.op.name}) has no pointwise lowering"))
+        rule = ELEMENTWISE[n.op]
         args = [self.operand(sec, n, i, coords) for i in n.inputs]
         if all(a.literal is not None for a in args):
-            return literal(_FOLD[n.op](*(a.literal for a in args)))
-        arity, fmt = POINTWISE_OPS[_OP_NAMES[n.op]]
+            return literal(rule.fold(*(a.literal for a in args)))
+        fmt = rule.triton
         names = [f"({a.expr})" if a.expr.startswith("-") else a.expr for a in args]
         return self._let(sec, fmt.format(*names), args)
 

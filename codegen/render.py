@@ -24,7 +24,8 @@ import keyword
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -171,7 +172,7 @@ def load_module(source: str, name: str, interpret: bool | None = None) -> Module
 
     Triton decides when a kernel is decorated whether it runs under its interpreter, from
     `TRITON_INTERPRET`: `interpret` (True / False) sets that variable for the import only and
-    restores it after; None leaves the environment as the caller set it.
+    restores it after (`interpret_mode`); None leaves the environment as the caller set it.
     """
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     mod_name = f"titanc_kernel_{sanitize_identifier(name, prefix='k_')}_{digest}"
@@ -190,14 +191,23 @@ def load_module(source: str, name: str, interpret: bool | None = None) -> Module
     spec = importlib.util.spec_from_file_location(mod_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpreted else "0"
-    try:
+    with interpret_mode(interpreted):
         spec.loader.exec_module(module)
+    _LOADED[key] = module
+    return module
+
+
+@contextmanager
+def interpret_mode(on: bool) -> Iterator[None]:
+    """`TRITON_INTERPRET` set to `on` inside, restored after. Triton reads it when a kernel is
+    decorated and again while launching (its interpreter imports modules lazily), so a caller
+    loads and runs interpreted kernels inside this; nothing outside sees it."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
     finally:
         if old is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = old
-    _LOADED[key] = module
-    return module

@@ -19,14 +19,9 @@ MAX_CUMSUM = 1024               # longest cumsum axis done as one tl.cumsum
 MAX_WORKSPACE = 1 << 24         # workspace elements per program
 DOT_BLOCK = 64                  # largest M / N / K tile of an einsum
 
-_POINTWISE = {Op.NEG: "neg", Op.EXP: "exp", Op.LOG: "log", Op.SIGMOID: "sigmoid",
-              Op.SILU: "silu", Op.RSQRT: "rsqrt", Op.SQRT: "sqrt", Op.RECIP: "recip",
-              Op.ADD: "add", Op.SUB: "sub", Op.MUL: "mul", Op.DIV: "div", Op.MAX: "max",
-              Op.GT: "gt"}
 # sigmoid spelled out: the same formula as tl.sigmoid, without a nested @jit call (which
 # costs the interpreter a re-patch of triton.language per call)
-_FORMATS = {Op.SIGMOID: (1, "1.0 / (1.0 + tl.exp(-{0}))"),
-            Op.SILU: (1, "{0} / (1.0 + tl.exp(-{0}))")}
+_FORMATS = {Op.SIGMOID: "1.0 / (1.0 + tl.exp(-{0}))", Op.SILU: "{0} / (1.0 + tl.exp(-{0}))"}
 _VIEW_OPS = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT})
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 from math import prod
 from typing import Any, Callable
 
-from titanc.ir import Graph, Node, Op
+from titanc.ir import Graph, Node, Op, OpGroup
 
 from .meta import pow2
 from .render import sanitize_comment
 from .scan_index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
-                         _POINTWISE, _PaxError, _VIEW_OPS, _delin, _local, _tile_zero)
+                         _PaxError, _VIEW_OPS, _delin, _local, _tile_zero)
 from .scan_values import _Emitter
 
 
@@ -230,7 +230,7 @@ class _ScanGen(_Emitter):
             sc.pax[vid] = q = self.pax_of(sc, n) if op is not Op.SCAN else None
             if op in _VIEW_OPS:
                 sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
-            elif op in _POINTWISE or op in (Op.CAST, Op.TAKE_ALONG, Op.SCATTER_ALONG):
+            elif op in OpGroup.ELEMENTWISE or op in (Op.TAKE_ALONG, Op.SCATTER_ALONG):
                 if op is Op.CAST and n.attr("dtype") not in ("f32", "f64"):
                     raise ScanFallback(f"%{vid}: cast to {n.attr('dtype')}")
                 if self.uses(g, vid) == 1 and all(g.node(u).op is not Op.SCAN

@@ -11,10 +11,11 @@ import re
 from math import prod
 
 from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.ir.elementwise import ELEMENTWISE
 
-from .expr import POINTWISE_OPS, format_number
+from .expr import format_number
 from .scan_index import (MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS, _PaxError,
-                         _POINTWISE, _bcast, _delin, _lin, _local, _sum)
+                         _bcast, _delin, _lin, _local, _sum)
 
 class _Emitter:
     """Emits the kernel body: lines with indentation, fresh names, workspace offsets."""
@@ -227,7 +228,7 @@ class _Emitter:
             idx = self.value(sec, sc, n.inputs[1], c[:-1], conds)
             return self.let(f"tl.where({idx} == {c[-1]}, {g}, 0.0)",
                             tile=g in self.tiles or idx in self.tiles)
-        if op in _POINTWISE or op is Op.CAST:            # an inlined elementwise node
+        if op in OpGroup.ELEMENTWISE:                    # an inlined elementwise node
             args = [self.value(sec, sc, i, _bcast(c, n.type.shape, sc.g.node(i).type.shape),
                                conds) for i in n.inputs]
             tile = any(x in self.tiles for x in args)
@@ -256,7 +257,7 @@ class _Emitter:
             if n.attr("dtype") not in ("f32", "f64"):
                 raise ScanFallback(f"%{n.id}: cast to {n.attr('dtype')}")
             return f"({args[0]}).to({self.cd})"
-        _, fmt = _FORMATS.get(n.op) or POINTWISE_OPS[_POINTWISE[n.op]]
+        fmt = _FORMATS.get(n.op) or ELEMENTWISE[n.op].triton
         return fmt.format(*[f"({x})" for x in args])
 
 

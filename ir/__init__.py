@@ -1,4 +1,5 @@
 """titanc IR: op set, typed nodes over networkx, builder, printer, verifier, interpreter."""
+from . import elementwise  # registers the elementwise ops in OpGroup
 from .builder import Builder, Value
 from .graph import Graph, Node
 from .interpret import Interpreter, interpret

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .elementwise import ELEMENTWISE
 from .graph import Graph, Node
 from .ops import Op
 from .types import DTYPES
@@ -66,20 +67,6 @@ def _scan(node: Node, args: list[Tensor], run: Callable) -> tuple[Tensor, ...]:
 
 
 _EVAL: dict[Op, Callable[..., Any]] = {
-    Op.NEG: lambda n, x: -x,
-    Op.EXP: lambda n, x: torch.exp(x),
-    Op.LOG: lambda n, x: torch.log(x),
-    Op.SIGMOID: lambda n, x: torch.sigmoid(x),
-    Op.SILU: lambda n, x: x * torch.sigmoid(x),
-    Op.RSQRT: lambda n, x: torch.rsqrt(x),
-    Op.SQRT: lambda n, x: torch.sqrt(x),
-    Op.RECIP: lambda n, x: 1.0 / x,
-    Op.ADD: lambda n, x, y: x + y,
-    Op.SUB: lambda n, x, y: x - y,
-    Op.MUL: lambda n, x, y: x * y,
-    Op.DIV: lambda n, x, y: x / y,
-    Op.MAX: lambda n, x, y: torch.maximum(x, y),
-    Op.GT: lambda n, x, y: (x > y).to(x.dtype),
     Op.SUM: lambda n, x: torch.sum(x, dim=tuple(n.attr("axes")), keepdim=n.attr("keepdim")),
     Op.AMAX: lambda n, x: torch.amax(x, dim=tuple(n.attr("axes")), keepdim=n.attr("keepdim")),
     Op.EINSUM: lambda n, *xs: torch.einsum(n.attr("spec"), *xs),
@@ -180,6 +167,8 @@ class Interpreter:
             return args[0].to(self.dtype(node.attr("dtype")))
         if op is Op.SCAN:
             return _scan(node, args, self.run)
+        if op in ELEMENTWISE:
+            return ELEMENTWISE[op].ref(*args)
         return _EVAL[op](node, *args)
 
 

@@ -1,65 +1,94 @@
 """The op set of the titanc IR.
 
-One enum, grouped by kind, plus `OpGroup` sets for membership tests
-(`node.op in OpGroup.ELEMENTWISE`). Each op's shape rule lives in `shapes.py`,
-its reference semantics in `interpret.py` and its VJP in `passes/autodiff.py`.
+`Op` objects grouped by kind, plus `OpGroup` sets for membership tests
+(`node.op in OpGroup.ELEMENTWISE`). An arithmetic elementwise op has all its rules (reference
+semantics, folding, VJP, what its VJP reads, its Triton expression) in one entry of
+`elementwise.py`; a structural op's shape rule lives in `shapes.py`, its reference semantics in
+`interpret.py` and its VJP in `passes/autodiff.py`.
 """
 from __future__ import annotations
 
-from enum import Enum, auto
+
+class Op:
+    """One IR operation, compared by identity; `op.name` is its upper-case name. The built-in
+    ops are the attributes below; `Op.define(name)` adds one (an elementwise op also needs its
+    rules in `ir/elementwise.py`; docs/architecture.md walks through it)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Op.{self.name}"
+
+    def __reduce__(self) -> tuple:
+        return getattr, (Op, self.name)         # unpickles as the same object
+
+    @classmethod
+    def define(cls, name: str) -> "Op":
+        """A new op named `name` (upper case, not taken), reachable as `Op.<name>`."""
+        if not name.isidentifier() or not name.isupper() or name in cls.__dict__:
+            raise ValueError(f"op name {name!r}: an unused upper-case identifier")
+        op = cls(name)
+        setattr(cls, name, op)
+        return op
+
+    def __init_subclass__(cls) -> None:
+        raise TypeError("Op is not subclassed: make a new op with Op.define")
 
 
-class Op(Enum):
-    # io / generators: no tensor inputs
-    INPUT = auto()      # attrs: name            a graph argument (tokens, parameter, carry)
-    FULL = auto()       # attrs: value, shape, dtype
-    ROPE = auto()       # attrs: kind ('cos'|'sin'), positions (start, count), half, base
-    MASK = auto()       # attrs: n_q, q_start, groups ((kind, length, window), ...) -> additive bias
-    # elementwise unary
-    NEG = auto()
-    EXP = auto()
-    LOG = auto()
-    SIGMOID = auto()
-    SILU = auto()
-    RSQRT = auto()
-    SQRT = auto()
-    RECIP = auto()
-    CAST = auto()       # attrs: dtype
-    # elementwise binary (numpy broadcasting)
-    ADD = auto()
-    SUB = auto()
-    MUL = auto()
-    DIV = auto()
-    MAX = auto()
-    GT = auto()         # x > y as 0./1. of the float dtype (used for relu-like masks in VJPs)
-    # reductions
-    SUM = auto()        # attrs: axes, keepdim
-    AMAX = auto()       # attrs: axes, keepdim
-    # contraction
-    EINSUM = auto()     # attrs: spec 'ab,bc->ac'
-    # movement
-    RESHAPE = auto()    # attrs: shape
-    PERMUTE = auto()    # attrs: perm
-    EXPAND = auto()     # attrs: shape   (broadcast_to)
-    SLICE = auto()      # attrs: axis, start, stop
-    PAD = auto()        # attrs: axis, before, after   (zeros)
-    CONCAT = auto()     # attrs: axis
-    TAKE = auto()       # rows of a table: (table [V, ...], idx int) -> idx.shape + table.shape[1:]
-    INDEX_ADD = auto()  # VJP of TAKE: (grad idx.shape+rest, idx) -> [rows, ...]; attrs: rows
-    TAKE_ALONG = auto() # (x [..., V], idx [...] int) -> [...]: x[..., idx]
-    SCATTER_ALONG = auto()  # VJP of TAKE_ALONG: (grad [...], idx) -> [..., size]; attrs: size
-    # scans
-    CUMSUM = auto()     # attrs: axis, reverse
-    SCAN = auto()       # attrs: body, length, n_carry, n_xs, reverse, role (outputs a tuple)
-    ITEM = auto()       # attrs: index   picks one value of a tuple-typed node
+# io / generators: no tensor inputs
+Op.INPUT = Op("INPUT")                   # attrs: name            a graph argument (tokens, parameter, carry)
+Op.FULL = Op("FULL")                     # attrs: value, shape, dtype
+Op.ROPE = Op("ROPE")                     # attrs: kind ('cos'|'sin'), positions (start, count), half, base
+Op.MASK = Op("MASK")                     # attrs: n_q, q_start, groups ((kind, length, window), ...) -> additive bias
+# elementwise unary
+Op.NEG = Op("NEG")
+Op.EXP = Op("EXP")
+Op.LOG = Op("LOG")
+Op.SIGMOID = Op("SIGMOID")
+Op.SILU = Op("SILU")
+Op.RSQRT = Op("RSQRT")
+Op.SQRT = Op("SQRT")
+Op.RECIP = Op("RECIP")
+Op.CAST = Op("CAST")                     # attrs: dtype
+# elementwise binary (numpy broadcasting)
+Op.ADD = Op("ADD")
+Op.SUB = Op("SUB")
+Op.MUL = Op("MUL")
+Op.DIV = Op("DIV")
+Op.MAX = Op("MAX")
+Op.GT = Op("GT")                         # x > y as 0./1. of the float dtype (used for relu-like masks in VJPs)
+# reductions
+Op.SUM = Op("SUM")                       # attrs: axes, keepdim
+Op.AMAX = Op("AMAX")                     # attrs: axes, keepdim
+# contraction
+Op.EINSUM = Op("EINSUM")                 # attrs: spec 'ab,bc->ac'
+# movement
+Op.RESHAPE = Op("RESHAPE")               # attrs: shape
+Op.PERMUTE = Op("PERMUTE")               # attrs: perm
+Op.EXPAND = Op("EXPAND")                 # attrs: shape   (broadcast_to)
+Op.SLICE = Op("SLICE")                   # attrs: axis, start, stop
+Op.PAD = Op("PAD")                       # attrs: axis, before, after   (zeros)
+Op.CONCAT = Op("CONCAT")                 # attrs: axis
+Op.TAKE = Op("TAKE")                     # rows of a table: (table [V, ...], idx int) -> idx.shape + table.shape[1:]
+Op.INDEX_ADD = Op("INDEX_ADD")           # VJP of TAKE: (grad idx.shape+rest, idx) -> [rows, ...]; attrs: rows
+Op.TAKE_ALONG = Op("TAKE_ALONG")         # (x [..., V], idx [...] int) -> [...]: x[..., idx]
+Op.SCATTER_ALONG = Op("SCATTER_ALONG")   # VJP of TAKE_ALONG: (grad [...], idx) -> [..., size]; attrs: size
+# scans
+Op.CUMSUM = Op("CUMSUM")                 # attrs: axis, reverse
+Op.SCAN = Op("SCAN")                     # attrs: body, length, n_carry, n_xs, reverse, role (outputs a tuple)
+Op.ITEM = Op("ITEM")                     # attrs: index   picks one value of a tuple-typed node
 
 
 class OpGroup:
     SOURCE = frozenset({Op.INPUT, Op.FULL, Op.ROPE, Op.MASK})
     GENERATOR = frozenset({Op.FULL, Op.ROPE, Op.MASK})
-    UNARY = frozenset({Op.NEG, Op.EXP, Op.LOG, Op.SIGMOID, Op.SILU, Op.RSQRT, Op.SQRT, Op.RECIP, Op.CAST})
-    BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAX, Op.GT})
-    ELEMENTWISE = UNARY | BINARY
+    # elementwise: CAST, plus every op of the elementwise registry (it adds its ops here)
+    UNARY = {Op.CAST}
+    BINARY: set[Op] = set()
+    ELEMENTWISE = {Op.CAST}
     REDUCE = frozenset({Op.SUM, Op.AMAX})
     CONTRACTION = frozenset({Op.EINSUM})
     MOVEMENT = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT,

@@ -196,7 +196,7 @@ def _scan(ts, a, op) -> Type:
 
 
 _RULES: dict[Op, Callable[..., Type]] = {
-    **{o: _elementwise for o in OpGroup.ELEMENTWISE},
+    Op.CAST: _elementwise,
     **{o: _reduce for o in OpGroup.REDUCE},
     **{o: _generator for o in OpGroup.SOURCE},
     Op.EINSUM: _einsum, Op.RESHAPE: _reshape, Op.PERMUTE: _permute, Op.EXPAND: _expand,
@@ -207,4 +207,5 @@ _RULES: dict[Op, Callable[..., Type]] = {
 
 
 def infer_type(op: Op, input_types: list[Type], attrs: dict[str, Any]) -> Type:
-    return _RULES[op](list(input_types), attrs, op)
+    rule = _elementwise if op in OpGroup.ELEMENTWISE else _RULES[op]
+    return rule(list(input_types), attrs, op)

@@ -65,8 +65,11 @@ def _context(g: Graph, nid: int | None, radius: int = 5) -> str:
                      for k, (_, text) in enumerate(lines[lo:hi], lo))
 
 
-_ARITY = {**{o: 0 for o in OpGroup.SOURCE}, **{o: 1 for o in OpGroup.UNARY},
-          **{o: 2 for o in OpGroup.BINARY}}
+def _arity(op: Op) -> int | None:
+    """Operands an op takes, where fixed."""
+    if op in OpGroup.SOURCE:
+        return 0
+    return 1 if op in OpGroup.UNARY else 2 if op in OpGroup.BINARY else None
 
 
 def verify(g: Graph) -> Graph:
@@ -92,7 +95,7 @@ def verify(g: Graph) -> Graph:
             if node.attr("name") in names:
                 raise fail(nid, "inputs-listed", f"duplicate input name {node.attr('name')!r}")
             names.add(node.attr("name"))
-        arity = _ARITY.get(node.op)
+        arity = _arity(node.op)
         if arity is not None and len(node.inputs) != arity:
             raise fail(nid, "arity", f"{node.op.name} takes {arity} operands, got "
                                      f"{len(node.inputs)}")

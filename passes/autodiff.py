@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator
 from titanc.ir import Builder, Graph, Op, Value
 from titanc.ir.types import TensorType
 
-from titanc.nn import silu_grad
+from titanc.ir.elementwise import ELEMENTWISE
 
 if TYPE_CHECKING:
     from .remat import Policy
@@ -62,38 +62,11 @@ def _amax_vjp(x: Value, y: Value, ct: Value, axes: tuple[int, ...], keepdim: boo
 
 def vjp(b: Builder, op: Op, attrs: dict, xs: list[Value], y: Value, ct: Value) -> list[Value | None]:
     """Cotangents of a node's operands given the cotangent of its (tensor) output."""
-    if op is Op.NEG:
-        return [-ct]
-    if op is Op.EXP:
-        return [ct * y]
-    if op is Op.LOG:
-        return [ct / xs[0]]
-    if op is Op.SIGMOID:
-        return [ct * y * (1.0 - y)]
-    if op is Op.SILU:
-        return [ct * silu_grad(xs[0])]
-    if op is Op.RSQRT:
-        return [ct * (y * y * y) * -0.5]
-    if op is Op.SQRT:
-        return [ct * 0.5 / y]
-    if op is Op.RECIP:
-        return [-(ct * y * y)]
+    if op in ELEMENTWISE:
+        cts = ELEMENTWISE[op].vjp(ct, xs, y)
+        return [None if c is None else unbroadcast(c, x.shape) for c, x in zip(cts, xs)]
     if op is Op.CAST:
         return [b.op(Op.CAST, ct, dtype=xs[0].dtype)]
-    if op is Op.ADD:
-        return [unbroadcast(ct, xs[0].shape), unbroadcast(ct, xs[1].shape)]
-    if op is Op.SUB:
-        return [unbroadcast(ct, xs[0].shape), unbroadcast(-ct, xs[1].shape)]
-    if op is Op.MUL:
-        return [unbroadcast(ct * xs[1], xs[0].shape), unbroadcast(ct * xs[0], xs[1].shape)]
-    if op is Op.DIV:
-        return [unbroadcast(ct / xs[1], xs[0].shape),
-                unbroadcast(-(ct * y / xs[1]), xs[1].shape)]
-    if op is Op.MAX:
-        pick = b.op(Op.GT, xs[0], xs[1])                          # ties go to the second
-        return [unbroadcast(ct * pick, xs[0].shape), unbroadcast(ct * (1.0 - pick), xs[1].shape)]
-    if op is Op.GT:
-        return [None, None]
     if op is Op.SUM:
         x = xs[0]
         keep = tuple(1 if i in attrs["axes"] else s for i, s in enumerate(x.shape))

@@ -7,10 +7,10 @@ has no two nodes with equal (op, operands, attrs), no node unreachable from an o
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.types import TensorType
 
 Rule = Callable[[Node, "Rewriter"], "int | None"]
@@ -38,7 +38,7 @@ class Rewriter:
                 return hit
         nid = self.g.add(op, inputs, attrs, type if op is Op.INPUT else None)
         proto = self.g.node(nid)
-        for rule in RULES.get(op, ()):
+        for rule in RULES.get(op, (fold_constants,) if op in ELEMENTWISE else ()):
             out = rule(proto, self)
             if out is not None and out != nid:
                 return out
@@ -75,26 +75,17 @@ def _same(r: Rewriter, n: Node, k: int) -> int | None:
     return n.inputs[k] if r.node(n.inputs[k]).type == n.type else None
 
 
-_FOLD = {Op.ADD: lambda a, b: a + b, Op.SUB: lambda a, b: a - b, Op.MUL: lambda a, b: a * b,
-         Op.DIV: lambda a, b: a / b if b else None, Op.MAX: max,
-         Op.NEG: lambda a: -a, Op.EXP: math.exp,
-         Op.LOG: lambda a: math.log(a) if a > 0 else None,
-         Op.SIGMOID: lambda a: 1 / (1 + math.exp(-a)),
-         Op.RSQRT: lambda a: a ** -0.5 if a > 0 else None,
-         Op.SQRT: lambda a: a ** 0.5 if a >= 0 else None,
-         Op.RECIP: lambda a: 1 / a if a else None}
-
-
 def fold_constants(n: Node, r: Rewriter) -> int | None:
-    # op(c1, c2) -> c   when every operand is a uniform constant
+    # op(c1, c2) -> c   when every operand is a uniform constant (the op's registry `fold`;
+    # outside its domain, nothing folds)
     vals = [r.scalar(i) for i in n.inputs]
-    if not vals or any(v is None for v in vals) or n.op not in _FOLD:
+    if not vals or any(v is None for v in vals) or n.op not in ELEMENTWISE:
         return None
     try:
-        v = _FOLD[n.op](*vals)
-    except (OverflowError, ZeroDivisionError):
+        v = ELEMENTWISE[n.op].fold(*vals)
+    except (OverflowError, ZeroDivisionError, ValueError):
         return None
-    return None if v is None else r.full(v, n.type)
+    return r.full(v, n.type)
 
 
 def add_zero(n: Node, r: Rewriter) -> int | None:
@@ -162,9 +153,7 @@ def collapse_moves(n: Node, r: Rewriter) -> int | None:
     return None
 
 
-RULES: dict[Op, tuple[Rule, ...]] = {}
-for _op in OpGroup.ELEMENTWISE:
-    RULES[_op] = (fold_constants,)
+RULES: dict[Op, tuple[Rule, ...]] = {}      # an elementwise op missing here: fold_constants
 RULES[Op.ADD] = (fold_constants, add_zero)
 RULES[Op.SUB] = (fold_constants, add_zero)
 RULES[Op.MUL] = (fold_constants, mul_identity)

@@ -26,14 +26,14 @@ from typing import Any
 import networkx as nx
 
 from titanc.ir import Graph, Op, OpGroup
+from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.types import type_bytes
 
-# what each op's VJP reads: operand positions, and "out" for its own result
+# what each structural op's VJP reads: operand positions, and "out" for its own result (an
+# elementwise op's is its registry entry's `reads`)
 _READS: dict[Op, tuple] = {
-    Op.EXP: ("out",), Op.SIGMOID: ("out",), Op.RSQRT: ("out",), Op.SQRT: ("out",),
-    Op.RECIP: ("out",), Op.LOG: (0,), Op.SILU: (0,), Op.MUL: (0, 1), Op.DIV: (1, "out"),
-    Op.MAX: (0, 1), Op.AMAX: (0, "out"), Op.TAKE: (1,), Op.INDEX_ADD: (1,),
-    Op.TAKE_ALONG: (1,), Op.SCATTER_ALONG: (1,),
+    Op.AMAX: (0, "out"), Op.TAKE: (1,), Op.INDEX_ADD: (1,), Op.TAKE_ALONG: (1,),
+    Op.SCATTER_ALONG: (1,),
 }
 
 
@@ -50,7 +50,8 @@ def needed_by_backward(g: Graph) -> set[int]:
         if n.op is Op.EINSUM or n.op is Op.SCAN:
             need.update(n.inputs)
             continue
-        for r in _READS.get(n.op, ()):
+        reads = ELEMENTWISE[n.op].reads if n.op in ELEMENTWISE else _READS.get(n.op, ())
+        for r in reads:
             need.add(n.id if r == "out" else n.inputs[r])
     return {i for i in need if not isinstance(g.node(i).type, tuple)}
 

@@ -21,6 +21,7 @@ import time
 import torch
 
 from titanc.ir import Graph, Node, Op
+from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.interpret import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType
 from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan
@@ -372,26 +373,14 @@ _VIEWS: dict[Op, Callable[[Tensor, dict, Node], Tensor | None]] = {
 
 # -- compute: every op writes into `o` ----------------------------------------------------------
 
-_UNARY = {Op.NEG: torch.neg, Op.EXP: torch.exp, Op.LOG: torch.log, Op.SIGMOID: torch.sigmoid,
-          Op.RSQRT: torch.rsqrt, Op.SQRT: torch.sqrt, Op.RECIP: torch.reciprocal}
-_BINARY = {Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.div,
-           Op.MAX: torch.maximum}
-
-
 def _emit(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
     op, a = n.op, n.attr_dict
-    if op in _UNARY:
-        f = _UNARY[op]
-        return [lambda: f(xs[0], out=o)]
-    if op is Op.SILU:
-        x = xs[0]
-        return [lambda: torch.sigmoid(x, out=o), lambda: o.mul_(x)]
+    if op in ELEMENTWISE:
+        return _elementwise(b, op, xs, o)
     if op is Op.CAST or op is Op.RESHAPE:
         x = xs[0]
         flat = o.view(x.shape) if op is Op.RESHAPE else o
         return [lambda: flat.copy_(x)]
-    if op in _BINARY or op is Op.GT:
-        return _binary(b, op, xs, o)
     if op is Op.SUM or op is Op.AMAX:
         f = torch.sum if op is Op.SUM else torch.amax
         x, dims, keep = xs[0], tuple(a["axes"]), a["keepdim"]
@@ -415,31 +404,32 @@ def _emit(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
     raise NotImplementedError(f"torch executor: no rule for {op.name}")
 
 
-def _binary(b: _Builder, op: Op, xs: list[Any], o: Tensor) -> list[Step]:
-    x, y = xs
-    if op is Op.GT:
-        zero = b._const(torch.zeros((), dtype=o.dtype))
-        if isinstance(y, float):
-            return [lambda: torch.sub(x, y, out=o), lambda: torch.heaviside(o, zero, out=o)]
-        if isinstance(x, float):
-            return [lambda: torch.sub(y, x, out=o), lambda: o.neg_(),
-                    lambda: torch.heaviside(o, zero, out=o)]
-        return [lambda: torch.sub(x, y, out=o), lambda: torch.heaviside(o, zero, out=o)]
-    f = _BINARY[op]
-    if isinstance(x, float) and isinstance(y, float):
-        v = {Op.ADD: x + y, Op.SUB: x - y, Op.MUL: x * y, Op.DIV: x / y, Op.MAX: max(x, y)}[op]
+def _elementwise(b: _Builder, op: Op, xs: list[Any], o: Tensor) -> list[Step]:
+    """An elementwise op into `o` (its registry entry's `out`); a Python float operand (an
+    immediate) folds away or takes a scalar overload where one exists, else becomes a 0-d
+    constant tensor."""
+    rule = ELEMENTWISE[op]
+    if all(isinstance(x, float) for x in xs):
+        v = rule.fold(*xs)
         return [lambda: o.fill_(v)]
-    if isinstance(x, float):                          # constant on the left
-        if op in (Op.ADD, Op.MUL):
-            return [lambda: f(y, x, out=o)]
-        if op is Op.SUB:
-            return [lambda: torch.neg(y, out=o), lambda: o.add_(x)]
-        if op is Op.DIV:
-            return [lambda: torch.reciprocal(y, out=o), lambda: o.mul_(x)]
-        return [lambda: torch.clamp_min(y, x, out=o)]
-    if isinstance(y, float) and op is Op.MAX:
-        return [lambda: torch.clamp_min(x, y, out=o)]
-    return [lambda: f(x, y, out=o)]
+    if len(xs) == 2:
+        x, y = xs
+        if isinstance(x, float):                      # constant on the left
+            if op in (Op.ADD, Op.MUL):
+                f = torch.add if op is Op.ADD else torch.mul
+                return [lambda: f(y, x, out=o)]
+            if op is Op.SUB:
+                return [lambda: torch.neg(y, out=o), lambda: o.add_(x)]
+            if op is Op.DIV:
+                return [lambda: torch.reciprocal(y, out=o), lambda: o.mul_(x)]
+            if op is Op.MAX:
+                return [lambda: torch.clamp_min(y, x, out=o)]
+        if isinstance(y, float) and op is Op.MAX:
+            return [lambda: torch.clamp_min(x, y, out=o)]
+        if isinstance(y, float) and op in (Op.ADD, Op.SUB, Op.MUL, Op.DIV):
+            return [lambda: rule.out(o, x, y)]        # torch takes a scalar on the right
+    ts = [b._const(torch.tensor(x, dtype=o.dtype)) if isinstance(x, float) else x for x in xs]
+    return [lambda: rule.out(o, *ts)]
 
 
 def _einsum(b: _Builder, spec: str, xs: list[Tensor], o: Tensor) -> list[Step]:

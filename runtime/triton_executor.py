@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from titanc.codegen.hooks import KernelCode, graph_dtype, render_kernel
-from titanc.codegen.render import load_module
+from titanc.codegen.render import interpret_mode, load_module
 from titanc.codegen.scan_kernel import (ScanFallback, ScanKernel, count_launches,
                                         scan_kernel_for)
 from titanc.ir import Op
@@ -157,7 +157,8 @@ class TritonExecutor(ArenaExecutor):
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         if not self.cuda_graphs:
-            return super().run(inputs)
+            with interpret_mode(interpreting()):
+                return super().run(inputs)
         if self._graph is None and self._runs >= 1:
             self._graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()

@@ -179,3 +179,85 @@ def test_debug_2_prints_fusion_refusals(monkeypatch, capsys) -> None:
     fuse(b.graph)
     err = capsys.readouterr().err
     assert "refused: " in err and "reads a computed operand" in err
+
+
+@pytest.fixture
+def cube():
+    """A toy elementwise op, added the way docs/architecture.md says: an `Op` and one registry
+    entry (removed again after the test)."""
+    import torch
+
+    from titanc.ir import Op
+    from titanc.ir.elementwise import Elementwise, register, unregister
+
+    op = Op.define("CUBE")
+    register(Elementwise(
+        op, 1,
+        ref=lambda x: x * x * x,
+        out=lambda o, x: torch.pow(x, 3, out=o),
+        fold=lambda a: a ** 3,
+        vjp=lambda ct, xs, y: [ct * xs[0] * xs[0] * 3.0],
+        reads=(0,),
+        triton="{0} * {0} * {0}"))
+    yield op
+    unregister(op)
+    delattr(Op, "CUBE")
+
+
+def _cube_graph(op, scan: bool):
+    """loss = sum(cube(x) * w), the cube inside a two-step scan when `scan`."""
+    from titanc.ir import Builder
+
+    b = Builder("forward")
+    x = b.input("x", (2, 3, 4), "f64")
+    w = b.input("w", (3, 4), "f64")
+    if scan:
+        def body(bb, carry, xs, consts):
+            return [carry[0] + bb.op(op, xs[0]) * consts[0]], []
+        (acc,), _ = b.scan(body, [b.full(0.0, (3, 4), "f64")], [x], [w])
+        loss = acc.sum((0, 1))
+    else:
+        loss = (b.op(op, x) * w).sum((0, 1, 2))
+    b.graph.set_outputs([("loss", loss.id)])
+    return b.graph
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_new_elementwise_op_runs_everywhere(cube, scan: bool) -> None:
+    """interpreter, autodiff, the cpu target and the triton target (interpreted), from the
+    registry entry alone."""
+    import torch
+
+    from titanc.ir import interpret
+    from titanc.passes.autodiff import grad_graph
+    from titanc.passes.canonicalize import canonicalize
+    from titanc.passes.fusion import fuse
+    from titanc.passes.memory_plan import plan_memory
+    from titanc.runtime.executor import ArenaExecutor
+    from titanc.runtime.triton_executor import TritonExecutor
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    want = (x ** 3 * w).sum()
+    want.backward()
+    g = canonicalize(grad_graph(_cube_graph(cube, scan), ["x", "w"]))
+    assert any(n.op is cube for n in g) or scan
+    inputs = {"x": x.detach(), "w": w.detach()}
+    plan = plan_memory(fuse(g), set())
+    for name, run in (("interpreter", lambda: interpret(g, inputs)),
+                      ("cpu", lambda: ArenaExecutor(plan).run(inputs)),
+                      ("triton", lambda: TritonExecutor(plan).run(inputs))):
+        got = run()
+        torch.testing.assert_close(got["loss"], want.detach(), rtol=1e-12, atol=1e-12,
+                                   msg=name)
+        torch.testing.assert_close(got["grad.x"], x.grad, rtol=1e-12, atol=1e-12, msg=name)
+        torch.testing.assert_close(got["grad.w"], w.grad, rtol=1e-12, atol=1e-12, msg=name)
+    # constant folding uses the entry's `fold`
+    from titanc.ir import Builder
+    b = Builder("c")
+    c = b.op(cube, b.full(2.0, (), "f64"))
+    b.graph.set_outputs([("c", c.id)])
+    folded = canonicalize(b.graph)
+    out = folded.node(folded.outputs[0][1])
+    assert out.op.name == "FULL" and out.attr("value") == 8.0

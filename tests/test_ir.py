@@ -33,7 +33,7 @@ graph small (10 nodes)
   %4:f32[2] = sum[axes=[1], keepdim=False] %3
   %5:f32[4] = full[dtype=f32, shape=[4], value=0.0]
   %6:f32[4] = sum[axes=[0], keepdim=False] %1
-  %7:(f32[4], f32[2,4]) = scan[length=2, n_carry=1, n_xs=1, reverse=False] %5 %3 %6 {
+  %7:(f32[4], f32[2,4]) = scan[length=2, n_carry=1, n_xs=1, reverse=False, role=loop] %5 %3 %6 {
     %0:f32[4] = input[c0]
     %1:f32[4] = input[x1]
     %2:f32[4] = input[k2]

@@ -323,8 +323,9 @@ def pass_dumps(art: Artifact) -> list[tuple[str, Any]]:
 
 def pick_dump(dumps: Sequence[tuple[str, Any]], name: str | None) -> tuple[str, Any]:
     """By full name (03_chunked_loss_forward), stage (chunked_loss_forward) or pass name
-    (chunked_loss; the last dump of that pass). Default: the last dump of the training
-    graph (forward + backward after every pass)."""
+    (chunked_loss: that pass's dump of the training graph if it ran there, else its last
+    dump). Default: the last dump of the training graph (forward + backward after every
+    pass)."""
     if name is None:
         grads = [d for d in dumps if d[1].name == "grad"]
         return (grads or list(dumps))[-1]
@@ -334,7 +335,7 @@ def pick_dump(dumps: Sequence[tuple[str, Any]], name: str | None) -> tuple[str, 
             return hits[-1]
     hits = [d for d in dumps if d[0].split("_", 1)[1].rsplit("_", 1)[0] == name]
     if hits:
-        return hits[-1]
+        return ([d for d in hits if d[1].name == "grad"] or hits)[-1]
     stages = [d[0] for d in dumps]
     passes = list(dict.fromkeys(s.split("_", 1)[1].rsplit("_", 1)[0] for s in stages))
     raise TitancError(f"unknown pass {name!r}; choose one of {', '.join(passes)} "

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from titanc.ir import Builder, Value
+from titanc.ir.elementwise import silu_grad
 
-from .nn import dwconv, l2norm, log_sigmoid, silu_grad
+from .nn import dwconv, l2norm, log_sigmoid
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,6 @@ def log_sigmoid(z: Value) -> Value:
     return -b.maximum(-z, 0.0) - ((-absz).exp() + 1.0).log()
 
 
-def silu_grad(z: Value) -> Value:
-    """d silu(z)/dz = σ(z)(1 + z(1 − σ(z)))."""
-    s = z.sigmoid()
-    return s * (z * (1.0 - s) + 1.0)
-
-
 def split_heads(x: Value, heads: int) -> Value:
     # (B, T, D) -> (B, H, T, e)
     B, T, D = x.shape
