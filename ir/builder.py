@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from .graph import Graph
-from .ops import SCAN_ROLES, Op
+from .ops import ROPE_BASE, SCAN_ROLES, Op
 from .types import TensorType
 
 Number = int | float
@@ -157,7 +157,7 @@ class Builder:
         return self.op(Op.ITEM, tup, index=index)
 
     def rope(self, kind: str, start: int, count: int, half: int, dtype: str,
-             base: float = 10000.0) -> Value:
+             base: float = ROPE_BASE) -> Value:
         return self.op(Op.ROPE, kind=kind, start=start, count=count, half=half,
                        base=float(base), dtype=dtype)
 

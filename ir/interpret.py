@@ -12,16 +12,22 @@ import torch
 
 from .elementwise import ELEMENTWISE
 from .graph import Graph, Node
-from .ops import Op
+from .ops import ROPE_BASE, Op
 from .types import DTYPES
 
 Tensor = torch.Tensor
 
 
+def rope_inv_freq(half: int, base: float = ROPE_BASE) -> Tensor:
+    """RoPE's inverse frequencies base^(-2j / 2·half), j < half, in float64."""
+    return base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / (2 * half))
+
+
 def rope_table(kind: str, start: int, count: int, half: int, base: float,
                dtype: torch.dtype) -> Tensor:
+    """cos or sin of position × inverse frequency, positions start..start+count-1: [count, half]."""
     pos = torch.arange(start, start + count, dtype=torch.float64)
-    inv = base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / (2 * half))
+    inv = rope_inv_freq(half, base)
     ang = pos[:, None] * inv[None, :]
     return (torch.cos(ang) if kind == "cos" else torch.sin(ang)).to(dtype)
 

@@ -82,6 +82,9 @@ Op.SCAN = Op("SCAN")                     # attrs: body, length, n_carry, n_xs, r
 Op.ITEM = Op("ITEM")                     # attrs: index   picks one value of a tuple-typed node
 
 
+ROPE_BASE = 10000.0         # the rotary base of ROPE nodes (the builder's default)
+
+
 class OpGroup:
     SOURCE = frozenset({Op.INPUT, Op.FULL, Op.ROPE, Op.MASK})
     GENERATOR = frozenset({Op.FULL, Op.ROPE, Op.MASK})

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from titanc.errors import TitancError
+from titanc.ir.interpret import rope_inv_freq
 
 Tensor = torch.Tensor
 NEG_INF = -math.inf
@@ -60,7 +61,7 @@ class _HostInputs:
         half = m.d_model // m.attention.heads // 2
         self.cos = torch.zeros(B, n, half, dtype=dt)
         self.sin = torch.zeros(B, n, half, dtype=dt)
-        self.inv = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2.0 / (2 * half))
+        self.inv = rope_inv_freq(half)                  # the ROPE nodes' frequencies
         self.t = torch.arange(n, dtype=torch.float64)
         self.pos = torch.zeros(n, dtype=torch.float64)
         self.ang = torch.zeros(n, half, dtype=torch.float64)
