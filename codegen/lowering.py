@@ -36,9 +36,8 @@ from .expr import format_number
 from .indexing import (Ix, Section, broadcast_coords, const, delinearize, reshape_coords,
                        shift)
 
-__all__ = ["KernelLowering", "Val", "VIEWS", "GATHERS"]
+__all__ = ["KernelLowering", "Val", "GATHERS"]
 
-VIEWS = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT})
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class KernelLowering:
         for nid in kernel.nodes:
             n = g.node(nid)
             local = [i for i in n.inputs if i in self.inside]
-            if n.op in OpGroup.GENERATOR or (n.op in VIEWS and all(i in self.free for i in local)):
+            if n.op in OpGroup.GENERATOR or (n.op in OpGroup.INDEXING and all(i in self.free for i in local)):
                 self.free.add(nid)
         self.tensors: dict[int, tuple[str, int]] = {}       # value -> (name, rank), first use
         self.direct: dict[int, str] = {}                    # value -> template-loaded input

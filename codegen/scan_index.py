@@ -22,7 +22,6 @@ DOT_BLOCK = 64                  # largest M / N / K tile of an einsum
 # sigmoid spelled out: the same formula as tl.sigmoid, without a nested @jit call (which
 # costs the interpreter a re-patch of triton.language per call)
 _FORMATS = {Op.SIGMOID: "1.0 / (1.0 + tl.exp(-{0}))", Op.SILU: "{0} / (1.0 + tl.exp(-{0}))"}
-_VIEW_OPS = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT})
 
 
 class ScanFallback(Exception):

@@ -13,7 +13,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from .meta import pow2
 from .render import sanitize_comment
 from .scan_index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
-                         _PaxError, _VIEW_OPS, _delin, _local, _tile_zero)
+                         _PaxError, _delin, _local, _tile_zero)
 from .scan_values import _Emitter
 
 
@@ -228,7 +228,7 @@ class _ScanGen(_Emitter):
             if op is Op.ITEM:
                 continue                              # bound by its scan
             sc.pax[vid] = q = self.pax_of(sc, n) if op is not Op.SCAN else None
-            if op in _VIEW_OPS:
+            if op in OpGroup.INDEXING:
                 sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
             elif op in OpGroup.ELEMENTWISE or op in (Op.TAKE_ALONG, Op.SCATTER_ALONG):
                 if op is Op.CAST and n.attr("dtype") not in ("f32", "f64"):

@@ -120,6 +120,10 @@ class Builder:
     def op(self, op: Op, *inputs: Value, type: Any = None, **attrs: Any) -> Value:
         return Value(self, self.graph.add(op, [v.id for v in inputs], attrs, type))
 
+    def like(self, node: Any, *inputs: Value, **attrs: Any) -> Value:
+        """`node` (of another graph) rebuilt here on `inputs` (`Graph.add_like`)."""
+        return Value(self, self.graph.add_like(node, [v.id for v in inputs], **attrs))
+
     def input(self, name: str, shape: Sequence[int], dtype: str) -> Value:
         return self.op(Op.INPUT, name=name, type=TensorType(tuple(shape), dtype))
 

@@ -56,6 +56,21 @@ class Graph:
     _order: list[int] | None = None      # cached topological order, reset by add()
 
     # -- construction -------------------------------------------------------------------------
+    def add_like(self, node: "Node", inputs: Iterable[int] = (), **attrs: Any) -> int:
+        """`node` (of any graph) rebuilt here on `inputs`, its attrs updated by `attrs`: the
+        one copy step of every pass that rewrites a graph node by node."""
+        return self.add(node.op, inputs, {**node.attr_dict, **attrs},
+                        node.type if node.op is Op.INPUT else None)
+
+    def copy(self) -> "Graph":
+        """A node-for-node copy (fresh ids), same outputs."""
+        out = Graph(self.name)
+        env: dict[int, int] = {}
+        for node in self:
+            env[node.id] = out.add_like(node, (env[i] for i in node.inputs))
+        out.set_outputs([(n, env[i]) for n, i in self.outputs])
+        return out
+
     def add(self, op: Op, inputs: Iterable[int] = (), attrs: dict[str, Any] | None = None,
             type: Type | None = None) -> int:
         """Append a node; its type is inferred by the op's shape rule unless given."""

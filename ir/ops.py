@@ -98,8 +98,11 @@ class OpGroup:
                           Op.TAKE, Op.INDEX_ADD, Op.TAKE_ALONG, Op.SCATTER_ALONG})
     SCAN = frozenset({Op.CUMSUM, Op.SCAN})
     TUPLE = frozenset({Op.ITEM})
-    # ops whose output is a view-like rearrangement (no arithmetic)
+    # ops whose output is a view-like rearrangement (no arithmetic): a strided view in torch
     VIEW = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE})
+    # ops a kernel computes by index arithmetic on its operand's loads (views, plus the zeros
+    # of a pad and the pieces of a concat): free inside a fused or scan kernel
+    INDEXING = VIEW | {Op.PAD, Op.CONCAT}
 
 
 # what a SCAN is (its `role` attr), for the passes and the profiler: the layer stack, a MAC

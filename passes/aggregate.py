@@ -77,13 +77,10 @@ def _rewrite(g: Graph) -> Graph:
     out = Graph(g.name)
     env: dict[int, int] = {}
     for n in g:
-        attrs = n.attr_dict
-        if n.op is Op.SCAN:
-            attrs["body"] = _rewrite(attrs["body"])
+        body = {"body": _rewrite(n.attr("body"))} if n.op is Op.SCAN else {}
         hit = match(g, n) if n.op is Op.SUM else None
         if hit is None:
-            env[n.id] = out.add(n.op, tuple(env[i] for i in n.inputs), attrs,
-                                n.type if n.op is Op.INPUT else None)
+            env[n.id] = out.add_like(n, (env[i] for i in n.inputs), **body)
             continue
         e_id, w_id, (a, b, spec_out) = hit
         e = g.node(e_id)

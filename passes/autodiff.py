@@ -14,7 +14,7 @@ from __future__ import annotations
 
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from titanc.ir import Builder, Graph, Op, Value
 from titanc.ir.types import TensorType
@@ -60,52 +60,56 @@ def _amax_vjp(x: Value, y: Value, ct: Value, axes: tuple[int, ...], keepdim: boo
     return hit * ck / hit.sum(axes, keepdim=True)
 
 
+def _concat_vjp(b: Builder, a: dict, xs: list[Value], y: Value, ct: Value) -> list[Value | None]:
+    ax, out, start = a["axis"], [], 0
+    for x in xs:
+        out.append(ct.slice(ax, start, start + x.shape[ax]))
+        start += x.shape[ax]
+    return out
+
+
+def _sum_vjp(b: Builder, a: dict, xs: list[Value], y: Value, ct: Value) -> list[Value | None]:
+    x = xs[0]
+    keep = tuple(1 if i in a["axes"] else s for i, s in enumerate(x.shape))
+    return [ct.reshape(*keep).expand(*x.shape)]
+
+
+# the VJP of each structural op (JAX's transpose table): (builder, attrs, operands, output,
+# output cotangent) -> operand cotangents, None where an operand has none. Elementwise ops
+# take theirs from the registry (ir/elementwise.py); SCAN is differentiated by `_Backward`.
+VjpRule = Callable[[Builder, dict, list[Value], Value, Value], list[Value | None]]
+VJP: dict[Op, VjpRule] = {
+    Op.CAST: lambda b, a, xs, y, ct: [b.op(Op.CAST, ct, dtype=xs[0].dtype)],
+    Op.SUM: _sum_vjp,
+    Op.AMAX: lambda b, a, xs, y, ct: [_amax_vjp(xs[0], y, ct, a["axes"], a["keepdim"])],
+    Op.EINSUM: lambda b, a, xs, y, ct: [_einsum_vjp(b, a["spec"], xs, ct, k)
+                                        for k in range(len(xs))],
+    Op.RESHAPE: lambda b, a, xs, y, ct: [ct.reshape(*xs[0].shape)],
+    Op.PERMUTE: lambda b, a, xs, y, ct: [ct.permute(*[a["perm"].index(i)
+                                                      for i in range(len(a["perm"]))])],
+    Op.EXPAND: lambda b, a, xs, y, ct: [unbroadcast(ct, xs[0].shape)],
+    Op.SLICE: lambda b, a, xs, y, ct: [ct.pad(a["axis"], a["start"],
+                                              xs[0].shape[a["axis"]] - a["stop"])],
+    Op.PAD: lambda b, a, xs, y, ct: [ct.slice(a["axis"], a["before"],
+                                              ct.shape[a["axis"]] - a["after"])],
+    Op.CONCAT: _concat_vjp,
+    Op.TAKE: lambda b, a, xs, y, ct: [b.op(Op.INDEX_ADD, ct, xs[1], rows=xs[0].shape[0]), None],
+    Op.INDEX_ADD: lambda b, a, xs, y, ct: [b.take(ct, xs[1]), None],
+    Op.TAKE_ALONG: lambda b, a, xs, y, ct: [b.op(Op.SCATTER_ALONG, ct, xs[1],
+                                                 size=xs[0].shape[-1]), None],
+    Op.SCATTER_ALONG: lambda b, a, xs, y, ct: [b.take_along(ct, xs[1]), None],
+    Op.CUMSUM: lambda b, a, xs, y, ct: [ct.cumsum(a["axis"], reverse=not a["reverse"])],
+}
+
+
 def vjp(b: Builder, op: Op, attrs: dict, xs: list[Value], y: Value, ct: Value) -> list[Value | None]:
     """Cotangents of a node's operands given the cotangent of its (tensor) output."""
     if op in ELEMENTWISE:
         cts = ELEMENTWISE[op].vjp(ct, xs, y)
         return [None if c is None else unbroadcast(c, x.shape) for c, x in zip(cts, xs)]
-    if op is Op.CAST:
-        return [b.op(Op.CAST, ct, dtype=xs[0].dtype)]
-    if op is Op.SUM:
-        x = xs[0]
-        keep = tuple(1 if i in attrs["axes"] else s for i, s in enumerate(x.shape))
-        return [ct.reshape(*keep).expand(*x.shape)]
-    if op is Op.AMAX:
-        return [_amax_vjp(xs[0], y, ct, attrs["axes"], attrs["keepdim"])]
-    if op is Op.EINSUM:
-        return [_einsum_vjp(b, attrs["spec"], xs, ct, k) for k in range(len(xs))]
-    if op is Op.RESHAPE:
-        return [ct.reshape(*xs[0].shape)]
-    if op is Op.PERMUTE:
-        perm = attrs["perm"]
-        inv = [perm.index(i) for i in range(len(perm))]
-        return [ct.permute(*inv)]
-    if op is Op.EXPAND:
-        return [unbroadcast(ct, xs[0].shape)]
-    if op is Op.SLICE:
-        ax, size = attrs["axis"], xs[0].shape[attrs["axis"]]
-        return [ct.pad(ax, attrs["start"], size - attrs["stop"])]
-    if op is Op.PAD:
-        ax = attrs["axis"]
-        return [ct.slice(ax, attrs["before"], ct.shape[ax] - attrs["after"])]
-    if op is Op.CONCAT:
-        ax, out, start = attrs["axis"], [], 0
-        for x in xs:
-            out.append(ct.slice(ax, start, start + x.shape[ax]))
-            start += x.shape[ax]
-        return out
-    if op is Op.TAKE:
-        return [b.op(Op.INDEX_ADD, ct, xs[1], rows=xs[0].shape[0]), None]
-    if op is Op.INDEX_ADD:
-        return [b.take(ct, xs[1]), None]
-    if op is Op.TAKE_ALONG:
-        return [b.op(Op.SCATTER_ALONG, ct, xs[1], size=xs[0].shape[-1]), None]
-    if op is Op.SCATTER_ALONG:
-        return [b.take_along(ct, xs[1]), None]
-    if op is Op.CUMSUM:
-        return [ct.cumsum(attrs["axis"], reverse=not attrs["reverse"])]
-    raise NotImplementedError(f"no VJP rule for {op.name}")
+    if op not in VJP:
+        raise NotImplementedError(f"no VJP rule for {op.name}")
+    return VJP[op](b, attrs, xs, y, ct)
 
 
 def _zeros(b: Builder, t: TensorType) -> Value:

@@ -199,7 +199,7 @@ def _prune_scan_outputs(g: Graph) -> Graph:
                            if u in live} | set(range(nc)))
             body: Graph = attrs["body"]
             if len(used) < len(body.outputs):
-                nb = _copy_graph(body)
+                nb = body.copy()
                 nb.set_outputs([body.outputs[k] for k in used])
                 attrs["body"] = _dce(nb)
             env[node.id] = out.add(node.op, ins, attrs)
@@ -210,18 +210,8 @@ def _prune_scan_outputs(g: Graph) -> Graph:
             continue
         if node.id in env:
             continue
-        env[node.id] = out.add(node.op, ins, attrs, node.type if node.op is Op.INPUT else None)
+        env[node.id] = out.add_like(node, ins)
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
-    return out
-
-
-def _copy_graph(g: Graph) -> Graph:
-    out = Graph(g.name)
-    env = {}
-    for node in g:
-        env[node.id] = out.add(node.op, tuple(env[i] for i in node.inputs), node.attr_dict,
-                               node.type if node.op is Op.INPUT else None)
-    out.set_outputs([(n, env[i]) for n, i in g.outputs])
     return out
 
 

@@ -63,17 +63,25 @@ def chunk_loss(g: Graph, chunk: int) -> Graph:
     B, T, D = g.node(m["h"]).type.shape
     c = _chunk_size(B * T, chunk)
     n = B * T // c
+    head_spec = "cd,vd->cv" if spec.startswith("btd,vd") else "cd,dv->cv"
     b = Builder(g.name)
     env: dict[int, Value] = {}
-    for node in g:
-        if node.id == m["loss"]:
-            break
-        env[node.id] = (b.op(node.op, type=node.type, **node.attr_dict) if node.op is Op.INPUT
-                        else b.op(node.op, *[env[i] for i in node.inputs], **node.attr_dict))
-    h = env[m["h"]].reshape(n, c, D)
-    targets = env[m["targets"]].reshape(n, c)
-    head = env[m["head"]]
-    head_spec = "cd,vd->cv" if spec.startswith("btd,vd") else "cd,dv->cv"
+    for node in g:                 # every node is rebuilt (outputs after the loss included);
+        if node.id == m["loss"]:   # the loss is the chunked scan, the old head path dies
+            env[node.id] = _chunked(b, env[m["h"]].reshape(n, c, D),
+                                    env[m["targets"]].reshape(n, c), env[m["head"]],
+                                    head_spec, B * T)
+            continue
+        env[node.id] = b.like(node, *[env[i] for i in node.inputs])
+    b.graph.set_outputs([(name, env[i].id) for name, i in g.outputs])
+    from .canonicalize import canonicalize
+    return canonicalize(b.graph)
+
+
+def _chunked(b: Builder, h: Value, targets: Value, head: Value, head_spec: str,
+             tokens: int) -> Value:
+    """The mean cross-entropy as a scan over chunks h (n, c, D), targets (n, c)."""
+    n, c, _ = h.shape
 
     def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
         hc, tc = xs
@@ -85,8 +93,4 @@ def chunk_loss(g: Graph, chunk: int) -> Graph:
     (acc,), _ = b.scan(body, [b.full(0.0, (), head.dtype)], [h, targets], [head], length=n,
                        name="loss_chunk", names=["acc", "h", "targets", "head"],
                        role="loss")
-    loss = acc * (1.0 / (B * T))
-    rest = [(name, env[i].id) for name, i in g.outputs if name != "loss" and i in env]
-    b.graph.set_outputs([("loss", loss.id)] + rest)
-    from .canonicalize import canonicalize
-    return canonicalize(b.graph)
+    return acc * (1.0 / tokens)

@@ -55,7 +55,6 @@ from .manager import debug_level
 from .schedule import PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, value_bytes
 
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
-VIEWS = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT})
 REDUCTIONS = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM})
 TEMPLATES = frozenset({Op.SCAN, Op.INDEX_ADD, Op.SCATTER_ALONG})
 MAX_NAME_OPS = 4
@@ -208,10 +207,10 @@ class _Fuser:
         for n in nodes:
             local = [i for i in n.inputs if i in inside]
             bound = [i for i in local if i not in free]       # computed operands
-            if n.op in OpGroup.GENERATOR or (n.op in VIEWS and not bound):
+            if n.op in OpGroup.GENERATOR or (n.op in OpGroup.INDEXING and not bound):
                 free.add(n.id)
                 continue
-            if n.op in VIEWS and n.op is not Op.RESHAPE:
+            if n.op in OpGroup.INDEXING and n.op is not Op.RESHAPE:
                 return self._refuse(f"%{n.id} ({n.op.name.lower()}) views a computed value")
             if n.op in GATHERS or n.op is Op.EINSUM:
                 if bound:
@@ -530,7 +529,7 @@ def kernel_ops(g: Graph, k: Kernel) -> list[str]:
     if k.category == "template":
         t = next(n for n in nodes if n.op in TEMPLATES)
         return ["scan", _ident(t.attr("body").name)] if t.op is Op.SCAN else [t.op.name.lower()]
-    work = [n.op for n in nodes if n.op not in VIEWS and n.op not in OpGroup.GENERATOR]
+    work = [n.op for n in nodes if n.op not in OpGroup.INDEXING and n.op not in OpGroup.GENERATOR]
     ops = list(dict.fromkeys(work or [n.op for n in nodes]))
     return [o.name.lower() for o in ops[:MAX_NAME_OPS]]
 

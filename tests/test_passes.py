@@ -116,3 +116,28 @@ def test_canonicalize_rules() -> None:
     x_val = torch.randn(3, 3, dtype=torch.float64)
     out = interpret(g, {"x": x_val})
     torch.testing.assert_close(out["z"], 6 * x_val + x_val.T)
+
+
+def test_chunked_loss_keeps_outputs_that_follow_the_loss() -> None:
+    """An output computed from the loss survives the rewrite with the same value."""
+    from titanc.passes.chunked_loss import chunk_loss
+
+    b = Builder("forward")
+    h = b.input("h", (2, 4, 3), "f64")
+    head = b.input("head", (5, 3), "f64")
+    t = b.input("t", (2, 4), "i64")
+    logits = b.einsum("btd,vd->btv", h, head)
+    mx = logits.amax((-1,), keepdim=True)
+    lse = (logits - mx).exp().sum((-1,)).log() + mx.reshape(2, 4)
+    loss = (lse - b.take_along(logits, t)).sum((0, 1)) * (1.0 / 8)
+    b.graph.set_outputs([("loss", loss.id), ("twice", (loss * 2.0).id)])
+    g = chunk_loss(b.graph, 2)
+    assert [n for n, _ in g.outputs] == ["loss", "twice"]
+    assert any(n.op is Op.SCAN for n in g)
+    gen = torch.Generator().manual_seed(0)
+    ins = {"h": torch.randn(2, 4, 3, generator=gen, dtype=torch.float64),
+           "head": torch.randn(5, 3, generator=gen, dtype=torch.float64),
+           "t": torch.randint(0, 5, (2, 4), generator=gen)}
+    want, got = _run(b.graph, ins), _run(g, ins)
+    for k in ("loss", "twice"):
+        assert abs(float(got[k] - want[k])) < 1e-12

@@ -30,7 +30,8 @@ from titanc.passes.fusion import fuse
 from titanc.passes.memory_plan import MemoryPlan, plan_memory
 from titanc.passes.schedule import Schedule, verify_schedule
 from titanc.passes.chunked_loss import chunk_loss
-from titanc.passes.remat import Policy, checkpoint_chunks, choose_policy
+from titanc.passes.checkpoint_chunks import checkpoint_chunks
+from titanc.passes.remat import Policy, choose_policy
 from titanc.passes.manager import PassLog
 from titanc.passes.optimizer import optimizer_graph
 
