@@ -18,6 +18,9 @@ is itself a pair of contractions, so the backward never builds the per-position 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from titanc.ir import Graph, Node, Op
 
 from .canonicalize import canonicalize
@@ -101,7 +104,17 @@ def _rewrite(g: Graph) -> Graph:
     return out
 
 
-def aggregate(g: Graph) -> Graph:
-    """Expects canonical input (the pipeline canonicalizes first); canonicalizes after, so the
-    dead outer products disappear."""
-    return canonicalize(_rewrite(g))
+@dataclass(frozen=True)
+class Aggregate:
+    """Every weighted sum over an axis of outer products over that axis -> one contraction.
+
+    Pre: `g` verifies and is canonical (the pipeline canonicalizes first). Post: same values;
+    no SUM of a per-token outer product is left (`match` finds none); canonicalized after, so
+    the dead outer products are gone."""
+    name: ClassVar[str] = "aggregate"
+
+    def __call__(self, g: Graph) -> Graph:
+        return canonicalize(_rewrite(g))
+
+
+aggregate = Aggregate()

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator
 
 from titanc.ir import Builder, Graph, Op, Value
 from titanc.ir.types import TensorType
@@ -294,6 +295,21 @@ class _Differentiator:
         for m, j in enumerate(diff_k):
             grads[nc + nx_ + j] = out_c[nc + m]
         return grads
+
+
+@dataclass(frozen=True)
+class Autodiff:
+    """The training graph of a forward graph: `grad_graph(g, wrt, policy=policy)`.
+
+    Pre: `g` verifies and has a scalar output `loss`. Post: `loss` unchanged, plus
+    `grad.<name>` = d loss / d input `<name>` for each name in `wrt`; each scan's backward is a
+    reverse scan that recomputes what `policy` does not save."""
+    wrt: tuple[str, ...]
+    policy: "Policy | None" = None
+    name: ClassVar[str] = "autodiff"
+
+    def __call__(self, g: Graph) -> Graph:
+        return grad_graph(g, list(self.wrt), policy=self.policy)
 
 
 def grad_graph(g: Graph, wrt: list[str], loss: str = "loss", name: str = "grad",

@@ -7,7 +7,8 @@ has no two nodes with equal (op, operands, attrs), no node unreachable from an o
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
@@ -219,11 +220,24 @@ def _dce(g: Graph) -> Graph:
     return _copy(g, g.reachable_from_outputs())
 
 
-def canonicalize(g: Graph, max_rounds: int = 4) -> Graph:
-    cur = _copy(g, bodies=True)
-    for _ in range(max_rounds):
-        nxt = _dce(_prune_scan_outputs(_dce(cur)))
-        if len(nxt) == len(cur):
-            return nxt
-        cur = _copy(nxt)
-    return cur
+@dataclass(frozen=True)
+class Canonicalize:
+    """Fold constants, apply the rule table, CSE, DCE (scan bodies too), prune unread scan
+    outputs, until nothing changes or `max_rounds` rounds.
+
+    Pre: `g` verifies. Post: same outputs with the same values; no node whose value no output
+    reads; no two nodes with the same op, operands and attrs."""
+    max_rounds: int = 4
+    name: ClassVar[str] = "canonicalize"
+
+    def __call__(self, g: Graph) -> Graph:
+        cur = _copy(g, bodies=True)
+        for _ in range(self.max_rounds):
+            nxt = _dce(_prune_scan_outputs(_dce(cur)))
+            if len(nxt) == len(cur):
+                return nxt
+            cur = _copy(nxt)
+        return cur
+
+
+canonicalize = Canonicalize()

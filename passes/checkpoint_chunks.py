@@ -9,7 +9,8 @@ other node unchanged.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from titanc.ir import Graph, Op
 
@@ -25,39 +26,45 @@ def _split_factor(n: int) -> int:
     return best
 
 
-def checkpoint_chunks(g: Graph) -> Graph:
+@dataclass(frozen=True)
+class CheckpointChunks:
     """Split every memory scan (role "memory", length n) into an outer scan of n/k
-    iterations over an inner scan of k, k ≈ sqrt(n). Under the `recompute` policy the outer
-    scan saves the memory state every k chunks and the backward recomputes the k states in
-    between: saved states drop from n to n/k + k. Same values (tested)."""
-    from titanc.ir import Builder, Value
+    iterations over an inner scan of k, k ≈ sqrt(n) (the module docstring has the
+    pre/postconditions)."""
+    name: ClassVar[str] = "checkpoint_chunks"
 
-    b = Builder(g.name)
-    env: dict[int, Any] = {}
-    for node in g:
-        attrs = node.attr_dict
-        ins = [env[i] for i in node.inputs]
-        if node.op is Op.ITEM and isinstance(ins[0], list):       # an ITEM of a split scan
-            env[node.id] = ins[0][attrs["index"]]
-            continue
-        if node.op is Op.SCAN:
-            attrs["body"] = checkpoint_chunks(attrs["body"])
-        k = _split_factor(attrs["length"]) if node.op is Op.SCAN else 1
-        if k == 1 or attrs.get("role") != "memory":
-            env[node.id] = b.like(node, *ins, **attrs)
-            continue
-        n, nc, nx_ = attrs["length"], attrs["n_carry"], attrs["n_xs"]
-        n_out = len(attrs["body"].outputs)
-        xs = [x.reshape(n // k, k, *x.shape[1:]) for x in ins[nc:nc + nx_]]
+    def __call__(self, g: Graph) -> Graph:
+        from titanc.ir import Builder, Value
 
-        def outer(bb: Builder, c: list[Value], x: list[Value], ks: list[Value]):
-            tup = bb.op(Op.SCAN, *c, *x, *ks, **{**attrs, "length": k})
-            outs = [bb.item(tup, j) for j in range(n_out)]
-            return outs[:nc], outs[nc:]
+        b = Builder(g.name)
+        env: dict[int, Any] = {}
+        for node in g:
+            attrs = node.attr_dict
+            ins = [env[i] for i in node.inputs]
+            if node.op is Op.ITEM and isinstance(ins[0], list):       # an ITEM of a split scan
+                env[node.id] = ins[0][attrs["index"]]
+                continue
+            if node.op is Op.SCAN:
+                attrs["body"] = self(attrs["body"])
+            k = _split_factor(attrs["length"]) if node.op is Op.SCAN else 1
+            if k == 1 or attrs.get("role") != "memory":
+                env[node.id] = b.like(node, *ins, **attrs)
+                continue
+            n, nc, nx_ = attrs["length"], attrs["n_carry"], attrs["n_xs"]
+            n_out = len(attrs["body"].outputs)
+            xs = [x.reshape(n // k, k, *x.shape[1:]) for x in ins[nc:nc + nx_]]
 
-        cs, ys = b.scan(outer, ins[:nc], xs, ins[nc + nx_:], length=n // k,
-                        reverse=attrs["reverse"], name=f"{attrs['body'].name}_group",
-                        role="memory_group")
-        env[node.id] = cs + [y.reshape(n, *y.shape[2:]) for y in ys]
-    b.graph.set_outputs([(name, env[i].id) for name, i in g.outputs])
-    return b.graph
+            def outer(bb: Builder, c: list[Value], x: list[Value], ks: list[Value]):
+                tup = bb.op(Op.SCAN, *c, *x, *ks, **{**attrs, "length": k})
+                outs = [bb.item(tup, j) for j in range(n_out)]
+                return outs[:nc], outs[nc:]
+
+            cs, ys = b.scan(outer, ins[:nc], xs, ins[nc + nx_:], length=n // k,
+                            reverse=attrs["reverse"], name=f"{attrs['body'].name}_group",
+                            role="memory_group")
+            env[node.id] = cs + [y.reshape(n, *y.shape[2:]) for y in ys]
+        b.graph.set_outputs([(name, env[i].id) for name, i in g.outputs])
+        return b.graph
+
+
+checkpoint_chunks = CheckpointChunks()

@@ -16,6 +16,9 @@ keep the loss subgraph). Postcondition: same loss; no value of the result has mo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from titanc.ir import Builder, Graph, Node, Op, Value
 
 
@@ -53,9 +56,18 @@ def _chunk_size(n_tokens: int, want: int) -> int:
     return 1
 
 
-def chunk_loss(g: Graph, chunk: int) -> Graph:
-    if chunk <= 0:
-        return g
+@dataclass(frozen=True)
+class ChunkedLoss:
+    """The LM head and cross-entropy as a scan over chunks of at most `chunk` tokens (the
+    module docstring has the pre/postconditions); `chunk <= 0` leaves the graph as it is."""
+    chunk: int
+    name: ClassVar[str] = "chunked_loss"
+
+    def __call__(self, g: Graph) -> Graph:
+        return _chunk_loss(g, self.chunk) if self.chunk > 0 else g
+
+
+def _chunk_loss(g: Graph, chunk: int) -> Graph:
     m = _match(g)
     if m is None:
         return g

@@ -1,8 +1,13 @@
-"""The pass manager: run named `Graph -> Graph` passes, verify after each, record stats.
+"""The pass manager: run passes over a graph, with callbacks between them.
 
-Each record is `{name, nodes_before, nodes_after, largest_tensor_bytes_before,
-largest_tensor_bytes_after, seconds}` (report.json `passes`). `TITANC_DEBUG=1` prints pass
-names and timings, `=2` the IR after each pass.
+A pass is a typed object (`Pass`: its options are fields, `name` a class attribute, its
+pre/postconditions in its docstring) called on a graph, e.g. `Canonicalize()`,
+`ChunkedLoss(chunk=1024)`, `Autodiff(wrt, policy)`. `PassLog.apply(p, g)` runs one and
+records `{name, graph, nodes_before, nodes_after, largest_tensor_bytes_before,
+largest_tensor_bytes_after, seconds}` (report.json `passes`), then calls every callback with
+the record and the new graph. The default callbacks verify the graph (`verify_each`), keep it
+for `titanc compile`'s dumps, and print under `TITANC_DEBUG` (`=1` pass names and timings, `=2`
+the IR after each pass); add your own to `PassLog.callbacks`.
 """
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Protocol
 
 from titanc.ir import Graph, format_graph, graph_stats, verify
 
@@ -22,36 +27,53 @@ def debug_level() -> int:
         return 0
 
 
+class Pass(Protocol):
+    name: ClassVar[str]
+
+    def __call__(self, g: Graph) -> Graph: ...
+
+
+Callback = Callable[[dict[str, Any], Graph], None]
+
+
 @dataclass
 class PassLog:
     """What a pipeline run did: per-pass records and the graph after each (for dumps)."""
     records: list[dict[str, Any]] = field(default_factory=list)
     dumps: list[tuple[str, Graph]] = field(default_factory=list)
     verify_each: bool = True
+    callbacks: list[Callback] = field(default_factory=list)   # run after the built-in ones
 
     def run(self, name: str, fn: Callable[[], Graph], before: Graph | None = None) -> Graph:
-        """Run one pass (`fn` closes over its input, `before`, if any) and record it."""
+        """Run one step (`fn` closes over its input, `before`, if any) and record it."""
         pre = graph_stats(before) if before is not None else {"nodes": 0, "largest_tensor_bytes": 0}
         t0 = time.perf_counter()
         g = fn()
         if self.verify_each:
             verify(g)
-        dt = time.perf_counter() - t0
         post = graph_stats(g)
-        self.records.append({
+        record = {
             "name": name, "graph": g.name,
             "nodes_before": pre["nodes"], "nodes_after": post["nodes"],
             "largest_tensor_bytes_before": pre["largest_tensor_bytes"],
             "largest_tensor_bytes_after": post["largest_tensor_bytes"],
-            "seconds": dt})
-        self.dumps.append((f"{name}_{g.name}", g))
-        level = debug_level()
-        if level >= 1:
-            print(f"[titanc] {name:<16} {g.name:<10} {dt * 1e3:8.1f} ms  "
-                  f"{pre['nodes']:>6} -> {post['nodes']:<6} nodes", file=sys.stderr)
-        if level >= 2:
-            print(format_graph(g), file=sys.stderr)
+            "seconds": time.perf_counter() - t0}
+        self.records.append(record)
+        for callback in (self._dump, _debug_print, *self.callbacks):
+            callback(record, g)
         return g
 
-    def apply(self, name: str, pass_fn: Callable[[Graph], Graph], g: Graph) -> Graph:
-        return self.run(name, lambda: pass_fn(g), before=g)
+    def apply(self, p: Pass, g: Graph) -> Graph:
+        return self.run(p.name, lambda: p(g), before=g)
+
+    def _dump(self, record: dict[str, Any], g: Graph) -> None:
+        self.dumps.append((f"{record['name']}_{g.name}", g))
+
+
+def _debug_print(record: dict[str, Any], g: Graph) -> None:
+    level = debug_level()
+    if level >= 1:
+        print(f"[titanc] {record['name']:<16} {g.name:<10} {record['seconds'] * 1e3:8.1f} ms  "
+              f"{record['nodes_before']:>6} -> {record['nodes_after']:<6} nodes", file=sys.stderr)
+    if level >= 2:
+        print(format_graph(g), file=sys.stderr)

@@ -261,3 +261,26 @@ def test_a_new_elementwise_op_runs_everywhere(cube, scan: bool) -> None:
     folded = canonicalize(b.graph)
     out = folded.node(folded.outputs[0][1])
     assert out.op.name == "FULL" and out.attr("value") == 8.0
+
+
+def test_passes_are_typed_objects_and_the_log_calls_back(examples_dir) -> None:
+    """Each graph pass of the pipeline is a `Pass` (name, options as fields, a docstring); a
+    callback added to the log sees every pass's record and graph."""
+    from titanc.compiler import SHARED, Compiled
+    from titanc.params import param_specs
+    from titanc.passes.autodiff import Autodiff
+    from titanc.passes.checkpoint_chunks import CheckpointChunks
+    from titanc.passes.chunked_loss import ChunkedLoss
+    from titanc.passes.manager import PassLog
+    from titanc.spec import load_spec
+
+    for p in (*SHARED, ChunkedLoss(64), CheckpointChunks(), Autodiff(("x",))):
+        doc = type(p).__doc__ or ""
+        assert isinstance(p.name, str) and ("Pre:" in doc or "pre/postconditions" in doc), p
+    seen: list[tuple[str, str]] = []
+    spec = load_spec(examples_dir / "tiny.yaml")
+    log = PassLog(callbacks=[lambda record, g: seen.append((record["name"], g.name))])
+    c = Compiled(spec, 1, param_specs(spec.model), log)
+    c.graph("decode_write")
+    assert seen == [("frontend", "write"), ("canonicalize", "write"), ("aggregate", "write")]
+    assert ChunkedLoss(0)(c.graph("decode_write").graph) is c.graph("decode_write").graph

@@ -120,7 +120,7 @@ def test_canonicalize_rules() -> None:
 
 def test_chunked_loss_keeps_outputs_that_follow_the_loss() -> None:
     """An output computed from the loss survives the rewrite with the same value."""
-    from titanc.passes.chunked_loss import chunk_loss
+    from titanc.passes.chunked_loss import ChunkedLoss
 
     b = Builder("forward")
     h = b.input("h", (2, 4, 3), "f64")
@@ -131,7 +131,7 @@ def test_chunked_loss_keeps_outputs_that_follow_the_loss() -> None:
     lse = (logits - mx).exp().sum((-1,)).log() + mx.reshape(2, 4)
     loss = (lse - b.take_along(logits, t)).sum((0, 1)) * (1.0 / 8)
     b.graph.set_outputs([("loss", loss.id), ("twice", (loss * 2.0).id)])
-    g = chunk_loss(b.graph, 2)
+    g = ChunkedLoss(2)(b.graph)
     assert [n for n, _ in g.outputs] == ["loss", "twice"]
     assert any(n.op is Op.SCAN for n in g)
     gen = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ import tests.reference as R
 from tests.helpers import BLOCKS, tiny_spec, tokens
 from titanc.compiler import compile_graphs
 from titanc.ir import Graph, Op, interpret, largest_tensor_bytes
-from titanc.passes.chunked_loss import chunk_loss
+from titanc.passes.chunked_loss import ChunkedLoss
 from titanc.passes.remat import Policy, mincut_saves, saved_bytes
 from titanc.frontend import lower_forward
 
@@ -64,7 +64,7 @@ def test_chunked_loss_bounds_logits() -> None:
     spec = tiny_spec(**{"model.block": "attn", "model.vocab_size": 512,
                         "model.attention.persistent_tokens": 0})
     g = lower_forward(spec)
-    chunked = chunk_loss(g, 4)
+    chunked = ChunkedLoss(4)(g)
     biggest = max(n.type.numel for n in _walk(chunked) if not isinstance(n.type, tuple)
                   and n.type.shape and n.type.shape[-1] == 512 and n.op is not Op.INPUT)
     assert biggest == 4 * 512

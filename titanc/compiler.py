@@ -23,16 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from titanc.ir import Graph, dtype_name
-from titanc.passes.aggregate import aggregate
-from titanc.passes.autodiff import grad_graph
-from titanc.passes.canonicalize import canonicalize
+from titanc.passes.aggregate import Aggregate
+from titanc.passes.autodiff import Autodiff
+from titanc.passes.canonicalize import Canonicalize
 from titanc.passes.fusion import fuse
 from titanc.passes.memory_plan import MemoryPlan, plan_memory
 from titanc.passes.schedule import Schedule, verify_schedule
-from titanc.passes.chunked_loss import chunk_loss
-from titanc.passes.checkpoint_chunks import checkpoint_chunks
+from titanc.passes.checkpoint_chunks import CheckpointChunks
+from titanc.passes.chunked_loss import ChunkedLoss
 from titanc.passes.remat import Policy, choose_policy
-from titanc.passes.manager import PassLog
+from titanc.passes.manager import Pass, PassLog
 from titanc.passes.optimizer import optimizer_graph
 
 from .decode import lower_step, lower_write
@@ -107,10 +107,9 @@ class Compiled:
             # backward differentiates the contraction and never builds the per-token tensor);
             # then LM head + cross-entropy over chunks of tokens (the [B·T, V] logits never
             # exist) and the memory state saved every k ≈ sqrt(n) chunks, recomputed between
-            extra: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
-                ("chunked_loss", lambda g: chunk_loss(g, spec.train.loss_chunk)),)
+            extra: tuple[Pass, ...] = (ChunkedLoss(spec.train.loss_chunk),)
             if spec.train.remat != "none":
-                extra += (("checkpoint_chunks", checkpoint_chunks),)
+                extra += (CheckpointChunks(),)
             return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra)
         if kind == "training":
             fwd = self.graph("forward").graph
@@ -120,10 +119,9 @@ class Compiled:
             # shared passes again: aggregate catches any weighted outer-product sum the
             # backward exposes
             start = len(log.records)
-            g = log.apply("autodiff", lambda g: grad_graph(g, [p.name for p in self.params],
-                                                           policy=self.policy), fwd)
-            g = log.apply("canonicalize", canonicalize, g)
-            g = log.apply("aggregate", aggregate, g)
+            g = fwd
+            for step in (Autodiff(tuple(p.name for p in self.params), self.policy), *SHARED):
+                g = log.apply(step, g)
             return _finish(log, kind, g, persistent, start)
         if kind == "optimizer":
             # clipping + AdamW over the flat parameter set
@@ -150,14 +148,18 @@ class Compiled:
                         for k in ("grad", "param", "opt.m", "opt.v")}
 
 
+# the graph passes every kind goes through after lowering
+SHARED: tuple[Pass, ...] = (Canonicalize(), Aggregate())
+
+
 def _pipeline(log: PassLog, kind: str, lower: Callable[[], Graph], persistent: set[str],
-              extra: tuple[tuple[str, Callable[[Graph], Graph]], ...] = ()) -> CompiledGraph:
+              extra: tuple[Pass, ...] = ()) -> CompiledGraph:
     """Lower a graph and run it through the passes every kind shares (plus `extra`), fusion,
     schedule verification and the memory plan."""
     start = len(log.records)
     g = log.run("frontend", lower)
-    for name, fn in (("canonicalize", canonicalize), ("aggregate", aggregate), *extra):
-        g = log.apply(name, fn, g)
+    for p in (*SHARED, *extra):
+        g = log.apply(p, g)
     return _finish(log, kind, g, persistent, start)
 
 
