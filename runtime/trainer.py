@@ -40,6 +40,7 @@ from titanc.spec import Spec, load_spec, spec_to_dict
 from .checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_resumable, checkpoint_path,
                          load_checkpoint, restore, save_checkpoint)
 from .data import SyntheticRecall, TextData, make_data
+from .profile import peak_rss_bytes, profile_table
 from .tokenizer import check_same_tokenizer, check_vocab, load_tokenizer, save_tokenizer
 
 __all__ = ["Trainer", "run_training", "write_loss_plot", "read_metrics"]
@@ -291,10 +292,9 @@ class Trainer:
 
     def _profile(self, seconds: float) -> dict[str, Any]:
         prof: dict[str, Any] = {k: round(v, 4) for k, v in self.times.items()}
-        prof["peak_rss_bytes"] = _peak_rss_bytes()
+        prof["peak_rss_bytes"] = peak_rss_bytes()
         if torch.cuda.is_available():
             prof["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
-        from .profile import profile_table
         steps = max(1, self.prog.step - self._start_step)
         self.log(profile_table(self._kernel_profile, steps, steps * self.tokens_per_step,
                                self.times["train_step"], prof["peak_rss_bytes"],
@@ -316,15 +316,6 @@ class Trainer:
                             baseline=baseline)
         except Exception as exc:  # a plot must never hide the run's own outcome
             self.log(f"note: could not write {self.out / 'loss.png'}: {exc}")
-
-
-def _peak_rss_bytes() -> int:
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return 0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
 
 
 def _write_line(msg: str) -> None:
