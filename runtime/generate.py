@@ -72,7 +72,7 @@ class _HostInputs:
         W = m.attention.window
         t = torch.arange(n)
         causal = t[None, :] <= t[:, None]
-        if m.block != "mac":
+        if not m.kind.segment:
             causal = causal & (t[:, None] - t[None, :] < W)
         self.new_keys = torch.zeros(n, n, dtype=dt).masked_fill(~causal, NEG_INF)
         self.ti = torch.arange(n)[:, None]                 # (n, 1) int64
@@ -118,7 +118,8 @@ class Generator:
         self.spec = prog.spec
         self.m = prog.spec.model
         self.dtype = prog.dtype
-        self.has_memory = self.m.block != "attn"
+        self.kind = self.m.kind                           # what the block kind is made of
+        self.has_memory = self.kind.memory
         self._flush_after = _flushing_denormals()        # the caller's setting, restored
         self.chunk = self.m.memory.chunk_size if self.has_memory else 16
         self._graphs: dict[tuple, Any] = {}
@@ -134,9 +135,9 @@ class Generator:
             for i in range(1, self.m.memory.depth + 1):
                 w0 = params[f"layers.mem_w{i}"].to(self.dtype)          # (L, Nm, o, i)
                 tensors[f"W{i}"] = w0[:, None].expand(L, batch, *w0.shape[1:]).clone()
-                if self.m.block == "mac":
+                if self.kind.segment:
                     tensors[f"Wseg{i}"] = tensors[f"W{i}"].clone()
-        window = self.m.attention.window if self.m.block in ("attn", "mag", "mal") else 1
+        window = self.m.attention.window if self.kind.window else 1
         return DecodeState(tensors, pending, [0] * batch,
                            torch.full((batch, window), -1, dtype=torch.int64))
 
@@ -164,7 +165,7 @@ class Generator:
         P = m.attention.persistent_tokens
         row = h.bias[b]                                             # (n, keys)
         row[:, :P].zero_()
-        if m.block == "mac":
+        if m.kind.segment:
             S = m.attention.segment
             i0 = st.pos[b] % S                                       # cache slots j < i0 filled
             for start in (P, P + S + n):
@@ -196,11 +197,11 @@ class Generator:
             raise TitancError(f"a {n}-token step must start a memory chunk of {self.chunk}")
         inputs: dict[str, Tensor] = {"tokens": tokens}
         inputs.update({f"state.{k}": v for k, v in st.tensors.items()})
-        if self.m.block != "lmm":
+        if self.kind.attention:
             h = self._host(B, n)
             S = self.m.attention.segment
             for b in range(B):
-                self._fill_rope(h, b, st.pos[b] % S if self.m.block == "mac" else st.pos[b])
+                self._fill_rope(h, b, st.pos[b] % S if self.kind.segment else st.pos[b])
                 self._fill_bias(h, st, b, n)
             inputs.update(rope_cos=h.cos, rope_sin=h.sin, attn_bias=h.bias)
         with _flush_denormals(self._flush_after):
@@ -213,8 +214,8 @@ class Generator:
         for k in st.tensors:
             if k.startswith("conv_"):
                 st.tensors[k].copy_(out[f"new.{k}"])
-        ring = ("k", "v") if m.block in ("attn", "mag", "mal") else ()
-        seg = ("hk", "hv", "uk", "uv") if m.block == "mac" else ()
+        ring = ("k", "v") if m.kind.window else ()
+        seg = ("hk", "hv", "uk", "uv") if m.kind.segment else ()
         items = ("mk", "mv", "theta", "log_eta", "log_keep") if self.has_memory else ()
         if n == 1 and B > 1:
             self._absorb_one(st, out, ring, seg, items)
@@ -283,7 +284,7 @@ class Generator:
                 for k in keys:
                     if row[k].data_ptr() != st.tensors[k][:, b:b + 1].data_ptr():
                         st.tensors[k][:, b:b + 1].copy_(row[k])
-        if self.m.block == "mac":
+        if self.kind.segment:
             S = self.m.attention.segment
             for b in range(B):
                 if done[b] and st.pos[b] % S == 0:                  # a segment ended

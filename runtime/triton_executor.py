@@ -14,10 +14,14 @@ No kernel falls back to torch: a kernel no family can express fails at bind time
 hooks' `NotImplementedError`.
 
 Without CUDA the kernels run on CPU under Triton's interpreter (`interpreting()`); a caller
-that wants the interpreter on a CUDA machine sets `TRITON_INTERPRET=1`. The choice is passed to
-`render.load_module` for each kernel module it imports, so no process-wide state changes.
-With CUDA (and no interpreter) the arena, the scratch region and the caller's bound tensors
-live on the GPU.
+that wants the interpreter on a CUDA machine sets `TRITON_INTERPRET=1`. The executor sets
+`TRITON_INTERPRET` only while it loads and runs kernels (`render.interpret_mode`), so importing
+or constructing nothing changes the environment. One limit is Triton's own: it fixes the mode of
+its standard library (`tl.sigmoid`, the reductions' combine functions) when `triton.language`
+is first imported, so a process that imported Triton in compile mode before (torch.func and
+torch.compile import it) cannot interpret kernels; the executor then refuses with a one-line
+error saying to set `TRITON_INTERPRET=1` before Python starts. With CUDA (and no interpreter)
+the arena, the scratch region and the caller's bound tensors live on the GPU.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from titanc.codegen.hooks import KernelCode, graph_dtype, render_kernel
 from titanc.codegen.render import interpret_mode, load_module
 from titanc.codegen.scan_kernel import (ScanFallback, ScanKernel, count_launches,
                                         scan_kernel_for)
+from titanc.errors import TitancError
 from titanc.ir import Op
 from titanc.ir.interpret import mask_table, rope_table
 from titanc.passes.manager import debug_level
@@ -41,6 +46,17 @@ from .executor import ArenaExecutor, Tensor, _Builder
 
 __all__ = ["TritonExecutor", "count_launches", "interpreting", "launch_tensors", "module_for",
            "scan_kernel_for"]
+
+
+def check_interpretable() -> None:
+    """Raise unless Triton can interpret kernels in this process (see the module docstring)."""
+    tl = sys.modules.get("triton.language")
+    if tl is None or type(tl.standard.sigmoid).__name__ == "InterpretedFunction":
+        return
+    raise TitancError("the triton target on CPU runs kernels under Triton's interpreter, but "
+                      "Triton was already imported in compile mode in this process (torch.func "
+                      "and torch.compile import it): set TRITON_INTERPRET=1 before starting "
+                      "Python")
 
 
 def interpreting() -> bool:
@@ -153,6 +169,8 @@ class TritonExecutor(ArenaExecutor):
         self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
         self.serial: list[dict[str, str]] = []        # scan kernels of one program, and why
         self.scan_kernels = os.environ.get("TITANC_SCAN_KERNELS", "1") != "0"
+        if interpreting():
+            check_interpretable()
         super().__init__(plan, bound, float_dtype)
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:

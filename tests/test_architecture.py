@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton fixes its mode at first import
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # what lowers a spec to graphs, compiles them, or drives the command line
@@ -88,6 +90,26 @@ def test_the_check_sees_a_frontend_import(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "decode.py").write_text("")
     assert "titanc.decode" in _reaches("titanc.runtime.leak")
+
+
+def test_triton_imported_in_compile_mode_is_refused_in_one_line() -> None:
+    """On CPU the triton target needs Triton's interpreter, which Triton fixes when it is first
+    imported: a process that imported it in compile mode gets a one-line reason, not a crash
+    inside a kernel."""
+    code = ("import torch.func, triton.language; import titanc; "
+            "from titanc.errors import TitancError; "
+            "p = titanc.compile('examples/tiny.yaml', **{'compile.target': 'triton', "
+            "'model.n_layers': 1, 'model.seq_len': 8, 'model.d_model': 8, "
+            "'model.attention.segment': 4, 'model.attention.window': 4, "
+            "'model.attention.heads': 2, 'model.memory.chunk_size': 2, 'train.batch_size': 1}); "
+            "import torch\n"
+            "try:\n    p.loss(torch.zeros(1, 9, dtype=torch.long))\n"
+            "except TitancError as e:\n    print('REFUSED', e)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "REFUSED" in r.stdout and "TRITON_INTERPRET=1" in r.stdout
 
 
 @pytest.mark.parametrize("module", ["titanc.runtime.triton_executor", "titanc.runtime.generate",

@@ -54,7 +54,7 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         "compile_seconds": seconds,
         # every graph kind the runtime runs, each through the same pipeline (its pass log)
         "graphs": {kind: _graph_row(c, kind) for kind in GRAPH_KINDS
-                   if kind != "decode_write" or spec.model.block != "attn"},
+                   if kind != "decode_write" or spec.model.has_memory},
         "remat_policy": c.policy.mode + ("" if c.policy.mode != "mincut" or c.policy.ban_matmul
                                          else "_with_matmuls"),
         "passes": [r for r in c.passes if "nodes_before" in r],

@@ -38,6 +38,7 @@ from titanc.passes.optimizer import optimizer_graph
 from .decode import lower_step, lower_write
 from .frontend import lower_forward
 from .params import ParamSpec, param_specs
+from .spec import Spec
 
 # forward: the loss; training: loss and gradients; optimizer: clip + AdamW; logits / logprobs:
 # the forward with another output; decode_step: n new tokens given each layer's state;
@@ -58,7 +59,7 @@ class CompiledGraph:
 
 @dataclass
 class Compiled:
-    spec: Any
+    spec: Spec
     batch: int
     params: list[ParamSpec]
     log: PassLog = field(default_factory=PassLog)
@@ -170,7 +171,7 @@ def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int)
     return CompiledGraph(kind, g, schedule, plan, log.records[start:])
 
 
-def compile_graphs(spec: Any, batch: int | None = None, verify_each: bool = True) -> Compiled:
+def compile_graphs(spec: Spec, batch: int | None = None, verify_each: bool = True) -> Compiled:
     """Lower `spec` and compile its training graphs (forward, training, optimizer); the other
     kinds compile on first use. Allocates no model-sized tensors."""
     c = Compiled(spec, batch or spec.train.batch_size, param_specs(spec.model),
@@ -208,6 +209,6 @@ def launches_per_step(c: Compiled, target: str = "cpu",
               + count(c.plans["optimizer"])}
     one = c if c.batch == 1 else c.for_batch(1)
     counts["decode"] = count(one.graph("decode_step").plan)
-    if spec.model.block != "attn":
+    if spec.model.has_memory:
         counts["decode_write_per_chunk"] = count(one.graph("decode_write").plan)
     return counts

@@ -23,46 +23,49 @@ from typing import Any
 from titanc.ir import Builder, Graph, Value, dtype_name
 
 from .attention import _attend, _persistent_kv
+from .blocks import block
 from .frontend import lm_logits
 from .memory import chunk_update, mlp, project
-from .nn import ffn, merge_heads, rmsnorm, rotate, split_heads
+from .nn import merge_heads, rotate, split_heads
 from .params import memory_shapes, param_specs
+from .spec import ModelSpec, Spec
 
 
-def state_shapes(m: Any, B: int) -> dict[str, tuple[int, ...]]:
+def state_shapes(m: ModelSpec, B: int) -> dict[str, tuple[int, ...]]:
     """Per-layer state tensors (without the leading L axis)."""
-    D, att, mem = m.d_model, m.attention, m.memory
+    D, att, mem, kind = m.d_model, m.attention, m.memory, m.kind
     out: dict[str, tuple[int, ...]] = {}
-    if m.block != "attn":
+    if kind.memory:
         for i, (o, n) in enumerate(memory_shapes(D // mem.heads, mem.depth, mem.expansion), 1):
             out[f"W{i}"] = out[f"S{i}"] = (B, mem.heads, o, n)
-            if m.block == "mac":
+            if kind.segment:
                 out[f"Wseg{i}"] = (B, mem.heads, o, n)
         if mem.conv_kernel > 1:
-            for c in ("q", "k", "v") + (("hq",) if m.block == "mac" else ()):
+            for c in ("q", "k", "v") + (("hq",) if kind.segment else ()):
                 out[f"conv_{c}"] = (B, mem.conv_kernel - 1, D)
     H, e = att.heads, D // att.heads
-    if m.block in ("attn", "mag", "mal"):
+    if kind.window:
         out["k_cache"] = out["v_cache"] = (B, H, att.window, e)
-    if m.block == "mac":
+    if kind.segment:
         for c in ("hk", "hv", "uk", "uv"):
             out[c] = (B, H, att.segment, e)
     return out
 
 
-def n_keys(m: Any, n: int) -> int:
+def n_keys(m: ModelSpec, n: int) -> int:
     """Keys each query of an n-token step sees (the width of attn_bias)."""
     P = m.attention.persistent_tokens
-    if m.block == "mac":
+    if m.kind.segment:
         return P + 2 * (m.attention.segment + n)
     return P + m.attention.window + n
 
 
 class _Step:
-    """Emits one layer's step; collects the state updates it returns."""
+    """The block mixers (`blocks.Mixers`) over n new tokens given one layer's state: emits the
+    step and collects the state updates it returns."""
 
     def __init__(self, b: Builder, p: dict[str, Value], st: dict[str, Value], host: dict[str, Value],
-                 m: Any):
+                 m: ModelSpec):
         self.b, self.p, self.st, self.host, self.m = b, p, st, host, m
         self.new: dict[str, Value] = {}
 
@@ -118,28 +121,11 @@ class _Step:
         return [self.st[f"{prefix}{i}"] for i in range(1, self.m.memory.depth + 1)]
 
     def lmm(self, u: Value) -> Value:
+        """LMM(u) read at the chunk-start weights W; the write items go to the host."""
         y, _ = self.memory_read_write(u, self.weights("W"))
         if "mem_wg" in self.p:
             y = y * (u @ self.p["mem_wg"]).silu()
         return y @ self.p["mem_wo"]
-
-    def block(self, x: Value) -> Value:
-        p, kind = self.p, self.m.block
-        if kind == "attn":
-            x = x + self.swa(rmsnorm(x, p["attn_norm"]))
-        elif kind == "lmm":
-            x = x + self.lmm(rmsnorm(x, p["mem_norm"]))
-        elif kind == "mag":
-            u = rmsnorm(x, p["mem_norm"])
-            y = rmsnorm(self.swa(u), p["mag_norm_y"])
-            g = rmsnorm(self.lmm(u), p["mag_norm_m"]).sigmoid()
-            x = x + (y * g) @ p["mag_wo"]
-        elif kind == "mal":
-            x = x + self.lmm(rmsnorm(x, p["mem_norm"]))
-            x = x + self.swa(rmsnorm(x, p["attn_norm"]))
-        else:
-            x = x + self.mac(rmsnorm(x, p["mem_norm"]))
-        return x + ffn(rmsnorm(x, p["ffn_norm"]), p["ffn_w1"], p["ffn_w3"], p["ffn_w2"])
 
     def mac(self, u: Value) -> Value:
         m, p, b = self.m, self.p, self.b
@@ -158,7 +144,7 @@ class _Step:
         return (y * r.sigmoid()) @ p["mem_wo"]
 
 
-def lower_step(spec: Any, batch: int, n: int, dtype: str | None = None) -> Graph:
+def lower_step(spec: Spec, batch: int, n: int, dtype: str | None = None) -> Graph:
     """Logits (B, n, V) of n new tokens, and each layer's state updates (`new.<name>`)."""
     m = spec.model
     dt = dtype_name(dtype or spec.train.dtype)
@@ -168,7 +154,7 @@ def lower_step(spec: Any, batch: int, n: int, dtype: str | None = None) -> Graph
     shapes = state_shapes(m, batch)
     states = {k: b.input(f"state.{k}", (m.n_layers,) + s, dt) for k, s in sorted(shapes.items())}
     host: dict[str, Value] = {}
-    if m.block != "lmm":
+    if m.kind.attention:
         half = m.d_model // m.attention.heads // 2
         host["rope_cos"] = b.input("rope_cos", (batch, n, half), dt)
         host["rope_sin"] = b.input("rope_sin", (batch, n, half), dt)
@@ -183,7 +169,7 @@ def lower_step(spec: Any, batch: int, n: int, dtype: str | None = None) -> Graph
         p = dict(zip(short, xs[: len(short)]))
         st = dict(zip(st_names, xs[len(short):]))
         step = _Step(bb, p, st, dict(zip(host_names, consts)), m)
-        x = step.block(carry[0])
+        x = block(step, carry[0], p, m)
         out_names[:] = sorted(step.new)
         return [x], [step.new[k] for k in out_names]
 
@@ -196,7 +182,7 @@ def lower_step(spec: Any, batch: int, n: int, dtype: str | None = None) -> Graph
     return b.graph
 
 
-def lower_write(spec: Any, batch: int, dtype: str | None = None) -> Graph:
+def lower_write(spec: Spec, batch: int, dtype: str | None = None) -> Graph:
     """Apply one completed chunk of pending items to (W, S), where mask (B,) is 1."""
     m, mem = spec.model, spec.model.memory
     dt = dtype_name(dtype or spec.train.dtype)

@@ -6,13 +6,12 @@ compiled body do not grow with depth.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from titanc.ir import Builder, Graph, Value, dtype_name
 
-from .blocks import block
+from .blocks import Parallel, block
 from .nn import rmsnorm
 from .params import param_specs
+from .spec import ModelSpec, Spec
 
 
 def lm_logits(b: Builder, x: Value, params: dict[str, Value], tied: bool) -> Value:
@@ -55,19 +54,20 @@ def lm_logprobs(b: Builder, x: Value, params: dict[str, Value], targets: Value, 
     return lp.reshape(B, T)
 
 
-def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: Any) -> Value:
+def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: ModelSpec) -> Value:
     names = sorted(k for k in params if k.startswith("layers."))
     short = [k.removeprefix("layers.") for k in names]
 
     def body(bb: Builder, carry: list[Value], xs: list[Value], _: list[Value]):
-        return [block(bb, carry[0], dict(zip(short, xs)), m)], []
+        p = dict(zip(short, xs))
+        return [block(Parallel(bb, p, m), carry[0], p, m)], []
 
     (x,), _ = b.scan(body, [x], [params[k] for k in names], length=m.n_layers,
                      name="layer", names=["x"] + short, role="layer")
     return x
 
 
-def lower_forward(spec: Any, batch: int | None = None, dtype: str | None = None,
+def lower_forward(spec: Spec, batch: int | None = None, dtype: str | None = None,
                   output: str = "loss") -> Graph:
     """The forward graph; `output` is 'loss' (scalar), 'logits' ([B, T, V]) or 'logprobs'
     ([B, T], through the chunked head)."""

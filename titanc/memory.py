@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from titanc.ir import Builder, Value
 from titanc.ir.elementwise import silu_grad
 
 from .nn import dwconv, l2norm, log_sigmoid
+from .spec import MemorySpec
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def _heads(x: Value, nm: int) -> Value:
     return x.reshape(B, T, nm, D // nm).permute(0, 2, 1, 3)
 
 
-def project(b: Builder, u: Value, p: dict[str, Value], mem: Any, want: str = "qkvg",
+def project(b: Builder, u: Value, p: dict[str, Value], mem: MemorySpec, want: str = "qkvg",
             conv: Callable[[Value, Value, str], Value] | None = None) -> MemStreams:
     """Projections of u (B, T, D): l2norm(silu(dwconv(u W))) for q, k; silu(dwconv(u W)) for v;
     gates θ, log η, log(1 − α). `want` picks which of q, k, v, g(ates) to build; `conv`

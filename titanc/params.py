@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from .spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,7 @@ def memory_shapes(d: int, depth: int, expansion: int) -> list[tuple[int, int]]:
     return [(h, d)] + [(h, h)] * (depth - 2) + [(d, h)]
 
 
-def param_specs(m: Any) -> list[ParamSpec]:
+def param_specs(m: ModelSpec) -> list[ParamSpec]:
     D, V, L, F = m.d_model, m.vocab_size, m.n_layers, m.ffn
     att, mem = m.attention, m.memory
     block = m.block
@@ -53,13 +54,13 @@ def param_specs(m: Any) -> list[ParamSpec]:
 
     if block in ("attn", "mal"):
         norm("attn_norm")
-    if block != "lmm":
+    if m.kind.attention:
         for w in ("wq", "wk", "wv"):
             lay(f"attn_{w}", (D, D))
         lay("attn_wo", (D, D), std=out_std)
         if att.persistent_tokens > 0:
             lay("attn_persistent", (att.persistent_tokens, D), std=0.02, decay=False)
-    if block != "attn":
+    if m.kind.memory:
         nm, d, K = mem.heads, D // mem.heads, mem.conv_kernel
         norm("mem_norm")
         for w in ("wq", "wk", "wv"):
@@ -102,11 +103,11 @@ def init_param(p: ParamSpec, seed: int, dtype: torch.dtype = torch.float32) -> t
     return t.to(dtype)
 
 
-def init_params(m: Any, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def init_params(m: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     return {p.name: init_param(p, seed, dtype) for p in param_specs(m)}
 
 
-def param_count(m: Any) -> int:
+def param_count(m: ModelSpec) -> int:
     n = 0
     for p in param_specs(m):
         k = 1

@@ -43,13 +43,32 @@ from titanc.errors import SpecError
 
 __all__ = [
     "AttentionSpec", "MemorySpec", "ModelSpec", "TrainSpec", "DataSpec", "CompileSpec", "Spec",
-    "BLOCKS", "DTYPES", "REMAT_POLICIES", "TARGETS",
+    "BLOCK_KINDS", "BLOCKS", "BlockKind", "DTYPES", "REMAT_POLICIES", "TARGETS",
     "load_spec", "spec_to_dict", "spec_hash", "parse_set_args",
 ]
 
-BLOCKS = ("lmm", "mac", "mag", "mal", "attn")
-MEMORY_BLOCKS = frozenset({"lmm", "mac", "mag", "mal"})
-ATTENTION_BLOCKS = frozenset({"attn", "mac", "mag", "mal"})
+@dataclass(frozen=True)
+class BlockKind:
+    """What a block kind is made of (docs/semantics.md "Blocks"): parameters, the frontend,
+    decoding and serving consult this instead of comparing kind names. How a kind composes its
+    parts is `titanc.blocks.block`."""
+    memory: bool      # a neural long-term memory: mem_* parameters, (W, S) state, chunk writes
+    window: bool      # sliding-window attention: attn_* parameters, a KV ring of `window` keys
+    segment: bool     # memory as context: attention over [persistent ‖ memory read ‖ segment]
+
+    @property
+    def attention(self) -> bool:
+        return self.window or self.segment
+
+
+BLOCK_KINDS: dict[str, BlockKind] = {
+    "lmm": BlockKind(memory=True, window=False, segment=False),
+    "mac": BlockKind(memory=True, window=False, segment=True),
+    "mag": BlockKind(memory=True, window=True, segment=False),
+    "mal": BlockKind(memory=True, window=True, segment=False),
+    "attn": BlockKind(memory=False, window=True, segment=False),
+}
+BLOCKS = tuple(BLOCK_KINDS)
 DTYPES = ("float32", "float64")
 REMAT_POLICIES = ("none", "per_layer", "budget")
 TARGETS = ("auto", "cpu", "triton", "reference")
@@ -119,12 +138,17 @@ class ModelSpec:
         return max(8, 8 * round(self.d_model / 3))  # nearest multiple of 8 to 8/3 * d_model
 
     @property
+    def kind(self) -> BlockKind:
+        """What this block kind is made of."""
+        return BLOCK_KINDS[self.block]
+
+    @property
     def has_memory(self) -> bool:
-        return self.block in MEMORY_BLOCKS
+        return self.kind.memory
 
     @property
     def has_attention(self) -> bool:
-        return self.block in ATTENTION_BLOCKS
+        return self.kind.attention
 
     @property
     def head_dim(self) -> int:
