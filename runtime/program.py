@@ -41,8 +41,24 @@ def _executor_class(target: str) -> Any:
     return ArenaExecutor
 
 
+def check_token_ids(tokens: Tensor, vocab_size: int, what: str = "tokens") -> None:
+    """Token ids are integers in [0, vocab_size): a float or bool tensor would be truncated
+    into ids silently, and an id out of range fails deep inside torch."""
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        raise TitancError(f"{what} must hold integer token ids, got a {tokens.dtype} tensor; "
+                          f"convert with .long() only if the values are ids")
+    if tokens.numel():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise TitancError(f"{what}: id {bad} is outside the vocabulary [0, {vocab_size}) "
+                              f"of model.vocab_size={vocab_size}")
+
+
 class Program:
     def __init__(self, compiled: Any):
+        from titanc.fit import check_fits, planned_bytes
+
         self.compiled = compiled
         self.spec = compiled.spec
         self.dtype = DTYPES[dtype_name(self.spec.train.dtype)]
@@ -55,6 +71,7 @@ class Program:
         self._executor_options = ({"cuda_graphs": self.spec.compile.cuda_graphs}
                                   if self.target == "triton" else {})
         self._executors: dict[Any, Any] = {}
+        check_fits(planned_bytes(compiled), self.spec, str(self.device))
         self._params = {n: t.to(self.device) for n, t in
                         init_params(self.spec.model, self.spec.train.seed, self.dtype).items()}
         self._grad_acc = {n: torch.zeros_like(t) for n, t in self._params.items()}
@@ -115,9 +132,12 @@ class Program:
         return self._by_batch[batch]
 
     def _check_tokens(self, tokens: Tensor) -> Tensor:
+        if not isinstance(tokens, Tensor):
+            raise TitancError(f"tokens must be an int64 tensor, got {type(tokens).__name__}")
         if tokens.dim() != 2 or tokens.shape[1] != self.seq_len + 1:
             raise TitancError(f"tokens must be int64 [batch, seq_len + 1 = {self.seq_len + 1}], "
                               f"got {list(tokens.shape)}")
+        check_token_ids(tokens, self.spec.model.vocab_size)
         return tokens.to(torch.int64)
 
     def _run(self, g: Graph, inputs: dict[str, Tensor], plan: Any = None) -> dict[str, Tensor]:
