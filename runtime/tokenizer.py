@@ -157,6 +157,8 @@ def _read_text(path: Path, what: str) -> str:
                           f"train CORPUS --vocab-size N -o {path}' or use data.tokenizer: byte")
     if path.is_dir():
         raise TitancError(f"{what} {path} is a directory; pass the tokenizer.json file")
+    if not path.is_file():
+        raise TitancError(f"{what} {path} is not a regular file; pass the tokenizer.json file")
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:

@@ -380,7 +380,7 @@ class Trainer:
         baseline = (self.data.unigram_entropy("val") if isinstance(self.data, TextData)
                     else None)
         try:
-            write_loss_plot(self.metrics_path, self.out / "loss.png", title=self.spec.name,
+            write_loss_plot(self.metrics_path, self.out / "loss.png", title=self.name,
                             baseline=baseline)
         except Exception as exc:  # a plot must never hide the run's own outcome
             self.log(f"note: could not write {self.out / 'loss.png'}: {exc}")

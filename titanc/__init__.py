@@ -34,9 +34,12 @@ def compile(spec: Any, **overrides: Any) -> "Program":
         >>> loss = prog.train_step(tokens)        # tokens: [2, 129] int64
     """
     from titanc.compiler import compile_graphs
+    from titanc.fit import check_fits, lower_bound_bytes
     from titanc.runtime.program import Program
 
-    return Program(compile_graphs(load_spec(spec, overrides or None)))
+    spec = load_spec(spec, overrides or None)
+    check_fits(lower_bound_bytes(spec), spec, lower=True)   # before any time is spent
+    return Program(compile_graphs(spec))
 
 
 def load(path: Any, **overrides: Any) -> "Program":

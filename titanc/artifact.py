@@ -22,7 +22,7 @@ from titanc.passes.memory_plan import memory_report
 from titanc.runtime.rundir import write_text_atomic, writing_into
 
 from .compiler import Compiled, compile_graphs, launches_per_step
-from .fit import check_fits, planned_bytes
+from .fit import check_fits, lower_bound_bytes, planned_bytes
 from .params import param_count
 from .spec import spec_hash, spec_to_dict
 
@@ -84,16 +84,18 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False) -
     tok = load_tokenizer(spec)
     check_vocab(spec, tok)
     out = Path(out_dir)
-    t0 = time.perf_counter()
-    c = compile_graphs(spec)
-    seconds = time.perf_counter() - t0
     if not force:
-        check_fits(planned_bytes(c), spec, _device(spec), force_hint=True)
+        check_fits(lower_bound_bytes(spec), spec, _device(spec), force_hint=True, lower=True)
     try:
         (out / "ir").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TitancError(f"cannot create output directory {out}: {e.strerror}; choose a "
                           f"writable directory with -o") from None
+    t0 = time.perf_counter()
+    c = compile_graphs(spec)
+    seconds = time.perf_counter() - t0
+    if not force:
+        check_fits(planned_bytes(c), spec, _device(spec), force_hint=True)
     with writing_into(out, "the artifact directory"):
         return _write_files(spec, c, out, seconds, tok)
 

@@ -2,10 +2,12 @@
 
     check_fits(planned_bytes(compiled), spec)          # TitancError when it cannot fit
 
-`planned_bytes` is what the memory plans allocate when the program runs: every graph's
-activation arena (training, forward, optimizer each own one) plus the persistent region
-(parameters, gradients, AdamW moments), plus the constant-size decoding state of one sequence
-(the KV ring of `attention.window` tokens and the memory weights). The machine is the
+`planned_bytes` is what a Program allocates when it runs: its own state (parameters, two
+gradient buffers, two AdamW moments: `state_bytes`), every planned graph's activation arena
+(training, forward, optimizer each own one) and the largest persistent region, plus the
+constant-size decoding state of one sequence (the KV ring of `attention.window` tokens and the
+memory weights). `lower_bound_bytes` is the part known without compiling (state + decoding),
+so a spec of absurd size is refused before the compiler spends any time on it. The machine is the
 physical memory (or, on the triton target with CUDA, the device's memory): a spec that needs
 more can never run, so `titanc compile` refuses it (`--force` writes the artifact anyway, to
 read the plan), and `titanc.compile`, `titanc train` and `titanc generate` refuse it before
@@ -18,7 +20,8 @@ from typing import Any
 
 from titanc.errors import TitancError
 
-__all__ = ["planned_bytes", "decode_state_bytes", "machine_bytes", "check_fits"]
+__all__ = ["planned_bytes", "lower_bound_bytes", "state_bytes", "decode_state_bytes",
+           "machine_bytes", "check_fits"]
 
 
 def _itemsize(spec: Any) -> int:
@@ -36,12 +39,24 @@ def decode_state_bytes(spec: Any, batch: int = 1) -> int:
     return m.n_layers * elems * _itemsize(spec)
 
 
+def state_bytes(spec: Any) -> int:
+    """What runtime.program.Program holds per parameter: itself, 2 gradient buffers, 2 moments."""
+    from titanc.params import param_count
+
+    return 5 * param_count(spec.model) * _itemsize(spec)
+
+
+def lower_bound_bytes(spec: Any) -> int:
+    """Bytes any program of `spec` needs, known before compiling."""
+    return state_bytes(spec) + decode_state_bytes(spec)
+
+
 def planned_bytes(compiled: Any) -> int:
-    """Arenas of every planned graph + the training plan's persistent region + decode state."""
+    """lower_bound_bytes + every planned graph's arena + the largest persistent region."""
     plans = compiled.plans
     arenas = sum(p.arena_bytes for p in plans.values())
     persistent = max((p.persistent_bytes for p in plans.values()), default=0)
-    return arenas + persistent + decode_state_bytes(compiled.spec)
+    return arenas + persistent + lower_bound_bytes(compiled.spec)
 
 
 def machine_bytes(device: str = "cpu") -> int:
@@ -59,15 +74,17 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def check_fits(needed: int, spec: Any, device: str = "cpu", force_hint: bool = False) -> None:
-    """Raise TitancError when `needed` bytes exceed the machine's memory."""
+def check_fits(needed: int, spec: Any, device: str = "cpu", force_hint: bool = False,
+               lower: bool = False) -> None:
+    """Raise TitancError when `needed` bytes (a lower bound when `lower`) exceed the
+    machine's memory."""
     have = machine_bytes(device)
     if needed <= have:
         return
     fix = ("; pass --force to write the artifact anyway (it cannot run here)" if force_hint
            else "")
-    raise TitancError(f"{spec.safe_name} needs {needed:,} bytes ({_gib(needed)}) by its memory "
-                      f"plan, more than this machine's {have:,} bytes ({_gib(have)}) of "
+    raise TitancError(f"{spec.safe_name} needs {'at least ' if lower else ''}{needed:,} bytes "
+                      f"({_gib(needed)}) by its memory plan, more than this machine's {have:,} bytes ({_gib(have)}) of "
                       f"{'device' if device.startswith('cuda') else 'physical'} memory; reduce "
                       f"model.d_model, model.vocab_size, model.attention.window, "
                       f"train.batch_size or model.seq_len{fix}")
