@@ -3,8 +3,9 @@
 Any input ends in either a successful compile (exit 0, report.json written) or exit 2 with a
 single `titanc: error: ...` line on stderr: never a traceback, never a hang. Documents start
 from a tiny valid spec and take up to three mutations (a field set to a legal value, to junk
-of any YAML type, or deleted; an unknown key added), or are replaced by arbitrary text; up to
-two `--set` items follow. The examples are derandomized, so CI sees the same cases each run.
+of any YAML type, or deleted; an unknown key added), or carry hostile YAML text in one field
+(an alias bomb, a 5000-digit int, deep nesting, tags, 10^12-sized dimensions), or are replaced
+by arbitrary text; up to two `--set` items follow, with the same kinds of values. The examples are derandomized, so CI sees the same cases each run.
 """
 
 from __future__ import annotations
@@ -47,13 +48,31 @@ junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
 legal = st.sampled_from([v for vs in LEGAL.values() for v in vs])
 values = st.one_of(legal, legal, junk)
 paths = st.sampled_from(PATHS) | st.text(alphabet="abcdemnotrl._", min_size=1, max_size=16)
+BOMB = "[" + ", ".join(["&a [1,1,1,1,1,1,1,1,1]"] + [
+    f"&{c} [" + ",".join([f"*{p}"] * 9) + "]" for p, c in zip("abcdefgh", "bcdefghi")]) + "]"
+# YAML text that has broken the validator before: an alias bomb, an int past Python's digit
+# limit, nesting past the recursion limit, tags, sizes that cannot fit any machine
+hostile = st.one_of(
+    st.just(BOMB), st.integers(4301, 6000).map(lambda n: "7" * n),
+    st.integers(300, 3000).map(lambda n: "[" * n + "]" * n),
+    st.sampled_from(["!!binary aGk=", "!!set {a, b}", "2024-01-01", "!!python/tuple [1]", "~",
+                     "1e39", ".nan", "-.inf", "0x10", "1_000", "'\x1b[2J'", "&x [*x]",
+                     "1000000000000", "2199023255552", "{a: 1, a: 2}", "[1, 2, 3]"]))
 
 
 @st.composite
 def documents(draw: st.DrawFn) -> str:
-    if draw(st.integers(0, 9)) == 0:                   # arbitrary text for the YAML parser
+    kind = draw(st.integers(0, 9))
+    if kind == 0:                                      # arbitrary text for the YAML parser
         return draw(st.text(max_size=80))
     doc = json.loads(json.dumps(BASE))
+    if kind == 1:                                      # hostile YAML text as one field's value
+        section, _, rest = draw(st.sampled_from(PATHS)).partition(".")
+        head = {k: v for k, v in doc.items() if k != section}
+        body = draw(hostile)
+        for name in reversed(rest.split(".") if rest else []):
+            body = f"{{{name}: {body}}}"
+        return yaml.safe_dump(head) + f"{section}: {body}\n"
     for _ in range(draw(st.integers(0, 3))):
         *sections, leaf = draw(paths).split(".")
         node: Any = doc
@@ -73,7 +92,7 @@ def documents(draw: st.DrawFn) -> str:
 def set_items(draw: st.DrawFn) -> list[str]:
     items = []
     for _ in range(draw(st.integers(0, 2))):
-        value = draw(st.one_of(st.text(max_size=20),
+        value = draw(st.one_of(st.text(max_size=20), hostile,
                                values.map(lambda v: yaml.safe_dump(v, default_flow_style=True)
                                           .strip().removesuffix("...").strip())))
         items.append(f"--set={draw(paths)}={value}")
