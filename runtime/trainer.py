@@ -10,6 +10,7 @@ A run directory holds
     checkpoint.safetensors  model + optimizer + step + sampler RNG + spec, written atomically
                             every train.checkpoint_every steps and at the end
     loss.png                training and held-out loss against steps
+    .lock                   holds the pid of the trainer using the directory (flock)
 
 Resuming (`resume=RUN`) restores the parameters, the AdamW moments, the step (which drives the
 learning-rate schedule) and the sampler's generator, so N steps straight and N/2 + resume +
@@ -17,19 +18,16 @@ N/2 give identical parameters. `train.steps` is the total the schedule spans, co
 the start of the run, not from the resume point.
 
 A non-finite loss, gradient norm or held-out loss stops the run with a TitancError, and the
-checkpoint on disk is always one a run can continue from: the state of step k (every
-parameter and AdamW moment finite) is first written beside it as `.checkpoint.safetensors.
-pending` and replaces checkpoint.safetensors only once step k+1's loss and gradient norm came
-out finite. The last step of a run has no step after it: its state is proven on the batch
-the next step would draw (its first micro-batch, loss and gradients, the sampler untouched).
-A pending file a crash leaves behind was never proven and is removed by the next run.
+checkpoint on disk is always one a run can continue from: before the state of step k replaces
+it, every parameter and AdamW moment must be finite and step k+1 is tried on it, i.e. the
+loss and gradients of the batch step k+1 will draw (its first micro-batch; the sampler's
+generator is copied, not advanced) must be finite. A state that fails is never written.
 
 The run directory is locked for the whole run (runtime/rundir.py): a second trainer into the
 same --out fails with an error naming the process that holds it.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -125,8 +123,6 @@ class Trainer:
         self.last_ckpt_step: int | None = start if self._resuming_in_place else None
         self.times: dict[str, float] = defaultdict(float)
         self.name = printable(spec.name, 60)       # the spec name as it may reach a terminal
-        self.pending = self.out / f".{CHECKPOINT_NAME}.pending"
-        self.pending_step: int | None = None      # the step whose state `pending` holds
 
     # -- setup ----------------------------------------------------------------------------------
     @property
@@ -181,37 +177,23 @@ class Trainer:
         gen = torch.Generator()
         gen.set_state(self.gen.get_state())
         tokens = self.data.batch(self.rows, "train", gen)[: self.spec.train.batch_size]
-        loss, grads = self.prog.grads(tokens)
+        loss, grads = self.prog._grads(tokens)    # the program's own buffers: no copies
         norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
         for what, value in (("the next batch's loss", loss), ("its gradient norm", norm)):
             if not math.isfinite(value):
                 raise self._nonfinite(f"{what} after the update", value)
 
     def _checkpoint(self) -> None:
-        """Write the state of this step once it is proven good (see the module docstring):
-        as the pending file, or, at the last step, after probing the next step directly."""
+        """Write the state of this step once it is proven good (see the module docstring)."""
         bad = first_nonfinite(self.prog.state_dict())
         if bad is not None:
             raise self._nonfinite(f"{bad} after the update", "not finite")
-        if self.prog.step < self.until:
-            self._save(self.pending)
-            self.pending_step = self.prog.step
-            return
         self._probe_next_step()
-        self._save(self.ckpt)
-        self.last_ckpt_step = self.prog.step
-
-    def _promote(self) -> None:
-        """The step after the pending state came out finite: it becomes the checkpoint."""
-        with writing_into(self.out):
-            os.replace(self.pending, self.ckpt)
-        self.last_ckpt_step, self.pending_step = self.pending_step, None
-
-    def _save(self, path: Path) -> None:
-        save_checkpoint(path, self.prog, self.gen.get_state(),
+        save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
                         extra={"data": self.spec.data.source,
                                "tokenizer_hash": self.tokenizer.hash,
                                "tokens_seen": self.prog.step * self.tokens_per_step})
+        self.last_ckpt_step = self.prog.step
 
     def _nonfinite(self, what: str, value: float) -> TitancError:
         step, lr = self.prog.step, self.prog.last.get("lr", self.spec.train.lr)
@@ -239,8 +221,6 @@ class Trainer:
         for what in ("loss", "grad_norm"):  # the loss first: it is what users watch
             if not math.isfinite(last[what]):
                 raise self._nonfinite(what, last[what])
-        if self.pending_step is not None:
-            self._promote()
         last["tokens_per_s"] = self.tokens_per_step / max(t2 - t0, 1e-9)
         self._write({"step": self.prog.step,
                      **{k: last[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}})
@@ -261,14 +241,8 @@ class Trainer:
         with RunDir(self.out), writing_into(self.out):
             self._check_out_dir(probe_lock=False)  # again, under the lock: another run may
             #                                        have finished meanwhile
-            for path in (self.ckpt, self.pending):   # the lock: no one else saves here
-                remove_stale_temps(path, keep_live=False)
-            self.pending.unlink(missing_ok=True)     # never proven good
-            try:
-                return self._run()
-            finally:
-                with contextlib.suppress(OSError):
-                    self.pending.unlink(missing_ok=True)
+            remove_stale_temps(self.ckpt, keep_live=False)   # the lock: no one else saves here
+            return self._run()
 
     def _run(self) -> dict[str, Any]:
         spec, prog = self.spec, self.prog
@@ -344,7 +318,7 @@ class Trainer:
         self.log(f"training {self.name} on {printable(self.data.description)}: steps "
                  f"{self.prog.step + 1}..{self.until} of {spec.train.steps}, "
                  f"{self.rows}x{spec.model.seq_len} tokens per step, "
-                 f"{torch.get_num_threads()} threads -> {printable(str(self.out))}")
+                 f"{_threads(torch.get_num_threads())} -> {printable(str(self.out))}")
 
     def _report_end(self, s: dict[str, Any]) -> None:
         parts = [f"step {s['steps']}", f"loss {s['loss']:.4f}"]
@@ -384,6 +358,10 @@ class Trainer:
                             baseline=baseline)
         except Exception as exc:  # a plot must never hide the run's own outcome
             self.log(f"note: could not write {self.out / 'loss.png'}: {exc}")
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
 
 
 def _peak_rss_bytes() -> int:
