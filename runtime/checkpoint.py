@@ -202,6 +202,9 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[st
     path = Path(path)
     if not path.exists():
         raise TitancError(f"checkpoint {path} does not exist")
+    if not path.is_file():                       # a FIFO would block, a device never end
+        raise TitancError(f"checkpoint {path} is not a regular file; pass a checkpoint file "
+                          f"or a run directory")
     unreadable = (f"{path} is not a readable checkpoint (truncated or corrupt); resume from "
                   f"another copy or train from scratch")
     try:
