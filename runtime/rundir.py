@@ -77,8 +77,9 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise TitancError(f"{self.flag} {self.path}: cannot create the run directory: "
-                              f"{os_reason(exc)}; choose a writable directory") from None
+            raise TitancError(f"{self.flag} {self.path}: cannot create the run directory or "
+                              f"its lock file: {os_reason(exc)}; choose a writable "
+                              f"directory") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

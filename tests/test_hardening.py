@@ -199,6 +199,24 @@ def test_an_unwritable_out_is_one_line(tmp_path: Path, where: str,
     assert code == 2 and "cannot create output directory" in err
 
 
+def test_a_run_directory_that_refuses_writes_is_one_line(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only or immutable directory (root ignores permission bits, so it is simulated)."""
+    import titanc.runtime.trainer as trainer
+
+    run = tmp_path / "run"
+
+    def refused(path: Path, text: str) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(trainer, "write_text_atomic", refused)
+    with pytest.raises(TitancError) as e:
+        train(tiny("lmm", train__steps=1), run)
+    assert str(e.value) == (f"cannot write the run directory {run}: {run / 'spec.yaml'}: "
+                            f"Permission denied; choose a writable directory")
+    RunDir(run).acquire().release()        # the lock went with the failed run
+
+
 def test_compile_onto_a_full_disk_is_one_line_and_leaves_no_tmp(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """RLIMIT_FSIZE makes every write past 4 KiB fail with EFBIG, as a full disk would."""
