@@ -28,6 +28,7 @@ same --out fails with an error naming the process that holds it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -396,6 +397,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     try:
+        if not p.is_file():                        # a directory; a FIFO would block
+            raise IsADirectoryError(errno.EISDIR, "not a regular file")
         text = p.read_bytes().decode("utf-8", errors="replace")
     except OSError as exc:
         raise TitancError(f"{p} cannot be read ({exc.strerror or exc}); move it away to start "
