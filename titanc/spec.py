@@ -265,15 +265,28 @@ def _short(text: str, limit: int = 60) -> str:
 
 # repr() bounded in depth and width before it is built: a YAML alias bomb expands to a value
 # whose full repr would take hours, and a message only ever shows its first 60 characters
-_REPR = reprlib.Repr()
+def _int_repr(value: int) -> str:
+    if value.bit_length() <= 256:
+        return repr(value)
+    return f"{'minus ' if value < 0 else ''}an integer of {value.bit_length()} bits"  # repr()
+    #                                                       refuses ints past 4300 digits
+
+
+class _BoundedRepr(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        return _int_repr(x)
+
+
+_REPR = _BoundedRepr()
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 4, 4, 4
 _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 60, 60, 60
 
 
 def _brepr(value: Any) -> str:
-    if isinstance(value, (str, int, float)):  # linear in the input: keep the plain prefix
-        return _short(repr(value))
-    return _short(_REPR.repr(value))
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return _short(_REPR.repr(value))
+    # linear in the input: keep the plain prefix
+    return _short(_int_repr(value) if isinstance(value, int) else repr(value))
 
 
 def _show(value: Any) -> str:
