@@ -36,6 +36,7 @@ from titanc.ir import Graph
 from titanc.ir.types import TensorType
 from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan
 from titanc.passes.schedule import is_immediate
+from titanc.runtime.rundir import write_text_atomic
 
 from .expr import format_number
 from .hooks import KernelCode, plan_kernels
@@ -80,12 +81,6 @@ class _Lines:
         return "\n".join(self.lines) + "\n"
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
     """Write `out_dir/kernels/*.py`, `kernels/index.json` and `out_dir/program.py`."""
     out = Path(out_dir)
@@ -111,16 +106,16 @@ def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
         taken.add(stem)
         stems[key] = stem
         path = kdir / f"{stem}.py"
-        _write(path, _shared_source(first, users))
+        write_text_atomic(path, _shared_source(first, users))
         art.files.append(path)
     for old in sorted(kdir.glob("*.py")):                        # no stale kernels
         if old.stem not in taken:
             old.unlink()
     art.modules = {name: {c.name: stems[c.key] for c in per_graph[name]} for name in GRAPHS}
     index = kdir / "index.json"
-    _write(index, json.dumps(art.modules, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(index, json.dumps(art.modules, indent=2, sort_keys=True) + "\n")
     program = out / "program.py"
-    _write(program, program_source(compiled, art.modules, rendered, spec_path))
+    write_text_atomic(program, program_source(compiled, art.modules, rendered, spec_path))
     art.files += [index, program]
     return art
 

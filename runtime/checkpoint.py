@@ -3,11 +3,14 @@
 Tensors: the program's `state_dict()` (`param.<name>`, `opt.m.<name>`, `opt.v.<name>`,
 `opt.step`) and `rng.data`, the state of the data sampler's `torch.Generator` (uint8).
 Metadata (strings): `format`, `version`, `step`, `spec` (the spec as JSON), `spec_hash`,
-`titanc_version` and `extra` (JSON from the caller).
+`titanc_version`, `extra` (JSON from the caller) and `checksum`: sha256 over every tensor
+(name, dtype, shape, bytes, in name order) and every other metadata entry. `load_checkpoint`
+recomputes it, so a damaged file is an error naming it, never weights loaded silently.
 
-A checkpoint is written atomically: into a temporary file in the same directory, fsynced,
-then `os.replace`d over the old one, so a crash or a full disk leaves the previous checkpoint
-whole. Resuming compares the checkpoint's spec with the new one field by field:
+A checkpoint is written atomically: into a temporary file `.NAME.<pid>.tmp` in the same
+directory, fsynced, then `os.replace`d over the old one, so a crash or a full disk leaves the
+previous checkpoint whole. Temporary files of processes that no longer exist (a `kill -9`
+during a save) are removed by the next save into the directory. Resuming compares the checkpoint's spec with the new one field by field:
 
 - run-control fields (`RUN_CONTROL`: train.steps, eval/checkpoint cadence, remat, compile, name)
   never matter;
@@ -22,8 +25,10 @@ whole. Resuming compares the checkpoint's spec with the new one field by field:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,7 @@ from titanc.spec import spec_hash, spec_to_dict
 __all__ = [
     "CHECKPOINT_NAME", "RNG_KEY", "RUN_CONTROL", "save_checkpoint", "load_checkpoint",
     "checkpoint_path", "spec_differences", "expected_state", "check_resumable", "restore",
+    "checksum", "first_nonfinite", "remove_stale_temps",
 ]
 
 Tensor = torch.Tensor
@@ -71,6 +77,8 @@ def save_checkpoint(path: str | os.PathLike, prog: Any, rng_state: Tensor | None
         "titanc_version": _titanc_version(),
         "extra": json.dumps(extra or {}, sort_keys=True),
     }
+    meta["checksum"] = checksum(tensors, meta)
+    remove_stale_temps(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     try:
         save_file(tensors, str(tmp), metadata=meta)
@@ -81,12 +89,71 @@ def save_checkpoint(path: str | os.PathLike, prog: Any, rng_state: Tensor | None
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise TitancError(f"could not write checkpoint {path}: {exc.strerror or exc}; "
-                              f"the previous checkpoint, if any, is unchanged") from None
+        if isinstance(exc, Exception):  # OSError, or safetensors' own error on a full disk
+            reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
+            raise TitancError(f"could not write checkpoint {path}: {reason}; the previous "
+                              f"checkpoint, if any, is unchanged") from None
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def checksum(tensors: dict[str, Tensor], meta: dict[str, str]) -> str:
+    """sha256 hex over the tensors (name, dtype, shape, raw bytes; in name order) and the
+    metadata entries other than `checksum` itself."""
+    h = hashlib.sha256()
+    for k in sorted(meta):
+        if k != "checksum":
+            h.update(json.dumps([k, meta[k]]).encode("utf-8"))
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous()
+        h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode("utf-8"))
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def first_nonfinite(tensors: dict[str, Tensor]) -> str | None:
+    """The name of the first floating-point tensor (in name order) holding a NaN or an inf."""
+    for k in sorted(tensors):
+        t = tensors[k]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return k
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(path: str | os.PathLike, *, keep_live: bool = True) -> list[Path]:
+    """Delete the temporary files `.NAME.<pid>.tmp` that saves of `path` left behind.
+
+    With `keep_live` (the default) only those of processes that no longer exist; without it
+    every one but this process's own (for a caller that holds the run directory's lock, so no
+    other process can be saving into it). Returns the paths removed."""
+    path = Path(path)
+    pattern = re.compile(re.escape(f".{path.name}.") + r"(\d+)\.tmp")
+    removed = []
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        if keep_live and _pid_alive(int(m.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            entry.unlink()
+            removed.append(entry)
+    return removed
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -135,6 +202,9 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[st
     path = Path(path)
     if not path.exists():
         raise TitancError(f"checkpoint {path} does not exist")
+    if not path.is_file():                       # a FIFO would block, a device never end
+        raise TitancError(f"checkpoint {path} is not a regular file; pass a checkpoint file "
+                          f"or a run directory")
     unreadable = (f"{path} is not a readable checkpoint (truncated or corrupt); resume from "
                   f"another copy or train from scratch")
     try:
@@ -146,6 +216,10 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[st
     if raw_meta.get("format") != FORMAT:
         raise TitancError(f"{path} is a safetensors file but not a titanc checkpoint "
                           f"(no '{FORMAT}' metadata)")
+    recorded = raw_meta.get("checksum")
+    if recorded is not None and recorded != checksum(tensors, raw_meta):
+        raise TitancError(f"{path} is damaged: its content does not match the checksum it "
+                          f"was written with; resume from another copy or train from scratch")
     try:
         meta = {
             "step": int(raw_meta["step"]),
@@ -156,6 +230,14 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[st
         }
     except (KeyError, ValueError):
         raise TitancError(unreadable) from None
+    if (not isinstance(meta["spec"], dict) or not isinstance(meta["extra"], dict)
+            or meta["step"] < 0):
+        raise TitancError(f"{path} has malformed metadata (spec and extra must be JSON objects, "
+                          f"step >= 0); resume from another copy or train from scratch")
+    bad = first_nonfinite(tensors)
+    if bad is not None:
+        raise TitancError(f"{path} holds non-finite values in {bad}; it is not a good "
+                          f"checkpoint: resume from another copy or train from scratch")
     return tensors, meta
 
 

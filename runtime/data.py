@@ -29,6 +29,7 @@ filler token makes the filler free to predict, so the loss is not dominated by n
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -151,6 +152,9 @@ def _read_bytes(path: str) -> bytes:
                           f"{SYNTHETIC_RECALL} as --data or data.source")
     if os.path.isdir(path):
         raise TitancError(f"data file {path} is a directory; pass a text file")
+    if not stat.S_ISREG(os.stat(path).st_mode):     # /dev/zero never ends; a FIFO blocks
+        raise TitancError(f"data file {path} is not a regular file (a device, FIFO or "
+                          f"socket); pass a text file")
     try:
         with open(path, "rb") as f:
             raw = f.read()

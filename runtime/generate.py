@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -86,11 +87,28 @@ class _HostInputs:
 
 @dataclass
 class Sampling:
-    temperature: float = 1.0
+    """How the next token is drawn; every field is checked here, so a bad value is one
+    TitancError, never a torch error (or a NaN temperature silently sampling greedily)."""
+    temperature: float = 1.0                 # 0: greedy
     top_k: int | None = None
     top_p: float | None = None
-    seed: int = 0
+    seed: int = 0                            # in [0, 2**64)
     stop: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise TitancError(f"temperature: {t!r} must be a finite number >= 0 (0 is greedy)")
+        if self.top_k is not None and (isinstance(self.top_k, bool)
+                                       or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise TitancError(f"top_k: {self.top_k!r} must be a positive integer")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                              or not 0 < p <= 1):
+            raise TitancError(f"top_p: {p!r} must be in (0, 1]")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed < 2**64:
+            raise TitancError(f"seed: {str(self.seed)[:30]} must be an integer in [0, 2**64)")
 
 
 def _flushing_denormals() -> bool:
@@ -314,8 +332,8 @@ class Generator:
         logits of every prompt position (1, T, V)."""
         if len(prompt) == 0:
             raise TitancError("an empty prompt has nothing to condition on; give at least one token")
+        toks = _prompt_tensor(prompt, self.m.vocab_size)
         st = self.new_state(1)
-        toks = torch.tensor([list(prompt)], dtype=torch.int64)
         logits = []
         full = (len(prompt) // self.chunk) * self.chunk
         for s in range(0, full, self.chunk):
@@ -328,6 +346,12 @@ class Generator:
                sampling: Sampling | None = None) -> Iterator[tuple[int, int]]:
         """Yield (sequence index, token) as tokens are sampled; stops per sequence."""
         s = sampling or Sampling()
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise TitancError(f"max_new_tokens: {max_new_tokens!r} must be an integer >= 0")
+        if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+            raise TitancError("prompts: expected a non-empty list of prompts, each a list of "
+                              "token ids")
         gen = torch.Generator().manual_seed(s.seed)
         states, last = [], []
         for p in prompts:
@@ -362,6 +386,26 @@ class Generator:
         for i, tok in self.stream(prompts, max_new_tokens, sampling):
             out[i].append(tok)
         return out
+
+
+def _prompt_tensor(prompt: Sequence[int], vocab_size: int) -> Tensor:
+    """A prompt as a (1, T) int64 tensor of ids checked against the vocabulary."""
+    from .program import check_token_ids
+
+    if isinstance(prompt, Tensor):
+        toks = prompt.reshape(1, -1)
+    else:
+        if isinstance(prompt, (str, bytes)) or any(
+                isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in prompt):
+            raise TitancError("a prompt must be a sequence of integer token ids; encode text "
+                              "with the run's tokenizer first")
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise TitancError(f"prompt: id {str(bad)[:24]} is outside the vocabulary "
+                              f"[0, {vocab_size}) of model.vocab_size={vocab_size}")
+        toks = torch.tensor([list(prompt)], dtype=torch.int64)
+    check_token_ids(toks, vocab_size, "prompt")
+    return toks.to(torch.int64)
 
 
 def _decode_bytes(tokens: Sequence[int]) -> str:

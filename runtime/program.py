@@ -41,8 +41,32 @@ def _executor_class(target: str) -> Any:
     return ArenaExecutor
 
 
+def check_token_ids(tokens: Tensor, vocab_size: int, what: str = "tokens",
+                    scratch: Tensor | None = None) -> None:
+    """Token ids are integers in [0, vocab_size): a float or bool tensor would be truncated
+    into ids silently, and an id out of range fails deep inside torch. `scratch`, an int64
+    tensor of 2 elements, holds the min and max of int64 tokens without allocating."""
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        raise TitancError(f"{what} must hold integer token ids, got a {tokens.dtype} tensor; "
+                          f"convert with .long() only if the values are ids")
+    if tokens.numel():
+        if (scratch is not None and tokens.dtype == scratch.dtype and tokens.dim() == 2
+                and tokens.device == scratch.device):
+            torch.amin(tokens, dim=(0, 1), out=scratch[0])
+            torch.amax(tokens, dim=(0, 1), out=scratch[1])
+            lo, hi = scratch.tolist()
+        else:
+            lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise TitancError(f"{what}: id {bad} is outside the vocabulary [0, {vocab_size}) "
+                              f"of model.vocab_size={vocab_size}")
+
+
 class Program:
     def __init__(self, compiled: Any):
+        from titanc.fit import check_fits, planned_bytes
+
         self.compiled = compiled
         self.spec = compiled.spec
         self.dtype = DTYPES[dtype_name(self.spec.train.dtype)]
@@ -55,6 +79,7 @@ class Program:
         self._executor_options = ({"cuda_graphs": self.spec.compile.cuda_graphs}
                                   if self.target == "triton" else {})
         self._executors: dict[Any, Any] = {}
+        check_fits(planned_bytes(compiled), self.spec, str(self.device))
         self._params = {n: t.to(self.device) for n, t in
                         init_params(self.spec.model, self.spec.train.seed, self.dtype).items()}
         self._grad_acc = {n: torch.zeros_like(t) for n, t in self._params.items()}
@@ -63,6 +88,7 @@ class Program:
                          for k in ("lr", "step", "grad_scale")}
         self._m = {n: torch.zeros_like(t) for n, t in self._params.items()}
         self._v = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        self._token_range = torch.zeros(2, dtype=torch.int64)   # check_token_ids' min, max
         self.step = 0
         self.last: dict[str, float] = {}
         self._by_batch: dict[int, Any] = {self.batch_size: compiled}
@@ -103,7 +129,7 @@ class Program:
     def storages(self) -> list[Tensor]:
         """Every tensor storage this program and its executors own (for allocation probes)."""
         own = [t for d in (self._params, self._grad_acc, self._grad_tmp, self._m, self._v,
-                           self._scalars) for t in d.values()]
+                           self._scalars) for t in d.values()] + [self._token_range]
         return own + [t for ex in self._executors.values() for t in ex.storages()]
 
     # -- running --------------------------------------------------------------------------------
@@ -118,9 +144,12 @@ class Program:
         return self._graphs(batch).graph(kind, n)
 
     def _check_tokens(self, tokens: Tensor) -> Tensor:
+        if not isinstance(tokens, Tensor):
+            raise TitancError(f"tokens must be an int64 tensor, got {type(tokens).__name__}")
         if tokens.dim() != 2 or tokens.shape[1] != self.seq_len + 1:
             raise TitancError(f"tokens must be int64 [batch, seq_len + 1 = {self.seq_len + 1}], "
                               f"got {list(tokens.shape)}")
+        check_token_ids(tokens, self.spec.model.vocab_size, scratch=self._token_range)
         return tokens.to(torch.int64)
 
     def _run(self, cg: Any, inputs: dict[str, Tensor]) -> dict[str, Tensor]:

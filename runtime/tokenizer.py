@@ -157,6 +157,8 @@ def _read_text(path: Path, what: str) -> str:
                           f"train CORPUS --vocab-size N -o {path}' or use data.tokenizer: byte")
     if path.is_dir():
         raise TitancError(f"{what} {path} is a directory; pass the tokenizer.json file")
+    if not path.is_file():
+        raise TitancError(f"{what} {path} is not a regular file; pass the tokenizer.json file")
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
@@ -207,9 +209,11 @@ def _dir_spec(d: Path) -> dict[str, Any] | None:
 
     if (d / "manifest.json").exists():
         try:
-            return json.loads((d / "manifest.json").read_text()).get("spec")
+            spec = json.loads((d / "manifest.json").read_text())
         except (OSError, ValueError):
             return None
+        spec = spec.get("spec") if isinstance(spec, dict) else None
+        return spec if isinstance(spec, dict) else None
     if (d / "spec.yaml").exists():
         try:
             doc = yaml.safe_load((d / "spec.yaml").read_text())
@@ -284,8 +288,12 @@ def save_tokenizer(tok: Tokenizer, directory: str | os.PathLike) -> Path | None:
     if dest.exists() and dest.resolve() == tok.path.resolve():
         return dest
     tmp = dest.with_name(dest.name + ".tmp")
-    shutil.copyfile(tok.path, tmp)
-    os.replace(tmp, dest)
+    try:
+        shutil.copyfile(tok.path, tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return dest
 
 

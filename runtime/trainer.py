@@ -10,17 +10,25 @@ A run directory holds
     checkpoint.safetensors  model + optimizer + step + sampler RNG + spec, written atomically
                             every train.checkpoint_every steps and at the end
     loss.png                training and held-out loss against steps
+    .lock                   holds the pid of the trainer using the directory (flock)
 
 Resuming (`resume=RUN`) restores the parameters, the AdamW moments, the step (which drives the
 learning-rate schedule) and the sampler's generator, so N steps straight and N/2 + resume +
 N/2 give identical parameters. `train.steps` is the total the schedule spans, counted from
 the start of the run, not from the resume point.
 
-A non-finite loss or gradient norm stops the run with a TitancError; checkpoints are only
-written after finite steps, so the last one on disk is good.
+A non-finite loss, gradient norm or held-out loss stops the run with a TitancError, and the
+checkpoint on disk is always one a run can continue from: before the state of step k replaces
+it, every parameter and AdamW moment must be finite and step k+1 is tried on it, i.e. the
+loss and gradients of the batch step k+1 will draw (its first micro-batch; the sampler's
+generator is copied, not advanced) must be finite. A state that fails is never written.
+
+The run directory is locked for the whole run (runtime/rundir.py): a second trainer into the
+same --out fails with an error naming the process that holds it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -34,13 +42,15 @@ import torch
 import yaml
 
 import titanc
-from titanc.errors import TitancError
+from titanc.errors import TitancError, printable
 from titanc.spec import Spec, load_spec, spec_to_dict
 
 from .checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_resumable, checkpoint_path,
-                         load_checkpoint, restore, save_checkpoint)
+                         first_nonfinite, load_checkpoint, remove_stale_temps, restore,
+                         save_checkpoint)
 from .data import SyntheticRecall, TextData, make_data
 from .profile import peak_rss_bytes, profile_table
+from .rundir import LOCK_NAME, RunDir, write_text_atomic, writing_into
 from .tokenizer import check_same_tokenizer, check_vocab, load_tokenizer, save_tokenizer
 
 __all__ = ["Trainer", "run_training", "write_loss_plot", "read_metrics"]
@@ -101,13 +111,20 @@ class Trainer:
         if resume is not None:
             self.restored = restore(self.prog, tensors, meta, strict=strict,
                                     path=self.resume_path)
-            self.gen.set_state(tensors[RNG_KEY])
+            try:
+                self.gen.set_state(tensors[RNG_KEY])
+            except (RuntimeError, TypeError):   # wrong size or dtype
+                raise TitancError(f"{self.resume_path}: its sampler state {RNG_KEY} is damaged "
+                                  f"({list(tensors[RNG_KEY].shape)}, "
+                                  f"{tensors[RNG_KEY].dtype}); it cannot be resumed bit for "
+                                  f"bit") from None
         self.rows = spec.train.grad_accum * spec.train.batch_size
         self.tokens_per_step = self.rows * spec.model.seq_len
         self.ckpt = self.out / CHECKPOINT_NAME
         self.metrics_path = self.out / "metrics.jsonl"
         self.last_ckpt_step: int | None = start if self._resuming_in_place else None
         self.times: dict[str, float] = defaultdict(float)
+        self.name = printable(spec.name, 60)       # the spec name as it may reach a terminal
 
     # -- setup ----------------------------------------------------------------------------------
     @property
@@ -115,9 +132,11 @@ class Trainer:
         return (self.resume_path is not None
                 and self.resume_path.resolve() == (self.out / CHECKPOINT_NAME).resolve())
 
-    def _check_out_dir(self) -> None:
+    def _check_out_dir(self, probe_lock: bool = True) -> None:
         if self.out.exists() and not self.out.is_dir():
             raise TitancError(f"--out {self.out} is a file; pass a directory for the run")
+        if probe_lock and self.out.is_dir() and (self.out / LOCK_NAME).exists():
+            RunDir(self.out).acquire().release()   # in use by another trainer: say so now
         ckpt = self.out / CHECKPOINT_NAME
         if ckpt.exists() and not self._resuming_in_place:
             raise TitancError(f"--out {self.out} already holds a run ({ckpt}); continue it with "
@@ -129,10 +148,8 @@ class Trainer:
         history: list[dict[str, Any]] = []
         if self.resume_path is not None:
             history = [m for m in read_metrics(self.resume_path.parent / "metrics.jsonl")
-                       if m.get("step", 0) <= self.prog.step]
-        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
-        os.replace(tmp, self.metrics_path)
+                       if m["step"] <= self.prog.step]
+        write_text_atomic(self.metrics_path, "".join(json.dumps(m) + "\n" for m in history))
 
     # -- pieces ---------------------------------------------------------------------------------
     def _write(self, record: dict[str, Any]) -> None:
@@ -156,7 +173,24 @@ class Trainer:
             out["eval_accuracy"] = sum(accs) / len(accs)
         return out
 
+    def _probe_next_step(self) -> None:
+        """Loss and gradient norm of the batch the next step would draw (its first
+        micro-batch; the sampler's generator is not advanced) must be finite."""
+        gen = torch.Generator()
+        gen.set_state(self.gen.get_state())
+        tokens = self.data.batch(self.rows, "train", gen)[: self.spec.train.batch_size]
+        loss, grads = self.prog._grads(tokens)    # the program's own buffers: no copies
+        norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+        for what, value in (("the next batch's loss", loss), ("its gradient norm", norm)):
+            if not math.isfinite(value):
+                raise self._nonfinite(f"{what} after the update", value)
+
     def _checkpoint(self) -> None:
+        """Write the state of this step once it is proven good (see the module docstring)."""
+        bad = first_nonfinite(self.prog.state_dict())
+        if bad is not None:
+            raise self._nonfinite(f"{bad} after the update", "not finite")
+        self._probe_next_step()
         save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
                         extra={"data": self.spec.data.source,
                                "tokenizer_hash": self.tokenizer.hash,
@@ -166,7 +200,7 @@ class Trainer:
     def _nonfinite(self, what: str, value: float) -> TitancError:
         step, lr = self.prog.step, self.prog.last.get("lr", self.spec.train.lr)
         if self.last_ckpt_step is None:
-            kept = ("no checkpoint was written before it (train.checkpoint_every="
+            kept = ("no good checkpoint was written before it (train.checkpoint_every="
                     f"{self.spec.train.checkpoint_every})")
             then = "train again"
         else:
@@ -206,10 +240,16 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train from the current step to `until`; returns the summary (see run_training)."""
+        with RunDir(self.out), writing_into(self.out):
+            self._check_out_dir(probe_lock=False)  # again, under the lock: another run may
+            #                                        have finished meanwhile
+            remove_stale_temps(self.ckpt, keep_live=False)   # the lock: no one else saves here
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         spec, prog = self.spec, self.prog
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "spec.yaml").write_text(
-            yaml.safe_dump(spec_to_dict(spec), sort_keys=False, default_flow_style=None))
+        write_text_atomic(self.out / "spec.yaml", yaml.safe_dump(
+            spec_to_dict(spec), sort_keys=False, default_flow_style=None))
         save_tokenizer(self.tokenizer, self.out)
         self._start_metrics()
         self._report_start()
@@ -217,7 +257,7 @@ class Trainer:
         self._start_step = start_step
         last: dict[str, float] = {}
         evals: dict[str, float] = {}
-        bar = _progress(self.until, start_step, spec.name, enabled=self.progress)
+        bar = _progress(self.until, start_step, self.name, enabled=self.progress)
         self._metrics = open(self.metrics_path, "a")
         from .executor import profiling
         profiler = profiling() if self.profile else None
@@ -227,9 +267,11 @@ class Trainer:
                 last = self.step()
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:,.0f}",
-                                refresh=False)
+                                threads=torch.get_num_threads(), refresh=False)
                 if self._due(spec.train.eval_every):
                     evals = self._timed("eval", self.evaluate)
+                    if evals and not math.isfinite(evals["eval_loss"]):
+                        raise self._nonfinite("the held-out loss", evals["eval_loss"])
                     if evals:
                         self._write({"step": prog.step, **evals})
                         self.log(f"step {prog.step}: " + ", ".join(
@@ -275,9 +317,10 @@ class Trainer:
                 self.log(f"  {field}: {old!r} in the checkpoint, {new!r} now")
             if r["new"]:
                 self.log(f"  new parameters (fresh initialisation): {', '.join(r['new'])}")
-        self.log(f"training {spec.name} on {self.data.description}: steps {self.prog.step + 1}"
-                 f"..{self.until} of {spec.train.steps}, {self.rows}x{spec.model.seq_len} "
-                 f"tokens per step -> {self.out}")
+        self.log(f"training {self.name} on {printable(self.data.description)}: steps "
+                 f"{self.prog.step + 1}..{self.until} of {spec.train.steps}, "
+                 f"{self.rows}x{spec.model.seq_len} tokens per step, "
+                 f"{_threads(torch.get_num_threads())} -> {printable(str(self.out))}")
 
     def _report_end(self, s: dict[str, Any]) -> None:
         parts = [f"step {s['steps']}", f"loss {s['loss']:.4f}"]
@@ -312,10 +355,14 @@ class Trainer:
         baseline = (self.data.unigram_entropy("val") if isinstance(self.data, TextData)
                     else None)
         try:
-            write_loss_plot(self.metrics_path, self.out / "loss.png", title=self.spec.name,
+            write_loss_plot(self.metrics_path, self.out / "loss.png", title=self.name,
                             baseline=baseline)
         except Exception as exc:  # a plot must never hide the run's own outcome
             self.log(f"note: could not write {self.out / 'loss.png'}: {exc}")
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
 
 
 def _write_line(msg: str) -> None:
@@ -334,16 +381,28 @@ def _progress(total: int, initial: int, desc: str, enabled: bool) -> Any:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl ([] when it does not exist; a torn last line is skipped)."""
+    """The records of a metrics.jsonl: JSON objects with an integer `step` ([] when the file
+    does not exist). A torn last line, undecodable bytes and lines that are not such records
+    are skipped; a metrics.jsonl that cannot be read at all is a TitancError."""
     p = Path(path)
     if not p.exists():
         return []
+    try:
+        if not p.is_file():                        # a directory; a FIFO would block
+            raise IsADirectoryError(errno.EISDIR, "not a regular file")
+        text = p.read_bytes().decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise TitancError(f"{p} cannot be read ({exc.strerror or exc}); move it away to start "
+                          f"the metrics afresh") from None
     out = []
-    for line in p.read_text().splitlines():
+    for line in text.splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
             continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) \
+                and not isinstance(rec["step"], bool):
+            out.append(rec)
     return out
 
 

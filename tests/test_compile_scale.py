@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
         "train": {"batch_size": BATCH, "loss_chunk": 1024}})
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    report = write_artifact(spec, sys.argv[1])
+    report = write_artifact(spec, sys.argv[1], force=True)   # planning only: it need not fit
     print(json.dumps({"params": param_count(spec.model), "seconds": time.perf_counter() - t0,
                       "rss_growth_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base,
                       "memory": report["memory"]}))

@@ -138,18 +138,21 @@ def test_run_directory_is_not_overwritten(tmp_path: Path) -> None:
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    """Step 3 goes non-finite, so the state after step 2 (from which step 3 runs) is not good:
+    trying step 3 on it before saving finds that, and step 1's checkpoint is kept."""
     run = tmp_path / "run"
-    spec = tiny(train__lr=1e6, train__warmup=0, train__checkpoint_every=2, train__steps=20)
+    spec = tiny(train__lr=1e6, train__warmup=0, train__checkpoint_every=1, train__steps=20)
     with pytest.raises(TitancError) as e:
         train(spec, run)
     ckpt = run / "checkpoint.safetensors"
     msg = str(e.value)
-    assert msg.startswith("step 3: grad_norm is nan; ") or msg.startswith("step 3: loss is nan; ")
-    assert msg.endswith(f"; the last good checkpoint (step 2) is kept in {ckpt}; lower train.lr "
-                        f"(the lr was {lr_at(2, spec.train):.3g}) or raise train.warmup, then continue with "
+    assert (msg.startswith("step 2: its gradient norm after the update is nan; ")
+            or msg.startswith("step 2: the next batch's loss after the update is nan; ")), msg
+    assert msg.endswith(f"; the last good checkpoint (step 1) is kept in {ckpt}; lower train.lr "
+                        f"(the lr was {lr_at(1, spec.train):.3g}) or raise train.warmup, then continue with "
                         f"--resume {run}")
     tensors, meta = load_checkpoint(ckpt)
-    assert meta["step"] == 2 and all(torch.isfinite(t).all() for t in tensors.values()
+    assert meta["step"] == 1 and all(torch.isfinite(t).all() for t in tensors.values()
                                      if t.is_floating_point())
     assert (run / "loss.png").stat().st_size > 0
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2]
@@ -167,7 +170,7 @@ def test_nonfinite_before_any_checkpoint(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(Program, "train_step", poisoned)
     with pytest.raises(TitancError) as e:
         train(tiny(), tmp_path / "run", steps=5)
-    assert str(e.value) == ("step 1: loss is inf; no checkpoint was written before it "
+    assert str(e.value) == ("step 1: loss is inf; no good checkpoint was written before it "
                             "(train.checkpoint_every=0); lower train.lr (the lr was 0.00015) or "
                             "raise train.warmup, then train again")
     assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
@@ -181,7 +184,7 @@ def test_run_directory_contents(tmp_path: Path, capsys: pytest.CaptureFixture[st
     spec = tiny("attn", train__eval_every=2, train__checkpoint_every=2, train__eval_batches=2)
     summary = run_training(spec, run, steps=4, progress=False, profile=True)
     assert sorted(p.name for p in run.iterdir()) == [
-        "checkpoint.safetensors", "loss.png", "metrics.jsonl", "spec.yaml"]
+        ".lock", "checkpoint.safetensors", "loss.png", "metrics.jsonl", "spec.yaml"]
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert load_spec(yaml.safe_load((run / "spec.yaml").read_text())) == load_spec(spec, {"train.steps": 4})
     records = read_metrics(run / "metrics.jsonl")

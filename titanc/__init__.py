@@ -10,11 +10,36 @@ __version__ = "0.1.0"
 
 
 def compile(spec: Any, **overrides: Any) -> "Program":
-    """Compile a spec (path, dict or Spec; overrides by dotted path) into a runnable Program."""
+    """Compile a model spec into a runnable Program.
+
+    Args:
+        spec: a path to a YAML spec file, a mapping shaped like that YAML, or a `Spec`
+            (from `titanc.load_spec`).
+        **overrides: spec fields by dotted path, applied before validation; Python keywords
+            cannot hold dots, so pass them as a dict: `titanc.compile("examples/tiny.yaml",
+            **{"model.d_model": 128, "train.batch_size": 2})`.
+
+    Returns:
+        A `Program` holding freshly initialised parameters: `train_step(tokens)`,
+        `loss(tokens)`, `logits(tokens)`, `grads(tokens)`, `parameters()`, `state_dict()`;
+        tokens are int64 ids in [0, model.vocab_size) shaped [batch, seq_len + 1]. Generate
+        text with `titanc.runtime.generate.Generator(program)`.
+
+    Raises:
+        SpecError: the spec is invalid (the message names the field and the fix).
+        TitancError: the memory plan needs more memory than this machine has.
+
+    Example:
+        >>> prog = titanc.compile("examples/tiny.yaml", **{"train.batch_size": 2})
+        >>> loss = prog.train_step(tokens)        # tokens: [2, 129] int64
+    """
     from titanc.compiler import compile_graphs
+    from titanc.fit import check_fits, lower_bound_bytes
     from titanc.runtime.program import Program
 
-    return Program(compile_graphs(load_spec(spec, overrides or None)))
+    spec = load_spec(spec, overrides or None)
+    check_fits(lower_bound_bytes(spec), spec, lower=True)   # before any time is spent
+    return Program(compile_graphs(spec))
 
 
 def load(path: Any, **overrides: Any) -> "Program":
@@ -30,9 +55,11 @@ def load(path: Any, **overrides: Any) -> "Program":
     if p.is_dir() and manifest.exists() and not (p / "checkpoint.safetensors").exists():
         try:
             spec_dict = json.loads(manifest.read_text())["spec"]
-        except (OSError, ValueError, KeyError):
-            raise TitancError(f"{manifest} is not a titanc manifest; recompile with "
-                              f"'titanc compile'") from None
+        except (OSError, ValueError, KeyError, TypeError):
+            spec_dict = None
+        if not isinstance(spec_dict, dict):
+            raise TitancError(f"{manifest} is not a titanc manifest (no spec mapping); "
+                              f"recompile with 'titanc compile'")
         return compile({**spec_dict, "name": spec_dict.get("name", "spec")}, **overrides)
     ckpt = checkpoint_path(p, flag="load")
     tensors, meta = load_checkpoint(ckpt)

@@ -19,15 +19,12 @@ from titanc.ir import format_graph, graph_stats
 from titanc.passes.manager import debug_level
 from titanc.passes.memory_plan import memory_report
 
+from titanc.runtime.rundir import write_text_atomic, writing_into
+
 from .compiler import GRAPH_KINDS, Compiled, compile_graphs, launches_per_step
+from .fit import check_fits, lower_bound_bytes, planned_bytes
 from .params import param_count
 from .spec import spec_hash, spec_to_dict
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _versions() -> dict[str, str]:
@@ -84,36 +81,60 @@ def _kernel_row(k: Any) -> dict[str, Any]:
             "nodes": len(k.nodes)}
 
 
-def write_artifact(spec: Any, out_dir: str | os.PathLike) -> dict[str, Any]:
-    """Compile `spec` and write the build directory; returns the report."""
-    from titanc.runtime.tokenizer import (check_vocab, load_tokenizer, save_tokenizer,
-                                          tokenizer_info)
+def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False) -> dict[str, Any]:
+    """Compile `spec` and write the build directory; returns the report.
+
+    Refuses (TitancError) a spec whose memory plan exceeds the machine's memory unless
+    `force`; every write failure is a one-line TitancError naming the file."""
+    from titanc.runtime.tokenizer import check_vocab, load_tokenizer
+
     tok = load_tokenizer(spec)
     check_vocab(spec, tok)
     out = Path(out_dir)
+    if not force:
+        check_fits(lower_bound_bytes(spec), spec, _device(spec), force_hint=True, lower=True)
     try:
         (out / "ir").mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise TitancError(f"cannot create output directory {out}: {e.strerror}") from None
+        raise TitancError(f"cannot create output directory {out}: {e.strerror}; choose a "
+                          f"writable directory with -o") from None
     t0 = time.perf_counter()
     c = compile_graphs(spec)
     seconds = time.perf_counter() - t0
+    if not force:
+        check_fits(planned_bytes(c), spec, _device(spec), force_hint=True)
+    with writing_into(out, "the artifact directory"):
+        return _write_files(spec, c, out, seconds, tok)
+
+
+def _device(spec: Any) -> str:
+    """Where the program of `spec` would hold its memory."""
+    import torch
+
+    from titanc.runtime.program import _resolve_target
+    return "cuda" if _resolve_target(spec.compile.target) == "triton" and \
+        torch.cuda.is_available() else "cpu"
+
+
+def _write_files(spec: Any, c: Compiled, out: Path, seconds: float, tok: Any) -> dict[str, Any]:
+    from titanc.runtime.tokenizer import save_tokenizer, tokenizer_info
+
     for old in (out / "ir").glob("*.txt"):
         old.unlink()                              # no stale dumps from an earlier compile
     for k, (stage, g) in enumerate(c.log.dumps):
-        _write_text(out / "ir" / f"{k:02d}_{stage}.txt", format_graph(g))
+        write_text_atomic(out / "ir" / f"{k:02d}_{stage}.txt", format_graph(g))
     report = build_report(spec, c, seconds)
-    _write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     from titanc.codegen.program import emit_artifact
     emit_artifact(c, out)
     if debug_level() >= 3:
         for f in sorted((out / "kernels").glob("*.py")):
             print(f"# ---- {f.name}\n{f.read_text()}", file=sys.stderr)
-    _write_text(out / "memory_plan.txt", "\n".join(
+    write_text_atomic(out / "memory_plan.txt", "\n".join(
         f"== {name} ==\n{c.plans[name].to_text()}" for name in ("training", "forward", "optimizer")))
     save_tokenizer(tok, out)                      # the tokenizer travels with the artifact
     manifest = {"name": spec.name, "spec_hash": report["spec_hash"], "spec": spec_to_dict(spec),
                 "spec_path": spec.path, "tokenizer": tokenizer_info(tok),
                 "versions": _versions(), "argv": sys.argv[1:]}
-    _write_text(out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
+    write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
     return report

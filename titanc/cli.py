@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from titanc.errors import TitancError
+from titanc.errors import TitancError, printable
 from titanc.spec import Spec, load_spec, parse_set_args
 
 __all__ = ["main", "build_parser"]
@@ -71,6 +72,29 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def _temperature(text: str) -> float:
+    """An argparse type: a finite float >= 0 (nan, inf and negatives are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 is greedy), "
+                                         f"got {text[:30]!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """An argparse type: an integer in [0, 2**64), what a torch generator takes."""
+    try:
+        value = int(text) if len(text) <= 30 else -1
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text[:30]!r}")
+    return value
+
+
 def _add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="path to a YAML model spec (see examples/)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -96,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("-o", "--out", metavar="DIR", default=None,
                           help="output directory (default: build/<name>, with the spec name "
                                "reduced to letters, digits and underscores)")
+    compile_.add_argument("--force", action="store_true",
+                          help="write the artifact even when its memory plan needs more memory "
+                               "than this machine has (to read the plan; it cannot run here)")
     compile_.set_defaults(run=_cmd_compile)
 
     train = commands.add_parser(
@@ -124,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "the spec instead of loading the tensors that match")
     train.add_argument("--profile", action="store_true",
                        help="print time per kernel category, tokens/s and peak memory")
+    train.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                       help="torch CPU threads (default: $TITANC_THREADS, else one per 4 GFLOP "
+                            "of step work, at most the cores not already busy); shown in the "
+                            "progress line")
     train.set_defaults(run=_cmd_train)
 
     gen = commands.add_parser(
@@ -139,13 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt text (encoded with the run's tokenizer); repeat for a batch")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
                      help="tokens to generate per prompt (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.8,
+    gen.add_argument("--temperature", type=_temperature, default=0.8,
                      help="sampling temperature; 0 is greedy (default 0.8)")
     gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
                      help="sample among the K most likely tokens")
     gen.add_argument("--top-p", type=float, default=None, metavar="P",
                      help="nucleus sampling: the smallest set of tokens with probability > P")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed (default 0)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop a sequence once its output ends with TEXT; repeatable")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
@@ -283,27 +314,28 @@ def _fmt_bytes(n: Any) -> str:
     return f"{n:.1f} {unit}"
 
 
-def _printable(text: str) -> str:
-    return text if text.isprintable() else repr(text)
-
-
 def _cmd_compile(args: argparse.Namespace) -> int:
     spec = _load(args)
     out = Path(args.out) if args.out else Path("build") / spec.safe_name
     write_artifact = _import("titanc.artifact", "write_artifact", "titanc compile")
-    report = write_artifact(spec, out)
+    report = write_artifact(spec, out, force=args.force)
     forward = (report or {}).get("graphs", {}).get("forward", {})
     nodes = forward.get("nodes", "?")
     nodes = len(nodes) if isinstance(nodes, (list, dict)) else nodes
-    print(f"compiled {_printable(spec.name)} -> {out}")
+    print(f"compiled {printable(spec.name)} -> {printable(str(out))}")
     print(f"  forward graph: {nodes} nodes, largest tensor "
           f"{_fmt_bytes(forward.get('largest_tensor_bytes'))}")
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from titanc.runtime.threads import resolve_threads
+
     spec = _load(args)
     run_training = _import("titanc.runtime.trainer", "run_training", "titanc train")
+    torch.set_num_threads(resolve_threads(spec, args.threads)[0])
     run_training(spec, out=args.out, data=args.data, steps=args.steps, resume=args.resume,
                  strict=args.strict, profile=args.profile)
     return 0
@@ -381,3 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("titanc: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a write or read the command did not expect to fail (disk full)
+        where = f"{printable(str(exc.filename))}: " if exc.filename is not None else ""
+        print(f"titanc: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2

@@ -9,7 +9,14 @@ use `assert`; they are bugs, not user errors.
 
 from __future__ import annotations
 
-__all__ = ["TitancError", "SpecError"]
+__all__ = ["TitancError", "SpecError", "printable"]
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """`text` as it may reach a terminal: itself when printable, else its repr (ESC, CR and
+    NUL shown as escapes, never sent raw); at most `limit` characters."""
+    text = text if text.isprintable() else repr(text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class TitancError(Exception):

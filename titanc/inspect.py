@@ -71,7 +71,21 @@ def open_artifact(path: str | Path) -> Artifact:
                           f"'titanc compile'") from None
     if not isinstance(data, dict) or not isinstance(data.get("kernels", []), list):
         raise TitancError(f"{report}: not a titanc report; recompile with 'titanc compile'")
+    for i, k in enumerate(data.get("kernels", [])):
+        if not _kernel_row_ok(k):
+            raise TitancError(f"{report}: kernels[{i}] is malformed (name and category must be "
+                              f"strings, flops, bytes and nodes numbers); recompile with "
+                              f"'titanc compile'")
     return Artifact(p, data)
+
+
+def _kernel_row_ok(k: Any) -> bool:
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return (isinstance(k, dict) and isinstance(k.get("name"), str)
+            and isinstance(k.get("category"), str)
+            and all(number(k.get(f)) for f in ("flops", "bytes", "nodes"))
+            and all(number(k.get(f, 0)) for f in ("launches", "depth")))
 
 
 # -- formatting -------------------------------------------------------------------------------
@@ -308,8 +322,10 @@ def _manifest_spec(art: Artifact) -> Any:
     try:
         spec = json.loads(manifest.read_text())["spec"]
     except (OSError, ValueError, KeyError, TypeError):
+        spec = None
+    if not isinstance(spec, dict):
         raise TitancError(f"{manifest}: missing or not a titanc manifest; recompile with "
-                          f"'titanc compile SPEC -o {art.path}'") from None
+                          f"'titanc compile SPEC -o {art.path}'")
     return load_spec({**spec, "name": spec.get("name") or art.report.get("name", "spec")})
 
 

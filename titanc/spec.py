@@ -31,6 +31,8 @@ import keyword
 import math
 import os
 import re
+import reprlib
+import stat
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -72,6 +74,7 @@ BLOCKS = tuple(BLOCK_KINDS)
 DTYPES = ("float32", "float64")
 REMAT_POLICIES = ("none", "per_layer", "budget")
 TARGETS = ("auto", "cpu", "triton", "reference")
+_F32_MAX = 3.4028234663852886e38
 
 
 def _field(default: Any = MISSING, **bounds: Any) -> Any:
@@ -207,6 +210,11 @@ class TrainSpec:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.dtype == "float32":  # these become float32 scalars of the training graph
+            for name in ("lr", "weight_decay", "grad_clip"):
+                if getattr(self, name) > _F32_MAX:
+                    raise SpecError(f"train.{name}: {getattr(self, name):g} overflows float32 "
+                                    f"(largest {_F32_MAX:.4g}); use a smaller value")
         if self.remat == "budget" and self.remat_budget_mb is None:
             raise SpecError(
                 "train.remat_budget_mb: required when train.remat is 'budget'; "
@@ -279,6 +287,32 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# repr() bounded in depth and width before it is built: a YAML alias bomb expands to a value
+# whose full repr would take hours, and a message only ever shows its first 60 characters
+def _int_repr(value: int) -> str:
+    if value.bit_length() <= 256:
+        return repr(value)
+    return f"{'minus ' if value < 0 else ''}an integer of {value.bit_length()} bits"  # repr()
+    #                                                       refuses ints past 4300 digits
+
+
+class _BoundedRepr(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        return _int_repr(x)
+
+
+_REPR = _BoundedRepr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 4, 4, 4
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 60, 60, 60
+
+
+def _brepr(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return _short(_REPR.repr(value))
+    # linear in the input: keep the plain prefix
+    return _short(_int_repr(value) if isinstance(value, int) else repr(value))
+
+
 def _show(value: Any) -> str:
     """A value as it would be written in YAML, on one line and short."""
     if value is None:
@@ -287,7 +321,7 @@ def _show(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, tuple):
         value = list(value)
-    return _short(repr(value))
+    return _brepr(value)
 
 
 def _describe(value: Any) -> str:
@@ -300,7 +334,7 @@ def _describe(value: Any) -> str:
             return f"{words} {_show(value)}"
     if isinstance(value, Mapping):
         return "a mapping"
-    return f"a {type(value).__name__} {_short(repr(value))}"
+    return f"a {type(value).__name__} {_brepr(value)}"
 
 
 def _type_error(path: str, want: str, value: Any) -> SpecError:
@@ -472,7 +506,7 @@ class _Loader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, typing.Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {_short(repr(key))}", key_node.start_mark)
+                    None, None, f"duplicate key {_brepr(key)}", key_node.start_mark)
             if isinstance(key, typing.Hashable):
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
@@ -493,10 +527,33 @@ def _yaml_problem(exc: yaml.YAMLError) -> tuple[str, str]:
     return where, " ".join(str(problem).split())
 
 
+MAX_SPEC_BYTES = 1 << 20  # a spec is a page of YAML; anything near this is not one
+
+
+def _load_yaml(text: str) -> Any:
+    """yaml.load with our loader; every failure (including ints past Python's digit limit and
+    nesting past the recursion limit) is a yaml.YAMLError."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except (ValueError, RecursionError) as exc:
+        raise yaml.YAMLError(" ".join(str(exc).split()) or type(exc).__name__) from None
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
     try:
+        st = os.stat(path)  # before open(): opening a FIFO for reading blocks
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecError(f"{path}: not a regular file (a device, FIFO or socket); "
+                            f"pass a YAML spec file")
+        if st.st_size > MAX_SPEC_BYTES:
+            raise SpecError(f"{path}: {st.st_size} bytes is too large for a spec (at most "
+                            f"{MAX_SPEC_BYTES}); pass a YAML spec file")
         with open(path, "rb") as fh:
-            data = fh.read()
+            data = fh.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            raise SpecError(f"{path}: too large for a spec (over {MAX_SPEC_BYTES} bytes)")
     except FileNotFoundError:
         raise SpecError(f"{path}: no such spec file") from None
     except IsADirectoryError:
@@ -515,7 +572,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if not text.strip():
         raise SpecError(empty)
     try:
-        doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        doc = _load_yaml(text)
     except yaml.YAMLError as exc:
         where, problem = _yaml_problem(exc)
         raise SpecError(f"{path}{where}: not valid YAML: {problem}") from None
@@ -531,13 +588,17 @@ def _read_yaml(path: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- public API
 
 
-def _plain(value: Any) -> Any:
-    """A deep copy of nested mappings/lists as dicts/lists, safe to edit."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
+    """A deep copy of nested mappings/lists as dicts/lists, safe to edit. Shared sub-values
+    (YAML aliases) stay shared, so an alias bomb is copied in time linear in its text."""
+    if not isinstance(value, (Mapping, list, tuple)):
+        return value
+    memo = {} if memo is None else memo
+    if id(value) not in memo:
+        memo[id(value)] = (
+            {k: _plain(v, memo) for k, v in value.items()} if isinstance(value, Mapping)
+            else [_plain(v, memo) for v in value])
+    return memo[id(value)]
 
 
 def _apply_override(raw: dict[str, Any], key: Any, value: Any) -> None:
@@ -556,6 +617,7 @@ def _apply_override(raw: dict[str, Any], key: Any, value: Any) -> None:
             node[name] = {}
         if not isinstance(node[name], dict):
             raise _type_error(path, "a mapping", node[name])
+        node[name] = dict(node[name])  # the section may be a YAML alias shared with another
         node = node[name]
     node[leaf] = _plain(value)
 
@@ -623,7 +685,7 @@ def parse_set_args(items: Iterable[str]) -> dict[str, Any]:
             out[key] = text
             continue
         try:
-            out[key] = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+            out[key] = _load_yaml(text)
         except yaml.YAMLError as exc:
             raise SpecError(
                 f"--set {key}: value {_short(repr(text))} is not valid YAML: "
