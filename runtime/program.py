@@ -41,6 +41,15 @@ def _executor_class(target: str) -> Any:
     return ArenaExecutor
 
 
+def _views(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Consecutive views of `flat` shaped like the tensors of `like`, in its order."""
+    out, at = {}, 0
+    for n, t in like.items():
+        out[n] = flat[at:at + t.numel()].view(t.shape)
+        at += t.numel()
+    return out
+
+
 class Program:
     def __init__(self, compiled: Any):
         self.compiled = compiled
@@ -55,14 +64,23 @@ class Program:
         self._executor_options = ({"cuda_graphs": self.spec.compile.cuda_graphs}
                                   if self.target == "triton" else {})
         self._executors: dict[Any, Any] = {}
-        self._params = {n: t.to(self.device) for n, t in
-                        init_params(self.spec.model, self.spec.train.seed, self.dtype).items()}
-        self._grad_acc = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        init = init_params(self.spec.model, self.spec.train.seed, self.dtype)
+        # parameters, the gradient accumulator and the AdamW moments each live in one flat
+        # buffer, in parameter order (`flat`): data parallelism reduces the gradients as one
+        # tensor and ZeRO-1 shards all four by one contiguous range
+        self.numel = sum(t.numel() for t in init.values())
+        self.flat = {k: torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+                     for k in ("param", "grad", "opt.m", "opt.v")}
+        self._params = _views(self.flat["param"], init)
+        for n, t in init.items():
+            self._params[n].copy_(t)
+        self._grad_acc = _views(self.flat["grad"], init)
         self._grad_tmp = {n: torch.zeros_like(t) for n, t in self._params.items()}
         self._scalars = {k: torch.zeros((), dtype=self.dtype, device=self.device)
                          for k in ("lr", "step", "grad_scale")}
-        self._m = {n: torch.zeros_like(t) for n, t in self._params.items()}
-        self._v = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        self._m = _views(self.flat["opt.m"], init)
+        self._v = _views(self.flat["opt.v"], init)
+        self.reducer: Any = None        # set by a distributed run (runtime/distributed.py)
         self.step = 0
         self.last: dict[str, float] = {}
         self._by_batch: dict[int, Any] = {self.batch_size: compiled}
@@ -103,8 +121,7 @@ class Program:
 
     def storages(self) -> list[Tensor]:
         """Every tensor storage this program and its executors own (for allocation probes)."""
-        own = [t for d in (self._params, self._grad_acc, self._grad_tmp, self._m, self._v,
-                           self._scalars) for t in d.values()]
+        own = [*self.flat.values(), *self._grad_tmp.values(), *self._scalars.values()]
         return own + [t for ex in self._executors.values() for t in ex.storages()]
 
     # -- running --------------------------------------------------------------------------------
@@ -190,15 +207,36 @@ class Program:
         if tokens.shape[0] != accum * self.batch_size:
             raise TitancError(f"train_step needs {accum}·{self.batch_size} rows "
                               f"(train.grad_accum·train.batch_size), got {tokens.shape[0]}")
-        for t in self._grad_acc.values():
-            t.zero_()
+        self.flat["grad"].zero_()
+        reducer = self.reducer
+        if reducer is not None:
+            reducer.start()
+        micros = tokens.split(self.batch_size)
         losses = []
-        for micro in tokens.split(self.batch_size):
+        for i, micro in enumerate(micros):
             loss, g = self._grads(micro)
             losses.append(loss)
-            for n, t in g.items():
-                self._grad_acc[n].add_(t)
+            final = reducer is not None and i == len(micros) - 1
+            for n in reversed(g):                    # last layers first, as a backward emits
+                self._grad_acc[n].add_(g[n])
+                if final:                            # launch the buckets now final
+                    reducer.ready(reducer.ranges[n][0])
+        if reducer is not None:
+            reducer.wait()                           # the mean gradient over ranks
         lr = lr_at(self.step, self.spec.train)
+        if reducer is not None and reducer.zero:
+            grad_norm = reducer.adamw(lr, self.step + 1, 1.0 / accum)
+        else:
+            grad_norm = self._optimizer_step(lr, accum)
+        self.step += 1
+        loss = sum(losses) / len(losses)
+        if reducer is not None:
+            loss = reducer.mean(loss)
+        self.last = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        return loss
+
+    def _optimizer_step(self, lr: float, accum: int) -> float:
+        """The compiled optimizer graph over every parameter; returns the gradient norm."""
         for k, v in (("lr", lr), ("step", float(self.step + 1)), ("grad_scale", 1.0 / accum)):
             self._scalars[k].fill_(v)
         inputs = dict(self._scalars)
@@ -214,7 +252,4 @@ class Program:
                                  (self._v[n], f"opt.v.{n}")):
                     if out[key].data_ptr() != dst.data_ptr():
                         dst.copy_(out[key])
-        self.step += 1
-        loss = sum(losses) / len(losses)
-        self.last = {"loss": loss, "lr": lr, "grad_norm": float(out["grad_norm"])}
-        return loss
+        return float(out["grad_norm"])

@@ -17,7 +17,11 @@ class TitancError(Exception):
 
     The message is kept to one line: any line breaks in it are folded into spaces, so a value
     quoted inside a message can never break the `titanc: error: ...` format.
+    `exit_status` is the CLI's: 2 for bad input; a failure of the run itself (a rank that
+    died) sets 1.
     """
+
+    exit_status = 2
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).splitlines()).strip())
