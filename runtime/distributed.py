@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -104,8 +105,10 @@ def shutdown() -> None:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    """The gist of a backend error: its first sentence, without gloo's source location."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)          # "[.../pair.cc:537] Read error ..."
+    return text.split(". ")[0].rstrip(".")
 
 
 def _mb_elements(mb: float, itemsize: int) -> int:

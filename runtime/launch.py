@@ -66,6 +66,7 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
                                       env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
     first: tuple[int, int] | None = None          # (rank, exit code) of the first failure
     deadline = None
+    stopped: set[int] = set()                     # ranks the launcher killed itself
     try:
         while any(p.poll() is None for p in procs):
             if first is None:
@@ -74,9 +75,10 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
                 if failed:                        # the others get train.dist_timeout_s to stop
                     first, deadline = failed[0], time.monotonic() + timeout_s
             elif deadline is not None and time.monotonic() > deadline:
-                for p in procs:
+                for rank, p in enumerate(procs):
                     if p.poll() is None:
                         p.kill()
+                        stopped.add(rank)
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         for p in procs:
@@ -86,6 +88,11 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
             p.wait()
         raise
     codes = [p.returncode for p in procs]
+    # status 1 is a rank reporting that a peer failed: name the rank that failed first-hand
+    # (killed, crashed, bad input) when there is one
+    cause = [(r, c) for r, c in enumerate(codes) if c not in (0, 1) and r not in stopped]
+    if cause and (first is None or first[1] == 1):
+        first = cause[0]
     if first is None:
         bad = [(r, c) for r, c in enumerate(codes) if c != 0]
         if not bad:
@@ -93,11 +100,14 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
         first = bad[0]
     rank, code = first
     step = _checkpoint_step(Path(out))
-    kept = (f"no checkpoint was written" if step is None
+    kept = ("no checkpoint was written" if step is None
             else f"{Path(out) / CHECKPOINT_NAME} could not be read" if step < 0
             else f"the last checkpoint (step {step}) is in {Path(out) / CHECKPOINT_NAME}; "
                  f"continue with --resume {out}")
-    raise DistributedError(f"rank {rank} of {nproc} {_how(code)}, so the job stopped; {kept}")
+    late = (f" (rank {', '.join(map(str, sorted(stopped)))} did not stop within "
+            f"train.dist_timeout_s={timeout_s:g} s and was killed)" if stopped else "")
+    raise DistributedError(f"rank {rank} of {nproc} {_how(code)}, so the job stopped{late}; "
+                           f"{kept}")
 
 
 def check_nproc(nproc: int) -> None:
