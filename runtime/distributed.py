@@ -14,8 +14,10 @@ of `prog.numel` elements, in parameter order (runtime/program.py). So
   also runs), each rank updates its contiguous shard [lo, hi) of the flat parameters and AdamW
   moments (AdamW written over the flat range, the same arithmetic as passes/optimizer.py, the
   global gradient norm from one all-reduce of the shards' squared sums), then the parameters
-  are all-gathered. The moments outside a rank's shard are stale until `gather_state` (before
-  a checkpoint), so a checkpoint holds the full state and does not depend on the world size.
+  are all-gathered. A rank holds only its shard of the moments (the Program's full moment
+  buffers are dropped); `gather_state` binds full ones, gathered from every rank, for a
+  checkpoint and `release_state` drops them again, so a checkpoint holds the full state and
+  does not depend on the world size.
 
 Buckets are cut from the end of the flat buffer (the last layers' gradients first, as they
 come out of the backward) and launched asynchronously as soon as the last micro-batch has
@@ -143,6 +145,9 @@ class GradReducer:
         self.comm_seconds = 0.0
         if self.zero:
             self._gather = torch.zeros(self.shard * w, dtype=prog.dtype, device=prog.device)
+            self.m = prog.flat["opt.m"][self.lo:self.hi].clone()      # this rank's moments
+            self.v = prog.flat["opt.v"][self.lo:self.hi].clone()
+            prog.bind_moments(None, None)
 
     # -- reduction ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -219,7 +224,7 @@ class GradReducer:
         beta1, beta2 = train.betas
         bc1 = 1.0 - math.exp(step * math.log(beta1))
         bc2 = 1.0 - math.exp(step * math.log(beta2))
-        m, v, w = p["opt.m"][lo:hi], p["opt.v"][lo:hi], p["param"][lo:hi]
+        m, v, w = self.m, self.v, p["param"][lo:hi]
         m.mul_(beta1).add_(g * (1.0 - beta1))
         v.mul_(beta2).add_(g * g * (1.0 - beta2))
         upd = (m / bc1) / ((v / bc2).sqrt() + EPS)
@@ -227,14 +232,13 @@ class GradReducer:
             for a, b in self.decay_ranges:
                 w[a:b].sub_(w[a:b] * (lr * train.weight_decay))
         w.sub_(upd * lr)
-        self._all_gather("param", "gathering parameters")
+        self._all_gather(self.prog.flat["param"], w, "gathering parameters")
         return norm
 
-    def _all_gather(self, key: str, what: str) -> None:
-        """Every rank's shard of flat buffer `key` onto every rank."""
-        flat, n = self.prog.flat[key], self.prog.numel
+    def _all_gather(self, flat: Tensor, shard: Tensor, what: str) -> None:
+        """Every rank's `shard` (its range [lo, hi) of a flat buffer) into `flat` on every rank."""
         mine = self._gather[self.dist.rank * self.shard:(self.dist.rank + 1) * self.shard]
-        mine[:self.hi - self.lo].copy_(flat[self.lo:self.hi])
+        mine[:self.hi - self.lo].copy_(shard)
         t0 = time.perf_counter()
         try:
             tdist.all_gather(list(self._gather.split(self.shard)), mine.clone())
@@ -242,13 +246,21 @@ class GradReducer:
             raise self._failed(what, exc) from None
         finally:
             self.comm_seconds += time.perf_counter() - t0
-        flat.copy_(self._gather[:n])
+        flat.copy_(self._gather[:self.prog.numel])
 
     def gather_state(self) -> None:
-        """ZeRO-1: the AdamW moments of every shard onto every rank (before a checkpoint)."""
+        """ZeRO-1: bind full AdamW moments, gathered from every rank's shard, into the program
+        (for a checkpoint; `release_state` drops them)."""
         if self.zero:
-            for key in ("opt.m", "opt.v"):
-                self._all_gather(key, "gathering optimizer state")
+            full = [torch.empty(self.prog.numel, dtype=self.prog.dtype, device=self.prog.device)
+                    for _ in range(2)]
+            for flat, shard in zip(full, (self.m, self.v)):
+                self._all_gather(flat, shard, "gathering optimizer state")
+            self.prog.bind_moments(*full)
+
+    def release_state(self) -> None:
+        if self.zero:
+            self.prog.bind_moments(None, None)
 
     def barrier(self, what: str) -> None:
         t0 = time.perf_counter()

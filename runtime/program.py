@@ -90,7 +90,16 @@ class Program:
     def parameters(self) -> dict[str, Tensor]:
         return dict(self._params)
 
+    def bind_moments(self, m: Tensor | None, v: Tensor | None) -> None:
+        """Replace the flat AdamW moment buffers (`numel` elements each), or drop them (None):
+        under ZeRO-1 a rank keeps only its shard, and binds full buffers to checkpoint."""
+        for key, flat in (("opt.m", m), ("opt.v", v)):
+            self.flat[key] = flat
+        self._m = None if m is None else _views(m, self._params)
+        self._v = None if v is None else _views(v, self._params)
+
     def state_dict(self) -> dict[str, Tensor]:
+        assert self._m is not None, "AdamW moments are sharded (ZeRO-1): gather them first"
         sd = {f"param.{n}": t for n, t in self._params.items()}
         sd.update({f"opt.m.{n}": t for n, t in self._m.items()})
         sd.update({f"opt.v.{n}": t for n, t in self._v.items()})
@@ -121,7 +130,8 @@ class Program:
 
     def storages(self) -> list[Tensor]:
         """Every tensor storage this program and its executors own (for allocation probes)."""
-        own = [*self.flat.values(), *self._grad_tmp.values(), *self._scalars.values()]
+        own = [*(t for t in self.flat.values() if t is not None), *self._grad_tmp.values(),
+               *self._scalars.values()]
         return own + [t for ex in self._executors.values() for t in ex.storages()]
 
     # -- running --------------------------------------------------------------------------------

@@ -175,13 +175,15 @@ class Trainer:
     def _checkpoint(self) -> None:
         if self.reducer is not None:
             self.reducer.gather_state()           # ZeRO-1: every shard's moments
-        if not self.main:
-            self.last_ckpt_step = self.prog.step
-            return
-        save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
-                        extra={"data": self.spec.data.source,
-                               "tokenizer_hash": self.tokenizer.hash,
-                               "tokens_seen": self.prog.step * self.tokens_per_step})
+        try:
+            if self.main:
+                save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
+                                extra={"data": self.spec.data.source,
+                                       "tokenizer_hash": self.tokenizer.hash,
+                                       "tokens_seen": self.prog.step * self.tokens_per_step})
+        finally:
+            if self.reducer is not None:
+                self.reducer.release_state()
         self.last_ckpt_step = self.prog.step
 
     def _nonfinite(self, what: str, value: float) -> TitancError:
