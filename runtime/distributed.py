@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from titanc.errors import TitancError
+from titanc.errors import DistributedError, TitancError
 from titanc.params import param_specs
 
 __all__ = ["Dist", "DistributedError", "GradReducer", "init_from_env", "backend_for",
@@ -49,12 +49,6 @@ __all__ = ["Dist", "DistributedError", "GradReducer", "init_from_env", "backend_
 
 Tensor = torch.Tensor
 EPS = 1e-8                          # AdamW epsilon, as passes/optimizer.py
-
-
-class DistributedError(TitancError):
-    """A rank died, or a collective timed out: the job stops (exit status 1, not 2)."""
-
-    exit_status = 1
 
 
 @dataclass(frozen=True)

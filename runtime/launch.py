@@ -18,14 +18,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from titanc.errors import TitancError
-
-from .checkpoint import CHECKPOINT_NAME
-from .distributed import DistributedError
+from titanc.errors import DistributedError, TitancError
 
 __all__ = ["launch", "free_port"]
 
-POLL_S = 0.05
+POLL_S = 0.05             # (torch is imported only once a rank failed: the launcher stays light)
 
 
 def free_port() -> int:
@@ -44,6 +41,7 @@ def _how(code: int) -> str:
 
 
 def _checkpoint_step(run: Path) -> int | None:
+    from .checkpoint import CHECKPOINT_NAME
     path = run / CHECKPOINT_NAME
     if not path.exists():
         return None
@@ -99,6 +97,7 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
             return 0
         first = bad[0]
     rank, code = first
+    from .checkpoint import CHECKPOINT_NAME
     step = _checkpoint_step(Path(out))
     kept = ("no checkpoint was written" if step is None
             else f"{Path(out) / CHECKPOINT_NAME} could not be read" if step < 0

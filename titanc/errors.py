@@ -9,7 +9,7 @@ use `assert`; they are bugs, not user errors.
 
 from __future__ import annotations
 
-__all__ = ["TitancError", "SpecError"]
+__all__ = ["TitancError", "SpecError", "DistributedError"]
 
 
 class TitancError(Exception):
@@ -33,3 +33,10 @@ class TitancError(Exception):
 
 class SpecError(TitancError):
     """A model spec (file, mapping or override) is invalid."""
+
+
+class DistributedError(TitancError):
+    """A rank of a distributed run died, or a collective timed out: the job stops. Not bad
+    input, so the CLI exits 1."""
+
+    exit_status = 1
