@@ -256,15 +256,6 @@ class GradReducer:
         if self.zero:
             self.prog.bind_moments(None, None)
 
-    def barrier(self, what: str) -> None:
-        t0 = time.perf_counter()
-        try:
-            tdist.barrier()
-        except Exception as exc:  # noqa: BLE001
-            raise self._failed(what, exc) from None
-        finally:
-            self.comm_seconds += time.perf_counter() - t0
-
     def _failed(self, what: str, exc: BaseException) -> DistributedError:
         return DistributedError(
             f"rank {self.dist.rank}: {what} at step {self.prog.step + 1} failed: another rank "
