@@ -24,6 +24,8 @@ from titanc.errors import SpecError
 from titanc.runtime.checkpoint import load_checkpoint
 from titanc.runtime.data import SyntheticRecall, TextData
 from titanc.runtime.launch import free_port
+from titanc.runtime.prepare import prepare
+from titanc.runtime.shards import ShardData
 from titanc.runtime.trainer import Trainer, read_metrics
 from titanc.spec import load_spec
 
@@ -111,7 +113,9 @@ def test_rank_rows_are_part_of_the_global_batch(tmp_path: Path) -> None:
     same whatever the slice, so the global batch sequence does not depend on the world size."""
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 40)
-    for data in (TextData(text, seq_len=8), SyntheticRecall(seq_len=16, vocab_size=256)):
+    prepare([text], tmp_path / "shards", workers=1, progress=False)
+    for data in (TextData(text, seq_len=8), ShardData(tmp_path / "shards", 8, 256),
+                 SyntheticRecall(seq_len=16, vocab_size=256)):
         g_all, g_part = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
         for _ in range(2):                          # two global batches in a row
             whole = data.batch(6, "train", g_all)
