@@ -54,6 +54,7 @@ RNG_KEY = "rng.data"
 RUN_CONTROL = frozenset({
     "name", "train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
     "train.remat", "train.remat_budget_mb", "train.loss_chunk", "compile.target",
+    "train.bucket_mb", "train.zero", "train.dist_timeout_s",
 })
 
 

@@ -71,8 +71,10 @@ class Dataset(Protocol):
     seq_len: int
     description: str
 
-    def batch(self, n: int, split: str = "train",
-              generator: torch.Generator | None = None) -> Tensor: ...
+    def batch(self, n: int, split: str = "train", generator: torch.Generator | None = None,
+              rows: slice | None = None) -> Tensor:
+        """`n` rows drawn with `generator`; `rows` keeps only those rows (a rank's part of a
+        global batch), reading no others, while the generator advances as for all `n`."""
 
 
 def _check_split(split: str) -> None:
@@ -121,9 +123,10 @@ class TextData:
     def has_split(self, split: str) -> bool:
         return len(self.split_tokens(split)) > self.seq_len
 
-    def batch(self, n: int, split: str = "train",
-              generator: torch.Generator | None = None) -> Tensor:
-        """`n` random windows of seq_len+1 consecutive bytes from `split`: int64 [n, seq_len+1]."""
+    def batch(self, n: int, split: str = "train", generator: torch.Generator | None = None,
+              rows: slice | None = None) -> Tensor:
+        """`n` random windows of seq_len+1 consecutive bytes from `split`: int64 [n, seq_len+1]
+        (only `rows` of them, when given)."""
         data = self.split_tokens(split)
         if not self.has_split(split):
             raise TitancError(f"data file {self.path} has no {split} split "
@@ -131,6 +134,8 @@ class TextData:
         gen = generator if generator is not None else self._gens[split]
         window = self.seq_len + 1
         starts = torch.randint(0, len(data) - window + 1, (n,), generator=gen)
+        if rows is not None:
+            starts = starts[rows]
         return data[starts[:, None] + torch.arange(window)].long()
 
     def unigram_entropy(self, split: str = "val") -> float:
@@ -248,10 +253,11 @@ class SyntheticRecall:
         lo, hi = self.layout.value_range
         return 1.0 / (hi - lo)
 
-    def batch(self, n: int, split: str = "train",
-              generator: torch.Generator | None = None) -> Tensor:
-        """`n` fresh recall sequences: int64 [n, seq_len+1]. Both splits draw from the same
-        distribution (each sequence has its own mapping, so nothing can be memorised)."""
+    def batch(self, n: int, split: str = "train", generator: torch.Generator | None = None,
+              rows: slice | None = None) -> Tensor:
+        """`n` fresh recall sequences: int64 [n, seq_len+1] (only `rows` of them, when given).
+        Both splits draw from the same distribution (each sequence has its own mapping, so
+        nothing can be memorised)."""
         _check_split(split)
         gen = generator if generator is not None else self._gens[split]
         lay = self.layout
@@ -266,7 +272,7 @@ class SyntheticRecall:
         q = lay.query_start
         out[:, q::2] = keys.gather(1, order)
         out[:, q + 1::2] = values.gather(1, order)
-        return out
+        return out if rows is None else out[rows]
 
     def accuracy(self, logits_or_prog: Any, tokens: Tensor) -> float:
         """Fraction of query positions whose argmax prediction is the paired value. Takes logits

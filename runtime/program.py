@@ -63,6 +63,15 @@ def check_token_ids(tokens: Tensor, vocab_size: int, what: str = "tokens",
                               f"of model.vocab_size={vocab_size}")
 
 
+def _views(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Consecutive views of `flat` shaped like the tensors of `like`, in its order."""
+    out, at = {}, 0
+    for n, t in like.items():
+        out[n] = flat[at:at + t.numel()].view(t.shape)
+        at += t.numel()
+    return out
+
+
 class Program:
     def __init__(self, compiled: Any):
         from titanc.fit import check_fits, planned_bytes
@@ -80,14 +89,23 @@ class Program:
                                   if self.target == "triton" else {})
         self._executors: dict[Any, Any] = {}
         check_fits(planned_bytes(compiled), self.spec, str(self.device))
-        self._params = {n: t.to(self.device) for n, t in
-                        init_params(self.spec.model, self.spec.train.seed, self.dtype).items()}
-        self._grad_acc = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        init = init_params(self.spec.model, self.spec.train.seed, self.dtype)
+        # parameters, the gradient accumulator and the AdamW moments each live in one flat
+        # buffer, in parameter order (`flat`): data parallelism reduces the gradients as one
+        # tensor and ZeRO-1 shards all four by one contiguous range
+        self.numel = sum(t.numel() for t in init.values())
+        self.flat = {k: torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+                     for k in ("param", "grad", "opt.m", "opt.v")}
+        self._params = _views(self.flat["param"], init)
+        for n, t in init.items():
+            self._params[n].copy_(t)
+        self._grad_acc = _views(self.flat["grad"], init)
         self._grad_tmp = {n: torch.zeros_like(t) for n, t in self._params.items()}
         self._scalars = {k: torch.zeros((), dtype=self.dtype, device=self.device)
                          for k in ("lr", "step", "grad_scale")}
-        self._m = {n: torch.zeros_like(t) for n, t in self._params.items()}
-        self._v = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        self._m = _views(self.flat["opt.m"], init)
+        self._v = _views(self.flat["opt.v"], init)
+        self.reducer: Any = None        # set by a distributed run (runtime/distributed.py)
         self._token_range = torch.zeros(2, dtype=torch.int64)   # check_token_ids' min, max
         self.step = 0
         self.last: dict[str, float] = {}
@@ -97,7 +115,16 @@ class Program:
     def parameters(self) -> dict[str, Tensor]:
         return dict(self._params)
 
+    def bind_moments(self, m: Tensor | None, v: Tensor | None) -> None:
+        """Replace the flat AdamW moment buffers (`numel` elements each), or drop them (None):
+        under ZeRO-1 a rank keeps only its shard, and binds full buffers to checkpoint."""
+        for key, flat in (("opt.m", m), ("opt.v", v)):
+            self.flat[key] = flat
+        self._m = None if m is None else _views(m, self._params)
+        self._v = None if v is None else _views(v, self._params)
+
     def state_dict(self) -> dict[str, Tensor]:
+        assert self._m is not None, "AdamW moments are sharded (ZeRO-1): gather them first"
         sd = {f"param.{n}": t for n, t in self._params.items()}
         sd.update({f"opt.m.{n}": t for n, t in self._m.items()})
         sd.update({f"opt.v.{n}": t for n, t in self._v.items()})
@@ -128,8 +155,8 @@ class Program:
 
     def storages(self) -> list[Tensor]:
         """Every tensor storage this program and its executors own (for allocation probes)."""
-        own = [t for d in (self._params, self._grad_acc, self._grad_tmp, self._m, self._v,
-                           self._scalars) for t in d.values()] + [self._token_range]
+        own = [*(t for t in self.flat.values() if t is not None), *self._grad_tmp.values(),
+               *self._scalars.values(), self._token_range]
         return own + [t for ex in self._executors.values() for t in ex.storages()]
 
     # -- running --------------------------------------------------------------------------------
@@ -216,15 +243,36 @@ class Program:
         if tokens.shape[0] != accum * self.batch_size:
             raise TitancError(f"train_step needs {accum}·{self.batch_size} rows "
                               f"(train.grad_accum·train.batch_size), got {tokens.shape[0]}")
-        for t in self._grad_acc.values():
-            t.zero_()
+        self.flat["grad"].zero_()
+        reducer = self.reducer
+        if reducer is not None:
+            reducer.start()
+        micros = tokens.split(self.batch_size)
         losses = []
-        for micro in tokens.split(self.batch_size):
+        for i, micro in enumerate(micros):
             loss, g = self._grads(micro)
             losses.append(loss)
-            for n, t in g.items():
-                self._grad_acc[n].add_(t)
+            final = reducer is not None and i == len(micros) - 1
+            for n in reversed(g):                    # last layers first, as a backward emits
+                self._grad_acc[n].add_(g[n])
+                if final:                            # launch the buckets now final
+                    reducer.ready(reducer.ranges[n][0])
+        if reducer is not None:
+            reducer.wait()                           # the mean gradient over ranks
         lr = lr_at(self.step, self.spec.train)
+        if reducer is not None and reducer.zero:
+            grad_norm = reducer.adamw(lr, self.step + 1, 1.0 / accum)
+        else:
+            grad_norm = self._optimizer_step(lr, accum)
+        self.step += 1
+        loss = sum(losses) / len(losses)
+        if reducer is not None:
+            loss = reducer.mean(loss)
+        self.last = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        return loss
+
+    def _optimizer_step(self, lr: float, accum: int) -> float:
+        """The compiled optimizer graph over every parameter; returns the gradient norm."""
         for k, v in (("lr", lr), ("step", float(self.step + 1)), ("grad_scale", 1.0 / accum)):
             self._scalars[k].fill_(v)
         inputs = dict(self._scalars)
@@ -240,7 +288,4 @@ class Program:
                                  (self._v[n], f"opt.v.{n}")):
                     if out[key].data_ptr() != dst.data_ptr():
                         dst.copy_(out[key])
-        self.step += 1
-        loss = sum(losses) / len(losses)
-        self.last = {"loss": loss, "lr": lr, "grad_norm": float(out["grad_norm"])}
-        return loss
+        return float(out["grad_norm"])

@@ -172,9 +172,10 @@ class ShardData:
 
         return torch.from_numpy(rows.astype(np.int64))
 
-    def batch(self, n: int, split: str = "train",
-              generator: "torch.Generator | None" = None) -> "torch.Tensor":
-        """`n` random windows of seq_len+1 tokens from `split`: int64 [n, seq_len+1]."""
+    def batch(self, n: int, split: str = "train", generator: "torch.Generator | None" = None,
+              rows: slice | None = None) -> "torch.Tensor":
+        """`n` random windows of seq_len+1 tokens from `split`: int64 [n, seq_len+1] (only
+        `rows` of them, when given: a rank reads only its part of a global batch)."""
         if not self.has_split(split):
             raise TitancError(f"{self._path(split)} has fewer than model.seq_len+1 = "
                               f"{self.seq_len + 1} tokens, so there is no {split} split; "
@@ -184,4 +185,6 @@ class ShardData:
         gen = generator if generator is not None else self._gens[split]
         high = len(self.split_array(split)) - self.seq_len
         starts = torch.randint(0, high, (n,), generator=gen)
+        if rows is not None:
+            starts = starts[rows]
         return self.windows(split, starts.numpy())

@@ -12,6 +12,13 @@ A run directory holds
     loss.png                training and held-out loss against steps
     .lock                   holds the pid of the trainer using the directory (flock)
 
+Distributed (`dist=`, see runtime/distributed.py): train.batch_size is per rank; every rank
+draws the same global batch of world·grad_accum·batch_size rows from the shared generator and
+reads only its own contiguous part, so the sequence of global batches (and the checkpoint,
+which rank 0 writes after gathering ZeRO-1 shards) does not depend on the number of ranks.
+Only rank 0 writes the run directory and prints; the logged loss is the mean over ranks and
+tokens/s counts the whole job.
+
 Resuming (`resume=RUN`) restores the parameters, the AdamW moments, the step (which drives the
 learning-rate schedule) and the sampler's generator, so N steps straight and N/2 + resume +
 N/2 give identical parameters. `train.steps` is the total the schedule spans, counted from
@@ -51,6 +58,7 @@ from .checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_resumable, checkpoint_p
 from .data import SyntheticRecall, TextData, make_data
 from .profile import peak_rss_bytes, profile_table
 from .rundir import LOCK_NAME, RunDir, write_text_atomic, writing_into
+from .distributed import Dist, DistributedError, GradReducer
 from .tokenizer import check_same_tokenizer, check_vocab, load_tokenizer, save_tokenizer
 
 __all__ = ["Trainer", "run_training", "write_loss_plot", "read_metrics"]
@@ -71,7 +79,7 @@ class Trainer:
                  data: str | None = None, steps: int | None = None,
                  resume: str | os.PathLike | None = None, strict: bool = False,
                  profile: bool = False, until: int | None = None, progress: bool = True,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, dist: Dist | None = None):
         overrides: dict[str, Any] = {}
         if data is not None:
             overrides["data.source"] = data
@@ -82,8 +90,10 @@ class Trainer:
         self.spec = spec
         self.out = Path(out)
         self.profile = profile
-        self.progress = progress
-        self.log = log or _write_line
+        self.dist = dist
+        self.main = dist is None or dist.is_main      # writes the run directory, prints
+        self.progress = progress and self.main
+        self.log = (log or _write_line) if self.main else (lambda _: None)
         self.tokenizer = load_tokenizer(spec)      # data.tokenizer; copied into the run
         check_vocab(spec, self.tokenizer)
         self.data = make_data(spec)
@@ -105,7 +115,7 @@ class Trainer:
             raise TitancError(
                 f"the checkpoint is at step {start} and train.steps is {spec.train.steps}: "
                 f"nothing to train; pass --steps N with a total N > {start}")
-        self._check_out_dir()
+        self._check_out_dir(probe_lock=self.main)  # rank 0 holds the lock of a distributed run
         self.prog = titanc.compile(spec)
         self.gen = torch.Generator().manual_seed(spec.train.seed)
         if resume is not None:
@@ -118,8 +128,13 @@ class Trainer:
                                   f"({list(tensors[RNG_KEY].shape)}, "
                                   f"{tensors[RNG_KEY].dtype}); it cannot be resumed bit for "
                                   f"bit") from None
-        self.rows = spec.train.grad_accum * spec.train.batch_size
-        self.tokens_per_step = self.rows * spec.model.seq_len
+        self.rows = spec.train.grad_accum * spec.train.batch_size          # this rank's
+        world = dist.world if dist else 1
+        self.global_rows = world * self.rows
+        self.my_rows = slice(dist.rank * self.rows, (dist.rank + 1) * self.rows) if dist else None
+        self.tokens_per_step = self.global_rows * spec.model.seq_len       # the whole job's
+        self.reducer = GradReducer(self.prog, dist) if dist else None
+        self.prog.reducer = self.reducer
         self.ckpt = self.out / CHECKPOINT_NAME
         self.metrics_path = self.out / "metrics.jsonl"
         self.last_ckpt_step: int | None = start if self._resuming_in_place else None
@@ -153,6 +168,8 @@ class Trainer:
 
     # -- pieces ---------------------------------------------------------------------------------
     def _write(self, record: dict[str, Any]) -> None:
+        if self._metrics is None:                 # not rank 0
+            return
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
 
@@ -187,14 +204,21 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         """Write the state of this step once it is proven good (see the module docstring)."""
-        bad = first_nonfinite(self.prog.state_dict())
-        if bad is not None:
-            raise self._nonfinite(f"{bad} after the update", "not finite")
-        self._probe_next_step()
-        save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
-                        extra={"data": self.spec.data.source,
-                               "tokenizer_hash": self.tokenizer.hash,
-                               "tokens_seen": self.prog.step * self.tokens_per_step})
+        if self.reducer is not None:
+            self.reducer.gather_state()           # ZeRO-1: every shard's moments
+        try:
+            bad = first_nonfinite(self.prog.state_dict())
+            if bad is not None:
+                raise self._nonfinite(f"{bad} after the update", "not finite")
+            self._probe_next_step()
+            if self.main:
+                save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
+                                extra={"data": self.spec.data.source,
+                                       "tokenizer_hash": self.tokenizer.hash,
+                                       "tokens_seen": self.prog.step * self.tokens_per_step})
+        finally:
+            if self.reducer is not None:
+                self.reducer.release_state()
         self.last_ckpt_step = self.prog.step
 
     def _nonfinite(self, what: str, value: float) -> TitancError:
@@ -213,12 +237,16 @@ class Trainer:
     def step(self) -> dict[str, float]:
         """One optimizer step on the next training batch; logs it and returns prog.last."""
         t0 = time.perf_counter()
-        tokens = self.data.batch(self.rows, "train", self.gen)
+        tokens = self.data.batch(self.global_rows, "train", self.gen, rows=self.my_rows)
         t1 = time.perf_counter()
+        comm0 = self.reducer.comm_seconds if self.reducer else 0.0
         self.prog.train_step(tokens)
         t2 = time.perf_counter()
+        comm = (self.reducer.comm_seconds - comm0) if self.reducer else 0.0
         self.times["data"] += t1 - t0
-        self.times["train_step"] += t2 - t1
+        self.times["train_step"] += t2 - t1 - comm
+        if self.reducer is not None:
+            self.times["communication"] += comm
         last = dict(self.prog.last)
         for what in ("loss", "grad_norm"):  # the loss first: it is what users watch
             if not math.isfinite(last[what]):
@@ -227,6 +255,11 @@ class Trainer:
         self._write({"step": self.prog.step,
                      **{k: last[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}})
         return last
+
+    def _kept(self) -> str:
+        return (f"the last checkpoint (step {self.last_ckpt_step}) is in {self.ckpt}; continue "
+                f"with --resume {self.out}" if self.last_ckpt_step is not None
+                else "no checkpoint was written yet")
 
     def _due(self, every: int) -> bool:
         return bool(every and self.prog.step % every == 0) or self.prog.step == self.until
@@ -240,6 +273,8 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train from the current step to `until`; returns the summary (see run_training)."""
+        if not self.main:                          # rank 0 locks and writes the directory
+            return self._run()
         with RunDir(self.out), writing_into(self.out):
             self._check_out_dir(probe_lock=False)  # again, under the lock: another run may
             #                                        have finished meanwhile
@@ -248,17 +283,18 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         spec, prog = self.spec, self.prog
-        write_text_atomic(self.out / "spec.yaml", yaml.safe_dump(
-            spec_to_dict(spec), sort_keys=False, default_flow_style=None))
-        save_tokenizer(self.tokenizer, self.out)
-        self._start_metrics()
+        if self.main:
+            write_text_atomic(self.out / "spec.yaml", yaml.safe_dump(
+                spec_to_dict(spec), sort_keys=False, default_flow_style=None))
+            save_tokenizer(self.tokenizer, self.out)
+            self._start_metrics()
         self._report_start()
         start_step, t_start = prog.step, time.perf_counter()
         self._start_step = start_step
         last: dict[str, float] = {}
         evals: dict[str, float] = {}
         bar = _progress(self.until, start_step, self.name, enabled=self.progress)
-        self._metrics = open(self.metrics_path, "a")
+        self._metrics = open(self.metrics_path, "a") if self.main else None
         from .executor import profiling
         profiler = profiling() if self.profile else None
         self._kernel_profile = profiler.__enter__() if profiler else None
@@ -280,20 +316,21 @@ class Trainer:
                     self._timed("checkpoint", self._checkpoint)
         except KeyboardInterrupt:
             bar.close()
-            kept = (f"the last checkpoint (step {self.last_ckpt_step}) is in {self.ckpt}; continue "
-                    f"with --resume {self.out}" if self.last_ckpt_step is not None
-                    else "no checkpoint was written yet")
-            self.log(f"interrupted after step {prog.step}; {kept}")
+            self.log(f"interrupted after step {prog.step}; {self._kept()}")
             raise
+        except DistributedError as exc:
+            raise DistributedError(f"{exc}; {self._kept()}") from None
         finally:
             if profiler:
                 profiler.__exit__(None, None, None)
             bar.close()
-            self._metrics.close()
-            self._timed("plot", self._plot)
+            if self._metrics is not None:
+                self._metrics.close()
+                self._timed("plot", self._plot)
         seconds = time.perf_counter() - t_start
         steps_run = prog.step - start_step
-        train_seconds = self.times["train_step"] + self.times["data"]
+        train_seconds = (self.times["train_step"] + self.times["data"]
+                         + self.times.get("communication", 0.0))
         summary: dict[str, Any] = {
             "out": str(self.out), "steps": prog.step, "steps_run": steps_run,
             "loss": last.get("loss"), "eval_loss": evals.get("eval_loss"),
@@ -317,9 +354,11 @@ class Trainer:
                 self.log(f"  {field}: {old!r} in the checkpoint, {new!r} now")
             if r["new"]:
                 self.log(f"  new parameters (fresh initialisation): {', '.join(r['new'])}")
-        self.log(f"training {self.name} on {printable(self.data.description)}: steps "
+        ranks = (f" on {self.dist.world} ranks ({self.dist.backend}"
+                 f"{', ZeRO-1' if self.reducer.zero else ''})" if self.dist else "")
+        self.log(f"training {self.name} on {printable(self.data.description)}{ranks}: steps "
                  f"{self.prog.step + 1}..{self.until} of {spec.train.steps}, "
-                 f"{self.rows}x{spec.model.seq_len} tokens per step, "
+                 f"{self.global_rows}x{spec.model.seq_len} tokens per step, "
                  f"{_threads(torch.get_num_threads())} -> {printable(str(self.out))}")
 
     def _report_end(self, s: dict[str, Any]) -> None:
@@ -347,8 +386,8 @@ class Trainer:
         rows = dict(self.times)
         rows["other"] = max(0.0, seconds - sum(rows.values()))
         for k, v in rows.items():
-            self.log(f"  {k:<12} {v:8.2f} s  {100 * v / max(seconds, 1e-9):5.1f}%")
-        self.log(f"  peak memory  {prof['peak_rss_bytes'] / 2**20:8.1f} MiB (process RSS)")
+            self.log(f"  {k:<13} {v:8.2f} s  {100 * v / max(seconds, 1e-9):5.1f}%")
+        self.log(f"  peak memory   {prof['peak_rss_bytes'] / 2**20:8.1f} MiB (process RSS)")
         return prof
 
     def _plot(self) -> None:

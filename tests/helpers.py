@@ -1,11 +1,14 @@
 """Shared test helpers: tiny specs and parameter sets."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
+import pytest
 import torch
 
-from titanc.spec import Spec, load_spec
+from titanc.spec import Spec, load_spec, spec_to_dict
 
 TINY: dict[str, Any] = {
     "name": "t",
@@ -28,3 +31,27 @@ def tokens(spec: Spec, batch: int | None = None, seed: int = 0) -> torch.Tensor:
     B = batch or spec.train.batch_size
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, spec.model.vocab_size, (B, spec.model.seq_len + 1), generator=gen)
+
+
+_COMPILED: dict[tuple[str, Any, bool], Any] = {}
+
+
+def compile_each_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests that build a few tiny specs over and over, differing in fields the graphs do not
+    depend on (train.steps, eval cadence, data, distribution), compile each model once.
+    Programs only read their Compiled graphs, so sharing them is safe; each gets its own spec."""
+    import titanc.compiler as compiler
+    from titanc.runtime.checkpoint import RUN_CONTROL
+    real = compiler.compile_graphs
+
+    def cached(spec: Any, batch: int | None = None, verify_each: bool = True) -> Any:
+        fields = spec_to_dict(spec)
+        fields["train"] = {k: v for k, v in fields["train"].items()
+                           if f"train.{k}" not in RUN_CONTROL}
+        del fields["data"], fields["name"]
+        key = (json.dumps(fields, sort_keys=True), batch, verify_each)
+        if key not in _COMPILED:
+            _COMPILED[key] = real(spec, batch=batch, verify_each=verify_each)
+        return dataclasses.replace(_COMPILED[key], spec=spec)
+
+    monkeypatch.setattr(compiler, "compile_graphs", cached)

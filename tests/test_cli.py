@@ -147,14 +147,15 @@ def test_train_calls_run_training(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_module(monkeypatch, "titanc.runtime.trainer",
                  run_training=lambda spec, **kwargs: calls.append((spec, kwargs)))
     assert main(["train", str(TINY), "--out", "runs/t", "--steps", "5", "--data", "a.txt",
-                 "--resume", "runs/old", "--strict", "--profile", "--set", "train.seed=3"]) == 0
+                 "--resume", "runs/old", "--strict", "--profile", "--set", "train.seed=3",
+                 "--until", "3"]) == 0
     (spec, kwargs), = calls
     assert spec.train.seed == 3
     assert kwargs == {"out": "runs/t", "data": "a.txt", "steps": 5, "resume": "runs/old",
-                      "strict": True, "profile": True}
+                      "strict": True, "profile": True, "until": 3, "dist": None}
     assert main(["train", str(TINY), "--out", "r"]) == 0
     assert calls[-1][1] == {"out": "r", "data": None, "steps": None, "resume": None,
-                            "strict": False, "profile": False}
+                            "strict": False, "profile": False, "until": None, "dist": None}
 
 
 def test_missing_backend_is_a_clean_error(monkeypatch: pytest.MonkeyPatch,

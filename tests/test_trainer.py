@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,10 +15,12 @@ import yaml
 import titanc
 from titanc.cli import main
 from titanc.errors import TitancError
-from titanc.runtime.checkpoint import RUN_CONTROL, load_checkpoint
+from titanc.runtime.checkpoint import load_checkpoint
 from titanc.runtime.schedule import lr_at
 from titanc.runtime.trainer import Trainer, read_metrics, run_training
 from titanc.spec import Spec, load_spec, spec_to_dict
+
+from tests.helpers import compile_each_model_once
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.seq_len": 16, "model.vocab_size": 256,
@@ -37,28 +38,9 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(n)
 
 
-_COMPILED: dict[tuple[str, Any, bool], Any] = {}
-
-
 @pytest.fixture(autouse=True)
 def compile_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests build a few tiny specs over and over, differing in fields the graphs do not
-    depend on (train.steps, eval cadence, data): compile each model once. Programs only read
-    their Compiled graphs, so sharing them is safe; each gets its own spec."""
-    import titanc.compiler as compiler
-    real = compiler.compile_graphs
-
-    def cached(spec: Any, batch: int | None = None, verify_each: bool = True) -> Any:
-        fields = spec_to_dict(spec)
-        fields["train"] = {k: v for k, v in fields["train"].items()
-                           if f"train.{k}" not in RUN_CONTROL}
-        del fields["data"], fields["name"]
-        key = (json.dumps(fields, sort_keys=True), batch, verify_each)
-        if key not in _COMPILED:
-            _COMPILED[key] = real(spec, batch=batch, verify_each=verify_each)
-        return dataclasses.replace(_COMPILED[key], spec=spec)
-
-    monkeypatch.setattr(compiler, "compile_graphs", cached)
+    compile_each_model_once(monkeypatch)
 
 
 def tiny(block: str = "attn", **overrides: Any) -> Spec:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -131,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  titanc train examples/tiny.yaml --out runs/tiny\n"
                "  titanc train examples/tiny.yaml --data notes.txt --steps 500 --out runs/notes\n"
-               "  titanc train examples/tiny.yaml --resume runs/tiny --steps 400 --out runs/tiny",
+               "  titanc train examples/tiny.yaml --resume runs/tiny --steps 400 --out runs/tiny\n"
+               "  titanc train examples/tiny.yaml --nproc 2 --out runs/ddp   (2 local ranks)\n"
+               "  torchrun --nproc-per-node 2 -m titanc.train examples/tiny.yaml --out runs/ddp",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_spec_args(train)
     train.add_argument("--data", metavar="FILE|DIR|synthetic:recall", default=None,
@@ -155,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch CPU threads (default: $TITANC_THREADS, else one per 4 GFLOP "
                             "of step work, at most the cores not already busy); shown in the "
                             "progress line")
+    train.add_argument("--until", metavar="STEP", type=_positive_int, default=None,
+                       help="stop (with a checkpoint) at this step while the learning-rate "
+                            "schedule still spans train.steps; continue later with --resume")
+    train.add_argument("--nproc", metavar="N", type=_positive_int, default=1,
+                       help="data-parallel ranks on this machine (torch.distributed, gloo on "
+                            "CPU, NCCL on CUDA); train.batch_size is per rank. For several "
+                            "machines use torchrun ... -m titanc.train")
     train.set_defaults(run=_cmd_train)
 
     gen = commands.add_parser(
@@ -334,11 +344,36 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from titanc.runtime.threads import resolve_threads
 
     spec = _load(args)
+    if args.nproc > 1:                 # N local ranks of `python -m titanc.train` (same flags)
+        from titanc.runtime.launch import check_nproc, launch
+        check_nproc(args.nproc)
+        return launch(_train_argv(args), args.nproc, args.out, spec.train.dist_timeout_s)
     run_training = _import("titanc.runtime.trainer", "run_training", "titanc train")
     torch.set_num_threads(resolve_threads(spec, args.threads)[0])
-    run_training(spec, out=args.out, data=args.data, steps=args.steps, resume=args.resume,
-                 strict=args.strict, profile=args.profile)
+    dist = None
+    if "WORLD_SIZE" in os.environ:     # a rank under torchrun or --nproc
+        from titanc.runtime.distributed import init_from_env
+        dist = init_from_env(spec)
+    try:
+        run_training(spec, out=args.out, data=args.data, steps=args.steps, resume=args.resume,
+                     strict=args.strict, profile=args.profile, until=args.until, dist=dist)
+    finally:
+        if dist is not None:
+            from titanc.runtime.distributed import shutdown
+            shutdown()
     return 0
+
+
+def _train_argv(args: argparse.Namespace) -> list[str]:
+    """The `titanc train` flags of `args`, less --nproc, for each rank."""
+    argv = [args.spec, "--out", args.out]
+    for kv in args.overrides:
+        argv += ["--set", kv]
+    for flag in ("data", "steps", "resume", "until"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag}", str(getattr(args, flag))]
+    argv += [f for f, on in (("--strict", args.strict), ("--profile", args.profile)) if on]
+    return argv
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -409,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except TitancError as exc:
         print(f"titanc: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_status
     except KeyboardInterrupt:
         print("titanc: interrupted", file=sys.stderr)
         return 130

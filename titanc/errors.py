@@ -9,7 +9,7 @@ use `assert`; they are bugs, not user errors.
 
 from __future__ import annotations
 
-__all__ = ["TitancError", "SpecError", "printable"]
+__all__ = ["TitancError", "SpecError", "DistributedError", "printable"]
 
 
 def printable(text: str, limit: int = 200) -> str:
@@ -24,7 +24,11 @@ class TitancError(Exception):
 
     The message is kept to one line: any line breaks in it are folded into spaces, so a value
     quoted inside a message can never break the `titanc: error: ...` format.
+    `exit_status` is the CLI's: 2 for bad input; a failure of the run itself (a rank that
+    died) sets 1.
     """
+
+    exit_status = 2
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).splitlines()).strip())
@@ -36,3 +40,10 @@ class TitancError(Exception):
 
 class SpecError(TitancError):
     """A model spec (file, mapping or override) is invalid."""
+
+
+class DistributedError(TitancError):
+    """A rank of a distributed run died, or a collective timed out: the job stops. Not bad
+    input, so the CLI exits 1."""
+
+    exit_status = 1

@@ -207,6 +207,9 @@ class TrainSpec:
     eval_every: int = _field(50, ge=0)           # steps between evaluations; 0 = never
     eval_batches: int = _field(4, ge=1)
     checkpoint_every: int = _field(100, ge=0)    # steps between checkpoints; 0 = only at the end
+    bucket_mb: float = _field(25.0, gt=0)        # gradient all-reduce bucket size (distributed)
+    zero: int = _field(0, ge=0)                  # 1 = ZeRO-1: shard AdamW state over ranks
+    dist_timeout_s: float = _field(300.0, gt=0)  # a collective waiting longer fails the job
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -215,6 +218,9 @@ class TrainSpec:
                 if getattr(self, name) > _F32_MAX:
                     raise SpecError(f"train.{name}: {getattr(self, name):g} overflows float32 "
                                     f"(largest {_F32_MAX:.4g}); use a smaller value")
+        if self.zero not in (0, 1):
+            raise SpecError(f"train.zero: {self.zero} must be 0 (all-reduce) or 1 (ZeRO-1 "
+                            f"optimizer sharding); e.g. --set train.zero=1")
         if self.remat == "budget" and self.remat_budget_mb is None:
             raise SpecError(
                 "train.remat_budget_mb: required when train.remat is 'budget'; "
