@@ -65,9 +65,20 @@ class Launch:
     def uses_dot(self) -> bool:
         return "tl.dot(" in self.source
 
+    @property
+    def is_scan(self) -> bool:
+        return "scan kernel of graph" in self.source
 
-def record_launches(plan: Any, float_dtype: Any = None) -> list[Launch]:
-    """Every distinct launch of one run of `plan` on the triton target (interpreter process)."""
+    @property
+    def is_matmul(self) -> bool:
+        """The matmul family (per-architecture tiles, `tl.dot` at the graph's precision)."""
+        return "def tiles_for(" in self.source
+
+
+def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
+                    ) -> list[Launch]:
+    """Every distinct launch of one run of `plan` on the triton target (interpreter process),
+    rendered as `TritonExecutor(plan, allow_tf32=...)` renders it."""
     import inspect
 
     from triton.backends.compiler import BaseBackend
@@ -105,7 +116,8 @@ def record_launches(plan: Any, float_dtype: Any = None) -> list[Launch]:
     saved = InterpretedFunction.run
     InterpretedFunction.run = record
     try:
-        TritonExecutor(plan, float_dtype=float_dtype, cuda_graphs=False).run()
+        TritonExecutor(plan, float_dtype=float_dtype, cuda_graphs=False,
+                       allow_tf32=allow_tf32).run()
     finally:
         InterpretedFunction.run = saved
     return list(seen.values())
@@ -127,7 +139,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     if path.exists():
         return json.loads(path.read_text())
     result: dict[str, Any] = {"name": launch.name, "arch": arch, "uses_dot": launch.uses_dot,
-                              "scan": "scan kernel of graph" in launch.source}
+                              "scan": launch.is_scan, "matmul": launch.is_matmul}
     os.environ.pop("TRITON_INTERPRET", None)
     module = load_module(launch.source, launch.name)
     fn = getattr(module, launch.name)
@@ -203,13 +215,16 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     ap.add_argument("--set", action="append", default=[], help="spec override key=value")
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--skip-scan", action="store_true",
+                    help="leave out scan kernels (the slowest to compile)")
     args = ap.parse_args(argv)
     spec = load_spec(args.spec, parse_set_args(args.set))
     compiled = compile_graphs(spec)
     launches: dict[str, Launch] = {}
     for g in GRAPHS:
-        for l in record_launches(compiled.plans[g]):
-            launches.setdefault(l.key(), l)
+        for l in record_launches(compiled.plans[g], allow_tf32=spec.compile.allow_tf32):
+            if not (args.skip_scan and l.is_scan):
+                launches.setdefault(l.key(), l)
     results = compile_all(launches.values(), args.arch, args.jobs)
     for r in results:
         print(json.dumps(r))
