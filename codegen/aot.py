@@ -128,6 +128,22 @@ _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _STACK = re.compile(r"(\d+) bytes stack frame")
 
 
+def _ptxas_log(ptx: str, arch: int) -> str:
+    """`ptxas -v` of `ptx` for sm_`arch` (as Triton runs it: sm_90a on Hopper)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={name}", str(src), "-o",
+                            str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    return r.stdout + r.stderr
+
+
 def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     """Compile `launch` for sm_`arch` (a process without the interpreter); cached on disk."""
     import triton
@@ -162,6 +178,8 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
         result |= {"ok": False, "error": f"{type(e).__name__}: {str(e)[-800:]}"}
     else:
         text, ptx = log.getvalue(), k.asm["ptx"]
+        if not _PTXAS.search(text):             # Triton's own cache hit: no ptxas ran
+            text = _ptxas_log(ptx, arch)
         regs, spill, stack = _PTXAS.search(text), _SPILL.search(text), _STACK.search(text)
         result |= {"ok": True, "shared": int(k.metadata.shared),
                    "registers": int(regs.group(1)) if regs else None,
