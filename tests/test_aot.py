@@ -24,6 +24,7 @@ from titanc.codegen.meta import MATMUL_TILES, needs_int64
 from titanc.codegen.program import GRAPHS
 from titanc.codegen.render import load_module
 from titanc.compiler import compile_graphs
+from titanc.errors import TitancError
 from titanc.runtime.triton_executor import interpreting
 from titanc.spec import load_spec
 
@@ -72,7 +73,11 @@ def test_every_tiny_kernel_compiles_for_sm80_and_sm90_with_tensor_cores() -> Non
 
 
 def test_exact_float32_keeps_ieee_dots() -> None:
-    """Without compile.allow_tf32 no matmul kernel asks for tf32 (float32 stays exact)."""
+    """Without compile.allow_tf32 (the default) no kernel asks for tf32 (float32 stays exact);
+    the option is validated like every spec field."""
+    assert load_spec(EXAMPLES / "tiny.yaml").compile.allow_tf32 is False
+    with pytest.raises(TitancError, match="compile.allow_tf32"):
+        load_spec(EXAMPLES / "tiny.yaml", {"compile.allow_tf32": "yes"})
     compiled = compile_graphs(load_spec(EXAMPLES / "tiny.yaml"))
     sources = [code.source for _, _, code in plan_kernels(compiled.plans["training"])]
     assert not any('"tf32"' in s for s in sources)
