@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean distclean
+.PHONY: demo test venv gpu-check clean distclean
 
 demo: $(STAMP)
 	$(BIN)/titanc compile examples/tiny.yaml -o build/tiny
@@ -17,6 +17,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
 venv: $(STAMP)
+
+# on a CUDA machine: triton vs cpu target parity, decode parity, throughput (benchmarks/gpu_check.py)
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

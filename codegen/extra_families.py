@@ -110,13 +110,15 @@ def render_index_add(
     block_i: int = 32,
     block_c: int = 64,
     num_warps: int = 4,
+    wide: bool = False,
 ) -> str:
-    """`out = zeros; out.index_add_(0, index, grad)` as one-hot matmuls, without atomics."""
+    """`out = zeros; out.index_add_(0, index, grad)` as one-hot matmuls, without atomics;
+    `wide`: offsets in int64 (a tensor of >= 2**31 elements, `meta.needs_int64`)."""
     for label, blk in (("block_r", block_r), ("block_i", block_i), ("block_c", block_c)):
         check_block(label, blk, 16)  # tl.dot needs every tile side >= 16
     return render("index_add.py.jinja", name=name, header_lines=header_lines,
                   block_r=block_r, block_i=block_i, block_c=block_c, num_warps=num_warps,
-                  compute_dtype=compute_dtype(dtype), precision=dot_precision(False))
+                  compute_dtype=compute_dtype(dtype), precision=dot_precision(False), wide=wide)
 
 
 def render_scatter_along(
@@ -127,10 +129,12 @@ def render_scatter_along(
     block_r: int = 16,
     block_c: int = 64,
     num_warps: int = 4,
+    wide: bool = False,
 ) -> str:
-    """`out = zeros; out.scatter_add_(-1, index[:, None], grad[:, None])`: one value per row."""
+    """`out = zeros; out.scatter_add_(-1, index[:, None], grad[:, None])`: one value per row;
+    `wide`: offsets in int64 (out has >= 2**31 elements, `meta.needs_int64`)."""
     check_block("block_r", block_r)
     check_block("block_c", block_c, 16)
     return render("scatter_along.py.jinja", name=name, header_lines=header_lines,
                   block_r=block_r, block_c=block_c, num_warps=num_warps,
-                  compute_dtype=compute_dtype(dtype))
+                  compute_dtype=compute_dtype(dtype), wide=wide)

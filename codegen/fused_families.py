@@ -10,11 +10,11 @@ code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .expr import Scope, slice_statements
-from .meta import LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2
+from .meta import LAUNCH_LOCALS, Tile, check_block, compute_dtype, dot_precision, pow2
 from .render import render
 
 __all__ = [
@@ -301,6 +301,7 @@ def render_matmul(
     block_k: int = 32,
     group_m: int = 8,
     num_warps: int = 4,
+    tiles: Mapping[int, Tile] | None = None,
 ) -> str:
     """Batched matmul `c[b] = a[b] @ b[b]` over arbitrary strides, fp32 (fp64) accumulation.
 
@@ -311,6 +312,8 @@ def render_matmul(
         tensors broadcast to [batch, M, N] (a bias [N], a residual [batch, M, N], a per-batch
         scalar [batch, 1, 1]); `result` names the value stored into c.
     allow_tf32: fp32 dots on tensor cores in tf32 (GPU only; the interpreter is exact).
+    tiles: the launch configuration per compute capability (`meta.matmul_tiles`), picked by
+        the launcher from the device; default: block_m/n/k and num_warps everywhere.
     Launcher: `launch(a, b, c[, scale], *epilogue_inputs, *scalars)`.
 
     Indexed mode (`indexed` given: `(tensor name, rank)` pairs, read and written through their
@@ -320,8 +323,11 @@ def render_matmul(
     `acc`, `rows`, `cols`, `batch`, and `stores` are `(indexed tensor, offset var, value var)`
     written under `mask`. Launcher: `launch(*indexed, *scalars, batch, M, N, K)`.
     """
-    for label, blk in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        check_block(label, blk, 16)  # tl.dot needs every tile side >= 16
+    tiles = dict(tiles or {0: Tile(block_m, block_n, block_k, num_warps, 3)})
+    for arch, t in tiles.items():
+        for label, blk in (("block_m", t.block_m), ("block_n", t.block_n),
+                           ("block_k", t.block_k)):
+            check_block(f"sm_{arch} {label}", blk, 16)  # tl.dot needs every tile side >= 16
     acc_dtype = compute_dtype(dtype)
     scope = Scope(MATMUL_KERNEL_LOCALS | LAUNCH_LOCALS)
     epi_names = [scope.declare(n, ["{}_ptr", "stride_{}_b", "stride_{}_m", "stride_{}_n"])
@@ -352,11 +358,8 @@ def render_matmul(
         "matmul.py.jinja",
         name=name,
         header_lines=header_lines,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=block_k,
+        tiles={arch: tuple(t) for arch, t in sorted(tiles.items())},
         group_m=group_m,
-        num_warps=num_warps,
         acc_dtype=acc_dtype,
         precision=dot_precision(allow_tf32),
         k_scale=k_scale,

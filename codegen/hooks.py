@@ -44,13 +44,13 @@ from .indexing import Ix, Names, Section, delinearize, reshape_coords
 from .kernel_code import (KernelCode, TensorArg, code_of, graph_dtype, index_tile,
                           indexed_args, store)
 from .lowering import KernelLowering, Val
-from .meta import compute_dtype, pow2
+from .meta import compute_dtype, matmul_tiles, needs_int64, pow2
 
 __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
 
 
-def plan_kernels(plan: MemoryPlan, dtype: str | None = None,
-                 spec_path: str = "") -> Iterator[tuple[MemoryPlan, Kernel, KernelCode]]:
+def plan_kernels(plan: MemoryPlan, dtype: str | None = None, spec_path: str = "",
+                 allow_tf32: bool = False) -> Iterator[tuple[MemoryPlan, Kernel, KernelCode]]:
     """(plan, kernel, code) for every kernel of a plan's schedule and its scan bodies
     (pre-order); no-op kernels (all outputs alias storage that already holds them) and scans
     are skipped, aliased outputs are not stored."""
@@ -59,16 +59,16 @@ def plan_kernels(plan: MemoryPlan, dtype: str | None = None,
     for k, kern in enumerate(plan.schedule.kernels):
         scan = [n for n in kern.nodes if n in plan.bodies]
         if scan:
-            yield from plan_kernels(plan.bodies[scan[0]], dt, spec_path)
+            yield from plan_kernels(plan.bodies[scan[0]], dt, spec_path, allow_tf32)
         elif not plan.is_noop(k):
             yield plan, kern, render_kernel(g, kern, dtype=dt, spec_path=spec_path,
-                                            skip=set(plan.aliases))
+                                            skip=set(plan.aliases), allow_tf32=allow_tf32)
 
 
 def render_kernel(g: Graph, kernel: Kernel, *, dtype: str = "float32", spec_path: str = "",
-                  skip: Collection[int] = ()) -> KernelCode:
+                  skip: Collection[int] = (), allow_tf32: bool = False) -> KernelCode:
     """Triton source of one kernel; `skip` are outputs not to store (aliases of storage that
-    already holds them)."""
+    already holds them); `allow_tf32`: float32 dots in tf32 on tensor cores (GPU only)."""
     low = KernelLowering(g, kernel, compute_dtype(dtype))
     outs = [v for v in kernel.outputs if v not in skip]
     header = [f"{kernel.name}: {kernel.category} kernel of graph {g.name}",
@@ -82,7 +82,7 @@ def render_kernel(g: Graph, kernel: Kernel, *, dtype: str = "float32", spec_path
     if kernel.category == "reduction":
         return lower_reduction(low, outs, header, dtype)
     if kernel.category == "matmul":
-        return _matmul(low, outs, header, dtype)
+        return _matmul(low, outs, header, dtype, allow_tf32)
     if Op.INDEX_ADD in ops or Op.SCATTER_ALONG in ops:
         return _scatter(low, header, dtype)
     raise NotImplementedError(low.where("a SCAN is run by the program as a loop over its "
@@ -116,7 +116,11 @@ def _pointwise(low: KernelLowering, outs: list[int], header: list[str], dtype: s
 
 # -- matmul ----------------------------------------------------------------------------------------
 
-def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str) -> KernelCode:
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
+            allow_tf32: bool = False) -> KernelCode:
     g, kernel = low.g, low.kernel
     e = next(g.node(n) for n in kernel.nodes if g.node(n).op is Op.EINSUM)
     if len(e.inputs) != 2:
@@ -150,7 +154,10 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str)
         inner = group(sec, inner_chars, index_tile(sec, idx[1], dims[1]))
         coord = group(sec, batch, Ix("batch")) | outer | inner
         val = low.read(sec, vid, [coord[ch] for ch in term])
-        cast = f".to({cd})" if val.literal is not None or cd != "tl.float32" else ""
+        if dtype in ("bfloat16", "float16"):     # 16-bit MMA, float32 accumulation
+            cast = f".to(tl.{dtype})"
+        else:
+            cast = f".to({cd})" if val.literal is not None or cd != "tl.float32" else ""
         tiles.append(sec.let(f"tl.where({mask}, {val.expr}, 0.0){cast}", "t"))
     epi = Section(names, "mask", "[BLOCK_M, BLOCK_N]", frozenset({"m", "n"}))
     letters = (group(epi, batch, Ix("batch")) | group(epi, m, index_tile(epi, "rows", "m"))
@@ -169,11 +176,10 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str)
     stores: list[tuple[str, str, str]] = []
     for v in outs:
         store(low, epi, v, coords(low.shape(v)), stores)
-    blocks = {f"block_{d}": max(16, min(64, pow2(sz[s]))) for d, s in
-              (("m", "M"), ("n", "N"), ("k", "K"))}
     source = render_matmul(kernel.name, indexed=low.indexed(), operand_loads=loads,
                            operands=(tiles[0], tiles[1]), epilogue=epi.stmts, stores=stores,
-                           dtype=dtype, header_lines=header, **blocks)
+                           dtype=dtype, header_lines=header, allow_tf32=allow_tf32,
+                           tiles=matmul_tiles(_ITEMSIZE[dtype], sz["M"], sz["N"], sz["K"]))
     return code_of(low, "matmul", source, indexed_args(low),
                  (sz["batch"], sz["M"], sz["N"], sz["K"]))
 
@@ -188,6 +194,8 @@ def _scatter(low: KernelLowering, header: list[str], dtype: str) -> KernelCode:
     if node.op is Op.INDEX_ADD:
         cols = g.node(grad).type.numel // max(n_idx, 1)
         source = render_index_add(kernel.name, dtype=dtype, header_lines=header,
+                                  wide=needs_int64(g.node(grad).type.numel,
+                                                   node.attr("rows") * cols),
                                   block_r=max(16, min(32, pow2(node.attr("rows")))),
                                   block_i=max(16, min(32, pow2(n_idx))),
                                   block_c=max(16, min(64, pow2(cols))))
@@ -195,6 +203,7 @@ def _scatter(low: KernelLowering, header: list[str], dtype: str) -> KernelCode:
                 TensorArg(node.id, (node.attr("rows"), cols))]
         return code_of(low, "index_add", source, args, ())
     source = render_scatter_along(kernel.name, dtype=dtype, header_lines=header,
+                                  wide=needs_int64(n_idx * node.attr("size")),
                                   block_r=min(16, pow2(n_idx)),
                                   block_c=max(16, min(64, pow2(node.attr("size")))))
     args = [TensorArg(grad, (n_idx,)), TensorArg(idx, (n_idx,)),

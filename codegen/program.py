@@ -94,7 +94,8 @@ def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
     rendered: dict[tuple[int, str], KernelCode] = {}            # (id(plan), kernel) -> code
     for name in GRAPHS:
         per_graph[name] = []
-        for plan, kern, code in plan_kernels(compiled.plans[name], spec_path=spec_path):
+        for plan, kern, code in plan_kernels(compiled.plans[name], spec_path=spec_path,
+                                             allow_tf32=spec.compile.allow_tf32):
             rendered[(id(plan), kern.name)] = code
             per_graph[name].append(code)
             codes.setdefault(code.key, []).append((name, code))

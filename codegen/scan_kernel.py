@@ -47,7 +47,7 @@ from titanc.ir import Graph, Node, Op
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, is_immediate
 
-from .meta import compute_dtype
+from .meta import compute_dtype, dot_precision
 from .render import render, sanitize_identifier
 from .scan_index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
 from .scan_stages import _ScanGen
@@ -97,10 +97,12 @@ def _prefixes(g: Graph, n: Node) -> list[tuple[int, ...]]:
 
 def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int] | None = None,
                 name: str | None = None, spec_path: str = "",
-                immediate: Callable[[int], float | None] = lambda v: None) -> ScanKernel:
+                immediate: Callable[[int], float | None] = lambda v: None,
+                allow_tf32: bool = False) -> ScanKernel:
     """One Triton kernel running scan `scan_id` of `g` (raises `ScanFallback` with the reason
     when it cannot). `used`: the item indices the program reads afterwards (default all);
-    `immediate(vid)`: the literal of an operand inlined as a constant, else None."""
+    `immediate(vid)`: the literal of an operand inlined as a constant, else None;
+    `allow_tf32`: float32 dots on tensor cores in tf32 (`codegen.meta.dot_precision`)."""
     n = g.node(scan_id)
     if n.op is not Op.SCAN:
         raise ValueError(f"%{scan_id} is not a scan")
@@ -112,11 +114,11 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
         for shared in (0, 1, 2):     # operands other than carries taken by shape, or not
             try:
                 return _render(g, n, cd, dtype, prefix, used, name, spec_path, immediate,
-                               shared)
+                               shared, allow_tf32)
             except _PaxError as e:
                 why = str(e)
     try:                             # one program for the whole scan, when that is small
-        sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2)
+        sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32)
     except _PaxError as e:
         raise ScanFallback(f"no independent leading axes ({why}); serial: {e}") from None
     if sk.ws_per_program > MAX_SERIAL:
@@ -127,11 +129,12 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
 
 def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
             name: str, spec_path: str, immediate: Callable[[int], float | None],
-            shared: int) -> ScanKernel:
+            shared: int, allow_tf32: bool = False) -> ScanKernel:
     """Render with independent axes `prefix`: the carries whose shape starts with it vary
     per program, and so do the xs (`shared` < 2) and the other operands (`shared` < 1) whose
     shape does; every other operand is shared (read at full coordinates)."""
     em = _ScanGen(g, n, cd, prefix)
+    em.precision = dot_precision(allow_tf32)
     p = len(prefix)
     nc, nx = n.attr("n_carry"), n.attr("n_xs")
     sc = Scope(g)
@@ -200,14 +203,16 @@ def _table_shape(op: str, a: dict) -> tuple[int, ...]:
 
 
 
-def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str) -> ScanKernel:
+def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str,
+                    allow_tf32: bool = False) -> ScanKernel:
     """The scan kernel of schedule kernel `kern` (scan node `sid`), or `ScanFallback`."""
     g = plan.schedule.graph
     outs = set(kern.outputs)
     used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
     return render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
                        immediate=lambda v: (float(g.node(v).attr("value"))
-                                            if is_immediate(g, v) else None))
+                                            if is_immediate(g, v) else None),
+                       allow_tf32=allow_tf32)
 
 
 def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: bool = True,

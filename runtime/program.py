@@ -85,7 +85,8 @@ class Program:
         self.target = _resolve_target(self.spec.compile.target)
         self._executor_cls = None if self.target == "reference" else _executor_class(self.target)
         self.device = getattr(self._executor_cls, "device", "cpu")   # where state lives
-        self._executor_options = ({"cuda_graphs": self.spec.compile.cuda_graphs}
+        self._executor_options = ({"cuda_graphs": self.spec.compile.cuda_graphs,
+                                   "allow_tf32": self.spec.compile.allow_tf32}
                                   if self.target == "triton" else {})
         self._executors: dict[Any, Any] = {}
         check_fits(planned_bytes(compiled), self.spec, str(self.device))

@@ -157,7 +157,9 @@ class TritonExecutor(ArenaExecutor):
     device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 
     def __init__(self, plan: MemoryPlan, bound: dict[str, Tensor] | None = None,
-                 float_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None):
+                 float_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
+                 allow_tf32: bool = False):
+        self.allow_tf32 = allow_tf32                  # float32 dots in tf32 (compile.allow_tf32)
         self.dtype = {torch.float64: "float64", torch.float32: "float32"}.get(
             float_dtype, graph_dtype(plan.schedule.graph))
         self._codes: dict[tuple[int, str], KernelCode] = {}
@@ -201,7 +203,8 @@ class TritonExecutor(ArenaExecutor):
         key = (id(plan), kern.name)
         if key not in self._codes:
             self._codes[key] = code = render_kernel(plan.schedule.graph, kern, dtype=self.dtype,
-                                                    skip=set(plan.aliases))
+                                                    skip=set(plan.aliases),
+                                                    allow_tf32=self.allow_tf32)
             if debug_level() >= 3:
                 print(code.source, file=sys.stderr)
         return self._codes[key]
@@ -215,7 +218,8 @@ class TritonExecutor(ArenaExecutor):
         if key not in self._scans:
             g = plan.schedule.graph
             try:
-                sk: ScanKernel | str = scan_kernel_for(plan, kern, sid, self.dtype)
+                sk: ScanKernel | str = scan_kernel_for(plan, kern, sid, self.dtype,
+                                                       self.allow_tf32)
                 if sk.serial:
                     self.serial.append({"graph": g.name, "scan": kern.name,
                                         "reason": sk.serial})

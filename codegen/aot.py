@@ -1,0 +1,262 @@
+"""Ahead-of-time compile of every kernel a program launches, for a CUDA architecture, no GPU.
+
+Triton lowers a kernel to PTX and a cubin with the ptxas inside its wheel; only the launch needs
+a driver. Two steps, in two processes (Triton decides at decoration time whether a kernel is
+interpreted, so one process cannot do both):
+
+    record_launches(plan)   under TRITON_INTERPRET=1: bind the plan's TritonExecutor and run it
+                            once with every kernel launch *recorded instead of executed*: the
+                            module source, the signature and specialisation Triton's JIT would
+                            derive from the real arguments (`native_specialize_impl`: pointer
+                            dtypes, i32/i64 by value, 1 -> constexpr, 16-divisibility), the
+                            constexpr keywords and num_warps / num_stages. Distinct launches
+                            only (each specialisation once).
+    compile_launch(l, arch) without the interpreter: `triton.compile(ASTSource(...),
+                            target=GPUTarget("cuda", arch, 32))`; returns shared memory, the
+                            registers and spill bytes ptxas reports (`-v`), and whether the PTX
+                            holds tensor-core instructions (`mma` / `wgmma`).
+
+Results are cached on disk (`codegen.render.cache_dir() / "aot"`, keyed by the launch, the
+architecture and the Triton version), so a second run compiles nothing.
+
+    python -m titanc.codegen.aot examples/tiny.yaml --arch 80 90 [--allow-tf32] [--jobs 2]
+
+prints one JSON line per (launch, arch) and a summary table.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from .render import cache_dir, load_module
+
+__all__ = ["Launch", "SHARED_LIMIT", "compile_launch", "record_launches", "compile_all"]
+
+# Largest dynamic shared memory a block may use (bytes), per compute capability: A100 163 KiB,
+# sm_86/89 99 KiB, H100 227 KiB (the CUDA programming guide's opt-in maxima).
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel specialisation as the JIT would compile it."""
+
+    name: str                                 # the @triton.jit function
+    source: str                               # its module's text
+    signature: tuple[tuple[str, str], ...]    # (argument, type or "constexpr")
+    constexprs: tuple[tuple[str, Any], ...]   # (argument, value)
+    divisible: tuple[str, ...]                # arguments Triton marks 16-divisible
+    num_warps: int
+    num_stages: int
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str)
+                              .encode()).hexdigest()[:24]
+
+    @property
+    def uses_dot(self) -> bool:
+        return "tl.dot(" in self.source
+
+    @property
+    def is_scan(self) -> bool:
+        return "scan kernel of graph" in self.source
+
+    @property
+    def is_matmul(self) -> bool:
+        """The matmul family (per-architecture tiles, `tl.dot` at the graph's precision)."""
+        return "def tiles_for(" in self.source
+
+
+def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
+                    ) -> list[Launch]:
+    """Every distinct launch of one run of `plan` on the triton target (interpreter process),
+    rendered as `TritonExecutor(plan, allow_tf32=...)` renders it."""
+    import inspect
+
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import native_specialize_impl
+
+    from titanc.runtime.triton_executor import TritonExecutor, interpreting
+
+    if not interpreting():
+        raise RuntimeError("record_launches runs under TRITON_INTERPRET=1")
+    seen: dict[str, Launch] = {}
+
+    def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        names = self.arg_names
+        bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        sig, const, div = [], [], []
+        params = inspect.signature(self.fn).parameters
+        for n in names:
+            v = bound[n]
+            if "constexpr" in str(params[n].annotation):
+                sig.append((n, "constexpr"))
+                const.append((n, v))
+                continue
+            ty, attr = native_specialize_impl(BaseBackend, v, False, True, True)
+            if ty == "constexpr":
+                const.append((n, attr))
+            if attr == "D":
+                div.append(n)
+            sig.append((n, ty))
+        launch = Launch(self.fn.__name__, Path(inspect.getsourcefile(self.fn)).read_text(),
+                        tuple(sig), tuple(const), tuple(div), int(kwargs.get("num_warps", 4)),
+                        int(kwargs.get("num_stages", 3)))
+        seen.setdefault(launch.key(), launch)
+
+    saved = InterpretedFunction.run
+    InterpretedFunction.run = record
+    try:
+        TritonExecutor(plan, float_dtype=float_dtype, cuda_graphs=False,
+                       allow_tf32=allow_tf32).run()
+    finally:
+        InterpretedFunction.run = saved
+    return list(seen.values())
+
+
+_PTXAS = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_STACK = re.compile(r"(\d+) bytes stack frame")
+
+
+def _ptxas_log(ptx: str, arch: int) -> str:
+    """`ptxas -v` of `ptx` for sm_`arch` (as Triton runs it: sm_90a on Hopper)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={name}", str(src), "-o",
+                            str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    return r.stdout + r.stderr
+
+
+def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
+    """Compile `launch` for sm_`arch` (a process without the interpreter); cached on disk."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    path = cache_dir() / "aot" / f"{launch.key()}_sm{arch}_{triton.__version__}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    result: dict[str, Any] = {"name": launch.name, "arch": arch, "uses_dot": launch.uses_dot,
+                              "scan": launch.is_scan, "matmul": launch.is_matmul}
+    os.environ.pop("TRITON_INTERPRET", None)
+    module = load_module(launch.source, launch.name)
+    fn = getattr(module, launch.name)
+    index = {n: i for i, (n, _) in enumerate(launch.signature)}
+    sig = dict(launch.signature)
+    constexprs, warps, stages = dict(launch.constexprs), launch.num_warps, launch.num_stages
+    if hasattr(module, "tiles_for"):          # the matmul family: the architecture's tile
+        bm, bn, bk, warps, stages = module.tiles_for(arch)
+        constexprs |= {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    result |= {"num_warps": warps, "num_stages": stages}
+    attrs = {(index[n],): [["tt.divisibility", 16]] for n in launch.divisible}
+    log = io.StringIO()
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(ASTSource(fn, sig, constexprs, attrs),
+                               target=GPUTarget("cuda", arch, 32),
+                               options={"num_warps": warps, "num_stages": stages})
+    except Exception as e:  # a failed compile is a result, reported by the caller
+        result |= {"ok": False, "error": f"{type(e).__name__}: {str(e)[-800:]}"}
+    else:
+        text, ptx = log.getvalue(), k.asm["ptx"]
+        if not _PTXAS.search(text):             # Triton's own cache hit: no ptxas ran
+            text = _ptxas_log(ptx, arch)
+        regs, spill, stack = _PTXAS.search(text), _SPILL.search(text), _STACK.search(text)
+        result |= {"ok": True, "shared": int(k.metadata.shared),
+                   "registers": int(regs.group(1)) if regs else None,
+                   "spill_bytes": int(spill.group(1)) if spill else 0,
+                   "stack_bytes": int(stack.group(1)) if stack else 0,
+                   "mma": bool(re.search(r"\b(w?gmma|mma)\.", ptx)),
+                   "wgmma": "wgmma." in ptx}
+    finally:
+        knobs.nvidia.dump_ptxas_log = False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+    return result
+
+
+def _compile_one(item: tuple[dict[str, Any], int]) -> dict[str, Any]:
+    data, arch = item
+    launch = Launch(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                       if isinstance(v, list) else v for k, v in data.items()})
+    return compile_launch(launch, arch)
+
+
+def compile_all(launches: Iterable[Launch], archs: Iterable[int], jobs: int = 1
+                ) -> list[dict[str, Any]]:
+    """`compile_launch` for every (launch, arch), in a fresh process pool of `jobs` workers
+    started without TRITON_INTERPRET (the caller may be an interpreter process)."""
+    import multiprocessing as mp
+
+    items = [(asdict(l), a) for l in launches for a in archs]
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        with mp.get_context("spawn").Pool(max(1, jobs)) as pool:
+            return pool.map(_compile_one, items, chunksize=1)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from titanc.compiler import compile_graphs
+    from titanc.spec import load_spec, parse_set_args
+
+    from .program import GRAPHS
+
+    ap = argparse.ArgumentParser(prog="python -m titanc.codegen.aot")
+    ap.add_argument("spec")
+    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
+    ap.add_argument("--set", action="append", default=[], help="spec override key=value")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--skip-scan", action="store_true",
+                    help="leave out scan kernels (the slowest to compile)")
+    args = ap.parse_args(argv)
+    spec = load_spec(args.spec, parse_set_args(args.set))
+    compiled = compile_graphs(spec)
+    launches: dict[str, Launch] = {}
+    for g in GRAPHS:
+        for l in record_launches(compiled.plans[g], allow_tf32=spec.compile.allow_tf32):
+            if not (args.skip_scan and l.is_scan):
+                launches.setdefault(l.key(), l)
+    results = compile_all(launches.values(), args.arch, args.jobs)
+    for r in results:
+        print(json.dumps(r))
+    for arch in args.arch:
+        rs = [r for r in results if r["arch"] == arch]
+        ok = [r for r in rs if r["ok"]]
+        print(f"sm_{arch}: {len(ok)}/{len(rs)} compiled, max shared "
+              f"{max((r['shared'] for r in ok), default=0)} B (limit {SHARED_LIMIT[arch]}), "
+              f"max registers {max((r['registers'] or 0 for r in ok), default=0)}, "
+              f"spilling {sum(r['spill_bytes'] > 0 for r in ok)}, "
+              f"dot kernels with mma {sum(r['mma'] for r in ok if r['uses_dot'])}"
+              f"/{sum(r['uses_dot'] for r in ok)}", file=sys.stderr)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
