@@ -3,6 +3,12 @@ backward over key groups, fused LM-head cross-entropy, causal depthwise conv, an
 
 Their kernels take no statements; hooks choose dtypes, block sizes and the key-group layout,
 and name the few user-derived identifiers (attention group lengths) through a `Namer`.
+
+No compiled program reaches these families yet: only tests/test_templates.py does (parity under
+the interpreter). They are kept for the pattern passes of the "pattern kernels" issue (12),
+which rewrite attention, the chunked loss, the optimizer graph, the causal conv and the gate
+recurrences into them; until then the schedule runs those computations as fused generic
+kernels.
 """
 
 from __future__ import annotations
