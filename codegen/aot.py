@@ -226,7 +226,7 @@ def _main(argv: list[str]) -> int:
     from titanc.compiler import compile_graphs
     from titanc.spec import load_spec, parse_set_args
 
-    from .program import GRAPHS
+    from .emit import GRAPHS
 
     ap = argparse.ArgumentParser(prog="python -m titanc.codegen.aot")
     ap.add_argument("spec")

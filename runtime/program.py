@@ -19,7 +19,7 @@ from titanc.ir import Interpreter
 from titanc.ir.types import DTYPES, dtype_name
 from titanc.params import init_params
 
-from .schedule import lr_at
+from .lr_schedule import lr_at
 
 Tensor = torch.Tensor
 

@@ -21,7 +21,7 @@ from titanc.codegen import aot
 from titanc.codegen.extra_families import render_index_add, render_scatter_along
 from titanc.codegen.hooks import plan_kernels
 from titanc.codegen.meta import MATMUL_TILES, needs_int64
-from titanc.codegen.program import GRAPHS
+from titanc.codegen.emit import GRAPHS
 from titanc.codegen.render import load_module
 from titanc.compiler import compile_graphs
 from titanc.errors import TitancError

@@ -43,7 +43,7 @@ from titanc.codegen.extra_families import (
     render_scatter_along,
 )
 from titanc.codegen.hooks import render_kernel
-from titanc.codegen.program import emit_artifact
+from titanc.codegen.emit import emit_artifact
 from titanc.codegen.render import load_module
 from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter, Op
@@ -337,7 +337,7 @@ def test_emit_is_deterministic(tmp_path) -> None:
     path, overrides = str(ROOT / "examples" / "tiny.yaml"), small("tiny")
     emit_artifact(compile_graphs(load_spec(path, overrides)), tmp_path / "a")
     script = ("from titanc.spec import load_spec; from titanc.compiler import compile_graphs; "
-              "from titanc.codegen.program import emit_artifact; "
+              "from titanc.codegen.emit import emit_artifact; "
               f"emit_artifact(compile_graphs(load_spec({path!r}, {overrides!r})), "
               f"{str(tmp_path / 'b')!r})")
     env = dict(os.environ, PYTHONHASHSEED="12345")

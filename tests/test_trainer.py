@@ -16,7 +16,7 @@ import titanc
 from titanc.cli import main
 from titanc.errors import TitancError
 from titanc.runtime.checkpoint import load_checkpoint
-from titanc.runtime.schedule import lr_at
+from titanc.runtime.lr_schedule import lr_at
 from titanc.runtime.trainer import Trainer, read_metrics, run_training
 from titanc.spec import Spec, load_spec, spec_to_dict
 

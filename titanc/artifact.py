@@ -125,7 +125,7 @@ def _write_files(spec: Any, c: Compiled, out: Path, seconds: float, tok: Any) ->
         write_text_atomic(out / "ir" / f"{k:02d}_{stage}.txt", format_graph(g))
     report = build_report(spec, c, seconds)
     write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
-    from titanc.codegen.program import emit_artifact
+    from titanc.codegen.emit import emit_artifact
     emit_artifact(c, out)
     if debug_level() >= 3:
         for f in sorted((out / "kernels").glob("*.py")):
