@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -55,3 +55,13 @@ def compile_each_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
         return dataclasses.replace(_COMPILED[key], spec=spec)
 
     monkeypatch.setattr(compiler, "compile_graphs", cached)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is faster, and steady when other jobs share the cores
+    (autouse in every test module that imports it)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +29,7 @@ from titanc.runtime.shards import ShardData
 from titanc.runtime.trainer import Trainer, read_metrics
 from titanc.spec import load_spec
 
-from tests.helpers import compile_each_model_once
+from tests.helpers import compile_each_model_once, one_thread  # noqa: F401 (autouse)
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = str(ROOT / "examples" / "tiny_attn.yaml")
@@ -50,12 +50,6 @@ def compile_once(monkeypatch: pytest.MonkeyPatch) -> None:
     compile_each_model_once(monkeypatch)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def env(nproc: int) -> dict[str, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from titanc.runtime.lr_schedule import lr_at
 from titanc.runtime.trainer import Trainer, read_metrics, run_training
 from titanc.spec import Spec, load_spec, spec_to_dict
 
-from tests.helpers import compile_each_model_once
+from tests.helpers import compile_each_model_once, one_thread  # noqa: F401 (autouse)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.seq_len": 16, "model.vocab_size": 256,
@@ -29,13 +29,6 @@ TINY = {"model.d_model": 16, "model.n_layers": 1, "model.seq_len": 16, "model.vo
 FILES = {"attn": "tiny_attn.yaml", "lmm": "tiny_lmm.yaml", "mac": "tiny.yaml"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is faster, and steady when other jobs share the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(autouse=True)

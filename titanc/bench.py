@@ -1,21 +1,5 @@
-"""`titanc bench`: profile a compiled training step (summaries: runtime/profile.py).
-
-    sp = StepProfiler()                             # sums executor.profiling() per step
-    for _ in range(steps):
-        with sp.step():
-            prog.train_step(tokens)
-    print(profile_table(sp, sp.steps, tokens=sp.steps * tokens_per_step, seconds=sp.wall,
-                        peak_bytes=peak_rss_bytes(), flops_per_step=step_flops(prog.compiled)))
-
-The summary gives exclusive time per kernel category (pointwise, reduction, matmul,
-attention, memory update, optimizer, other; "outside kernels" is the wall time no kernel
-accounts for: host glue between graphs), tokens/s, achieved FLOP/s and MFU where the
-device's peak is known (the NVIDIA H100/H200 datasheet peaks below; CPUs have no reliable
-peak, so MFU is "n/a"), and peak memory (process RSS, or CUDA's allocator peak, plus the
-planned arena + persistent bytes). Category times are host wall time around each kernel's
-ops: exact on the CPU executor; a CUDA executor must synchronise per kernel while profiling
-for them to mean GPU time.
-"""
+"""`titanc bench`: compile a spec, run warm-up and profiled training steps on random tokens and
+print the profile summary (`runtime/profile.py` says what each figure means)."""
 from __future__ import annotations
 
 import os
