@@ -90,6 +90,8 @@ class MemorySpec:
     decay: float = _field(0.01, ge=0, lt=1)      # constant alpha when not adaptive
     output_gate: bool = True
     conv_kernel: int = _field(4, ge=1)
+    # activation of the q/k streams before l2norm: silu (the paper) or none (zero-mean keys)
+    qk_activation: str = _field("silu", choices=("silu", "none"))
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -180,6 +182,8 @@ class TrainSpec:
     eval_every: int = _field(50, ge=0)           # steps between evaluations; 0 = never
     eval_batches: int = _field(4, ge=1)
     checkpoint_every: int = _field(100, ge=0)    # steps between checkpoints; 0 = only at the end
+    # steps between memory diagnostics in metrics.jsonl (runtime/memory_stats.py); 0 = never
+    memory_stats_every: int = _field(0, ge=0)
 
     def __post_init__(self) -> None:
         _check_fields(self)
