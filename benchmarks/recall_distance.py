@@ -54,15 +54,15 @@ SPEC: dict[str, Any] = {
         "attention": {"heads": 2, "window": 8, "segment": 16, "persistent_tokens": 2},
         "memory": {"heads": 2, "depth": 1, "expansion": 2, "chunk_size": 8, "adaptive": True,
                    "lr_max": 2.0, "momentum": 0.9, "decay": 0.01, "output_gate": True,
-                   "conv_kernel": 4},
+                   "conv_kernel": 4, "qk_activation": "none"},
     },
-    "train": {"batch_size": 32, "steps": 1000, "lr": 1.0e-2, "warmup": 30,
+    "train": {"batch_size": 32, "steps": 2500, "lr": 3.0e-3, "warmup": 30,
               "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 1.0, "seed": 0,
               "dtype": "float32"},
     "data": {"source": "synthetic:recall"},
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
-CURRICULUM = "64:1000"
+CURRICULUM = "32:1500,128:600,272:400"
 DISTANCES = "8,16,32,64,128,256,512"
 BLOCKS = "lmm,mac,mag,mal,attn"
 EVAL_ROWS = 256                # held-out sequences per distance (4 queries each)
@@ -248,27 +248,29 @@ def main() -> None:
     distances = [int(d) for d in args.distances.split(",")]
     window = overrides.get("model.attention.window", SPEC["model"]["attention"]["window"])
     metrics = Path(args.metrics) if args.metrics else None
-    rows = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    chance = task_for(16, 0).chance
+    config = {"spec": SPEC, "overrides": overrides, "task": TASK, "curriculum": args.curriculum,
+              "train_distance": args.train_distance, "distances": distances,
+              "budget_cpu_s": args.budget, "threads": args.threads, "eval_rows": EVAL_ROWS,
+              "chance": chance}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    title = (f"recall vs distance: curriculum {args.curriculum}, "
+             f"{len(seeds)} seed(s), ≤{args.budget:.0f} CPU s/model")
+    rows: list[dict[str, Any]] = []
+    for seed in seeds:
         for block in args.blocks.split(","):
             r = train_one(block, seed, stages, distances, overrides, args.budget, window,
                           metrics, args.train_distance == "max")
             rows.append(r)
             print(f"# {block} seed {seed}: {r['steps']} steps, {r['cpu_s']} cpu s, "
                   f"acc {r['accuracy']}", flush=True)
-    chance = task_for(16, 0).chance
-    summary = summarize(rows, distances)
-    config = {"spec": SPEC, "overrides": overrides, "task": TASK, "curriculum": args.curriculum,
-              "train_distance": args.train_distance,
-              "distances": distances, "budget_cpu_s": args.budget, "threads": args.threads,
-              "eval_rows": EVAL_ROWS, "chance": chance}
-    result = {"config": config, "results": rows, "summary": summary}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    title = (f"recall vs distance: {args.curriculum}, "
-             f"{len(args.seeds.split(','))} seed(s), ≤{args.budget:.0f} CPU s/model")
-    plot(out.with_suffix(".png"), summary, distances, chance, window, title)
+            # written after every model, so an interrupted sweep keeps what it measured
+            summary = summarize(rows, distances)
+            result = {"config": config, "results": rows, "summary": summary}
+            out.write_text(json.dumps(result, indent=2) + "\n")
+            plot(out.with_suffix(".png"), summary, distances, chance, window, title)
     print(json.dumps(result, indent=2))
     head = f"{'block':>6} {'params':>7} " + " ".join(f"{'d=' + str(d):>11}" for d in distances)
     print(head)

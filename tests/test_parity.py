@@ -73,6 +73,7 @@ def test_qk_activation_none_matches(block: str) -> None:
     leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     ref = R.forward_loss(leaf, toks, spec.model)
     ref.backward()
+    ref = ref.detach()
     out = interpret(grad_graph(lower_forward(spec), list(params)), {"tokens": toks, **params})
     assert abs(float(out["loss"]) - float(ref)) < 1e-10
     for name, p in leaf.items():
