@@ -20,8 +20,15 @@ from [window, the stage's longest], so short distances stay in the mix. The bloc
 the largest block's (mag) at `model.ffn_hidden`.
 
     .venv/bin/python benchmarks/recall_distance.py --blocks lmm,attn --seeds 0 --quick
-    .venv/bin/python benchmarks/recall_distance.py                     # the full sweep (3 seeds)
+    .venv/bin/python benchmarks/recall_distance.py --blocks lmm,attn   # the README's figure
+    .venv/bin/python benchmarks/recall_distance.py                     # all five blocks, 3 seeds
     .venv/bin/python benchmarks/recall_distance.py --set model.memory.lr_max=1
+
+The defaults are the recipe that reached 1.00 at 256 tokens (lmm): train.lr 3e-3 (at 1e-2
+AdamW collapses the adaptive gates θ, η before a binding forms), memory.qk_activation none
+(zero-mean keys; silu keys make the chunked momentum write overshoot along their common
+direction, so the state grows with length) and the curriculum 32 -> 128 -> 272 tokens.
+The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
 
 Writes benchmarks/results/recall_distance.json (config, one row per model, summary) and
 recall_distance.png next to it (accuracy vs distance, one line per block: the mean over seeds
@@ -232,6 +239,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="smoke settings: curriculum 32:100, distances 8,16,64")
     ap.add_argument("--out", default=str(ROOT / "results" / "recall_distance.json"))
+    ap.add_argument("--append", action="store_true",
+                    help="add to the rows already in --out (same configuration) instead of "
+                         "starting over")
     ap.add_argument("--metrics", default=None,
                     help=f"append memory diagnostics (runtime/memory_stats.py) every "
                          f"{METRICS_EVERY} steps to this JSONL file")
@@ -256,9 +266,13 @@ def main() -> None:
               "budget_cpu_s": args.budget, "threads": args.threads, "eval_rows": EVAL_ROWS,
               "chance": chance}
     seeds = [int(s) for s in args.seeds.split(",")]
-    title = (f"recall vs distance: curriculum {args.curriculum}, "
-             f"{len(seeds)} seed(s), ≤{args.budget:.0f} CPU s/model")
     rows: list[dict[str, Any]] = []
+    if args.append and out.exists():         # continue a sweep: keep its rows, same config
+        before = json.loads(out.read_text())
+        if before["config"] != json.loads(json.dumps(config)):
+            raise SystemExit(f"--append: {out} was made with another configuration; "
+                             f"use another --out")
+        rows = before["results"]
     for seed in seeds:
         for block in args.blocks.split(","):
             r = train_one(block, seed, stages, distances, overrides, args.budget, window,
@@ -270,6 +284,9 @@ def main() -> None:
             summary = summarize(rows, distances)
             result = {"config": config, "results": rows, "summary": summary}
             out.write_text(json.dumps(result, indent=2) + "\n")
+            title = (f"recall vs distance: curriculum {args.curriculum}, "
+                     f"{len({r['seed'] for r in rows})} seed(s), "
+                     f"≤{args.budget:.0f} CPU s/model")
             plot(out.with_suffix(".png"), summary, distances, chance, window, title)
     print(json.dumps(result, indent=2))
     head = f"{'block':>6} {'params':>7} " + " ".join(f"{'d=' + str(d):>11}" for d in distances)
