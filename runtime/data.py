@@ -253,22 +253,40 @@ class SyntheticRecall:
         lo, hi = self.layout.value_range
         return 1.0 / (hi - lo)
 
+    @property
+    def max_distance(self) -> int:
+        """The pair -> query distance with the pairs at the start (the default layout)."""
+        return self.layout.query_start - 2 * self.layout.n_pairs + 1
+
     def batch(self, n: int, split: str = "train", generator: torch.Generator | None = None,
-              rows: slice | None = None) -> Tensor:
-        """`n` fresh recall sequences: int64 [n, seq_len+1] (only `rows` of them, when given).
-        Both splits draw from the same distribution (each sequence has its own mapping, so
-        nothing can be memorised)."""
+              rows: slice | None = None, distance: int | None = None) -> Tensor:
+        """`n` fresh recall sequences: int64 [n, seq_len+1] (only `rows` of them, when given:
+        a rank's part of a global batch). Both splits draw from the same
+        distribution (each sequence has its own mapping, so nothing can be memorised).
+
+        `distance` moves the pair block right (filler before it) so that the first query key
+        sits `distance` positions after the last pair's value; every pair -> query distance is
+        then in [distance, distance + 2(P+Q) - 4]. Default: pairs at the start,
+        `max_distance`. The draws are the same for every distance (only the layout moves)."""
         _check_split(split)
         gen = generator if generator is not None else self._gens[split]
         lay = self.layout
+        top = self.max_distance
+        if distance is None:
+            distance = top
+        if not 1 <= distance <= top:
+            raise TitancError(f"{SYNTHETIC_RECALL}: distance={distance} must be in [1, {top}] "
+                              f"for seq_len={self.seq_len} with {lay.n_pairs} pairs and "
+                              f"{lay.n_queries} queries; raise seq_len")
+        p0 = top - distance                      # first pair token
         (k_lo, k_hi), (v_lo, v_hi), (f_lo, f_hi) = lay.key_range, lay.value_range, lay.filler_range
         # P distinct keys per row: the first P of a random permutation of the key range
         keys = torch.rand(n, k_hi - k_lo, generator=gen).argsort(dim=1)[:, :lay.n_pairs] + k_lo
         values = torch.randint(v_lo, v_hi, (n, lay.n_pairs), generator=gen)
         order = torch.rand(n, lay.n_pairs, generator=gen).argsort(dim=1)[:, :lay.n_queries]
         out = torch.randint(f_lo, f_hi, (n, lay.length), generator=gen)
-        out[:, 0:2 * lay.n_pairs:2] = keys
-        out[:, 1:2 * lay.n_pairs:2] = values
+        out[:, p0:p0 + 2 * lay.n_pairs:2] = keys
+        out[:, p0 + 1:p0 + 2 * lay.n_pairs:2] = values
         q = lay.query_start
         out[:, q::2] = keys.gather(1, order)
         out[:, q + 1::2] = values.gather(1, order)

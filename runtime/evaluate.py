@@ -10,6 +10,12 @@ nats; perplexity is exp(loss); bits per byte is the summed loss over ln 2 divide
 bytes the target tokens stand for (`Tokenizer.token_bytes`), comparable across tokenizers.
 `recall=True` adds the synthetic associative-recall accuracy (runtime/data.py) over as many
 batches; `--data synthetic:recall` evaluates on that task alone.
+
+`titanc eval RUN --task recall --distances 8,64,256` (`evaluate_recall`) scores recall against
+the pair -> query distance: for each distance the run's weights are loaded into the same spec at
+the shortest seq_len that holds it (a multiple of the memory chunk, and of the segment for mac)
+and scored on `batches x train.batch_size` held-out sequences whose first query key sits exactly
+that many positions after the last pair's value.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from .data import SYNTHETIC_RECALL, SyntheticRecall, TextData
 from .shards import ShardData
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["evaluate", "evaluate_run", "open_eval_data"]
+__all__ = ["evaluate", "evaluate_run", "evaluate_recall", "open_eval_data", "recall_seq_len"]
 
 RECALL_SEED = 1_000_003
 
@@ -126,3 +132,44 @@ def evaluate_run(run: str | os.PathLike, data: str, *, batches: int = 8, split: 
     result = evaluate(prog, dataset, tok, batches=batches, split=split, recall=recall)
     return {"run": os.fspath(run), "data": os.fspath(data), "step": prog.step,
             "tokenizer": tok.name, **result}
+
+
+def recall_seq_len(spec: Any, distance: int, n_pairs: int, n_queries: int) -> int:
+    """The shortest seq_len valid for `spec` whose recall sequences reach `distance`."""
+    m = spec.model
+    align = 1
+    if m.block == "mac":
+        align = m.attention.segment
+    elif m.has_memory:
+        align = m.memory.chunk_size
+    need = distance + 2 * (n_pairs + n_queries) - 2
+    return align * math.ceil(need / align)
+
+
+def evaluate_recall(run: str | os.PathLike, distances: list[int], *, batches: int = 8,
+                    task: dict[str, int] | None = None) -> dict[str, Any]:
+    """Recall accuracy of RUN at each pair -> query distance (see the module docstring).
+    `task`: SyntheticRecall options (n_pairs, n_queries, n_keys, n_values, filler_tokens);
+    the defaults are those of data.source synthetic:recall."""
+    import titanc
+
+    task = dict(task or {})
+    prog = titanc.load(run)
+    spec = prog.spec
+    V, B = spec.model.vocab_size, spec.train.batch_size
+    probe = SyntheticRecall(max(spec.model.seq_len, 16), V, **task)   # validates the options
+    lay = probe.layout
+    acc: dict[str, float] = {}
+    for d in distances:
+        if d < 1:
+            raise TitancError(f"--distances: {d} must be >= 1")
+        T = recall_seq_len(spec, d, lay.n_pairs, lay.n_queries)
+        ev = prog if T == spec.model.seq_len else titanc.load(run, **{"model.seq_len": T})
+        data = SyntheticRecall(T, V, spec.train.seed, **task)
+        gen = torch.Generator().manual_seed(spec.train.seed + RECALL_SEED)
+        accs = [data.accuracy(ev, data.batch(B, "val", gen, distance=d)) for _ in range(batches)]
+        acc[str(d)] = sum(accs) / batches
+    window = spec.model.attention.window if spec.model.block != "lmm" else None
+    return {"run": os.fspath(run), "task": "recall", "step": prog.step, "block": spec.model.block,
+            "sequences": batches * B, "n_pairs": lay.n_pairs, "n_queries": lay.n_queries,
+            "chance": probe.chance, "attention_window": window, "accuracy_by_distance": acc}

@@ -7,6 +7,8 @@ A run directory holds
     tokenizer.json          a copy of data.tokenizer when it is a BPE file (not for byte)
     metrics.jsonl           {step, loss, lr, grad_norm, tokens_per_s} per step and
                             {step, eval_loss[, eval_accuracy]} every train.eval_every steps
+                            {step, memory: {layers: [...]}} every train.memory_stats_every
+                            steps (memory diagnostics, runtime/memory_stats.py; 0 = off)
     checkpoint.safetensors  model + optimizer + step + sampler RNG + spec, written atomically
                             every train.checkpoint_every steps and at the end
     loss.png                training and held-out loss against steps
@@ -202,6 +204,17 @@ class Trainer:
             if not math.isfinite(value):
                 raise self._nonfinite(f"{what} after the update", value)
 
+    def _memory_stats(self) -> None:
+        """One record {step, memory: {layers: [...]}} of memory diagnostics on the first
+        held-out batch (runtime/memory_stats.py)."""
+        from .memory_stats import memory_stats
+
+        gen = torch.Generator().manual_seed(self.spec.train.seed + EVAL_SEED_OFFSET)
+        split = "val" if not hasattr(self.data, "has_split") or self.data.has_split("val") \
+            else "train"
+        tokens = self.data.batch(self.spec.train.batch_size, split, gen)
+        self._write({"step": self.prog.step, "memory": memory_stats(self.prog, tokens)})
+
     def _checkpoint(self) -> None:
         """Write the state of this step once it is proven good (see the module docstring)."""
         if self.reducer is not None:
@@ -312,6 +325,9 @@ class Trainer:
                         self._write({"step": prog.step, **evals})
                         self.log(f"step {prog.step}: " + ", ".join(
                             f"{k} {v:.4f}" for k, v in evals.items()))
+                every = spec.train.memory_stats_every
+                if every and spec.model.has_memory and self._due(every):
+                    self._timed("eval", self._memory_stats)
                 if self._due(spec.train.checkpoint_every):
                     self._timed("checkpoint", self._checkpoint)
         except KeyboardInterrupt:

@@ -3,6 +3,7 @@
     titanc tokenizer train CORPUS... --vocab-size N -o tokenizer.json [--ext md,py]
     titanc data prepare INPUT... -o DIR [--tokenizer byte|PATH] [--val-fraction F] [--workers N]
     titanc eval RUN --data DIR|FILE|synthetic:recall [--batches N] [--recall] [--split val]
+    titanc eval RUN --task recall [--distances 8,64,256] [--recall-layout n_pairs=4,...]
 
 `add_commands` registers them on the main parser's subcommands (titanc/cli.py); their bodies
 import the runtime lazily, so `titanc --help` stays fast.
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any
+
+from titanc.errors import TitancError
 
 __all__ = ["add_commands"]
 
@@ -99,7 +102,7 @@ def add_commands(commands: Any) -> None:
         epilog="example:\n  titanc eval runs/corpus --data data/corpus --batches 8",
         formatter_class=_RAW)
     ev.add_argument("run_dir", metavar="RUN")
-    ev.add_argument("--data", required=True, metavar="DIR|FILE|synthetic:recall",
+    ev.add_argument("--data", metavar="DIR|FILE|synthetic:recall",
                     help="a token-shard directory, a text file (byte tokenizer) or "
                          "synthetic:recall")
     ev.add_argument("--batches", type=_positive, default=8, metavar="N",
@@ -107,6 +110,14 @@ def add_commands(commands: Any) -> None:
     ev.add_argument("--split", choices=("val", "train"), default="val")
     ev.add_argument("--recall", action="store_true",
                     help="also report the synthetic associative-recall accuracy")
+    ev.add_argument("--task", choices=("lm", "recall"), default="lm",
+                    help="lm (default): loss on --data; recall: synthetic recall accuracy by "
+                         "pair -> query distance (no --data)")
+    ev.add_argument("--distances", default="8,16,32,64,128,256", metavar="D,D,...",
+                    help="--task recall: pair -> query distances (default 8,16,32,64,128,256)")
+    ev.add_argument("--recall-layout", default="", metavar="KEY=N,...",
+                    help="--task recall: SyntheticRecall options, e.g. n_pairs=4,n_queries=4,"
+                         "n_keys=8,n_values=8,filler_tokens=4 (default: synthetic:recall's)")
     ev.set_defaults(run=_cmd_eval)
 
 
@@ -139,9 +150,41 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
-    from titanc.runtime.evaluate import evaluate_run
+RECALL_OPTIONS = ("n_pairs", "n_queries", "n_keys", "n_values", "filler_tokens")
 
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise TitancError(f"{flag}: {text!r} is not a comma-separated list of integers, "
+                          f"e.g. 8,64,256") from None
+
+
+def _recall_layout(text: str) -> dict[str, int]:
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in RECALL_OPTIONS or not value.isdigit():
+            raise TitancError(f"--recall-layout: {item!r} must be KEY=N with KEY one of "
+                              f"{', '.join(RECALL_OPTIONS)}")
+        out[key] = int(value)
+    return out
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from titanc.runtime.evaluate import evaluate_recall, evaluate_run
+
+    if args.task == "recall":
+        if args.data is not None:
+            raise TitancError("--task recall generates its own sequences; drop --data")
+        result = evaluate_recall(args.run_dir, _int_list(args.distances, "--distances"),
+                                 batches=args.batches,
+                                 task=_recall_layout(args.recall_layout))
+        print(json.dumps(result, indent=2))
+        return 0
+    if args.data is None:
+        raise TitancError("titanc eval: --data is required (or use --task recall)")
     result = evaluate_run(args.run_dir, args.data, batches=args.batches, split=args.split,
                           recall=args.recall)
     print(json.dumps(result, indent=2))

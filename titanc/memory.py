@@ -41,7 +41,8 @@ def _heads(x: Value, nm: int) -> Value:
 
 def project(b: Builder, u: Value, p: dict[str, Value], mem: MemorySpec, want: str = "qkvg",
             conv: Callable[[Value, Value, str], Value] | None = None) -> MemStreams:
-    """Projections of u (B, T, D): l2norm(silu(dwconv(u W))) for q, k; silu(dwconv(u W)) for v;
+    """Projections of u (B, T, D): l2norm(silu(dwconv(u W))) for q, k (no silu with
+    `memory.qk_activation: none`); silu(dwconv(u W)) for v;
     gates θ, log η, log(1 − α). `want` picks which of q, k, v, g(ates) to build; `conv`
     replaces the zero-history conv (decoding passes one that reads a history)."""
     nm = mem.heads
@@ -49,7 +50,9 @@ def project(b: Builder, u: Value, p: dict[str, Value], mem: MemorySpec, want: st
     conv = conv or (lambda x, w, name: dwconv(x, w))
 
     def stream(name: str, norm: bool) -> Value:
-        x = conv(u @ p[f"mem_w{name}"], p[f"mem_conv_{name}"], name).silu()  # (B, T, D)
+        x = conv(u @ p[f"mem_w{name}"], p[f"mem_conv_{name}"], name)  # (B, T, D)
+        if not norm or mem.qk_activation == "silu":   # v always; q, k unless 'none'
+            x = x.silu()
         if norm:                                  # l2norm over each head's e channels
             x = l2norm(x.reshape(B, T, nm, D // nm)).reshape(B, T, D)
         return _heads(x, nm)

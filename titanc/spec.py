@@ -112,6 +112,8 @@ class MemorySpec:
     decay: float = _field(0.01, ge=0, lt=1)      # constant alpha when not adaptive
     output_gate: bool = True
     conv_kernel: int = _field(4, ge=1)
+    # activation of the q/k streams before l2norm: silu (the paper) or none (zero-mean keys)
+    qk_activation: str = _field("silu", choices=("silu", "none"))
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -210,6 +212,8 @@ class TrainSpec:
     bucket_mb: float = _field(25.0, gt=0)        # gradient all-reduce bucket size (distributed)
     zero: int = _field(0, ge=0)                  # 1 = ZeRO-1: shard AdamW state over ranks
     dist_timeout_s: float = _field(300.0, gt=0)  # a collective waiting longer fails the job
+    # steps between memory diagnostics in metrics.jsonl (runtime/memory_stats.py); 0 = never
+    memory_stats_every: int = _field(0, ge=0)
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -29,6 +29,7 @@ class RefMemory:
     decay: float = 0.05
     output_gate: bool = True
     conv_kernel: int = 4  # K
+    qk_activation: str = "silu"  # 'silu' | 'none': activation of q, k before l2norm
 
 
 @dataclass(frozen=True)

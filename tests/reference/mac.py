@@ -47,7 +47,8 @@ def mac_block(p: dict[str, Tensor], x: Tensor, cfg) -> Tensor:
     seg = cfg.attention.segment
     N = cfg.memory.heads
     u = rmsnorm(x, p["mem_norm"])  # (B, T, D)
-    hq = project(u, p["mem_wq"], p["mem_conv_q"], N, normalize=True)  # (B, N, T, C), conv crosses segments
+    hq = project(u, p["mem_wq"], p["mem_conv_q"], N, normalize=True,
+                 activate=cfg.memory.qk_activation == "silu")  # (B, N, T, C), conv crosses segments
     state = initial_state(p, B, cfg)
     outs = []
     for s0 in range(0, T, seg):

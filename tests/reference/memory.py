@@ -94,18 +94,21 @@ def initial_state(p: dict[str, Tensor], B: int, cfg) -> State:
     return W, S
 
 
-def project(u: Tensor, w: Tensor, conv: Tensor, heads: int, normalize: bool) -> Tensor:
-    """[l2norm](silu(dwconv(u w, conv))) split into heads."""
+def project(u: Tensor, w: Tensor, conv: Tensor, heads: int, normalize: bool,
+            activate: bool = True) -> Tensor:
+    """[l2norm]([silu](dwconv(u w, conv))) split into heads."""
     # u (B, T, D) -> (B, N, T, C)
-    x = split_heads(silu(dwconv(u @ w, conv)), heads)
+    x = dwconv(u @ w, conv)
+    x = split_heads(silu(x) if activate else x, heads)
     return l2norm(x) if normalize else x
 
 
 def projections(p: dict[str, Tensor], u: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
     """q(u), k(u), v(u), each (B, N, T, C); conv history is zero before u's first position."""
     N = cfg.memory.heads
-    q = project(u, p["mem_wq"], p["mem_conv_q"], N, normalize=True)
-    k = project(u, p["mem_wk"], p["mem_conv_k"], N, normalize=True)
+    act = cfg.memory.qk_activation == "silu"  # 'none': q, k are l2norm(dwconv(u w)) alone
+    q = project(u, p["mem_wq"], p["mem_conv_q"], N, normalize=True, activate=act)
+    k = project(u, p["mem_wk"], p["mem_conv_k"], N, normalize=True, activate=act)
     v = project(u, p["mem_wv"], p["mem_conv_v"], N, normalize=False)
     return q, k, v
 

@@ -1,0 +1,304 @@
+"""Long-range recall against distance: lmm, mac, mag, mal and the attn baseline.
+
+The task is `SyntheticRecall` (runtime/data.py) with the pair -> query distance controlled:
+P key-value pairs, then filler, then Q queries at the end of the sequence; `distance` is the
+number of positions from the last pair's value to the first query key (every pair -> query
+distance is in [distance, distance + 2(P+Q) - 4]). The attention window is 8, so at distance
+>= 8 no query sees a pair through attention: the attn baseline must sit at chance, and a
+memory block can only answer through its neural memory.
+
+Each model (one block kind, one seed) trains for a fixed number of steps under a per-model
+budget of process CPU seconds (one thread; compile time included, evaluation excluded) and is
+then scored on held-out sequences at every distance of the sweep, each distance in its own
+program at the shortest length that holds it (seq_len a multiple of 16; the < 16 tokens of
+slack are filler before the pairs).
+Training follows a curriculum over sequence length (`--curriculum`, stages of
+`seq_len:steps`): each stage compiles the same spec at its seq_len and continues from the
+previous stage's parameters and optimizer state; in every batch the distance is drawn uniformly
+from [window, the stage's longest], so short distances stay in the mix. The blocks have
+(nearly) equal parameter counts: each block's FFN width is chosen so that its total matches
+the largest block's (mag) at `model.ffn_hidden`.
+
+    .venv/bin/python benchmarks/recall_distance.py --blocks lmm,attn --seeds 0 --quick
+    .venv/bin/python benchmarks/recall_distance.py --blocks lmm,attn   # the README's figure
+    .venv/bin/python benchmarks/recall_distance.py                     # all five blocks, 3 seeds
+    .venv/bin/python benchmarks/recall_distance.py --set model.memory.lr_max=1
+
+The defaults are the recipe that reached 1.00 at 256 tokens (lmm): train.lr 3e-3 (at 1e-2
+AdamW collapses the adaptive gates θ, η before a binding forms), memory.qk_activation none
+(zero-mean keys; silu keys make the chunked momentum write overshoot along their common
+direction, so the state grows with length) and the curriculum 32 -> 128 -> 272 tokens.
+The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
+
+Writes benchmarks/results/recall_distance.json (config, one row per model, summary) and
+recall_distance.png next to it (accuracy vs distance, one line per block: the mean over seeds
+with the min-max band, chance dashed), prints the JSON and a table (mean and min over seeds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+import titanc
+from titanc.params import param_count
+from titanc.runtime.data import SyntheticRecall
+from titanc.runtime.memory_stats import memory_stats
+from titanc.spec import load_spec
+
+ROOT = Path(__file__).resolve().parent
+SPEC: dict[str, Any] = {
+    "name": "recall_distance",
+    "model": {
+        "vocab_size": 32, "d_model": 64, "n_layers": 1, "block": "lmm", "seq_len": 64,
+        "tie_embeddings": False, "ffn_hidden": 128,
+        "attention": {"heads": 2, "window": 8, "segment": 16, "persistent_tokens": 2},
+        "memory": {"heads": 2, "depth": 1, "expansion": 2, "chunk_size": 8, "adaptive": True,
+                   "lr_max": 2.0, "momentum": 0.9, "decay": 0.01, "output_gate": True,
+                   "conv_kernel": 4, "qk_activation": "none"},
+    },
+    "train": {"batch_size": 32, "steps": 2500, "lr": 3.0e-3, "warmup": 30,
+              "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 1.0, "seed": 0,
+              "dtype": "float32"},
+    "data": {"source": "synthetic:recall"},
+}
+TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
+CURRICULUM = "32:1500,128:600,272:400"
+DISTANCES = "8,16,32,64,128,256,512"
+BLOCKS = "lmm,mac,mag,mal,attn"
+EVAL_ROWS = 256                # held-out sequences per distance (4 queries each)
+EVAL_SEED = 12345
+METRICS_EVERY = 100           # steps between memory diagnostics with --metrics
+ALIGN = 16                     # seq_len multiple: the mac segment and the memory chunk divide it
+
+
+def parse_value(text: str) -> Any:
+    return yaml.safe_load(text)
+
+
+def spec_with(block: str, seed: int, seq_len: int, steps: int,
+              overrides: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark spec for one model, with `--set` overrides and the matched FFN width."""
+    s = json.loads(json.dumps(SPEC))
+    for key, value in overrides.items():
+        node = s
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    s["model"].update(block=block, seq_len=seq_len)
+    s["train"].update(seed=seed, steps=steps)
+    s["model"]["ffn_hidden"] = matched_ffn(s, block)
+    return s
+
+
+def _count(s: dict[str, Any], block: str, ffn: int) -> int:
+    t = json.loads(json.dumps(s))
+    t["model"].update(block=block, ffn_hidden=ffn)
+    t["model"]["seq_len"] = ALIGN
+    return param_count(load_spec(t).model)
+
+
+def matched_ffn(s: dict[str, Any], block: str) -> int:
+    """FFN width (a multiple of 8) that brings `block` closest to mag's parameter count."""
+    base = s["model"]["ffn_hidden"]
+    target = _count(s, "mag", base)
+    per = _count(s, block, base + 8) - _count(s, block, base)      # params per 8 FFN units
+    return max(8, base + 8 * round((target - _count(s, block, base)) / per))
+
+
+def eval_seq_len(distance: int) -> int:
+    """Shortest aligned seq_len whose recall sequences reach `distance`."""
+    need = distance + 2 * (TASK["n_pairs"] + TASK["n_queries"]) - 2
+    return ALIGN * math.ceil(need / ALIGN)
+
+
+def task_for(seq_len: int, seed: int) -> SyntheticRecall:
+    return SyntheticRecall(seq_len, SPEC["model"]["vocab_size"], seed=seed, **TASK)
+
+
+def parse_curriculum(text: str) -> list[tuple[int, int]]:
+    stages = []
+    for part in text.split(","):
+        seq_len, steps = part.split(":")
+        stages.append((int(seq_len), int(steps)))
+    return stages
+
+
+def train_one(block: str, seed: int, stages: list[tuple[int, int]], distances: list[int],
+              overrides: dict[str, Any], budget_s: float, window: int,
+              metrics: Path | None = None, fixed: bool = False) -> dict[str, Any]:
+    """Train one model through the curriculum within `budget_s` CPU seconds; score it."""
+    total = sum(n for _, n in stages)
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.process_time()
+    prog, state, step, loss, truncated = None, None, 0, float("nan"), False
+    for seq_len, n in stages:
+        prog = titanc.compile(spec_with(block, seed, seq_len, total, overrides))
+        if state is not None:
+            prog.load_state_dict(state)
+        task = task_for(seq_len, seed)
+        top = task.max_distance
+        for _ in range(n):
+            if time.process_time() - t0 > budget_s:
+                truncated = True
+                break
+            d = top if fixed else int(torch.randint(min(window, top), top + 1, (),
+                                                     generator=gen))
+            loss = prog.train_step(task.batch(prog.batch_size, "train", gen, distance=d))
+            step += 1
+            if metrics is not None and step % METRICS_EVERY == 0 and block != "attn":
+                t_stats = time.process_time()    # diagnostics do not count against the budget
+                probe = task.batch(16, "val", torch.Generator().manual_seed(EVAL_SEED),
+                                   distance=top)
+                with metrics.open("a") as f:
+                    f.write(json.dumps({"block": block, "seed": seed, "step": step,
+                                        "seq_len": seq_len, "loss": loss,
+                                        "memory": memory_stats(prog, probe)}) + "\n")
+                t0 += time.process_time() - t_stats
+        state = prog.state_dict()
+        if truncated:
+            break
+    cpu_s = time.process_time() - t0
+    acc = {}
+    for d in distances:       # one program per distance, at the shortest length that holds it
+        T = eval_seq_len(d)
+        ev = titanc.compile(spec_with(block, seed, T, total, overrides))
+        ev.load_state_dict(state)
+        task = task_for(T, seed)
+        rows = task.batch(EVAL_ROWS, "val", torch.Generator().manual_seed(EVAL_SEED + seed),
+                          distance=d)
+        acc[str(d)] = round(task.accuracy(ev, rows), 4)
+    return {"block": block, "seed": seed, "steps": step, "cpu_s": round(cpu_s, 1),
+            "truncated": truncated, "final_loss": round(loss, 4),
+            "params": param_count(ev.spec.model), "ffn_hidden": ev.spec.model.ffn_hidden,
+            "accuracy": acc}
+
+
+def summarize(rows: list[dict[str, Any]], distances: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for block in dict.fromkeys(r["block"] for r in rows):
+        mine = [r for r in rows if r["block"] == block]
+        out[block] = {str(d): {"mean": round(sum(r["accuracy"][str(d)] for r in mine)
+                                             / len(mine), 4),
+                               "min": min(r["accuracy"][str(d)] for r in mine),
+                               "max": max(r["accuracy"][str(d)] for r in mine)}
+                      for d in distances}
+    return out
+
+
+def plot(path: Path, summary: dict[str, Any], distances: list[int], chance: float,
+         window: int, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for block, by_d in summary.items():
+        mean = [by_d[str(d)]["mean"] for d in distances]
+        lo = [by_d[str(d)]["min"] for d in distances]
+        hi = [by_d[str(d)]["max"] for d in distances]
+        line, = ax.plot(distances, mean, marker="o", label=block)
+        ax.fill_between(distances, lo, hi, color=line.get_color(), alpha=0.15)
+    ax.axhline(chance, color="gray", linestyle="--", label=f"chance ({chance:.3f})")
+    ax.axvline(window, color="gray", linestyle=":", label=f"attention window ({window})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(distances)
+    ax.set_xticklabels([str(d) for d in distances])
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("pair → query distance (tokens)")
+    ax.set_ylabel("held-out recall accuracy")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="center left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blocks", default=BLOCKS)
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--curriculum", default=CURRICULUM,
+                    help=f"stages seq_len:steps,... (default {CURRICULUM})")
+    ap.add_argument("--distances", default=DISTANCES, help=f"evaluation distances ({DISTANCES})")
+    ap.add_argument("--budget", type=float, default=600.0,
+                    help="CPU seconds per model (training and compiles; default 600)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="spec override, e.g. model.memory.decay=0 (repeatable)")
+    ap.add_argument("--train-distance", choices=("random", "max"), default="random",
+                    help="training batches: distance drawn from [window, longest] (random) "
+                         "or always the longest (pairs at the start)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke settings: curriculum 32:100, distances 8,16,64")
+    ap.add_argument("--out", default=str(ROOT / "results" / "recall_distance.json"))
+    ap.add_argument("--append", action="store_true",
+                    help="add to the rows already in --out (same configuration) instead of "
+                         "starting over")
+    ap.add_argument("--metrics", default=None,
+                    help=f"append memory diagnostics (runtime/memory_stats.py) every "
+                         f"{METRICS_EVERY} steps to this JSONL file")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.curriculum, args.distances = "32:100", "8,16,64"
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = parse_value(value)
+    stages = parse_curriculum(args.curriculum)
+    distances = [int(d) for d in args.distances.split(",")]
+    window = overrides.get("model.attention.window", SPEC["model"]["attention"]["window"])
+    metrics = Path(args.metrics) if args.metrics else None
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    chance = task_for(16, 0).chance
+    config = {"spec": SPEC, "overrides": overrides, "task": TASK, "curriculum": args.curriculum,
+              "train_distance": args.train_distance, "distances": distances,
+              "budget_cpu_s": args.budget, "threads": args.threads, "eval_rows": EVAL_ROWS,
+              "chance": chance}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows: list[dict[str, Any]] = []
+    if args.append and out.exists():         # continue a sweep: keep its rows, same config
+        before = json.loads(out.read_text())
+        if before["config"] != json.loads(json.dumps(config)):
+            raise SystemExit(f"--append: {out} was made with another configuration; "
+                             f"use another --out")
+        rows = before["results"]
+    for seed in seeds:
+        for block in args.blocks.split(","):
+            r = train_one(block, seed, stages, distances, overrides, args.budget, window,
+                          metrics, args.train_distance == "max")
+            rows.append(r)
+            print(f"# {block} seed {seed}: {r['steps']} steps, {r['cpu_s']} cpu s, "
+                  f"acc {r['accuracy']}", flush=True)
+            # written after every model, so an interrupted sweep keeps what it measured
+            summary = summarize(rows, distances)
+            result = {"config": config, "results": rows, "summary": summary}
+            out.write_text(json.dumps(result, indent=2) + "\n")
+            title = (f"recall vs distance: curriculum {args.curriculum}, "
+                     f"{len({r['seed'] for r in rows})} seed(s), "
+                     f"≤{args.budget:.0f} CPU s/model")
+            plot(out.with_suffix(".png"), summary, distances, chance, window, title)
+    print(json.dumps(result, indent=2))
+    head = f"{'block':>6} {'params':>7} " + " ".join(f"{'d=' + str(d):>11}" for d in distances)
+    print(head)
+    for block, by_d in summary.items():
+        params = next(r["params"] for r in rows if r["block"] == block)
+        cells = " ".join(f"{by_d[str(d)]['mean']:>5.3f}/{by_d[str(d)]['min']:.2f}"
+                         for d in distances)
+        print(f"{block:>6} {params:>7} {cells}")
+    print(f"cells: mean/min accuracy over seeds; chance {chance:.3f}; wrote {out} and "
+          f"{out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

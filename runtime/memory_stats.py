@@ -1,0 +1,114 @@
+"""Memory diagnostics: what the neural memory does on one batch, per layer.
+
+    stats = memory_stats(prog, tokens)
+    # {"layers": [{"inner_loss_before": 0.41, "inner_loss_after": 0.12, "w_norm": 5.6,
+    #              "s_norm": 0.8, "theta": 0.93, "eta": 0.89, "alpha": 0.011,
+    #              "chunk_loss_before": [...], "chunk_loss_after": [...]}, ...]}
+
+The forward graph runs on the IR interpreter, which is watched at every iteration of the
+`memory_chunk` scan (docs/semantics.md, "Neural memory"): its inputs are the chunk-start state
+(W_1..W_Ld, S_1..S_Ld) and the chunk's streams (q, k, v, θ, log η, log(1 − α)), its outputs the
+state after the write. Per chunk: the inner loss ℓ = mean (M(k; W) − v)² over the chunk's
+tokens at the state before the write and after it (a write that helps lowers it), the
+Frobenius norms of W and S (per batch row and head, summed over the memory MLP's layers,
+averaged), and the mean gates θ, η, α. The `layer` scan's iteration says which layer a chunk
+belongs to; MAC's chunks (inside its segment scan) are seen the same way. Nothing here changes
+what the compiled program computes: it is a second, slower look at the same graph, for
+`train.memory_stats_every` (metrics.jsonl) and benchmarks/recall_distance.py.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from titanc.ir import Interpreter
+from titanc.ir.ops import Op
+
+Tensor = torch.Tensor
+
+
+def _mlp(ws: list[Tensor], x: Tensor) -> Tensor:
+    """M(x; W) for x (B, Nm, t, e), W_i (B, Nm, out, in): silu between layers, none after."""
+    for i, w in enumerate(ws):
+        x = torch.einsum("bnoi,bnti->bnto", w, x)
+        if i < len(ws) - 1:
+            x = torch.nn.functional.silu(x)
+    return x
+
+
+def _norm(ts: list[Tensor]) -> float:
+    """Frobenius norm over the MLP's layers, per (batch row, head), averaged."""
+    sq = sum(t.pow(2).sum((-2, -1)) for t in ts)
+    return float(sq.sqrt().mean())
+
+
+class _Watcher(Interpreter):
+    """The interpreter, with the `layer` and `memory_chunk` scans observed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = 0
+        self.chunks: list[tuple[int, dict[str, float]]] = []
+
+    def _eval(self, node: Any, args: list[Any]) -> Any:
+        if node.op is Op.SCAN and node.attr("body").name in ("layer", "memory_chunk"):
+            return self._watched_scan(node, args)
+        return super()._eval(node, args)
+
+    def _watched_scan(self, node: Any, args: list[Any]) -> tuple[Tensor, ...]:
+        a = node.attr_dict
+        nc, nx, body = a["n_carry"], a["n_xs"], a["body"]
+        carries, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
+        ys: list[list[Tensor]] = []
+        for t in range(a["length"]):
+            if body.name == "layer":
+                self.layer = t
+            x_t = [x[t] for x in xs]
+            outs = self.run(body, carries + x_t + consts)
+            if body.name == "memory_chunk":
+                self._record(carries, x_t, outs[:nc])
+            carries = outs[:nc]
+            ys.append(outs[nc:])
+        stacked = [torch.stack([y[k] for y in ys]) for k in range(len(body.outputs) - nc)]
+        return tuple(carries) + tuple(stacked)
+
+    def _record(self, before: list[Tensor], x: list[Tensor], after: list[Tensor]) -> None:
+        depth = len(before) // 2
+        _, k, v, theta, log_eta, log_keep = x
+        w0, w1, s1 = before[:depth], after[:depth], after[depth:]
+        self.chunks.append((self.layer, {
+            "loss_before": float((_mlp(w0, k) - v).pow(2).mean()),
+            "loss_after": float((_mlp(w1, k) - v).pow(2).mean()),
+            "w_norm": _norm(w1), "s_norm": _norm(s1),
+            "theta": float(theta.mean()), "eta": float(log_eta.exp().mean()),
+            "alpha": float(1 - log_keep.exp().mean()),
+        }))
+
+
+def memory_stats(prog: Any, tokens: Tensor) -> dict[str, Any]:
+    """Per-layer memory diagnostics of `prog` (a Program) on `tokens` [B, T+1] (see above).
+    Returns {"layers": []} for a model without memory (block attn)."""
+    from titanc.frontend import lower_forward
+
+    spec = prog.spec
+    g = lower_forward(spec, batch=tokens.shape[0])
+    watcher = _Watcher()
+    inputs = {"tokens": tokens.to(torch.int64).cpu(),
+              **{n: t.detach().cpu() for n, t in prog.parameters().items()}}
+    with torch.no_grad():
+        watcher(g, inputs)
+    layers = []
+    for layer in range(spec.model.n_layers):
+        rows = [r for lay, r in watcher.chunks if lay == layer]
+        if not rows:
+            continue
+        mean = {k: round(sum(r[k] for r in rows) / len(rows), 5) for k in rows[0]}
+        layers.append({
+            "inner_loss_before": mean["loss_before"], "inner_loss_after": mean["loss_after"],
+            "w_norm": mean["w_norm"], "s_norm": mean["s_norm"], "theta": mean["theta"],
+            "eta": mean["eta"], "alpha": mean["alpha"],
+            "chunk_loss_before": [round(r["loss_before"], 5) for r in rows],
+            "chunk_loss_after": [round(r["loss_after"], 5) for r in rows],
+        })
+    return {"layers": layers}

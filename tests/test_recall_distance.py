@@ -1,0 +1,170 @@
+"""Recall against distance: the distance-controlled recall layout, the memory diagnostics
+(runtime/memory_stats.py) checked against the float64 reference, `train.memory_stats_every`
+in metrics.jsonl, and `titanc eval RUN --task recall`. The long-range sweep itself is
+benchmarks/recall_distance.py (minutes); these stay fast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+import tests.reference as R
+import titanc
+from tests.helpers import tiny_spec, tokens
+from tests.reference.memory import gates, initial_state, projections
+from tests.reference.ops import layer_params, rmsnorm
+from titanc.cli import main
+from titanc.errors import TitancError
+from titanc.runtime.data import SyntheticRecall
+from titanc.runtime.evaluate import recall_seq_len
+from titanc.runtime.memory_stats import memory_stats
+from titanc.runtime.trainer import read_metrics
+
+LAYOUT = {"n_pairs": 3, "n_queries": 2, "n_keys": 4, "n_values": 6, "filler_tokens": 3}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_distance_places_the_pairs_exactly() -> None:
+    task = SyntheticRecall(40, 32, seed=0, **LAYOUT)
+    lay = task.layout
+    assert task.max_distance == lay.query_start - 2 * lay.n_pairs + 1 == 32
+    rows = {}
+    for d in (1, 8, 20, task.max_distance):
+        b = task.batch(16, "val", torch.Generator().manual_seed(3), distance=d)
+        rows[d] = b
+        p0 = lay.query_start - d - 2 * lay.n_pairs + 1       # first pair token
+        assert p0 >= 0
+        keys, values = b[:, p0:p0 + 2 * lay.n_pairs:2], b[:, p0 + 1:p0 + 2 * lay.n_pairs:2]
+        assert ((keys >= 0) & (keys < 4)).all() and ((values >= 4) & (values < 10)).all()
+        filler = torch.cat([b[:, :p0], b[:, p0 + 2 * lay.n_pairs:lay.query_start]], 1)
+        assert ((filler >= 10) & (filler < 13)).all()        # nothing else outside the pairs
+        # the last pair's value sits exactly d positions before the first query key
+        assert lay.query_start - (p0 + 2 * lay.n_pairs - 1) == d
+        for row in b.tolist():                                # queries answer their pairs
+            pairs = dict(zip(row[p0:p0 + 2 * lay.n_pairs:2], row[p0 + 1:p0 + 2 * lay.n_pairs:2]))
+            q = lay.query_start
+            assert all(pairs[row[i]] == row[i + 1] for i in range(q, lay.length, 2))
+    # only the layout moves: the same keys, values and queries at every distance
+    q = lay.query_start
+    assert all(torch.equal(rows[8][:, q:], rows[d][:, q:]) for d in rows)
+    default = task.batch(4, "val", torch.Generator().manual_seed(1))
+    assert torch.equal(default[:, :2 * lay.n_pairs],
+                       task.batch(4, "val", torch.Generator().manual_seed(1),
+                                  distance=task.max_distance)[:, :2 * lay.n_pairs])
+    with pytest.raises(TitancError, match=r"distance=33 must be in \[1, 32\]"):
+        task.batch(2, distance=33)
+
+
+def test_recall_seq_len_is_valid_and_shortest() -> None:
+    for block, align in (("lmm", 4), ("mac", 8), ("attn", 1), ("mag", 4)):
+        spec = tiny_spec(**{"model.block": block})
+        for d in (1, 8, 13, 50):
+            T = recall_seq_len(spec, d, 3, 2)
+            assert T % align == 0 and T >= d + 8 and T - align < d + 8
+            assert SyntheticRecall(T, 32, **LAYOUT).max_distance >= d
+
+
+def _reference_chunks(spec, params: dict[str, torch.Tensor], tok: torch.Tensor, layer: int = 0):
+    """Per-chunk (loss before, loss after, |W|, |S|) of the first layer's memory, computed by
+    the float64 reference (a 1-layer lmm: the memory input is rmsnorm(embed[tok]))."""
+    cfg = spec.model
+    p = layer_params({k: v.double() for k, v in params.items()}, layer)
+    x = params["embed"].double()[tok[:, :-1]]
+    u = rmsnorm(x, p["mem_norm"])
+    _, k, v = projections(p, u, cfg)
+    theta, eta, alpha = gates(p, u, cfg)
+    W, S = initial_state(p, u.shape[0], cfg)
+    b, out = cfg.memory.chunk_size, []
+    for c0 in range(0, cfg.seq_len, b):
+        sl = slice(c0, c0 + b)
+        before = (R.mem_apply(W, k[:, :, sl]) - v[:, :, sl]).pow(2).mean()
+        g = R.inner_grads(W, k[:, :, sl], v[:, :, sl])
+        W, S = R.chunk_token_loop(W, S, g, theta[:, :, sl], eta[:, :, sl], alpha[:, :, sl])
+        after = (R.mem_apply(W, k[:, :, sl]) - v[:, :, sl]).pow(2).mean()
+        norm = lambda ts: float(sum(t.pow(2).sum((-2, -1)) for t in ts).sqrt().mean())  # noqa
+        out.append((float(before), float(after), norm(W), norm(S)))
+    return out, (float(theta.mean()), float(eta.mean()), float(alpha.mean()))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_memory_stats_match_the_reference(depth: int) -> None:
+    spec = tiny_spec(**{"model.n_layers": 1, "model.memory.depth": depth,
+                        "train.dtype": "float32", "model.memory.lr_max": 2.0})
+    prog = titanc.compile(spec)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():                      # non-trivial gates: data-dependent θ, η, α
+        for n, t in prog.parameters().items():
+            if "_theta_w" in n or "_eta_w" in n or "_alpha_w" in n:
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
+    tok = tokens(spec)
+    stats = memory_stats(prog, tok)
+    (layer,) = stats["layers"]
+    want, (th, et, al) = _reference_chunks(spec, prog.parameters(), tok)
+    assert len(layer["chunk_loss_before"]) == spec.model.seq_len // spec.model.memory.chunk_size
+    for i, (before, after, _, _) in enumerate(want):
+        assert layer["chunk_loss_before"][i] == pytest.approx(before, rel=1e-3, abs=1e-5)
+        assert layer["chunk_loss_after"][i] == pytest.approx(after, rel=1e-3, abs=1e-5)
+    n = len(want)
+    assert layer["w_norm"] == pytest.approx(sum(w[2] for w in want) / n, rel=1e-3)
+    assert layer["s_norm"] == pytest.approx(sum(w[3] for w in want) / n, rel=1e-3)
+    assert (layer["theta"], layer["eta"], layer["alpha"]) == pytest.approx((th, et, al), rel=1e-3)
+    assert any(a < b for a, b in zip(layer["chunk_loss_after"], layer["chunk_loss_before"]))
+
+
+def test_memory_stats_per_layer_and_block() -> None:
+    for block in ("mac", "mal"):
+        spec = tiny_spec(**{"model.block": block, "train.dtype": "float32"})
+        stats = memory_stats(titanc.compile(spec), tokens(spec))
+        assert len(stats["layers"]) == spec.model.n_layers
+        m = spec.model.memory
+        for layer in stats["layers"]:         # fresh gates: σ(bias) exactly
+            assert layer["theta"] == pytest.approx(m.lr_max / 2, rel=1e-5)
+            assert layer["eta"] == pytest.approx(m.momentum, rel=1e-5)
+            assert layer["alpha"] == pytest.approx(m.decay, rel=1e-4)
+            assert len(layer["chunk_loss_before"]) == spec.model.seq_len // m.chunk_size
+    spec = tiny_spec(**{"model.block": "attn", "train.dtype": "float32"})
+    assert memory_stats(titanc.compile(spec), tokens(spec)) == {"layers": []}
+
+
+def _train_tiny(tmp_path: Path, extra: list[str]) -> Path:
+    run = tmp_path / "run"
+    assert main(["train", "examples/tiny_lmm.yaml", "--out", str(run), "--steps", "4",
+                 "--data", "synthetic:recall",
+                 "--set", "model.seq_len=32", "--set", "model.vocab_size=32",
+                 "--set", "train.eval_every=0", *extra]) == 0
+    return run
+
+
+def test_memory_stats_in_metrics_and_eval_task_recall(tmp_path: Path, monkeypatch,
+                                                       capsys) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    run = _train_tiny(tmp_path, ["--set", "train.memory_stats_every=2"])
+    mem = [r for r in read_metrics(run / "metrics.jsonl") if "memory" in r]
+    assert [r["step"] for r in mem] == [2, 4]
+    assert {"inner_loss_before", "inner_loss_after", "w_norm", "s_norm", "theta", "eta",
+            "alpha"} <= set(mem[0]["memory"]["layers"][0])
+    capsys.readouterr()
+    assert main(["eval", str(run), "--task", "recall", "--distances", "8,40", "--batches", "1",
+                 "--recall-layout", "n_pairs=2,n_queries=2,n_keys=4,n_values=4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["task"] == "recall" and out["chance"] == pytest.approx(0.25)
+    assert set(out["accuracy_by_distance"]) == {"8", "40"}
+    assert all(0 <= a <= 1 for a in out["accuracy_by_distance"].values())
+    # bad input: one line, exit 2
+    assert main(["eval", str(run), "--task", "recall", "--distances", "8,x"]) == 2
+    assert "--distances" in capsys.readouterr().err
+    assert main(["eval", str(run), "--task", "recall", "--recall-layout", "pairs=2"]) == 2
+    assert "--recall-layout" in capsys.readouterr().err
+    assert main(["eval", str(run)]) == 2
+    assert "--data is required" in capsys.readouterr().err
