@@ -5,14 +5,14 @@
     #              "s_norm": 0.8, "theta": 0.93, "eta": 0.89, "alpha": 0.011,
     #              "chunk_loss_before": [...], "chunk_loss_after": [...]}, ...]}
 
-The forward graph runs on the IR interpreter, which is watched at every iteration of the
-`memory_chunk` scan (docs/semantics.md, "Neural memory"): its inputs are the chunk-start state
+The compiled forward graph (the `logits` kind) runs on the IR interpreter, which is watched at
+every iteration of each memory scan (role `memory`) (docs/semantics.md, "Neural memory"): its inputs are the chunk-start state
 (W_1..W_Ld, S_1..S_Ld) and the chunk's streams (q, k, v, θ, log η, log(1 − α)), its outputs the
 state after the write. Per chunk: the inner loss ℓ = mean (M(k; W) − v)² over the chunk's
 tokens at the state before the write and after it (a write that helps lowers it), the
 Frobenius norms of W and S (per batch row and head, summed over the memory MLP's layers,
 averaged), and the mean gates θ, η, α. The `layer` scan's iteration says which layer a chunk
-belongs to; MAC's chunks (inside its segment scan) are seen the same way. Nothing here changes
+belongs to (role `layer`); MAC's chunks (inside its segment scan) are seen the same way. Nothing here changes
 what the compiled program computes: it is a second, slower look at the same graph, for
 `train.memory_stats_every` (metrics.jsonl) and benchmarks/recall_distance.py.
 """
@@ -44,7 +44,7 @@ def _norm(ts: list[Tensor]) -> float:
 
 
 class _Watcher(Interpreter):
-    """The interpreter, with the `layer` and `memory_chunk` scans observed."""
+    """The interpreter, with the scans of role `layer` and `memory` observed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,7 +52,7 @@ class _Watcher(Interpreter):
         self.chunks: list[tuple[int, dict[str, float]]] = []
 
     def _eval(self, node: Any, args: list[Any]) -> Any:
-        if node.op is Op.SCAN and node.attr("body").name in ("layer", "memory_chunk"):
+        if node.op is Op.SCAN and node.attr_dict.get("role") in ("layer", "memory"):
             return self._watched_scan(node, args)
         return super()._eval(node, args)
 
@@ -62,11 +62,11 @@ class _Watcher(Interpreter):
         carries, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
         ys: list[list[Tensor]] = []
         for t in range(a["length"]):
-            if body.name == "layer":
+            if a.get("role") == "layer":
                 self.layer = t
             x_t = [x[t] for x in xs]
             outs = self.run(body, carries + x_t + consts)
-            if body.name == "memory_chunk":
+            if a.get("role") == "memory":
                 self._record(carries, x_t, outs[:nc])
             carries = outs[:nc]
             ys.append(outs[nc:])
@@ -89,10 +89,8 @@ class _Watcher(Interpreter):
 def memory_stats(prog: Any, tokens: Tensor) -> dict[str, Any]:
     """Per-layer memory diagnostics of `prog` (a Program) on `tokens` [B, T+1] (see above).
     Returns {"layers": []} for a model without memory (block attn)."""
-    from titanc.frontend import lower_forward
-
     spec = prog.spec
-    g = lower_forward(spec, batch=tokens.shape[0])
+    g = prog.graph("logits", tokens.shape[0]).graph     # the compiled forward, logits out
     watcher = _Watcher()
     inputs = {"tokens": tokens.to(torch.int64).cpu(),
               **{n: t.detach().cpu() for n, t in prog.parameters().items()}}
