@@ -5,16 +5,17 @@
     #              "s_norm": 0.8, "theta": 0.93, "eta": 0.89, "alpha": 0.011,
     #              "chunk_loss_before": [...], "chunk_loss_after": [...]}, ...]}
 
-The compiled forward graph (the `logits` kind) runs on the IR interpreter, which is watched at
-every iteration of each memory scan (role `memory`) (docs/semantics.md, "Neural memory"): its inputs are the chunk-start state
-(W_1..W_Ld, S_1..S_Ld) and the chunk's streams (q, k, v, θ, log η, log(1 − α)), its outputs the
-state after the write. Per chunk: the inner loss ℓ = mean (M(k; W) − v)² over the chunk's
-tokens at the state before the write and after it (a write that helps lowers it), the
-Frobenius norms of W and S (per batch row and head, summed over the memory MLP's layers,
-averaged), and the mean gates θ, η, α. The `layer` scan's iteration says which layer a chunk
-belongs to (role `layer`); MAC's chunks (inside its segment scan) are seen the same way. Nothing here changes
-what the compiled program computes: it is a second, slower look at the same graph, for
-`train.memory_stats_every` (metrics.jsonl) and benchmarks/recall_distance.py.
+The compiled forward graph (the `logits` kind) runs on the IR interpreter, which is watched
+at every iteration of each memory scan (role `memory`; docs/semantics.md, "Neural memory"):
+its inputs are the chunk-start state (W_1..W_Ld, S_1..S_Ld) and the chunk's streams (q, k, v,
+θ, log η, log(1 − α)), its outputs the state after the write. Per chunk: the inner loss
+ℓ = mean (M(k; W) − v)² over the chunk's tokens at the state before the write and after it (a
+write that helps lowers it), the Frobenius norms of W and S (per batch row and head, summed
+over the memory MLP's layers, averaged), and the mean gates θ, η, α. The iteration of the scan
+of role `layer` says which layer a chunk belongs to; MAC's chunks (inside its segment scan)
+are seen the same way. Nothing here changes what the compiled program computes: it is a
+second, slower look at the same graph, for `train.memory_stats_every` (metrics.jsonl) and
+benchmarks/recall_distance.py.
 """
 from __future__ import annotations
 
