@@ -53,6 +53,18 @@ def block(mx: Mixers, x: Value, p: Params, m: ModelSpec) -> Value:
     return x + ffn(rmsnorm(x, p["ffn_norm"]), p["ffn_w1"], p["ffn_w3"], p["ffn_w2"])
 
 
+def lmm_output(y: Value, u: Value, p: Params) -> Value:
+    """LMM(u) = (y ⊙ silu(u W_G)) W_O from the retrieved y (B, T, D) (no gate without W_G)."""
+    if "mem_wg" in p:
+        y = y * (u @ p["mem_wg"]).silu()
+    return y @ p["mem_wo"]
+
+
+def mac_output(y: Value, r: Value, p: Params) -> Value:
+    """MAC's output (ỹ ⊙ σ(r)) W_O: attention output ỹ gated by the memory read r."""
+    return (y * r.sigmoid()) @ p["mem_wo"]
+
+
 class Parallel:
     """The mixers over a whole training sequence (B, T, D)."""
 
@@ -68,10 +80,7 @@ class Parallel:
         st = project(b, u, p, mem)
         ws, ss = initial_state(b, p, mem.depth, u.shape[0])
         _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q)
-        y = merge_heads(y)                                        # (B, T, D)
-        if "mem_wg" in p:
-            y = y * (u @ p["mem_wg"]).silu()
-        return y @ p["mem_wo"]
+        return lmm_output(merge_heads(y), u, p)                 # y (B, T, D)
 
     def mac(self, u: Value) -> Value:
         """Memory as context: a scan over segments carrying the memory state."""
@@ -96,7 +105,7 @@ class Parallel:
             y = mac_attention(bb, u_s, h, pp, att.heads)          # ỹ (B, S, D)
             st = project(bb, y, pp, mem)                          # segment-local conv history
             w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q)
-            return w2 + s2, [(y * merge_heads(r).sigmoid()) @ pp["mem_wo"]]
+            return w2 + s2, [mac_output(y, merge_heads(r), pp)]
 
         names = [f"W{i}" for i in range(1, depth + 1)] + [f"S{i}" for i in range(1, depth + 1)]
         _, (out,) = b.scan(body, ws + ss, [u_seg, hq_seg], [p[k] for k in keys], length=n_seg,

@@ -22,11 +22,11 @@ from typing import Any
 
 from titanc.ir import Builder, Graph, Value, dtype_name
 
-from .attention import _attend, _persistent_kv
-from .blocks import block
+from .attention import attention
+from .blocks import block, lmm_output, mac_output
 from .frontend import lm_logits
 from .memory import chunk_update, mlp, project
-from .nn import merge_heads, rotate, split_heads
+from .nn import merge_heads, rotate
 from .params import memory_shapes, param_specs
 from .spec import ModelSpec, Spec
 
@@ -89,23 +89,23 @@ class _Step:
         sin = self.host["rope_sin"].reshape(B, 1, n, e // 2)
         return rotate(self.b, x, cos, sin)
 
-    def attend(self, q: Value, keys: list[Value], values: list[Value]) -> Value:
-        B, H, n, e = q.shape
-        pkv = _persistent_kv(self.p, H, B)
-        if pkv is not None:
-            keys, values = [pkv[0]] + keys, [pkv[1]] + values
+    def attend(self, u: Value, sources: list[Value], caches: list[tuple[str, str]]) -> Value:
+        """`attention.attention` with each source's cached keys and values (the state
+        tensors named in `caches`) as its history, the host's bias and RoPE tables; each
+        source's new keys/values are returned as `<k name>_new`, `<v name>_new`."""
+        n = u.shape[1]
         bias = self.host["attn_bias"]
-        bias = bias.reshape(B, 1, n, bias.shape[-1])
-        o = _attend(q, self.b.concat(keys, 2), self.b.concat(values, 2), bias)
-        return merge_heads(o) @ self.p["attn_wo"]
+        bias = bias.reshape(u.shape[0], 1, n, bias.shape[-1])
+        history = [(self.st[k], self.st[v]) for k, v in caches]
+        out, new = attention(self.b, u, self.p, self.m.attention.heads, sources,
+                             lambda P: bias, self.rope, history)
+        for (kn, vn), (k, v) in zip(caches, new):
+            self.new[f"{kn.removesuffix('_cache')}_new"] = k
+            self.new[f"{vn.removesuffix('_cache')}_new"] = v
+        return out
 
     def swa(self, u: Value) -> Value:
-        H = self.m.attention.heads
-        q = self.rope(split_heads(u @ self.p["attn_wq"], H))
-        k = self.rope(split_heads(u @ self.p["attn_wk"], H))
-        v = split_heads(u @ self.p["attn_wv"], H)
-        self.new["k_new"], self.new["v_new"] = k, v
-        return self.attend(q, [self.st["k_cache"], k], [self.st["v_cache"], v])
+        return self.attend(u, [u], [("k_cache", "v_cache")])
 
     def memory_read_write(self, u: Value, weights: list[Value]) -> tuple[Value, Any]:
         """Retrieve with the current (chunk-start) weights; hand the write items to the host."""
@@ -123,25 +123,16 @@ class _Step:
     def lmm(self, u: Value) -> Value:
         """LMM(u) read at the chunk-start weights W; the write items go to the host."""
         y, _ = self.memory_read_write(u, self.weights("W"))
-        if "mem_wg" in self.p:
-            y = y * (u @ self.p["mem_wg"]).silu()
-        return y @ self.p["mem_wo"]
+        return lmm_output(y, u, self.p)
 
     def mac(self, u: Value) -> Value:
         m, p, b = self.m, self.p, self.b
-        H = m.attention.heads
         hq = project(b, u, p, m.memory, want="q",
                      conv=lambda x, w, name: self.conv(x, w, "hq")).q
         h, _, _ = mlp(b, self.weights("Wseg"), hq)                # read at the segment start
-        h = merge_heads(h)                                        # (B, n, D)
-        q = self.rope(split_heads(u @ p["attn_wq"], H))
-        hk, uk = (self.rope(split_heads(z @ p["attn_wk"], H)) for z in (h, u))
-        hv, uv = (split_heads(z @ p["attn_wv"], H) for z in (h, u))
-        self.new.update(hk_new=hk, hv_new=hv, uk_new=uk, uv_new=uv)
-        y = self.attend(q, [self.st["hk"], hk, self.st["uk"], uk],
-                        [self.st["hv"], hv, self.st["uv"], uv])  # ỹ (B, n, D)
+        y = self.attend(u, [merge_heads(h), u], [("hk", "hv"), ("uk", "uv")])   # ỹ (B, n, D)
         r, _ = self.memory_read_write(y, self.weights("W"))
-        return (y * r.sigmoid()) @ p["mem_wo"]
+        return mac_output(y, r, p)
 
 
 def lower_step(spec: Spec, batch: int, n: int, dtype: str | None = None) -> Graph:
