@@ -1,26 +1,32 @@
 """The program emitter: a build directory's `kernels/*.py` and its `program.py`.
 
 `emit_artifact(compiled, out_dir)` renders every kernel of the compiled graphs (`forward`,
-`training`, `optimizer`, scan bodies included) through `codegen.hooks` and writes
+`training`, `optimizer`; scan kernels, or the bodies of scans that stay host loops) through
+`codegen.hooks` and `codegen.scan_kernel` and writes
 
     kernels/<kernel>.py   one module per distinct source: kernels whose sources differ only in
                           their header and name share the file of the first one (its header
                           lists the others); a name two graphs use for different sources gets
                           `_<graph>` appended to the second file;
-    kernels/index.json    graph -> kernel name -> module file (the deduplication mapping);
+    kernels/index.json    graph -> kernel name -> module file (the deduplication mapping; a
+                          kernel of a scan body that runs as one scan kernel maps to that
+                          scan kernel's module);
     program.py            one straight-line function per graph that creates the planned views
                           of its arena and persistent region and launches the kernels in
-                          schedule order; a scan is a `for` loop over a function running one
-                          step of its body in the scan's workspace, copying nothing (carries
-                          ping-pong between two slot sets, xs are slices of the stacked
-                          operands, ys are written into their slices of the ITEM buffers),
-                          as `runtime.executor` runs it.
+                          schedule order. A scan is what the triton target runs: one launch
+                          of its scan kernel (`codegen.scan_kernel`, written to kernels/ like
+                          the others), or, where the scan cannot be one kernel, a `for` loop
+                          over a function running one step of its body in the scan's
+                          workspace, copying nothing: where each iteration reads and writes
+                          is `passes.memory_plan.ScanHomes`, the same object the executors
+                          bind, so the loop is stated once.
 
 Nothing from the spec reaches the output unsanitised: comments go through `sanitize_comment`,
 identifiers are built from node ids and sanitised kernel and graph names, and persistent
 names are Python string literals (`repr`). Importing program.py imports no kernel (they load
-on first call) and runs nothing. The output depends only on the compiled graphs, so compiling
-twice gives byte-identical files.
+on first call) and runs nothing; it imports two titanc functions (`ScanHomes`, `host_table`),
+so the scan loop and the interpreter's mask and RoPE tables have one definition. The output
+depends only on the compiled graphs, so compiling twice gives byte-identical files.
 """
 from __future__ import annotations
 
@@ -34,13 +40,14 @@ from typing import Any, Iterator
 
 from titanc.ir import Graph
 from titanc.ir.types import TensorType
-from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan
+from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan, ScanHomes
 from titanc.passes.schedule import is_immediate
 from titanc.runtime.rundir import write_text_atomic
 
 from .expr import format_number
-from .hooks import KernelCode, plan_kernels
+from .hooks import KernelCode, graph_dtype, plan_kernels
 from .render import sanitize_comment, sanitize_identifier
+from .scan_kernel import ScanFallback, ScanKernel, scan_kernel_for
 
 __all__ = ["Artifact", "emit_artifact", "GRAPHS"]
 
@@ -89,16 +96,30 @@ def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
     spec = compiled.spec
     spec_path = str(getattr(spec, "path", None) or "")
     art = Artifact(out)
-    codes: dict[str, list[tuple[str, KernelCode]]] = {}          # key -> (graph, code)
-    per_graph: dict[str, list[KernelCode]] = {}
-    rendered: dict[tuple[int, str], KernelCode] = {}            # (id(plan), kernel) -> code
+    tf32 = spec.compile.allow_tf32
+    codes: dict[str, list[tuple[str, Any]]] = {}                 # key -> (graph, code)
+    per_graph: dict[str, list[Any]] = {}
+    rendered: dict[tuple[int, str], Any] = {}                   # (id(plan), kernel) -> code
+
+    def one_kernel(plan: MemoryPlan, kern: Any, sid: int) -> ScanKernel | None:
+        """The scan's one kernel, as the triton target runs it, or None (a host loop)."""
+        try:
+            return scan_kernel_for(plan, kern, sid, graph_dtype(plan.schedule.graph), tf32)
+        except ScanFallback:
+            return None
+
+    inside: dict[str, dict[str, str]] = {}          # graph -> body kernel -> its scan kernel
     for name in GRAPHS:
         per_graph[name] = []
+        inside[name] = {}
         for plan, kern, code in plan_kernels(compiled.plans[name], spec_path=spec_path,
-                                             allow_tf32=spec.compile.allow_tf32):
+                                             allow_tf32=tf32, scan_kernel=one_kernel):
             rendered[(id(plan), kern.name)] = code
             per_graph[name].append(code)
             codes.setdefault(code.key, []).append((name, code))
+            if isinstance(code, ScanKernel):
+                sid = next(n for n in kern.nodes if n in plan.bodies)
+                inside[name].update({k: kern.name for k in _body_kernels(plan.bodies[sid])})
     stems: dict[str, str] = {}                                   # key -> file stem
     taken: set[str] = set()
     for key, users in codes.items():
@@ -113,6 +134,9 @@ def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
         if old.stem not in taken:
             old.unlink()
     art.modules = {name: {c.name: stems[c.key] for c in per_graph[name]} for name in GRAPHS}
+    for name in GRAPHS:                 # a scan kernel's body kernels: the scan kernel's module
+        mods = art.modules[name]
+        mods.update({k: mods[scan] for k, scan in inside[name].items() if k not in mods})
     index = kdir / "index.json"
     write_text_atomic(index, json.dumps(art.modules, indent=2, sort_keys=True) + "\n")
     program = out / "program.py"
@@ -121,9 +145,18 @@ def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
     return art
 
 
-def _shared_source(first: KernelCode, users: list[tuple[str, KernelCode]]) -> str:
+def _body_kernels(plan: MemoryPlan) -> list[str]:
+    """Every kernel name of a scan body's schedule, nested bodies included."""
+    names = []
+    for kern in plan.schedule.kernels:
+        names.append(kern.name)
+        names += [k for n in kern.nodes if n in plan.bodies for k in _body_kernels(plan.bodies[n])]
+    return names
+
+
+def _shared_source(first: Any, users: list[tuple[str, Any]]) -> str:
     """The first kernel's source; its header also names the kernels that share it."""
-    others = [f"{c.name} ({graph}/{c.graph})" for graph, c in users[1:]]
+    others = [f"{c.name} ({graph}/{getattr(c, 'graph', 'scan')})" for graph, c in users[1:]]
     if not others:
         return first.source
     head, rest = first.source.split("\n", 1)
@@ -141,7 +174,10 @@ Each graph function takes `arena` and `persistent`, uint8 tensors of at least AR
 and PERSISTENT_BYTES[graph] bytes (`allocate(graph)` makes them), copies `inputs` (by graph
 input name) into their planned buffers, uses the tensors of `bound` (persistent name -> tensor)
 in place of their persistent slots, runs, and returns the outputs as views of the storage
-(valid until the next call). On CPU, run with TRITON_INTERPRET=1.
+(valid until the next call). A scan is one launch of its scan kernel where the triton target
+runs it so, else a host loop over its body (`ScanHomes` says where each iteration reads and
+writes). Scan workspaces and tables are made on first use and kept. On CPU, run with
+TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
@@ -151,8 +187,12 @@ from pathlib import Path
 
 import torch
 
+from titanc.codegen.scan_kernel import host_table
+from titanc.passes.memory_plan import ScanHomes
+
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 _LOADED = {}
+_KEPT = {}
 
 
 def load_kernel(module):
@@ -179,6 +219,22 @@ def slot(bound, name, persistent, offset, shape, dtype):
     return view(persistent, offset, shape, dtype)
 
 
+def kept(key, make):
+    """A tensor made once per key (scan workspaces, tables, unread scan outputs)."""
+    if key not in _KEPT:
+        _KEPT[key] = make()
+    return _KEPT[key]
+
+
+def workspace(name, numel, dtype, device):
+    return kept(("ws", name, device), lambda: torch.empty(numel, dtype=dtype, device=device))
+
+
+def table(op, attrs, dtype, device):
+    return kept(("table", op, repr(attrs), dtype, device),
+                lambda: host_table(op, attrs, dtype).to(device))
+
+
 def allocate(graph, device="cpu"):
     """Fresh (arena, persistent) storage for `graph`."""
     return (torch.zeros(ARENA_BYTES[graph], dtype=torch.uint8, device=device),
@@ -187,7 +243,7 @@ def allocate(graph, device="cpu"):
 
 
 def program_source(compiled: Any, modules: dict[str, dict[str, str]],
-                   rendered: dict[tuple[int, str], KernelCode], spec_path: str = "") -> str:
+                   rendered: dict[tuple[int, str], Any], spec_path: str = "") -> str:
     """The text of program.py for `compiled`: kernel modules named by `modules`, launches as
     `rendered` ((id(plan), kernel name) -> code) says."""
     spec = compiled.spec
@@ -217,7 +273,7 @@ class _Emitter:
     """Writes one graph's function and, before it, its scan bodies' functions."""
 
     def __init__(self, buf: _Lines, graph: str, modules: dict[str, str],
-                 rendered: dict[tuple[int, str], KernelCode]):
+                 rendered: dict[tuple[int, str], Any]):
         self.buf, self.name, self.modules = buf, sanitize_identifier(graph), modules
         self.rendered = rendered
 
@@ -245,7 +301,7 @@ class _Emitter:
         g = plan.schedule.graph
         for kern in plan.schedule.kernels:
             for sid in kern.nodes:
-                if sid not in plan.bodies:
+                if sid not in plan.bodies or self._scan_kernel_of(plan, kern) is not None:
                     continue
                 body = plan.bodies[sid]
                 self._bodies(body)
@@ -263,6 +319,10 @@ class _Emitter:
                     self._views(body, set(bg.inputs) | set(direct), external=True)
                     self._launches(body)
                     b("return [" + ", ".join(f"v{v}" for _, v in bg.outputs) + "]")
+
+    def _scan_kernel_of(self, plan: MemoryPlan, kern: Any) -> ScanKernel | None:
+        code = self.rendered.get((id(plan), kern.name))
+        return code if isinstance(code, ScanKernel) else None
 
     def _body_name(self, kernel: str) -> str:
         return sanitize_identifier(f"{self.name}_{kernel}_body")
@@ -332,6 +392,10 @@ class _Emitter:
                 b.comment("no-op: its outputs alias storage that already holds them")
                 continue
             scan = [n for n in kern.nodes if n in plan.bodies]
+            sk = self._scan_kernel_of(plan, kern)
+            if sk is not None:
+                self._scan_launch(plan, kern, g.node(scan[0]), sk)
+                continue
             if scan:
                 self._scan(plan, kern, g.node(scan[0]))
                 continue
@@ -340,49 +404,67 @@ class _Emitter:
                     for a in code.args] + [repr(s) for s in code.sizes]
             b(f"{sanitize_identifier(kern.name)}.launch({', '.join(args)})")
 
+    def _items(self, g: Graph, kern: Any, node: Any) -> dict[int, int]:
+        """Output index -> ITEM value, for the scan's results the program reads."""
+        return {g.node(u).attr("index"): u for u in g.users(node.id) if u in kern.outputs}
+
+    def _scan_launch(self, plan: MemoryPlan, kern: Any, node: Any, sk: ScanKernel) -> None:
+        """One launch of the scan kernel (as the triton target runs it)."""
+        g = plan.schedule.graph
+        dt = "torch.float64" if graph_dtype(g) == "float64" else "torch.float32"
+        items = self._items(g, kern, node)
+        args = [self._operand(g, node.inputs[i]) for i in sk.inputs]
+        args += [f"v{items[k]}" for k in sk.outputs]
+        args += [f"table({op!r}, {a!r}, {dt}, arena.device)" for op, a in sk.tables]
+        ident = sanitize_identifier(kern.name)
+        self.buf(f"ws = workspace({self.name + '.' + ident!r}, {sk.grid * sk.ws_per_program}, "
+                 f"{dt}, arena.device)")
+        self.buf(f"{ident}.launch(ws, {', '.join(args)})")
+
     def _scan(self, plan: MemoryPlan, kern: Any, node: Any) -> None:
-        """The host loop of a scan, copying nothing (as `runtime.executor` runs it): iteration
-        i reads the carry operands (i = 0) or the slot set iteration i-1 wrote, writes its
-        carries into set i % 2 (the last iteration into their ITEM buffers) and its ys into
-        their slices of the stacked ITEM buffers."""
+        """The host loop of a scan, copying nothing: `ScanHomes` (the executors' own statement
+        of the loop) says where iteration i reads its carries and writes its outputs; the
+        body function writes its direct outputs in place, the rest are copied."""
         g = plan.schedule.graph
         a = node.attr_dict
         body: MemoryPlan = plan.bodies[node.id]
         bg: Graph = a["body"]
-        nc, nx, length = a["n_carry"], a["n_xs"], a["length"]
+        nc, nx = a["n_carry"], a["n_xs"]
         b = self.buf
         ws = next(x for x in plan.buffers if x.kind == "workspace" and x.value == node.id)
         args = [self._operand(g, i) for i in node.inputs]
+        items = self._items(g, kern, node)
         b(f"ws = arena[{ws.offset}:{ws.offset + ws.size}]  # carry slots A and B, then the body's arena")
         state = plan.carry_state[node.id]
         sets = [[f"view(ws, {off}, {tuple(t.shape)!r}, {_TORCH[t.dtype]})"
                  for (off, _), t in zip(state[s * nc:(s + 1) * nc], node.type[:nc])]
                 for s in (0, 1)]
         b("slots = ([" + ", ".join(sets[0]) + "], [" + ", ".join(sets[1]) + "])")
-        b("carry = [" + ", ".join(args[:nc]) + "]")
-        items = {g.node(u).attr("index"): u for u in g.users(node.id) if u in kern.outputs}
-        order = f"range({length - 1}, -1, -1)" if a["reverse"] else f"range({length})"
-        with b.block(f"for i, t in enumerate({order}):"):
-            b("homes = list(slots[i % 2])")
-            finals = [f"homes[{k}] = v{items[k]}" for k in range(nc) if k in items]
-            if finals:
-                with b.block(f"if i == {length - 1}:"):
-                    for line in finals:
-                        b(line)
-            for k, (_, v) in enumerate(bg.outputs[nc:], start=nc):
-                t = bg.node(v).type
-                b(f"homes.append(v{items[k]}[t])" if k in items else
-                  f"homes.append(torch.empty({tuple(t.shape)!r}, dtype={_TORCH[t.dtype]}, "
-                  f"device=arena.device))")
-            direct = [k for k in range(len(bg.outputs)) if body.direct_output(k)]
-            step = [f"carry[{j}]" for j in range(nc)] + [f"{x}[t]" for x in args[nc:nc + nx]]
-            step += args[nc + nx:] + [f"homes[{k}]" for k in direct]
+        b("operands = [" + ", ".join(args) + "]")
+        b("items = {" + ", ".join(f"{k}: v{v}" for k, v in sorted(items.items())) + "}")
+        unread = {k: bg.node(v).type for k, (_, v) in enumerate(bg.outputs)
+                  if k >= nc and k not in items}
+        b("unread = {" + ", ".join(
+            f"{k}: ({tuple(t.shape)!r}, {_TORCH[t.dtype]})" for k, t in unread.items()) + "}")
+        key = f"{self.name}.{sanitize_identifier(kern.name)}"
+        b(f"scratch = lambda k: kept(({key!r}, k), lambda: torch.empty(unread[k][0], "
+          f"dtype=unread[k][1], device=arena.device))")
+        layout = ScanHomes.of(g, node.id, items)
+        b(f"layout = {layout!r}")
+        direct = [k for k in range(len(bg.outputs)) if body.direct_output(k)]
+        copied = [k for k in range(len(bg.outputs)) if k not in direct]
+        with b.block("for i, t in enumerate(layout.order()):"):
+            b("homes = [ScanHomes.resolve(h, operands, slots, items, scratch) "
+              "for h in layout.homes(i)]")
+            b("carry = [ScanHomes.resolve(h, operands, slots, items, scratch) "
+              "for h in layout.carry_in(i)]")
+            step = (["*carry", f"*[x[t] for x in operands[{nc}:{nc + nx}]]",
+                     f"*operands[{nc + nx}:]"] + [f"homes[{k}]" for k in direct])
             b(f"out = {self._body_name(kern.name)}(ws[{plan.workspace_body_offset(node.id)}:], "
               f"{', '.join(step)})")
-            for k in range(len(bg.outputs)):
-                if k not in direct:
-                    b(f"homes[{k}].copy_(out[{k}])")
-            b(f"carry = homes[:{nc}]")
+            if copied:
+                with b.block(f"for k in {copied!r}:"):
+                    b("homes[k].copy_(out[k])")
 
     def _operand(self, g: Graph, vid: int) -> str:
         if is_immediate(g, vid):

@@ -30,7 +30,7 @@ naming the kernel and the node; there is no fallback.
 from __future__ import annotations
 
 from math import prod
-from typing import Collection, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 from titanc.ir import Graph, Op, format_node
 from titanc.ir.shapes import parse_einsum
@@ -50,16 +50,22 @@ __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_ker
 
 
 def plan_kernels(plan: MemoryPlan, dtype: str | None = None, spec_path: str = "",
-                 allow_tf32: bool = False) -> Iterator[tuple[MemoryPlan, Kernel, KernelCode]]:
+                 allow_tf32: bool = False, scan_kernel: Callable[..., Any] | None = None
+                 ) -> Iterator[tuple[MemoryPlan, Kernel, Any]]:
     """(plan, kernel, code) for every kernel of a plan's schedule and its scan bodies
-    (pre-order); no-op kernels (all outputs alias storage that already holds them) and scans
-    are skipped, aliased outputs are not stored."""
+    (pre-order); no-op kernels (all outputs alias storage that already holds them) are
+    skipped, aliased outputs are not stored. A scan yields what `scan_kernel(plan, kernel,
+    scan id)` gives (its one kernel) or, where that is None or no callback is given, its
+    body's kernels."""
     g = plan.schedule.graph
     dt = dtype or graph_dtype(g)
     for k, kern in enumerate(plan.schedule.kernels):
         scan = [n for n in kern.nodes if n in plan.bodies]
-        if scan:
-            yield from plan_kernels(plan.bodies[scan[0]], dt, spec_path, allow_tf32)
+        one = scan_kernel(plan, kern, scan[0]) if scan and scan_kernel else None
+        if one is not None:
+            yield plan, kern, one
+        elif scan:
+            yield from plan_kernels(plan.bodies[scan[0]], dt, spec_path, allow_tf32, scan_kernel)
         elif not plan.is_noop(k):
             yield plan, kern, render_kernel(g, kern, dtype=dt, spec_path=spec_path,
                                             skip=set(plan.aliases), allow_tf32=allow_tf32)

@@ -257,7 +257,7 @@ class KernelLowering:
                          [Val("", p.dims | j.dims)])
 
     def _mask(self, sec: Section, a: dict, c: list[Ix]) -> Val:
-        """0 where key kj is visible to query qi, -inf elsewhere (`interpret.mask_table`):
+        """0 where key kj is visible to query qi, -inf elsewhere (`ir.tables.mask_table`):
         a key group ('all', n) is always visible, ('causal', n, window) when its local key
         index j satisfies j <= q_start + qi and q_start + qi - j < window."""
         qi, kj = c

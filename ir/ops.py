@@ -3,16 +3,16 @@
 `Op` objects grouped by kind, plus `OpGroup` sets for membership tests
 (`node.op in OpGroup.ELEMENTWISE`). An arithmetic elementwise op has all its rules (reference
 semantics, folding, VJP, what its VJP reads, its Triton expression) in one entry of
-`elementwise.py`; a structural op's shape rule lives in `shapes.py`, its reference semantics in
-`interpret.py` and its VJP in `passes/autodiff.py`.
+`elementwise.py`; every other op has its shape rule, reference semantics, VJP, what its VJP
+reads and its zero folding in one entry of `structural.py`.
 """
 from __future__ import annotations
 
 
 class Op:
     """One IR operation, compared by identity; `op.name` is its upper-case name. The built-in
-    ops are the attributes below; `Op.define(name)` adds one (an elementwise op also needs its
-    rules in `ir/elementwise.py`; docs/architecture.md walks through it)."""
+    ops are the attributes below; `Op.define(name)` adds one (with its rules in an entry of
+    `ir/elementwise.py` or `ir/structural.py`; docs/architecture.md walks through it)."""
 
     __slots__ = ("name",)
 

@@ -17,44 +17,16 @@ about ten printed lines of IR around it:
 """
 from __future__ import annotations
 
-from typing import Any
-
 from .graph import Graph
-from .ops import SCAN_ROLES, Op, OpGroup
+from .ops import Op, OpGroup
 from .printer import format_lines
 from .shapes import ShapeError, infer_type
-from .types import TensorType, Type
 
 
 class IRError(Exception):
     def __init__(self, message: str, context: str = ""):
         super().__init__(message + ("\n" + context if context else ""))
         self.message = message
-
-
-def scan_signature(ts: list[Type], a: dict[str, Any]) -> Type:
-    """Type of a SCAN node from its operand types; checks the body's signature (rule 8)."""
-    body: Graph = a["body"]
-    if a.get("role", "loop") not in SCAN_ROLES:
-        raise ShapeError(f"scan role {a['role']!r}: one of {SCAN_ROLES}")
-    nc, nx_, length = a["n_carry"], a["n_xs"], a["length"]
-    carries, xs, consts = ts[:nc], ts[nc:nc + nx_], ts[nc + nx_:]
-    expected = list(carries)
-    for x in xs:
-        if not isinstance(x, TensorType) or x.rank == 0 or x.shape[0] != length:
-            raise ShapeError(f"scan xs operand {x} must have leading axis length {length}")
-        expected.append(TensorType(x.shape[1:], x.dtype))
-    expected += consts
-    got = [body.node(i).type for i in body.inputs]
-    if got != expected:
-        raise ShapeError(f"scan body inputs {[str(t) for t in got]} do not match "
-                         f"{[str(t) for t in expected]}")
-    outs = [body.node(i).type for _, i in body.outputs]
-    if outs[:nc] != list(carries):
-        raise ShapeError(f"scan body carries out {[str(t) for t in outs[:nc]]} do not match "
-                         f"carries in {[str(t) for t in carries]}")
-    ys = [TensorType((length,) + t.shape, t.dtype) for t in outs[nc:]]
-    return tuple(carries) + tuple(ys)
 
 
 def _context(g: Graph, nid: int | None, radius: int = 5) -> str:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 
 from dataclasses import dataclass, field
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterator
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
 from titanc.ir import Builder, Graph, Op, Value
-from titanc.ir.types import TensorType
-
 from titanc.ir.elementwise import ELEMENTWISE
+from titanc.ir.structural import STRUCTURAL, unbroadcast
+from titanc.ir.types import TensorType
 
 if TYPE_CHECKING:
     from .remat import Policy
@@ -28,89 +27,17 @@ if TYPE_CHECKING:
 Ct = dict[int, "Value | list[Value | None]"]   # scan nodes: one entry per tuple element
 
 
-def unbroadcast(ct: Value, shape: tuple[int, ...]) -> Value:
-    """Sum ct over the axes broadcasting added, so it has `shape`."""
-    if ct.shape == shape:
-        return ct
-    lead = ct.rank - len(shape)
-    axes = list(range(lead)) + [lead + i for i, s in enumerate(shape)
-                                if s == 1 and ct.shape[lead + i] != 1]
-    return ct.sum(axes).reshape(*shape)
-
-
-def _einsum_vjp(b: Builder, spec: str, xs: list[Value], ct: Value, k: int) -> Value:
-    lhs, out = spec.split("->")
-    terms = lhs.split(",")
-    term = terms[k]
-    others = [(t, x) for j, (t, x) in enumerate(zip(terms, xs)) if j != k]
-    avail = set(out).union(*[set(t) for t, _ in others]) if others else set(out)
-    kept = "".join(ch for ch in term if ch in avail)
-    g = b.einsum(",".join([out] + [t for t, _ in others]) + "->" + kept,
-                 ct, *[x for _, x in others])
-    if kept != term:               # letters only this operand has: the output is constant in them
-        shape = xs[k].shape
-        g = g.reshape(*[shape[i] if ch in avail else 1 for i, ch in enumerate(term)])
-        g = g.expand(*shape)
-    return g
-
-
-def _amax_vjp(x: Value, y: Value, ct: Value, axes: tuple[int, ...], keepdim: bool) -> Value:
-    keep_shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
-    yk, ck = y.reshape(*keep_shape), ct.reshape(*keep_shape)
-    hit = 1.0 - x.b.op(Op.GT, yk.expand(*x.shape), x)            # 1 where x == max
-    return hit * ck / hit.sum(axes, keepdim=True)
-
-
-def _concat_vjp(b: Builder, a: dict, xs: list[Value], y: Value, ct: Value) -> list[Value | None]:
-    ax, out, start = a["axis"], [], 0
-    for x in xs:
-        out.append(ct.slice(ax, start, start + x.shape[ax]))
-        start += x.shape[ax]
-    return out
-
-
-def _sum_vjp(b: Builder, a: dict, xs: list[Value], y: Value, ct: Value) -> list[Value | None]:
-    x = xs[0]
-    keep = tuple(1 if i in a["axes"] else s for i, s in enumerate(x.shape))
-    return [ct.reshape(*keep).expand(*x.shape)]
-
-
-# the VJP of each structural op (JAX's transpose table): (builder, attrs, operands, output,
-# output cotangent) -> operand cotangents, None where an operand has none. Elementwise ops
-# take theirs from the registry (ir/elementwise.py); SCAN is differentiated by `_Backward`.
-VjpRule = Callable[[Builder, dict, list[Value], Value, Value], list[Value | None]]
-VJP: dict[Op, VjpRule] = {
-    Op.CAST: lambda b, a, xs, y, ct: [b.op(Op.CAST, ct, dtype=xs[0].dtype)],
-    Op.SUM: _sum_vjp,
-    Op.AMAX: lambda b, a, xs, y, ct: [_amax_vjp(xs[0], y, ct, a["axes"], a["keepdim"])],
-    Op.EINSUM: lambda b, a, xs, y, ct: [_einsum_vjp(b, a["spec"], xs, ct, k)
-                                        for k in range(len(xs))],
-    Op.RESHAPE: lambda b, a, xs, y, ct: [ct.reshape(*xs[0].shape)],
-    Op.PERMUTE: lambda b, a, xs, y, ct: [ct.permute(*[a["perm"].index(i)
-                                                      for i in range(len(a["perm"]))])],
-    Op.EXPAND: lambda b, a, xs, y, ct: [unbroadcast(ct, xs[0].shape)],
-    Op.SLICE: lambda b, a, xs, y, ct: [ct.pad(a["axis"], a["start"],
-                                              xs[0].shape[a["axis"]] - a["stop"])],
-    Op.PAD: lambda b, a, xs, y, ct: [ct.slice(a["axis"], a["before"],
-                                              ct.shape[a["axis"]] - a["after"])],
-    Op.CONCAT: _concat_vjp,
-    Op.TAKE: lambda b, a, xs, y, ct: [b.op(Op.INDEX_ADD, ct, xs[1], rows=xs[0].shape[0]), None],
-    Op.INDEX_ADD: lambda b, a, xs, y, ct: [b.take(ct, xs[1]), None],
-    Op.TAKE_ALONG: lambda b, a, xs, y, ct: [b.op(Op.SCATTER_ALONG, ct, xs[1],
-                                                 size=xs[0].shape[-1]), None],
-    Op.SCATTER_ALONG: lambda b, a, xs, y, ct: [b.take_along(ct, xs[1]), None],
-    Op.CUMSUM: lambda b, a, xs, y, ct: [ct.cumsum(a["axis"], reverse=not a["reverse"])],
-}
-
-
 def vjp(b: Builder, op: Op, attrs: dict, xs: list[Value], y: Value, ct: Value) -> list[Value | None]:
-    """Cotangents of a node's operands given the cotangent of its (tensor) output."""
+    """Cotangents of a node's operands given the cotangent of its (tensor) output: the op's
+    registry entry's VJP (`ir/elementwise.py`, `ir/structural.py`); an elementwise op's are
+    summed back over the axes broadcasting added."""
     if op in ELEMENTWISE:
         cts = ELEMENTWISE[op].vjp(ct, xs, y)
         return [None if c is None else unbroadcast(c, x.shape) for c, x in zip(cts, xs)]
-    if op not in VJP:
+    rule = STRUCTURAL[op].vjp if op in STRUCTURAL else None
+    if rule is None:
         raise NotImplementedError(f"no VJP rule for {op.name}")
-    return VJP[op](b, attrs, xs, y, ct)
+    return rule(b, attrs, xs, y, ct)
 
 
 def _zeros(b: Builder, t: TensorType) -> Value:

@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar
 
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
+from titanc.ir.structural import STRUCTURAL
 from titanc.ir.types import TensorType
 
 Rule = Callable[[Node, "Rewriter"], "int | None"]
@@ -109,16 +110,13 @@ def mul_identity(n: Node, r: Rewriter) -> int | None:
     return None
 
 
-_ZERO_ANY = frozenset({Op.EINSUM})                    # zero if any operand is zero
-_ZERO_ALL = frozenset({Op.SUM, Op.NEG, Op.PAD, Op.CONCAT, Op.CUMSUM}) | OpGroup.VIEW
-_ZERO_FIRST = frozenset({Op.INDEX_ADD, Op.SCATTER_ALONG})   # data operand first, index second
-
-
 def zero_through(n: Node, r: Rewriter) -> int | None:
-    # einsum(.., 0, ..) -> 0 ; sum(0) -> 0 ; -0 -> 0 ; pad/concat/cumsum(0) -> 0
-    if n.op in _ZERO_ANY:
+    # einsum(.., 0, ..) -> 0 ; sum(0) -> 0 ; -0 -> 0 ; pad/concat/cumsum(0) -> 0 ; the op's
+    # structural entry says which operands must be zero (`zero`); NEG: its only one
+    how = STRUCTURAL[n.op].zero if n.op in STRUCTURAL else "all"
+    if how == "any":
         zero = any(_is(r, i, 0.0) for i in n.inputs)
-    elif n.op in _ZERO_FIRST:
+    elif how == "first":                              # data operand first, index second
         zero = _is(r, n.inputs[0], 0.0)
     else:
         zero = all(_is(r, i, 0.0) for i in n.inputs)
@@ -161,9 +159,10 @@ RULES[Op.MUL] = (fold_constants, mul_identity)
 RULES[Op.DIV] = (fold_constants, mul_identity)
 RULES[Op.NEG] = (fold_constants, neg_neg, zero_through)
 for _op in (Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.CAST):
-    RULES[_op] = RULES.get(_op, ()) + (identity_move, collapse_moves, zero_through)
-for _op in (Op.EINSUM, Op.SUM, Op.PAD, Op.CONCAT, Op.INDEX_ADD, Op.SCATTER_ALONG, Op.CUMSUM):
-    RULES[_op] = (zero_through,)
+    RULES[_op] = RULES.get(_op, ()) + (identity_move, collapse_moves)
+for _op, _entry in STRUCTURAL.items():
+    if _entry.zero:
+        RULES[_op] = RULES.get(_op, ()) + (zero_through,)
 
 
 # -- the driver ---------------------------------------------------------------------------------

@@ -132,6 +132,84 @@ def overlaps(buffers: Sequence[Interval], offsets: Sequence[int]) -> list[tuple[
 
 # -- the plan ------------------------------------------------------------------------------------
 
+Home = tuple  # ("operand", j) | ("slot", set, j) | ("item", k, index or None) | ("scratch", k)
+
+
+@dataclass(frozen=True)
+class ScanHomes:
+    """Where each iteration of a host-loop scan reads its carries and writes its outputs, as
+    data: the one statement of the zero-copy scan loop, which the cpu/triton executors bind
+    (unrolled at build time) and the emitted program.py walks at run time.
+
+    Iteration i (over `order()`, reversed for a reverse scan) reads carry j from `carry_in(i)`
+    (the scan's operand on the first iteration, else where iteration i-1 wrote it) and writes
+    body output k to `homes(i)[k]`: a carry into slot set i % 2 (on the last iteration into
+    its ITEM buffer when the program reads it), a ys value into its slice of the stacked ITEM
+    buffer (a fresh scratch tensor when nothing reads it). A carry the body also returns as
+    a ys value (a residual saved for the backward) lives in that stacked buffer instead of a
+    slot: saved as it enters an iteration (`saved_in`: the previous iteration writes it into
+    this iteration's slice) or as it leaves (`saved_out`)."""
+
+    length: int
+    reverse: bool
+    n_carry: int
+    n_outputs: int
+    items: frozenset[int]                  # body outputs whose ITEM the program reads
+    saved_in: tuple[tuple[int, int], ...] = ()     # (carry, ys output)
+    saved_out: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, g: Graph, sid: int, items: Collection[int]) -> "ScanHomes":
+        """The homes of scan node `sid` of `g` whose ITEM outputs `items` are read later."""
+        a = g.node(sid).attr_dict
+        body: Graph = a["body"]
+        nc, outs = a["n_carry"], [v for _, v in body.outputs]
+        read = frozenset(items)
+        ys = [k for k in reversed(range(nc, len(outs))) if k in read]
+        saved_in = {j: k for k in ys for j in range(nc) if outs[k] == body.inputs[j]}
+        saved_out = {j: k for k in ys for j in range(nc) if outs[k] == outs[j]}
+        return cls(a["length"], bool(a["reverse"]), nc, len(outs), read,
+                   tuple(sorted(saved_in.items())), tuple(sorted(saved_out.items())))
+
+    def order(self) -> list[int]:
+        """The xs index of each iteration."""
+        return list(range(self.length - 1, -1, -1) if self.reverse else range(self.length))
+
+    def homes(self, i: int) -> list[Home]:
+        order, last = self.order(), i == self.length - 1
+        t, saved_in, saved_out = order[i], dict(self.saved_in), dict(self.saved_out)
+        out: list[Home] = []
+        for j in range(self.n_carry):
+            out.append(("item", j, None) if last and j in self.items else
+                       ("slot", i % 2, j) if last else
+                       ("item", saved_in[j], order[i + 1]) if j in saved_in else
+                       ("item", saved_out[j], t) if j in saved_out else
+                       ("slot", i % 2, j))
+        out += [("item", k, t) if k in self.items else ("scratch", k)
+                for k in range(self.n_carry, self.n_outputs)]
+        return out
+
+    def carry_in(self, i: int) -> list[Home]:
+        return ([("operand", j) for j in range(self.n_carry)] if i == 0
+                else self.homes(i - 1)[:self.n_carry])
+
+    @staticmethod
+    def resolve(home: Home, operands: Sequence, slots: Sequence[Sequence],
+                items: dict, scratch: Callable) -> object:
+        """The tensor a home names: `operands` are the scan's, `slots` the two carry slot
+        sets, `items` the stacked ITEM buffers by output index, `scratch(k)` a tensor for an
+        output nothing reads."""
+        kind, k, *at = home
+        if kind == "operand":
+            return operands[k]
+        if kind == "slot":
+            return slots[k][at[0]]
+        if kind == "scratch":
+            return scratch(k)
+        return items[k] if at[0] is None else items[k][at[0]]
+
+
+
 @dataclass(frozen=True)
 class Buffer:
     value: int            # value id; for a workspace, the SCAN node id

@@ -27,14 +27,9 @@ import networkx as nx
 
 from titanc.ir import Graph, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
+from titanc.ir.structural import STRUCTURAL
 from titanc.ir.types import type_bytes
 
-# what each structural op's VJP reads: operand positions, and "out" for its own result (an
-# elementwise op's is its registry entry's `reads`)
-_READS: dict[Op, tuple] = {
-    Op.AMAX: (0, "out"), Op.TAKE: (1,), Op.INDEX_ADD: (1,), Op.TAKE_ALONG: (1,),
-    Op.SCATTER_ALONG: (1,),
-}
 
 
 def _saveable(g: Graph, nid: int) -> bool:
@@ -44,15 +39,15 @@ def _saveable(g: Graph, nid: int) -> bool:
 
 
 def needed_by_backward(g: Graph) -> set[int]:
-    """Body values some VJP reads."""
+    """Body values some VJP reads (each op's registry entry's `reads`)."""
     need: set[int] = set()
     for n in g:
-        if n.op is Op.EINSUM or n.op is Op.SCAN:
-            need.update(n.inputs)
-            continue
-        reads = ELEMENTWISE[n.op].reads if n.op in ELEMENTWISE else _READS.get(n.op, ())
+        reads = ELEMENTWISE[n.op].reads if n.op in ELEMENTWISE else STRUCTURAL[n.op].reads
         for r in reads:
-            need.add(n.id if r == "out" else n.inputs[r])
+            if r == "all":
+                need.update(n.inputs)
+            else:
+                need.add(n.id if r == "out" else n.inputs[r])
     return {i for i in need if not isinstance(g.node(i).type, tuple)}
 
 

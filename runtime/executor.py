@@ -22,9 +22,9 @@ import torch
 
 from titanc.ir import Graph, Node, Op
 from titanc.ir.elementwise import ELEMENTWISE
-from titanc.ir.interpret import mask_table, rope_table
+from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType
-from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan
+from titanc.passes.memory_plan import OUTPUT_PREFIX, Home, MemoryPlan, ScanHomes
 from titanc.passes.schedule import is_immediate
 
 Tensor = torch.Tensor
@@ -256,12 +256,12 @@ class _Builder:
         operands (i = 0) or the slot set iteration i-1 wrote, reads its xs as views of the
         stacked operands, and writes its carries into the other slot set (on the last
         iteration straight into the carries' ITEM buffers) and its ys into their slice of the
-        stacked ITEM buffers. Only outputs the body plan cannot write in place (see
-        `MemoryPlan.direct_output`) are copied."""
+        stacked ITEM buffers (`ScanHomes`, shared with the emitted program.py). Only outputs
+        the body plan cannot write in place (see `MemoryPlan.direct_output`) are copied."""
         a = n.attr_dict
         body: Graph = a["body"]
         body_plan = self.plan.bodies[n.id]
-        nc, nx_, length = a["n_carry"], a["n_xs"], a["length"]
+        nc, nx_ = a["n_carry"], a["n_xs"]
         args = [self.operand(i) for i in n.inputs]
         args = [x if isinstance(x, Tensor) else self._const(torch.tensor(
             x, dtype=_dtype(self.g.node(i).type.dtype, self.float_dtype)))
@@ -281,27 +281,16 @@ class _Builder:
             self.val[u] = items[self.g.node(u).attr("index")]
         in_names = body.input_names()
         out_names = [name for name, _ in body.outputs]
-        order = range(length - 1, -1, -1) if a["reverse"] else range(length)
-        # a carry the body also returns as a ys value (a residual saved for the backward)
-        # lives in that stacked buffer instead of a slot: saved as it enters an iteration
-        # (the previous iteration writes it into this iteration's slice) or as it leaves
-        outs = [v for _, v in body.outputs]
-        saved_in = {j: k for k in reversed(range(nc, len(outs))) if k in items
-                    for j in range(nc) if outs[k] == body.inputs[j]}
-        saved_out = {j: k for k in reversed(range(nc, len(outs))) if k in items
-                     for j in range(nc) if outs[k] == outs[j]}
+        layout = ScanHomes.of(self.g, n.id, items)
+
+        def tensor(home: Home) -> Tensor:
+            return ScanHomes.resolve(home, args, slot_sets, items, lambda k: self.scratch.alloc(
+                body.node(body.outputs[k][1]).type))
+
         iterations: list[list[tuple[str, list[Step]]]] = []
-        carry_in = args[:nc]
-        order = list(order)
-        for i, t in enumerate(order):
-            last = i == length - 1
-            homes = [items[j] if last and j in items else
-                     slot_sets[i % 2][j] if last else
-                     items[saved_in[j]][order[i + 1]] if j in saved_in else
-                     items[saved_out[j]][t] if j in saved_out else
-                     slot_sets[i % 2][j] for j in range(nc)]
-            homes += [items[k][t] if k in items else self.scratch.alloc(body.node(v).type)
-                      for k, (_, v) in enumerate(body.outputs) if k >= nc]
+        carry_in = [tensor(h) for h in layout.carry_in(0)]
+        for i, t in enumerate(layout.order()):
+            homes = [tensor(h) for h in layout.homes(i)]
             external = dict(zip(in_names, carry_in + [x[t] for x in args[nc:nc + nx_]]
                                 + args[nc + nx_:]))
             external.update({OUTPUT_PREFIX + name: home for name, home in zip(out_names, homes)})

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from titanc.errors import TitancError
-from titanc.ir.interpret import rope_inv_freq
+from titanc.ir.tables import rope_inv_freq
 
 Tensor = torch.Tensor
 NEG_INF = -math.inf

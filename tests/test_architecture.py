@@ -306,3 +306,15 @@ def test_passes_are_typed_objects_and_the_log_calls_back(examples_dir) -> None:
     c.graph("decode_write")
     assert seen == [("frontend", "write"), ("canonicalize", "write"), ("aggregate", "write")]
     assert ChunkedLoss(0)(c.graph("decode_write").graph) is c.graph("decode_write").graph
+
+
+def test_every_op_has_exactly_one_registry_entry() -> None:
+    """Each op's rules live in one entry: elementwise.py or structural.py, never both, never
+    neither (docs/architecture.md, "The op registry")."""
+    from titanc.ir import Op
+    from titanc.ir.elementwise import ELEMENTWISE
+    from titanc.ir.structural import STRUCTURAL
+
+    ops = [v for v in vars(Op).values() if isinstance(v, Op)]
+    assert len(ops) > 30
+    assert [o for o in ops if (o in ELEMENTWISE) == (o in STRUCTURAL)] == []

@@ -45,6 +45,7 @@ from titanc.codegen.extra_families import (
 from titanc.codegen.hooks import render_kernel
 from titanc.codegen.emit import emit_artifact
 from titanc.codegen.render import load_module
+from titanc.codegen.scan_kernel import ScanFallback
 from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter, Op
 from titanc.runtime.executor import ArenaExecutor
@@ -306,12 +307,23 @@ def _import(path: Path, name: str):
     return module
 
 
-def test_emitted_program_matches_executor(tmp_path) -> None:
+@pytest.mark.parametrize("scan_kernels", [True, False], ids=["scan-kernels", "host-loops"])
+def test_emitted_program_matches_executor(tmp_path, monkeypatch, scan_kernels) -> None:
+    """program.py == the cpu target, with its scans as scan kernels and as host loops (the
+    `ScanHomes` walk, as when a scan cannot be one kernel)."""
     import tests.reference as R
+    import titanc.codegen.emit as emit
 
+    if not scan_kernels:
+        def refuse(*args, **kwargs):
+            raise ScanFallback("refused by the test")
+        monkeypatch.setattr(emit, "scan_kernel_for", refuse)
     spec = load_spec(ROOT / "examples" / "tiny_mal.yaml", small("tiny_mal"))
     c = compile_graphs(spec)
     art = emit_artifact(c, tmp_path)
+    source = (tmp_path / "program.py").read_text()
+    assert ("ws = workspace(" in source) == scan_kernels
+    assert ("for i, t in enumerate(layout.order()):" in source) != scan_kernels
     assert set(art.modules) == {"forward", "training", "optimizer"}
     program = _import(tmp_path / "program.py", "titanc_test_program")
     inputs = {"tokens": torch.randint(0, 16, (1, 9), generator=gen(3)),
@@ -344,9 +356,15 @@ def test_emit_is_deterministic(tmp_path) -> None:
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, env=env)
     a, b = _digest(tmp_path / "a"), _digest(tmp_path / "b")
     assert a == b
-    assert len([k for k in a if k.startswith("kernels/")]) > 100
+    assert len([k for k in a if k.startswith("kernels/")]) > 30
     modules = (tmp_path / "a" / "kernels" / "index.json").read_text()
     assert "titanc_" in modules
+    # scans are launched as their scan kernels, as the triton target runs them
+    program = (tmp_path / "a" / "program.py").read_text()
+    assert "ws = workspace(" in program
+    scan_files = [p for p in (tmp_path / "a" / "kernels").glob("*.py")
+                  if "scan.py.jinja" in p.read_text()]
+    assert scan_files
 
 
 HOSTILE = "__import__('os').system('touch PWNED')\n\"\"\"'''\r\u2028# {{ name }}"
@@ -366,7 +384,8 @@ def test_hostile_spec_compiles_to_import_safe_python(tmp_path, monkeypatch) -> N
     monkeypatch.chdir(tmp_path)
     emit_artifact(compile_graphs(spec), out)
     allowed = {"__future__", "importlib.util", "math", "pathlib", "torch", "triton",
-               "triton.language"}
+               "triton.language",
+               "titanc.codegen.scan_kernel", "titanc.passes.memory_plan"}  # the scan loop's two
     files = sorted(out.rglob("*.py"))
     assert len(files) > 20
     for path in files:

@@ -90,6 +90,13 @@ def test_kernel_of_a_compiled_artifact(art: Path, capsys: pytest.CaptureFixture[
                 next(r for r in rows if inspect.is_scan(r))):
         code, out, _ = run(capsys, art, "--kernel", row["name"])
         assert code == 0 and row["name"] in out.split("\n\n", 1)[0]   # named in the header
+    # a kernel of a body whose scan runs as one scan kernel: shown inside that kernel's source
+    index = json.loads((art / "kernels" / "index.json").read_text())["training"]
+    body = next(k for k, m in index.items()
+                if m != k and m.startswith("titanc_tem_fused_scan_") and "_mm_" in k)
+    code, out, _ = run(capsys, art, "--kernel", body)
+    assert code == 0 and "a kernel of a scan body" in out.splitlines()[0]
+    assert "templates/scan.py.jinja" in out
 
 
 def test_kernel_prints_source_with_header(bare: Path, capsys: pytest.CaptureFixture[str]) -> None:

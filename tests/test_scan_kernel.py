@@ -39,7 +39,8 @@ from titanc.codegen.render import load_module
 from titanc.codegen.scan_kernel import ScanFallback, ScanKernel, render_scan
 from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter, Op
-from titanc.ir.interpret import _scan, mask_table, rope_table
+from titanc.ir.structural import scan_ref
+from titanc.ir.tables import mask_table, rope_table
 from titanc.passes.schedule import is_immediate
 from titanc.runtime.triton_executor import TritonExecutor, count_launches
 from titanc.spec import load_spec
@@ -95,7 +96,7 @@ def check_scan(g, n, dt: torch.dtype, seed: int = 0) -> ScanKernel:
         args[v] = (torch.tensor(imm(v), dtype=dt) if imm(v) is not None
                    else 0.3 * torch.randn(t.shape, generator=gen, dtype=dt))
     operands = [args[v] for v in n.inputs]
-    want = _scan(n, operands, Interpreter(dt).run)
+    want = scan_ref(n, operands, Interpreter(dt))
     ws = torch.full((sk.grid * sk.ws_per_program,), float("nan"), dtype=dt)
     outs = [torch.full(w.shape, float("nan"), dtype=dt) for w in want]
     load_module(sk.source, sk.name).launch(ws, *[operands[i] for i in sk.inputs],
