@@ -78,7 +78,7 @@ class Program:
 
         self.compiled = compiled
         self.spec = compiled.spec
-        self.dtype = DTYPES[dtype_name(self.spec.train.dtype)]
+        self.dtype = DTYPES[dtype_name(self.spec.train.master_dtype)]   # float32 masters under bfloat16
         self.batch_size = self.spec.train.batch_size
         self.seq_len = self.spec.model.seq_len
         self._interp = Interpreter()
