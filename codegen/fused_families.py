@@ -302,6 +302,7 @@ def render_matmul(
     group_m: int = 8,
     num_warps: int = 4,
     tiles: Mapping[int, Tile] | None = None,
+    mma16: bool = False,
 ) -> str:
     """Batched matmul `c[b] = a[b] @ b[b]` over arbitrary strides, fp32 (fp64) accumulation.
 
@@ -312,6 +313,8 @@ def render_matmul(
         tensors broadcast to [batch, M, N] (a bias [N], a residual [batch, M, N], a per-batch
         scalar [batch, 1, 1]); `result` names the value stored into c.
     allow_tf32: fp32 dots on tensor cores in tf32 (GPU only; the interpreter is exact).
+    mma16: the operand tiles are bf16/fp16: the 16-bit MMA on a GPU; under the interpreter
+        (constexpr DOT_F32, set by the launcher off CUDA) an exact fp32 dot of the same values.
     tiles: the launch configuration per compute capability (`meta.matmul_tiles`), picked by
         the launcher from the device; default: block_m/n/k and num_warps everywhere.
     Launcher: `launch(a, b, c[, scale], *epilogue_inputs, *scalars)`.
@@ -374,4 +377,5 @@ def render_matmul(
         stores=store_ctx,
         launch_params=tensors + scalar_names,
         tensor_args=tensors,
+        mma16=mma16,
     )

@@ -43,10 +43,17 @@ HIGH = "f32"
 # denominators, the loss), cumulative sums (gate log-space weights) and logarithms
 # (log-sigmoid gates, the loss's log-sum-exp)
 F32_OPS = frozenset({Op.SUM, Op.CUMSUM, Op.LOG})
-# consumers whose float32 demand reaches back through the elementwise chain that feeds them
+# consumers whose float32 demand reaches back through the elementwise chain that feeds them:
+# cumulative sums and logarithms, and a sum to a scalar (a loss or a total: the per-token
+# losses are float32 too); a norm's or a softmax's row sum reads bf16 terms into a float32
+# accumulator instead
 DEMANDING = frozenset({Op.CUMSUM, Op.LOG})
-# ops whose dtype is their data operand's (operand 0); a max is exact in any dtype
-FOLLOW = (OpGroup.MOVEMENT - {Op.CONCAT}) | {Op.AMAX}
+
+
+def _demanding(n: Any) -> bool:
+    return n.op in DEMANDING or (n.op is Op.SUM and n.type.shape == ())
+# ops whose dtype is their data operand's (operand 0)
+FOLLOW = OpGroup.MOVEMENT - {Op.CONCAT}
 
 
 def _f32_demanded(g: Graph, n_carry: int | None) -> set[int]:
@@ -63,7 +70,7 @@ def _f32_demanded(g: Graph, n_carry: int | None) -> set[int]:
         users = g.users(nid)
         if not users and nid not in sinks:
             continue
-        if all(g.node(u).op in DEMANDING or u in demanded for u in users):
+        if all(_demanding(g.node(u)) or u in demanded for u in users):
             demanded.add(nid)
     return demanded
 
@@ -152,6 +159,8 @@ class _Rewrite:
             return self._scan(node, ins)
         if op is Op.CAST or op in OpGroup.SOURCE or op is Op.ITEM or op in FOLLOW:
             return add(node, ins)
+        if op is Op.AMAX:          # exact in its operand's dtype; the statistic is float32
+            return self._to(add(node, ins), HIGH)
         if op is Op.EINSUM:
             return add(node, [self._to(i, LOW) for i in ins])
         if op in F32_OPS or node.id in self.f32:
