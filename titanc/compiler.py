@@ -7,7 +7,9 @@ Every graph kind (`GRAPH_KINDS`) goes through the same steps:
 
 The graph passes are canonicalize and aggregate for every kind; the forward graph adds the
 chunked loss and (unless `remat: none`) the chunk-carry checkpoints, and the training graph is
-the autodiff of that forward. Each graph pass is verified after it runs (`verify_each`),
+the autodiff of that forward. Under `train.dtype: bfloat16` every kind but the optimizer ends
+its graph passes with the precision policy (passes/precision.py) and a cleanup; the training
+graph inherits it from the forward. Each graph pass is verified after it runs (`verify_each`),
 recorded in the `PassLog` (report.json `graphs.<kind>.passes`) and dumped by `titanc compile`
 as `ir/NN_<pass>_<graph>.txt`. `TITANC_DEBUG=1` prints pass timings, `=2` the IR after each
 pass and every fusion refusal.
