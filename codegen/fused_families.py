@@ -166,6 +166,7 @@ def render_reduction(
     block_c: int | None = None,
     max_single_block: int = 4096,
     num_warps: int = 4,
+    wide: bool = False,
 ) -> str:
     """Row reduction(s) over the last axis of [rows, cols] views with prologue and epilogues.
 
@@ -182,6 +183,7 @@ def render_reduction(
     row_stores: `(indexed tensor, offset var, value var)`: per-element stores at an offset the
         row epilogue computes (an element of a reduction over non-trailing axes is no
         `[rows, cols]` strided view).
+    wide: row and column indices in int64 (a tensor of >= 2**31 elements, `meta.needs_int64`).
     Launcher: `launch(*inputs, *row_outputs, *reduced_outputs, *indexed, n_rows, n_cols)`.
     """
     if not stages:
@@ -266,6 +268,7 @@ def render_reduction(
         indexed=idx_tensors,
         launch_params=all_names + [t["arg"] for t in idx_tensors],
         tensor_args=all_names,
+        wide=wide,
     )
 
 

@@ -6,14 +6,17 @@ and leaves with a dtype on every tensor and explicit CASTs where dtypes change:
 
     EINSUM          operands cast to bf16, result bf16 (the executors accumulate in float32:
                     torch's bf16 matmul on CPU, `tl.dot` into a float32 accumulator on GPU)
-    SUM AMAX CUMSUM float32 operands and result: norms, softmax statistics, the loss, gate
-                    log-cumsums (log-space weights)
-    EXP LOG RSQRT   float32 (softmax, log-sigmoid gates, norm scales)
-    SQRT RECIP DIV
-    other elementwise   the widest dtype of their operands (bf16 only when every operand is
-                    bf16; a scalar constant takes its partner's dtype); an elementwise node
-                    whose every user runs in float32 (a norm's x·x, a softmax's x − max) runs
-                    in float32 itself
+    SUM CUMSUM LOG  float32 operands and result: norm statistics, softmax denominators and
+                    the loss (bf16 terms, float32 accumulator), gate log-cumsums (log-space
+                    weights), log-sigmoid gates, the log-sum-exp
+    AMAX            in its operand's dtype (a max is exact), the result cast to float32
+    elementwise     float32 when every user demands it: a chain feeding a CUMSUM, a LOG, a
+                    sum to a scalar (the per-token losses) or a float32 scan carry (the
+                    memory state W, S); otherwise an activation: bf16 as soon as one operand
+                    is a bf16 activation (float32 weights, biases and scalar constants are cast
+                    down to meet it), float32 when all operands are float32. EXP, DIV, RSQRT
+                    of bf16 activations run in float32 inside the executors and are stored in
+                    bf16 (the CPU's bf16 ops and the Triton kernels both compute in float32)
     SCAN            carries keep their float32 type (the memory state W, S, the residual
                     stream across layers, loss accumulators); xs and consts pass in the dtype
                     they have, and the body is rewritten under the same rules
@@ -52,6 +55,8 @@ DEMANDING = frozenset({Op.CUMSUM, Op.LOG})
 
 def _demanding(n: Any) -> bool:
     return n.op in DEMANDING or (n.op is Op.SUM and n.type.shape == ())
+
+
 # ops whose dtype is their data operand's (operand 0)
 FOLLOW = OpGroup.MOVEMENT - {Op.CONCAT}
 
@@ -90,7 +95,6 @@ class _Rewrite:
     leaves its ys in the dtype computed."""
 
     def __init__(self, g: Graph, in_types: list[Any] | None = None, n_carry: int = 0):
-        self.src = g
         self.graph = Graph(g.name)
         self.env: dict[int, int] = {}
         self.casts: dict[tuple[int, str], int] = {}
@@ -174,9 +178,8 @@ class _Rewrite:
         a = node.attr_dict
         body: Graph = a["body"]
         nc, nx_ = a["n_carry"], a["n_xs"]
-        carry_types = [body.node(i).type for i in body.inputs[:nc]]
-        ins = [self._to(v, t.dtype) if k < nc else v
-               for k, (v, t) in enumerate(zip(ins, carry_types + [None] * len(ins)))]
+        carry_dtypes = [body.node(i).type.dtype for i in body.inputs[:nc]]
+        ins = [self._to(v, carry_dtypes[k]) if k < nc else v for k, v in enumerate(ins)]
         in_types = []
         for k, v in enumerate(ins):
             t = self.graph.node(v).type

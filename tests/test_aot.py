@@ -166,3 +166,43 @@ def test_every_bf16_tiny_kernel_compiles_with_16bit_mma() -> None:
     # wgmma needs 64 rows per warpgroup: tiny.yaml's per-head contractions (M = 16 or 32,
     # tiles shrunk to the problem) take mma.sync on sm_90, the model-wide projections wgmma
     assert any(r["wgmma"] for r in mm if r["arch"] == 90)
+
+
+def test_reductions_and_cumsums_over_2_31_elements_index_in_int64() -> None:
+    """Every reduction and cumsum kernel indexes rows and columns in int64 exactly when one
+    of its tensors reaches 2**31 elements: the softmax over 16,384 x 151,936 logits does,
+    the norms do not."""
+    spec = load_spec(EXAMPLES / "tiny.yaml", {"model.vocab_size": 151936,
+                                               "train.loss_chunk": 16384,
+                                               "train.batch_size": 128})
+    seen = {True: 0, False: 0}
+    for plan, kern, code in plan_kernels(compile_graphs(spec).plans["training"]):
+        if code.family not in ("reduction", "cumsum"):
+            continue
+        g = plan.schedule.graph
+        ids = set(kern.nodes) | {i for n in kern.nodes for i in g.node(n).inputs}
+        big = needs_int64(*(g.node(i).type.numel for i in ids
+                            if not isinstance(g.node(i).type, tuple)))
+        assert ("pid.to(tl.int64)" in _kernel_body(code.source)) == big, kern.name
+        seen[big] += 1
+    assert seen[True] >= 1 and seen[False] >= 1
+
+
+def test_int64_reduction_and_cumsum_path_matches_when_interpreted(monkeypatch) -> None:
+    """Forced wide, the reduction and cumsum kernels of a memory model give the cpu target's
+    loss (interpreted, tiny shapes)."""
+    import titanc
+    from titanc.codegen import hooks_rows
+    from tests.helpers import TINY, tokens
+
+    over = {"model.block": "lmm", "model.n_layers": 1, "train.dtype": "float32"}
+    toks = tokens(load_spec(TINY))
+    want = titanc.compile(TINY, **over, **{"compile.target": "cpu"}).loss(toks)
+    monkeypatch.setattr(hooks_rows, "needs_int64", lambda *numels: True)
+    tri = titanc.compile(TINY, **over, **{"compile.target": "triton"})
+    plan = tri.compiled.plans["forward"]
+    sources = [code.source for _, _, code in plan_kernels(plan)
+               if code.family in ("reduction", "cumsum")]
+    assert sources and all("pid.to(tl.int64)" in _kernel_body(s) for s in sources)
+    assert any("tl.cumsum" in s for s in sources)
+    assert abs(tri.loss(toks) - want) <= 1e-5 * abs(want)
