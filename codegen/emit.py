@@ -45,7 +45,8 @@ from .render import sanitize_comment, sanitize_identifier
 __all__ = ["Artifact", "emit_artifact", "GRAPHS"]
 
 GRAPHS = ("training", "optimizer", "forward")
-_TORCH = {"f32": "torch.float32", "f64": "torch.float64", "i64": "torch.int64"}
+_TORCH = {"f32": "torch.float32", "f64": "torch.float64", "bf16": "torch.bfloat16",
+          "i64": "torch.int64"}
 
 
 @dataclass
