@@ -9,11 +9,13 @@ Runs unattended, nothing downloaded. Checks, each printed PASS/FAIL (exit status
                       same tokens), float32 with exact dots: loss and every parameter after the
                       AdamW update within 1e-4 relative (float32 reduction order differs)
   step/float32+tf32   the same with compile.allow_tf32 (tensor cores): within 2e-2
-  step/bfloat16       reported as NOT RUN: train.dtype bfloat16 is not implemented yet (issue 13)
+  step/bfloat16       the same with train.dtype bfloat16 (mixed precision, float32 masters):
+                      within 2e-2
   decode              the triton program's token-by-token decode equals its own parallel
                       forward (every position's logits), within 1e-3
+  decode/bfloat16     the same for a bfloat16 program, within 5e-2 of the largest logit
   throughput          (without --quick) tokens/s, MFU and peak CUDA memory of a training step:
-                      titanc (triton, float32 and tf32) vs the eager reference and
+                      titanc (triton, float32, tf32 and bfloat16) vs the eager reference and
                       torch.compile of it (tests/reference), at the benchmark sizes
 
 Without a CUDA device the same code runs on CPU (triton interpreted) at --quick sizes, which is
@@ -37,7 +39,8 @@ import torch  # noqa: E402
 
 import titanc  # noqa: E402
 import tests.reference as R  # noqa: E402
-from titanc.bench import device_name, peak_flops, step_flops  # noqa: E402
+from titanc.bench import step_flops  # noqa: E402
+from titanc.runtime.profile import device_name, peak_flops  # noqa: E402
 
 SPECS = ("tiny.yaml", "tiny_lmm.yaml", "tiny_attn.yaml")
 QUICK = {"model.d_model": 16, "model.n_layers": 1, "model.seq_len": 16, "model.vocab_size": 32,
@@ -109,12 +112,14 @@ def _time(step: Callable[[], Any], steps: int, warmup: int) -> tuple[float, int]
 
 def throughput(spec: str, steps: int, warmup: int) -> list[dict[str, Any]]:
     rows = []
-    for label, tf32 in (("titanc triton float32", False), ("titanc triton tf32", True)):
-        prog = _compile(spec, "triton", {"compile.allow_tf32": tf32})
+    for label, tf32, dtype in (("titanc triton float32", False, "float32"),
+                               ("titanc triton tf32", True, "float32"),
+                               ("titanc triton bfloat16", False, "bfloat16")):
+        prog = _compile(spec, "triton", {"compile.allow_tf32": tf32, "train.dtype": dtype})
         toks = _tokens(prog)
         sec, peak = _time(lambda: prog.train_step(toks), steps, warmup)
         torch.backends.cuda.matmul.allow_tf32 = tf32   # what peak_flops reads
-        fl = peak_flops(device_name("triton"), "float32")
+        fl = peak_flops(device_name("triton"), dtype)
         rows.append({"name": label, "sec_per_step": sec, "tokens_per_s": toks[:, 1:].numel() / sec,
                      "mfu": step_flops(prog.compiled) / sec / fl if fl else None,
                      "peak_cuda_bytes": peak})
@@ -159,13 +164,15 @@ def main() -> int:
         for name, fn in ((f"{spec} step/float32", lambda: check_step(spec, over, 1e-4)),
                          (f"{spec} step/float32+tf32",
                           lambda: check_step(spec, {**over, "compile.allow_tf32": True}, 2e-2)),
-                         (f"{spec} decode", lambda: check_decode(spec, over, 1e-3))):
+                         (f"{spec} step/bfloat16",
+                          lambda: check_step(spec, {**over, "train.dtype": "bfloat16"}, 2e-2)),
+                         (f"{spec} decode", lambda: check_decode(spec, over, 1e-3)),
+                         (f"{spec} decode/bfloat16",
+                          lambda: check_decode(spec, {**over, "train.dtype": "bfloat16"}, 5e-2))):
             try:
                 checks[name] = fn()
             except Exception as e:  # a crash is a failed check, reported with the others
                 checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
-        checks[f"{spec} step/bfloat16"] = {"ok": None, "error": "not run: train.dtype bfloat16 "
-                                           "is not implemented yet (issue 13)"}
     rows: list[dict[str, Any]] = []
     if cuda and not args.quick:
         try:

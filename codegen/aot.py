@@ -165,6 +165,8 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     if hasattr(module, "tiles_for"):          # the matmul family: the architecture's tile
         bm, bn, bk, warps, stages = module.tiles_for(arch)
         constexprs |= {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    if "DOT_F32" in constexprs:               # recorded off CUDA: the GPU takes the 16-bit MMA
+        constexprs["DOT_F32"] = False
     result |= {"num_warps": warps, "num_stages": stages}
     attrs = {(index[n],): [["tt.divisibility", 16]] for n in launch.divisible}
     log = io.StringIO()
@@ -186,6 +188,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
                    "spill_bytes": int(spill.group(1)) if spill else 0,
                    "stack_bytes": int(stack.group(1)) if stack else 0,
                    "mma": bool(re.search(r"\b(w?gmma|mma)\.", ptx)),
+                   "mma_bf16": bool(re.search(r"\b(w?gmma|mma)\.[\w.]*\.bf16", ptx)),
                    "wgmma": "wgmma." in ptx}
     finally:
         knobs.nvidia.dump_ptxas_log = False

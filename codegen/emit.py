@@ -52,7 +52,8 @@ from .scan_kernel import ScanFallback, ScanKernel, scan_kernel_for
 __all__ = ["Artifact", "emit_artifact", "GRAPHS"]
 
 GRAPHS = ("training", "optimizer", "forward")
-_TORCH = {"f32": "torch.float32", "f64": "torch.float64", "i64": "torch.int64"}
+_TORCH = {"f32": "torch.float32", "f64": "torch.float64", "bf16": "torch.bfloat16",
+          "i64": "torch.int64"}
 
 
 @dataclass

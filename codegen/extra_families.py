@@ -52,6 +52,7 @@ def render_cumsum(
     block_c: int | None = None,
     max_single_block: int = 4096,
     num_warps: int = 4,
+    wide: bool = False,
 ) -> str:
     """Inclusive cumulative sums along the columns of [rows, cols] tiles.
 
@@ -61,6 +62,7 @@ def render_cumsum(
     reverse: sums from the last column (`x[j] + x[j + 1] + ...`).
     Rows wider than one block (`n_cols > block_c`) loop over column blocks, each scan carrying
     the sum of the blocks already done.
+    wide: row and column indices in int64 (a tensor of >= 2**31 elements, `meta.needs_int64`).
     """
     if not scans:
         raise ValueError("a cumsum kernel needs at least one scan")
@@ -98,6 +100,7 @@ def render_cumsum(
         epilogue=epi,
         stores=store_ctx,
         launch_params=[t["arg"] for t in idx_tensors],
+        wide=wide,
     )
 
 

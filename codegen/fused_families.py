@@ -166,6 +166,7 @@ def render_reduction(
     block_c: int | None = None,
     max_single_block: int = 4096,
     num_warps: int = 4,
+    wide: bool = False,
 ) -> str:
     """Row reduction(s) over the last axis of [rows, cols] views with prologue and epilogues.
 
@@ -182,6 +183,7 @@ def render_reduction(
     row_stores: `(indexed tensor, offset var, value var)`: per-element stores at an offset the
         row epilogue computes (an element of a reduction over non-trailing axes is no
         `[rows, cols]` strided view).
+    wide: row and column indices in int64 (a tensor of >= 2**31 elements, `meta.needs_int64`).
     Launcher: `launch(*inputs, *row_outputs, *reduced_outputs, *indexed, n_rows, n_cols)`.
     """
     if not stages:
@@ -266,6 +268,7 @@ def render_reduction(
         indexed=idx_tensors,
         launch_params=all_names + [t["arg"] for t in idx_tensors],
         tensor_args=all_names,
+        wide=wide,
     )
 
 
@@ -302,6 +305,7 @@ def render_matmul(
     group_m: int = 8,
     num_warps: int = 4,
     tiles: Mapping[int, Tile] | None = None,
+    mma16: bool = False,
 ) -> str:
     """Batched matmul `c[b] = a[b] @ b[b]` over arbitrary strides, fp32 (fp64) accumulation.
 
@@ -312,6 +316,8 @@ def render_matmul(
         tensors broadcast to [batch, M, N] (a bias [N], a residual [batch, M, N], a per-batch
         scalar [batch, 1, 1]); `result` names the value stored into c.
     allow_tf32: fp32 dots on tensor cores in tf32 (GPU only; the interpreter is exact).
+    mma16: the operand tiles are bf16/fp16: the 16-bit MMA on a GPU; under the interpreter
+        (constexpr DOT_F32, set by the launcher off CUDA) an exact fp32 dot of the same values.
     tiles: the launch configuration per compute capability (`meta.matmul_tiles`), picked by
         the launcher from the device; default: block_m/n/k and num_warps everywhere.
     Launcher: `launch(a, b, c[, scale], *epilogue_inputs, *scalars)`.
@@ -374,4 +380,5 @@ def render_matmul(
         stores=store_ctx,
         launch_params=tensors + scalar_names,
         tensor_args=tensors,
+        mma16=mma16,
     )

@@ -143,6 +143,11 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
     sz = {name: prod(size[ch] for ch in group)
           for name, group in (("batch", batch), ("M", m), ("N", n), ("K", k))}
     cd = low.cd
+    # 16-bit MMA when the executor runs in 16 bits or the operands are bf16 tensors (the
+    # mixed-precision pass casts every einsum operand to bf16)
+    mma16 = dtype in ("bfloat16", "float16") or all(
+        low.node(v).type.dtype == "bf16" for v in e.inputs)
+    op16 = dtype if dtype in ("bfloat16", "float16") else "bfloat16"
     names, loads = Names(), []
     letters: dict[str, dict[str, Ix]] = {}
 
@@ -160,8 +165,8 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
         inner = group(sec, inner_chars, index_tile(sec, idx[1], dims[1]))
         coord = group(sec, batch, Ix("batch")) | outer | inner
         val = low.read(sec, vid, [coord[ch] for ch in term])
-        if dtype in ("bfloat16", "float16"):     # 16-bit MMA, float32 accumulation
-            cast = f".to(tl.{dtype})"
+        if mma16:                                 # 16-bit MMA, float32 accumulation
+            cast = f".to(tl.{op16})"
         else:
             cast = f".to({cd})" if val.literal is not None or cd != "tl.float32" else ""
         tiles.append(sec.let(f"tl.where({mask}, {val.expr}, 0.0){cast}", "t"))
@@ -175,6 +180,8 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
         return reshape_coords(epi, oc, oshape, shape)
 
     epi.values[e.id] = Val("acc", epi.dims)
+    if e.type.dtype == "bf16":   # the epilogue and the store see the product rounded to bf16
+        epi.values[e.id] = low.round_bf16(epi, epi.values[e.id])
     for nid in kernel.nodes:
         node = g.node(nid)
         if low.computed(nid) and nid != e.id:
@@ -185,7 +192,9 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
     source = render_matmul(kernel.name, indexed=low.indexed(), operand_loads=loads,
                            operands=(tiles[0], tiles[1]), epilogue=epi.stmts, stores=stores,
                            dtype=dtype, header_lines=header, allow_tf32=allow_tf32,
-                           tiles=matmul_tiles(_ITEMSIZE[dtype], sz["M"], sz["N"], sz["K"]))
+                           tiles=matmul_tiles(2 if mma16 else _ITEMSIZE[dtype], sz["M"], sz["N"],
+                                              sz["K"]),
+                           mma16=mma16)
     return code_of(low, "matmul", source, indexed_args(low),
                  (sz["batch"], sz["M"], sz["N"], sz["K"]))
 

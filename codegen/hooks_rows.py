@@ -17,7 +17,7 @@ from .fused_families import ReductionStage, render_reduction
 from .indexing import Ix, Names, Section, const, delinearize, reshape_coords
 from .kernel_code import KernelCode, TensorArg, code_of, index_tile, indexed_args, store
 from .lowering import KernelLowering, Val
-from .meta import pow2
+from .meta import needs_int64, pow2
 
 __all__ = ["MAX_ROW_BLOCK", "lower_cumsum", "lower_reduction"]
 
@@ -115,8 +115,17 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
     source = render_reduction(
         kernel.name, inputs=[], stages=stage_objs, n_cols=n_cols, row_epilogue=pre.stmts,
         reduced_outputs=reduced, indexed=low.indexed(), row_stores=row_stores, dtype=dtype,
-        header_lines=header, block_r=block_r, block_c=block_c)
+        header_lines=header, block_r=block_r, block_c=block_c, wide=_wide(low))
     return code_of(low, "reduction", source, args + indexed_args(low), (n_rows, n_cols))
+
+
+def _wide(low: KernelLowering) -> bool:
+    """int64 row/column indices: some tensor of the kernel reaches 2**31 elements (decided at
+    compile time from the shapes)."""
+    g = low.g
+    ids = set(low.kernel.nodes) | {i for n in low.kernel.nodes for i in g.node(n).inputs}
+    return needs_int64(*(t.numel for t in (g.node(i).type for i in ids)
+                         if not isinstance(t, tuple)))
 
 
 def _row_blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
@@ -168,5 +177,5 @@ def lower_cumsum(low: KernelLowering, outs: list[int], header: list[str],
                            block_r=block_r, block_c=block_c,
                            prologue=prologue, epilogue=sec.stmts, stores=stores,
                            reverse=bool(first.attr("reverse")), dtype=dtype,
-                           header_lines=header)
+                           header_lines=header, wide=_wide(low))
     return code_of(low, "cumsum", source, indexed_args(low), (n_rows, n_cols))

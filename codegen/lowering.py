@@ -205,7 +205,9 @@ class KernelLowering:
                  for d, c in enumerate(coords) if c.value != 0]
         dims = frozenset().union(*(c.dims for c in coords))
         ptr = f"{name}_ptr" + "".join(f" + {term}" for term in terms)
-        cast = ""                 # storage holds the compute dtype (hooks render for it)
+        # storage holds the compute dtype (hooks render for it), except bf16 tensors of a
+        # mixed-precision graph: computed in float32, rounded where they are stored
+        cast = f".to({self.cd})" if t.dtype == "bf16" else ""
         if not dims:                                  # one address for the whole tile
             v = self._let(sec, f"tl.load({ptr}){cast}", [], is_int=is_int)
             return self._guard(sec, v, valid)
@@ -298,8 +300,10 @@ class KernelLowering:
         if n.op is Op.CAST:
             x = self.operand(sec, n, n.inputs[0], coords)
             to = "tl.int64" if n.attr("dtype") == "i64" else self.cd
-            if x.literal is not None:
+            if x.literal is not None and n.attr("dtype") != "bf16":
                 return literal(x.literal) if to != "tl.int64" else Val(str(int(x.literal)))
+            if n.attr("dtype") == "bf16":             # round, keep computing in float32
+                return self.round_bf16(sec, self.block(sec, x))
             return self._let(sec, f"{x.expr}.to({to})", [x], is_int=to == "tl.int64")
         if n.op not in ELEMENTWISE:
             raise NotImplementedError(self.where(
@@ -310,7 +314,18 @@ class KernelLowering:
             return literal(rule.fold(*(a.literal for a in args)))
         fmt = rule.triton
         names = [f"({a.expr})" if a.expr.startswith("-") else a.expr for a in args]
+        if n.type.dtype == "bf16":                     # a bf16 result: rounded as stored
+            return self.round_bf16(sec, self.block(sec, self._let(sec, fmt.format(*names), args)))
         return self._let(sec, fmt.format(*names), args)
+
+    def round_bf16(self, sec: Section, v: Val) -> Val:
+        """`v` (a float32 tile) rounded to the nearest bfloat16, ties to even, kept in float32:
+        the value a bf16 tensor stores. Bit arithmetic rather than `.to(tl.bfloat16)`, which
+        Triton's interpreter truncates; the same on a GPU (NaN stays NaN)."""
+        u = self._let(sec, f"{v.expr}.to(tl.uint32, bitcast=True)", [v], prefix="u")
+        r = self._let(sec, f"((({u.expr} + 0x7FFF + {u.expr} // 65536 % 2) & 0xFFFF0000)"
+                           f".to(tl.float32, bitcast=True))", [u], prefix="r")
+        return self._let(sec, f"tl.where({v.expr} != {v.expr}, {v.expr}, {r.expr})", [v, r])
 
     def operand(self, sec: Section, n: Node, vid: int, coords: Sequence[Ix]) -> Val:
         """Operand `vid` of `n` at the element of `n` at `coords`."""

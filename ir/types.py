@@ -6,16 +6,18 @@ from math import prod
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f64": torch.float64, "i64": torch.int64}
-ITEMSIZE = {"f32": 4, "f64": 8, "i64": 8}
-FLOATS = frozenset({"f32", "f64"})
+DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f64": torch.float64,
+                                   "bf16": torch.bfloat16, "i64": torch.int64}
+ITEMSIZE = {"f32": 4, "f64": 8, "bf16": 2, "i64": 8}
+FLOATS = frozenset({"f32", "f64", "bf16"})
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
-    """'float32' / torch.float32 / 'f32' -> 'f32'."""
+    """'float32' / torch.float32 / 'f32' -> 'f32' (and 'bfloat16' -> 'bf16')."""
     if isinstance(dtype, torch.dtype):
         return {v: k for k, v in DTYPES.items()}[dtype]
-    return {"float32": "f32", "float64": "f64", "int64": "i64"}.get(dtype, dtype)
+    names = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "int64": "i64"}
+    return names.get(dtype, dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import torch
 from titanc.ir import Graph, Node, Op
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.tables import mask_table, rope_table
-from titanc.ir.types import DTYPES, ITEMSIZE, TensorType
+from titanc.ir.types import DTYPES, ITEMSIZE, TensorType, dtype_name
 from titanc.passes.memory_plan import OUTPUT_PREFIX, Home, MemoryPlan, ScanHomes
 from titanc.passes.schedule import is_immediate
 
@@ -330,7 +330,7 @@ def _region(storage: Storage, offset: int, size: int) -> Storage:
 
 
 def _dname(dt: torch.dtype) -> str:
-    return {torch.float32: "f32", torch.float64: "f64", torch.int64: "i64"}[dt]
+    return dtype_name(dt)
 
 
 def _same_view(a: Tensor, b: Tensor) -> bool:

@@ -78,7 +78,8 @@ class Program:
 
         self.compiled = compiled
         self.spec = compiled.spec
-        self.dtype = DTYPES[dtype_name(self.spec.train.dtype)]
+        # the masters' dtype: float32 under train.dtype bfloat16 (mixed precision)
+        self.dtype = DTYPES[dtype_name(self.spec.train.master_dtype)]
         self.batch_size = self.spec.train.batch_size
         self.seq_len = self.spec.model.seq_len
         self._interp = Interpreter()

@@ -7,7 +7,9 @@ Every graph kind (`GRAPH_KINDS`) goes through the same steps:
 
 The graph passes are canonicalize and aggregate for every kind; the forward graph adds the
 chunked loss and (unless `remat: none`) the chunk-carry checkpoints, and the training graph is
-the autodiff of that forward. Each graph pass is verified after it runs (`verify_each`),
+the autodiff of that forward. Under `train.dtype: bfloat16` every kind but the optimizer ends
+its graph passes with the precision policy (passes/precision.py) and a cleanup; the training
+graph inherits it from the forward. Each graph pass is verified after it runs (`verify_each`),
 recorded in the `PassLog` (report.json `graphs.<kind>.passes`) and dumped by `titanc compile`
 as `ir/NN_<pass>_<graph>.txt`. `TITANC_DEBUG=1` prints pass timings, `=2` the IR after each
 pass and every fusion refusal.
@@ -34,6 +36,7 @@ from titanc.passes.chunked_loss import ChunkedLoss
 from titanc.passes.remat import Policy, choose_policy
 from titanc.passes.manager import Pass, PassLog
 from titanc.passes.optimizer import optimizer_graph
+from titanc.passes.precision import MixedPrecision
 
 from .decode import lower_step, lower_write
 from .frontend import lower_forward
@@ -101,6 +104,11 @@ class Compiled:
 
     def _compile(self, kind: str, n: int) -> CompiledGraph:
         spec, log, B, persistent = self.spec, self.log, self.batch, self._persistent()
+        # train.dtype bfloat16: every lowered graph but the optimizer's gets the precision
+        # policy (last, after the passes that match float32 patterns), then a cleanup; the
+        # training graph differentiates the forward's casts
+        mp: tuple[Pass, ...] = (MixedPrecision(), Canonicalize()) if spec.train.mixed_precision \
+            else ()
         if kind == "forward":
             # the direct program: per-token outer products, layers and memory chunks as
             # scans; then the shared passes: fold constants, simplify, CSE, DCE, and weighted
@@ -111,7 +119,7 @@ class Compiled:
             extra: tuple[Pass, ...] = (ChunkedLoss(spec.train.loss_chunk),)
             if spec.train.remat != "none":
                 extra += (CheckpointChunks(),)
-            return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra)
+            return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra + mp)
         if kind == "training":
             fwd = self.graph("forward").graph
             # what scans save for the backward: carries only, everything, or a budgeted min-cut
@@ -127,13 +135,14 @@ class Compiled:
         if kind == "optimizer":
             # clipping + AdamW over the flat parameter set
             return _pipeline(log, kind, lambda: optimizer_graph(
-                self.params, spec.train, dtype_name(spec.train.dtype)), persistent)
+                self.params, spec.train, dtype_name(spec.train.master_dtype)), persistent)
         if kind in ("logits", "logprobs"):
-            return _pipeline(log, kind, lambda: lower_forward(spec, B, output=kind), persistent)
+            return _pipeline(log, kind, lambda: lower_forward(spec, B, output=kind), persistent,
+                             mp)
         if kind == "decode_step":
-            return _pipeline(log, kind, lambda: lower_step(spec, B, n), persistent)
+            return _pipeline(log, kind, lambda: lower_step(spec, B, n), persistent, mp)
         if kind == "decode_write":
-            return _pipeline(log, kind, lambda: lower_write(spec, B), persistent)
+            return _pipeline(log, kind, lambda: lower_write(spec, B), persistent, mp)
         raise ValueError(f"unknown graph kind {kind!r}; one of {GRAPH_KINDS}")
 
     def for_batch(self, batch: int) -> "Compiled":

@@ -138,7 +138,7 @@ class _Step:
 def lower_step(spec: Spec, batch: int, n: int, dtype: str | None = None) -> Graph:
     """Logits (B, n, V) of n new tokens, and each layer's state updates (`new.<name>`)."""
     m = spec.model
-    dt = dtype_name(dtype or spec.train.dtype)
+    dt = dtype_name(dtype or spec.train.master_dtype)
     b = Builder("step")
     tokens = b.input("tokens", (batch, n), "i64")
     params = {ps.name: b.input(ps.name, ps.shape, dt) for ps in param_specs(m)}
@@ -176,7 +176,7 @@ def lower_step(spec: Spec, batch: int, n: int, dtype: str | None = None) -> Grap
 def lower_write(spec: Spec, batch: int, dtype: str | None = None) -> Graph:
     """Apply one completed chunk of pending items to (W, S), where mask (B,) is 1."""
     m, mem = spec.model, spec.model.memory
-    dt = dtype_name(dtype or spec.train.dtype)
+    dt = dtype_name(dtype or spec.train.master_dtype)
     b = Builder("write")
     shapes = state_shapes(m, batch)
     L, depth, U = m.n_layers, mem.depth, mem.chunk_size

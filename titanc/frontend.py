@@ -74,7 +74,7 @@ def lower_forward(spec: Spec, batch: int | None = None, dtype: str | None = None
     m = spec.model
     B = batch or spec.train.batch_size
     T = m.seq_len
-    dt = dtype_name(dtype or spec.train.dtype)
+    dt = dtype_name(dtype or spec.train.master_dtype)
     b = Builder("forward")
     tokens = b.input("tokens", (B, T + 1), "i64")
     params = {ps.name: b.input(ps.name, ps.shape, dt) for ps in param_specs(m)}

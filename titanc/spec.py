@@ -71,7 +71,7 @@ BLOCK_KINDS: dict[str, BlockKind] = {
     "attn": BlockKind(memory=False, window=True, segment=False),
 }
 BLOCKS = tuple(BLOCK_KINDS)
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "bfloat16")      # bfloat16: mixed precision, float32 masters
 REMAT_POLICIES = ("none", "per_layer", "budget")
 TARGETS = ("auto", "cpu", "triton", "reference")
 _F32_MAX = 3.4028234663852886e38
@@ -215,9 +215,20 @@ class TrainSpec:
     # steps between memory diagnostics in metrics.jsonl (runtime/memory_stats.py); 0 = never
     memory_stats_every: int = _field(0, ge=0)
 
+    @property
+    def master_dtype(self) -> str:
+        """The dtype of parameters, gradients, optimizer state, graph inputs and outputs:
+        `dtype`, except that bfloat16 (mixed precision) keeps float32 master copies and the
+        compiler's precision pass (passes/precision.py) decides what runs in bfloat16."""
+        return "float32" if self.dtype == "bfloat16" else self.dtype
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.dtype == "bfloat16"
+
     def __post_init__(self) -> None:
         _check_fields(self)
-        if self.dtype == "float32":  # these become float32 scalars of the training graph
+        if self.master_dtype == "float32":  # these become float32 scalars of the training graph
             for name in ("lr", "weight_decay", "grad_clip"):
                 if getattr(self, name) > _F32_MAX:
                     raise SpecError(f"train.{name}: {getattr(self, name):g} overflows float32 "

@@ -1,0 +1,192 @@
+"""precision: the bfloat16 mixed-precision policy, decided by the compiler (`train.dtype:
+bfloat16`).
+
+The graph arrives in float32 (parameters, graph inputs and outputs are float32 master copies)
+and leaves with a dtype on every tensor and explicit CASTs where dtypes change:
+
+    EINSUM          operands cast to bf16, result bf16 (the executors accumulate in float32:
+                    torch's bf16 matmul on CPU, `tl.dot` into a float32 accumulator on GPU)
+    SUM CUMSUM LOG  float32 operands and result: norm statistics, softmax denominators and
+                    the loss (bf16 terms, float32 accumulator), gate log-cumsums (log-space
+                    weights), log-sigmoid gates, the log-sum-exp
+    AMAX            in its operand's dtype (a max is exact), the result cast to float32
+    elementwise     float32 when every user demands it: a chain feeding a CUMSUM, a LOG, a
+                    sum to a scalar (the per-token losses) or a float32 scan carry (the
+                    memory state W, S); otherwise an activation: bf16 as soon as one operand
+                    is a bf16 activation (float32 weights, biases and scalar constants are cast
+                    down to meet it), float32 when all operands are float32. EXP, DIV, RSQRT
+                    of bf16 activations run in float32 inside the executors and are stored in
+                    bf16 (the CPU's bf16 ops and the Triton kernels both compute in float32)
+    SCAN            carries keep their float32 type (the memory state W, S, the residual
+                    stream across layers, loss accumulators); xs and consts pass in the dtype
+                    they have, and the body is rewritten under the same rules
+    views, gathers  the dtype of their data operand
+    graph outputs   their original dtype (the loss, logits and decode states stay float32)
+
+So activations written between kernels (matmul results and the elementwise chains on them,
+the operands saved for the backward) are half the bytes, and the memory plan sizes them so.
+Autodiff differentiates the CASTs like any op (a cast's VJP casts the cotangent back), so the
+gradients of float32 parameters arrive in float32.
+
+Pre: `g` verifies, every float tensor is float32. Post: same computation up to bfloat16
+rounding of the values above; graph inputs and outputs keep their types; every elementwise
+node's operands share one dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from titanc.ir import Graph, Op, OpGroup
+
+LOW = "bf16"
+HIGH = "f32"
+
+# ops computed in float32 whatever their operands: sums (norm statistics, softmax
+# denominators, the loss), cumulative sums (gate log-space weights) and logarithms
+# (log-sigmoid gates, the loss's log-sum-exp)
+F32_OPS = frozenset({Op.SUM, Op.CUMSUM, Op.LOG})
+# consumers whose float32 demand reaches back through the elementwise chain that feeds them:
+# cumulative sums and logarithms, and a sum to a scalar (a loss or a total: the per-token
+# losses are float32 too); a norm's or a softmax's row sum reads bf16 terms into a float32
+# accumulator instead
+DEMANDING = frozenset({Op.CUMSUM, Op.LOG})
+
+
+def _demanding(n: Any) -> bool:
+    return n.op in DEMANDING or (n.op is Op.SUM and n.type.shape == ())
+
+
+# ops whose dtype is their data operand's (operand 0)
+FOLLOW = OpGroup.MOVEMENT - {Op.CONCAT}
+
+
+def _f32_demanded(g: Graph, n_carry: int | None) -> set[int]:
+    """Elementwise nodes every user of which computes in float32, so they do too: the
+    prologue of a norm or a softmax, a log-sigmoid gate on its way to a cumsum, the update of
+    a float32 carry (the memory state W, S). A carry output (every output of a top-level
+    graph, `n_carry` None) counts as a float32 user; a scan's ys count as no user."""
+    sinks = {i for k, (_, i) in enumerate(g.outputs) if n_carry is None or k < n_carry}
+    demanded: set[int] = set()
+    for nid in reversed(g.order()):
+        n = g.node(nid)
+        if n.op not in OpGroup.ELEMENTWISE or n.op is Op.CAST:
+            continue
+        users = g.users(nid)
+        if not users and nid not in sinks:
+            continue
+        if all(_demanding(g.node(u)) or u in demanded for u in users):
+            demanded.add(nid)
+    return demanded
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Assign bf16 / float32 to every float tensor and insert the casts (module docstring)."""
+    name: ClassVar[str] = "mixed_precision"
+
+    def __call__(self, g: Graph) -> Graph:
+        return _Rewrite(g).graph
+
+
+class _Rewrite:
+    """`g` rebuilt under the policy. A top-level graph keeps its outputs' types; a scan body
+    (`in_types`: its inputs' new types, by position) keeps its `n_carry` carries' types and
+    leaves its ys in the dtype computed."""
+
+    def __init__(self, g: Graph, in_types: list[Any] | None = None, n_carry: int = 0):
+        self.graph = Graph(g.name)
+        self.env: dict[int, int] = {}
+        self.casts: dict[tuple[int, str], int] = {}
+        self.f32 = _f32_demanded(g, None if in_types is None else n_carry)
+        for k, nid in enumerate(g.inputs):               # positional, as a scan binds them
+            node = g.node(nid)
+            t = in_types[k] if in_types is not None else node.type
+            self.env[nid] = self.graph.add(Op.INPUT, (), node.attr_dict, t)
+        for node in g:
+            if node.op is not Op.INPUT:
+                self.env[node.id] = self._node(node)
+        outs = []
+        for k, (name, i) in enumerate(g.outputs):
+            if in_types is None:
+                want = g.node(i).type.dtype
+            elif k < n_carry:
+                want = self.graph.node(self.graph.inputs[k]).type.dtype
+            else:
+                want = self._dtype(self.env[i])
+            outs.append((name, self._to(self.env[i], want)))
+        self.graph.set_outputs(outs)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _dtype(self, nid: int) -> str:
+        return self.graph.node(nid).type.dtype
+
+    def _to(self, nid: int, dtype: str) -> int:
+        """`nid` (a node of the new graph) as `dtype`: itself, a retyped constant, the input of
+        an exact widening cast, or one (memoised) CAST."""
+        n = self.graph.node(nid)
+        if isinstance(n.type, tuple) or n.type.dtype == dtype or not n.type.is_float:
+            return nid
+        if n.op is Op.FULL:
+            return self.graph.add(Op.FULL, (), {**n.attr_dict, "dtype": dtype})
+        if n.op is Op.EXPAND and self.graph.node(n.inputs[0]).op is Op.FULL:
+            return self.graph.add(Op.EXPAND, (self._to(n.inputs[0], dtype),), n.attr_dict)
+        if n.op is Op.CAST and self._dtype(n.inputs[0]) == dtype and dtype == LOW:
+            return n.inputs[0]                       # bf16 -> f32 -> bf16 is exact
+        key = (nid, dtype)
+        if key not in self.casts:
+            self.casts[key] = self.graph.add(Op.CAST, (nid,), {"dtype": dtype})
+        return self.casts[key]
+
+    def _weak(self, nid: int) -> bool:
+        """A constant scalar (FULL, maybe expanded): it takes its partner's dtype."""
+        n = self.graph.node(nid)
+        while n.op is Op.EXPAND:
+            n = self.graph.node(n.inputs[0])
+        return n.op is Op.FULL and n.attr("shape") == ()
+
+    def _activation(self, ins: list[int]) -> str:
+        """The dtype of an elementwise result that no float32 consumer demands: an activation,
+        bf16 as soon as one operand is a bf16 activation (float32 weights, biases and
+        constants are cast down to meet it), float32 when every operand is float32."""
+        dts = {self._dtype(i) for i in ins if not self._weak(i)} or \
+              {self._dtype(i) for i in ins}
+        if "f64" in dts or not dts & {LOW, HIGH}:
+            return max(dts)                           # not a float32 graph: left alone
+        return LOW if LOW in dts else HIGH
+
+    # -- one node ------------------------------------------------------------------------------
+    def _node(self, node: Any) -> int:
+        ins = [self.env[i] for i in node.inputs]
+        op, add = node.op, self.graph.add_like
+        if op is Op.SCAN:
+            return self._scan(node, ins)
+        if op is Op.CAST or op in OpGroup.SOURCE or op is Op.ITEM or op in FOLLOW:
+            return add(node, ins)
+        if op is Op.AMAX:          # exact in its operand's dtype; the statistic is float32
+            return self._to(add(node, ins), HIGH)
+        if op is Op.EINSUM:
+            return add(node, [self._to(i, LOW) for i in ins])
+        if op in F32_OPS or node.id in self.f32:
+            return add(node, [self._to(i, HIGH) for i in ins])
+        if op in OpGroup.ELEMENTWISE or op is Op.CONCAT:
+            dt = self._activation(ins)
+            return add(node, [self._to(i, dt) for i in ins])
+        raise NotImplementedError(f"mixed precision has no rule for {op.name} (node %{node.id})")
+
+    def _scan(self, node: Any, ins: list[int]) -> int:
+        a = node.attr_dict
+        body: Graph = a["body"]
+        nc, nx_ = a["n_carry"], a["n_xs"]
+        carry_dtypes = [body.node(i).type.dtype for i in body.inputs[:nc]]
+        ins = [self._to(v, carry_dtypes[k]) if k < nc else v for k, v in enumerate(ins)]
+        in_types = []
+        for k, v in enumerate(ins):
+            t = self.graph.node(v).type
+            in_types.append(t if k < nc or k >= nc + nx_
+                            else type(t)(t.shape[1:], t.dtype))
+        new_body = _Rewrite(body, in_types, nc).graph
+        return self.graph.add_like(node, ins, body=new_body)
+
+
+mixed_precision = MixedPrecision()
