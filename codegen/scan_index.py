@@ -11,12 +11,13 @@ from math import prod
 
 from titanc.ir import Graph, Node, Op
 
-__all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_WORKSPACE", "Ref", "ScanFallback",
-           "Scope", "Tile"]
+__all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_UNPACKED", "MAX_WORKSPACE", "Ref",
+           "ScanFallback", "Scope", "Tile"]
 
 MAX_TILE = 4096                 # elements of one register tile (rows x cols of a reduction)
 MAX_CUMSUM = 1024               # longest cumsum axis done as one tl.cumsum
-MAX_WORKSPACE = 1 << 24         # workspace elements per program
+MAX_WORKSPACE = 1 << 24         # workspace elements per program (after liveness packing)
+MAX_UNPACKED = 1 << 28          # workspace buffers per program before packing (emission guard)
 DOT_BLOCK = 64                  # largest M / N / K tile of an einsum
 
 # sigmoid spelled out: the same formula as tl.sigmoid, without a nested @jit call (which
@@ -112,9 +113,6 @@ def _bcast(coords: list[str], out_shape: tuple[int, ...], shape: tuple[int, ...]
     return [coords[off + j] if d == out_shape[off + j] else "0" for j, d in enumerate(shape)]
 
 
-
-def _tile_zero(shape: str) -> str:
-    return f"tl.zeros({shape}, dtype=tl.int64)"
 
 @dataclass
 class Tile:

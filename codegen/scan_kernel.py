@@ -47,7 +47,7 @@ from titanc.ir import Graph, Node, Op
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, is_immediate
 
-from .meta import compute_dtype, dot_precision
+from .meta import compute_dtype, dot_precision, needs_int64
 from .render import render, sanitize_identifier
 from .scan_index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
 from .scan_stages import _ScanGen
@@ -57,6 +57,11 @@ __all__ = ["MAX_SERIAL", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKerne
 
 MAX_WORKSPACE_TOTAL = 1 << 26   # workspace elements of all programs
 MAX_SERIAL = 1 << 22            # workspace elements of a one-program (serial) scan kernel
+NUM_WARPS = 4
+# No software pipelining: every loop of a scan kernel is short or reads the workspace its
+# previous stage wrote, and pipelined loads multiply shared memory (tiny.yaml's layer scan:
+# 174 KiB at 3 stages, above A100's 163 KiB; 32 KiB at 1).
+NUM_STAGES = 1
 
 
 @dataclass(frozen=True)
@@ -167,11 +172,16 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
             outputs.append(k)
     if p and not any(sc.pax.get(v) is not None for v in n.inputs[:nc]):
         raise _PaxError(f"no carry has the leading axes {list(prefix)}")
+    # the workspace stays under MAX_WORKSPACE_TOTAL < 2**31: only the tensors decide
+    em.index = "tl.int64" if needs_int64(*(prod(g.node(n.inputs[i]).type.shape)
+                                           for i in inputs),
+                                         *(prod(top[k].shape) for k in outputs)) else "tl.int32"
     em.scan_loop(sc, n, top)
-    if em.shared * 2 > em.ws and prod(prefix) > 1:
+    if em.shared * 2 > sum(em.sizes) and prod(prefix) > 1:
         raise _PaxError(f"with independent axes {list(prefix)} most of the work "
-                        f"({em.shared} of {em.ws} workspace elements) would be repeated by "
-                        "every program")
+                        f"({em.shared} of {sum(em.sizes)} workspace elements) would be "
+                        "repeated by every program")
+    em.pack()
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
         raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
                         f"{MAX_WORKSPACE_TOTAL}")
@@ -191,7 +201,8 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
               f"independent axes {list(prefix)}; {em.stages} stages"]
     source = render("scan.py.jinja", name=name, header_lines=header, tensors=tensors,
                     strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
-                    grid=prod(prefix), num_warps=4)
+                    grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,
+                    num_stages=NUM_STAGES)
     return ScanKernel(name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
                       tuple(outputs), tuple(em.tables), em.stages)
 
