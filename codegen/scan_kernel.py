@@ -52,16 +52,21 @@ from .render import render, sanitize_identifier
 from .scan_index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
 from .scan_stages import _ScanGen
 
-__all__ = ["MAX_SERIAL", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
+__all__ = ["MAX_SERIAL", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
            "render_scan"]
 
 MAX_WORKSPACE_TOTAL = 1 << 26   # workspace elements of all programs
 MAX_SERIAL = 1 << 22            # workspace elements of a one-program (serial) scan kernel
+MAX_STAGES = 256                # stages of one scan kernel (compile time and registers grow)
 NUM_WARPS = 4
 # No software pipelining: every loop of a scan kernel is short or reads the workspace its
 # previous stage wrote, and pipelined loads multiply shared memory (tiny.yaml's layer scan:
 # 174 KiB at 3 stages, above A100's 163 KiB; 32 KiB at 1).
 NUM_STAGES = 1
+
+
+class _TooLong(ScanFallback):
+    """More stages than one kernel should hold (compile time and registers grow with them)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,9 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
         sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32)
     except _PaxError as e:
         raise ScanFallback(f"no independent leading axes ({why}); serial: {e}") from None
+    except _TooLong as e:
+        raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel would "
+                           f"have {e}") from None
     if sk.ws_per_program > MAX_SERIAL:
         raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel "
                            f"would need {sk.ws_per_program} > {MAX_SERIAL} workspace elements")
@@ -181,6 +189,9 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
         raise _PaxError(f"with independent axes {list(prefix)} most of the work "
                         f"({em.shared} of {sum(em.sizes)} workspace elements) would be "
                         "repeated by every program")
+    if em.stages > MAX_STAGES:
+        raise _TooLong(f"{em.stages} > {MAX_STAGES} stages (its inner scans become kernels "
+                       "of their own)")
     em.pack()
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
         raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
@@ -198,7 +209,9 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
                    else f"pc{i} = pid % {prefix[i]}")
     header = [f"{name}: scan kernel of graph {g.name}", f"spec: {spec_path or '(none)'}",
               f"scan %{n.id}: length {n.attr('length')}, {nc} carries, {nx} xs; grid over the "
-              f"independent axes {list(prefix)}; {em.stages} stages"]
+              f"independent axes {list(prefix)}; {em.stages} stages",
+              f"workspace: {em.ws} elements per program, liveness-packed from "
+              f"{sum(em.sizes)}"]
     source = render("scan.py.jinja", name=name, header_lines=header, tensors=tensors,
                     strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
                     grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,

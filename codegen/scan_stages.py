@@ -6,7 +6,8 @@ nested scan as a loop with ping-pong carry slots, and the top-level scan's outpu
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from titanc.ir import Graph, Node, Op, OpGroup
 
@@ -31,6 +32,7 @@ class _ScanGen(_Emitter):
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         self.carry_pax: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.grouped = False
         self.precision = '"ieee"'
 
     def full_coords(self, local: list[str], shape: tuple[int, ...],
@@ -52,8 +54,23 @@ class _ScanGen(_Emitter):
             self.depth -= 1
 
     def barrier(self) -> None:
+        if self.grouped:
+            return
         self.line("tl.debug_barrier()")
         self.stages += 1
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        """Stages that touch disjoint storage (the carries' copies, the ys) as one stage:
+        a single barrier after the last."""
+        outer, self.grouped = self.grouped, True
+        start = len(self.lines)
+        try:
+            yield
+        finally:
+            self.grouped = outer
+        if len(self.lines) > start:
+            self.barrier()
 
     # -- stages -----------------------------------------------------------------------------------
     def pointwise_stage(self, label: str, shape: tuple[int, ...], pax: tuple[int, ...] | None,
@@ -63,7 +80,7 @@ class _ScanGen(_Emitter):
         self.line(f"# {sanitize_comment(label)}")
         L = _local(shape, pax)
         N = prod(L)
-        B = min(pow2(N, 16), 1024)
+        B = min(pow2(N, 16), MAX_TILE)
         o = self._open_loop(self.fresh("o"), N, B)
         ix = self.let(f"{o} + tl.arange(0, {B}).to({self.index})" if o != "0"
                       else f"tl.arange(0, {B}).to({self.index})", "i")
@@ -154,7 +171,7 @@ class _ScanGen(_Emitter):
         Rn = prod(xs[i] for i in axes)
         if n.op is Op.CUMSUM and Rn > MAX_CUMSUM:
             raise ScanFallback(f"%{n.id}: cumsum over {Rn} > {MAX_CUMSUM} elements")
-        BR = pow2(Rn, 2) if n.op is Op.CUMSUM else min(pow2(Rn, 2), 1024)
+        BR = pow2(Rn, 2) if n.op is Op.CUMSUM else min(pow2(Rn, 2), MAX_TILE)
         BO = max(2, min(pow2(O, 2), MAX_TILE // BR))
         self.line(f"# %{n.id} = {n.op.name.lower()}: {O} rows of {Rn}")
         o = self._open_loop(self.fresh("o"), O, BO)
@@ -289,16 +306,17 @@ class _ScanGen(_Emitter):
         slots = []
         self.line(f"# scan %{n.id}: {L} iterations{', reversed' if a['reverse'] else ''}, "
                   f"{nc} carries")
-        for k in range(nc):                           # carries: two slots each, init -> slot 0
-            shape = body.node(ins[k]).type.shape
-            q = self.carry_pax.get((n.id, k), sc.pax.get(n.inputs[k]))
-            size = -(-prod(_local(shape, q)) // 16) * 16
-            off = self.alloc(2 * size)
-            slots.append((off, size, q, shape))
-            self.copy(f"carry {k} of %{n.id}: initial value", sc, n.inputs[k], shape, q,
-                      Ref("ws", shape, q, base=off))
-            bsc.refs[ins[k]] = Ref("ws", shape, q, base=f"{off} + ({it} % 2) * {size}")
-            bsc.pax[ins[k]] = q
+        with self.group():
+            for k in range(nc):                           # carries: two slots each, init -> slot 0
+                shape = body.node(ins[k]).type.shape
+                q = self.carry_pax.get((n.id, k), sc.pax.get(n.inputs[k]))
+                size = -(-prod(_local(shape, q)) // 16) * 16
+                off = self.alloc(2 * size)
+                slots.append((off, size, q, shape))
+                self.copy(f"carry {k} of %{n.id}: initial value", sc, n.inputs[k], shape, q,
+                          Ref("ws", shape, q, base=off))
+                bsc.refs[ins[k]] = Ref("ws", shape, q, base=f"{off} + ({it} % 2) * {size}")
+                bsc.pax[ins[k]] = q
         for j in range(nx):                           # xs: the stacked operand at t
             v = n.inputs[nc + j]
             q = sc.pax.get(v)
@@ -322,37 +340,39 @@ class _ScanGen(_Emitter):
                 if q is None:
                     raise _Redo(n.id, k, qo)
                 raise _PaxError(f"carry {k} of scan %{n.id} moves the independent axes")
-        items: dict[int, Ref] = {}
-        for k, v in enumerate(outs[nc:], start=nc):   # ys: into their slice at t
-            qo = bsc.pax.get(v)
-            shape = body.node(v).type.shape
-            if top is not None:
-                if k in top:
-                    self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, top[k], (t,),
-                              guard=qo is None)
-                continue
-            stacked = (L,) + shape
-            qs = tuple(x + 1 for x in qo) if qo is not None else None
-            dest = self.local_ref(stacked, qs)
-            self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, dest, (t,))
-            items[k] = dest
-        for k, v in enumerate(outs[:nc]):             # next carry into the other slot
-            off, size, q, shape = slots[k]
-            self.copy(f"carry {k} of %{n.id}: next", bsc, v, shape, q,
-                      Ref("ws", shape, q, base=f"{off} + (({it} + 1) % 2) * {size}"))
+        with self.group():          # the ys at t, the next carries
+            items: dict[int, Ref] = {}
+            for k, v in enumerate(outs[nc:], start=nc):   # ys: into their slice at t
+                qo = bsc.pax.get(v)
+                shape = body.node(v).type.shape
+                if top is not None:
+                    if k in top:
+                        self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, top[k], (t,),
+                                  guard=qo is None)
+                    continue
+                stacked = (L,) + shape
+                qs = tuple(x + 1 for x in qo) if qo is not None else None
+                dest = self.local_ref(stacked, qs)
+                self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, dest, (t,))
+                items[k] = dest
+            for k, v in enumerate(outs[:nc]):             # next carry into the other slot
+                off, size, q, shape = slots[k]
+                self.copy(f"carry {k} of %{n.id}: next", bsc, v, shape, q,
+                          Ref("ws", shape, q, base=f"{off} + (({it} + 1) % 2) * {size}"))
         self.depth -= 1
         self.loop_depth -= 1
-        for k in range(nc):
-            off, size, q, shape = slots[k]
-            final = Ref("ws", shape, q, base=f"{off} + {(L % 2) * size}")
-            if top is not None:
-                if k in top:
-                    self.pointwise_stage(
-                        f"final carry {k} of %{n.id}", shape, q, top[k], (),
-                        lambda sec, c, final=final: self._ref_value(sec, final, c),
-                        guard=q is None)
-            else:
-                items[k] = final
+        with self.group():
+            for k in range(nc):
+                off, size, q, shape = slots[k]
+                final = Ref("ws", shape, q, base=f"{off} + {(L % 2) * size}")
+                if top is not None:
+                    if k in top:
+                        self.pointwise_stage(
+                            f"final carry {k} of %{n.id}", shape, q, top[k], (),
+                            lambda sec, c, final=final: self._ref_value(sec, final, c),
+                            guard=q is None)
+                else:
+                    items[k] = final
         if top is None:
             for u in sc.g.users(n.id):
                 un = sc.g.node(u)

@@ -14,9 +14,9 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 
 from .expr import format_number
+from .scan_index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS,
+                         _PaxError, _bcast, _delin, _lin, _local, _sum)
 from .scan_pack import pack, wsoff
-from .scan_index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS, _PaxError,
-                         _bcast, _delin, _lin, _local, _sum)
 
 class _Emitter:
     """Emits the kernel body: lines with indentation, fresh names, workspace offsets."""
