@@ -38,6 +38,11 @@ class _PaxError(ScanFallback):
     """The candidate independent axes are mixed somewhere (try a shorter prefix)."""
 
 
+class _TooBig(_PaxError):
+    """This choice of independent / shared operands needs too large a workspace (another
+    choice may not: operands read whole by every program make whole-size values)."""
+
+
 # -- references: where a value lives --------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ from .scan_stages import _ScanGen
 __all__ = ["MAX_SERIAL", "MAX_SERIAL_NESTING", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
            "render_scan"]
 
-MAX_WORKSPACE_TOTAL = 1 << 26   # workspace elements of all programs
+MAX_WORKSPACE_TOTAL = 1 << 27   # workspace elements of all programs (one workspace per executor)
 MAX_SERIAL = 1 << 22            # workspace elements of a one-program (serial) scan kernel
 # A serial kernel runs on one SM: it may hold one level of nested scans (a MAC segment's
 # backward and its memory chunks), not a layer's worth (whose inner scans have grids of their

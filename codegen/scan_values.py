@@ -15,7 +15,7 @@ from titanc.ir.elementwise import ELEMENTWISE
 
 from .expr import format_number
 from .scan_index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS,
-                         _PaxError, _bcast, _delin, _lin, _local, _sum)
+                         _PaxError, _TooBig, _bcast, _delin, _lin, _local, _sum)
 from .scan_pack import pack, wsoff
 
 class _Emitter:
@@ -58,8 +58,8 @@ class _Emitter:
         assigns the address once every lifetime is known)."""
         self.sizes.append(-(-max(numel, 1) // 16) * 16)
         if sum(self.sizes) > MAX_UNPACKED:
-            raise ScanFallback(f"workspace buffers of more than {MAX_UNPACKED} elements per "
-                               "program before packing")
+            raise _TooBig(f"workspace buffers of more than {MAX_UNPACKED} elements per "
+                          "program before packing")
         return wsoff(len(self.sizes) - 1)
 
     def zero_tile(self, shape: str) -> str:
@@ -70,8 +70,8 @@ class _Emitter:
         """Give buffers with disjoint lifetimes the same addresses (`scan_pack`)."""
         self.lines, self.ws = pack(self.lines, self.sizes)
         if self.ws > MAX_WORKSPACE:
-            raise ScanFallback(f"a packed workspace of {self.ws} > {MAX_WORKSPACE} elements "
-                               "per program")
+            raise _TooBig(f"a packed workspace of {self.ws} > {MAX_WORKSPACE} elements "
+                          "per program")
 
     # -- pax analysis -------------------------------------------------------------------------------
     def pax_of(self, sc: Scope, n: Node) -> tuple[int, ...] | None:

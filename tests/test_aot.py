@@ -4,8 +4,9 @@ its wheel), and offsets turn int64 where a tensor reaches 2**31 elements.
 
 Budgets asserted on every compiled kernel: shared memory within the architecture's
 per-block limit (`aot.SHARED_LIMIT`), at most SPILL_BUDGET bytes of register spill stores per
-thread (SCAN_SPILL_BUDGET for scan kernels), and tensor-core instructions (`mma` on sm_80,
-`wgmma` on sm_90) in the PTX of every matmul-family kernel when tf32 is allowed. The fast
+thread (SCAN_SPILL_BUDGET for scan kernels, SERIAL_SPILL_BUDGET for one-program ones), and
+tensor-core instructions (`mma` on sm_80, `wgmma` on sm_90) in the PTX of every
+matmul-family kernel when tf32 is allowed. The fast
 tier (tiny.yaml, float32 + tf32, scan kernels included) runs in `make test`;
 TITANC_AOT_FULL=1 adds every tiny example (the numbers are in the README's "targets" section).
 Compiled results are cached on disk by `codegen.aot`, so a second run compiles nothing.
@@ -13,6 +14,8 @@ Compiled results are cached on disk by `codegen.aot`, so a second run compiles n
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorated: set first
 
 import pytest
 import torch
@@ -31,7 +34,8 @@ from titanc.spec import load_spec
 from .conftest import EXAMPLES
 
 SPILL_BUDGET = 256        # bytes of spill stores per thread, non-scan kernels
-SCAN_SPILL_BUDGET = 1024  # the same for scan kernels (hundreds of stages in one program)
+SCAN_SPILL_BUDGET = 2048  # the same for scan kernels with a grid (tens of stages, one program)
+SERIAL_SPILL_BUDGET = 8192  # one-program scan kernels (a MAC segment's backward: 200+ stages)
 ARCHS = (80, 90)
 
 
@@ -57,7 +61,8 @@ def _check(results: list[dict], tensor_cores: bool) -> None:
         where = f"{r['name']} sm_{r['arch']}"
         assert r["shared"] <= aot.SHARED_LIMIT[r["arch"]], (where, r["shared"])
         assert r["registers"] is not None, f"{where}: no ptxas -v report"
-        budget = SCAN_SPILL_BUDGET if r["scan"] else SPILL_BUDGET
+        budget = (SERIAL_SPILL_BUDGET if r["serial"] else SCAN_SPILL_BUDGET if r["scan"]
+                  else SPILL_BUDGET)
         assert r["spill_bytes"] <= budget, (where, r["spill_bytes"])
         if tensor_cores and r["matmul"]:
             assert r["mma"], f"{where}: no mma in its PTX"
