@@ -70,6 +70,11 @@ class Launch:
         return "scan kernel of graph" in self.source
 
     @property
+    def is_serial(self) -> bool:
+        """A one-program scan kernel (no independent axes)."""
+        return self.is_scan and re.search(r"^GRID = 1\b", self.source, re.M) is not None
+
+    @property
     def is_matmul(self) -> bool:
         """The matmul family (per-architecture tiles, `tl.dot` at the graph's precision)."""
         return "def tiles_for(" in self.source
@@ -212,14 +217,17 @@ def compile_all(launches: Iterable[Launch], archs: Iterable[int], jobs: int = 1
     started without TRITON_INTERPRET (the caller may be an interpreter process)."""
     import multiprocessing as mp
 
+    launches = list(launches)
     items = [(asdict(l), a) for l in launches for a in archs]
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
         with mp.get_context("spawn").Pool(max(1, jobs)) as pool:
-            return pool.map(_compile_one, items, chunksize=1)
+            results = pool.map(_compile_one, items, chunksize=1)
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
+    serial = [l.is_serial for l in launches for _ in archs]
+    return [r | {"serial": s} for r, s in zip(results, serial)]
 
 
 def _main(argv: list[str]) -> int:

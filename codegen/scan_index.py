@@ -11,13 +11,17 @@ from math import prod
 
 from titanc.ir import Graph, Node, Op
 
-__all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_WORKSPACE", "Ref", "ScanFallback",
-           "Scope", "Tile"]
+__all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_UNPACKED", "MAX_WORKSPACE", "Ref",
+           "ScanFallback", "Scope", "Tile"]
 
-MAX_TILE = 4096                 # elements of one register tile (rows x cols of a reduction)
+# Tile caps sized for registers on sm_80 / sm_90 at 4 warps (tiny.yaml's layer scan at
+# 4096-element tiles and 64^3 dots: 255 registers and 1.6 KB of spills per thread; at these
+# caps a third of that)
+MAX_TILE = 1024                 # elements of one register tile (pointwise, reduction)
 MAX_CUMSUM = 1024               # longest cumsum axis done as one tl.cumsum
-MAX_WORKSPACE = 1 << 24         # workspace elements per program
-DOT_BLOCK = 64                  # largest M / N / K tile of an einsum
+MAX_WORKSPACE = 1 << 24         # workspace elements per program (after liveness packing)
+MAX_UNPACKED = 1 << 28          # workspace buffers per program before packing (emission guard)
+DOT_BLOCK = 32                  # largest M / N / K tile of an einsum
 
 # sigmoid spelled out: the same formula as tl.sigmoid, without a nested @jit call (which
 # costs the interpreter a re-patch of triton.language per call)
@@ -32,6 +36,11 @@ class ScanFallback(Exception):
 
 class _PaxError(ScanFallback):
     """The candidate independent axes are mixed somewhere (try a shorter prefix)."""
+
+
+class _TooBig(_PaxError):
+    """This choice of independent / shared operands needs too large a workspace (another
+    choice may not: operands read whole by every program make whole-size values)."""
 
 
 # -- references: where a value lives --------------------------------------------------------------
@@ -112,9 +121,6 @@ def _bcast(coords: list[str], out_shape: tuple[int, ...], shape: tuple[int, ...]
     return [coords[off + j] if d == out_shape[off + j] else "0" for j, d in enumerate(shape)]
 
 
-
-def _tile_zero(shape: str) -> str:
-    return f"tl.zeros({shape}, dtype=tl.int64)"
 
 @dataclass
 class Tile:

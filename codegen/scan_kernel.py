@@ -15,12 +15,20 @@ the causal mask table, shared weights) is computed whole in every program and re
 coordinates. Each program runs the whole loop for its slice.
 
 Storage. Each program owns a region of a global workspace (`ws`, `WS` elements per program):
-every computed body value has a fixed offset there (contiguous over its local shape), carries
+every computed body value is a buffer there (contiguous over its local shape), carries
 ping-pong between two slots (`it % 2`), xs are read straight from the stacked inputs at
-iteration `t`, ys are written straight into their slice of the stacked outputs. Views
-(reshape, permute, expand, slice, pad, concat) cost nothing: they are index arithmetic on the
-loads of their consumers, and single-use elementwise nodes are inlined into their consumer's
-expression. `tl.debug_barrier()` separates stages that talk through the workspace.
+iteration `t`, ys are written straight into their slice of the stacked outputs. Buffers get
+symbolic offsets while the kernel is emitted; `scan_pack` then liveness-packs them (buffers
+whose stage lifetimes, widened over loops, do not meet share addresses). Views (reshape,
+permute, expand, slice, pad, concat) cost nothing: they are index arithmetic on the loads of
+their consumers, and single-use elementwise nodes are inlined into their consumer's
+expression. `tl.debug_barrier()` separates stages that talk through the workspace; the
+copies of a loop's carries and ys touch disjoint storage and share one barrier.
+
+GPU fit. Index tiles are int32 unless a tensor reaches 2**31 elements (the workspace never
+does: `MAX_WORKSPACE_TOTAL`); tiles hold at most `MAX_TILE` elements and dots `DOT_BLOCK`^3
+(registers at 4 warps); no software pipelining (`NUM_STAGES = 1`: pipelined loads multiplied
+shared memory past A100's limit). `codegen/aot.py` compiles them for sm_80 and sm_90.
 
 Stages. Elementwise nodes (and copies) are tile expressions over the flat local index;
 einsums are `tl.dot` on [M, K] x [K, N] tiles (padded to powers of two >= 16, masked, letters
@@ -30,12 +38,15 @@ carries are slots of the same workspace). MASK and ROPE tables are computed once
 (`tables`) and passed in.
 
 A scan with no independent axes becomes a one-program ("serial") kernel when its workspace is
-at most `MAX_SERIAL` elements. Anything else (TAKE, INDEX_ADD, integer casts, a larger scan
-without independent axes, tiles or a workspace beyond the caps) raises `ScanFallback` with the
-reason; the executor then keeps the host loop and reports the reason.
+at most `MAX_SERIAL` elements and its body nests at most `MAX_SERIAL_NESTING` levels of
+scans. No kernel holds more than `MAX_STAGES` stages. Anything else (TAKE, INDEX_ADD, integer
+casts, a larger scan without independent axes, tiles or a workspace beyond the caps) raises
+`ScanFallback` with the reason; the executor then keeps the host loop (whose body's scans
+are kernels of their own) and reports the reason.
 
 Modules: `scan_index` (references, coordinates), `scan_values` (the independence analysis and
-values at coordinates), `scan_stages` (stages and loops), this one (the kernel and its launch).
+values at coordinates), `scan_stages` (stages and loops), `scan_pack` (workspace liveness),
+this one (the kernel and its launch).
 """
 from __future__ import annotations
 
@@ -50,16 +61,30 @@ from titanc.ir.tables import mask_table, rope_table
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, is_immediate
 
-from .meta import compute_dtype, dot_precision
+from .meta import compute_dtype, dot_precision, needs_int64
 from .render import render, sanitize_identifier
 from .scan_index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
 from .scan_stages import _ScanGen
 
-__all__ = ["MAX_SERIAL", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
+__all__ = ["MAX_SERIAL", "MAX_SERIAL_NESTING", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
            "render_scan"]
 
-MAX_WORKSPACE_TOTAL = 1 << 26   # workspace elements of all programs
+MAX_WORKSPACE_TOTAL = 1 << 27   # workspace elements of all programs (one workspace per executor)
 MAX_SERIAL = 1 << 22            # workspace elements of a one-program (serial) scan kernel
+# A serial kernel runs on one SM: it may hold one level of nested scans (a MAC segment's
+# backward and its memory chunks), not a layer's worth (whose inner scans have grids of their
+# own). Decided from the body's structure, so it does not change with seq_len.
+MAX_SERIAL_NESTING = 1
+MAX_STAGES = 256                # stages of one scan kernel (compile time and registers grow)
+NUM_WARPS = 4
+# No software pipelining: every loop of a scan kernel is short or reads the workspace its
+# previous stage wrote, and pipelined loads multiply shared memory (tiny.yaml's layer scan:
+# 174 KiB at 3 stages, above A100's 163 KiB; 32 KiB at 1).
+NUM_STAGES = 1
+
+
+class _TooLong(ScanFallback):
+    """More stages than one kernel should hold (compile time and registers grow with them)."""
 
 
 @dataclass(frozen=True)
@@ -126,14 +151,27 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                                shared, allow_tf32)
             except _PaxError as e:
                 why = str(e)
+    depth = _nesting(n.attr("body"))
+    if depth > MAX_SERIAL_NESTING:
+        raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel would "
+                           f"nest {depth} levels of scans (> {MAX_SERIAL_NESTING}): its inner "
+                           "scans become kernels of their own")
     try:                             # one program for the whole scan, when that is small
         sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32)
     except _PaxError as e:
         raise ScanFallback(f"no independent leading axes ({why}); serial: {e}") from None
+    except _TooLong as e:
+        raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel would "
+                           f"have {e}") from None
     if sk.ws_per_program > MAX_SERIAL:
         raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel "
                            f"would need {sk.ws_per_program} > {MAX_SERIAL} workspace elements")
     return replace(sk, serial=f"no independent leading axes ({why})")
+
+
+def _nesting(body: Graph) -> int:
+    """Levels of scans nested in `body` (0: none)."""
+    return max((1 + _nesting(m.attr("body")) for m in body if m.op is Op.SCAN), default=0)
 
 
 def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
@@ -176,11 +214,19 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
             outputs.append(k)
     if p and not any(sc.pax.get(v) is not None for v in n.inputs[:nc]):
         raise _PaxError(f"no carry has the leading axes {list(prefix)}")
+    # the workspace stays under MAX_WORKSPACE_TOTAL < 2**31: only the tensors decide
+    em.index = "tl.int64" if needs_int64(*(prod(g.node(n.inputs[i]).type.shape)
+                                           for i in inputs),
+                                         *(prod(top[k].shape) for k in outputs)) else "tl.int32"
     em.scan_loop(sc, n, top)
-    if em.shared * 2 > em.ws and prod(prefix) > 1:
+    if em.shared * 2 > sum(em.sizes) and prod(prefix) > 1:
         raise _PaxError(f"with independent axes {list(prefix)} most of the work "
-                        f"({em.shared} of {em.ws} workspace elements) would be repeated by "
-                        "every program")
+                        f"({em.shared} of {sum(em.sizes)} workspace elements) would be "
+                        "repeated by every program")
+    if em.stages > MAX_STAGES:
+        raise _TooLong(f"{em.stages} > {MAX_STAGES} stages (its inner scans become kernels "
+                       "of their own)")
+    em.pack()
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
         raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
                         f"{MAX_WORKSPACE_TOTAL}")
@@ -197,10 +243,13 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
                    else f"pc{i} = pid % {prefix[i]}")
     header = [f"{name}: scan kernel of graph {g.name}", f"spec: {spec_path or '(none)'}",
               f"scan %{n.id}: length {n.attr('length')}, {nc} carries, {nx} xs; grid over the "
-              f"independent axes {list(prefix)}; {em.stages} stages"]
+              f"independent axes {list(prefix)}; {em.stages} stages",
+              f"workspace: {em.ws} elements per program, liveness-packed from "
+              f"{sum(em.sizes)}"]
     source = render("scan.py.jinja", name=name, header_lines=header, tensors=tensors,
                     strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
-                    grid=prod(prefix), num_warps=4)
+                    grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,
+                    num_stages=NUM_STAGES)
     return ScanKernel(name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
                       tuple(outputs), tuple(em.tables), em.stages)
 

@@ -6,14 +6,15 @@ nested scan as a loop with ping-pong carry slots, and the top-level scan's outpu
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from titanc.ir import Graph, Node, Op, OpGroup
 
 from .meta import pow2
 from .render import sanitize_comment
 from .scan_index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
-                         _PaxError, _delin, _local, _tile_zero)
+                         _PaxError, _delin, _local)
 from .scan_values import _Emitter
 
 
@@ -31,6 +32,7 @@ class _ScanGen(_Emitter):
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
         self.carry_pax: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.grouped = False
         self.precision = '"ieee"'
 
     def full_coords(self, local: list[str], shape: tuple[int, ...],
@@ -52,8 +54,23 @@ class _ScanGen(_Emitter):
             self.depth -= 1
 
     def barrier(self) -> None:
+        if self.grouped:
+            return
         self.line("tl.debug_barrier()")
         self.stages += 1
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        """Stages that touch disjoint storage (the carries' copies, the ys) as one stage:
+        a single barrier after the last."""
+        outer, self.grouped = self.grouped, True
+        start = len(self.lines)
+        try:
+            yield
+        finally:
+            self.grouped = outer
+        if len(self.lines) > start:
+            self.barrier()
 
     # -- stages -----------------------------------------------------------------------------------
     def pointwise_stage(self, label: str, shape: tuple[int, ...], pax: tuple[int, ...] | None,
@@ -63,11 +80,11 @@ class _ScanGen(_Emitter):
         self.line(f"# {sanitize_comment(label)}")
         L = _local(shape, pax)
         N = prod(L)
-        B = min(pow2(N, 16), 1024)
+        B = min(pow2(N, 16), MAX_TILE)
         o = self._open_loop(self.fresh("o"), N, B)
-        ix = self.let(f"{o} + tl.arange(0, {B}).to(tl.int64)" if o != "0"
-                      else f"tl.arange(0, {B}).to(tl.int64)", "i")
-        z = self.let(_tile_zero(f"[{B}]"), "z")
+        ix = self.let(f"{o} + tl.arange(0, {B}).to({self.index})" if o != "0"
+                      else f"tl.arange(0, {B}).to({self.index})", "i")
+        z = self.let(self.zero_tile(f"[{B}]"), "z")
         m = self.let(f"({ix} < {N})" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
         local = _delin(ix, L)
         sec = Tile(m, z, vars=(ix,), flat=(ix, L, tuple(local)))
@@ -110,12 +127,12 @@ class _ScanGen(_Emitter):
             self.depth += 1
         m0 = self._open_loop(self.fresh("m"), M, BM)
         n0 = self._open_loop(self.fresh("n"), N, BN)
-        rm = self.let(f"({m0} + tl.arange(0, {BM}).to(tl.int64))[:, None]", "rm")
-        rn = self.let(f"({n0} + tl.arange(0, {BN}).to(tl.int64))[None, :]", "rn")
+        rm = self.let(f"({m0} + tl.arange(0, {BM}).to({self.index}))[:, None]", "rm")
+        rn = self.let(f"({n0} + tl.arange(0, {BN}).to({self.index}))[None, :]", "rn")
         acc = self.let(f"tl.zeros([{BM}, {BN}], dtype={self.cd})", "acc")
         k0 = self._open_loop(self.fresh("k"), K, BK)
-        ka = self.let(f"({k0} + tl.arange(0, {BK}).to(tl.int64))[None, :]", "ka")
-        kb = self.let(f"({k0} + tl.arange(0, {BK}).to(tl.int64))[:, None]", "kb")
+        ka = self.let(f"({k0} + tl.arange(0, {BK}).to({self.index}))[None, :]", "ka")
+        kb = self.let(f"({k0} + tl.arange(0, {BK}).to({self.index}))[:, None]", "kb")
         base = {**pref, **letters(batch, zb)}
         tiles = []
         for t, v, rows, cols, rdim, cdim, rsz, csz in (
@@ -123,14 +140,14 @@ class _ScanGen(_Emitter):
             lmap = {**base, **letters(rdim, rows), **letters(cdim, cols)}
             mask = self.let(f"({rows} < {rsz}) & ({cols} < {csz})", "m")
             shape = f"[{BM if t == ta else BK}, {BK if t == ta else BN}]"
-            sec = Tile(mask, self.let(_tile_zero(shape), "z"), vars=(rows, cols))
+            sec = Tile(mask, self.let(self.zero_tile(shape), "z"), vars=(rows, cols))
             x = self.value(sec, sc, v, [lmap[ch] for ch in t])
             tiles.append(self.masked(x, mask, shape))
         self.line(f"{acc} += tl.dot({tiles[0]}, {tiles[1]}, input_precision={self.precision})")
         self._close(k0)
         lmap = {**base, **letters(ms, rm), **letters(ns, rn)}
         mask = self.let(f"({rm} < {M}) & ({rn} < {N})", "m")
-        sec = Tile(mask, self.let(_tile_zero(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
+        sec = Tile(mask, self.let(self.zero_tile(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
         self.line(f"tl.store({self.ptr(sec, dest, [lmap[ch] for ch in out])}, {acc}, "
                   f"mask={mask})")
         self._close(n0)
@@ -154,11 +171,11 @@ class _ScanGen(_Emitter):
         Rn = prod(xs[i] for i in axes)
         if n.op is Op.CUMSUM and Rn > MAX_CUMSUM:
             raise ScanFallback(f"%{n.id}: cumsum over {Rn} > {MAX_CUMSUM} elements")
-        BR = pow2(Rn, 2) if n.op is Op.CUMSUM else min(pow2(Rn, 2), 1024)
+        BR = pow2(Rn, 2) if n.op is Op.CUMSUM else min(pow2(Rn, 2), MAX_TILE)
         BO = max(2, min(pow2(O, 2), MAX_TILE // BR))
         self.line(f"# %{n.id} = {n.op.name.lower()}: {O} rows of {Rn}")
         o = self._open_loop(self.fresh("o"), O, BO)
-        ix = self.let(f"({o} + tl.arange(0, {BO}).to(tl.int64))[:, None]", "r")
+        ix = self.let(f"({o} + tl.arange(0, {BO}).to({self.index}))[:, None]", "r")
         jx_ = self.fresh("j")
         row_c = dict(zip(rloc, _delin(ix, tuple(xs[i] for i in rloc))))
 
@@ -171,9 +188,9 @@ class _ScanGen(_Emitter):
 
         rmask = f"({ix} < {O})"
         if n.op is Op.CUMSUM:
-            jx = self.let(f"tl.arange(0, {BR}).to(tl.int64)[None, :]", "j")
+            jx = self.let(f"tl.arange(0, {BR}).to({self.index})[None, :]", "j")
             mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
-            sec = Tile(mask, self.let(_tile_zero(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
+            sec = Tile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))
             y = self.let(f"tl.cumsum({self.masked(v, mask, f'[{BO}, {BR}]')}, axis=1)", "y")
             self.line(f"tl.store({self.ptr(sec, dest, in_coords(jx))}, {y}, mask={mask})")
@@ -182,9 +199,9 @@ class _ScanGen(_Emitter):
             fill = 'float("-inf")' if is_max else "0.0"
             acc = self.let(f"tl.full([{BO}, {BR}], {fill}, dtype={self.cd})", "acc")
             r0 = self._open_loop(self.fresh("c"), Rn, BR)
-            jx = self.let(f"({r0} + tl.arange(0, {BR}).to(tl.int64))[None, :]", jx_)
+            jx = self.let(f"({r0} + tl.arange(0, {BR}).to({self.index}))[None, :]", jx_)
             mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
-            sec = Tile(mask, self.let(_tile_zero(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
+            sec = Tile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))
             v = self.masked(v, mask, f"[{BO}, {BR}]", fill)
             self.line(f"{acc} = tl.maximum({acc}, {v})" if is_max else f"{acc} += {v}")
@@ -194,7 +211,7 @@ class _ScanGen(_Emitter):
             oc = in_coords("0")
             out_c = ([oc[i] for i in range(len(xs))] if n.attr("keepdim")
                      else [oc[i] for i in kept])
-            sec = Tile(rmask, self.let(_tile_zero(f"[{BO}, 1]"), "z"), vars=(ix,))
+            sec = Tile(rmask, self.let(self.zero_tile(f"[{BO}, 1]"), "z"), vars=(ix,))
             self.line(f"tl.store({self.ptr(sec, dest, out_c)}, {red}, mask={rmask})")
         self._close(o)
         self.barrier()
@@ -206,7 +223,7 @@ class _ScanGen(_Emitter):
     def local_ref(self, shape: tuple[int, ...], pax: tuple[int, ...] | None) -> Ref:
         if pax is None and self.p:
             self.shared += prod(shape)
-        return Ref("ws", shape, pax, base=str(self.alloc(prod(_local(shape, pax)))))
+        return Ref("ws", shape, pax, base=self.alloc(prod(_local(shape, pax))))
 
     def body(self, sc: Scope) -> None:
         """Emit every node of `sc.g` (its inputs are already in `sc.refs`)."""
@@ -262,7 +279,7 @@ class _ScanGen(_Emitter):
         """Emit scan `n` of scope `sc` as a loop; bind its ITEMs (nested) or write the
         kernel's outputs (`top`: item index -> output Ref)."""
         while True:
-            state = (len(self.lines), self.n, self.ws, len(self.tables), self.stages,
+            state = (len(self.lines), self.n, len(self.sizes), len(self.tables), self.stages,
                      self.depth, self.loop_depth, self.shared)
             try:
                 self._scan_loop(sc, n, top)
@@ -271,7 +288,8 @@ class _ScanGen(_Emitter):
                 if r.scan != n.id:
                     raise
                 del self.lines[state[0]:]
-                self.n, self.ws, self.stages = state[1], state[2], state[4]
+                self.n, self.stages = state[1], state[4]
+                del self.sizes[state[2]:]
                 self.depth, self.loop_depth, self.shared = state[5], state[6], state[7]
                 del self.tables[state[3]:]
                 self.carry_pax[(n.id, r.k)] = r.pax
@@ -288,16 +306,17 @@ class _ScanGen(_Emitter):
         slots = []
         self.line(f"# scan %{n.id}: {L} iterations{', reversed' if a['reverse'] else ''}, "
                   f"{nc} carries")
-        for k in range(nc):                           # carries: two slots each, init -> slot 0
-            shape = body.node(ins[k]).type.shape
-            q = self.carry_pax.get((n.id, k), sc.pax.get(n.inputs[k]))
-            size = -(-prod(_local(shape, q)) // 16) * 16
-            off = self.alloc(2 * size)
-            slots.append((off, size, q, shape))
-            self.copy(f"carry {k} of %{n.id}: initial value", sc, n.inputs[k], shape, q,
-                      Ref("ws", shape, q, base=str(off)))
-            bsc.refs[ins[k]] = Ref("ws", shape, q, base=f"{off} + ({it} % 2) * {size}")
-            bsc.pax[ins[k]] = q
+        with self.group():
+            for k in range(nc):                           # carries: two slots each, init -> slot 0
+                shape = body.node(ins[k]).type.shape
+                q = self.carry_pax.get((n.id, k), sc.pax.get(n.inputs[k]))
+                size = -(-prod(_local(shape, q)) // 16) * 16
+                off = self.alloc(2 * size)
+                slots.append((off, size, q, shape))
+                self.copy(f"carry {k} of %{n.id}: initial value", sc, n.inputs[k], shape, q,
+                          Ref("ws", shape, q, base=off))
+                bsc.refs[ins[k]] = Ref("ws", shape, q, base=f"{off} + ({it} % 2) * {size}")
+                bsc.pax[ins[k]] = q
         for j in range(nx):                           # xs: the stacked operand at t
             v = n.inputs[nc + j]
             q = sc.pax.get(v)
@@ -321,37 +340,39 @@ class _ScanGen(_Emitter):
                 if q is None:
                     raise _Redo(n.id, k, qo)
                 raise _PaxError(f"carry {k} of scan %{n.id} moves the independent axes")
-        items: dict[int, Ref] = {}
-        for k, v in enumerate(outs[nc:], start=nc):   # ys: into their slice at t
-            qo = bsc.pax.get(v)
-            shape = body.node(v).type.shape
-            if top is not None:
-                if k in top:
-                    self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, top[k], (t,),
-                              guard=qo is None)
-                continue
-            stacked = (L,) + shape
-            qs = tuple(x + 1 for x in qo) if qo is not None else None
-            dest = self.local_ref(stacked, qs)
-            self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, dest, (t,))
-            items[k] = dest
-        for k, v in enumerate(outs[:nc]):             # next carry into the other slot
-            off, size, q, shape = slots[k]
-            self.copy(f"carry {k} of %{n.id}: next", bsc, v, shape, q,
-                      Ref("ws", shape, q, base=f"{off} + (({it} + 1) % 2) * {size}"))
+        with self.group():          # the ys at t, the next carries
+            items: dict[int, Ref] = {}
+            for k, v in enumerate(outs[nc:], start=nc):   # ys: into their slice at t
+                qo = bsc.pax.get(v)
+                shape = body.node(v).type.shape
+                if top is not None:
+                    if k in top:
+                        self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, top[k], (t,),
+                                  guard=qo is None)
+                    continue
+                stacked = (L,) + shape
+                qs = tuple(x + 1 for x in qo) if qo is not None else None
+                dest = self.local_ref(stacked, qs)
+                self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, dest, (t,))
+                items[k] = dest
+            for k, v in enumerate(outs[:nc]):             # next carry into the other slot
+                off, size, q, shape = slots[k]
+                self.copy(f"carry {k} of %{n.id}: next", bsc, v, shape, q,
+                          Ref("ws", shape, q, base=f"{off} + (({it} + 1) % 2) * {size}"))
         self.depth -= 1
         self.loop_depth -= 1
-        for k in range(nc):
-            off, size, q, shape = slots[k]
-            final = Ref("ws", shape, q, base=f"{off} + {(L % 2) * size}")
-            if top is not None:
-                if k in top:
-                    self.pointwise_stage(
-                        f"final carry {k} of %{n.id}", shape, q, top[k], (),
-                        lambda sec, c, final=final: self._ref_value(sec, final, c),
-                        guard=q is None)
-            else:
-                items[k] = final
+        with self.group():
+            for k in range(nc):
+                off, size, q, shape = slots[k]
+                final = Ref("ws", shape, q, base=f"{off} + {(L % 2) * size}")
+                if top is not None:
+                    if k in top:
+                        self.pointwise_stage(
+                            f"final carry {k} of %{n.id}", shape, q, top[k], (),
+                            lambda sec, c, final=final: self._ref_value(sec, final, c),
+                            guard=q is None)
+                else:
+                    items[k] = final
         if top is None:
             for u in sc.g.users(n.id):
                 un = sc.g.node(u)

@@ -14,8 +14,9 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 
 from .expr import format_number
-from .scan_index import (MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS, _PaxError,
-                         _bcast, _delin, _lin, _local, _sum)
+from .scan_index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS,
+                         _PaxError, _TooBig, _bcast, _delin, _lin, _local, _sum)
+from .scan_pack import pack, wsoff
 
 class _Emitter:
     """Emits the kernel body: lines with indentation, fresh names, workspace offsets."""
@@ -26,7 +27,9 @@ class _Emitter:
         self.lines: list[str] = []
         self.depth = 1
         self.n = 0
-        self.ws = 0
+        self.ws = 0                   # workspace elements per program (packed at the end)
+        self.sizes: list[int] = []    # elements of each workspace buffer (`scan_pack.wsoff`)
+        self.index = "tl.int64"       # integer type of index tiles (int32 where offsets fit)
         self.tables: list[tuple[str, dict]] = []
         self.stages = 0
         self.loop_depth = 0
@@ -50,12 +53,25 @@ class _Emitter:
             self.tiles.add(name)
         return name
 
-    def alloc(self, numel: int) -> int:
-        off = self.ws
-        self.ws += -(-max(numel, 1) // 16) * 16
+    def alloc(self, numel: int) -> str:
+        """A workspace buffer of `numel` elements: its symbolic offset (`scan_pack.pack`
+        assigns the address once every lifetime is known)."""
+        self.sizes.append(-(-max(numel, 1) // 16) * 16)
+        if sum(self.sizes) > MAX_UNPACKED:
+            raise _TooBig(f"workspace buffers of more than {MAX_UNPACKED} elements per "
+                          "program before packing")
+        return wsoff(len(self.sizes) - 1)
+
+    def zero_tile(self, shape: str) -> str:
+        """A zero index tile of `shape` (so that every pointer expression is a tile)."""
+        return f"tl.zeros({shape}, dtype={self.index})"
+
+    def pack(self) -> None:
+        """Give buffers with disjoint lifetimes the same addresses (`scan_pack`)."""
+        self.lines, self.ws = pack(self.lines, self.sizes)
         if self.ws > MAX_WORKSPACE:
-            raise ScanFallback(f"workspace of more than {MAX_WORKSPACE} elements per program")
-        return off
+            raise _TooBig(f"a packed workspace of {self.ws} > {MAX_WORKSPACE} elements "
+                          "per program")
 
     # -- pax analysis -------------------------------------------------------------------------------
     def pax_of(self, sc: Scope, n: Node) -> tuple[int, ...] | None:

@@ -122,7 +122,8 @@ class _TritonBuilder(_Builder):
 
     def _scan_kernel(self, kern: Any, sid: int, sk: ScanKernel) -> None:
         """Bind one scan kernel: operands, the ITEM outputs the program reads, tables, and a
-        workspace of GRID x WS elements (made once, at bind time)."""
+        workspace of GRID x WS elements (the executor's one scan workspace, grown at bind
+        time to the largest kernel's need: scan kernels run one after another)."""
         n = self.g.node(sid)
         dt = {"float64": torch.float64}.get(self.owner.dtype, torch.float32)
         args = [self.operand(n.inputs[i]) for i in sk.inputs]
@@ -131,14 +132,11 @@ class _TritonBuilder(_Builder):
         for k in sk.outputs:
             self.val[items[k]] = self.located(items[k])
         tables = [self._const(host_table(op, a, dt)) for op, a in sk.tables]
-        device = self.arena.data.device
-        ws = (torch.empty(sk.grid * sk.ws_per_program, dtype=dt, device=device)
-              if device.type != "meta" else None)
-        if ws is not None:
-            self.consts.append(ws)
-        module = self.owner.scan_module(sk)
-        tensors = [ws, *args, *(self.val[items[k]] for k in sk.outputs), *tables]
-        self.steps.append(lambda: module.launch(*tensors))
+        owner = self.owner
+        owner.scan_workspace(sk.grid * sk.ws_per_program, dt, self.arena.data.device)
+        module = owner.scan_module(sk)
+        tensors = [*args, *(self.val[items[k]] for k in sk.outputs), *tables]
+        self.steps.append(lambda: module.launch(owner.scan_ws, *tensors))
         self.launches += 1
 
 
@@ -168,6 +166,7 @@ class TritonExecutor(ArenaExecutor):
         self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
         self.serial: list[dict[str, str]] = []        # scan kernels of one program, and why
         self.scan_kernels = os.environ.get("TITANC_SCAN_KERNELS", "1") != "0"
+        self.scan_ws: Tensor | None = None            # shared by every scan kernel
         if interpreting():
             check_interpretable()
         super().__init__(plan, bound, float_dtype)
@@ -193,6 +192,14 @@ class TritonExecutor(ArenaExecutor):
 
     def make_builder(self, *args: Any) -> _Builder:
         return _TritonBuilder(self, *args)
+
+    def scan_workspace(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Grow the scan workspace to at least `numel` elements (bind time only)."""
+        if device.type != "meta" and (self.scan_ws is None or self.scan_ws.numel() < numel):
+            self.scan_ws = torch.empty(numel, dtype=dtype, device=device)
+
+    def storages(self) -> list[Tensor]:
+        return super().storages() + ([self.scan_ws] if self.scan_ws is not None else [])
 
     def code(self, plan: MemoryPlan, kern: Any) -> KernelCode:
         """The rendered kernel (once per executor: binding runs twice, measure then bind);

@@ -2,20 +2,21 @@
 (`codegen.aot`: launches recorded under the interpreter, compiled by Triton with the ptxas in
 its wheel), and offsets turn int64 where a tensor reaches 2**31 elements.
 
-Budgets asserted on every compiled non-scan kernel: shared memory within the architecture's
+Budgets asserted on every compiled kernel: shared memory within the architecture's
 per-block limit (`aot.SHARED_LIMIT`), at most SPILL_BUDGET bytes of register spill stores per
-thread, and tensor-core instructions (`mma` on sm_80, `wgmma` on sm_90) in the PTX of every
+thread (SCAN_SPILL_BUDGET for scan kernels, SERIAL_SPILL_BUDGET for one-program ones), and
+tensor-core instructions (`mma` on sm_80, `wgmma` on sm_90) in the PTX of every
 matmul-family kernel when tf32 is allowed, or bf16 MMA under train.dtype bfloat16. The fast
-tier (tiny.yaml in float32 + tf32 and in bfloat16, scan kernels left out) runs in `make test`;
-TITANC_AOT_FULL=1 adds every example with its scan kernels, in float32 and bfloat16 (tens of
-minutes on 2 cores; the numbers are in the README's "targets" section).
+tier (tiny.yaml in float32 + tf32, scan kernels included, and in bfloat16) runs in `make test`;
+TITANC_AOT_FULL=1 adds every tiny example, in float32 and bfloat16 (the numbers are in the
+README's "targets" section).
 Compiled results are cached on disk by `codegen.aot`, so a second run compiles nothing.
 """
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")   # launches are recorded under the interpreter
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorated: set first
 
 import pytest
 import torch
@@ -34,6 +35,8 @@ from titanc.spec import load_spec
 from .conftest import EXAMPLES
 
 SPILL_BUDGET = 256        # bytes of spill stores per thread, non-scan kernels
+SCAN_SPILL_BUDGET = 2048  # the same for scan kernels with a grid (tens of stages, one program)
+SERIAL_SPILL_BUDGET = 8192  # one-program scan kernels (a MAC segment's backward: 200+ stages)
 ARCHS = (80, 90)
 
 
@@ -56,22 +59,27 @@ def _check(results: list[dict], tensor_cores: bool) -> None:
     failed = [(r["name"], r["arch"], r["error"]) for r in results if not r["ok"]]
     assert not failed, failed[:3]
     for r in results:
-        if r["scan"]:
-            continue
         where = f"{r['name']} sm_{r['arch']}"
         assert r["shared"] <= aot.SHARED_LIMIT[r["arch"]], (where, r["shared"])
         assert r["registers"] is not None, f"{where}: no ptxas -v report"
-        assert r["spill_bytes"] <= SPILL_BUDGET, (where, r["spill_bytes"])
+        budget = (SERIAL_SPILL_BUDGET if r["serial"] else SCAN_SPILL_BUDGET if r["scan"]
+                  else SPILL_BUDGET)
+        assert r["spill_bytes"] <= budget, (where, r["spill_bytes"])
         if tensor_cores and r["matmul"]:
             assert r["mma"], f"{where}: no mma in its PTX"
             assert r["wgmma"] or r["arch"] < 90, f"{where}: no wgmma on sm_90"
 
 
 def test_every_tiny_kernel_compiles_for_sm80_and_sm90_with_tensor_cores() -> None:
+    """Scan kernels included: within each architecture's shared memory and the scan spill
+    budget, with tensor-core dots."""
     assert interpreting()
-    results = _compile(EXAMPLES / "tiny.yaml", {"compile.allow_tf32": True}, skip_scan=True)
+    results = _compile(EXAMPLES / "tiny.yaml", {"compile.allow_tf32": True}, skip_scan=False)
     assert {r["arch"] for r in results} == set(ARCHS)
     assert sum(r["matmul"] for r in results) >= 2 * 5      # the model's projections, fwd + bwd
+    scans = [r for r in results if r["scan"]]
+    assert len({r["name"] for r in scans}) >= 4              # layer, segment (+bwd), loss
+    assert all(r["mma"] for r in scans if r["uses_dot"])
     _check(results, tensor_cores=True)
 
 

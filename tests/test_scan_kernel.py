@@ -185,7 +185,7 @@ def _step_launches(example: str, seq_len: int) -> tuple[int, int]:
 @pytest.mark.parametrize("example", ["tiny_lmm", "tiny"])
 def test_launches_per_step_independent_of_seq_len(example: str) -> None:
     """At the examples' own sizes (batch 8); the layer backward stays a host loop of
-    n_layers iterations either way (its serial workspace is over MAX_SERIAL at both)."""
+    n_layers iterations either way (a serial kernel would nest two levels of scans)."""
     (k128, loops128), (k512, loops512) = _step_launches(example, 128), _step_launches(example, 512)
     assert k128 == k512
     assert loops128 < loops512                                   # host loops grow
@@ -204,20 +204,27 @@ def test_executor_counts_launches_like_the_plan() -> None:
 # --- fallback ---------------------------------------------------------------------------------------
 
 def test_fallback_reason_is_reported(monkeypatch, capsys) -> None:
-    """The layer backward sums weight gradients over the batch (no independent axes); with
-    no room for a serial kernel it stays a host loop, and says why."""
-    monkeypatch.setattr(scan_kernel, "MAX_SERIAL", 0)
-    c = compile_graphs(_spec("tiny_lmm"))
+    """The layer backward sums weight gradients over the batch (no independent axes) and
+    holds two levels of scans (chunk-carry groups of memory chunks): it stays a host loop
+    whose inner scans are kernels, and says why; with no room for a serial kernel, a
+    one-level scan says that instead (tiny_lmm at its own sizes)."""
+    c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml"))
     g, n = next(iter(_scans(c.plans["training"], "layer_bwd")))
-    why = r"no independent leading axes \(%\d+ \(einsum\) contracts the independent axes"
+    why = (r"no independent leading axes \(%\d+ \(einsum\) contracts the independent axes.*"
+           r"would nest 2 levels of scans \(> 1\)")
     with pytest.raises(ScanFallback, match=why):
         render_scan(g, n.id)
     monkeypatch.setenv("TITANC_DEBUG", "2")
     ex = TritonExecutor(c.plans["training"])
     reasons = [f["reason"] for f in ex.fallbacks if "layer_bwd" in f["scan"]]
-    assert len(reasons) == 1 and "a serial kernel would need" in reasons[0]
+    assert len(reasons) == 1 and "would nest 2 levels" in reasons[0]
     assert f"runs as a host loop: {reasons[0]}" in capsys.readouterr().err
     assert ex.launches_per_run() == count_launches(c.plans["training"])
+    assert not any("memory_chunk" in f["scan"] for f in ex.fallbacks)
+    monkeypatch.setattr(scan_kernel, "MAX_SERIAL", 0)
+    g, n = next(iter(_scans(c.plans["training"], "loss_chunk_bwd")))
+    with pytest.raises(ScanFallback, match="a serial kernel would need"):
+        render_scan(g, n.id)
 
 
 # --- validity on a GPU target -------------------------------------------------------------------------
