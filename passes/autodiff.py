@@ -75,6 +75,19 @@ def _sum_vjp(b: Builder, a: dict, xs: list[Value], y: Value, ct: Value) -> list[
     return [ct.reshape(*keep).expand(*x.shape)]
 
 
+def _attention_vjp(b: Builder, a: dict, xs: list[Value], y: Value,
+                   cts: list[Value | None]) -> list[Value | None]:
+    """ATTENTION (q, k, v) -> (o, lse): one ATTENTION_BWD, which recomputes the probabilities
+    from the saved log-sum-exp (cotangents: of o; lse is read by the backward only)."""
+    ct_o, ct_lse = cts
+    if ct_lse is not None:
+        raise NotImplementedError("no VJP of ATTENTION through its log-sum-exp output")
+    if ct_o is None:
+        return [None, None, None]
+    bwd = b.op(Op.ATTENTION_BWD, *xs, b.item(y, 0), b.item(y, 1), ct_o, **a)
+    return [b.item(bwd, i) for i in range(3)]
+
+
 # the VJP of each structural op (JAX's transpose table): (builder, attrs, operands, output,
 # output cotangent) -> operand cotangents, None where an operand has none. Elementwise ops
 # take theirs from the registry (ir/elementwise.py); SCAN is differentiated by `_Backward`.
@@ -100,6 +113,7 @@ VJP: dict[Op, VjpRule] = {
                                                  size=xs[0].shape[-1]), None],
     Op.SCATTER_ALONG: lambda b, a, xs, y, ct: [b.take_along(ct, xs[1]), None],
     Op.CUMSUM: lambda b, a, xs, y, ct: [ct.cumsum(a["axis"], reverse=not a["reverse"])],
+    Op.ATTENTION: _attention_vjp,         # tuple-valued: ct is one cotangent per element
 }
 
 

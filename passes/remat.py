@@ -33,7 +33,7 @@ from titanc.ir.types import type_bytes
 # elementwise op's is its registry entry's `reads`)
 _READS: dict[Op, tuple] = {
     Op.AMAX: (0, "out"), Op.TAKE: (1,), Op.INDEX_ADD: (1,), Op.TAKE_ALONG: (1,),
-    Op.SCATTER_ALONG: (1,),
+    Op.SCATTER_ALONG: (1,), Op.ATTENTION: (0, 1, 2),
 }
 
 

@@ -20,12 +20,14 @@ import time
 
 import torch
 
-from titanc.ir import Graph, Node, Op
+from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.interpret import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType
 from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan
 from titanc.passes.schedule import is_immediate
+
+from .pattern_kernels import pattern_steps
 
 Tensor = torch.Tensor
 Step = Callable[[], None]
@@ -228,6 +230,9 @@ class _Builder:
             return
         if op is Op.SCAN:
             self._scan(n, outputs)
+            return
+        if op in OpGroup.PATTERN:                    # one fused ATen call (pattern_kernels)
+            self.steps.extend(pattern_steps(self, n, outputs))
             return
         xs = [self.operand(i) for i in n.inputs]
         view = _VIEWS.get(op)

@@ -31,6 +31,7 @@ from titanc.passes.memory_plan import MemoryPlan, plan_memory
 from titanc.passes.schedule import Schedule, verify_schedule
 from titanc.passes.checkpoint_chunks import CheckpointChunks
 from titanc.passes.chunked_loss import ChunkedLoss
+from titanc.passes.flash_attention import FlashAttention
 from titanc.passes.remat import Policy, choose_policy
 from titanc.passes.manager import Pass, PassLog
 from titanc.passes.optimizer import optimizer_graph
@@ -149,8 +150,10 @@ class Compiled:
                         for k in ("grad", "param", "opt.m", "opt.v")}
 
 
-# the graph passes every kind goes through after lowering
-SHARED: tuple[Pass, ...] = (Canonicalize(), Aggregate())
+# the graph passes every kind goes through after lowering: fold and simplify, weighted
+# outer-product sums -> contractions, attention chains -> the flash-attention pattern op (before
+# autodiff, so the backward is the op's VJP and no [B, H, Tq, Tk] tensor exists either way)
+SHARED: tuple[Pass, ...] = (Canonicalize(), Aggregate(), FlashAttention())
 
 
 def _pipeline(log: PassLog, kind: str, lower: Callable[[], Graph], persistent: set[str],
