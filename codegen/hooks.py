@@ -19,7 +19,8 @@ it (which values, viewed how, and the trailing size arguments of its `launch`).
                          statements (a concat or a mask operand is never materialized), the
                          epilogue on the output tile, every output stored at its own offsets.
     template             index_add.py.jinja / scatter_along.py.jinja for INDEX_ADD and
-                         SCATTER_ALONG; a SCAN is no Triton kernel (the program loops over its
+                         SCATTER_ALONG; a pattern op's fixed family (`pattern_kernels.py`:
+                         ATTENTION -> attention_fwd, ATTENTION_BWD -> attention_bwd); a SCAN is no Triton kernel (the program loops over its
                          body's kernels), so `render_kernel` refuses it.
 
 Every file starts with a header naming the kernel's IR nodes and the spec path, through
@@ -32,7 +33,7 @@ from __future__ import annotations
 from math import prod
 from typing import Collection, Iterator
 
-from titanc.ir import Graph, Op, format_node
+from titanc.ir import Graph, Op, OpGroup, format_node
 from titanc.ir.shapes import parse_einsum
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel
@@ -45,6 +46,7 @@ from .kernel_code import (KernelCode, TensorArg, code_of, graph_dtype, index_til
                           indexed_args, store)
 from .lowering import KernelLowering, Val
 from .meta import compute_dtype, matmul_tiles, needs_int64, pow2
+from .pattern_kernels import render_pattern
 
 __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
 
@@ -85,6 +87,8 @@ def render_kernel(g: Graph, kernel: Kernel, *, dtype: str = "float32", spec_path
         return _matmul(low, outs, header, dtype, allow_tf32)
     if Op.INDEX_ADD in ops or Op.SCATTER_ALONG in ops:
         return _scatter(low, header, dtype)
+    if ops & OpGroup.PATTERN:
+        return render_pattern(g, kernel, header, dtype, allow_tf32)
     raise NotImplementedError(low.where("a SCAN is run by the program as a loop over its "
                                         "body's kernels, not as one Triton kernel"))
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from math import prod
 from typing import Callable
 
-from titanc.ir import Graph, Node, Op
+from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, is_immediate
 
@@ -203,10 +203,26 @@ def _table_shape(op: str, a: dict) -> tuple[int, ...]:
 
 
 
+def _pattern_op(body: Graph) -> str | None:
+    """The name of a pattern op (`OpGroup.PATTERN`) in `body` or its nested bodies, if any."""
+    for n in body:
+        if n.op in OpGroup.PATTERN:
+            return n.op.name
+        if n.op is Op.SCAN:
+            inner = _pattern_op(n.attr("body"))
+            if inner is not None:
+                return inner
+    return None
+
+
 def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str,
                     allow_tf32: bool = False) -> ScanKernel:
     """The scan kernel of schedule kernel `kern` (scan node `sid`), or `ScanFallback`."""
     g = plan.schedule.graph
+    pattern = _pattern_op(g.node(sid).attr("body"))
+    if pattern is not None:
+        raise ScanFallback(f"its body holds {pattern} (a pattern op is its own template "
+                           f"kernel, launched by the host loop)")
     outs = set(kern.outputs)
     used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
     return render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
