@@ -106,6 +106,10 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
     n = g.node(scan_id)
     if n.op is not Op.SCAN:
         raise ValueError(f"%{scan_id} is not a scan")
+    pattern = _pattern_op(n.attr("body"))
+    if pattern is not None:
+        raise ScanFallback(f"its body holds {pattern} (a pattern op is its own template "
+                           f"kernel, launched by the host loop)")
     cd = compute_dtype(dtype)
     used = set(range(len(n.attr("body").outputs))) if used is None else set(used)
     name = sanitize_identifier(name or f"titanc_scan_{scan_id}")
@@ -219,10 +223,6 @@ def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str,
                     allow_tf32: bool = False) -> ScanKernel:
     """The scan kernel of schedule kernel `kern` (scan node `sid`), or `ScanFallback`."""
     g = plan.schedule.graph
-    pattern = _pattern_op(g.node(sid).attr("body"))
-    if pattern is not None:
-        raise ScanFallback(f"its body holds {pattern} (a pattern op is its own template "
-                           f"kernel, launched by the host loop)")
     outs = set(kern.outputs)
     used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
     return render_scan(g, sid, dtype=dtype, used=used, name=kern.name,

@@ -185,7 +185,10 @@ def _prune(g: Graph) -> Graph:
 
 @dataclass(frozen=True)
 class FlashAttention:
-    """Attention chains -> ATTENTION pattern ops: `flash_attention(g)` (module docstring)."""
+    """Attention chains -> ATTENTION pattern ops: `flash_attention(g)`.
+
+    Pre: `g` verifies and is canonical. Post: same values; every scores -> mask -> softmax ->
+    PV chain whose intermediates nothing else reads is one ATTENTION (module docstring)."""
     name: ClassVar[str] = "flash_attention"
 
     def __call__(self, g: Graph) -> Graph:

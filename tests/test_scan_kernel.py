@@ -134,12 +134,18 @@ def test_depth_and_chunk_sizes_float64(depth: int, chunk: int) -> None:  # inter
 
 @pytest.mark.slow
 def test_nested_scan_float64() -> None:
-    """The MAC segment scan holds the memory-chunk scan: one kernel, loops nested."""
-    c = compile_graphs(_spec("tiny", **{"train.dtype": "float64"}))
-    g, n = next(iter(_scans(c.plans["training"], "mac_segment")))
+    """The LMM layer scan holds the memory-chunk scan: one kernel, loops nested. (The MAC
+    segment scan holds the flash-attention pattern op, its own template kernel: it runs as a
+    host loop, and says why.)"""
+    lmm = compile_graphs(_spec("tiny_lmm", **{"train.dtype": "float64"}))
+    g, n = next(iter(_scans(lmm.plans["training"], "layer")))
     assert any(m.op is Op.SCAN for m in n.attr("body"))
     sk = check_scan(g, n, torch.float64)
     assert sk.source.count("@triton.jit") == 1 and "for it2 in range(" in sk.source
+    c = compile_graphs(_spec("tiny", **{"train.dtype": "float64"}))
+    g, n = next(iter(_scans(c.plans["training"], "mac_segment")))
+    with pytest.raises(ScanFallback, match="holds ATTENTION"):
+        render_scan(g, n.id, dtype="float64")
 
 
 @pytest.mark.slow
