@@ -82,11 +82,12 @@ def module_for(code: KernelCode) -> ModuleType:
 
 def launch_tensors(code: KernelCode, tensor_of: Any, scratch: Any = None) -> list[Tensor]:
     """The tensors of `code`'s launch: `tensor_of(value id)`, viewed as each argument asks;
-    a temporary (`pattern_kernels.SCRATCH`) is `scratch(shape)`."""
+    a temporary (`pattern_kernels.SCRATCH`) is `scratch(shape)` (default: a new tensor like
+    the first argument)."""
     out = []
     for a in code.args:
         if a.value == SCRATCH:
-            out.append(scratch(a.view))
+            out.append(scratch(a.view) if scratch is not None else out[0].new_empty(a.view))
             continue
         t = tensor_of(a.value)
         out.append(t.view(a.view) if a.view is not None else t)

@@ -190,9 +190,15 @@ def _step_launches(example: str, seq_len: int) -> tuple[int, int]:
 @pytest.mark.parametrize("example", ["tiny_lmm", "tiny"])
 def test_launches_per_step_independent_of_seq_len(example: str) -> None:
     """At the examples' own sizes (batch 8); the layer backward stays a host loop of
-    n_layers iterations either way (its serial workspace is over MAX_SERIAL at both)."""
+    n_layers iterations either way (its serial workspace is over MAX_SERIAL at both). MAC's
+    segment scan holds the flash-attention pattern op (its own template kernel), so it is a
+    host loop of T / segment iterations: there, launches grow with the number of segments
+    only, and stay well below every scan as a host loop."""
     (k128, loops128), (k512, loops512) = _step_launches(example, 128), _step_launches(example, 512)
-    assert k128 == k512
+    if example == "tiny":
+        assert k128 < k512 <= 4 * k128                          # 4 and 16 segments of 32
+    else:
+        assert k128 == k512
     assert loops128 < loops512                                   # host loops grow
     assert 5 * k128 <= loops128
 
