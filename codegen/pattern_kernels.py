@@ -5,6 +5,9 @@ rendered from its fixed template family (`fixed_families.py`).
                    (`launch(q, k, v, o, lse, n_<group>..., sm_scale)`)
     ATTENTION_BWD  attention_bwd.py.jinja: dq per query block, then dk/dv per key block and
                    group (`launch(q, k, v, o, lse, do, dq, dk, dv, delta, ..., sm_scale)`)
+    ADAMW          adamw_multi.py.jinja: partial sums of grad², then one update launch over
+                   the flat regions (`launch(params…, grads…, ms…, vs…, lr, step, grad_scale,
+                   new params…, new ms…, new vs…, grad_norm)`)
 
 A tuple element no later kernel reads (the forward graph's log-sum-exp), and the backward's
 `delta` rows, are `TensorArg`s with a negative value id and their shape as `view`: the executor
@@ -17,6 +20,8 @@ from titanc.passes.schedule import Kernel
 
 from .fixed_families import KeyGroup, render_attention_bwd, render_attention_fwd
 from .kernel_code import KernelCode, TensorArg
+from .meta import compute_dtype
+from .render import render
 
 __all__ = ["SCRATCH", "key_groups", "render_pattern"]
 
@@ -46,6 +51,8 @@ def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
     """The KernelCode of a pattern kernel."""
     n = next(g.node(i) for i in kernel.nodes if g.node(i).op in OpGroup.PATTERN)
     a = n.attr_dict
+    if n.op is Op.ADAMW:
+        return _adamw(g, n, kernel, header, dtype)
     q, k, v = (g.node(i).type for i in n.inputs[:3])
     if q.shape[3] != v.shape[3]:
         raise NotImplementedError(f"{kernel.name}: the attention templates need values as wide "
@@ -65,3 +72,19 @@ def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
     delta = TensorArg(SCRATCH, q.shape[:3])
     return KernelCode(kernel.name, kernel.category, "attention_bwd", g.name, source,
                       (*ins, *outs, delta), sizes)
+
+
+def _adamw(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str) -> KernelCode:
+    a = n.attr_dict
+    outs = _element_args(g, n, kernel)
+    if any(o.value == SCRATCH for o in outs):
+        raise NotImplementedError(f"{kernel.name}: every result of ADAMW must be read")
+    source = render("adamw_multi.py.jinja", name=kernel.name, header_lines=header,
+                    n_params=a["n"], decay=[bool(d) for d in a["decay"]],
+                    beta1=repr(float(a["beta1"])), beta2=repr(float(a["beta2"])),
+                    eps=repr(float(a["eps"])), weight_decay=repr(float(a["weight_decay"])),
+                    max_norm=repr(float(a["clip"])), clip=a["clip"] > 0, block=1024,
+                    num_partials=256, acc_dtype=compute_dtype(dtype),
+                    partials_dtype=compute_dtype(dtype).removeprefix("tl."), num_warps=4)
+    return KernelCode(kernel.name, kernel.category, "adamw_multi", g.name, source,
+                      (*(TensorArg(i) for i in n.inputs), *outs), ())

@@ -100,7 +100,10 @@ def node_flops(n: Node, g: Graph, body_flops: int = 0) -> int:
 
 def pattern_flops(n: Node, g: Graph) -> int:
     """Modeled work of a pattern op: attention counts only the visible (query, key) pairs,
-    2·e per pair for q kᵀ and 2·e for p v (backward: 2·e each for s, dp, dv, dq, dk)."""
+    2·e per pair for q kᵀ and 2·e for p v (backward: 2·e each for s, dp, dv, dq, dk); AdamW
+    about 16 per parameter element (norm, clip, moments, update)."""
+    if n.op is Op.ADAMW:
+        return 16 * sum(g.node(i).type.numel for i in n.inputs[:n.attr("n")])
     q, k, v = (g.node(i).type.shape for i in n.inputs[:3])
     pairs = q[0] * q[1] * visible_pairs(n.attr("n_q"), n.attr("groups"))
     per_pair = 2 * q[3] + 2 * v[3] if n.op is Op.ATTENTION else 6 * q[3] + 4 * v[3]

@@ -9,6 +9,8 @@ ITEM buffers.
     ATTENTION_BWD  per block: the probabilities recomputed from q, k and the saved log-sum-exp,
                    dv and dk accumulated over blocks, dq written per block (FlashAttention-2's
                    backward, ordered by query block).
+    ADAMW          the optimizer step in place over the program's flat parameter, gradient and
+                   moment regions (per parameter when they are not flat).
 
 Work is that of the direct form (every (query, key) pair of a block is computed, the mask
 zeroes the invisible ones). Every tensor is planned storage or scratch: a run allocates
@@ -17,6 +19,7 @@ scratch.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -46,6 +49,8 @@ def pattern_steps(b: "_Builder", n: Node, outputs: set[int]) -> list[Step]:
         return _attention(b, n, xs, outs)
     if n.op is Op.ATTENTION_BWD:
         return _attention_bwd(b, n, xs, outs)
+    if n.op is Op.ADAMW:
+        return _adamw(b, n, xs, outs)
     raise NotImplementedError(f"the cpu target has no kernel for pattern op {n.op.name}")
 
 
@@ -136,3 +141,79 @@ def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor])
         steps.append(lambda t_k=t_k: dk.add_(t_k))
         b.scratch.top = mark
     return steps
+
+
+def flat_region(ts: list[Tensor]) -> Tensor | None:
+    """One 1-D view over `ts` when they are consecutive contiguous pieces of one storage (the
+    program's flat parameter, gradient and moment buffers), else None."""
+    first = ts[0]
+    at = first.storage_offset()
+    for t in ts:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr()
+                != first.untyped_storage().data_ptr() or t.storage_offset() != at):
+            return None
+        at += t.numel()
+    return first.as_strided((at - first.storage_offset(),), (1,))
+
+
+def _adamw(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
+    """The optimizer step in place over the flat regions (per tensor where the layout is not
+    flat): the same arithmetic as the optimizer graph, in a dozen ATen calls."""
+    a = n.attr_dict
+    k = a["n"]
+    params, grads, ms, vs = (xs[j * k:(j + 1) * k] for j in range(4))
+    lr, step, scale = (x if isinstance(x, Tensor) else b._const(torch.tensor(x))
+                       for x in xs[4 * k:])
+    new_p, new_m, new_v = (outs[j * k:(j + 1) * k] for j in range(3))
+    norm = outs[3 * k]
+    steps: list[Step] = []
+    for olds, news in ((params, new_p), (ms, new_m), (vs, new_v)):
+        for old, new in zip(olds, news):
+            if new.data_ptr() != old.data_ptr():
+                steps.append(lambda o=old, d=new: d.copy_(o))
+    # pieces the arithmetic runs over: the flat regions, or one piece per parameter
+    regions = [flat_region(list(ts)) for ts in (new_p, new_m, new_v, grads)]
+    if all(r is not None for r in regions):
+        pieces = [tuple(regions)]
+    else:
+        pieces = list(zip(new_p, new_m, new_v, grads))
+    dt = "f64" if norm.dtype == torch.float64 else "f32"
+    t = b.scratch.alloc(TensorType((max(p[0].numel() for p in pieces),), dt))
+    c = [b.scratch.alloc(TensorType((), dt)) for _ in range(5)]       # scalars
+    coef, bc1, bc2, acc, dfac = c
+    b1, b2, eps, wd, clip = a["beta1"], a["beta2"], a["eps"], a["weight_decay"], a["clip"]
+    steps.append(lambda: norm.zero_())
+    for _, _, _, g in pieces:                          # ||grad · scale||
+        tt = t[:g.numel()].view(g.shape)
+        dims = tuple(range(g.dim()))
+        steps += [lambda g=g, tt=tt: torch.mul(g, g, out=tt),
+                  lambda tt=tt, dims=dims: torch.sum(tt, dims, out=acc), lambda: norm.add_(acc)]
+    steps += [lambda: norm.sqrt_().mul_(scale), lambda: coef.copy_(scale)]
+    if clip > 0:                                       # coef = scale · min(1, c / (norm + 1e-6))
+        steps += [lambda: torch.add(norm, 1e-6, out=acc).reciprocal_().mul_(clip).clamp_(max=1.0),
+                  lambda: coef.mul_(acc)]
+    steps += [lambda: torch.mul(step, math.log(b1), out=bc1).exp_().neg_().add_(1.0),
+              lambda: torch.mul(step, math.log(b2), out=bc2).exp_().neg_().add_(1.0),
+              lambda: torch.mul(lr, wd, out=dfac).neg_().add_(1.0)]
+    decay = a["decay"]
+    for p, m, v, g in pieces:
+        tt = t[:g.numel()].view(g.shape)
+        steps += [lambda g=g, tt=tt: torch.mul(g, coef, out=tt),              # g
+                  lambda m=m, tt=tt: m.mul_(b1).add_(tt, alpha=1.0 - b1),
+                  lambda v=v, tt=tt: v.mul_(b2).addcmul_(tt, tt, value=1.0 - b2)]
+        if wd > 0:                                     # decoupled decay of the decaying ones
+            for w, d in zip(new_p, decay):
+                if d and _inside(w, p):
+                    steps.append(lambda w=w: w.mul_(dfac))
+        steps += [lambda v=v, tt=tt: torch.div(v, bc2, out=tt).sqrt_().add_(eps),
+                  lambda m=m, tt=tt: torch.div(m, tt, out=tt).div_(bc1).mul_(lr),
+                  lambda p=p, tt=tt: p.sub_(tt)]
+    return steps
+
+
+def _inside(w: Tensor, region: Tensor) -> bool:
+    """Is parameter `w` (a piece) within `region` (a flat region or the piece itself)?"""
+    if w.untyped_storage().data_ptr() != region.untyped_storage().data_ptr():
+        return False
+    lo = region.storage_offset()
+    return lo <= w.storage_offset() < lo + region.numel()
