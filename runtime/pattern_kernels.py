@@ -178,7 +178,9 @@ def _adamw(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list
     else:
         pieces = list(zip(new_p, new_m, new_v, grads))
     dt = "f64" if norm.dtype == torch.float64 else "f32"
-    t = b.scratch.alloc(TensorType((max(p[0].numel() for p in pieces),), dt))
+    # one scratch vector of every parameter's size: the same whichever layout this binding
+    # has (the executor measures its scratch on a first binding without the caller's tensors)
+    t = b.scratch.alloc(TensorType((sum(w.numel() for w in new_p),), dt))
     c = [b.scratch.alloc(TensorType((), dt)) for _ in range(5)]       # scalars
     coef, bc1, bc2, acc, dfac = c
     b1, b2, eps, wd, clip = a["beta1"], a["beta2"], a["eps"], a["weight_decay"], a["clip"]
