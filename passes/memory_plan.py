@@ -13,6 +13,8 @@ What gets a buffer, top level:
 - persistent values (graph inputs and outputs named in `persistent`: parameters, gradients,
   optimizer state) sit in a separate persistent region, laid out in graph order; a value
   reachable under several persistent names lives in the first and is copied to the others;
+  an output with an input's persistent name gets its own buffer, except the parameter and
+  moment results of an ADAMW pattern op (elementwise), which share their input's slot;
 - other graph inputs (e.g. `tokens`) get activation buffers live from kernel 0;
 - kernel outputs get activation buffers from their producer to their last reader (graph
   outputs: to the end), except aliases: a RESHAPE whose operand already has storage shares
