@@ -65,9 +65,12 @@ _ACTIVE: list[Profiler] = []            # the profiler of the run in progress, i
 def kernel_label(g: Graph, kernel: Any, role: str = "") -> str:
     """Profile category: attention (score/value contractions), memory update (kernels in the
     body of a scan of role "memory"), optimizer, else the kernel's own category; a scan's own
-    time (its loop, excluding its body's kernels) is 'scan', other template kernels 'other'."""
+    time (its loop, excluding its body's kernels) is 'scan', the flash-attention pattern
+    kernels 'attention', other template kernels 'other'."""
     if g.name.startswith("optimizer"):
         return "optimizer"
+    if any(g.node(n).op in (Op.ATTENTION, Op.ATTENTION_BWD) for n in kernel.nodes):
+        return "attention"
     if kernel.category == "template":
         return "scan" if any(g.node(n).op is Op.SCAN for n in kernel.nodes) else "other"
     if role == "memory":
