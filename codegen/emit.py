@@ -352,7 +352,7 @@ class _Emitter:
                 used += [i for i in node.inputs if not is_immediate(g, i)]
                 used += [u for u in g.users(node.id) if u in kern.outputs]
             else:
-                used += [a.value for a in self._code(plan, kern).args]
+                used += [a.value for a in self._code(plan, kern).args if a.value >= 0]
         used += [v for _, v in g.outputs]
         b = self.buf
         b.comment("planned views: every value that crosses a kernel boundary")
@@ -401,7 +401,8 @@ class _Emitter:
                 self._scan(plan, kern, g.node(scan[0]))
                 continue
             code = self._code(plan, kern)
-            args = [f"v{a.value}" if a.view is None else f"v{a.value}.view({a.view!r})"
+            args = ["None" if a.value < 0 else f"v{a.value}" if a.view is None
+                    else f"v{a.value}.view({a.view!r})"       # < 0: the launcher's temporary
                     for a in code.args] + [repr(s) for s in code.sizes]
             b(f"{sanitize_identifier(kern.name)}.launch({', '.join(args)})")
 

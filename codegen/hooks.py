@@ -18,9 +18,11 @@ it (which values, viewed how, and the trailing size arguments of its `launch`).
                          batch / M / N / K, operand tiles read through their views by index
                          statements (a concat or a mask operand is never materialized), the
                          epilogue on the output tile, every output stored at its own offsets.
-    template             index_add.py.jinja / scatter_along.py.jinja for INDEX_ADD and
-                         SCATTER_ALONG; a SCAN is no Triton kernel (the program loops over its
-                         body's kernels), so `render_kernel` refuses it.
+    template             segment_sum.py.jinja (a sorted segment sum) / scatter_along.py.jinja
+                         for INDEX_ADD and SCATTER_ALONG; a pattern op's fixed family
+                         (`pattern_kernels.py`: ATTENTION -> attention_fwd, ATTENTION_BWD ->
+                         attention_bwd); a SCAN is no Triton kernel (the program loops over
+                         its body's kernels), so `render_kernel` refuses it.
 
 Every file starts with a header naming the kernel's IR nodes and the spec path, through
 `render.sanitize_comment`. A kernel that no family can express raises `NotImplementedError`
@@ -32,12 +34,12 @@ from __future__ import annotations
 from math import prod
 from typing import Any, Callable, Collection, Iterator
 
-from titanc.ir import Graph, Op, format_node
+from titanc.ir import Graph, Op, OpGroup, format_node
 from titanc.ir.shapes import parse_einsum
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel
 
-from .extra_families import render_index_add, render_scatter_along
+from .extra_families import render_scatter_along
 from .fused_families import render_matmul, render_pointwise
 from .hooks_rows import lower_cumsum, lower_reduction
 from .indexing import Ix, Names, Section, delinearize, reshape_coords
@@ -45,6 +47,8 @@ from .kernel_code import (KernelCode, TensorArg, code_of, graph_dtype, index_til
                           indexed_args, store)
 from .lowering import KernelLowering, Val
 from .meta import compute_dtype, matmul_tiles, needs_int64, pow2
+from .pattern_kernels import render_pattern
+from .segment_sum import render_segment_sum
 
 __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
 
@@ -91,6 +95,8 @@ def render_kernel(g: Graph, kernel: Kernel, *, dtype: str = "float32", spec_path
         return _matmul(low, outs, header, dtype, allow_tf32)
     if Op.INDEX_ADD in ops or Op.SCATTER_ALONG in ops:
         return _scatter(low, header, dtype)
+    if ops & OpGroup.PATTERN:
+        return render_pattern(g, kernel, header, dtype, allow_tf32)
     raise NotImplementedError(low.where("a SCAN is run by the program as a loop over its "
                                         "body's kernels, not as one Triton kernel"))
 
@@ -207,16 +213,13 @@ def _scatter(low: KernelLowering, header: list[str], dtype: str) -> KernelCode:
     grad, idx = node.inputs
     n_idx = g.node(idx).type.numel
     if node.op is Op.INDEX_ADD:
+        # a sorted segment sum (`segment_sum.py`): O((indices + rows) · cols), deterministic
         cols = g.node(grad).type.numel // max(n_idx, 1)
-        source = render_index_add(kernel.name, dtype=dtype, header_lines=header,
-                                  wide=needs_int64(g.node(grad).type.numel,
-                                                   node.attr("rows") * cols),
-                                  block_r=max(16, min(32, pow2(node.attr("rows")))),
-                                  block_i=max(16, min(32, pow2(n_idx))),
-                                  block_c=max(16, min(64, pow2(cols))))
+        source = render_segment_sum(kernel.name, dtype=dtype, header_lines=header,
+                                    block_c=max(16, min(128, pow2(cols))))
         args = [TensorArg(grad, (n_idx, cols)), TensorArg(idx, (n_idx,)),
                 TensorArg(node.id, (node.attr("rows"), cols))]
-        return code_of(low, "index_add", source, args, ())
+        return code_of(low, "segment_sum", source, args, ())
     source = render_scatter_along(kernel.name, dtype=dtype, header_lines=header,
                                   wide=needs_int64(n_idx * node.attr("size")),
                                   block_r=min(16, pow2(n_idx)),

@@ -56,8 +56,10 @@ from typing import Callable
 
 import torch
 
-from titanc.ir import Graph, Node, Op
+from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.tables import mask_table, rope_table
+from titanc.ir.graph import freeze_attrs
+from titanc.passes.flash_attention import expand_attention
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, is_immediate
 
@@ -140,6 +142,9 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
     n = g.node(scan_id)
     if n.op is not Op.SCAN:
         raise ValueError(f"%{scan_id} is not a scan")
+    if _pattern_op(n.attr("body")) is not None:      # the kernel computes the chain itself
+        n = n.replace(attrs=freeze_attrs({**n.attr_dict,
+                                          "body": expand_attention(n.attr("body"))}))
     cd = compute_dtype(dtype)
     used = set(range(len(n.attr("body").outputs))) if used is None else set(used)
     name = sanitize_identifier(name or f"titanc_scan_{scan_id}")
@@ -267,6 +272,18 @@ def _table_shape(op: str, a: dict) -> tuple[int, ...]:
         return (a["n_q"], sum(length for _, length, _ in a["groups"]))
     return (a["count"], a["half"])
 
+
+
+def _pattern_op(body: Graph) -> str | None:
+    """The name of a pattern op (`OpGroup.PATTERN`) in `body` or its nested bodies, if any."""
+    for n in body:
+        if n.op in OpGroup.PATTERN:
+            return n.op.name
+        if n.op is Op.SCAN:
+            inner = _pattern_op(n.attr("body"))
+            if inner is not None:
+                return inner
+    return None
 
 
 def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str,

@@ -1,5 +1,7 @@
 """titanc IR: op set, typed nodes over networkx, builder, printer, verifier, interpreter."""
 from . import elementwise  # registers the elementwise ops in OpGroup
+from . import attention  # registers the attention pattern ops' shape and reference rules
+from . import adamw  # registers the multi-tensor AdamW pattern op's rules
 from .builder import Builder, Value
 from .graph import Graph, Node
 from .interpret import Interpreter, interpret

@@ -80,6 +80,10 @@ Op.SCATTER_ALONG = Op("SCATTER_ALONG")   # VJP of TAKE_ALONG: (grad [...], idx) 
 Op.CUMSUM = Op("CUMSUM")                 # attrs: axis, reverse
 Op.SCAN = Op("SCAN")                     # attrs: body, length, n_carry, n_xs, reverse, role (outputs a tuple)
 Op.ITEM = Op("ITEM")                     # attrs: index   picks one value of a tuple-typed node
+# pattern ops (passes/flash_attention.py rewrites a subgraph into one; ir/attention.py has their rules)
+Op.ATTENTION = Op("ATTENTION")           # (q, k, v) -> (o, lse); attrs: scale, n_q, q_start, groups (as MASK)
+Op.ATTENTION_BWD = Op("ATTENTION_BWD")   # (q, k, v, o, lse, do) -> (dq, dk, dv); attrs as ATTENTION
+Op.ADAMW = Op("ADAMW")                   # (params, grads, ms, vs, lr, step, grad_scale) -> (params, ms, vs, norm); attrs: n, betas, eps, weight_decay, clip, decay
 
 
 ROPE_BASE = 10000.0         # the rotary base of ROPE nodes (the builder's default)
@@ -98,6 +102,8 @@ class OpGroup:
                           Op.TAKE, Op.INDEX_ADD, Op.TAKE_ALONG, Op.SCATTER_ALONG})
     SCAN = frozenset({Op.CUMSUM, Op.SCAN})
     TUPLE = frozenset({Op.ITEM})
+    # a recognised subgraph as one template kernel (tuple-typed: results are its ITEMs)
+    PATTERN = frozenset({Op.ATTENTION, Op.ATTENTION_BWD, Op.ADAMW})
     # ops whose output is a view-like rearrangement (no arithmetic): a strided view in torch
     VIEW = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE})
     # ops a kernel computes by index arithmetic on its operand's loads (views, plus the zeros

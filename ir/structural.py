@@ -29,7 +29,7 @@ from .ops import SCAN_ROLES, Op
 from .shapes import ShapeError, broadcast_shapes, parse_einsum
 from .types import TensorType, Type
 
-__all__ = ["STRUCTURAL", "Structural", "unbroadcast"]
+__all__ = ["STRUCTURAL", "Structural", "register", "unbroadcast"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ class Structural:
 STRUCTURAL: dict[Op, Structural] = {}
 
 
-def _register(*entries: Structural) -> None:
+def register(*entries: Structural) -> None:
+    """Add entries to the registry (`ir/attention.py` and `ir/adamw.py` add the pattern ops')."""
     for e in entries:
         STRUCTURAL[e.op] = e
 
@@ -79,7 +80,7 @@ def _mask_keys(a: dict) -> int:
     return sum(length for _, length, _ in a["groups"])
 
 
-_register(
+register(
     Structural(Op.INPUT, _input_shape, lambda n, xs, it: None),
     Structural(Op.FULL, lambda ts, a: TensorType(tuple(a["shape"]), a["dtype"]),
                lambda n, xs, it: torch.full(n.attr("shape"), n.attr("value"),
@@ -153,7 +154,7 @@ def _einsum_vjp_one(b, spec: str, xs: list, ct, k: int):
     return g
 
 
-_register(
+register(
     Structural(Op.CAST, lambda ts, a: TensorType(ts[0].shape, a["dtype"]),
                lambda n, xs, it: xs[0].to(it.dtype(n.attr("dtype"))),
                lambda b, a, xs, y, ct: [b.op(Op.CAST, ct, dtype=xs[0].dtype)], zero="all"),
@@ -244,7 +245,7 @@ def _concat_vjp(b, a, xs, y, ct):
     return out
 
 
-_register(
+register(
     Structural(Op.RESHAPE, _reshape_shape, lambda n, xs, it: xs[0].reshape(n.attr("shape")),
                lambda b, a, xs, y, ct: [ct.reshape(*xs[0].shape)], zero="all"),
     Structural(Op.PERMUTE, _permute_shape, lambda n, xs, it: xs[0].permute(*n.attr("perm")),
@@ -313,7 +314,7 @@ def _scatter_along_ref(n, xs, it):
     return out.scatter_add(-1, idx.unsqueeze(-1), grad.unsqueeze(-1))
 
 
-_register(
+register(
     Structural(Op.TAKE, _take_shape, lambda n, xs, it: xs[0][xs[1]],
                lambda b, a, xs, y, ct: [b.op(Op.INDEX_ADD, ct, xs[1], rows=xs[0].shape[0]),
                                         None], reads=(1,)),
@@ -387,7 +388,7 @@ def _item_shape(ts: list, a: dict) -> Type:
     return t[a["index"]]
 
 
-_register(
+register(
     Structural(Op.CUMSUM, lambda ts, a: ts[0], _cumsum_ref,
                lambda b, a, xs, y, ct: [ct.cumsum(a["axis"], reverse=not a["reverse"])],
                zero="all"),

@@ -17,7 +17,8 @@ Kernel families, with what a kernel may contain:
   same kernel (that would be a second pass) and no reduction depends on another.
 - matmul: one EINSUM with a pointwise epilogue on its output domain; its operands may be
   views of kernel inputs (read with remapped indices, never materialized), not computed ones.
-- template: a SCAN with its ITEMs, an INDEX_ADD or a SCATTER_ALONG, alone.
+- template: a SCAN with its ITEMs, a pattern op (`OpGroup.PATTERN`, e.g. ATTENTION) with its
+  ITEMs, an INDEX_ADD or a SCATTER_ALONG, alone.
 
 "Free" nodes (generators, and views whose operands are free or read from memory) cost no
 work and may be used at any index. A view of a value computed in the same kernel must be a
@@ -56,7 +57,7 @@ from .schedule import PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, v
 
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
 REDUCTIONS = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM})
-TEMPLATES = frozenset({Op.SCAN, Op.INDEX_ADD, Op.SCATTER_ALONG})
+TEMPLATES = frozenset({Op.SCAN, Op.INDEX_ADD, Op.SCATTER_ALONG}) | OpGroup.PATTERN
 MAX_NAME_OPS = 4
 SIBLING_READERS = 8          # siblings of a value are paired only when it has this few readers
 
@@ -92,7 +93,33 @@ def node_flops(n: Node, g: Graph, body_flops: int = 0) -> int:
         return _numel(g.node(n.inputs[0]))
     if n.op is Op.SCAN:
         return n.attr("length") * body_flops
+    if n.op in OpGroup.PATTERN:
+        return pattern_flops(n, g)
     return 0
+
+
+def pattern_flops(n: Node, g: Graph) -> int:
+    """Modeled work of a pattern op: attention counts only the visible (query, key) pairs,
+    2·e per pair for q kᵀ and 2·e for p v (backward: 2·e each for s, dp, dv, dq, dk); AdamW
+    about 16 per parameter element (norm, clip, moments, update)."""
+    if n.op is Op.ADAMW:
+        return 16 * sum(g.node(i).type.numel for i in n.inputs[:n.attr("n")])
+    q, k, v = (g.node(i).type.shape for i in n.inputs[:3])
+    pairs = q[0] * q[1] * visible_pairs(n.attr("n_q"), n.attr("groups"))
+    per_pair = 2 * q[3] + 2 * v[3] if n.op is Op.ATTENTION else 6 * q[3] + 4 * v[3]
+    return pairs * per_pair
+
+
+def visible_pairs(n_q: int, groups: tuple) -> int:
+    """(query, key) pairs a MASK's groups let through, for queries 0..n_q-1 (q_start 0)."""
+    total = 0
+    for kind, length, window in groups:
+        if kind == "all":
+            total += n_q * length
+        else:
+            w = length if window is None else window
+            total += sum(min(i + 1, w, length) for i in range(n_q))
+    return total
 
 
 @dataclass(frozen=True)
@@ -180,7 +207,7 @@ class _Fuser:
 
     def _outputs(self, members: list[int], inside: set[int]) -> list[int]:
         """Members some other kernel or the graph's outputs read (immediates: templates only)."""
-        return [nid for nid in members if self.node[nid].op is not Op.SCAN and (
+        return [nid for nid in members if not isinstance(self.node[nid].type, tuple) and (
             nid in self.graph_out or any(u not in inside and (
                 nid not in self.imm or self.node[u].op in TEMPLATES) for u in self.users[nid]))]
 

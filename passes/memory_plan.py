@@ -13,6 +13,8 @@ What gets a buffer, top level:
 - persistent values (graph inputs and outputs named in `persistent`: parameters, gradients,
   optimizer state) sit in a separate persistent region, laid out in graph order; a value
   reachable under several persistent names lives in the first and is copied to the others;
+  an output with an input's persistent name gets its own buffer, except the parameter and
+  moment results of an ADAMW pattern op (elementwise), which share their input's slot;
 - other graph inputs (e.g. `tokens`) get activation buffers live from kernel 0;
 - kernel outputs get activation buffers from their producer to their last reader (graph
   outputs: to the end), except aliases: a RESHAPE whose operand already has storage shares
@@ -333,6 +335,23 @@ class MemoryPlan:
         return "\n".join(lines) + "\n"
 
 
+def _updates_in_place(g: Graph, vid: int, name: str) -> bool:
+    """Is output `vid` an element of an in-place pattern op (ADAMW: elementwise over its
+    operands) whose operand at the same position of its list is the input named `name`? Then
+    it shares that input's persistent slot: the optimizer updates parameters and moments where
+    they are."""
+    node = g.node(vid)
+    if node.op is not Op.ITEM or g.node(node.inputs[0]).op is not Op.ADAMW:
+        return False
+    op = g.node(node.inputs[0])
+    n, k = op.attr("n"), node.attr("index")
+    if k >= 3 * n:                                  # grad_norm
+        return False
+    src = op.inputs[k if k < n else k + n]         # params | (grads) | ms | vs
+    src_node = g.node(src)
+    return src_node.op is Op.INPUT and src_node.attr("name") == name
+
+
 def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
@@ -361,6 +380,8 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool) 
                 pers_slots[name] = (top, size)
                 top += size
                 pers_vals.setdefault(vid, []).append(name)
+            elif name in persistent and _updates_in_place(g, vid, name):
+                pers_vals.setdefault(vid, []).append(name)    # the input's slot, updated
     if body:                                 # outputs written where the scan wants them
         for name, v in g.outputs:
             node = g.node(v)

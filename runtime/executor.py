@@ -20,12 +20,14 @@ import time
 
 import torch
 
-from titanc.ir import Graph, Node, Op
+from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType, dtype_name
 from titanc.passes.memory_plan import OUTPUT_PREFIX, Home, MemoryPlan, ScanHomes
 from titanc.passes.schedule import is_immediate
+
+from .pattern_kernels import pattern_steps
 
 Tensor = torch.Tensor
 Step = Callable[[], None]
@@ -63,9 +65,12 @@ _ACTIVE: list[Profiler] = []            # the profiler of the run in progress, i
 def kernel_label(g: Graph, kernel: Any, role: str = "") -> str:
     """Profile category: attention (score/value contractions), memory update (kernels in the
     body of a scan of role "memory"), optimizer, else the kernel's own category; a scan's own
-    time (its loop, excluding its body's kernels) is 'scan', other template kernels 'other'."""
+    time (its loop, excluding its body's kernels) is 'scan', the flash-attention pattern
+    kernels 'attention', other template kernels 'other'."""
     if g.name.startswith("optimizer"):
         return "optimizer"
+    if any(g.node(n).op in (Op.ATTENTION, Op.ATTENTION_BWD) for n in kernel.nodes):
+        return "attention"
     if kernel.category == "template":
         return "scan" if any(g.node(n).op is Op.SCAN for n in kernel.nodes) else "other"
     if role == "memory":
@@ -228,6 +233,9 @@ class _Builder:
             return
         if op is Op.SCAN:
             self._scan(n, outputs)
+            return
+        if op in OpGroup.PATTERN:                    # one fused ATen call (pattern_kernels)
+            self.steps.extend(pattern_steps(self, n, outputs))
             return
         xs = [self.operand(i) for i in n.inputs]
         view = _VIEWS.get(op)

@@ -33,11 +33,13 @@ from typing import Any
 import torch
 
 from titanc.codegen.hooks import KernelCode, graph_dtype, render_kernel
+from titanc.codegen.pattern_kernels import SCRATCH
 from titanc.codegen.render import interpret_mode, load_module
 from titanc.codegen.scan_kernel import (ScanFallback, ScanKernel, count_launches,
                                         host_table, scan_kernel_for)
 from titanc.errors import TitancError
 from titanc.ir import Op
+from titanc.ir.types import TensorType
 from titanc.passes.manager import debug_level
 from titanc.passes.memory_plan import MemoryPlan
 
@@ -77,10 +79,15 @@ def module_for(code: KernelCode) -> ModuleType:
     return _MODULES[key]
 
 
-def launch_tensors(code: KernelCode, tensor_of: Any) -> list[Tensor]:
-    """The tensors of `code`'s launch: `tensor_of(value id)`, viewed as each argument asks."""
+def launch_tensors(code: KernelCode, tensor_of: Any, scratch: Any = None) -> list[Tensor]:
+    """The tensors of `code`'s launch: `tensor_of(value id)`, viewed as each argument asks;
+    a temporary (`pattern_kernels.SCRATCH`) is `scratch(shape)` (default: a new tensor like
+    the first argument)."""
     out = []
     for a in code.args:
+        if a.value == SCRATCH:
+            out.append(scratch(a.view) if scratch is not None else out[0].new_empty(a.view))
+            continue
         t = tensor_of(a.value)
         out.append(t.view(a.view) if a.view is not None else t)
     return out
@@ -115,10 +122,15 @@ class _TritonBuilder(_Builder):
             return
         code = self.owner.code(self.plan, kern)
         module = module_for(code)
-        tensors = launch_tensors(code, self.home)
+        tensors = launch_tensors(code, self.home, self._scratch)
         sizes = code.sizes
         self.steps.append(lambda: module.launch(*tensors, *sizes))
         self.launches += 1
+
+    def _scratch(self, shape: tuple[int, ...]) -> Tensor:
+        """A temporary of a pattern kernel (an unread tuple element, attention's delta rows)."""
+        dt = "f64" if self.owner.dtype == "float64" else "f32"
+        return self.scratch.alloc(TensorType(tuple(shape), dt))
 
     def _scan_kernel(self, kern: Any, sid: int, sk: ScanKernel) -> None:
         """Bind one scan kernel: operands, the ITEM outputs the program reads, tables, and a

@@ -304,7 +304,8 @@ def test_passes_are_typed_objects_and_the_log_calls_back(examples_dir) -> None:
     log = PassLog(callbacks=[lambda record, g: seen.append((record["name"], g.name))])
     c = Compiled(spec, 1, param_specs(spec.model), log)
     c.graph("decode_write")
-    assert seen == [("frontend", "write"), ("canonicalize", "write"), ("aggregate", "write")]
+    assert seen == [("frontend", "write"), ("canonicalize", "write"), ("aggregate", "write"),
+                    ("flash_attention", "write")]
     assert ChunkedLoss(0)(c.graph("decode_write").graph) is c.graph("decode_write").graph
 
 

@@ -173,7 +173,7 @@ def _execute(plan: MemoryPlan, mem: Tensor, pers: Tensor, ext: dict[str, Tensor]
         env = {v: where(v) for v in kern.inputs}
         for nid in kern.nodes:
             node = g.node(nid)
-            if node.op is Op.ITEM:
+            if node.op is Op.ITEM and g.node(node.inputs[0]).op is Op.SCAN:
                 continue                  # the scan writes its ITEMs' buffers itself
             args = [env[i] if i in env else
                     torch.tensor(g.node(i).attr("value"), dtype=DTYPES[g.node(i).type.dtype])

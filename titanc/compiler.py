@@ -33,6 +33,8 @@ from titanc.passes.memory_plan import MemoryPlan, plan_memory
 from titanc.passes.schedule import Schedule, verify_schedule
 from titanc.passes.checkpoint_chunks import CheckpointChunks
 from titanc.passes.chunked_loss import ChunkedLoss
+from titanc.passes.flash_attention import FlashAttention
+from titanc.passes.fused_adamw import FusedAdamW
 from titanc.passes.remat import Policy, choose_policy
 from titanc.passes.manager import Pass, PassLog
 from titanc.passes.optimizer import optimizer_graph
@@ -133,9 +135,12 @@ class Compiled:
                 g = log.apply(step, g)
             return _finish(log, kind, g, persistent, start)
         if kind == "optimizer":
-            # clipping + AdamW over the flat parameter set
+            # clipping + AdamW over the flat parameter set, then recognised as one
+            # multi-tensor ADAMW op (one launch, plus one for the norm)
+            fused = FusedAdamW(tuple(p.decay for p in self.params), tuple(spec.train.betas),
+                               spec.train.weight_decay, spec.train.grad_clip, SHARED)
             return _pipeline(log, kind, lambda: optimizer_graph(
-                self.params, spec.train, dtype_name(spec.train.master_dtype)), persistent)
+                self.params, spec.train, dtype_name(spec.train.master_dtype)), persistent, (fused,))
         if kind in ("logits", "logprobs"):
             return _pipeline(log, kind, lambda: lower_forward(spec, B, output=kind), persistent,
                              mp)
@@ -158,8 +163,10 @@ class Compiled:
                         for k in ("grad", "param", "opt.m", "opt.v")}
 
 
-# the graph passes every kind goes through after lowering
-SHARED: tuple[Pass, ...] = (Canonicalize(), Aggregate())
+# the graph passes every kind goes through after lowering: fold and simplify, weighted
+# outer-product sums -> contractions, attention chains -> the flash-attention pattern op (before
+# autodiff, so the backward is the op's VJP and no [B, H, Tq, Tk] tensor exists either way)
+SHARED: tuple[Pass, ...] = (Canonicalize(), Aggregate(), FlashAttention())
 
 
 def _pipeline(log: PassLog, kind: str, lower: Callable[[], Graph], persistent: set[str],

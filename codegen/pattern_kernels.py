@@ -1,0 +1,90 @@
+"""Hooks of the pattern kernels: a kernel holding one `OpGroup.PATTERN` op (and its ITEMs)
+rendered from its fixed template family (`fixed_families.py`).
+
+    ATTENTION      attention_fwd.py.jinja: flash attention forward over the MASK's key groups
+                   (`launch(q, k, v, o, lse, n_<group>..., sm_scale)`)
+    ATTENTION_BWD  attention_bwd.py.jinja: dq per query block, then dk/dv per key block and
+                   group (`launch(q, k, v, o, lse, do, dq, dk, dv, delta, ..., sm_scale)`)
+    ADAMW          adamw_multi.py.jinja: partial sums of grad², then one update launch over
+                   the flat regions (`launch(params…, grads…, ms…, vs…, lr, step, grad_scale,
+                   new params…, new ms…, new vs…, grad_norm)`)
+
+A tuple element no later kernel reads (the forward graph's log-sum-exp), and the backward's
+`delta` rows, are `TensorArg`s with a negative value id and their shape as `view`: the executor
+passes scratch of that shape, a generated program passes None (the launcher makes one).
+"""
+from __future__ import annotations
+
+from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.passes.schedule import Kernel
+
+from .fixed_families import KeyGroup, render_attention_bwd, render_attention_fwd
+from .kernel_code import KernelCode, TensorArg
+from .meta import compute_dtype
+from .render import render
+
+__all__ = ["SCRATCH", "key_groups", "render_pattern"]
+
+SCRATCH = -1          # TensorArg.value of a temporary (its shape is the arg's `view`)
+
+
+def key_groups(groups: tuple) -> list[KeyGroup]:
+    """The MASK's groups as the template's key groups (labels from their position)."""
+    out = []
+    for i, (kind, _, window) in enumerate(groups):
+        if kind == "all":
+            out.append(KeyGroup(f"all{i}", False))
+        else:
+            out.append(KeyGroup(f"causal{i}", True, window))
+    return out
+
+
+def _element_args(g: Graph, n: Node, kernel: Kernel) -> list[TensorArg]:
+    """One arg per tuple element: its ITEM when a later kernel reads it, else scratch."""
+    items = {g.node(u).attr("index"): u for u in g.users(n.id) if u in kernel.outputs}
+    return [TensorArg(items[k]) if k in items else TensorArg(SCRATCH, t.shape)
+            for k, t in enumerate(n.type)]
+
+
+def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
+                   allow_tf32: bool) -> KernelCode:
+    """The KernelCode of a pattern kernel."""
+    n = next(g.node(i) for i in kernel.nodes if g.node(i).op in OpGroup.PATTERN)
+    a = n.attr_dict
+    if n.op is Op.ADAMW:
+        return _adamw(g, n, kernel, header, dtype)
+    q, k, v = (g.node(i).type for i in n.inputs[:3])
+    if q.shape[3] != v.shape[3]:
+        raise NotImplementedError(f"{kernel.name}: the attention templates need values as wide "
+                                  f"as keys (q {q}, v {v})")
+    kw = dict(groups=key_groups(a["groups"]), head_dim=q.shape[3], dtype=dtype,
+              allow_tf32=allow_tf32, header_lines=header)
+    sizes = (*(length for _, length, _ in a["groups"]), float(a["scale"]))
+    ins = [TensorArg(i) for i in n.inputs]
+    outs = _element_args(g, n, kernel)
+    if n.op is Op.ATTENTION:
+        source = render_attention_fwd(kernel.name, **kw)
+        return KernelCode(kernel.name, kernel.category, "attention_fwd", g.name, source,
+                          (*ins, *outs), sizes)
+    if any(a_.value == SCRATCH for a_ in outs):
+        raise NotImplementedError(f"{kernel.name}: every gradient of ATTENTION_BWD must be read")
+    source = render_attention_bwd(kernel.name, **kw)
+    delta = TensorArg(SCRATCH, q.shape[:3])
+    return KernelCode(kernel.name, kernel.category, "attention_bwd", g.name, source,
+                      (*ins, *outs, delta), sizes)
+
+
+def _adamw(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str) -> KernelCode:
+    a = n.attr_dict
+    outs = _element_args(g, n, kernel)
+    if any(o.value == SCRATCH for o in outs):
+        raise NotImplementedError(f"{kernel.name}: every result of ADAMW must be read")
+    source = render("adamw_multi.py.jinja", name=kernel.name, header_lines=header,
+                    n_params=a["n"], decay=[bool(d) for d in a["decay"]],
+                    beta1=repr(float(a["beta1"])), beta2=repr(float(a["beta2"])),
+                    eps=repr(float(a["eps"])), weight_decay=repr(float(a["weight_decay"])),
+                    max_norm=repr(float(a["clip"])), clip=a["clip"] > 0, block=1024,
+                    num_partials=256, acc_dtype=compute_dtype(dtype),
+                    partials_dtype=compute_dtype(dtype).removeprefix("tl."), num_warps=4)
+    return KernelCode(kernel.name, kernel.category, "adamw_multi", g.name, source,
+                      (*(TensorArg(i) for i in n.inputs), *outs), ())

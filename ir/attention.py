@@ -1,0 +1,92 @@
+"""Rules of the attention pattern ops: ATTENTION (q, k, v) -> (o, lse) and ATTENTION_BWD
+(q, k, v, o, lse, do) -> (dq, dk, dv).
+
+`passes/flash_attention.py` rewrites `softmax(q kᵀ · scale + MASK) v` into ATTENTION; its
+attrs are the scale and the MASK's (`n_q`, `q_start`, `groups`), so the visible (query, key)
+pairs are known statically and no [B, H, Tq, Tk] table has to exist. `lse` is the natural
+log-sum-exp of each query row's masked, scaled scores: the backward recomputes the
+probabilities from it (FlashAttention). The reference semantics below materialise the scores:
+they are the float64 oracle, not a kernel.
+
+Letters: b batch, h heads, q query position, k key position, e head width.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .ops import Op
+from .shapes import ShapeError
+from .structural import Structural, register
+from .tables import mask_table
+from .types import TensorType
+
+
+def _check_qkv(q: Any, k: Any, v: Any, a: dict) -> None:
+    if not all(isinstance(t, TensorType) and t.rank == 4 for t in (q, k, v)):
+        raise ShapeError("ATTENTION needs rank-4 q, k, v [batch, head, position, width]")
+    n_k = sum(length for _, length, _ in a["groups"])
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]:
+        raise ShapeError(f"ATTENTION q {q}, k {k}, v {v} disagree")
+    if q.shape[2] != a["n_q"] or k.shape[2] != n_k:
+        raise ShapeError(f"ATTENTION q {q} / k {k} do not match n_q={a['n_q']}, "
+                         f"keys={n_k} of the groups")
+
+
+def _attention_type(ts: list, a: dict) -> tuple[TensorType, ...]:
+    q, k, v = ts
+    _check_qkv(q, k, v, a)
+    return (TensorType(q.shape[:3] + v.shape[3:], q.dtype), TensorType(q.shape[:3], q.dtype))
+
+
+def _attention_bwd_type(ts: list, a: dict) -> tuple[TensorType, ...]:
+    q, k, v, o, lse, do = ts
+    _check_qkv(q, k, v, a)
+    if o.shape != do.shape or o.shape != q.shape[:3] + v.shape[3:] or lse.shape != q.shape[:3]:
+        raise ShapeError(f"ATTENTION_BWD o {o}, lse {lse}, do {do} do not match q {q}, v {v}")
+    return (q, k, v)
+
+
+def scores(q: Tensor, k: Tensor, a: dict) -> Tensor:
+    """Scaled, masked scores [b, h, q, k] (the reference path only)."""
+    bias = mask_table(a["n_q"], a["q_start"], a["groups"], q.dtype)
+    return torch.einsum("bhqe,bhke->bhqk", q, k) * a["scale"] + bias
+
+
+def attention_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Tensor]:
+    q, k, v = xs
+    s = scores(q, k, node.attr_dict)
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhqk,bhke->bhqe", torch.exp(s - lse[..., None]), v), lse
+
+
+def attention_bwd_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v, o, lse, do = xs
+    a = node.attr_dict
+    p = torch.exp(scores(q, k, a) - lse[..., None])                   # (b, h, q, k)
+    dv = torch.einsum("bhqk,bhqe->bhke", p, do)
+    dp = torch.einsum("bhqe,bhke->bhqk", do, v)
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))                     # softmax VJP
+    dq = torch.einsum("bhqk,bhke->bhqe", ds, k) * a["scale"]
+    dk = torch.einsum("bhqk,bhqe->bhke", ds, q) * a["scale"]
+    return dq, dk, dv
+
+
+def _attention_vjp(b: Any, a: dict, xs: list, y: Any, cts: list) -> list:
+    """ATTENTION (q, k, v) -> (o, lse): one ATTENTION_BWD, which recomputes the probabilities
+    from the saved log-sum-exp (cotangents: of o; lse is read by the backward only)."""
+    ct_o, ct_lse = cts
+    if ct_lse is not None:
+        raise NotImplementedError("no VJP of ATTENTION through its log-sum-exp output")
+    if ct_o is None:
+        return [None, None, None]
+    bwd = b.op(Op.ATTENTION_BWD, *xs, b.item(y, 0), b.item(y, 1), ct_o, **a)
+    return [b.item(bwd, i) for i in range(3)]
+
+
+register(
+    Structural(Op.ATTENTION, _attention_type, attention_ref, _attention_vjp, reads=(0, 1, 2)),
+    Structural(Op.ATTENTION_BWD, _attention_bwd_type, attention_bwd_ref),
+)
