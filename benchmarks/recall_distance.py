@@ -194,7 +194,9 @@ def summarize(rows: list[dict[str, Any]], distances: list[int]) -> dict[str, Any
 
 
 def plot(path: Path, summary: dict[str, Any], distances: list[int], chance: float,
-         window: int, title: str) -> None:
+         window: int, title: str, seeds: dict[str, int] | None = None) -> None:
+    """Accuracy vs distance, one line per block (mean over its seeds, min-max band);
+    `seeds`: how many seeds each block has, shown in the legend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -204,7 +206,9 @@ def plot(path: Path, summary: dict[str, Any], distances: list[int], chance: floa
         mean = [by_d[str(d)]["mean"] for d in distances]
         lo = [by_d[str(d)]["min"] for d in distances]
         hi = [by_d[str(d)]["max"] for d in distances]
-        line, = ax.plot(distances, mean, marker="o", label=block)
+        n = (seeds or {}).get(block)
+        label = block if n is None else f"{block} ({n} seed{'s' if n != 1 else ''})"
+        line, = ax.plot(distances, mean, marker="o", label=label)
         ax.fill_between(distances, lo, hi, color=line.get_color(), alpha=0.15)
     ax.axhline(chance, color="gray", linestyle="--", label=f"chance ({chance:.3f})")
     ax.axvline(window, color="gray", linestyle=":", label=f"attention window ({window})")
@@ -285,9 +289,9 @@ def main() -> None:
             result = {"config": config, "results": rows, "summary": summary}
             out.write_text(json.dumps(result, indent=2) + "\n")
             title = (f"recall vs distance: curriculum {args.curriculum}, "
-                     f"{len({r['seed'] for r in rows})} seed(s), "
                      f"≤{args.budget:.0f} CPU s/model")
-            plot(out.with_suffix(".png"), summary, distances, chance, window, title)
+            seeds = {b: sum(r["block"] == b for r in rows) for b in summary}
+            plot(out.with_suffix(".png"), summary, distances, chance, window, title, seeds)
     print(json.dumps(result, indent=2))
     head = f"{'block':>6} {'params':>7} " + " ".join(f"{'d=' + str(d):>11}" for d in distances)
     print(head)

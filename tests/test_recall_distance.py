@@ -137,6 +137,30 @@ def test_memory_stats_per_layer_and_block() -> None:
     assert memory_stats(titanc.compile(spec), tokens(spec)) == {"layers": []}
 
 
+def test_mac_memory_input_is_normalised() -> None:
+    """MAC writes ŷ = rmsnorm(ỹ) (docs/semantics.md, mac step 3): the memory's projections and
+    gates do not see the scale of the attention output, so scaling attn_wo leaves every write
+    (inner losses, |W|, |S|, θ, η, α) as it was. Unnormalised, v(ỹ) and the gates scale with it
+    (η saturated at 0.9998 in the recall runs)."""
+    spec = tiny_spec(**{"model.block": "mac", "train.dtype": "float64"})
+    prog = titanc.compile(spec)
+    params = prog.parameters()
+    gen = torch.Generator().manual_seed(3)
+    for gate in ("theta", "eta", "alpha"):     # non-zero gate weights: the gates see ŷ
+        w = params[f"layers.mem_{gate}_w"]
+        w.copy_(0.5 * torch.randn(w.shape, generator=gen, dtype=w.dtype))
+    tok = tokens(spec)
+    params["layers.attn_wo"].mul_(1000.0)        # ỹ² well above the norm's eps (1e-6)
+    a = memory_stats(prog, tok)["layers"][0]   # layer 0: later layers see the block output,
+    params["layers.attn_wo"].mul_(10.0)          # which does scale with ỹ
+    b = memory_stats(prog, tok)["layers"][0]
+    for key in ("inner_loss_before", "inner_loss_after", "w_norm", "s_norm",
+                "theta", "eta", "alpha"):     # the stats are rounded to 5 decimals
+        assert b[key] == pytest.approx(a[key], rel=1e-3, abs=2e-5), key
+    assert b["chunk_loss_before"] == pytest.approx(a["chunk_loss_before"], rel=1e-3, abs=2e-5)
+    assert a["inner_loss_before"] > 1e-3          # the writes are not trivially empty
+
+
 def _train_tiny(tmp_path: Path, extra: list[str]) -> Path:
     run = tmp_path / "run"
     assert main(["train", "examples/tiny_lmm.yaml", "--out", str(run), "--steps", "4",

@@ -94,7 +94,7 @@ class Parallel:
         u_seg = u.reshape(B, n_seg, S, D).permute(1, 0, 2, 3)     # (nS, B, S, D)
         hq_seg = hq.reshape(B, nm, n_seg, S, e).permute(2, 0, 1, 3, 4)   # (nS, B, Nm, S, e)
         # loop-invariant weights the segment body reads (W⁽⁰⁾ enters as the carry)
-        keys = sorted(k for k in p if k.startswith(("attn_", "mem_")) and k != "mem_norm"
+        keys = sorted(k for k in p if k.startswith(("attn_", "mem_", "mac_")) and k != "mem_norm"
                       and not re.fullmatch(r"mem_w\d+", k))
 
         def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
@@ -103,7 +103,8 @@ class Parallel:
             u_s, hq_s = xs
             h = merge_heads(retrieve(bb, w, hq_s))                # (B, S, D), read only
             y = mac_attention(bb, u_s, h, pp, att.heads)          # ỹ (B, S, D)
-            st = project(bb, y, pp, mem)                          # segment-local conv history
+            yn = rmsnorm(y, pp["mac_norm"])                       # ŷ: the memory's input
+            st = project(bb, yn, pp, mem)                         # segment-local conv history
             w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q)
             return w2 + s2, [mac_output(y, merge_heads(r), pp)]
 

@@ -9,7 +9,7 @@ shape here is static and the state per sequence is constant in context length.
 Per-layer state (stacked over layers, leading L):
     W{i}, S{i}        (B, Nm, out, in)    memory weights and momentum     memory blocks
     Wseg{i}           (B, Nm, out, in)    weights at the segment start    mac
-    conv_q/k/v        (B, K-1, D)         conv histories (mac: of ỹ, reset per segment)
+    conv_q/k/v        (B, K-1, D)         conv histories (mac: of ŷ, reset per segment)
     conv_hq           (B, K-1, D)         history of the x̂ query conv      mac
     k_cache, v_cache  (B, H, W, e)        sliding-window ring buffer      attn, mag, mal
     hk, hv, uk, uv    (B, H, S, e)        keys/values of the segment      mac
@@ -26,7 +26,7 @@ from .attention import attention
 from .blocks import block, lmm_output, mac_output
 from .frontend import lm_logits
 from .memory import chunk_update, mlp, project
-from .nn import merge_heads, rotate
+from .nn import merge_heads, rmsnorm, rotate
 from .params import memory_shapes, param_specs
 from .spec import ModelSpec, Spec
 
@@ -131,7 +131,7 @@ class _Step:
                      conv=lambda x, w, name: self.conv(x, w, "hq")).q
         h, _, _ = mlp(b, self.weights("Wseg"), hq)                # read at the segment start
         y = self.attend(u, [merge_heads(h), u], [("hk", "hv"), ("uk", "uv")])   # ỹ (B, n, D)
-        r, _ = self.memory_read_write(y, self.weights("W"))
+        r, _ = self.memory_read_write(rmsnorm(y, p["mac_norm"]), self.weights("W"))
         return mac_output(y, r, p)
 
 

@@ -3,7 +3,8 @@
 Per segment s of S tokens (docs/semantics.md, block `mac`, steps 1-4):
   1. h   = M(q(u)_s; state at segment start)         q(u) over the whole sequence
   2. ỹ   = attention of u_s over [persistent ‖ h ‖ u_s], local RoPE, causal, no window
-  3. write ỹ into memory chunk by chunk (segment-local conv); r = read at chunk start
+  3. write ŷ = rmsnorm(ỹ) into memory chunk by chunk (segment-local conv); r = read of
+     q(ŷ) at chunk start
   4. x_s += (ỹ * sigmoid(r)) W_O
 
 Ein notation: B batch, T time, S segment length, D model width, H attention heads,
@@ -56,8 +57,9 @@ def mac_block(p: dict[str, Tensor], x: Tensor, cfg) -> Tensor:
         W, _ = state
         h = merge_heads(mem_apply(W, hq[:, :, sl]))  # (B, S, D)  read only
         yt = mac_attention(p, u[:, sl], h, cfg)  # (B, S, D)
-        q, k, v = projections(p, yt, cfg)  # (B, N, S, C), conv history zero at segment start
-        theta, eta, alpha = gates(p, yt, cfg)  # (B, N, S)
+        yn = rmsnorm(yt, p["mac_norm"])  # the memory's input is normalised, as LMM's is
+        q, k, v = projections(p, yn, cfg)  # (B, N, S, C), conv history zero at segment start
+        theta, eta, alpha = gates(p, yn, cfg)  # (B, N, S)
         r, state = memory_scan(state, q, k, v, theta, eta, alpha, cfg.memory.chunk_size)  # (B, N, S, C)
         outs.append((yt * torch.sigmoid(merge_heads(r))) @ p["mem_wo"])  # (B, S, D)
     x = x + torch.cat(outs, dim=1)  # (B, T, D)

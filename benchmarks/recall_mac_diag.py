@@ -1,0 +1,143 @@
+"""Why MAC does not learn recall: short diagnostic runs at one sequence length.
+
+Trains one model of `benchmarks/recall_distance.py`'s spec (same task, same `--set`
+overrides) at a single seq_len (default 32: pairs and queries 8..18 tokens apart, segment 16)
+and every `--every` steps prints one JSON line:
+
+  acc{d}, qloss{d}  held-out accuracy and cross-entropy at the query positions (128 rows at
+                    each distance d of `--dist`; chance 0.125, ln 8 = 2.079)
+  grad              gradient norm per parameter group (summed over the group's tensors)
+  mem               memory diagnostics (runtime/memory_stats.py): inner loss before/after
+                    the writes, |W|, θ, η
+  attn_mass_q       mac only: the attention mass of the query positions on the persistent
+                    tokens (P), the memory reads h, the segment tokens u, and on h_i, the
+                    read at the query's own position -- the only h that carries its answer.
+                    Taken from tests/reference/mac.py run on the trained parameters, so it is
+                    only meaningful for the MAC of docs/semantics.md.
+
+    .venv/bin/python benchmarks/recall_mac_diag.py --steps 1500 --every 250
+    .venv/bin/python benchmarks/recall_mac_diag.py --block lmm --set train.lr=0.001
+
+The runs behind benchmarks/results/recall_distance_experiments.md ("MAC") are in
+benchmarks/results/recall_mac_diag.jsonl; the variants there that are not spec options were
+one-line edits of the MAC body in titanc/blocks.py (benchmarks/results/recall_mac_variants.patch,
+switched by environment variables; not part of titanc). "cpu" includes the probes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent))
+
+import recall_distance as rd                              # noqa: E402
+import titanc                                             # noqa: E402
+from titanc.runtime.memory_stats import memory_stats      # noqa: E402
+import tests.reference.mac as refmac                      # noqa: E402
+from tests.reference.model import forward_logits          # noqa: E402
+
+
+def groups(grads: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Gradient norm per group: the parameter name's first two words (attn_wq, mem_theta...)."""
+    out: dict[str, float] = {}
+    for name, g in grads.items():
+        words = name.removeprefix("layers.").split("_")
+        key = "_".join(words[:2])
+        out[key] = out.get(key, 0.0) + float(g.double().pow(2).sum())
+    return {k: round(v ** 0.5, 4) for k, v in sorted(out.items())}
+
+
+def attention_mass(prog, rows: torch.Tensor, positions: torch.Tensor) -> dict[str, float]:
+    """Mean attention mass of the query positions on P / h / u / h_i (reference MAC)."""
+    m = prog.spec.model
+    S, P = m.attention.segment, m.attention.persistent_tokens
+    probs: list[torch.Tensor] = []
+
+    def attend(q, k, v, visible):
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~visible, -math.inf)
+        a = s.softmax(-1)
+        probs.append(a)                                    # (B, H, S, P + 2S)
+        return a @ v
+
+    params = {n: t.detach().float() for n, t in prog.parameters().items()}
+    orig, refmac.attend = refmac.attend, attend
+    try:
+        with torch.no_grad():
+            forward_logits(params, rows[:, :-1], m)
+    finally:
+        refmac.attend = orig
+    mass = {"P": 0.0, "h": 0.0, "u": 0.0, "h_self": 0.0}
+    n = 0
+    for qp in positions.tolist():
+        a = probs[qp // S][:, :, qp % S]                   # (B, H, P + 2S)
+        i = qp % S
+        mass["P"] += float(a[..., :P].sum(-1).mean())
+        mass["h"] += float(a[..., P:P + S].sum(-1).mean())
+        mass["u"] += float(a[..., P + S:].sum(-1).mean())
+        mass["h_self"] += float(a[..., P + i].mean())
+        n += 1
+    return {k: round(v / n, 3) for k, v in mass.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--block", default="mac")
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--every", type=int, default=250)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dist", default="8,16", help="held-out distances to probe")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = rd.parse_value(value)
+    prog = titanc.compile(rd.spec_with(args.block, args.seed, args.seq_len, args.steps,
+                                       overrides))
+    task = rd.task_for(args.seq_len, args.seed)
+    window = prog.spec.model.attention.window
+    gen = torch.Generator().manual_seed(args.seed)
+    dists = [int(d) for d in args.dist.split(",")]
+    top, pos = task.max_distance, task.layout.query_positions
+    t0 = time.process_time()
+
+    def probe(step: int, loss: float) -> None:
+        ev = torch.Generator().manual_seed(999)
+        res: dict = {"step": step, "loss": round(loss, 4),
+                     "cpu": round(time.process_time() - t0, 1)}
+        for d in dists:
+            rows = task.batch(128, "val", ev, distance=d)
+            lg = prog.logits(rows)
+            res[f"acc{d}"] = round(float((lg[:, pos].argmax(-1) == rows[:, pos + 1])
+                                         .double().mean()), 3)
+            res[f"qloss{d}"] = round(float(torch.nn.functional.cross_entropy(
+                lg[:, pos].reshape(-1, lg.shape[-1]), rows[:, pos + 1].reshape(-1))), 3)
+        rows = task.batch(32, "val", ev, distance=dists[0])
+        res["grad"] = groups(prog.grads(rows)[1])
+        if prog.spec.model.kind.memory:
+            ms = memory_stats(prog, rows[:16])["layers"][0]
+            res["mem"] = {k: ms[k] for k in ("inner_loss_before", "inner_loss_after",
+                                             "w_norm", "s_norm", "theta", "eta", "alpha")}
+        if args.block == "mac":
+            res["attn_mass_q"] = attention_mass(prog, rows, pos)
+        print(json.dumps(res), flush=True)
+
+    for step in range(1, args.steps + 1):
+        d = int(torch.randint(min(window, top), top + 1, (), generator=gen))
+        loss = prog.train_step(task.batch(prog.batch_size, "train", gen, distance=d))
+        if step == 1 or step % args.every == 0:
+            probe(step, loss)
+
+
+if __name__ == "__main__":
+    main()
