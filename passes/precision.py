@@ -10,6 +10,8 @@ and leaves with a dtype on every tensor and explicit CASTs where dtypes change:
                     the loss (bf16 terms, float32 accumulator), gate log-cumsums (log-space
                     weights), log-sigmoid gates, the log-sum-exp
     AMAX            in its operand's dtype (a max is exact), the result cast to float32
+    ATTENTION       (the flash-attention pattern op) q, k, v cast to float32, o and the
+                    log-sum-exp float32: its softmax is float32 (its consumers cast o down)
     elementwise     float32 when every user demands it: a chain feeding a CUMSUM, a LOG, a
                     sum to a scalar (the per-token losses) or a float32 scan carry (the
                     memory state W, S); otherwise an activation: bf16 as soon as one operand
@@ -167,6 +169,8 @@ class _Rewrite:
             return self._to(add(node, ins), HIGH)
         if op is Op.EINSUM:
             return add(node, [self._to(i, LOW) for i in ins])
+        if op in OpGroup.PATTERN:  # a flash-attention op: its softmax (and lse) in float32
+            return add(node, [self._to(i, HIGH) for i in ins])
         if op in F32_OPS or node.id in self.f32:
             return add(node, [self._to(i, HIGH) for i in ins])
         if op in OpGroup.ELEMENTWISE or op is Op.CONCAT:

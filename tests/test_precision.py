@@ -96,11 +96,13 @@ def _arena(path: Path, dtype: str) -> int:
     return memory_report(c.plans["training"], c.spec.model.vocab_size)["arena_bytes"]
 
 
-@pytest.mark.parametrize("example, bound", [("tiny_attn.yaml", 0.6), ("tiny.yaml", 0.85)])
+@pytest.mark.parametrize("example, bound", [("tiny_attn.yaml", 0.75), ("tiny.yaml", 0.85)])
 def test_bf16_activation_arena_is_smaller(example: str, bound: float) -> None:
-    """report.json `memory.arena_bytes` of the training graph. Attention-only: about half
-    (0.58 measured). MAC: the memory state (W, S of every memory layer, saved per segment for
-    the backward, and its cotangents) stays float32 by design, so 0.80 measured."""
+    """report.json `memory.arena_bytes` of the training graph. Attention-only: 0.72 measured
+    (0.58 before the flash-attention op, whose q, k, v, o and log-sum-exp are float32 under
+    bf16 for now; the materialised bf16 scores it removed were what halved). MAC: the memory
+    state (W, S of every memory layer, saved per segment for the backward, and its
+    cotangents) stays float32 by design, so 0.83 measured."""
     f32, bf16 = _arena(EXAMPLES / example, "float32"), _arena(EXAMPLES / example, "bfloat16")
     assert bf16 <= bound * f32, (example, bf16 / f32)
 
