@@ -68,7 +68,9 @@ def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
                           (*ins, *outs), sizes)
     if any(a_.value == SCRATCH for a_ in outs):
         raise NotImplementedError(f"{kernel.name}: every gradient of ATTENTION_BWD must be read")
-    source = render_attention_bwd(kernel.name, **kw)
+    # 32 x 32 blocks: the dk/dv kernel holds two accumulators and recomputes p and ds per
+    # block; at 64 x 64 it spilled ~0.5 KB/thread on sm_90 (tests/test_aot.py budget 256 B)
+    source = render_attention_bwd(kernel.name, block_m=32, block_n=32, **kw)
     delta = TensorArg(SCRATCH, q.shape[:3])
     return KernelCode(kernel.name, kernel.category, "attention_bwd", g.name, source,
                       (*ins, *outs, delta), sizes)

@@ -40,13 +40,16 @@ SERIAL_SPILL_BUDGET = 8192  # one-program scan kernels (a MAC segment's backward
 ARCHS = (80, 90)
 
 
-def _compile(spec_path, overrides: dict, skip_scan: bool) -> list[dict]:
+def _compile(spec_path, overrides: dict, skip_scan: bool, skip_serial: bool = False) -> list[dict]:
+    """Compile every distinct launch of the spec's programs for ARCHS (cached on disk);
+    `skip_serial` leaves out one-program scan kernels (minutes each to compile: the full tier
+    has them)."""
     compiled = compile_graphs(load_spec(spec_path, overrides))
     launches: dict[str, aot.Launch] = {}
     for g in GRAPHS:
         for launch in aot.record_launches(compiled.plans[g],
                                           allow_tf32=compiled.spec.compile.allow_tf32):
-            if not (skip_scan and launch.is_scan):
+            if not (skip_scan and launch.is_scan) and not (skip_serial and launch.is_serial):
                 launches.setdefault(launch.key(), launch)
     results = aot.compile_all(launches.values(), ARCHS, jobs=2)
     if any("ptxas" in r.get("error", "") and "not found" in r.get("error", "")
@@ -72,13 +75,15 @@ def _check(results: list[dict], tensor_cores: bool) -> None:
 
 def test_every_tiny_kernel_compiles_for_sm80_and_sm90_with_tensor_cores() -> None:
     """Scan kernels included: within each architecture's shared memory and the scan spill
-    budget, with tensor-core dots."""
+    budget, with tensor-core dots. One-program (serial) scan kernels, minutes each to compile
+    cold, are in the TITANC_AOT_FULL tier (`make test` must fit CI's budget on a cold cache)."""
     assert interpreting()
-    results = _compile(EXAMPLES / "tiny.yaml", {"compile.allow_tf32": True}, skip_scan=False)
+    results = _compile(EXAMPLES / "tiny.yaml", {"compile.allow_tf32": True}, skip_scan=False,
+                       skip_serial=os.environ.get("TITANC_AOT_FULL") != "1")
     assert {r["arch"] for r in results} == set(ARCHS)
     assert sum(r["matmul"] for r in results) >= 2 * 5      # the model's projections, fwd + bwd
     scans = [r for r in results if r["scan"]]
-    assert len({r["name"] for r in scans}) >= 4              # layer, segment (+bwd), loss
+    assert len({r["name"] for r in scans}) >= 3    # layers, MAC segment (serial ones: full tier)
     assert all(r["mma"] for r in scans if r["uses_dot"])
     _check(results, tensor_cores=True)
 
