@@ -2,23 +2,28 @@
 a blocked loop of out= ATen calls each, writing the op's tuple elements into their planned
 ITEM buffers.
 
-    ATTENTION      per block of BLOCK_Q queries: scores of the block against every key, scale,
-                   the MASK's additive table, softmax, times v; the block's log-sum-exp is kept
-                   for the backward. Only a [B, H, BLOCK_Q, Tk] block exists, in scratch that
-                   every block reuses, so no [B, H, Tq, Tk] tensor is ever allocated.
+    ATTENTION      per block of BLOCK_Q queries: scores of the block against the keys it can
+                   see, scale, the MASK's additive table, softmax, times v; the block's
+                   log-sum-exp is kept for the backward. Only a [B, H, BLOCK_Q, visible keys]
+                   block exists, in scratch that every block reuses, so no [B, H, Tq, Tk]
+                   tensor is ever allocated.
     ATTENTION_BWD  per block: the probabilities recomputed from q, k and the saved log-sum-exp,
                    dv and dk accumulated over blocks, dq written per block (FlashAttention-2's
                    backward, ordered by query block).
+
+Keys come in blocks of BLOCK_K: a key block that no query of the query block can see (outside
+the sliding window, or after the block's last query) is skipped, not computed and masked
+(`key_runs`: the visible key blocks, merged into runs of consecutive blocks).
     ADAMW          the optimizer step in place over the program's flat parameter, gradient and
                    moment regions (per parameter when they are not flat).
 
-Work is that of the direct form (every (query, key) pair of a block is computed, the mask
-zeroes the invisible ones). Every tensor is planned storage or scratch: a run allocates
+Within a visible key block the mask zeroes the invisible pairs. Every tensor is planned storage or scratch: a run allocates
 nothing. A tuple element no later kernel reads (the forward graph's log-sum-exp) goes to
 scratch.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
 
 Step = Callable[[], Any]
 BLOCK_Q = 64           # queries per block: scratch is O(BLOCK_Q · keys), not O(queries · keys)
+BLOCK_K = 64           # keys per block: the unit of skipping invisible keys
 
 
 def pattern_steps(b: "_Builder", n: Node, outputs: set[int]) -> list[Step]:
@@ -54,12 +60,47 @@ def pattern_steps(b: "_Builder", n: Node, outputs: set[int]) -> list[Step]:
     raise NotImplementedError(f"the cpu target has no kernel for pattern op {n.op.name}")
 
 
-def _bias(b: "_Builder", n: Node, dtype: torch.dtype) -> Tensor | None:
-    """The additive mask table [Tq, Tk], or None when every query sees every key."""
-    a = n.attr_dict
+def _visible(a: dict) -> Tensor | None:
+    """[Tq, Tk] booleans of the visible (query, key) pairs, or None when all are visible."""
     if all(kind == "all" for kind, _, _ in a["groups"]):
         return None
-    return b._const(mask_table(a["n_q"], a["q_start"], a["groups"], dtype))
+    return _visible_table(a["n_q"], a["q_start"], tuple(map(tuple, a["groups"])))
+
+
+@functools.lru_cache(maxsize=8)
+def _visible_table(n_q: int, q_start: int, groups: tuple) -> Tensor:
+    return mask_table(n_q, q_start, groups, torch.float64) == 0
+
+
+def key_runs(a: dict, i0: int, i1: int) -> list[tuple[int, int]]:
+    """The keys queries i0..i1 of an attention op with attrs `a` compute against: the key
+    blocks of BLOCK_K holding a visible pair, consecutive ones merged, as [(lo, hi)]."""
+    n_k = sum(length for _, length, _ in a["groups"])
+    vis = _visible(a)
+    runs: list[tuple[int, int]] = []
+    for lo in range(0, n_k, BLOCK_K):
+        hi = min(lo + BLOCK_K, n_k)
+        if vis is not None and not bool(vis[i0:i1, lo:hi].any()):
+            continue                                    # no query of the block sees these
+        if runs and runs[-1][1] == lo:
+            runs[-1] = (runs[-1][0], hi)
+        else:
+            runs.append((lo, hi))
+    return runs
+
+
+def _block_bias(b: "_Builder", n: Node, i0: int, i1: int, runs: list[tuple[int, int]],
+                dtype: torch.dtype) -> Tensor | None:
+    """The additive mask of queries i0..i1 over the keys of `runs` [bq, visible keys], or None
+    when the block sees all of them."""
+    a = n.attr_dict
+    if _visible(a) is None:
+        return None
+    vis = torch.cat([_visible(a)[i0:i1, lo:hi] for lo, hi in runs], dim=1)
+    if bool(vis.all()):
+        return None
+    zero, ninf = torch.zeros((), dtype=dtype), torch.tensor(-math.inf, dtype=dtype)
+    return b._const(torch.where(vis, zero, ninf))
 
 
 def _blocks(n_q: int) -> list[tuple[int, int]]:
@@ -76,33 +117,48 @@ def _einsum(b: "_Builder", spec: str, xs: list[Tensor], o: Tensor) -> list[Step]
     return einsum_steps(b, spec, xs, o)
 
 
-def _probabilities(b: "_Builder", n: Node, qb: Tensor, k: Tensor, bias: Tensor | None,
-                   i0: int, i1: int, s: Tensor, steps: list[Step]) -> None:
-    """s <- scale · qb kᵀ + bias[i0:i1] (the block's masked, scaled scores)."""
-    steps += _einsum(b, "bhqe,bhke->bhqk", [qb, k], s)
+def _cols(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(lo, hi, offset of the run in the block's score columns)."""
+    out, off = [], 0
+    for lo, hi in runs:
+        out.append((lo, hi, off))
+        off += hi - lo
+    return out
+
+
+def _probabilities(b: "_Builder", n: Node, qb: Tensor, k: Tensor, i0: int, i1: int,
+                   runs: list[tuple[int, int]], s: Tensor, steps: list[Step]) -> None:
+    """s <- scale · qb kᵀ + bias over the keys of `runs` (the block's masked, scaled scores)."""
+    for lo, hi, off in _cols(runs):
+        steps += _einsum(b, "bhqe,bhke->bhqk", [qb, k[:, :, lo:hi]], s[..., off:off + hi - lo])
     scale = n.attr("scale")
     steps.append(lambda: s.mul_(scale))
+    bias = _block_bias(b, n, i0, i1, runs, s.dtype)
     if bias is not None:
-        rows = bias[i0:i1]
-        steps.append(lambda: s.add_(rows))
+        steps.append(lambda: s.add_(bias))
 
 
 def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     q, k, v = xs
     o, lse = outs
     B, H, _, _ = q.shape
-    bias, steps = _bias(b, n, q.dtype), []
+    steps: list[Step] = []
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
-        s = _tmp(b, q, B, H, bq, k.shape[2])
+        runs = key_runs(n.attr_dict, i0, i1)
+        s = _tmp(b, q, B, H, bq, sum(hi - lo for lo, hi in runs))
         m, l = _tmp(b, q, B, H, bq, 1), _tmp(b, q, B, H, bq, 1)
-        ob = _tmp(b, q, B, H, bq, v.shape[3])
-        _probabilities(b, n, q[:, :, i0:i1], k, bias, i0, i1, s, steps)
+        ob, t_o = _tmp(b, q, B, H, bq, v.shape[3]), _tmp(b, q, B, H, bq, v.shape[3])
+        _probabilities(b, n, q[:, :, i0:i1], k, i0, i1, runs, s, steps)
         steps += [lambda s=s, m=m: torch.amax(s, -1, keepdim=True, out=m),
                   lambda s=s, m=m: s.sub_(m).exp_(),
                   lambda s=s, l=l: torch.sum(s, -1, keepdim=True, out=l),
                   lambda s=s, l=l: s.div_(l)]
-        steps += _einsum(b, "bhqk,bhke->bhqe", [s, v], ob)
+        for j, (lo, hi, off) in enumerate(_cols(runs)):
+            steps += _einsum(b, "bhqk,bhke->bhqe", [s[..., off:off + hi - lo], v[:, :, lo:hi]],
+                             ob if j == 0 else t_o)
+            if j:
+                steps.append(lambda ob=ob, t_o=t_o: ob.add_(t_o))
         oo, ll = o[:, :, i0:i1], lse[:, :, i0:i1]
         steps += [lambda oo=oo, ob=ob: oo.copy_(ob),
                   lambda l=l, m=m, ll=ll: ll.copy_(l.log_().add_(m).squeeze(-1))]
@@ -114,31 +170,35 @@ def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor])
     q, k, v, o, lse, do = xs
     dq, dk, dv = outs
     B, H, _, _ = q.shape
-    bias, scale = _bias(b, n, q.dtype), n.attr("scale")
+    scale = n.attr("scale")
     steps: list[Step] = [lambda: dk.zero_(), lambda: dv.zero_()]
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
+        runs = key_runs(n.attr_dict, i0, i1)
+        n_vis = sum(hi - lo for lo, hi in runs)
         qb, dob, ob = q[:, :, i0:i1], do[:, :, i0:i1], o[:, :, i0:i1]
-        p = _tmp(b, q, B, H, bq, k.shape[2])
-        ds = _tmp(b, q, B, H, bq, k.shape[2])
+        p = _tmp(b, q, B, H, bq, n_vis)
+        ds = _tmp(b, q, B, H, bq, n_vis)
         delta = _tmp(b, q, B, H, bq, 1)
         t_o = _tmp(b, q, B, H, bq, v.shape[3])
-        t_q = _tmp(b, q, B, H, bq, q.shape[3])
-        t_k, t_v = _tmp(b, q, *k.shape), _tmp(b, q, *v.shape)
-        _probabilities(b, n, qb, k, bias, i0, i1, p, steps)
+        t_q, dqb = _tmp(b, q, B, H, bq, q.shape[3]), dq[:, :, i0:i1]
+        _probabilities(b, n, qb, k, i0, i1, runs, p, steps)
         lb = lse[:, :, i0:i1].unsqueeze(-1)
         steps.append(lambda p=p, lb=lb: p.sub_(lb).exp_())          # p = exp(s - lse)
-        steps += _einsum(b, "bhqk,bhqe->bhke", [p, dob], t_v)
-        steps.append(lambda t_v=t_v: dv.add_(t_v))
-        steps += _einsum(b, "bhqe,bhke->bhqk", [dob, v], ds)        # dp
         steps += [lambda t_o=t_o, dob=dob, ob=ob: torch.mul(dob, ob, out=t_o),
-                  lambda t_o=t_o, delta=delta: torch.sum(t_o, -1, keepdim=True, out=delta),
-                  lambda ds=ds, p=p, delta=delta: ds.sub_(delta).mul_(p).mul_(scale)]
-        steps += _einsum(b, "bhqk,bhke->bhqe", [ds, k], t_q)
-        dqb = dq[:, :, i0:i1]
-        steps.append(lambda dqb=dqb, t_q=t_q: dqb.copy_(t_q))
-        steps += _einsum(b, "bhqk,bhqe->bhke", [ds, qb], t_k)
-        steps.append(lambda t_k=t_k: dk.add_(t_k))
+                  lambda t_o=t_o, delta=delta: torch.sum(t_o, -1, keepdim=True, out=delta)]
+        for j, (lo, hi, off) in enumerate(_cols(runs)):
+            pr, dsr, w = p[..., off:off + hi - lo], ds[..., off:off + hi - lo], hi - lo
+            t_k, t_v = _tmp(b, q, B, H, w, k.shape[3]), _tmp(b, q, B, H, w, v.shape[3])
+            steps += _einsum(b, "bhqk,bhqe->bhke", [pr, dob], t_v)
+            steps.append(lambda t_v=t_v, dvr=dv[:, :, lo:hi]: dvr.add_(t_v))
+            steps += _einsum(b, "bhqe,bhke->bhqk", [dob, v[:, :, lo:hi]], dsr)   # dp
+            steps.append(lambda dsr=dsr, pr=pr, delta=delta: dsr.sub_(delta).mul_(pr).mul_(scale))
+            steps += _einsum(b, "bhqk,bhke->bhqe", [dsr, k[:, :, lo:hi]], t_q)
+            steps.append((lambda dqb=dqb, t_q=t_q: dqb.copy_(t_q)) if j == 0 else
+                         (lambda dqb=dqb, t_q=t_q: dqb.add_(t_q)))
+            steps += _einsum(b, "bhqk,bhqe->bhke", [dsr, qb], t_k)
+            steps.append(lambda t_k=t_k, dkr=dk[:, :, lo:hi]: dkr.add_(t_k))
         b.scratch.top = mark
     return steps
 

@@ -151,7 +151,7 @@ def _compiled(g: Graph, wrt: list[str]) -> MemoryPlan:
 
 CASES = [("swa", 16, 4, 0), ("swa", 16, 4, 4), ("swa", 16, 16, 4), ("swa", 16, 24, 0),
          ("swa", 80, 24, 4), ("swa", 80, 100, 0), ("mac", 8, 0, 0), ("mac", 8, 0, 4),
-         ("mac", 80, 0, 4)]
+         ("mac", 80, 0, 4), ("swa", 200, 24, 4), ("mac", 136, 0, 4)]
 
 
 @pytest.mark.parametrize("kind,T,window,P", CASES)
@@ -165,6 +165,30 @@ def test_attention_targets_match_reference(kind: str, T: int, window: int, P: in
         for name, ref in want.items():
             torch.testing.assert_close(got[name], ref, rtol=1e-9, atol=1e-11,
                                        msg=lambda m: f"{target}: {name}: {m}")
+
+
+def test_cpu_attention_skips_key_blocks_outside_the_window() -> None:
+    """The blocked loop computes only the key blocks a query block can see: causal blocks
+    after its last query and window blocks before its first are never computed."""
+    from titanc.runtime.pattern_kernels import BLOCK_K, BLOCK_Q, key_runs
+    T, W, P = 512, 64, 4
+    a = {"n_q": T, "q_start": 0, "groups": (("all", P, None), ("causal", T, W))}
+    n_k, computed = P + T, 0
+    for i0 in range(0, T, BLOCK_Q):
+        runs = key_runs(a, i0, i0 + BLOCK_Q)
+        assert runs[0][0] == 0                         # the persistent tokens: always seen
+        for lo, hi in runs:                            # every visible key is inside a run
+            assert lo % BLOCK_K == 0 and (hi % BLOCK_K == 0 or hi == n_k)
+        seen = torch.zeros(n_k, dtype=torch.bool)
+        for lo, hi in runs:
+            seen[lo:hi] = True
+        for p in range(i0, i0 + BLOCK_Q):             # visible: persistent, p - W < j <= p
+            assert bool(seen[:P].all()) and bool(seen[P + max(0, p - W + 1):P + p + 1].all())
+        computed += sum(hi - lo for lo, hi in runs)
+        assert sum(hi - lo for lo, hi in runs) <= BLOCK_K * (2 + (W + BLOCK_Q) // BLOCK_K)
+    assert computed < (T // BLOCK_Q) * n_k // 2       # most of the [T, P + T] pairs skipped
+    full = {"n_q": T, "q_start": 0, "groups": (("all", P + T, None),)}
+    assert key_runs(full, 0, BLOCK_Q) == [(0, n_k)]   # nothing to skip without a mask
 
 
 # --- the whole model on the cpu target ----------------------------------------------------------
