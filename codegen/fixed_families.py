@@ -195,6 +195,8 @@ def render_cross_entropy(
     d_model: int,
     backward: bool = False,
     accumulate_dw: bool = False,
+    head_dv: bool = False,
+    int64: bool = False,
     ignore_index: int = -100,
     dtype: str = "float32",
     allow_tf32: bool = False,
@@ -209,7 +211,9 @@ def render_cross_entropy(
     and W rows are loaded once per tile and no [rows, vocab] logits exist beyond one block.
     Forward launcher: `launch(h, w, target, loss, lse)`.
     Backward launcher: `launch(h, w, target, lse, dloss, dh, dw)`; with `accumulate_dw` the
-    kernel adds into dw (a tied embedding gradient, or several chunks of rows).
+    kernel adds into dw (a tied embedding gradient, or several chunks of rows). `head_dv`:
+    the launcher takes a [d_model, vocab] head (and gradient) and transposes the views;
+    `int64`: row and vocabulary offsets in int64 (numel of h, w or rows x vocab >= 2^31).
     """
     check_block("block_n", block_n, 16)
     check_block("block_v", block_v, 16)
@@ -221,6 +225,8 @@ def render_cross_entropy(
         header_lines=header_lines,
         backward=backward,
         accumulate=accumulate_dw,
+        head_dv=head_dv,
+        int64=int64,
         ignore_index=int(ignore_index),
         block_n=block_n,
         block_v=block_v,

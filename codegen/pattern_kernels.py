@@ -5,6 +5,11 @@ rendered from its fixed template family (`fixed_families.py`).
                    (`launch(q, k, v, o, lse, n_<group>..., sm_scale)`)
     ATTENTION_BWD  attention_bwd.py.jinja: dq per query block, then dk/dv per key block and
                    group (`launch(q, k, v, o, lse, do, dq, dk, dv, delta, ..., sm_scale)`)
+    LINEAR_CROSS_ENTROPY      cross_entropy.py.jinja: per-row loss and lse of h · headᵀ over
+                   vocabulary blocks (`launch(h, head, targets, loss, lse)`)
+    LINEAR_CROSS_ENTROPY_BWD  cross_entropy.py.jinja (backward): dh per row block, dhead per
+                   vocabulary block, logits recomputed from lse
+                   (`launch(h, head, targets, lse, dloss, dh, dhead)`)
     ADAMW          adamw_multi.py.jinja: partial sums of grad², then one update launch over
                    the flat regions (`launch(params…, grads…, ms…, vs…, lr, step, grad_scale,
                    new params…, new ms…, new vs…, grad_norm)`)
@@ -18,7 +23,8 @@ from __future__ import annotations
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.passes.schedule import Kernel
 
-from .fixed_families import KeyGroup, render_attention_bwd, render_attention_fwd
+from .fixed_families import (KeyGroup, render_attention_bwd, render_attention_fwd,
+                             render_cross_entropy)
 from .kernel_code import KernelCode, TensorArg
 from .meta import compute_dtype
 from .render import render
@@ -53,6 +59,8 @@ def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
     a = n.attr_dict
     if n.op is Op.ADAMW:
         return _adamw(g, n, kernel, header, dtype)
+    if n.op in (Op.LINEAR_CROSS_ENTROPY, Op.LINEAR_CROSS_ENTROPY_BWD):
+        return _linear_cross_entropy(g, n, kernel, header, dtype, allow_tf32)
     q, k, v = (g.node(i).type for i in n.inputs[:3])
     if q.shape[3] != v.shape[3]:
         raise NotImplementedError(f"{kernel.name}: the attention templates need values as wide "
@@ -89,4 +97,23 @@ def _adamw(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str) -> 
                     num_partials=256, acc_dtype=compute_dtype(dtype),
                     partials_dtype=compute_dtype(dtype).removeprefix("tl."), num_warps=4)
     return KernelCode(kernel.name, kernel.category, "adamw_multi", g.name, source,
+                      (*(TensorArg(i) for i in n.inputs), *outs), ())
+
+
+def _linear_cross_entropy(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str,
+                          allow_tf32: bool) -> KernelCode:
+    rows, d = g.node(n.inputs[0]).type.shape
+    head = g.node(n.inputs[1]).type.shape
+    vocab = head[0] if n.attr("layout") == "vd" else head[1]
+    backward = n.op is Op.LINEAR_CROSS_ENTROPY_BWD
+    outs = _element_args(g, n, kernel)
+    if backward and any(o.value == SCRATCH for o in outs):
+        raise NotImplementedError(f"{kernel.name}: every gradient of LINEAR_CROSS_ENTROPY_BWD "
+                                  f"must be read")
+    big = max(rows * vocab, rows * d, vocab * d) >= 2 ** 31
+    source = render_cross_entropy(kernel.name, d_model=d, backward=backward,
+                                  head_dv=n.attr("layout") == "dv", int64=big, dtype=dtype,
+                                  allow_tf32=allow_tf32, header_lines=header)
+    family = "cross_entropy_bwd" if backward else "cross_entropy"
+    return KernelCode(kernel.name, kernel.category, family, g.name, source,
                       (*(TensorArg(i) for i in n.inputs), *outs), ())

@@ -2,6 +2,7 @@
 from . import elementwise  # registers the elementwise ops in OpGroup
 from . import attention  # registers the attention pattern ops' shape and reference rules
 from . import adamw  # registers the multi-tensor AdamW pattern op's rules
+from . import linear_cross_entropy  # registers the fused LM-head cross-entropy pattern ops' rules
 from .builder import Builder, Value
 from .graph import Graph, Node
 from .interpret import Interpreter, interpret

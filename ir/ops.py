@@ -83,6 +83,8 @@ Op.ITEM = Op("ITEM")                     # attrs: index   picks one value of a t
 # pattern ops (passes/flash_attention.py rewrites a subgraph into one; ir/attention.py has their rules)
 Op.ATTENTION = Op("ATTENTION")           # (q, k, v) -> (o, lse); attrs: scale, n_q, q_start, groups (as MASK)
 Op.ATTENTION_BWD = Op("ATTENTION_BWD")   # (q, k, v, o, lse, do) -> (dq, dk, dv); attrs as ATTENTION
+Op.LINEAR_CROSS_ENTROPY = Op("LINEAR_CROSS_ENTROPY")          # (h, head, targets) -> (loss, lse) per row; attrs: layout
+Op.LINEAR_CROSS_ENTROPY_BWD = Op("LINEAR_CROSS_ENTROPY_BWD")  # (h, head, targets, lse, dloss) -> (dh, dhead); attrs as forward
 Op.ADAMW = Op("ADAMW")                   # (params, grads, ms, vs, lr, step, grad_scale) -> (params, ms, vs, norm); attrs: n, betas, eps, weight_decay, clip, decay
 
 
@@ -103,7 +105,8 @@ class OpGroup:
     SCAN = frozenset({Op.CUMSUM, Op.SCAN})
     TUPLE = frozenset({Op.ITEM})
     # a recognised subgraph as one template kernel (tuple-typed: results are its ITEMs)
-    PATTERN = frozenset({Op.ATTENTION, Op.ATTENTION_BWD, Op.ADAMW})
+    PATTERN = frozenset({Op.ATTENTION, Op.ATTENTION_BWD, Op.ADAMW, Op.LINEAR_CROSS_ENTROPY,
+                         Op.LINEAR_CROSS_ENTROPY_BWD})
     # ops whose output is a view-like rearrangement (no arithmetic): a strided view in torch
     VIEW = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE})
     # ops a kernel computes by index arithmetic on its operand's loads (views, plus the zeros

@@ -22,7 +22,7 @@ from typing import ClassVar
 from titanc.ir import Builder, Graph, Node, Op, Value
 
 
-def _match(g: Graph) -> dict[str, int] | None:
+def match_loss(g: Graph) -> dict[str, int] | None:
     """Walk back from the `loss` output through the frontend's cross-entropy ops."""
     def one(nid: int, op: Op) -> Node | None:
         n = g.node(nid)
@@ -68,7 +68,7 @@ class ChunkedLoss:
 
 
 def _chunk_loss(g: Graph, chunk: int) -> Graph:
-    m = _match(g)
+    m = match_loss(g)
     if m is None:
         return g
     spec = g.node(m["logits"]).attr("spec")

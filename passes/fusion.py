@@ -101,9 +101,13 @@ def node_flops(n: Node, g: Graph, body_flops: int = 0) -> int:
 def pattern_flops(n: Node, g: Graph) -> int:
     """Modeled work of a pattern op: attention counts only the visible (query, key) pairs,
     2·e per pair for q kᵀ and 2·e for p v (backward: 2·e each for s, dp, dv, dq, dk); AdamW
-    about 16 per parameter element (norm, clip, moments, update)."""
+    about 16 per parameter element (norm, clip, moments, update); linear cross-entropy 2·d per
+    logit (backward: recompute, dh, dhead)."""
     if n.op is Op.ADAMW:
         return 16 * sum(g.node(i).type.numel for i in n.inputs[:n.attr("n")])
+    if n.op in (Op.LINEAR_CROSS_ENTROPY, Op.LINEAR_CROSS_ENTROPY_BWD):   # 2·d per logit per
+        (rows, d), head = g.node(n.inputs[0]).type.shape, g.node(n.inputs[1]).type.shape  # dot
+        return 2 * rows * head[0] * head[1] * (1 if n.op is Op.LINEAR_CROSS_ENTROPY else 3)
     q, k, v = (g.node(i).type.shape for i in n.inputs[:3])
     pairs = q[0] * q[1] * visible_pairs(n.attr("n_q"), n.attr("groups"))
     per_pair = 2 * q[3] + 2 * v[3] if n.op is Op.ATTENTION else 6 * q[3] + 4 * v[3]

@@ -14,6 +14,13 @@ ITEM buffers.
 Keys come in blocks of BLOCK_K: a key block that no query of the query block can see (outside
 the sliding window, or after the block's last query) is skipped, not computed and masked
 (`key_runs`: the visible key blocks, merged into runs of consecutive blocks).
+    LINEAR_CROSS_ENTROPY      per block of `chunk` rows, per tile of VOCAB_TILE vocabulary
+                   entries: the logits tile h_b · headᵀ, an online log-sum-exp (running max and
+                   sum); the target logit is h_r · head[target_r] (a gather of head rows), so
+                   only a [chunk, VOCAB_TILE] logits tile exists, reused by every tile.
+    LINEAR_CROSS_ENTROPY_BWD  the same tiles recomputed, p = exp(logits − lse) · dloss;
+                   dh_b += p · head_t, dhead_t += pᵀ · h_b; then the one-hot part of the
+                   softmax gradient: dh_b −= dloss · head[target], dhead[target] −= dloss · h_b.
     ADAMW          the optimizer step in place over the program's flat parameter, gradient and
                    moment regions (per parameter when they are not flat).
 
@@ -40,11 +47,16 @@ if TYPE_CHECKING:
 Step = Callable[[], Any]
 BLOCK_Q = 64           # queries per block: scratch is O(BLOCK_Q · keys), not O(queries · keys)
 BLOCK_K = 64           # keys per block: the unit of skipping invisible keys
+VOCAB_TILE = 4096      # vocabulary entries per logits tile of the cross-entropy kernels
 
 
 def pattern_steps(b: "_Builder", n: Node, outputs: set[int]) -> list[Step]:
     """The steps of pattern op `n`; binds the ITEMs later kernels read to their buffers."""
     xs = [b.operand(i) for i in n.inputs]
+    for j, i in enumerate(n.inputs):                 # an inlined scalar (a constant dloss)
+        if isinstance(xs[j], float):
+            t = b.g.node(i).type
+            xs[j] = b._const(torch.full(t.shape, xs[j], dtype=_TORCH[t.dtype]))
     outs: list[Tensor] = []
     items = {b.g.node(u).attr("index"): u for u in b.g.users(n.id) if u in outputs}
     for k, t in enumerate(n.type):
@@ -57,6 +69,10 @@ def pattern_steps(b: "_Builder", n: Node, outputs: set[int]) -> list[Step]:
         return _attention_bwd(b, n, xs, outs)
     if n.op is Op.ADAMW:
         return _adamw(b, n, xs, outs)
+    if n.op is Op.LINEAR_CROSS_ENTROPY:
+        return _lce(b, n, xs, outs)
+    if n.op is Op.LINEAR_CROSS_ENTROPY_BWD:
+        return _lce_bwd(b, n, xs, outs)
     raise NotImplementedError(f"the cpu target has no kernel for pattern op {n.op.name}")
 
 
@@ -103,8 +119,8 @@ def _block_bias(b: "_Builder", n: Node, i0: int, i1: int, runs: list[tuple[int, 
     return b._const(torch.where(vis, zero, ninf))
 
 
-def _blocks(n_q: int) -> list[tuple[int, int]]:
-    return [(i, min(i + BLOCK_Q, n_q)) for i in range(0, n_q, BLOCK_Q)]
+def _blocks(n_q: int, size: int = BLOCK_Q) -> list[tuple[int, int]]:
+    return [(i, min(i + size, n_q)) for i in range(0, n_q, size)]
 
 
 def _tmp(b: "_Builder", like: Tensor, *shape: int) -> Tensor:
@@ -199,6 +215,85 @@ def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor])
                          (lambda dqb=dqb, t_q=t_q: dqb.add_(t_q)))
             steps += _einsum(b, "bhqk,bhqe->bhke", [dsr, qb], t_k)
             steps.append(lambda t_k=t_k, dkr=dk[:, :, lo:hi]: dkr.add_(t_k))
+        b.scratch.top = mark
+    return steps
+
+
+_TORCH = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _vocab_major(head: Tensor, layout: str) -> Tensor:
+    """The head as [vocab, d] (a view)."""
+    return head if layout == "vd" else head.t()
+
+
+def _tiles(b: "_Builder", like: Tensor, rows: int, vocab: int) -> tuple[list[tuple[int, int]],
+                                                                         dict[int, Tensor]]:
+    """The vocabulary tiles and one logits scratch per distinct tile width."""
+    tiles = _blocks(vocab, VOCAB_TILE)
+    return tiles, {w: _tmp(b, like, rows, w) for w in {hi - lo for lo, hi in tiles}}
+
+
+def _lce(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
+    h, head, tg = xs
+    loss, lse = outs
+    w = _vocab_major(head, n.attr("layout"))            # (V, D)
+    steps: list[Step] = []
+    for r0, r1 in _blocks(h.shape[0], n.attr("chunk")):
+        mark, rb = b.scratch.top, r1 - r0
+        hb, tb = h[r0:r1], tg[r0:r1]
+        tiles, z = _tiles(b, h, rb, w.shape[0])
+        m, l, mt, t = (_tmp(b, h, rb, 1) for _ in range(4))
+        tw = _tmp(b, h, rb, h.shape[1])
+        for j, (v0, v1) in enumerate(tiles):
+            zt, wt = z[v1 - v0], w[v0:v1]
+            steps.append(lambda zt=zt, hb=hb, wt=wt: torch.mm(hb, wt.t(), out=zt))
+            if j == 0:                                   # running max and sum of the tiles
+                steps += [lambda zt=zt, m=m: torch.amax(zt, -1, keepdim=True, out=m),
+                          lambda zt=zt, m=m: zt.sub_(m).exp_(),
+                          lambda zt=zt, l=l: torch.sum(zt, -1, keepdim=True, out=l)]
+                continue
+            steps += [lambda zt=zt, mt=mt: torch.amax(zt, -1, keepdim=True, out=mt),
+                      lambda m=m, mt=mt: torch.maximum(m, mt, out=mt),
+                      lambda zt=zt, mt=mt: zt.sub_(mt).exp_(),
+                      lambda zt=zt, t=t: torch.sum(zt, -1, keepdim=True, out=t),
+                      lambda m=m, mt=mt, l=l: l.mul_(m.sub_(mt).exp_()),   # rescale the sum
+                      lambda m=m, mt=mt, l=l, t=t: (l.add_(t), m.copy_(mt))]
+        lb, ob = lse[r0:r1], loss[r0:r1]
+        steps += [lambda tw=tw, tb=tb: torch.index_select(w, 0, tb, out=tw),   # head[target]
+                  lambda tw=tw, hb=hb, t=t: torch.sum(tw.mul_(hb), -1, keepdim=True, out=t),
+                  lambda lb=lb, l=l, m=m: lb.copy_(l.log_().add_(m).squeeze(-1)),
+                  lambda ob=ob, lb=lb, t=t: torch.sub(lb, t.squeeze(-1), out=ob)]
+        b.scratch.top = mark                             # the next block reuses the tiles
+    return steps
+
+
+def _lce_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
+    h, head, tg, lse, dloss = xs
+    dh, dhead = outs
+    w = _vocab_major(head, n.attr("layout"))            # (V, D)
+    dw = _vocab_major(dhead, n.attr("layout"))
+    steps: list[Step] = [lambda: dw.zero_()]
+    for r0, r1 in _blocks(h.shape[0], n.attr("chunk")):
+        mark, rb = b.scratch.top, r1 - r0
+        hb, tb, dhb = h[r0:r1], tg[r0:r1], dh[r0:r1]
+        lb, db = lse[r0:r1].unsqueeze(-1), dloss[r0:r1].unsqueeze(-1)
+        tiles, z = _tiles(b, h, rb, w.shape[0])
+        t_h = _tmp(b, h, rb, h.shape[1])
+        t_w = {width: _tmp(b, h, width, h.shape[1]) for width in z}
+        for j, (v0, v1) in enumerate(tiles):
+            zt, wt, tw, dwt = z[v1 - v0], w[v0:v1], t_w[v1 - v0], dw[v0:v1]
+            steps += [lambda zt=zt, hb=hb, wt=wt: torch.mm(hb, wt.t(), out=zt),
+                      lambda zt=zt, lb=lb, db=db: zt.sub_(lb).exp_().mul_(db),  # p · dloss
+                      lambda zt=zt, wt=wt, dhb=dhb, t_h=t_h, j=j:
+                          torch.mm(zt, wt, out=dhb) if j == 0 else
+                          dhb.add_(torch.mm(zt, wt, out=t_h)),
+                      lambda zt=zt, hb=hb, tw=tw, dwt=dwt:
+                          dwt.add_(torch.mm(zt.t(), hb, out=tw))]
+        steps += [lambda t_h=t_h, tb=tb: torch.index_select(w, 0, tb, out=t_h),  # − onehot part
+                  lambda t_h=t_h, db=db, dhb=dhb: dhb.sub_(t_h.mul_(db)),
+                  lambda t_h=t_h, db=db, hb=hb: torch.mul(hb, db, out=t_h),
+                  lambda t_h=t_h, tb=tb: dw.index_add_(0, tb, t_h, alpha=-1.0)]
         b.scratch.top = mark
     return steps
 

@@ -35,6 +35,7 @@ from titanc.passes.checkpoint_chunks import CheckpointChunks
 from titanc.passes.chunked_loss import ChunkedLoss
 from titanc.passes.flash_attention import FlashAttention
 from titanc.passes.fused_adamw import FusedAdamW
+from titanc.passes.linear_cross_entropy import LinearCrossEntropy
 from titanc.passes.remat import Policy, choose_policy
 from titanc.passes.manager import Pass, PassLog
 from titanc.passes.optimizer import optimizer_graph
@@ -116,9 +117,12 @@ class Compiled:
             # scans; then the shared passes: fold constants, simplify, CSE, DCE, and weighted
             # sums of per-token outer products -> contractions (before autodiff, so the
             # backward differentiates the contraction and never builds the per-token tensor);
-            # then LM head + cross-entropy over chunks of tokens (the [B·T, V] logits never
-            # exist) and the memory state saved every k ≈ sqrt(n) chunks, recomputed between
-            extra: tuple[Pass, ...] = (ChunkedLoss(spec.train.loss_chunk),)
+            # then LM head + cross-entropy as one fused pattern op whose kernels compute the
+            # logits a tile at a time (the [B·T, V] logits never exist; the chunked-loss scan
+            # is the fallback where the pattern refuses) and the memory state saved every
+            # k ≈ sqrt(n) chunks, recomputed between
+            extra: tuple[Pass, ...] = (LinearCrossEntropy(spec.train.loss_chunk),
+                                       ChunkedLoss(spec.train.loss_chunk))
             if spec.train.remat != "none":
                 extra += (CheckpointChunks(),)
             return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra + mp)
