@@ -7,8 +7,10 @@
    plan's `peak_activation_bytes` with `train.remat: none` (the scans save every residual)
    and `per_layer` (layer inputs saved, the rest recomputed in the backward), and the factor.
 2. A Qwen-sized vocabulary (151,936) at seq_len 8192 with loss_chunk 1024, batch 1 and 4:
-   `logits_bytes` (the largest buffer holding logits) against 1024 x vocab x 4 bytes, the
-   size of one float32 chunk of logits (the full [B*T, V] tensor would be B*8192*V*4), and
+   `logits_bytes` (the largest buffer holding logits) with the chunked loss
+   (`compile.fused_loss: false`) against 1024 x vocab x 4 bytes, the size of one float32
+   chunk of logits (the full [B*T, V] tensor would be B*8192*V*4), `fused_logits_bytes` with
+   the fused linear cross-entropy (0: its tiles never leave the kernel), and
    the compile time (`compile_graphs`: static types only, nothing model-sized allocated).
 
 Numbers come from `passes.memory_plan.memory_report` on `compile_graphs(spec).plans['training']`.
@@ -58,11 +60,14 @@ def remat(layers: int, base: Base = TINY) -> dict[str, Any]:
 
 
 def big_vocab(seq_len: int, batch: int, base: Base = TINY) -> dict[str, Any]:
-    mem, seconds = plan({"model.vocab_size": VOCAB, "model.seq_len": seq_len,
-                         "train.batch_size": batch, "train.loss_chunk": LOSS_CHUNK,
-                         "train.dtype": "float32"}, base)
+    over = {"model.vocab_size": VOCAB, "model.seq_len": seq_len, "train.batch_size": batch,
+            "train.loss_chunk": LOSS_CHUNK, "train.dtype": "float32"}
+    mem, seconds = plan({**over, "compile.fused_loss": False}, base)
+    fused, _ = plan(over, base)
     return {"vocab_size": VOCAB, "seq_len": seq_len, "batch_size": batch,
             "loss_chunk": LOSS_CHUNK, "logits_bytes": mem["logits_bytes"],
+            "fused_logits_bytes": fused["logits_bytes"],
+            "fused_peak_activation_bytes": fused["peak_activation_bytes"],
             "one_chunk_bytes": LOSS_CHUNK * VOCAB * 4,
             "full_logits_bytes": batch * seq_len * VOCAB * 4,
             "peak_activation_bytes": mem["peak_activation_bytes"],

@@ -72,7 +72,7 @@ class LinearCrossEntropy:
             if node.id == m["loss"]:  # old head path dies (canonicalize's DCE)
                 lce = b.op(Op.LINEAR_CROSS_ENTROPY, env[m["h"]].reshape(B * T, D),
                            env[m["head"]], env[m["targets"]].reshape(B * T),
-                           layout=layout, chunk=max(1, self.chunk))
+                           layout=layout, chunk=self.chunk if self.chunk > 0 else B * T)
                 env[node.id] = b.item(lce, 0).sum((0,)) * (1.0 / (B * T))
                 continue
             env[node.id] = b.like(node, *[env[i] for i in node.inputs])

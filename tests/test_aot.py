@@ -128,19 +128,23 @@ def _kernel_body(source: str) -> str:
     return source.split("@triton.jit", 1)[1].split("def launch", 1)[0]
 
 
-def test_loss_chunk_times_vocab_over_2_31_generates_int64_offsets() -> None:
-    """16,384 x 151,936 logits gradient: the scatter's offsets are int64; the embedding's
-    gradient is the segment sum, whose row and index offsets are int64 at every size."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_loss_chunk_times_vocab_over_2_31_generates_int64_offsets(fused: bool) -> None:
+    """16,384 x 151,936 logits gradient: the fused linear cross-entropy's row and vocabulary
+    offsets (or, with `compile.fused_loss: false`, the chunked loss's scatter) are int64; the
+    embedding's gradient is the segment sum, whose offsets are int64 at every size."""
     spec = load_spec(EXAMPLES / "tiny.yaml", {"model.vocab_size": 151936,
                                                "train.loss_chunk": 16384,
-                                               "train.batch_size": 128})
+                                               "train.batch_size": 128,
+                                               "compile.fused_loss": fused})
     assert 16384 * 151936 >= 2 ** 31 and needs_int64(16384 * 151936)
     kinds = {}
     for _, kern, code in plan_kernels(compile_graphs(spec).plans["training"]):
-        for kind in ("scatter_along", "segment_sum"):
+        for kind in ("scatter_along", "segment_sum", "cross_entropy"):
             if f"templates/{kind}.py.jinja" in code.source:
                 kinds[kind] = "tl.int64" in _kernel_body(code.source)
-    assert kinds == {"scatter_along": True, "segment_sum": True}
+    loss = "cross_entropy" if fused else "scatter_along"
+    assert kinds == {loss: True, "segment_sum": True}
 
 
 def test_int64_path_matches_torch_when_interpreted() -> None:
@@ -183,11 +187,12 @@ def test_every_bf16_tiny_kernel_compiles_with_16bit_mma() -> None:
 
 def test_reductions_and_cumsums_over_2_31_elements_index_in_int64() -> None:
     """Every reduction and cumsum kernel indexes rows and columns in int64 exactly when one
-    of its tensors reaches 2**31 elements: the softmax over 16,384 x 151,936 logits does,
-    the norms do not."""
+    of its tensors reaches 2**31 elements: the softmax over 16,384 x 151,936 logits of the
+    chunked loss (`compile.fused_loss: false`) does, the norms do not."""
     spec = load_spec(EXAMPLES / "tiny.yaml", {"model.vocab_size": 151936,
                                                "train.loss_chunk": 16384,
-                                               "train.batch_size": 128})
+                                               "train.batch_size": 128,
+                                               "compile.fused_loss": False})
     seen = {True: 0, False: 0}
     for plan, kern, code in plan_kernels(compile_graphs(spec).plans["training"]):
         if code.family not in ("reduction", "cumsum"):

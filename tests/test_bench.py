@@ -93,4 +93,6 @@ def test_logits_buffer_is_one_loss_chunk_whatever_batch_and_seq_len() -> None:
                                                                    (4096, 1))]
     for r in rows:
         assert r["logits_bytes"] == 1024 * V * 4 == r["one_chunk_bytes"]
+        assert r["fused_logits_bytes"] == 0
+        assert r["fused_peak_activation_bytes"] < r["peak_activation_bytes"]
         assert r["full_logits_bytes"] == r["batch_size"] * r["seq_len"] * V * 4

@@ -202,7 +202,8 @@ def test_graph_unknown_pass_names_the_choices(art: Path,
     stages = sorted(p.stem for p in (art / "ir").glob("*.txt"))
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("titanc: error: unknown pass 'fusion'; choose one of frontend, "
-                          "canonicalize, aggregate, flash_attention, chunked_loss")
+                          "canonicalize, aggregate, flash_attention, linear_cross_entropy, "
+                          "chunked_loss")
     assert err.rstrip().endswith(", ".join(stages))
 
 

@@ -222,6 +222,8 @@ def test_fallback_reason_is_reported(monkeypatch, capsys) -> None:
     assert ex.launches_per_run() == count_launches(c.plans["training"])
     assert not any("memory_chunk" in f["scan"] for f in ex.fallbacks)
     monkeypatch.setattr(scan_kernel, "MAX_SERIAL", 0)
+    c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
+                                 {"compile.fused_loss": False}))       # the chunked loss's scan
     g, n = next(iter(_scans(c.plans["training"], "loss_chunk_bwd")))
     with pytest.raises(ScanFallback, match="a serial kernel would need"):
         render_scan(g, n.id)

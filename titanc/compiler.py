@@ -121,8 +121,9 @@ class Compiled:
             # logits a tile at a time (the [B·T, V] logits never exist; the chunked-loss scan
             # is the fallback where the pattern refuses) and the memory state saved every
             # k ≈ sqrt(n) chunks, recomputed between
-            extra: tuple[Pass, ...] = (LinearCrossEntropy(spec.train.loss_chunk),
-                                       ChunkedLoss(spec.train.loss_chunk))
+            extra: tuple[Pass, ...] = (ChunkedLoss(spec.train.loss_chunk),)
+            if spec.compile.fused_loss:
+                extra = (LinearCrossEntropy(spec.train.loss_chunk),) + extra
             if spec.train.remat != "none":
                 extra += (CheckpointChunks(),)
             return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra + mp)

@@ -267,6 +267,10 @@ class CompileSpec:
     # float32 matmuls on tensor cores in tf32 (10-bit mantissa, ~1e-3 relative error per
     # product) on a GPU; off by default so float32 stays exact against the cpu target
     allow_tf32: bool = False
+    # the LM head + cross-entropy as one fused pattern op whose kernels compute the logits a
+    # tile at a time (passes/linear_cross_entropy.py); false: the chunked-loss scan of
+    # generic kernels (a [loss_chunk, vocab] logits buffer)
+    fused_loss: bool = True
 
     def __post_init__(self) -> None:
         _check_fields(self)
