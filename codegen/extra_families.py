@@ -1,13 +1,13 @@
 """Families the IR hooks need beyond the fused three: cumulative sums with a prologue and an
-epilogue (`red`), and the two scatter-adds that are the VJPs of gathers (`tem`).
+epilogue (`red`), and the scatter-add that is the VJP of TAKE_ALONG (`tem`; the VJP of TAKE,
+the embedding gradient, is `segment_sum.py`).
 
     render_cumsum         red  launch(*indexed, n_rows, n_cols)
-    render_index_add      tem  launch(grad [n, C], index [n], out [R, C])
     render_scatter_along  tem  launch(grad [R], index [R], out [R, size])
 
 Like the fused families, `render_cumsum` carries hook-made statements through one `expr.Scope`;
-the scatter-adds take no statements. Both scatter kernels write every output element exactly
-once (no atomics), so their results do not depend on the launch order.
+the scatter-add takes no statements. It writes every output element exactly once (no atomics),
+so its result does not depend on the launch order.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 from .expr import Scope
 from .fused_families import indexed_tensors
-from .meta import LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2
+from .meta import LAUNCH_LOCALS, check_block, compute_dtype, pow2
 from .render import render
 
-__all__ = ["CUMSUM_KERNEL_LOCALS", "CumsumScan", "render_cumsum", "render_index_add",
-           "render_scatter_along"]
+__all__ = ["CUMSUM_KERNEL_LOCALS", "CumsumScan", "render_cumsum", "render_scatter_along"]
 
 CUMSUM_KERNEL_LOCALS = frozenset("""
     BLOCK_R BLOCK_C pid rows row_mask cols mask block col_start n_rows n_cols
@@ -102,26 +101,6 @@ def render_cumsum(
         launch_params=[t["arg"] for t in idx_tensors],
         wide=wide,
     )
-
-
-def render_index_add(
-    name: str,
-    *,
-    dtype: str = "float32",
-    header_lines: Sequence[str] = (),
-    block_r: int = 32,
-    block_i: int = 32,
-    block_c: int = 64,
-    num_warps: int = 4,
-    wide: bool = False,
-) -> str:
-    """`out = zeros; out.index_add_(0, index, grad)` as one-hot matmuls, without atomics;
-    `wide`: offsets in int64 (a tensor of >= 2**31 elements, `meta.needs_int64`)."""
-    for label, blk in (("block_r", block_r), ("block_i", block_i), ("block_c", block_c)):
-        check_block(label, blk, 16)  # tl.dot needs every tile side >= 16
-    return render("index_add.py.jinja", name=name, header_lines=header_lines,
-                  block_r=block_r, block_i=block_i, block_c=block_c, num_warps=num_warps,
-                  compute_dtype=compute_dtype(dtype), precision=dot_precision(False), wide=wide)
 
 
 def render_scatter_along(

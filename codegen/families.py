@@ -4,23 +4,18 @@ Fused families (`fused_families.py`, hook-made statements inside):
     render_pointwise      poi  launch(*inputs, *outputs, *scalars, shape)
     render_reduction      red  launch(*inputs, *row_outputs, *reduced_outputs, n_rows, n_cols)
     render_matmul         mm   launch(a, b, c[, scale], *epilogue_inputs, *scalars)
-Fixed-structure families (`fixed_families.py`):
-    render_gate_scan      tem  launch(log_eta, log_keep, theta, w, s, coef_s, decay_end,
-                                      momentum_end)
+Fixed-structure families (`fixed_families.py`, rendered for the pattern ops):
     render_attention_fwd  tem  launch(q, k, v, o, lse, *group_lengths, sm_scale)
     render_attention_bwd  tem  launch(q, k, v, o, lse, do, dq, dk, dv, delta, *group_lengths,
                                       sm_scale)
     render_cross_entropy  tem  launch(h, w, target, loss, lse)
                                backward: launch(h, w, target, lse, dloss, dh, dw)
-    render_dwconv         tem  launch(x, w, out); backward: launch(x, w, dout, dx, dw)
-    render_adamw          tem  launch(param, grad, exp_avg, exp_avg_sq, decay_mask, *, lr, beta1,
-                                      beta2, eps, weight_decay, step[, max_norm, grad_norm,
-                                      partials])
+The one-launch AdamW (`adamw_multi.py.jinja`) is rendered by `pattern_kernels.py` and the
+embedding gradient (`segment_sum.py.jinja`) by `segment_sum.py`.
 
 Families added for the IR hooks (`extra_families.py`; `hooks.py` maps schedule kernels onto
 all of these):
     render_cumsum         red  launch(*indexed, n_rows, n_cols)
-    render_index_add      tem  launch(grad [n, C], index [n], out [R, C])
     render_scatter_along  tem  launch(grad [R], index [R], out [R, size])
 
 Each hook returns module source; `render.load_module(source, name)` imports it.
@@ -31,18 +26,14 @@ from __future__ import annotations
 from .fixed_families import (
     ATTENTION_KERNEL_LOCALS,
     KeyGroup,
-    render_adamw,
     render_attention_bwd,
     render_attention_fwd,
     render_cross_entropy,
-    render_dwconv,
-    render_gate_scan,
 )
 from .extra_families import (
     CUMSUM_KERNEL_LOCALS,
     CumsumScan,
     render_cumsum,
-    render_index_add,
     render_scatter_along,
 )
 from .fused_families import (
@@ -61,14 +52,10 @@ __all__ = [
     "CumsumScan",
     "KeyGroup",
     "ReductionStage",
-    "render_adamw",
     "render_attention_bwd",
     "render_attention_fwd",
     "render_cross_entropy",
     "render_cumsum",
-    "render_dwconv",
-    "render_gate_scan",
-    "render_index_add",
     "render_matmul",
     "render_pointwise",
     "render_reduction",

@@ -1,14 +1,10 @@
-"""Hooks of the fixed-structure (`tem`) families: chunk-gate scan, flash attention forward and
-backward over key groups, fused LM-head cross-entropy, causal depthwise conv, and AdamW.
+"""Hooks of the fixed-structure (`tem`) families: flash attention forward and backward over
+key groups, and the fused LM-head cross-entropy.
 
 Their kernels take no statements; hooks choose dtypes, block sizes and the key-group layout,
-and name the few user-derived identifiers (attention group lengths) through a `Namer`.
-
-No compiled program reaches these families yet: only tests/test_templates.py does (parity under
-the interpreter). They are kept for the pattern passes of the "pattern kernels" issue (12),
-which rewrite attention, the chunked loss, the optimizer graph, the causal conv and the gate
-recurrences into them; until then the schedule runs those computations as fused generic
-kernels.
+and name the few user-derived identifiers (attention group lengths) through a `Namer`. The
+pattern kernels (`pattern_kernels.py`) render them for the ATTENTION(_BWD) and
+LINEAR_CROSS_ENTROPY(_BWD) ops.
 """
 
 from __future__ import annotations
@@ -22,42 +18,10 @@ from .render import Namer, render, sanitize_comment
 __all__ = [
     "ATTENTION_KERNEL_LOCALS",
     "KeyGroup",
-    "render_adamw",
     "render_attention_bwd",
     "render_attention_fwd",
     "render_cross_entropy",
-    "render_dwconv",
-    "render_gate_scan",
 ]
-
-
-# --- gate scan --------------------------------------------------------------------------------
-
-def render_gate_scan(
-    name: str,
-    *,
-    chunk: int,
-    dtype: str = "float32",
-    header_lines: Sequence[str] = (),
-    num_warps: int = 4,
-) -> str:
-    """Chunk-gate recurrences in log space (DESIGN.md section 2, closed form), one row per chunk.
-
-    From log eta, log(1 - alpha), theta per (batch, head, chunk, token) it writes the token
-    weights w (for W's update) and s (for S's update), and per chunk coef_s, decay_end = D_b
-    and momentum_end = E_b. A chunk of `chunk` tokens is one block (pairs are chunk^2 values).
-    Launcher: `launch(log_eta, log_keep, theta, w, s, coef_s, decay_end, momentum_end)`.
-    """
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk} must be >= 1")
-    return render(
-        "gate_scan.py.jinja",
-        name=name,
-        header_lines=header_lines,
-        block_t=pow2(chunk, 16),
-        compute_dtype=compute_dtype(dtype),
-        num_warps=num_warps,
-    )
 
 
 # --- attention --------------------------------------------------------------------------------
@@ -235,78 +199,3 @@ def render_cross_entropy(
         precision=dot_precision(allow_tf32),
         num_warps=num_warps,
     )
-
-
-# --- depthwise conv ---------------------------------------------------------------------------
-
-def render_dwconv(
-    name: str,
-    *,
-    kernel_size: int,
-    backward: bool = False,
-    dtype: str = "float32",
-    header_lines: Sequence[str] = (),
-    block_t: int = 64,
-    block_c: int = 32,
-    num_warps: int = 4,
-) -> str:
-    """Causal depthwise conv1d over [batch, time, channel] with zero history (forward or backward).
-
-    Forward launcher: `launch(x, w, out)`; backward: `launch(x, w, dout, dx, dw)` (dx kernel
-    over (time, channel, batch) tiles, then a dw kernel per channel block reducing over batch
-    and time in a fixed order, so dw is deterministic).
-    """
-    if kernel_size < 1:
-        raise ValueError(f"kernel_size={kernel_size} must be >= 1")
-    check_block("block_t", block_t)
-    check_block("block_c", block_c)
-    return render(
-        "dwconv.py.jinja",
-        name=name,
-        header_lines=header_lines,
-        backward=backward,
-        kernel_size=int(kernel_size),
-        kernel_pad=pow2(kernel_size),
-        block_t=block_t,
-        block_c=block_c,
-        acc_dtype=compute_dtype(dtype),
-        num_warps=num_warps,
-    )
-
-
-# --- AdamW ------------------------------------------------------------------------------------
-
-def render_adamw(
-    name: str,
-    *,
-    clip: bool = True,
-    dtype: str = "float32",
-    header_lines: Sequence[str] = (),
-    block: int = 1024,
-    num_partials: int = 1024,
-    num_warps: int = 4,
-) -> str:
-    """AdamW over the flat persistent region, with global grad-norm clipping when `clip`.
-
-    Two launches with clipping (partial sums of grad^2, then the update, which reduces the
-    partials on device), one without. Weight decay applies where `decay_mask` is nonzero.
-    Launcher: `launch(param, grad, exp_avg, exp_avg_sq, decay_mask, *, lr, beta1, beta2, eps,
-    weight_decay, step[, max_norm, grad_norm, partials])`.
-    """
-    check_block("block", block, 16)
-    check_block("num_partials", num_partials)
-    acc = compute_dtype(dtype)
-    return render(
-        "adamw.py.jinja",
-        name=name,
-        header_lines=header_lines,
-        clip=clip,
-        block=block,
-        num_partials=num_partials,
-        acc_dtype=acc,
-        partials_dtype=acc.removeprefix("tl."),
-        num_warps=num_warps,
-    )
-
-
-# Names each family's template binds itself (kernel and launcher locals, module constants):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from titanc.codegen import aot
-from titanc.codegen.extra_families import render_index_add, render_scatter_along
+from titanc.codegen.extra_families import render_scatter_along
 from titanc.codegen.hooks import plan_kernels
 from titanc.codegen.meta import MATMUL_TILES, needs_int64
 from titanc.codegen.emit import GRAPHS
@@ -148,23 +148,17 @@ def test_loss_chunk_times_vocab_over_2_31_generates_int64_offsets(fused: bool) -
 
 
 def test_int64_path_matches_torch_when_interpreted() -> None:
-    """The wide (int64) variants give the same results as the narrow ones and as torch."""
+    """The wide (int64) variant gives the same results as the narrow one and as torch."""
     torch.manual_seed(0)
-    rows, size, n_idx, cols = 37, 70, 45, 33
+    rows, size = 37, 70
     grad1, idx1 = torch.randn(rows), torch.randint(0, size, (rows,))
-    grad2, idx2 = torch.randn(n_idx, cols), torch.randint(0, rows, (n_idx,))
     want1 = torch.zeros(rows, size).scatter_add_(-1, idx1[:, None], grad1[:, None])
-    want2 = torch.zeros(rows, cols).index_add_(0, idx2, grad2)
     for wide in (False, True):
         src1 = render_scatter_along(f"k_sa_{int(wide)}", wide=wide)
-        src2 = render_index_add(f"k_ia_{int(wide)}", wide=wide)
         assert ("tl.int64" in _kernel_body(src1)) == wide
-        assert ("tl.int64" in _kernel_body(src2)) == wide
-        out1, out2 = torch.zeros(rows, size), torch.zeros(rows, cols)
+        out1 = torch.zeros(rows, size)
         load_module(src1, f"k_sa_{int(wide)}").launch(grad1, idx1, out1)
-        load_module(src2, f"k_ia_{int(wide)}").launch(grad2, idx2, out2)
         torch.testing.assert_close(out1, want1, rtol=0, atol=0)
-        torch.testing.assert_close(out2, want2, rtol=1e-6, atol=1e-6)
 
 
 def test_every_bf16_tiny_kernel_compiles_with_16bit_mma() -> None:

@@ -182,9 +182,10 @@ def test_scans_carry_their_role(examples_dir) -> None:
                 roles.setdefault(n.attr("role"), set()).add(n.attr("body").name)
                 walk(n.attr("body"))
 
-    for g in (c.forward, c.grad, c.graph("decode_write").graph):
+    for g in (c.forward, c.grad, c.graph("decode_write").graph, c.graph("logprobs").graph):
         walk(g)
     assert set(roles) == {"layer", "segment", "memory", "loss"}   # chunks too few to group
+    assert roles["loss"] == {"logprob_chunk"}        # the training loss is the fused op
     assert {"memory_chunk", "memory_chunk_bwd", "write_layer"} <= roles["memory"]
     assert roles["layer"] == {"layer", "layer_bwd"}
 
