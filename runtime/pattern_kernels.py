@@ -285,9 +285,8 @@ def _lce_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> li
             zt, wt, tw, dwt = z[v1 - v0], w[v0:v1], t_w[v1 - v0], dw[v0:v1]
             steps += [lambda zt=zt, hb=hb, wt=wt: torch.mm(hb, wt.t(), out=zt),
                       lambda zt=zt, lb=lb, db=db: zt.sub_(lb).exp_().mul_(db),  # p · dloss
-                      lambda zt=zt, wt=wt, dhb=dhb, t_h=t_h, j=j:
-                          torch.mm(zt, wt, out=dhb) if j == 0 else
-                          dhb.add_(torch.mm(zt, wt, out=t_h)),
+                      (lambda zt=zt, wt=wt, dhb=dhb: torch.mm(zt, wt, out=dhb)) if j == 0 else
+                      (lambda zt=zt, wt=wt, dhb=dhb, t_h=t_h: dhb.add_(torch.mm(zt, wt, out=t_h))),
                       lambda zt=zt, hb=hb, tw=tw, dwt=dwt:
                           dwt.add_(torch.mm(zt.t(), hb, out=tw))]
         steps += [lambda t_h=t_h, tb=tb: torch.index_select(w, 0, tb, out=t_h),  # − onehot part
