@@ -50,7 +50,7 @@ this one (the kernel and its launch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Callable
 
@@ -63,7 +63,7 @@ from titanc.passes.flash_attention import expand_attention
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, is_immediate
 
-from .meta import compute_dtype, dot_precision, needs_int64
+from .meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
 from .render import render, sanitize_identifier
 from .scan_index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
 from .scan_stages import _ScanGen
@@ -108,6 +108,9 @@ class ScanKernel:
     tables: tuple[tuple[str, dict], ...]     # (op name, attrs) of each host-made table
     stages: int                              # stages emitted (for reports)
     serial: str = ""                         # why the grid is one program (else "")
+    # each loop's carries: {"scan": "%id", "carry": k, "shape": local tile, "on_chip": bool,
+    # "why": why it stays in the workspace ("" on chip)}
+    carries: tuple[dict, ...] = field(default=(), compare=False)
 
     @property
     def key(self) -> str:
@@ -134,11 +137,14 @@ def _prefixes(g: Graph, n: Node) -> list[tuple[int, ...]]:
 def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int] | None = None,
                 name: str | None = None, spec_path: str = "",
                 immediate: Callable[[int], float | None] = lambda v: None,
-                allow_tf32: bool = False) -> ScanKernel:
+                allow_tf32: bool = False, carry_budget: int | None = None) -> ScanKernel:
     """One Triton kernel running scan `scan_id` of `g` (raises `ScanFallback` with the reason
     when it cannot). `used`: the item indices the program reads afterwards (default all);
     `immediate(vid)`: the literal of an operand inlined as a constant, else None;
-    `allow_tf32`: float32 dots on tensor cores in tf32 (`codegen.meta.dot_precision`)."""
+    `allow_tf32`: float32 dots on tensor cores in tf32 (`codegen.meta.dot_precision`);
+    `carry_budget`: bytes of registers per program for carries held on chip (default
+    `codegen.meta.carry_register_bytes()`; 0 keeps every carry in the workspace)."""
+    budget = carry_register_bytes() if carry_budget is None else carry_budget
     n = g.node(scan_id)
     if n.op is not Op.SCAN:
         raise ValueError(f"%{scan_id} is not a scan")
@@ -153,7 +159,7 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
         for shared in (0, 1, 2):     # operands other than carries taken by shape, or not
             try:
                 return _render(g, n, cd, dtype, prefix, used, name, spec_path, immediate,
-                               shared, allow_tf32)
+                               shared, allow_tf32, budget)
             except _PaxError as e:
                 why = str(e)
     depth = _nesting(n.attr("body"))
@@ -162,7 +168,8 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                            f"nest {depth} levels of scans (> {MAX_SERIAL_NESTING}): its inner "
                            "scans become kernels of their own")
     try:                             # one program for the whole scan, when that is small
-        sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32)
+        sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32,
+                     budget)
     except _PaxError as e:
         raise ScanFallback(f"no independent leading axes ({why}); serial: {e}") from None
     except _TooLong as e:
@@ -181,12 +188,13 @@ def _nesting(body: Graph) -> int:
 
 def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
             name: str, spec_path: str, immediate: Callable[[int], float | None],
-            shared: int, allow_tf32: bool = False) -> ScanKernel:
+            shared: int, allow_tf32: bool = False, carry_budget: int = 0) -> ScanKernel:
     """Render with independent axes `prefix`: the carries whose shape starts with it vary
     per program, and so do the xs (`shared` < 2) and the other operands (`shared` < 1) whose
     shape does; every other operand is shared (read at full coordinates)."""
     em = _ScanGen(g, n, cd, prefix)
     em.precision = dot_precision(allow_tf32)
+    em.reg_budget = carry_budget
     p = len(prefix)
     nc, nx = n.attr("n_carry"), n.attr("n_xs")
     sc = Scope(g)
@@ -250,13 +258,17 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
               f"scan %{n.id}: length {n.attr('length')}, {nc} carries, {nx} xs; grid over the "
               f"independent axes {list(prefix)}; {em.stages} stages",
               f"workspace: {em.ws} elements per program, liveness-packed from "
-              f"{sum(em.sizes)}"]
+              f"{sum(em.sizes)}",
+              f"carries on chip (budget {carry_budget} B of registers per program): "
+              + (", ".join(f"{c['scan']}.{c['carry']} {c['shape']}" for c in em.carry_notes
+                           if c["on_chip"]) or "none")]
     source = render("scan.py.jinja", name=name, header_lines=header, tensors=tensors,
                     strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
                     grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,
                     num_stages=NUM_STAGES)
     return ScanKernel(name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
-                      tuple(outputs), tuple(em.tables), em.stages)
+                      tuple(outputs), tuple(em.tables), em.stages,
+                      carries=tuple(em.carry_notes))
 
 
 def host_table(op: str, a: dict, dtype: torch.dtype) -> torch.Tensor:
