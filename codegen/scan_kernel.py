@@ -311,11 +311,13 @@ def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str,
 
 
 def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: bool = True,
-                   fallbacks: list[dict[str, str]] | None = None) -> int:
+                   fallbacks: list[dict[str, str]] | None = None,
+                   carries: list[dict] | None = None) -> int:
     """Kernel launches of one run of `plan` on the triton target, from the plan alone
     (`MemoryPlan.launches`): a scan that renders to a scan kernel is one launch, one that
     runs as a host loop launches its body's kernels once per iteration (its reason appended
-    to `fallbacks`)."""
+    to `fallbacks`). `carries` gets, per scan kernel, where each loop's carries live
+    (`ScanKernel.carries`, with the graph and kernel names)."""
     from .hooks import graph_dtype
 
     dt = dtype or graph_dtype(plan.schedule.graph)
@@ -325,7 +327,10 @@ def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: boo
         try:
             if not scan_kernels:
                 raise ScanFallback("scan kernels are off")
-            scan_kernel_for(p, kern, sid, dt)
+            sk = scan_kernel_for(p, kern, sid, dt)
+            if carries is not None:
+                carries.extend({"graph": p.schedule.graph.name, "kernel": kern.name, **c}
+                               for c in sk.carries)
             return True
         except ScanFallback as e:
             if fallbacks is not None:

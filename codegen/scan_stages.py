@@ -165,10 +165,14 @@ class _ScanGen(_Emitter):
         x = var if dims else f"({var}) + tl.zeros([16], dtype={self.cd})"
         self.line(f"tl.store({self.ptr(sec, dest, c)}, {x}, mask={sec.mask})")
 
-    def reg_why(self, scan: int, k: int, local: tuple[int, ...]) -> str | None:
-        """Why carry `k` of `scan` stays in the workspace (None: it is held on chip)."""
+    def reg_why(self, scan: int, k: int, local: tuple[int, ...], nests: bool) -> str | None:
+        """Why carry `k` of `scan` stays in the workspace (None: it is held on chip).
+        `nests`: the scan's body holds a scan (whose loop gets the registers: a carry held
+        across it would stay live through every inner stage)."""
         if (scan, k) in self.reg_demoted:
             return self.reg_demoted[(scan, k)]
+        if nests:
+            return "its loop holds a nested scan, whose carries and stages get the registers"
         if len(local) > 2:
             return (f"its local tile {list(local)} has rank {len(local)} (carries on chip are "
                     "tiles of rank <= 2)")
@@ -455,7 +459,7 @@ class _ScanGen(_Emitter):
                 shape = body.node(ins[k]).type.shape      # slots each (init -> slot 0)
                 q = self.carry_pax.get((n.id, k), sc.pax.get(n.inputs[k]))
                 local = _local(shape, q)
-                why = self.reg_why(n.id, k, local)
+                why = self.reg_why(n.id, k, local, any(m.op is Op.SCAN for m in body))
                 self.carry_notes.append({"scan": f"%{n.id}", "carry": k, "shape": list(local),
                                          "on_chip": why is None, "why": why or ""})
                 bsc.pax[ins[k]] = q
