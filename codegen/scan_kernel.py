@@ -19,7 +19,21 @@ every computed body value is a buffer there (contiguous over its local shape), c
 ping-pong between two slots (`it % 2`), xs are read straight from the stacked inputs at
 iteration `t`, ys are written straight into their slice of the stacked outputs. Buffers get
 symbolic offsets while the kernel is emitted; `scan_pack` then liveness-packs them (buffers
-whose stage lifetimes, widened over loops, do not meet share addresses). Views (reshape,
+whose stage lifetimes, widened over loops, do not meet share addresses).
+
+Carries on chip. A loop's carry is held in registers instead, as a loop-carried tile of its
+local shape (each axis padded to a power of two >= 16, zero outside), when its local shape
+has rank <= 2, the loop nests no scan (an inner loop's carries and stages get the registers),
+and the carries held so far (enclosing loops included) stay within the register budget per
+program (`codegen.meta.CARRY_REGISTER_BYTES`; `render_scan(carry_budget=)`). Its initial
+value is loaded once, each iteration's next value is computed into a new tile and assigned
+after every read of the old one (no slots, no copy), the final value is stored once after
+the loop. A stage reads the tile only where its own tile has exactly the carry's axes (an
+einsum operand whose letters get whole blocks, plain or `tl.trans`posed; a pointwise or
+SUM / AMAX stage re-emitted as one tile of the local shape); any other read (a reshape, a
+broadcast, a looped block) raises `_RegMiss`, and the loop is emitted again with that carry
+in the workspace. `ScanKernel.carries` (report.json `scan_carries`) says, per loop and carry,
+which are on chip and why the others are not. Views (reshape,
 permute, expand, slice, pad, concat) cost nothing: they are index arithmetic on the loads of
 their consumers, and single-use elementwise nodes are inlined into their consumer's
 expression. `tl.debug_barrier()` separates stages that talk through the workspace; the
@@ -258,10 +272,11 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
               f"scan %{n.id}: length {n.attr('length')}, {nc} carries, {nx} xs; grid over the "
               f"independent axes {list(prefix)}; {em.stages} stages",
               f"workspace: {em.ws} elements per program, liveness-packed from "
-              f"{sum(em.sizes)}",
-              f"carries on chip (budget {carry_budget} B of registers per program): "
-              + (", ".join(f"{c['scan']}.{c['carry']} {c['shape']}" for c in em.carry_notes
-                           if c["on_chip"]) or "none")]
+              f"{sum(em.sizes)}"]
+    on_chip = [f"{c['scan']}.{c['carry']} {c['shape']}" for c in em.carry_notes if c["on_chip"]]
+    if on_chip:                      # (a kernel holding none keeps its source, and AOT cache)
+        header.append(f"carries on chip (budget {carry_budget} B of registers per program): "
+                      + ", ".join(on_chip))
     source = render("scan.py.jinja", name=name, header_lines=header, tensors=tensors,
                     strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
                     grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,
