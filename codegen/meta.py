@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["INT32_LIMIT", "LAUNCH_LOCALS", "MATMUL_TILES", "Tile", "check_block", "compute_dtype",
+__all__ = ["CARRY_REGISTER_BYTES", "INT32_LIMIT", "LAUNCH_LOCALS", "MATMUL_TILES", "Tile", "check_block", "compute_dtype",
            "dot_precision", "matmul_tiles", "needs_int64", "pow2"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -39,6 +39,19 @@ def dot_precision(allow_tf32: bool) -> str:
 
 
 INT32_LIMIT = 2 ** 31
+
+# Registers a scan kernel's program may spend on the carries it holds on chip across
+# iterations (bytes), per compute capability. Every architecture here has 64 K 32-bit
+# registers per SM and at most 255 per thread; a scan kernel runs 4 warps (128 threads), so
+# 32 KiB is 64 registers per thread, a quarter of the most a thread may hold: the rest is for
+# the stages' tiles (whole-carry dot operands included). A scan kernel's source is the same on
+# every architecture, so it uses the smallest entry (`carry_register_bytes`).
+CARRY_REGISTER_BYTES = {80: 32 * 1024, 86: 32 * 1024, 89: 32 * 1024, 90: 32 * 1024}
+
+
+def carry_register_bytes() -> int:
+    """The register budget for on-chip carries that holds on every listed architecture."""
+    return min(CARRY_REGISTER_BYTES.values())
 
 
 def needs_int64(*numels: int) -> bool:

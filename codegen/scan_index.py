@@ -38,6 +38,15 @@ class _PaxError(ScanFallback):
     """The candidate independent axes are mixed somewhere (try a shorter prefix)."""
 
 
+class _RegMiss(Exception):
+    """Carry `k` of scan `scan`, held on chip, is read where its tile does not line up (a
+    view, a broadcast, a looped block): emit that scan again with the carry in the workspace."""
+
+    def __init__(self, scan: int, k: int, why: str):
+        super().__init__(scan, k, why)
+        self.scan, self.k, self.why = scan, k, why
+
+
 class _TooBig(_PaxError):
     """This choice of independent / shared operands needs too large a workspace (another
     choice may not: operands read whole by every program make whole-size values)."""
@@ -54,7 +63,9 @@ class Ref:
     through its strides), with `lead` fixed leading coordinates (an xs slice at iteration t);
     'lit': the literal `value`; 'node': a view / inlined node evaluated from its operands;
     'at': value `node` of the enclosing `scope` at leading coordinates `lead` (an xs slice,
-    or a value a nested scan closes over).
+    or a value a nested scan closes over); 'reg': a carry held on chip, the loop-carried
+    tile `name` of padded shape `dims` over its local shape (zero off the shape), readable
+    only by a tile whose axes are exactly the carry's (`Tile.axes`), else `_RegMiss`.
     """
 
     kind: str
@@ -66,6 +77,9 @@ class Ref:
     value: float = 0.0
     node: Node | None = None
     scope: "Scope | None" = None
+    dims: tuple[int, ...] = ()
+    scan: int = -1                 # 'reg': the scan and carry index it belongs to
+    carry: int = -1
 
 
 @dataclass
@@ -131,4 +145,7 @@ class Tile:
     cache: dict = field(default_factory=dict)
     vars: tuple[str, ...] = ()                 # the tile's index variables
     flat: tuple[str, tuple[int, ...], tuple[str, ...]] | None = None   # (ix, shape, coords)
+    # the tile's whole axes: (index variable, extent) of each axis that spans [0, extent) in
+    # one block, in the tile's axis order (a register carry is read only through these)
+    axes: tuple[tuple[str, int], ...] = ()
 

@@ -19,7 +19,21 @@ every computed body value is a buffer there (contiguous over its local shape), c
 ping-pong between two slots (`it % 2`), xs are read straight from the stacked inputs at
 iteration `t`, ys are written straight into their slice of the stacked outputs. Buffers get
 symbolic offsets while the kernel is emitted; `scan_pack` then liveness-packs them (buffers
-whose stage lifetimes, widened over loops, do not meet share addresses). Views (reshape,
+whose stage lifetimes, widened over loops, do not meet share addresses).
+
+Carries on chip. A loop's carry is held in registers instead, as a loop-carried tile of its
+local shape (each axis padded to a power of two >= 16, zero outside), when its local shape
+has rank <= 2, the loop nests no scan (an inner loop's carries and stages get the registers),
+and the carries held so far (enclosing loops included) stay within the register budget per
+program (`codegen.meta.CARRY_REGISTER_BYTES`; `render_scan(carry_budget=)`). Its initial
+value is loaded once, each iteration's next value is computed into a new tile and assigned
+after every read of the old one (no slots, no copy), the final value is stored once after
+the loop. A stage reads the tile only where its own tile has exactly the carry's axes (an
+einsum operand whose letters get whole blocks, plain or `tl.trans`posed; a pointwise or
+SUM / AMAX stage re-emitted as one tile of the local shape); any other read (a reshape, a
+broadcast, a looped block) raises `_RegMiss`, and the loop is emitted again with that carry
+in the workspace. `ScanKernel.carries` (report.json `scan_carries`) says, per loop and carry,
+which are on chip and why the others are not. Views (reshape,
 permute, expand, slice, pad, concat) cost nothing: they are index arithmetic on the loads of
 their consumers, and single-use elementwise nodes are inlined into their consumer's
 expression. `tl.debug_barrier()` separates stages that talk through the workspace; the
@@ -50,7 +64,7 @@ this one (the kernel and its launch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Callable
 
@@ -63,7 +77,7 @@ from titanc.passes.flash_attention import expand_attention
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, is_immediate
 
-from .meta import compute_dtype, dot_precision, needs_int64
+from .meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
 from .render import render, sanitize_identifier
 from .scan_index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
 from .scan_stages import _ScanGen
@@ -108,6 +122,9 @@ class ScanKernel:
     tables: tuple[tuple[str, dict], ...]     # (op name, attrs) of each host-made table
     stages: int                              # stages emitted (for reports)
     serial: str = ""                         # why the grid is one program (else "")
+    # each loop's carries: {"scan": "%id", "carry": k, "shape": local tile, "on_chip": bool,
+    # "why": why it stays in the workspace ("" on chip)}
+    carries: tuple[dict, ...] = field(default=(), compare=False)
 
     @property
     def key(self) -> str:
@@ -134,11 +151,14 @@ def _prefixes(g: Graph, n: Node) -> list[tuple[int, ...]]:
 def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int] | None = None,
                 name: str | None = None, spec_path: str = "",
                 immediate: Callable[[int], float | None] = lambda v: None,
-                allow_tf32: bool = False) -> ScanKernel:
+                allow_tf32: bool = False, carry_budget: int | None = None) -> ScanKernel:
     """One Triton kernel running scan `scan_id` of `g` (raises `ScanFallback` with the reason
     when it cannot). `used`: the item indices the program reads afterwards (default all);
     `immediate(vid)`: the literal of an operand inlined as a constant, else None;
-    `allow_tf32`: float32 dots on tensor cores in tf32 (`codegen.meta.dot_precision`)."""
+    `allow_tf32`: float32 dots on tensor cores in tf32 (`codegen.meta.dot_precision`);
+    `carry_budget`: bytes of registers per program for carries held on chip (default
+    `codegen.meta.carry_register_bytes()`; 0 keeps every carry in the workspace)."""
+    budget = carry_register_bytes() if carry_budget is None else carry_budget
     n = g.node(scan_id)
     if n.op is not Op.SCAN:
         raise ValueError(f"%{scan_id} is not a scan")
@@ -153,7 +173,7 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
         for shared in (0, 1, 2):     # operands other than carries taken by shape, or not
             try:
                 return _render(g, n, cd, dtype, prefix, used, name, spec_path, immediate,
-                               shared, allow_tf32)
+                               shared, allow_tf32, budget)
             except _PaxError as e:
                 why = str(e)
     depth = _nesting(n.attr("body"))
@@ -162,7 +182,8 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                            f"nest {depth} levels of scans (> {MAX_SERIAL_NESTING}): its inner "
                            "scans become kernels of their own")
     try:                             # one program for the whole scan, when that is small
-        sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32)
+        sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32,
+                     budget)
     except _PaxError as e:
         raise ScanFallback(f"no independent leading axes ({why}); serial: {e}") from None
     except _TooLong as e:
@@ -181,12 +202,13 @@ def _nesting(body: Graph) -> int:
 
 def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
             name: str, spec_path: str, immediate: Callable[[int], float | None],
-            shared: int, allow_tf32: bool = False) -> ScanKernel:
+            shared: int, allow_tf32: bool = False, carry_budget: int = 0) -> ScanKernel:
     """Render with independent axes `prefix`: the carries whose shape starts with it vary
     per program, and so do the xs (`shared` < 2) and the other operands (`shared` < 1) whose
     shape does; every other operand is shared (read at full coordinates)."""
     em = _ScanGen(g, n, cd, prefix)
     em.precision = dot_precision(allow_tf32)
+    em.reg_budget = carry_budget
     p = len(prefix)
     nc, nx = n.attr("n_carry"), n.attr("n_xs")
     sc = Scope(g)
@@ -251,12 +273,17 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
               f"independent axes {list(prefix)}; {em.stages} stages",
               f"workspace: {em.ws} elements per program, liveness-packed from "
               f"{sum(em.sizes)}"]
+    on_chip = [f"{c['scan']}.{c['carry']} {c['shape']}" for c in em.carry_notes if c["on_chip"]]
+    if on_chip:                      # (a kernel holding none keeps its source, and AOT cache)
+        header.append(f"carries on chip (budget {carry_budget} B of registers per program): "
+                      + ", ".join(on_chip))
     source = render("scan.py.jinja", name=name, header_lines=header, tensors=tensors,
                     strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
                     grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,
                     num_stages=NUM_STAGES)
     return ScanKernel(name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
-                      tuple(outputs), tuple(em.tables), em.stages)
+                      tuple(outputs), tuple(em.tables), em.stages,
+                      carries=tuple(em.carry_notes))
 
 
 def host_table(op: str, a: dict, dtype: torch.dtype) -> torch.Tensor:
@@ -299,11 +326,13 @@ def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str,
 
 
 def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: bool = True,
-                   fallbacks: list[dict[str, str]] | None = None) -> int:
+                   fallbacks: list[dict[str, str]] | None = None,
+                   carries: list[dict] | None = None) -> int:
     """Kernel launches of one run of `plan` on the triton target, from the plan alone
     (`MemoryPlan.launches`): a scan that renders to a scan kernel is one launch, one that
     runs as a host loop launches its body's kernels once per iteration (its reason appended
-    to `fallbacks`)."""
+    to `fallbacks`). `carries` gets, per scan kernel, where each loop's carries live
+    (`ScanKernel.carries`, with the graph and kernel names)."""
     from .hooks import graph_dtype
 
     dt = dtype or graph_dtype(plan.schedule.graph)
@@ -313,7 +342,10 @@ def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: boo
         try:
             if not scan_kernels:
                 raise ScanFallback("scan kernels are off")
-            scan_kernel_for(p, kern, sid, dt)
+            sk = scan_kernel_for(p, kern, sid, dt)
+            if carries is not None:
+                carries.extend({"graph": p.schedule.graph.name, "kernel": kern.name, **c}
+                               for c in sk.carries)
             return True
         except ScanFallback as e:
             if fallbacks is not None:

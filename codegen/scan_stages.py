@@ -14,7 +14,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from .meta import pow2
 from .render import sanitize_comment
 from .scan_index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
-                         _PaxError, _delin, _local)
+                         _PaxError, _RegMiss, _delin, _local)
 from .scan_values import _Emitter
 
 
@@ -34,6 +34,12 @@ class _ScanGen(_Emitter):
         self.carry_pax: dict[tuple[int, int], tuple[int, ...]] = {}
         self.grouped = False
         self.precision = '"ieee"'
+        # carries on chip: the budget (bytes per program), what enclosing loops hold, the
+        # carries found unreadable on chip (scan, k) -> why, and one note per emitted carry
+        self.reg_budget = 0
+        self.reg_bytes = 0
+        self.reg_demoted: dict[tuple[int, int], str] = {}
+        self.carry_notes: list[dict] = []
 
     def full_coords(self, local: list[str], shape: tuple[int, ...],
                     pax: tuple[int, ...] | None) -> list[str]:
@@ -76,9 +82,29 @@ class _ScanGen(_Emitter):
     def pointwise_stage(self, label: str, shape: tuple[int, ...], pax: tuple[int, ...] | None,
                         dest: Ref, lead: tuple[str, ...],
                         expr: Callable[[Tile, list[str]], str], guard: bool = False) -> None:
-        """dest[lead + c] = expr(c) for every c of `shape` local to the program."""
+        """dest[lead + c] = expr(c) for every c of `shape` local to the program: flat tiles,
+        or, where that reads a carry held on chip, one tile of the local shape (its axes the
+        carry's)."""
         self.line(f"# {sanitize_comment(label)}")
         L = _local(shape, pax)
+        mark = (len(self.lines), self.depth)
+        try:
+            self._flat_stage(shape, pax, L, dest, lead, expr, guard)
+        except _RegMiss:
+            dims = tuple(pow2(d, 16) for d in L)
+            if not L or len(L) > 2 or prod(dims) * self.itemsize > max(self.reg_budget, 1):
+                raise
+            del self.lines[mark[0]:]
+            self.depth = mark[1]
+            sec, c, tshape = self.whole_tile(shape, pax, dims, guard)
+            r = expr(sec, c)
+            self.line(f"tl.store({self.ptr(sec, dest, list(lead) + c)}, "
+                      f"{self.full(r, tshape)}, mask={sec.mask})")
+        self.barrier()
+
+    def _flat_stage(self, shape: tuple[int, ...], pax: tuple[int, ...] | None,
+                    L: tuple[int, ...], dest: Ref, lead: tuple[str, ...],
+                    expr: Callable[[Tile, list[str]], str], guard: bool) -> None:
         N = prod(L)
         B = min(pow2(N, 16), MAX_TILE)
         o = self._open_loop(self.fresh("o"), N, B)
@@ -87,13 +113,80 @@ class _ScanGen(_Emitter):
         z = self.let(self.zero_tile(f"[{B}]"), "z")
         m = self.let(f"({ix} < {N})" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
         local = _delin(ix, L)
-        sec = Tile(m, z, vars=(ix,), flat=(ix, L, tuple(local)))
+        sec = Tile(m, z, vars=(ix,), flat=(ix, L, tuple(local)),
+                   axes=((ix, B),) if len(L) == 1 and o == "0" else ())
         c = self.full_coords(local, shape, pax)
         r = expr(sec, c)
         self.line(f"tl.store({self.ptr(sec, dest, list(lead) + c)}, {self.full(r, f'[{B}]')}, "
                   f"mask={m})")
         self._close(o)
-        self.barrier()
+
+    # -- carries on chip ----------------------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return 8 if self.cd == "tl.float64" else 4
+
+    def whole_tile(self, shape: tuple[int, ...], pax: tuple[int, ...] | None,
+                   dims: tuple[int, ...], guard: bool = False) -> tuple[Tile, list[str], str]:
+        """One tile over the local shape of `shape`, padded to `dims` (a carry's tile): the
+        Tile, the full coordinates of its elements and its shape literal (rank 0: one element
+        of a 16-wide tile)."""
+        L = _local(shape, pax)
+        if not L:
+            ix = self.let(f"tl.arange(0, 16).to({self.index})", "i")
+            z = self.let(self.zero_tile("[16]"), "z")
+            m = self.let(f"({ix} < 1)" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
+            return Tile(m, z, vars=(ix,)), self.full_coords([], shape, pax), "[16]"
+        axes = []
+        for j, P in enumerate(dims):
+            sfx = "" if len(dims) == 1 else "[:, None]" if j == 0 else "[None, :]"
+            axes.append(self.let(f"tl.arange(0, {P}).to({self.index}){sfx}", "r"))
+        tshape = f"[{', '.join(map(str, dims))}]"
+        z = self.let(self.zero_tile(tshape), "z")
+        m = self.let(" & ".join(f"({a} < {d})" for a, d in zip(axes, L))
+                     + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
+        return (Tile(m, z, vars=tuple(axes), axes=tuple(zip(axes, dims))),
+                self.full_coords(axes, shape, pax), tshape)
+
+    def reg_value(self, sc: Scope, vid: int, shape: tuple[int, ...],
+                  pax: tuple[int, ...] | None, dims: tuple[int, ...]) -> str:
+        """A register tile (a carry's) holding value `vid` of `sc`, zero off its shape."""
+        sec, c, tshape = self.whole_tile(shape, pax, dims)
+        v = self.value(sec, sc, vid, c)
+        full = f"tl.where({sec.mask}, {self.full(v, tshape)}, 0.0)"
+        if not dims:
+            return self.let(f"tl.sum({full}, axis=0).to({self.cd})", "cn")
+        return self.let(f"({full}).to({self.cd})", "cn", tile=True)
+
+    def reg_store(self, var: str, dims: tuple[int, ...], shape: tuple[int, ...],
+                  pax: tuple[int, ...] | None, dest: Ref, guard: bool = False) -> None:
+        """dest = the register tile `var` (a carry's final value)."""
+        sec, c, tshape = self.whole_tile(shape, pax, dims, guard)
+        x = var if dims else f"({var}) + tl.zeros([16], dtype={self.cd})"
+        self.line(f"tl.store({self.ptr(sec, dest, c)}, {x}, mask={sec.mask})")
+
+    def reg_why(self, scan: int, k: int, local: tuple[int, ...], nests: bool) -> str | None:
+        """Why carry `k` of `scan` stays in the workspace (None: it is held on chip).
+        `nests`: the scan's body holds a scan (whose loop gets the registers: a carry held
+        across it would stay live through every inner stage)."""
+        if (scan, k) in self.reg_demoted:
+            return self.reg_demoted[(scan, k)]
+        if nests:
+            return "its loop holds a nested scan, whose carries and stages get the registers"
+        if len(local) > 2:
+            return (f"its local tile {list(local)} has rank {len(local)} (carries on chip are "
+                    "tiles of rank <= 2)")
+        b = prod(pow2(d, 16) for d in local) * self.itemsize
+        if self.reg_bytes + b > self.reg_budget:
+            return (f"{b} B would pass the budget of {self.reg_budget} B of registers per "
+                    f"program for carries ({self.reg_bytes} B taken)")
+        return None
+
+    def _is_reg(self, sc: Scope, v: int) -> bool:
+        ref = sc.refs[v]
+        while ref.kind == "at" and not ref.lead and ref.scope is not None:
+            ref = ref.scope.refs[ref.node.id]
+        return ref.kind == "reg"
 
     def einsum_stage(self, sc: Scope, n: Node, dest: Ref) -> None:
         terms, out = n.attr("spec").split("->")
@@ -113,7 +206,10 @@ class _ScanGen(_Emitter):
         ks = [c for c in dict.fromkeys(ta + tb) if c not in out]
         gsize = lambda cs: prod(size[c] for c in cs)
         NB, M, N, K = gsize(batch), gsize(ms), gsize(ns), gsize(ks)
-        BM, BN, BK = (min(pow2(x, 16), DOT_BLOCK) for x in (M, N, K))
+        # an operand held on chip is one tile: its letters get whole blocks
+        whole = {ch for t, v in ((ta, ia), (tb, ib)) if self._is_reg(sc, v) for ch in t}
+        BM, BN, BK = (pow2(x, 16) if whole & set(cs) else min(pow2(x, 16), DOT_BLOCK)
+                      for x, cs in ((M, ms), (N, ns), (K, ks)))
         self.line(f"# %{n.id} = einsum[{n.attr('spec')}]: [{M}, {K}] x [{K}, {N}], "
                   f"{NB} local batch")
 
@@ -135,12 +231,15 @@ class _ScanGen(_Emitter):
         kb = self.let(f"({k0} + tl.arange(0, {BK}).to({self.index}))[:, None]", "kb")
         base = {**pref, **letters(batch, zb)}
         tiles = []
-        for t, v, rows, cols, rdim, cdim, rsz, csz in (
-                (ta, ia, rm, ka, ms, ks, M, K), (tb, ib, kb, rn, ks, ns, K, N)):
+        wm, wn, wk = m0 == "0", n0 == "0", k0 == "0"
+        for t, v, rows, cols, rdim, cdim, rsz, csz, axes in (
+                (ta, ia, rm, ka, ms, ks, M, K, ((rm, BM, wm), (ka, BK, wk))),
+                (tb, ib, kb, rn, ks, ns, K, N, ((kb, BK, wk), (rn, BN, wn)))):
             lmap = {**base, **letters(rdim, rows), **letters(cdim, cols)}
             mask = self.let(f"({rows} < {rsz}) & ({cols} < {csz})", "m")
             shape = f"[{BM if t == ta else BK}, {BK if t == ta else BN}]"
-            sec = Tile(mask, self.let(self.zero_tile(shape), "z"), vars=(rows, cols))
+            sec = Tile(mask, self.let(self.zero_tile(shape), "z"), vars=(rows, cols),
+                       axes=tuple((a, e) for a, e, w in axes if w))
             x = self.value(sec, sc, v, [lmap[ch] for ch in t])
             tiles.append(self.masked(x, mask, shape))
         self.line(f"{acc} += tl.dot({tiles[0]}, {tiles[1]}, input_precision={self.precision})")
@@ -157,7 +256,49 @@ class _ScanGen(_Emitter):
         self.barrier()
 
     def reduce_stage(self, sc: Scope, n: Node, dest: Ref) -> None:
-        """SUM / AMAX over axes, or CUMSUM along one: a [rows, cols] tile per step."""
+        """SUM / AMAX over axes, or CUMSUM along one: a [rows, cols] tile per step; where
+        that reads a carry held on chip, a SUM / AMAX over one tile of the local shape."""
+        mark = (len(self.lines), self.depth)
+        try:
+            self._reduce_rows(sc, n, dest)
+            self.barrier()
+        except _RegMiss:
+            x = n.inputs[0]
+            qx = sc.pax.get(x)
+            L = _local(sc.g.node(x).type.shape, qx)
+            dims = tuple(pow2(d, 16) for d in L)
+            if n.op is Op.CUMSUM or not L or len(L) > 2 or \
+                    prod(dims) * self.itemsize > max(self.reg_budget, 1):
+                raise
+            del self.lines[mark[0]:]
+            self.depth = mark[1]
+            self._reduce_whole(sc, n, dest, dims)
+            self.barrier()
+
+    def _reduce_whole(self, sc: Scope, n: Node, dest: Ref, dims: tuple[int, ...]) -> None:
+        x = n.inputs[0]
+        xs, qx = sc.g.node(x).type.shape, sc.pax.get(x)
+        axes = sorted(a % len(xs) for a in n.attr("axes"))
+        lx = [i for i in range(len(xs)) if qx is None or i not in qx]
+        self.line(f"# %{n.id} = {n.op.name.lower()}: over {[xs[a] for a in axes]} of one tile")
+        sec, c, tshape = self.whole_tile(xs, qx, dims)
+        is_max = n.op is Op.AMAX
+        fill = 'float("-inf")' if is_max else "0.0"
+        y = self.masked(self.value(sec, sc, x, c), sec.mask, tshape, fill)
+        for pos in sorted((lx.index(a) for a in axes), reverse=True):
+            y = self.let(f"tl.{'max' if is_max else 'sum'}({y}, axis={pos}, keep_dims=True)",
+                         "y", True)
+        var = dict(zip(lx, (v for v, _ in sec.axes)))
+        yshape = [1 if i in axes else dims[j] for j, i in enumerate(lx)]
+        zo = self.let(self.zero_tile(str(yshape)), "z")
+        mo = self.let(" & ".join([f"({var[i]} < {xs[i]})" for i in lx if i not in axes]
+                                 + [f"({zo} == 0)"]), "m")
+        oc = [self.pc[qx.index(i)] if qx is not None and i in qx else "0" if i in axes
+              else var[i] for i in range(len(xs))]
+        out_c = oc if n.attr("keepdim") else [oc[i] for i in range(len(xs)) if i not in axes]
+        self.line(f"tl.store({self.ptr(Tile(mo, zo, vars=()), dest, out_c)}, {y}, mask={mo})")
+
+    def _reduce_rows(self, sc: Scope, n: Node, dest: Ref) -> None:
         x = n.inputs[0]
         xs = sc.g.node(x).type.shape
         qx = sc.pax.get(x)
@@ -214,7 +355,6 @@ class _ScanGen(_Emitter):
             sec = Tile(rmask, self.let(self.zero_tile(f"[{BO}, 1]"), "z"), vars=(ix,))
             self.line(f"tl.store({self.ptr(sec, dest, out_c)}, {red}, mask={rmask})")
         self._close(o)
-        self.barrier()
 
     # -- bodies -----------------------------------------------------------------------------------
     def uses(self, g: Graph, vid: int) -> int:
@@ -280,19 +420,25 @@ class _ScanGen(_Emitter):
         kernel's outputs (`top`: item index -> output Ref)."""
         while True:
             state = (len(self.lines), self.n, len(self.sizes), len(self.tables), self.stages,
-                     self.depth, self.loop_depth, self.shared)
+                     self.depth, self.loop_depth, self.shared, self.reg_bytes,
+                     len(self.carry_notes))
             try:
                 self._scan_loop(sc, n, top)
                 return
-            except _Redo as r:
+            except (_Redo, _RegMiss) as r:
                 if r.scan != n.id:
                     raise
                 del self.lines[state[0]:]
                 self.n, self.stages = state[1], state[4]
                 del self.sizes[state[2]:]
                 self.depth, self.loop_depth, self.shared = state[5], state[6], state[7]
+                self.reg_bytes = state[8]
+                del self.carry_notes[state[9]:]
                 del self.tables[state[3]:]
-                self.carry_pax[(n.id, r.k)] = r.pax
+                if isinstance(r, _RegMiss):
+                    self.reg_demoted[(n.id, r.k)] = r.why
+                else:
+                    self.carry_pax[(n.id, r.k)] = r.pax
 
     def _scan_loop(self, sc: Scope, n: Node, top: dict | None) -> None:
         a = n.attr_dict
@@ -306,17 +452,36 @@ class _ScanGen(_Emitter):
         slots = []
         self.line(f"# scan %{n.id}: {L} iterations{', reversed' if a['reverse'] else ''}, "
                   f"{nc} carries")
+        regs: dict[int, tuple[str, tuple[int, ...]]] = {}     # carries on chip: tile, dims
+        held = self.reg_bytes
         with self.group():
-            for k in range(nc):                           # carries: two slots each, init -> slot 0
-                shape = body.node(ins[k]).type.shape
+            for k in range(nc):     # carries: on chip (a loop-carried tile), or two workspace
+                shape = body.node(ins[k]).type.shape      # slots each (init -> slot 0)
                 q = self.carry_pax.get((n.id, k), sc.pax.get(n.inputs[k]))
-                size = -(-prod(_local(shape, q)) // 16) * 16
+                local = _local(shape, q)
+                why = self.reg_why(n.id, k, local, any(m.op is Op.SCAN for m in body))
+                self.carry_notes.append({"scan": f"%{n.id}", "carry": k, "shape": list(local),
+                                         "on_chip": why is None, "why": why or ""})
+                bsc.pax[ins[k]] = q
+                if why is None:
+                    dims = tuple(pow2(d, 16) for d in local)
+                    self.reg_bytes += prod(dims) * self.itemsize
+                    self.line(f"# carry {k} of %{n.id}: initial value, held on chip")
+                    var = self.fresh("cr")
+                    self.line(f"{var} = {self.reg_value(sc, n.inputs[k], shape, q, dims)}")
+                    self.tiles.add(var)
+                    self.loads.add(var)
+                    regs[k] = (var, dims)
+                    slots.append((None, 0, q, shape))
+                    bsc.refs[ins[k]] = Ref("reg", shape, q, name=var, dims=dims, scan=n.id,
+                                           carry=k)
+                    continue
+                size = -(-prod(local) // 16) * 16
                 off = self.alloc(2 * size)
                 slots.append((off, size, q, shape))
                 self.copy(f"carry {k} of %{n.id}: initial value", sc, n.inputs[k], shape, q,
                           Ref("ws", shape, q, base=off))
                 bsc.refs[ins[k]] = Ref("ws", shape, q, base=f"{off} + ({it} % 2) * {size}")
-                bsc.pax[ins[k]] = q
         for j in range(nx):                           # xs: the stacked operand at t
             v = n.inputs[nc + j]
             q = sc.pax.get(v)
@@ -355,15 +520,30 @@ class _ScanGen(_Emitter):
                 dest = self.local_ref(stacked, qs)
                 self.copy(f"y {k - nc} of %{n.id} at t", bsc, v, shape, qo, dest, (t,))
                 items[k] = dest
+            nxt = {}
             for k, v in enumerate(outs[:nc]):             # next carry into the other slot
                 off, size, q, shape = slots[k]
+                if k in regs:                             # or into its tile (after all reads)
+                    self.line(f"# carry {k} of %{n.id}: next, on chip")
+                    nxt[k] = self.reg_value(bsc, v, shape, q, regs[k][1])
+                    continue
                 self.copy(f"carry {k} of %{n.id}: next", bsc, v, shape, q,
                           Ref("ws", shape, q, base=f"{off} + (({it} + 1) % 2) * {size}"))
+            for k, x in nxt.items():
+                self.line(f"{regs[k][0]} = {x}")
         self.depth -= 1
         self.loop_depth -= 1
         with self.group():
             for k in range(nc):
                 off, size, q, shape = slots[k]
+                if k in regs:
+                    self.line(f"# final carry {k} of %{n.id}, from chip")
+                    if top is None:
+                        items[k] = self.local_ref(shape, q)
+                        self.reg_store(*regs[k], shape, q, items[k])
+                    elif k in top:
+                        self.reg_store(*regs[k], shape, q, top[k], guard=q is None)
+                    continue
                 final = Ref("ws", shape, q, base=f"{off} + {(L % 2) * size}")
                 if top is not None:
                     if k in top:
@@ -373,6 +553,7 @@ class _ScanGen(_Emitter):
                             guard=q is None)
                 else:
                     items[k] = final
+        self.reg_bytes = held
         if top is None:
             for u in sc.g.users(n.id):
                 un = sc.g.node(u)

@@ -15,8 +15,22 @@ from titanc.ir.elementwise import ELEMENTWISE
 
 from .expr import format_number
 from .scan_index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS,
-                         _PaxError, _TooBig, _bcast, _delin, _lin, _local, _sum)
+                         _PaxError, _RegMiss, _TooBig, _bcast, _delin, _lin, _local, _sum)
 from .scan_pack import pack, wsoff
+
+def _bare(c: str) -> str:
+    """`c` without redundant outer parentheses ("(rm3)" -> "rm3")."""
+    c = c.strip()
+    while c.startswith("(") and c.endswith(")"):
+        depth = 0
+        for i, ch in enumerate(c):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0 and i < len(c) - 1:
+                return c
+        c = c[1:-1].strip()
+    return c
+
 
 class _Emitter:
     """Emits the kernel body: lines with indentation, fresh names, workspace offsets."""
@@ -181,6 +195,10 @@ class _Emitter:
         if ref.kind == "lit":
             v = format_number(ref.value)
             return v if not conds else f"tl.where({' & '.join(conds)}, {v}, 0.0)"
+        if ref.kind == "reg":
+            r = self._reg_value(sec, ref, coords)
+            return r if not conds else self.let(
+                f"tl.where({' & '.join(f'({x})' for x in conds)}, {r}, 0.0)", tile=True)
         if ref.kind in ("ws", "arg"):
             key = (ref.kind, ref.name, ref.base, ref.lead, tuple(coords), conds)
             if key not in sec.cache:
@@ -193,6 +211,25 @@ class _Emitter:
         if ref.kind == "at":                          # an outer value at leading coordinates
             return self.value(sec, ref.scope, ref.node.id, list(ref.lead) + coords, conds)
         return self._node_value(sec, ref.scope, ref.node, coords, conds)
+
+    def _reg_value(self, sec: "Tile", ref: Ref, coords: list[str]) -> str:
+        """A carry held on chip at `coords`: its tile itself where the coordinates are the
+        tile's whole axes in the carry's order (or, 2-D, transposed), else `_RegMiss`."""
+        local = [_bare(c) for i, c in enumerate(coords) if ref.pax is None or i not in ref.pax]
+        if not local:
+            return ref.name
+        axes = list(sec.axes)
+        if [v for v, _ in axes] == local and tuple(e for _, e in axes) == ref.dims:
+            return ref.name
+        if len(local) == 2 and [v for v, _ in axes[::-1]] == local and \
+                tuple(e for _, e in axes[::-1]) == ref.dims:
+            key = ("trans", ref.name)
+            if key not in sec.cache:
+                sec.cache[key] = self.let(f"tl.trans({ref.name})", "xt", True)
+                self.loads.add(sec.cache[key])
+            return sec.cache[key]
+        raise _RegMiss(ref.scan, ref.carry, "read at coordinates other than its tile's "
+                       f"({', '.join(coords)}) by a tile of axes {axes or 'none'}")
 
     def _node_value(self, sec: "Tile", sc: Scope, n: Node, c: list[str],
                     conds: tuple[str, ...]) -> str:

@@ -10,6 +10,12 @@
 - structure (tier c): the memory-chunk scan is one kernel whose grid is batch x memory heads;
   launches per training step are the same for seq_len 128 and 512 (lmm; chunk size fixed),
   and the executor's count equals the one computed from the plan;
+- carries on chip: the memory-chunk loop holds W and S as loop-carried register tiles (no
+  workspace slots), a loop that nests a scan or a carry over the budget stays in the
+  workspace with the reason; a hand-built scan whose carries are read by every kind of stage
+  (whole-tile einsum operands, plain and transposed, pointwise, reductions, a scalar carry,
+  and a reshape that cannot read the tile) matches the interpreter with the register budget
+  and without it, and says which carry stays in the workspace and why;
 - the fallback's reason is reported (executor `fallbacks`, TITANC_DEBUG=2);
 - validity: a scan kernel compiles for sm_90 without a GPU.
 
@@ -84,11 +90,13 @@ def _tables(sk: ScanKernel, dt: torch.dtype) -> list[torch.Tensor]:
             for op, a in sk.tables]
 
 
-def check_scan(g, n, dt: torch.dtype, seed: int = 0) -> ScanKernel:
+def check_scan(g, n, dt: torch.dtype, seed: int = 0, carry_budget: int | None = None
+               ) -> ScanKernel:
     """Render scan `n` of `g`, run it on random operands, compare every output with the
     reference interpreter's scan."""
     imm = lambda v: float(g.node(v).attr("value")) if is_immediate(g, v) else None
-    sk = render_scan(g, n.id, dtype=str(dt).removeprefix("torch."), immediate=imm)
+    sk = render_scan(g, n.id, dtype=str(dt).removeprefix("torch."), immediate=imm,
+                     carry_budget=carry_budget)
     gen = torch.Generator().manual_seed(seed)
     args = {}
     for v in n.inputs:                     # a value passed twice is one tensor
@@ -119,6 +127,10 @@ def test_memory_chunk_scans_match_reference(example: str) -> None:
     for g, n in found:
         sk = check_scan(g, n, torch.float32)
         assert sk.grid == 1 * 2                              # batch x memory heads
+        chunk = [c for c in sk.carries if not c["why"].startswith("its loop holds a nested")]
+        assert chunk and all(c["on_chip"] for c in chunk), sk.carries   # W, S (and grads)
+    g, n = found[0]
+    check_scan(g, n, torch.float32, carry_budget=0)          # every carry in the workspace
 
 
 @pytest.mark.slow
@@ -130,7 +142,8 @@ def test_depth_and_chunk_sizes_float64(depth: int, chunk: int) -> None:  # inter
     found = list(_scans(c.plans["training"], "memory_chunk"))
     assert found
     for k, (g, n) in enumerate(found):
-        check_scan(g, n, torch.float64, seed=k)
+        sk = check_scan(g, n, torch.float64, seed=k)
+        assert any(c["on_chip"] for c in sk.carries)
 
 
 @pytest.mark.slow
@@ -158,6 +171,75 @@ def test_training_step_float64_matches_cpu_target() -> None:
     tri = [ex for ex in progs["triton"]._executors.values() if isinstance(ex, TritonExecutor)]
     assert tri and not any(f["scan"].find("memory_chunk") >= 0 for ex in tri
                            for f in ex.fallbacks)
+
+
+# --- carries on chip ----------------------------------------------------------------------------------
+
+def _carry_graph():
+    """A scan whose carries are read by every kind of stage: h (read through a reshape to
+    32, which no tile of h's axes can give: the workspace), g (pointwise, einsum operand
+    plain and transposed, a row reduction: on chip) and a scalar s (on chip)."""
+    from titanc.ir import Builder
+
+    b = Builder("forward")
+    x = b.input("x", (3, 4, 8), "f64")
+    w = b.input("w", (8, 5), "f64")
+
+    def body(bb, c, xs, k):
+        h, g, s = c
+        (xt,) = xs
+        (wt,) = k
+        g2 = g * 0.5 + xt + h * bb.einsum("ij,ik->jk", g, xt).sum([0])   # transposed read
+        s2 = s + g.sum([0, 1]) * 0.1
+        return [h * 0.9 + xt, g2, s2], [h.reshape(32), bb.einsum("ij,jk->ik", g, wt),
+                                        g.amax([1])]
+
+    (h, g, s), ys = b.scan(body, [b.full(0.0, (4, 8), "f64") + 1.0,
+                                  b.full(0.0, (4, 8), "f64") + 0.5, b.full(0.0, (), "f64") + 0.0],
+                           [x], [w], name="carried")
+    b.graph.set_outputs([("h", h.id), ("g", g.id), ("s", s.id)]
+                        + [(f"y{i}", y.id) for i, y in enumerate(ys)])
+    return b.graph
+
+
+@pytest.mark.parametrize("dt", [torch.float64, torch.float32])
+def test_carries_on_chip_match_reference_and_say_why_not(dt) -> None:
+    g = _carry_graph()
+    n = next(m for m in g if m.op is Op.SCAN)
+    sk = check_scan(g, n, dt)
+    where = {c["carry"]: c for c in sk.carries}
+    assert not where[0]["on_chip"] and "read at coordinates other than its tile" in where[0]["why"]
+    assert where[1]["on_chip"] and where[2]["on_chip"]
+    assert where[1]["shape"] == [4, 8] and where[2]["shape"] == []
+    assert "tl.trans(" in sk.source and "held on chip" in sk.source
+    off = check_scan(g, n, dt, carry_budget=0)
+    assert not any(c["on_chip"] for c in off.carries)
+    assert all("budget of 0 B" in c["why"] for c in off.carries[1:])
+    assert off.ws_per_program > sk.ws_per_program
+
+
+def test_memory_chunk_carries_held_on_chip() -> None:
+    """tiny_lmm at its own sizes: W1, W2, S1, S2 of a 32-wide, expansion-2 memory are
+    [64, 32] / [32, 64] (8 KiB each, 32 KiB together: the budget) per (batch, head) program.
+    The chunk loop holds them as register tiles; the chunk-group loop around it (which nests
+    it) and the loss scan's [256, 64] carry (64 KiB) stay in the workspace, with the reason."""
+    c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml"))
+    for g, n in _scans(c.plans["training"], "memory_chunk"):
+        on = render_scan(g, n.id)
+        off = render_scan(g, n.id, carry_budget=0)
+        inner = [r for r in on.carries if not r["why"]]
+        assert [r["shape"] for r in inner][:4] == [[64, 32], [32, 64], [64, 32], [32, 64]]
+        assert all(r["on_chip"] for r in inner)
+        nested = n.attr("body").name.startswith("memory_chunk_group")
+        assert all(("nested scan" in r["why"]) == (nested and r["scan"] == f"%{n.id}")
+                   for r in on.carries if not r["on_chip"])
+        assert "held on chip" in on.source and "held on chip" not in off.source
+        # the slots (2 x 4 x 2048 elements) are gone from the workspace, and more with them
+        assert off.ws_per_program - on.ws_per_program >= 2 * 4 * 2048, (off.ws_per_program,
+                                                                          on.ws_per_program)
+    g, n = next(iter(_scans(c.plans["training"], "loss_chunk_bwd")))
+    why = {r["carry"]: r["why"] for r in render_scan(g, n.id).carries}
+    assert why[0] == "" and "65536 B would pass the budget of 32768 B" in why[1]
 
 
 # --- structure ---------------------------------------------------------------------------------------
@@ -287,3 +369,9 @@ def test_report_counts_launches_per_target_and_says_why_a_scan_stays_a_loop(tmp_
     assert tri["decode"] < cpu["decode"] and tri["decode_write_per_chunk"] == 1
     (fb,) = report["scan_fallbacks"]["triton"]           # the layer backward (see above)
     assert fb["graph"] == "grad" and "independent" in fb["reason"]
+    rows = report["scan_carries"]["triton"]
+    assert rows and all({"graph", "kernel", "scan", "carry", "shape", "on_chip", "why"} <= set(r)
+                        for r in rows)
+    assert all(r["on_chip"] == (r["why"] == "") for r in rows)
+    assert any(r["on_chip"] and "loss_chunk" in r["kernel"] for r in rows)   # the loss sum
+    assert any("rank 3" in r["why"] for r in rows)        # MAC: memory heads inside a program

@@ -41,8 +41,9 @@ def _versions() -> dict[str, str]:
 
 def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
     fallbacks: list[dict[str, str]] = []
+    carries: list[dict] = []
     launches = {"cpu": launches_per_step(c, "cpu"),
-                "triton": launches_per_step(c, "triton", fallbacks)}
+                "triton": launches_per_step(c, "triton", fallbacks, carries)}
     return {
         "name": spec.name,
         "spec_hash": spec_hash(spec),
@@ -61,9 +62,20 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         "kernel_counts": {name: len(s.all_kernels()) for name, s in c.schedules.items()},
         "launches_per_step": launches,
         "scan_fallbacks": {"triton": fallbacks},   # scans that stay host loops, and why
+        # each scan kernel's loops: which carries are held on chip, which stay in the
+        # workspace and why (one row per distinct kernel and carry)
+        "scan_carries": {"triton": _unique(carries)},
         "memory": memory_report(c.plans["training"], spec.model.vocab_size),
         "memory_forward": memory_report(c.plans["forward"], spec.model.vocab_size),
     }
+
+
+def _unique(rows: list[dict]) -> list[dict]:
+    """`rows` without repeats (a kernel counted for several graph kinds), in order."""
+    seen: dict[str, dict] = {}
+    for r in rows:
+        seen.setdefault(json.dumps(r, sort_keys=True), r)
+    return list(seen.values())
 
 
 def _graph_row(c: Compiled, kind: str) -> dict[str, Any]:

@@ -211,18 +211,20 @@ def _timed(log: PassLog, name: str, fn: Any) -> Any:
 
 
 def launches_per_step(c: Compiled, target: str = "cpu",
-                      fallbacks: list[dict[str, str]] | None = None) -> dict[str, int]:
+                      fallbacks: list[dict[str, str]] | None = None,
+                      carries: list[dict] | None = None) -> dict[str, int]:
     """Kernel launches on `target` ("cpu" or "triton") of a training step (grad_accum
     backward passes + one optimizer update), a decode step (one token, batch 1) and the
     memory write a decode makes once per completed chunk. On the cpu target every scan is a
     host loop over its body's kernels; on triton a scan that renders to one scan kernel is
     one launch (`codegen.scan_kernel.count_launches`); the scans it cannot render, and why,
-    are appended to `fallbacks`."""
+    are appended to `fallbacks`, and where each scan kernel keeps its carries to `carries`
+    (`codegen.scan_kernel.ScanKernel.carries`)."""
     if target == "triton":
         from titanc.codegen.scan_kernel import count_launches
 
         def count(plan: MemoryPlan) -> int:
-            return count_launches(plan, fallbacks=fallbacks)
+            return count_launches(plan, fallbacks=fallbacks, carries=carries)
     else:
         count = MemoryPlan.launches  # type: ignore[assignment]
     spec = c.spec
