@@ -222,7 +222,8 @@ def test_memory_chunk_carries_held_on_chip() -> None:
     """tiny_lmm at its own sizes: W1, W2, S1, S2 of a 32-wide, expansion-2 memory are
     [64, 32] / [32, 64] (8 KiB each, 32 KiB together: the budget) per (batch, head) program.
     The chunk loop holds them as register tiles; the chunk-group loop around it (which nests
-    it) and the loss scan's [256, 64] carry (64 KiB) stay in the workspace, with the reason."""
+    it) and the chunked loss scan's [256, 64] carry (64 KiB; `compile.fused_loss: false`) stay in
+    the workspace, with the reason."""
     c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml"))
     for g, n in _scans(c.plans["training"], "memory_chunk"):
         on = render_scan(g, n.id)
@@ -237,7 +238,9 @@ def test_memory_chunk_carries_held_on_chip() -> None:
         # the slots (2 x 4 x 2048 elements) are gone from the workspace, and more with them
         assert off.ws_per_program - on.ws_per_program >= 2 * 4 * 2048, (off.ws_per_program,
                                                                           on.ws_per_program)
-    g, n = next(iter(_scans(c.plans["training"], "loss_chunk_bwd")))
+    chunked = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
+                                       {"compile.fused_loss": False}))
+    g, n = next(iter(_scans(chunked.plans["training"], "loss_chunk_bwd")))
     why = {r["carry"]: r["why"] for r in render_scan(g, n.id).carries}
     assert why[0] == "" and "65536 B would pass the budget of 32768 B" in why[1]
 
@@ -306,7 +309,9 @@ def test_fallback_reason_is_reported(monkeypatch, capsys) -> None:
     monkeypatch.setattr(scan_kernel, "MAX_SERIAL", 0)
     c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
                                  {"compile.fused_loss": False}))       # the chunked loss's scan
-    g, n = next(iter(_scans(c.plans["training"], "loss_chunk_bwd")))
+    chunked = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
+                                       {"compile.fused_loss": False}))
+    g, n = next(iter(_scans(chunked.plans["training"], "loss_chunk_bwd")))
     with pytest.raises(ScanFallback, match="a serial kernel would need"):
         render_scan(g, n.id)
 
@@ -373,5 +378,6 @@ def test_report_counts_launches_per_target_and_says_why_a_scan_stays_a_loop(tmp_
     assert rows and all({"graph", "kernel", "scan", "carry", "shape", "on_chip", "why"} <= set(r)
                         for r in rows)
     assert all(r["on_chip"] == (r["why"] == "") for r in rows)
-    assert any(r["on_chip"] and "loss_chunk" in r["kernel"] for r in rows)   # the loss sum
+    # the decode step's layer scan holds its [1, d_model] residual on chip
+    assert any(r["on_chip"] and r["graph"] == "step" and r["shape"] == [1, 64] for r in rows)
     assert any("rank 3" in r["why"] for r in rows)        # MAC: memory heads inside a program
