@@ -25,6 +25,7 @@ from .compiler import GRAPH_KINDS, Compiled, compile_graphs, launches_per_step
 from .fit import check_fits, lower_bound_bytes, planned_bytes
 from .params import param_count
 from .spec import spec_hash, spec_to_dict
+from .step_profile import step_profile
 
 
 def _versions() -> dict[str, str]:
@@ -63,6 +64,9 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         "scan_fallbacks": {"triton": fallbacks},   # scans that stay host loops, and why
         "memory": memory_report(c.plans["training"], spec.model.vocab_size),
         "memory_forward": memory_report(c.plans["forward"], spec.model.vocab_size),
+        # per training step: kernels by family, modeled bytes and FLOPs, with and without the
+        # pattern passes (titanc/step_profile.py)
+        "step": step_profile(spec, c),
     }
 
 

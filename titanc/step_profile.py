@@ -1,0 +1,124 @@
+"""What one training step runs, modeled from the compiled plans: kernels by family, bytes moved
+and FLOPs, with and without the pattern passes (report.json `step`, `titanc inspect`).
+
+A training step is `grad_accum` runs of the training graph and one of the optimizer graph.
+Figures per step:
+
+- `kernels`: the distinct kernels the step launches on the triton target: every top-level
+  kernel of both schedules that is not a no-op (`MemoryPlan.is_noop`: all its outputs alias
+  storage that holds them), a scan that renders to one scan kernel counting once, and a scan
+  that falls back to a host loop counting its body's kernels by the same rule. Repetition is
+  not counted here (a kernel launched every iteration of a host loop, or once per gradient
+  accumulation step, is one kernel); `launches_per_step` counts launches.
+- `kernels_all`: every kernel of the schedules and their scan bodies (the cpu target, where
+  every scan is a host loop over its body's kernels); report.json `kernel_counts` is the same
+  count per graph, no-ops included.
+- `families`: per kernel family (pointwise, reduction, matmul, or a template's name:
+  attention_fwd, attention_bwd, adamw_multi, segment_sum, scatter_along, scan) the kernels
+  (counted as in `kernels_all`), launches, bytes and FLOPs;
+- `bytes`: the modeled traffic: each kernel's reads and writes (`Kernel.bytes`) times its
+  launches per step (a body kernel runs once per iteration of its scan); a scan kernel adds
+  only its own operands and results, its body's traffic being its body's kernels';
+- `flops`: the modeled work (`passes.fusion.node_flops`) of every kernel but the scans, times
+  its launches (a scan's FLOPs are its body's kernels').
+
+`step_profile(spec)` compiles the spec twice: as the pipeline does (`after`) and with the
+pattern passes left out (`before`: attention as its scores/softmax/PV chain, AdamW as
+per-parameter kernels). The embedding gradient is the same INDEX_ADD node both ways (its
+segment-sum kernel is a codegen choice, not a pass), so it shows as segment_sum in both.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from titanc.ir import Op
+from titanc.passes.memory_plan import MemoryPlan
+
+from .compiler import Compiled, compile_graphs
+
+TEMPLATE_FAMILY = {Op.SCAN: "scan", Op.ATTENTION: "attention_fwd",
+                   Op.ATTENTION_BWD: "attention_bwd", Op.ADAMW: "adamw_multi",
+                   Op.INDEX_ADD: "segment_sum", Op.SCATTER_ALONG: "scatter_along"}
+FAMILY_ORDER = ("pointwise", "reduction", "matmul", "attention_fwd", "attention_bwd",
+                "adamw_multi", "segment_sum", "scatter_along", "scan")
+
+
+def kernel_family(plan: MemoryPlan, kern: Any) -> str:
+    """pointwise | reduction | matmul, or the template a template kernel runs."""
+    if kern.category != "template":
+        return kern.category
+    g = plan.schedule.graph
+    return next(TEMPLATE_FAMILY.get(g.node(n).op, g.node(n).op.name.lower())
+                for n in kern.nodes if g.node(n).op is not Op.ITEM)
+
+
+def _one_kernel_rule() -> Callable[[MemoryPlan, int], bool]:
+    """Does the triton target run scan `sid` of `plan` as one scan kernel?"""
+    from titanc.codegen.hooks import graph_dtype
+    from titanc.codegen.scan_kernel import ScanFallback, scan_kernel_for
+
+    def one(p: MemoryPlan, sid: int) -> bool:
+        kern = next(k for k in p.schedule.kernels if sid in k.nodes)
+        try:
+            scan_kernel_for(p, kern, sid, graph_dtype(p.schedule.graph))
+            return True
+        except ScanFallback:
+            return False
+    return one
+
+
+def plan_profile(plan: MemoryPlan, runs: int, one_kernel: Callable[[MemoryPlan, int], bool],
+                 acc: dict[str, Any]) -> None:
+    """Add `runs` runs of `plan` to `acc` (see the module docstring for each figure)."""
+    g = plan.schedule.graph
+    for k, kern in enumerate(plan.schedule.kernels):
+        if plan.is_noop(k):
+            continue
+        fam = kernel_family(plan, kern)
+        row = acc["families"].setdefault(fam, {"kernels": 0, "launches": 0, "bytes": 0,
+                                                "flops": 0})
+        row["kernels"] += 1
+        row["launches"] += runs
+        row["bytes"] += runs * kern.bytes
+        acc["kernels_all"] += 1
+        scans = [n for n in kern.nodes if n in plan.bodies]
+        if not scans:
+            row["flops"] += runs * kern.flops
+            acc["kernels"] += 1
+            continue
+        sid = scans[0]
+        length = int(g.node(sid).attr("length"))
+        if one_kernel(plan, sid):
+            acc["kernels"] += 1
+            inner = dict(acc, kernels=0)
+            plan_profile(plan.bodies[sid], runs * length, one_kernel, inner)
+            acc.update({key: inner[key] for key in ("kernels_all", "families")})
+        else:
+            plan_profile(plan.bodies[sid], runs * length, one_kernel, acc)
+
+
+def compiled_profile(c: Compiled) -> dict[str, Any]:
+    """The per-step figures of one compile (module docstring)."""
+    acc: dict[str, Any] = {"kernels": 0, "kernels_all": 0, "families": {}}
+    one = _one_kernel_rule()
+    plan_profile(c.plans["training"], c.spec.train.grad_accum, one, acc)
+    plan_profile(c.plans["optimizer"], 1, one, acc)
+    fams = dict(sorted(acc["families"].items(),
+                       key=lambda kv: (FAMILY_ORDER.index(kv[0]) if kv[0] in FAMILY_ORDER
+                                       else len(FAMILY_ORDER), kv[0])))
+    return {"kernels": acc["kernels"], "kernels_all": acc["kernels_all"], "families": fams,
+            "bytes": sum(f["bytes"] for f in fams.values()),
+            "flops": sum(f["flops"] for f in fams.values())}
+
+
+def step_profile(spec: Any, after: Compiled | None = None) -> dict[str, Any]:
+    """report.json `step`: {definition, before, after} (before: the pattern passes off)."""
+    after = after or compile_graphs(spec)
+    before = compile_graphs(spec, after.batch, verify_each=False, patterns=False)
+    return {"definition": "per training step (grad_accum training runs + one optimizer run); "
+                          "kernels: distinct kernels launched on the triton target, a scan "
+                          "kernel once, a host-loop scan's body kernels each once; "
+                          "kernels_all: every kernel, scan bodies included; bytes/flops: "
+                          "modeled per kernel times its launches; before: without the pattern "
+                          "passes (flash attention, fused AdamW)",
+            "before": compiled_profile(before), "after": compiled_profile(after)}
