@@ -8,7 +8,8 @@ import pytest
 
 from titanc.compiler import compile_graphs
 from titanc.spec import load_spec
-from titanc.step_profile import compiled_profile, step_profile
+from titanc.ir import Op
+from titanc.step_profile import compiled_profile, is_computing, step_profile
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # issue 12, measured when it was filed: tiny.yaml's training schedule had 357 kernels (scan
@@ -90,3 +91,46 @@ def _plans(plan):  # type: ignore[no-untyped-def]
     yield plan
     for b in plan.bodies.values():
         yield from _plans(b)
+
+
+def test_computing_nodes() -> None:
+    """The definition: values computed, not moved (views, pads, concats, gathers) or made
+    (constants)."""
+    for op in (Op.EINSUM, Op.SUM, Op.CUMSUM, Op.CAST, Op.SCAN, Op.ATTENTION, Op.INDEX_ADD):
+        assert is_computing(op), op
+    for op in (Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.PAD, Op.CONCAT, Op.TAKE,
+               Op.FULL, Op.ROPE, Op.MASK, Op.ITEM, Op.INPUT):
+        assert not is_computing(op), op
+
+
+def test_tiny_copy_kernels_are_only_the_justified_ones(tiny: dict) -> None:
+    """Views and constant fills launch no kernel (they are strided views bound by the
+    executors); issue 12's 52-60 pure-copy kernels of tiny.yaml leave these: the token slice
+    the segment-sum embedding gradient reads densely, the embedding gather, and per MAC
+    attention the concats of the rope halves and of [persistent | keys], [persistent | values]."""
+    copies = tiny["after"]["copy_kernels"]
+    reasons = sorted(set(copies.values()))
+    assert reasons == ["a view read densely by index_add",
+                       "concat/pad: its pieces are copied into one buffer",
+                       "gather: a copy through indices, which no strided view expresses"], reasons
+    concats = [k for k, why in copies.items() if why.startswith("concat")]
+    # 3 concats per MAC attention body: the forward, its recompute and the backward's
+    assert len(copies) == len(concats) + 2 and len(concats) == 3 * 3
+    # without the flash-attention op the forward's scores/PV matmuls read the concat pieces
+    # in place (views of kernel inputs); the attention template takes one key tensor, so the
+    # op adds the forward's and the recompute's concats (only the backward had them before)
+    before = tiny["before"]["copy_kernels"]
+    assert [k.split("/")[0] for k, why in before.items() if why.startswith("concat")] == \
+        ["mac_segment_bwd"] * 3
+    assert len(before) == 5
+
+
+@pytest.mark.parametrize("example", ["tiny_lmm", "tiny_attn"])
+def test_examples_launch_no_view_or_fill_kernel(example: str) -> None:
+    c = compile_graphs(load_spec(EXAMPLES / f"{example}.yaml"), verify_each=False)
+    copies = compiled_profile(c)["copy_kernels"]
+    assert not [k for k, why in copies.items() if why.startswith("a view torch")], copies
+    assert all(why.startswith(("gather", "concat", "a view read densely by index_add"))
+               for why in copies.values()), copies
+    if example == "tiny_lmm":                      # no attention: gather and token slice only
+        assert len(copies) == 2, copies

@@ -20,7 +20,16 @@ Figures per step:
   launches per step (a body kernel runs once per iteration of its scan); a scan kernel adds
   only its own operands and results, its body's traffic being its body's kernels';
 - `flops`: the modeled work (`passes.fusion.node_flops`) of every kernel but the scans, times
-  its launches (a scan's FLOPs are its body's kernels').
+  its launches (a scan's FLOPs are its body's kernels');
+- `copy_kernels`: the launched kernels (counted as in `kernels_all`) without a computing node
+  (`is_computing`), by name with why each stays (`copy_reason`).
+
+A computing node computes values: an elementwise op or CAST, a reduction (SUM, AMAX, CUMSUM),
+a contraction (EINSUM), a scatter-add (INDEX_ADD, SCATTER_ALONG), a scan or a pattern op. A
+view (RESHAPE, PERMUTE, EXPAND, SLICE), a constant (FULL, ROPE, MASK), a PAD, a CONCAT or a
+gather (TAKE, TAKE_ALONG) only moves or makes values: a kernel of those alone is a pure copy.
+The memory plan binds views and constants without a kernel (`MemoryPlan.views`); what stays
+is a gather, a pad or concat, or a view some reader needs dense (a segment sum's ids).
 
 `step_profile(spec)` compiles the spec twice: as the pipeline does (`after`) and with the
 pattern passes left out (`before`: attention as its scores/softmax/PV chain, AdamW as
@@ -31,8 +40,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from titanc.ir import Op
-from titanc.passes.memory_plan import MemoryPlan
+from titanc.ir import Graph, Op, OpGroup
+from titanc.passes.memory_plan import STRIDED_TEMPLATES, MemoryPlan
 
 from .compiler import Compiled, compile_graphs
 
@@ -41,6 +50,31 @@ TEMPLATE_FAMILY = {Op.SCAN: "scan", Op.ATTENTION: "attention_fwd",
                    Op.INDEX_ADD: "segment_sum", Op.SCATTER_ALONG: "scatter_along"}
 FAMILY_ORDER = ("pointwise", "reduction", "matmul", "attention_fwd", "attention_bwd",
                 "adamw_multi", "segment_sum", "scatter_along", "scan")
+
+
+# template readers that need their operands dense (memory_plan.STRIDED_TEMPLATES: the others)
+DENSE_READERS = frozenset({Op.INDEX_ADD, Op.SCATTER_ALONG}) | (OpGroup.PATTERN - STRIDED_TEMPLATES)
+COPIES = OpGroup.INDEXING | OpGroup.GENERATOR | {Op.TAKE, Op.TAKE_ALONG, Op.ITEM}
+
+
+def is_computing(op: Op) -> bool:
+    """Does a node of `op` compute values (module docstring), rather than move or make them?"""
+    return op not in COPIES and op is not Op.INPUT
+
+
+def copy_reason(plan: MemoryPlan, kern: Any) -> str:
+    """Why a launched kernel without a computing node is not a view (module docstring)."""
+    g: Graph = plan.schedule.graph
+    ops = {g.node(n).op for n in kern.nodes}
+    if ops & {Op.TAKE, Op.TAKE_ALONG}:
+        return "gather: a copy through indices, which no strided view expresses"
+    if Op.CONCAT in ops or Op.PAD in ops:
+        return "concat/pad: its pieces are copied into one buffer"
+    dense = sorted({g.node(r).op.name.lower() for v in kern.outputs for r in g.users(v)
+                    if g.node(r).op in DENSE_READERS})
+    if dense:
+        return f"a view read densely by {', '.join(dense)}"
+    return "a view torch cannot express over its source (a reshape of a strided view)"
 
 
 def kernel_family(plan: MemoryPlan, kern: Any) -> str:
@@ -81,6 +115,8 @@ def plan_profile(plan: MemoryPlan, runs: int, one_kernel: Callable[[MemoryPlan, 
         row["launches"] += runs
         row["bytes"] += runs * kern.bytes
         acc["kernels_all"] += 1
+        if not any(is_computing(g.node(n).op) for n in kern.nodes):
+            acc["copy_kernels"][f"{g.name}/{kern.name}"] = copy_reason(plan, kern)
         scans = [n for n in kern.nodes if n in plan.bodies]
         if not scans:
             row["flops"] += runs * kern.flops
@@ -92,14 +128,14 @@ def plan_profile(plan: MemoryPlan, runs: int, one_kernel: Callable[[MemoryPlan, 
             acc["kernels"] += 1
             inner = dict(acc, kernels=0)
             plan_profile(plan.bodies[sid], runs * length, one_kernel, inner)
-            acc.update({key: inner[key] for key in ("kernels_all", "families")})
+            acc.update({key: inner[key] for key in ("kernels_all", "families", "copy_kernels")})
         else:
             plan_profile(plan.bodies[sid], runs * length, one_kernel, acc)
 
 
 def compiled_profile(c: Compiled) -> dict[str, Any]:
     """The per-step figures of one compile (module docstring)."""
-    acc: dict[str, Any] = {"kernels": 0, "kernels_all": 0, "families": {}}
+    acc: dict[str, Any] = {"kernels": 0, "kernels_all": 0, "families": {}, "copy_kernels": {}}
     one = _one_kernel_rule()
     plan_profile(c.plans["training"], c.spec.train.grad_accum, one, acc)
     plan_profile(c.plans["optimizer"], 1, one, acc)
@@ -108,7 +144,7 @@ def compiled_profile(c: Compiled) -> dict[str, Any]:
                                        else len(FAMILY_ORDER), kv[0])))
     return {"kernels": acc["kernels"], "kernels_all": acc["kernels_all"], "families": fams,
             "bytes": sum(f["bytes"] for f in fams.values()),
-            "flops": sum(f["flops"] for f in fams.values())}
+            "flops": sum(f["flops"] for f in fams.values()), "copy_kernels": acc["copy_kernels"]}
 
 
 def step_profile(spec: Any, after: Compiled | None = None) -> dict[str, Any]:
