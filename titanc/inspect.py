@@ -97,25 +97,9 @@ def _intensity(flops: float, nbytes: float) -> str:
 # -- the kernel table -------------------------------------------------------------------------
 
 def kernel_rows(compiled: Any) -> list[dict[str, Any]]:
-    """report.json `kernels` rows with `depth` (scan nesting) and `launches` (runs per step:
-    the product of the enclosing scans' lengths) for the training then optimizer schedule,
-    each scan followed by its body's kernels. The report writer can use these rows."""
-    rows: list[dict[str, Any]] = []
-
-    def walk(schedule: Any, depth: int, launches: int) -> None:
-        for k in schedule.kernels:
-            scan = any(nid in schedule.bodies for nid in k.nodes)
-            rows.append({"name": k.name, "category": k.category, "flops": k.flops,
-                         "bytes": k.bytes, "nodes": len(k.nodes), "depth": depth,
-                         "launches": launches, "scan": scan})
-            for nid in k.nodes:                      # a scan's body right under it
-                if nid in schedule.bodies:
-                    length = int(schedule.graph.node(nid).attr("length"))
-                    walk(schedule.bodies[nid], depth + 1, launches * length)
-
-    for name in ("training", "optimizer"):
-        walk(compiled.schedules[name], 0, 1)
-    return rows
+    """report.json `kernels` rows with `depth` and `launches` (`titanc.step_profile.kernel_rows`)."""
+    from titanc.step_profile import kernel_rows as rows
+    return rows(compiled)
 
 
 def resolved_rows(art: Artifact) -> tuple[list[dict[str, Any]], str]:

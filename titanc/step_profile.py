@@ -158,3 +158,30 @@ def step_profile(spec: Any, after: Compiled | None = None) -> dict[str, Any]:
                           "modeled per kernel times its launches; before: without the pattern "
                           "passes (flash attention, fused AdamW)",
             "before": compiled_profile(before), "after": compiled_profile(after)}
+
+
+def kernel_rows(compiled: Any) -> list[dict[str, Any]]:
+    """report.json `kernels` rows with `depth` (scan nesting) and `launches` (runs per step:
+    the product of the enclosing scans' lengths) for the training then optimizer schedule,
+    each scan followed by its body's kernels; no-op kernels (their outputs are views of
+    stored values or constants, `MemoryPlan.is_noop`) run nothing and are left out. The
+    report writer uses these rows."""
+    rows: list[dict[str, Any]] = []
+
+    def walk(plan: Any, depth: int, launches: int) -> None:
+        schedule = plan.schedule
+        for i, k in enumerate(schedule.kernels):
+            if plan.is_noop(i):                      # views and constants: nothing runs
+                continue
+            scan = any(nid in schedule.bodies for nid in k.nodes)
+            rows.append({"name": k.name, "category": k.category, "flops": k.flops,
+                         "bytes": k.bytes, "nodes": len(k.nodes), "depth": depth,
+                         "launches": launches, "scan": scan})
+            for nid in k.nodes:                      # a scan's body right under it
+                if nid in schedule.bodies:
+                    length = int(schedule.graph.node(nid).attr("length"))
+                    walk(plan.bodies[nid], depth + 1, launches * length)
+
+    for name in ("training", "optimizer"):
+        walk(compiled.plans[name], 0, 1)
+    return rows
