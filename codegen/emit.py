@@ -38,7 +38,7 @@ from pathlib import Path
 from pprint import pformat
 from typing import Any, Iterator
 
-from titanc.ir import Graph
+from titanc.ir import Graph, Op
 from titanc.ir.types import TensorType
 from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan, ScanHomes
 from titanc.passes.schedule import is_immediate
@@ -270,6 +270,27 @@ def program_source(compiled: Any, modules: dict[str, dict[str, str]],
     return buf.text()
 
 
+def _constant(n: Any) -> str:
+    """A generator made once at bind time (a FULL as a 0-d tensor expanded)."""
+    a, dt = n.attr_dict, _TORCH[n.type.dtype]
+    if n.op is Op.FULL:
+        return (f"torch.full((), {float(a['value'])!r}, dtype={dt}, device=arena.device)"
+                f".expand({tuple(n.type.shape)!r})")
+    return f"table({n.op.name!r}, {a!r}, {dt}, arena.device)"
+
+
+def _view_text(n: Any) -> str:
+    """The torch view method call of view node `n` (as `memory_plan.view_of` applies it)."""
+    a = n.attr_dict
+    if n.op is Op.RESHAPE:
+        return f".view({tuple(a['shape'])!r})"
+    if n.op is Op.PERMUTE:
+        return f".permute{tuple(a['perm'])!r}"
+    if n.op is Op.EXPAND:
+        return f".expand({tuple(a['shape'])!r})"
+    return f".narrow({int(a['axis'])}, {int(a['start'])}, {int(a['stop']) - int(a['start'])})"
+
+
 class _Emitter:
     """Writes one graph's function and, before it, its scan bodies' functions."""
 
@@ -368,8 +389,13 @@ class _Emitter:
         t = g.node(vid).type
         assert isinstance(t, TensorType)
         shape, dt = tuple(t.shape), _TORCH[t.dtype]
-        where, at = plan.location(vid)
         note = f"  # %{vid}"
+        if vid in plan.views:                       # a strided view of a root: no copy
+            root, chain = plan.views[vid]
+            expr = (_constant(g.node(root)) if plan.is_constant_root(root)
+                    else self._storage(plan, root).split("  # ")[0])
+            return expr + "".join(_view_text(g.node(c)) for c in chain) + note
+        where, at = plan.location(vid)
         if where == "persistent":
             name = plan.persistent_values[plan.aliases.get(vid, vid)][0]
             return f"slot(bound, {name!r}, persistent, {at}, {shape!r}, {dt}){note}"

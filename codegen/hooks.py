@@ -72,14 +72,18 @@ def plan_kernels(plan: MemoryPlan, dtype: str | None = None, spec_path: str = ""
             yield from plan_kernels(plan.bodies[scan[0]], dt, spec_path, allow_tf32, scan_kernel)
         elif not plan.is_noop(k):
             yield plan, kern, render_kernel(g, kern, dtype=dt, spec_path=spec_path,
-                                            skip=set(plan.aliases), allow_tf32=allow_tf32)
+                                            skip=set(plan.aliases), allow_tf32=allow_tf32,
+                                            strided=plan.strided)
 
 
 def render_kernel(g: Graph, kernel: Kernel, *, dtype: str = "float32", spec_path: str = "",
-                  skip: Collection[int] = (), allow_tf32: bool = False) -> KernelCode:
+                  skip: Collection[int] = (), allow_tf32: bool = False,
+                  strided: Collection[int] = ()) -> KernelCode:
     """Triton source of one kernel; `skip` are outputs not to store (aliases of storage that
-    already holds them); `allow_tf32`: float32 dots in tf32 on tensor cores (GPU only)."""
-    low = KernelLowering(g, kernel, compute_dtype(dtype))
+    already holds them); `allow_tf32`: float32 dots in tf32 on tensor cores (GPU only);
+    `strided`: inputs the plan may bind as strided views (`MemoryPlan.strided`), always
+    loaded through their strides."""
+    low = KernelLowering(g, kernel, compute_dtype(dtype), strided)
     outs = [v for v in kernel.outputs if v not in skip]
     header = [f"{kernel.name}: {kernel.category} kernel of graph {g.name}",
               f"spec: {spec_path or '(none)'}", "IR nodes:"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
@@ -64,8 +64,9 @@ def _cmp(a: Ix, op: str, b: Ix) -> str | bool:
 class KernelLowering:
     """The IR facts and tensor table of one kernel (see the module docstring)."""
 
-    def __init__(self, g: Graph, kernel: Kernel, cd: str):
+    def __init__(self, g: Graph, kernel: Kernel, cd: str, strided: Collection[int] = ()):
         self.g, self.kernel, self.cd = g, kernel, cd
+        self.strided = frozenset(strided)          # inputs that may be bound non-dense
         self.inside = set(kernel.nodes)
         self.free: set[int] = set()
         for nid in kernel.nodes:
@@ -196,6 +197,7 @@ class KernelLowering:
         t = self.node(vid).type
         is_int = not t.is_float
         if (sec.flat is not None and not is_int and not valid and t.numel == sec.numel
+                and vid not in self.strided
                 and list(coords) == delinearize(sec, sec.flat, t.shape)):
             if vid not in self.direct:                # the template loads it at the flat index
                 self.direct[vid] = f"src{len(self.direct)}"

@@ -20,7 +20,17 @@ What gets a buffer, top level:
   outputs: to the end), except aliases: a RESHAPE whose operand already has storage shares
   it (same offset, the source's interval stretched to cover the view's; arena buffers are
   dense row-major, so a reshape is free; a kernel all of whose outputs are aliases is a no-op,
-  `MemoryPlan.is_noop`). A SCAN's results are its ITEMs' buffers (the scan writes them
+  `MemoryPlan.is_noop`);
+- views (`MemoryPlan.views`, also aliases): a value a kernel would only copy, i.e. a chain of
+  views (RESHAPE, PERMUTE, EXPAND, SLICE) of a stored value or of a constant (a FULL, ROPE or
+  MASK generator), gets no buffer: the executors bind it as a strided view of its root's
+  storage (a constant is made once at bind time, a FULL as a 0-d tensor expanded, so a
+  constant fill costs nothing), and its readers load it through its strides. Only where
+  every reader reads through strides (pointwise, reduction and matmul kernels, scans,
+  attention), never for a graph output, and only where torch can express the chain as a view
+  (`view_of`); the root's interval is stretched to cover the view's. Inside a scan body, an
+  input whose operand is such a view is `strided` too, so the body's kernels never load it
+  as dense memory; A SCAN's results are its ITEMs' buffers (the scan writes them
   directly), so ITEMs never copy;
 - each SCAN kernel holds a workspace for exactly its own kernel index: the carry state
   (two aligned slots per carry, A then B, that iterations write in turn) followed by its
@@ -44,9 +54,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
-from titanc.ir import Graph, Op
+import torch
+
+from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.types import TensorType
 
 from .schedule import Schedule, liveness, value_bytes
@@ -241,6 +253,13 @@ class MemoryPlan:
     # SCAN id -> (offset within the workspace, size) of each carry slot: slots A of every
     # carry, then slots B; the body arena starts right after the last slot (at
     # `workspace_body_offset(scan_id)`)
+    views: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    # value -> (root, view node ids applied to the root in order): bound as a strided view of
+    # the root's storage, or of a constant when the root is a generator (module docstring)
+    strided: frozenset[int] = frozenset()
+    # values that may be bound non-dense: the views, and body inputs whose operand is one
+    constants: frozenset[int] = frozenset()
+    # roots of views that are generators without storage (made once at bind time)
 
     def location(self, vid: int) -> tuple[str, int | str]:
         """Where a value lives: ("arena", offset), ("persistent", offset) or, in a scan body,
@@ -293,6 +312,10 @@ class MemoryPlan:
         outs = self.schedule.kernels[kernel_index].outputs
         return bool(outs) and all(v in self.aliases for v in outs)
 
+    def is_constant_root(self, vid: int) -> bool:
+        """Is `vid` the root of a view that a generator makes at bind time (no storage)?"""
+        return vid in self.constants
+
     @property
     def ratio(self) -> float:
         return self.arena_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
@@ -329,9 +352,14 @@ class MemoryPlan:
                         f"+{o}:{s}" for o, s in slots))
                 lines.append(self.bodies[b.value].to_text(indent + 3).rstrip("\n"))
         if self.aliases:
-            lines.append(f"{pad}  aliases (reshapes sharing their source's storage):")
+            lines.append(f"{pad}  aliases (reshapes sharing their source's storage; views of a "
+                         f"stored value or a constant):")
             for v, r in sorted(self.aliases.items()):
-                lines.append(f"{pad}    %{v} -> %{r}")
+                root, chain = self.views.get(v, (r, ()))
+                how = "".join(f" {g.node(c).op.name.lower()}" for c in chain)
+                src = (f"constant {g.node(root).op.name.lower()}" if root in self.constants
+                       else f"%{r}")
+                lines.append(f"{pad}    %{v} -> {src}" + (f" via{how}" if how else ""))
         return "\n".join(lines) + "\n"
 
 
@@ -362,7 +390,87 @@ def plan_memory(schedule: Schedule, persistent: Collection[str] = (),
     return _plan(schedule, set(persistent), alignment, body=False)
 
 
-def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool) -> MemoryPlan:
+def view_of(t: torch.Tensor, n: Node) -> torch.Tensor:
+    """View node `n` (RESHAPE, PERMUTE, EXPAND, SLICE) applied to tensor `t`, without a copy
+    (RuntimeError where torch cannot: a reshape of a non-dense view)."""
+    a = n.attr_dict
+    if n.op is Op.RESHAPE:
+        return t.view(tuple(a["shape"]))
+    if n.op is Op.PERMUTE:
+        return t.permute(tuple(a["perm"]))
+    if n.op is Op.EXPAND:
+        return t.expand(tuple(a["shape"]))
+    assert n.op is Op.SLICE, n.op
+    return t.narrow(a["axis"], a["start"], a["stop"] - a["start"])
+
+
+# readers that load every operand through its strides (a strided view needs no copy for them)
+STRIDED_TEMPLATES = frozenset({Op.SCAN, Op.ATTENTION, Op.ATTENTION_BWD})
+
+
+def _reads_strided(g: Graph, kern: Any) -> bool:
+    if kern.category != "template":
+        return True
+    return any(g.node(n).op in STRIDED_TEMPLATES for n in kern.nodes)
+
+
+def _views(schedule: Schedule, live: dict, outs: set[int], elsewhere: set[int],
+           strided_in: frozenset[int]) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """The values bound as views (module docstring), in kernel order."""
+    g, kernels = schedule.graph, schedule.kernels
+    readers: dict[int, list[Any]] = {}
+    for kern in kernels:
+        for v in kern.inputs:
+            readers.setdefault(v, []).append(kern)
+    views: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for kern in kernels:
+        inside = set(kern.nodes)
+        for v in kern.outputs:
+            if v in outs or v in elsewhere or not all(_reads_strided(g, r)
+                                                      for r in readers.get(v, [])):
+                continue
+            chain, x, ok = [], v, True
+            while True:
+                n = g.node(x)
+                if x != v and x in live:                        # a stored value
+                    break
+                if n.op in OpGroup.GENERATOR:                   # a constant (or immediate)
+                    break
+                if n.op not in OpGroup.VIEW or (x != v and x not in inside):
+                    ok = False
+                    break
+                chain.append(x)
+                x = n.inputs[0]
+            generator = g.node(x).op in OpGroup.GENERATOR and (x == v or x not in live)
+            if not ok or (not generator and all(g.node(c).op is Op.RESHAPE for c in chain)
+                          and x not in views and x not in strided_in):
+                continue                                         # not a view, or a dense reshape
+            root, pre = views.get(x, (x, ()))
+            full = pre + tuple(reversed(chain))
+            if _expressible(g, root, full, root in strided_in):
+                views[v] = (root, full)
+    return views
+
+
+def _expressible(g: Graph, root: int, chain: tuple[int, ...], strided: bool) -> bool:
+    """Can torch express `chain` over root's storage as a view (checked on meta tensors; a
+    strided root, a body input bound to a view, only when the chain has no reshape)?"""
+    n = g.node(root)
+    if strided and any(g.node(c).op is Op.RESHAPE for c in chain):
+        return False
+    shape = n.type.shape
+    t = (torch.empty((), device="meta").expand(tuple(shape)) if n.op is Op.FULL
+         else torch.empty(shape, device="meta"))
+    try:
+        for c in chain:
+            t = view_of(t, g.node(c))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
+          strided_in: frozenset[int] = frozenset()) -> MemoryPlan:
     g, kernels = schedule.graph, schedule.kernels
     live = liveness(schedule)
     names = {i: g.node(i).attr("name") for i in g.inputs}
@@ -389,14 +497,21 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool) 
                 external[v] = OUTPUT_PREFIX + name
     elsewhere = set(pers_vals) | set(external)
 
-    # aliases: a RESHAPE written by a kernel whose operand already has storage
-    aliases: dict[int, int] = {}
+    # views (strided, of a stored value or a constant), then aliases: a RESHAPE written by a
+    # kernel whose operand already has dense storage
+    views = _views(schedule, live, {v for _, v in g.outputs}, elsewhere, strided_in)
+    aliases: dict[int, int] = {v: root for v, (root, _) in views.items()}
     for kern in kernels:
         for v in kern.outputs:
             node = g.node(v)
             src = node.inputs[0] if node.op is Op.RESHAPE else None
-            if src is not None and src in live and v not in pers_vals:
+            if (src is not None and src in live and v not in pers_vals and v not in views
+                    and src not in views and src not in strided_in):
                 aliases[v] = aliases.get(src, src)
+    for v in views:                      # a view of a dense reshape: the storage's owner
+        aliases[v] = aliases.get(aliases[v], aliases[v])
+    constants = frozenset(r for r, _ in views.values()
+                          if g.node(r).op in OpGroup.GENERATOR and (r in views or r not in live))
     span = {v: list(iv) for v, iv in live.items() if v not in aliases and v not in elsewhere}
     for v, root in aliases.items():
         if root in span:
@@ -420,7 +535,11 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool) 
         for sid in kern.nodes:
             if sid not in schedule.bodies:
                 continue
-            sub = _plan(schedule.bodies[sid], set(), alignment, body=True)
+            node = g.node(sid)
+            bg = node.attr("body")
+            strided = frozenset(bi for bi, op in zip(bg.inputs, node.inputs)
+                                if op in views or op in strided_in)
+            sub = _plan(schedule.bodies[sid], set(), alignment, body=True, strided_in=strided)
             bodies[sid] = sub
             slots, off = [], 0
             node = g.node(sid)
@@ -441,7 +560,8 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool) 
                      key=lambda b: (b.first, b.offset, b.value))
     return MemoryPlan(schedule, buffers, aliases, pers_slots, pers_vals, external, arena,
                       lower_bound(low), lower_bound(intervals),
-                      sum(s for _, s in pers_slots.values()), alignment, bodies, carry)
+                      sum(s for _, s in pers_slots.values()), alignment, bodies, carry, views,
+                      frozenset(views) | strided_in, constants)
 
 
 def holds_logits(g: Graph, vid: int, vocab_size: int) -> bool:

@@ -24,7 +24,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType, dtype_name
-from titanc.passes.memory_plan import OUTPUT_PREFIX, Home, MemoryPlan, ScanHomes
+from titanc.passes.memory_plan import OUTPUT_PREFIX, Home, MemoryPlan, ScanHomes, view_of
 from titanc.passes.schedule import is_immediate
 
 from .pattern_kernels import pattern_steps
@@ -146,6 +146,14 @@ class _Builder:
         if vid in self.loc:
             return self.loc[vid]
         node = self.g.node(vid)
+        if vid in self.plan.views:                   # a strided view of a root (no copy)
+            root, chain = self.plan.views[vid]
+            t = self._constant(self.g.node(root)) if self.plan.is_constant_root(root) \
+                else self.located(root)
+            for c in chain:
+                t = view_of(t, self.g.node(c))
+            self.loc[vid] = t
+            return t
         where, at = self.plan.location(vid)
         if where == "external":
             t = self.external[at]
@@ -200,6 +208,9 @@ class _Builder:
         for nid in kern.nodes:
             self.node(self.g.node(nid), outputs)
         for v in kern.outputs:                       # views that leave the kernel: copy home
+            if v in self.plan.views:                 # bound as a view: nothing to copy
+                self.val[v] = self.located(v)
+                continue
             if v in self.plan.aliases or self.g.node(v).op is Op.ITEM:
                 continue
             src, dst = self.val[v], self.located(v)
@@ -249,6 +260,17 @@ class _Builder:
         o = self.out(n, outputs)
         self.steps.extend(_emit(self, n, xs, o))
         self.val[n.id] = o
+
+    def _constant(self, n: Node) -> Tensor:
+        """A generator's value, made once at bind time (a FULL as a 0-d tensor expanded)."""
+        a = n.attr_dict
+        dt = _dtype(a["dtype"], self.float_dtype)
+        if n.op is Op.FULL:
+            return self._const(torch.tensor(a["value"], dtype=dt)).expand(n.type.shape)
+        if n.op is Op.ROPE:
+            return self._const(rope_table(a["kind"], a["start"], a["count"], a["half"],
+                                          a["base"], dt))
+        return self._const(mask_table(a["n_q"], a["q_start"], a["groups"], dt))
 
     def _const(self, t: Tensor) -> Tensor:
         device = self.arena.data.device

@@ -220,7 +220,8 @@ class TritonExecutor(ArenaExecutor):
         if key not in self._codes:
             self._codes[key] = code = render_kernel(plan.schedule.graph, kern, dtype=self.dtype,
                                                     skip=set(plan.aliases),
-                                                    allow_tf32=self.allow_tf32)
+                                                    allow_tf32=self.allow_tf32,
+                                                    strided=plan.strided)
             if debug_level() >= 3:
                 print(code.source, file=sys.stderr)
         return self._codes[key]

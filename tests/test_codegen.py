@@ -372,7 +372,7 @@ def test_hostile_spec_compiles_to_import_safe_python(tmp_path, monkeypatch) -> N
                "triton.language",
                "titanc.codegen.scan_kernel", "titanc.passes.memory_plan"}  # the scan loop's two
     files = sorted(out.rglob("*.py"))
-    assert len(files) > 15
+    assert len(files) > 15          # kernels, program.py (views and fills run no kernel)
     for path in files:
         src = path.read_text()
         assert src.isascii(), path

@@ -61,6 +61,25 @@ def test_table_lists_every_kernel_with_intensity_and_per_step_totals(
     assert line.split()[-2] == f"{row['flops'] / row['bytes']:.2f}"  # arithmetic intensity
 
 
+def test_step_before_and_after_the_pattern_passes(
+        art: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    step = json.loads((art / "report.json").read_text())["step"]
+    code, out, _ = run(capsys, art)
+    assert code == 0 and "per training step, before -> after the pattern passes" in out
+    lines = out.splitlines()
+    for fam, row in step["after"]["families"].items():
+        before = step["before"]["families"].get(fam, {"kernels": 0})["kernels"]
+        line = next(l for l in lines if l.startswith(fam + " ") and "->" in l)
+        assert line.split()[1:4] == [str(before), "->", str(row["kernels"])], line
+    assert "attention_fwd" in step["after"]["families"]      # a MAC block: flash attention
+    assert (f"kernels launched per step on the triton target (a scan kernel once): "
+            f"{step['before']['kernels']} -> {step['after']['kernels']}") in out
+    (art / "report.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((art / "report.json").read_text()).items() if k != "step"}))
+    code, out, _ = run(capsys, art)
+    assert code == 0 and "before -> after" not in out       # an older report: no table
+
+
 def test_launch_counts_make_leaf_totals_equal_the_top_level_flops(art: Path) -> None:
     rows, note = inspect.resolved_rows(inspect.open_artifact(art))
     assert note == ""

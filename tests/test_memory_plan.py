@@ -18,7 +18,8 @@ from titanc.ir import Builder, Graph, Interpreter, Op, verify
 from titanc.ir.types import DTYPES, TensorType
 from titanc.params import init_params
 from titanc.passes.fusion import fuse
-from titanc.passes.memory_plan import (ORDERS, OUTPUT_PREFIX, MemoryPlan, lower_bound, memory_report, overlaps,
+from titanc.ir.tables import mask_table, rope_table
+from titanc.passes.memory_plan import (ORDERS, view_of, OUTPUT_PREFIX, MemoryPlan, lower_bound, memory_report, overlaps,
                                        place, place_in_order, plan_memory)
 from titanc.spec import load_spec
 
@@ -98,31 +99,31 @@ def small_scan_graph() -> Graph:
 
 
 GOLDEN = """\
-memory plan small: 8 kernels, arena 576 B, lower bound 576 B (ratio 1.000)
-  peak activation 576 B, persistent 576 B, alignment 64
+memory plan small: 8 kernels, arena 512 B, lower bound 512 B (ratio 1.000)
+  peak activation 512 B, persistent 576 B, alignment 64
   persistent region:
           offset         size  name
                0          320  embed
              320          256  w
   activation arena:
     buffer           offset         size  live        kernel
-    %4                    0          256  [0,2]       titanc_poi_fused_take_0  f32[2,4,8]
+    %4                    0          256  [0,3]       titanc_poi_fused_take_0  f32[2,4,8]
     %0                  256          128  [0,0]       input:tokens  i64[2,5]
-    %5                  512           64  [1,3]       titanc_poi_fused_full_1  f32[2,8]
-    %6                  256          256  [2,3]       titanc_poi_fused_permute_2  f32[4,2,8]
-    ws %7                 0          128  [3,3]       titanc_tem_fused_scan_rnn_3
+    ws %7               256          128  [3,3]       titanc_tem_fused_scan_rnn_3
       carry state: +0:64, +64:64
       memory plan rnn: 2 kernels, arena 0 B, lower bound 0 B (ratio 1.000)
         peak activation 0 B, persistent 0 B, alignment 64
         bound by the scan (inputs; outputs as out:NAME): %0=c0, %1=x1, %2=k2, %5=out:carry0, %6=out:y0
         activation arena:
           buffer           offset         size  live        kernel
-    %9                  128           64  [3,5]       titanc_tem_fused_scan_rnn_3  f32[4,2]
-    %8                  192           64  [3,7]       titanc_tem_fused_scan_rnn_3  f32[2,8]
+    %9                  384           64  [3,5]       titanc_tem_fused_scan_rnn_3  f32[4,2]
+    %8                  448           64  [3,7]       titanc_tem_fused_scan_rnn_3  f32[2,8]
     %11                   0          128  [4,7]       titanc_mm_fused_einsum_6  f32[20]
-    %14                 256           64  [5,6]       titanc_red_fused_sum_7  f32[]
-    %15                 128           64  [6,7]       titanc_red_fused_exp_sum_add_8  f32[]
-  aliases (reshapes sharing their source's storage):
+    %14                 128           64  [5,6]       titanc_red_fused_sum_7  f32[]
+    %15                 192           64  [6,7]       titanc_red_fused_exp_sum_add_8  f32[]
+  aliases (reshapes sharing their source's storage; views of a stored value or a constant):
+    %5 -> constant full
+    %6 -> %4 via permute
     %16 -> %8
 """
 
@@ -131,11 +132,14 @@ def test_memory_map_golden() -> None:
     plan = plan_memory(fuse(small_scan_graph()), {"embed", "w"})
     assert plan.to_text() == GOLDEN
     assert plan.is_noop(7) and not plan.is_noop(6)        # the lone reshape writes nothing
-    assert plan.location(16) == plan.location(8) == ("arena", 192)
+    # the constant fill (a scan carry) and the permute (its xs) are views: no kernel runs
+    assert plan.is_noop(1) and plan.is_noop(2)
+    assert plan.views == {5: (5, ()), 6: (4, (6,))} and plan.constants == {5}
+    assert plan.location(16) == plan.location(8) == ("arena", 448)
     assert plan.location(2) == ("persistent", 320)
     assert memory_report(plan, 10) == {
-        "arena_bytes": 576, "lower_bound_bytes": 576, "persistent_bytes": 576,
-        "peak_activation_bytes": 576, "logits_bytes": 80}   # the flattened [2, 10] logits
+        "arena_bytes": 512, "lower_bound_bytes": 512, "persistent_bytes": 576,
+        "peak_activation_bytes": 512, "logits_bytes": 80}   # the flattened [2, 10] logits
 
 
 # -- an executor over the planned arena ----------------------------------------------------------
@@ -144,11 +148,28 @@ def _view(mem: Tensor, offset: int, t: TensorType) -> Tensor:
     return mem[offset:offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
 
 
+def _constant(n) -> Tensor:  # type: ignore[no-untyped-def]
+    """A generator root's value (FULL, ROPE or MASK), as the executors make it at bind time."""
+    a, dt = n.attr_dict, DTYPES[n.type.dtype]
+    if n.op is Op.FULL:
+        return torch.tensor(a["value"], dtype=dt).expand(n.type.shape)
+    if n.op is Op.ROPE:
+        return rope_table(a["kind"], a["start"], a["count"], a["half"], a["base"], dt)
+    return mask_table(a["n_q"], a["q_start"], a["groups"], dt)
+
+
 def _locator(plan: MemoryPlan, mem: Tensor, pers: Tensor,
              ext: dict[str, Tensor]) -> Callable[[int], Tensor]:
     g = plan.schedule.graph
 
     def where(v: int) -> Tensor:
+        if v in plan.views:                  # a strided view of its root, or of a constant
+            root, chain = plan.views[v]
+            n = g.node(root)
+            t = (_constant(n) if plan.is_constant_root(root) else where(root))
+            for c in chain:
+                t = view_of(t, g.node(c))
+            return t
         kind, loc = plan.location(v)
         t = g.node(v).type
         if kind == "arena":

@@ -25,6 +25,7 @@ from .compiler import GRAPH_KINDS, Compiled, compile_graphs, launches_per_step
 from .fit import check_fits, lower_bound_bytes, planned_bytes
 from .params import param_count
 from .spec import spec_hash, spec_to_dict
+from .step_profile import kernel_rows, step_profile
 
 
 def _versions() -> dict[str, str]:
@@ -57,8 +58,10 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
                                          else "_with_matmuls"),
         "passes": [r for r in c.passes if "nodes_before" in r],
         "steps": [r for r in c.passes if "nodes_before" not in r],
-        "kernels": [_kernel_row(k) for name in ("training", "optimizer")
-                    for k in c.schedules[name].all_kernels()],
+        # the kernels a step runs (no-ops left out: views and constants bound without a kernel)
+        "kernels": [{k: r[k] for k in ("name", "category", "flops", "bytes", "nodes")}
+                    for r in kernel_rows(c)],
+        # schedule kernels per graph, scan bodies and no-ops included
         "kernel_counts": {name: len(s.all_kernels()) for name, s in c.schedules.items()},
         "launches_per_step": launches,
         "scan_fallbacks": {"triton": fallbacks},   # scans that stay host loops, and why
@@ -67,6 +70,9 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         "scan_carries": {"triton": _unique(carries)},
         "memory": memory_report(c.plans["training"], spec.model.vocab_size),
         "memory_forward": memory_report(c.plans["forward"], spec.model.vocab_size),
+        # per training step: kernels by family, modeled bytes and FLOPs, with and without the
+        # pattern passes (titanc/step_profile.py)
+        "step": step_profile(spec, c),
     }
 
 
@@ -86,11 +92,6 @@ def _graph_row(c: Compiled, kind: str) -> dict[str, Any]:
             "kernels": len(cg.schedule.all_kernels()),
             "arena_bytes": cg.plan.arena_bytes,
             "passes": [{k: r[k] for k in r if k != "graph"} for r in cg.passes]}
-
-
-def _kernel_row(k: Any) -> dict[str, Any]:
-    return {"name": k.name, "category": k.category, "flops": k.flops, "bytes": k.bytes,
-            "nodes": len(k.nodes)}
 
 
 def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False) -> dict[str, Any]:

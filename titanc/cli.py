@@ -197,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser(
         "inspect", help="show the kernels, IR graphs and memory plan of a compiled artifact",
         description="Read the artifact 'titanc compile' wrote to DIR. Without options: a table of\n"
-                    "kernels (category, FLOPs, bytes, arithmetic intensity, IR nodes) and totals\n"
-                    "per category.",
+                    "kernels (category, FLOPs, bytes, arithmetic intensity, IR nodes), totals\n"
+                    "per category, and the training step by kernel family before and after\n"
+                    "the pattern passes.",
         epilog="examples:\n"
                "  titanc inspect build/tiny\n"
                "  titanc inspect build/tiny --kernel titanc_red_fused_mul_sum_add_rsqrt_73\n"
@@ -420,6 +421,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     else:
         rows, note = inspect.resolved_rows(art)
         print(inspect.kernel_table(art, args.limit, rows, note))
+        step = inspect.step_table(art)
+        if step:
+            print("\n" + step)
     return 0
 
 

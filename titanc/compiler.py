@@ -71,6 +71,8 @@ class Compiled:
     log: PassLog = field(default_factory=PassLog)
     policy: Policy = field(default_factory=Policy)
     graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
+    patterns: bool = True          # the pattern passes (flash attention, fused AdamW); off only
+                                   # to measure what they save (`titanc.step_profile`)
 
     # the training kinds, as the tests, inspection and codegen read them
     @property
@@ -107,6 +109,7 @@ class Compiled:
 
     def _compile(self, kind: str, n: int) -> CompiledGraph:
         spec, log, B, persistent = self.spec, self.log, self.batch, self._persistent()
+        shared = shared_passes(self.patterns)
         # train.dtype bfloat16: every lowered graph but the optimizer's gets the precision
         # policy (last, after the passes that match float32 patterns), then a cleanup; the
         # training graph differentiates the forward's casts
@@ -126,7 +129,8 @@ class Compiled:
                 extra = (LinearCrossEntropy(spec.train.loss_chunk),) + extra
             if spec.train.remat != "none":
                 extra += (CheckpointChunks(),)
-            return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra + mp)
+            return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra + mp,
+                             shared)
         if kind == "training":
             fwd = self.graph("forward").graph
             # what scans save for the backward: carries only, everything, or a budgeted min-cut
@@ -136,7 +140,7 @@ class Compiled:
             # backward exposes
             start = len(log.records)
             g = fwd
-            for step in (Autodiff(tuple(p.name for p in self.params), self.policy), *SHARED):
+            for step in (Autodiff(tuple(p.name for p in self.params), self.policy), *shared):
                 g = log.apply(step, g)
             return _finish(log, kind, g, persistent, start)
         if kind == "optimizer":
@@ -145,19 +149,21 @@ class Compiled:
             fused = FusedAdamW(tuple(p.decay for p in self.params), tuple(spec.train.betas),
                                spec.train.weight_decay, spec.train.grad_clip, SHARED)
             return _pipeline(log, kind, lambda: optimizer_graph(
-                self.params, spec.train, dtype_name(spec.train.master_dtype)), persistent, (fused,))
+                self.params, spec.train, dtype_name(spec.train.master_dtype)), persistent,
+                (fused,) if self.patterns else (), shared)
         if kind in ("logits", "logprobs"):
             return _pipeline(log, kind, lambda: lower_forward(spec, B, output=kind), persistent,
-                             mp)
+                             mp, shared)
         if kind == "decode_step":
-            return _pipeline(log, kind, lambda: lower_step(spec, B, n), persistent, mp)
+            return _pipeline(log, kind, lambda: lower_step(spec, B, n), persistent, mp, shared)
         if kind == "decode_write":
-            return _pipeline(log, kind, lambda: lower_write(spec, B), persistent, mp)
+            return _pipeline(log, kind, lambda: lower_write(spec, B), persistent, mp, shared)
         raise ValueError(f"unknown graph kind {kind!r}; one of {GRAPH_KINDS}")
 
     def for_batch(self, batch: int) -> "Compiled":
         """The same spec at another batch size; its graphs compile on first use."""
-        return Compiled(self.spec, batch, self.params, PassLog(verify_each=False))
+        return Compiled(self.spec, batch, self.params, PassLog(verify_each=False),
+                        patterns=self.patterns)
 
     def _persistent(self) -> set[str]:
         """Names bound to the caller's tensors rather than planned in the arena: parameters
@@ -174,13 +180,18 @@ class Compiled:
 SHARED: tuple[Pass, ...] = (Canonicalize(), Aggregate(), FlashAttention())
 
 
+def shared_passes(patterns: bool = True) -> tuple[Pass, ...]:
+    """`SHARED`, or without its pattern pass (flash attention) when `patterns` is off."""
+    return SHARED if patterns else tuple(p for p in SHARED if not isinstance(p, FlashAttention))
+
+
 def _pipeline(log: PassLog, kind: str, lower: Callable[[], Graph], persistent: set[str],
-              extra: tuple[Pass, ...] = ()) -> CompiledGraph:
+              extra: tuple[Pass, ...] = (), shared: tuple[Pass, ...] = SHARED) -> CompiledGraph:
     """Lower a graph and run it through the passes every kind shares (plus `extra`), fusion,
     schedule verification and the memory plan."""
     start = len(log.records)
     g = log.run("frontend", lower)
-    for p in (*SHARED, *extra):
+    for p in (*shared, *extra):
         g = log.apply(p, g)
     return _finish(log, kind, g, persistent, start)
 
@@ -192,11 +203,13 @@ def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int)
     return CompiledGraph(kind, g, schedule, plan, log.records[start:])
 
 
-def compile_graphs(spec: Spec, batch: int | None = None, verify_each: bool = True) -> Compiled:
+def compile_graphs(spec: Spec, batch: int | None = None, verify_each: bool = True,
+                   patterns: bool = True) -> Compiled:
     """Lower `spec` and compile its training graphs (forward, training, optimizer); the other
-    kinds compile on first use. Allocates no model-sized tensors."""
+    kinds compile on first use. Allocates no model-sized tensors. `patterns=False` leaves the
+    pattern passes out (flash attention, fused AdamW): the 'before' of `titanc.step_profile`."""
     c = Compiled(spec, batch or spec.train.batch_size, param_specs(spec.model),
-                 PassLog(verify_each=verify_each))
+                 PassLog(verify_each=verify_each), patterns=patterns)
     for kind in ("forward", "training", "optimizer"):
         c.graph(kind)
     return c

@@ -33,7 +33,7 @@ from titanc.runtime.profile import format_bytes, format_count
 
 __all__ = ["Artifact", "open_artifact", "kernel_rows", "resolved_rows", "category_totals",
            "is_scan", "kernel_table", "kernel_source", "pass_dumps", "pick_dump", "write_graph",
-           "memory_summary", "format_count", "format_bytes"]
+           "memory_summary", "step_table", "format_count", "format_bytes"]
 
 CATEGORY_ORDER = ("pointwise", "reduction", "matmul", "template")
 _NAME = re.compile(r"[A-Za-z0-9_]+")
@@ -97,25 +97,9 @@ def _intensity(flops: float, nbytes: float) -> str:
 # -- the kernel table -------------------------------------------------------------------------
 
 def kernel_rows(compiled: Any) -> list[dict[str, Any]]:
-    """report.json `kernels` rows with `depth` (scan nesting) and `launches` (runs per step:
-    the product of the enclosing scans' lengths) for the training then optimizer schedule,
-    each scan followed by its body's kernels. The report writer can use these rows."""
-    rows: list[dict[str, Any]] = []
-
-    def walk(schedule: Any, depth: int, launches: int) -> None:
-        for k in schedule.kernels:
-            scan = any(nid in schedule.bodies for nid in k.nodes)
-            rows.append({"name": k.name, "category": k.category, "flops": k.flops,
-                         "bytes": k.bytes, "nodes": len(k.nodes), "depth": depth,
-                         "launches": launches, "scan": scan})
-            for nid in k.nodes:                      # a scan's body right under it
-                if nid in schedule.bodies:
-                    length = int(schedule.graph.node(nid).attr("length"))
-                    walk(schedule.bodies[nid], depth + 1, launches * length)
-
-    for name in ("training", "optimizer"):
-        walk(compiled.schedules[name], 0, 1)
-    return rows
+    """report.json `kernels` rows with `depth` and `launches` (`titanc.step_profile.kernel_rows`)."""
+    from titanc.step_profile import kernel_rows as rows
+    return rows(compiled)
 
 
 def resolved_rows(art: Artifact) -> tuple[list[dict[str, Any]], str]:
@@ -391,6 +375,40 @@ def write_graph(art: Artifact, pass_name: str | None = None) -> tuple[str, list[
         except (subprocess.SubprocessError, OSError) as exc:
             notes.append(f"no PNG: dot failed ({type(exc).__name__}); the .dot file is complete")
     return stage, written, "\n".join(notes)
+
+
+# -- the step before and after the pattern passes --------------------------------------------
+
+def step_table(art: Artifact) -> str:
+    """report.json `step` (titanc/step_profile.py) as a table: per kernel family, kernels,
+    launches, bytes and FLOPs per training step before -> after the pattern passes; '' when
+    the report has no `step` section."""
+    step = art.report.get("step")
+    if not isinstance(step, dict) or not all(isinstance(step.get(k), dict)
+                                             for k in ("before", "after")):
+        return ""
+    b, a = step["before"], step["after"]
+    fams = list(dict.fromkeys([*a.get("families", {}), *b.get("families", {})]))
+    head = (f"{'family':<14} {'kernels':>15} {'launches':>15} {'bytes':>23} {'FLOPs':>19}")
+    lines = ["per training step, before -> after the pattern passes "
+             "(report.json step; titanc/step_profile.py):", head, "-" * len(head)]
+    zero = {"kernels": 0, "launches": 0, "bytes": 0, "flops": 0}
+
+    def pair(x: Any, y: Any, fmt: Any = str) -> str:
+        return f"{fmt(x)} -> {fmt(y)}"
+
+    for f in fams:
+        x, y = b.get("families", {}).get(f, zero), a.get("families", {}).get(f, zero)
+        lines.append(f"{f:<14} {pair(x['kernels'], y['kernels']):>15} "
+                     f"{pair(x['launches'], y['launches']):>15} "
+                     f"{pair(x['bytes'], y['bytes'], format_bytes):>23} "
+                     f"{pair(x['flops'], y['flops'], format_count):>19}")
+    lines.append(f"{'all':<14} {pair(b.get('kernels_all'), a.get('kernels_all')):>15} "
+                 f"{'':>15} {pair(b.get('bytes', 0), a.get('bytes', 0), format_bytes):>23} "
+                 f"{pair(b.get('flops', 0), a.get('flops', 0), format_count):>19}")
+    lines.append(f"kernels launched per step on the triton target (a scan kernel once): "
+                 f"{b.get('kernels')} -> {a.get('kernels')}")
+    return "\n".join(lines)
 
 
 # -- the memory plan --------------------------------------------------------------------------
