@@ -405,7 +405,8 @@ def view_of(t: torch.Tensor, n: Node) -> torch.Tensor:
 
 
 # readers that load every operand through its strides (a strided view needs no copy for them)
-STRIDED_TEMPLATES = frozenset({Op.SCAN, Op.ATTENTION, Op.ATTENTION_BWD})
+STRIDED_TEMPLATES = frozenset({Op.SCAN, Op.ATTENTION, Op.ATTENTION_BWD, Op.LINEAR_CROSS_ENTROPY,
+                               Op.LINEAR_CROSS_ENTROPY_BWD})
 
 
 def _reads_strided(g: Graph, kern: Any) -> bool:

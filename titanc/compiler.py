@@ -71,7 +71,8 @@ class Compiled:
     log: PassLog = field(default_factory=PassLog)
     policy: Policy = field(default_factory=Policy)
     graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
-    patterns: bool = True          # the pattern passes (flash attention, fused AdamW); off only
+    patterns: bool = True          # the pattern passes (flash attention, fused linear
+                                   # cross-entropy, fused AdamW); off only
                                    # to measure what they save (`titanc.step_profile`)
 
     # the training kinds, as the tests, inspection and codegen read them
@@ -125,7 +126,7 @@ class Compiled:
             # is the fallback where the pattern refuses) and the memory state saved every
             # k ≈ sqrt(n) chunks, recomputed between
             extra: tuple[Pass, ...] = (ChunkedLoss(spec.train.loss_chunk),)
-            if spec.compile.fused_loss:
+            if spec.compile.fused_loss and self.patterns:
                 extra = (LinearCrossEntropy(spec.train.loss_chunk),) + extra
             if spec.train.remat != "none":
                 extra += (CheckpointChunks(),)
