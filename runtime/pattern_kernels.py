@@ -12,6 +12,11 @@ ITEM buffers.
     ADAMW          the optimizer step in place over the program's flat parameter, gradient and
                    moment regions (per parameter when they are not flat).
 
+Under bf16 mixed precision q, k, v, o, do (and dq, dk, dv) are bf16 and the log-sum-exp is
+float32: each kernel upcasts its bf16 operands into float32 scratch (k and v once, a query
+block's rows per block), computes scores, softmax and sums in float32, accumulates dk and dv in
+float32 scratch and rounds each result once, into its bf16 buffer.
+
 Work is that of the direct form (every (query, key) pair of a block is computed, the mask
 zeroes the invisible ones). Every tensor is planned storage or scratch: a run allocates
 nothing. A tuple element no later kernel reads (the forward graph's log-sum-exp) goes to
@@ -67,8 +72,18 @@ def _blocks(n_q: int) -> list[tuple[int, int]]:
 
 
 def _tmp(b: "_Builder", like: Tensor, *shape: int) -> Tensor:
-    dtype = {torch.float64: "f64", torch.float32: "f32"}[like.dtype]
+    """Scratch in the compute dtype beside `like` (float32 for bf16 operands)."""
+    dtype = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "f32"}[like.dtype]
     return b.scratch.alloc(TensorType(tuple(shape), dtype))
+
+
+def _wide(b: "_Builder", x: Tensor, steps: list[Step]) -> Tensor:
+    """`x` itself, or (bf16) a float32 scratch copy of it that `steps` fill."""
+    if x.dtype != torch.bfloat16:
+        return x
+    t = _tmp(b, x, *x.shape)
+    steps.append(lambda t=t, x=x: t.copy_(x))
+    return t
 
 
 def _einsum(b: "_Builder", spec: str, xs: list[Tensor], o: Tensor) -> list[Step]:
@@ -91,13 +106,15 @@ def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> 
     q, k, v = xs
     o, lse = outs
     B, H, _, _ = q.shape
-    bias, steps = _bias(b, n, q.dtype), []
+    steps: list[Step] = []
+    k, v = _wide(b, k, steps), _wide(b, v, steps)
+    bias = _bias(b, n, k.dtype)
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
         s = _tmp(b, q, B, H, bq, k.shape[2])
         m, l = _tmp(b, q, B, H, bq, 1), _tmp(b, q, B, H, bq, 1)
         ob = _tmp(b, q, B, H, bq, v.shape[3])
-        _probabilities(b, n, q[:, :, i0:i1], k, bias, i0, i1, s, steps)
+        _probabilities(b, n, _wide(b, q[:, :, i0:i1], steps), k, bias, i0, i1, s, steps)
         steps += [lambda s=s, m=m: torch.amax(s, -1, keepdim=True, out=m),
                   lambda s=s, m=m: s.sub_(m).exp_(),
                   lambda s=s, l=l: torch.sum(s, -1, keepdim=True, out=l),
@@ -112,13 +129,18 @@ def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> 
 
 def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     q, k, v, o, lse, do = xs
-    dq, dk, dv = outs
+    dq, dk_out, dv_out = outs
     B, H, _, _ = q.shape
-    bias, scale = _bias(b, n, q.dtype), n.attr("scale")
-    steps: list[Step] = [lambda: dk.zero_(), lambda: dv.zero_()]
+    steps: list[Step] = []
+    k, v = _wide(b, k, steps), _wide(b, v, steps)
+    # float32 accumulators for bf16 dk, dv (rounded once, after the last block)
+    dk = dk_out if dk_out.dtype == k.dtype else _tmp(b, dk_out, *dk_out.shape)
+    dv = dv_out if dv_out.dtype == v.dtype else _tmp(b, dv_out, *dv_out.shape)
+    bias, scale = _bias(b, n, k.dtype), n.attr("scale")
+    steps += [lambda: dk.zero_(), lambda: dv.zero_()]
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
-        qb, dob, ob = q[:, :, i0:i1], do[:, :, i0:i1], o[:, :, i0:i1]
+        qb, dob, ob = (_wide(b, x[:, :, i0:i1], steps) for x in (q, do, o))
         p = _tmp(b, q, B, H, bq, k.shape[2])
         ds = _tmp(b, q, B, H, bq, k.shape[2])
         delta = _tmp(b, q, B, H, bq, 1)
@@ -140,6 +162,9 @@ def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor])
         steps += _einsum(b, "bhqk,bhqe->bhke", [ds, qb], t_k)
         steps.append(lambda t_k=t_k: dk.add_(t_k))
         b.scratch.top = mark
+    for acc, res in ((dk, dk_out), (dv, dv_out)):
+        if acc is not res:
+            steps.append(lambda acc=acc, res=res: res.copy_(acc))
     return steps
 
 
