@@ -207,6 +207,8 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
             q = None
         sc.refs[v] = Ref("arg", shape, q, name=f"a{len(inputs)}")
         sc.pax[v] = q
+        if g.node(v).type.dtype == "bf16":
+            em.low_args.add(f"a{len(inputs)}")
         inputs.append(i)
     body: Graph = n.attr("body")
     top: dict[int, Ref] = {}

@@ -15,7 +15,7 @@ from .meta import pow2
 from .render import sanitize_comment
 from .scan_index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
                          _PaxError, _delin, _local)
-from .scan_values import _Emitter
+from .scan_values import LOW_CASTS, _Emitter
 
 
 class _Redo(Exception):
@@ -248,7 +248,7 @@ class _ScanGen(_Emitter):
             if op in OpGroup.INDEXING:
                 sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
             elif op in OpGroup.ELEMENTWISE or op in (Op.TAKE_ALONG, Op.SCATTER_ALONG):
-                if op is Op.CAST and n.attr("dtype") not in ("f32", "f64"):
+                if op is Op.CAST and n.attr("dtype") not in LOW_CASTS:
                     raise ScanFallback(f"%{vid}: cast to {n.attr('dtype')}")
                 if self.uses(g, vid) == 1 and all(g.node(u).op is not Op.SCAN
                                                   for u in g.users(vid)):
