@@ -282,7 +282,7 @@ class _Emitter:
             if n.attr("dtype") not in LOW_CASTS:
                 raise ScanFallback(f"%{n.id}: cast to {n.attr('dtype')}")
             if n.attr("dtype") == "bf16":     # rounded to bf16, held in `cd` like every value
-                return f"({args[0]}).to(tl.bfloat16).to({self.cd})"
+                return f"_bf16(({args[0]}).to(tl.float32)).to({self.cd})"
             return f"({args[0]}).to({self.cd})"
         fmt = _FORMATS.get(n.op) or ELEMENTWISE[n.op].triton
         return fmt.format(*[f"({x})" for x in args])
