@@ -148,8 +148,8 @@ class _ScanGen(_Emitter):
         lmap = {**base, **letters(ms, rm), **letters(ns, rn)}
         mask = self.let(f"({rm} < {M}) & ({rn} < {N})", "m")
         sec = Tile(mask, self.let(self.zero_tile(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
-        self.line(f"tl.store({self.ptr(sec, dest, [lmap[ch] for ch in out])}, {acc}, "
-                  f"mask={mask})")
+        self.line(f"tl.store({self.ptr(sec, dest, [lmap[ch] for ch in out])}, "
+                  f"{self.rounded(n, acc)}, mask={mask})")
         self._close(n0)
         self._close(m0)
         if NB > 1:

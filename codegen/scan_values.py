@@ -285,6 +285,11 @@ class _Emitter:
                 return f"_bf16(({args[0]}).to(tl.float32)).to({self.cd})"
             return f"({args[0]}).to({self.cd})"
         fmt = _FORMATS.get(n.op) or ELEMENTWISE[n.op].triton
-        return fmt.format(*[f"({x})" for x in args])
+        return self.rounded(n, fmt.format(*[f"({x})" for x in args]))
+
+    def rounded(self, n: Node, x: str) -> str:
+        """`x`, the value of node `n` computed in `cd`, rounded to bf16 when `n` is a bf16
+        value (as its storage would round it on the cpu target)."""
+        return f"_bf16(({x}).to(tl.float32)).to({self.cd})" if n.type.dtype == "bf16" else x
 
 
