@@ -250,8 +250,11 @@ class _ScanGen(_Emitter):
             elif op in OpGroup.ELEMENTWISE or op in (Op.TAKE_ALONG, Op.SCATTER_ALONG):
                 if op is Op.CAST and n.attr("dtype") not in LOW_CASTS:
                     raise ScanFallback(f"%{vid}: cast to {n.attr('dtype')}")
-                if self.uses(g, vid) == 1 and all(g.node(u).op is not Op.SCAN
-                                                  for u in g.users(vid)):
+                # a cast of a stored value is inlined into every user (one rounding each)
+                # rather than a stage of its own
+                cheap = op is Op.CAST and sc.refs[n.inputs[0]].kind in ("ws", "arg", "lit")
+                if (self.uses(g, vid) == 1 or cheap) and all(g.node(u).op is not Op.SCAN
+                                                             for u in g.users(vid)):
                     sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
                 else:
                     sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
