@@ -63,7 +63,7 @@ def render_gate_scan(
 # --- attention --------------------------------------------------------------------------------
 
 ATTENTION_KERNEL_LOCALS = frozenset("""
-    BLOCK_M BLOCK_N HEAD_DIM _visible _attend_group _dq_group q k v o do dq dk dv lse delta
+    BLOCK_M BLOCK_N HEAD_DIM DOT_F32 dot_f32 _mma a b _visible _attend_group _dq_group q k v o do dq dk dv lse delta
     q_ptr k_ptr v_ptr o_ptr do_ptr dq_ptr dk_ptr dv_ptr lse_ptr delta_ptr n_queries head_dim
     key_offset key_len sm_scale start_m start_n head batch offs_m offs_n offs_d m_mask n_mask
     d_mask q_base k_base v_base o_base do_base dq_base dk_base dv_base m_i l_i acc l_safe
