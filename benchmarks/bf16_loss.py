@@ -64,7 +64,7 @@ def main() -> None:
     if f32["eval_loss"] and bf["eval_loss"]:
         res["eval_rel_diff"] = abs(bf["eval_loss"] - f32["eval_loss"]) / f32["eval_loss"]
     res["arena_ratio"] = {k: bf["arena_bytes"][k] / f32["arena_bytes"][k]
-                          for k in f32["arena_bytes"]}
+                          for k in f32["arena_bytes"] if f32["arena_bytes"][k]}   # optimizer: 0
     text = json.dumps(res, indent=1)
     if not args.no_save:
         (ROOT / "benchmarks" / "results" / "bf16_loss.json").write_text(text + "\n")

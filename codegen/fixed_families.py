@@ -27,7 +27,7 @@ __all__ = [
 # --- attention --------------------------------------------------------------------------------
 
 ATTENTION_KERNEL_LOCALS = frozenset("""
-    BLOCK_M BLOCK_N HEAD_DIM _visible _attend_group _dq_group q k v o do dq dk dv lse delta
+    BLOCK_M BLOCK_N HEAD_DIM DOT_F32 dot_f32 _mma a b _visible _attend_group _dq_group q k v o do dq dk dv lse delta
     q_ptr k_ptr v_ptr o_ptr do_ptr dq_ptr dk_ptr dv_ptr lse_ptr delta_ptr n_queries head_dim
     key_offset key_len sm_scale start_m start_n head batch offs_m offs_n offs_d m_mask n_mask
     d_mask q_base k_base v_base o_base do_base dq_base dk_base dv_base m_i l_i acc l_safe
@@ -62,7 +62,7 @@ class KeyGroup:
 
 def _attention_context(name: str, groups: Sequence[KeyGroup], head_dim: int, dtype: str,
                        allow_tf32: bool, block_m: int, block_n: int, num_warps: int,
-                       header_lines: Sequence[str]) -> dict[str, object]:
+                       header_lines: Sequence[str], wide: bool = False) -> dict[str, object]:
     if not groups:
         raise ValueError("attention needs at least one key group")
     check_block("block_m", block_m, 16)
@@ -76,8 +76,8 @@ def _attention_context(name: str, groups: Sequence[KeyGroup], head_dim: int, dty
         ctx_groups.append({
             "label": sanitize_comment(g.label),
             "len_arg": n,
-            "k_start": _group_start("k_base", "stride_kn", len_args[:i]),
-            "v_start": _group_start("v_base", "stride_vn", len_args[:i]),
+            "k_start": _group_start("k_base", "stride_kn", len_args[:i], wide),
+            "v_start": _group_start("v_base", "stride_vn", len_args[:i], wide),
             "causal": str(g.causal),
             "window": str(int(g.window or 0)),
             "rule": g.rule(),
@@ -96,14 +96,17 @@ def _attention_context(name: str, groups: Sequence[KeyGroup], head_dim: int, dty
         acc_dtype=compute_dtype(dtype),
         precision=dot_precision(allow_tf32),
         num_warps=num_warps,
+        wide=wide,
     )
 
 
-def _group_start(base: str, stride: str, before: Sequence[str]) -> str:
-    """Pointer to a key group's first row: the base moved past the groups before it."""
+def _group_start(base: str, stride: str, before: Sequence[str], wide: bool) -> str:
+    """Pointer to a key group's first row: the base moved past the groups before it (the
+    row count in int64 when `wide`)."""
     if not before:
         return base
-    return f"{base} + ({' + '.join(before)}) * {stride}"
+    rows = f"({' + '.join(before)})" + (".to(tl.int64)" if wide else "")
+    return f"{base} + {rows} * {stride}"
 
 
 def render_attention_fwd(
@@ -117,15 +120,18 @@ def render_attention_fwd(
     block_m: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
+    wide: bool = False,
 ) -> str:
     """Flash-attention forward over `groups` of keys (persistent | causal+window | ...).
 
     SWA: `[KeyGroup("persistent", False), KeyGroup("seq", True, window=W)]`;
     MAC: `[KeyGroup("persistent", False), KeyGroup("memory", True), KeyGroup("segment", True)]`.
-    Launcher: `launch(q, k, v, o, lse, n_<group>..., sm_scale)`.
+    Launcher: `launch(q, k, v, o, lse, n_<group>..., sm_scale)`. `wide`: query, key and
+    width offsets in int64 (q, k or v has >= 2**31 elements, `meta.needs_int64`; batch and
+    head offsets are int64 always).
     """
     ctx = _attention_context(name, groups, head_dim, dtype, allow_tf32, block_m, block_n,
-                             num_warps, header_lines)
+                             num_warps, header_lines, wide)
     return render("attention_fwd.py.jinja", **ctx)
 
 
@@ -140,14 +146,15 @@ def render_attention_bwd(
     block_m: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
+    wide: bool = False,
 ) -> str:
     """Flash-attention backward (dq kernel, then a dk/dv kernel per key group).
 
     Launcher: `launch(q, k, v, o, lse, do, dq, dk, dv, delta, n_<group>..., sm_scale)`;
-    `delta` is a [batch, head, queries] scratch tensor.
+    `delta` is a [batch, head, queries] scratch tensor. `wide`: as the forward's.
     """
     ctx = _attention_context(name, groups, head_dim, dtype, allow_tf32, block_m, block_n,
-                             num_warps, header_lines)
+                             num_warps, header_lines, wide)
     return render("attention_bwd.py.jinja", **ctx)
 
 

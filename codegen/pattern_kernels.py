@@ -26,7 +26,7 @@ from titanc.passes.schedule import Kernel
 from .fixed_families import (KeyGroup, render_attention_bwd, render_attention_fwd,
                              render_cross_entropy)
 from .kernel_code import KernelCode, TensorArg
-from .meta import compute_dtype
+from .meta import compute_dtype, needs_int64
 from .render import render
 
 __all__ = ["SCRATCH", "key_groups", "render_pattern"]
@@ -65,8 +65,10 @@ def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
     if q.shape[3] != v.shape[3]:
         raise NotImplementedError(f"{kernel.name}: the attention templates need values as wide "
                                   f"as keys (q {q}, v {v})")
+    # offsets in int64 when an operand reaches 2**31 elements (decided from the shapes)
     kw = dict(groups=key_groups(a["groups"]), head_dim=q.shape[3], dtype=dtype,
-              allow_tf32=allow_tf32, header_lines=header)
+              allow_tf32=allow_tf32, header_lines=header,
+              wide=needs_int64(q.numel, k.numel, v.numel))
     sizes = (*(length for _, length, _ in a["groups"]), float(a["scale"]))
     ins = [TensorArg(i) for i in n.inputs]
     outs = _element_args(g, n, kernel)

@@ -15,7 +15,7 @@ from .meta import pow2
 from .render import sanitize_comment
 from .scan_index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
                          _PaxError, _RegMiss, _delin, _local)
-from .scan_values import _Emitter
+from .scan_values import LOW_CASTS, _Emitter
 
 
 class _Redo(Exception):
@@ -247,8 +247,8 @@ class _ScanGen(_Emitter):
         lmap = {**base, **letters(ms, rm), **letters(ns, rn)}
         mask = self.let(f"({rm} < {M}) & ({rn} < {N})", "m")
         sec = Tile(mask, self.let(self.zero_tile(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
-        self.line(f"tl.store({self.ptr(sec, dest, [lmap[ch] for ch in out])}, {acc}, "
-                  f"mask={mask})")
+        self.line(f"tl.store({self.ptr(sec, dest, [lmap[ch] for ch in out])}, "
+                  f"{self.rounded(n, acc)}, mask={mask})")
         self._close(n0)
         self._close(m0)
         if NB > 1:
@@ -388,10 +388,13 @@ class _ScanGen(_Emitter):
             if op in OpGroup.INDEXING:
                 sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
             elif op in OpGroup.ELEMENTWISE or op in (Op.TAKE_ALONG, Op.SCATTER_ALONG):
-                if op is Op.CAST and n.attr("dtype") not in ("f32", "f64"):
+                if op is Op.CAST and n.attr("dtype") not in LOW_CASTS:
                     raise ScanFallback(f"%{vid}: cast to {n.attr('dtype')}")
-                if self.uses(g, vid) == 1 and all(g.node(u).op is not Op.SCAN
-                                                  for u in g.users(vid)):
+                # a cast of a stored value is inlined into every user (one rounding each)
+                # rather than a stage of its own
+                cheap = op is Op.CAST and sc.refs[n.inputs[0]].kind in ("ws", "arg", "lit")
+                if (self.uses(g, vid) == 1 or cheap) and all(g.node(u).op is not Op.SCAN
+                                                             for u in g.users(vid)):
                     sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
                 else:
                     sc.refs[vid] = dest = self.local_ref(n.type.shape, q)

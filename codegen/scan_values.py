@@ -32,6 +32,10 @@ def _bare(c: str) -> str:
     return c
 
 
+# float casts a scan kernel renders (a bf16 one rounds and stays in the compute dtype)
+LOW_CASTS = ("f32", "f64", "bf16")
+
+
 class _Emitter:
     """Emits the kernel body: lines with indentation, fresh names, workspace offsets."""
 
@@ -51,6 +55,7 @@ class _Emitter:
         self.tiles: set[str] = set()          # names holding full tiles
         self.loads: set[str] = set()          # names holding masked loads (0 off the mask)
         self.shared = 0               # workspace elements of values every program computes whole
+        self.low_args: set[str] = set()       # kernel tensors holding bf16 (loaded, then widened)
 
     # -- buffer helpers ---------------------------------------------------------------------------
     def line(self, s: str) -> None:
@@ -203,8 +208,12 @@ class _Emitter:
             key = (ref.kind, ref.name, ref.base, ref.lead, tuple(coords), conds)
             if key not in sec.cache:
                 mask = " & ".join((sec.mask,) + tuple(f"({c})" for c in conds))
+                # bf16 tensors are widened as they are loaded: the kernel computes in `cd`
+                widen = f".to({self.cd})" if ref.kind == "arg" and ref.name in self.low_args \
+                    else ""
                 sec.cache[key] = self.let(
-                    f"tl.load({self.ptr(sec, ref, coords)}, mask={mask}, other=0)", "x", True)
+                    f"tl.load({self.ptr(sec, ref, coords)}, mask={mask}, other=0){widen}", "x",
+                    True)
                 self.loads.add(sec.cache[key])
             return sec.cache[key]
         assert ref.node is not None and ref.scope is not None
@@ -307,10 +316,17 @@ class _Emitter:
 
     def _pointwise(self, n: Node, args: list[str]) -> str:
         if n.op is Op.CAST:
-            if n.attr("dtype") not in ("f32", "f64"):
+            if n.attr("dtype") not in LOW_CASTS:
                 raise ScanFallback(f"%{n.id}: cast to {n.attr('dtype')}")
+            if n.attr("dtype") == "bf16":     # rounded to bf16, held in `cd` like every value
+                return f"_bf16(({args[0]}).to(tl.float32)).to({self.cd})"
             return f"({args[0]}).to({self.cd})"
         fmt = _FORMATS.get(n.op) or ELEMENTWISE[n.op].triton
-        return fmt.format(*[f"({x})" for x in args])
+        return self.rounded(n, fmt.format(*[f"({x})" for x in args]))
+
+    def rounded(self, n: Node, x: str) -> str:
+        """`x`, the value of node `n` computed in `cd`, rounded to bf16 when `n` is a bf16
+        value (as its storage would round it on the cpu target)."""
+        return f"_bf16(({x}).to(tl.float32)).to({self.cd})" if n.type.dtype == "bf16" else x
 
 

@@ -5,7 +5,12 @@
 attrs are the scale and the MASK's (`n_q`, `q_start`, `groups`), so the visible (query, key)
 pairs are known statically and no [B, H, Tq, Tk] table has to exist. `lse` is the natural
 log-sum-exp of each query row's masked, scaled scores: the backward recomputes the
-probabilities from it (FlashAttention). The reference semantics below materialise the scores:
+probabilities from it (FlashAttention).
+
+Under bf16 mixed precision q, k, v, o and do (and dq, dk, dv) are bf16 while `lse` is float32:
+the scores, softmax and accumulations are float32 inside every implementation (the blocked cpu
+loop upcasts, the Triton templates accumulate `tl.dot` in float32, the reference below computes
+in float32 and rounds its results to their types). The reference semantics below materialise the scores:
 they are the float64 oracle, not a kernel.
 
 Letters: b batch, h heads, q query position, k key position, e head width.
@@ -35,10 +40,18 @@ def _check_qkv(q: Any, k: Any, v: Any, a: dict) -> None:
                          f"keys={n_k} of the groups")
 
 
+def stat_dtype(dtype: str) -> str:
+    """The dtype of the log-sum-exp beside q of `dtype`: float32 under bf16."""
+    return "f32" if dtype == "bf16" else dtype
+
+
 def _attention_type(ts: list, a: dict) -> tuple[TensorType, ...]:
     q, k, v = ts
     _check_qkv(q, k, v, a)
-    return (TensorType(q.shape[:3] + v.shape[3:], q.dtype), TensorType(q.shape[:3], q.dtype))
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise ShapeError(f"ATTENTION q {q}, k {k}, v {v} must share one dtype")
+    return (TensorType(q.shape[:3] + v.shape[3:], q.dtype),
+            TensorType(q.shape[:3], stat_dtype(q.dtype)))
 
 
 def _attention_bwd_type(ts: list, a: dict) -> tuple[TensorType, ...]:
@@ -46,6 +59,9 @@ def _attention_bwd_type(ts: list, a: dict) -> tuple[TensorType, ...]:
     _check_qkv(q, k, v, a)
     if o.shape != do.shape or o.shape != q.shape[:3] + v.shape[3:] or lse.shape != q.shape[:3]:
         raise ShapeError(f"ATTENTION_BWD o {o}, lse {lse}, do {do} do not match q {q}, v {v}")
+    if {o.dtype, do.dtype} != {q.dtype} or lse.dtype != stat_dtype(q.dtype):
+        raise ShapeError(f"ATTENTION_BWD o {o}, do {do} must have q's dtype and lse {lse} "
+                         f"{stat_dtype(q.dtype)}")
     return (q, k, v)
 
 
@@ -55,15 +71,21 @@ def scores(q: Tensor, k: Tensor, a: dict) -> Tensor:
     return torch.einsum("bhqe,bhke->bhqk", q, k) * a["scale"] + bias
 
 
+def _wide(xs: list[Tensor]) -> list[Tensor]:
+    """bf16 operands in float32 (the ops compute in float32 under mixed precision)."""
+    return [x.float() if x.dtype == torch.bfloat16 else x for x in xs]
+
+
 def attention_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Tensor]:
-    q, k, v = xs
+    q, k, v = _wide(xs)
     s = scores(q, k, node.attr_dict)
     lse = torch.logsumexp(s, -1)
-    return torch.einsum("bhqk,bhke->bhqe", torch.exp(s - lse[..., None]), v), lse
+    o = torch.einsum("bhqk,bhke->bhqe", torch.exp(s - lse[..., None]), v)
+    return o.to(xs[0].dtype), lse
 
 
 def attention_bwd_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Tensor, Tensor]:
-    q, k, v, o, lse, do = xs
+    q, k, v, o, lse, do = _wide(xs)
     a = node.attr_dict
     p = torch.exp(scores(q, k, a) - lse[..., None])                   # (b, h, q, k)
     dv = torch.einsum("bhqk,bhqe->bhke", p, do)
@@ -71,7 +93,7 @@ def attention_bwd_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Ten
     ds = p * (dp - (do * o).sum(-1, keepdim=True))                     # softmax VJP
     dq = torch.einsum("bhqk,bhke->bhqe", ds, k) * a["scale"]
     dk = torch.einsum("bhqk,bhqe->bhke", ds, q) * a["scale"]
-    return dq, dk, dv
+    return tuple(t.to(x.dtype) for t, x in zip((dq, dk, dv), xs))
 
 
 def _attention_vjp(b: Any, a: dict, xs: list, y: Any, cts: list) -> list:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from titanc.ir import Graph, Node, Op
+from titanc.ir.attention import stat_dtype
 
 from .manager import debug_level
 
@@ -215,6 +216,11 @@ def _rows(out: Graph, x: int, shape: tuple[int, ...]) -> int:
     return _add(out, Op.RESHAPE, (x,), shape=tuple(shape) + (1,))
 
 
+def _narrow(out: Graph, x: int, dtype: str) -> int:
+    """`x` cast to `dtype` (the op's result type) when the chain computed it wider."""
+    return x if out.node(x).type.dtype == dtype else _add(out, Op.CAST, (x,), dtype=dtype)
+
+
 def expand_attention(g: Graph) -> Graph:
     """`g` with every ATTENTION / ATTENTION_BWD (scan bodies too) written back as the
     primitive chain it stands for (the reference semantics of `ir/attention.py`): for a kernel
@@ -234,7 +240,11 @@ def expand_attention(g: Graph) -> Graph:
             extra = {"body": expand_attention(node.attr("body"))} if node.op is Op.SCAN else {}
             env[node.id] = out.add_like(node, (env[i] for i in node.inputs), **extra)
             continue
-        a, dt = node.attr_dict, g.node(node.inputs[0]).type.dtype
+        a, low = node.attr_dict, g.node(node.inputs[0]).type.dtype
+        # bf16 operands: the chain runs in float32 (as the op does inside), results cast back
+        dt = stat_dtype(low)
+        ins = tuple(i if out.node(i).type.dtype == dt else _add(out, Op.CAST, (i,), dtype=dt)
+                    for i in ins)
         q, k, v = ins[:3]
         rows = tuple(g.node(node.inputs[0]).type.shape[:3])
         z = _scores(out, q, k, a, dt)
@@ -246,7 +256,7 @@ def expand_attention(g: Graph) -> Graph:
             lse = _add(out, Op.ADD, (_add(out, Op.RESHAPE, (mx,), shape=rows),
                                      _add(out, Op.LOG, (_add(out, Op.RESHAPE, (den,),
                                                               shape=rows),))))
-            parts[node.id] = (o, lse)
+            parts[node.id] = (_narrow(out, o, low), lse)
             continue
         o, lse, do = ins[3:]
         p = _add(out, Op.EXP, (_add(out, Op.SUB, (z, _rows(out, lse, rows))),))
@@ -257,6 +267,6 @@ def expand_attention(g: Graph) -> Graph:
         scale = _add(out, Op.FULL, (), value=float(a["scale"]), shape=(), dtype=dt)
         dq = _add(out, Op.MUL, (_add(out, Op.EINSUM, (ds, k), spec="bhqk,bhke->bhqe"), scale))
         dk = _add(out, Op.MUL, (_add(out, Op.EINSUM, (ds, q), spec="bhqk,bhqe->bhke"), scale))
-        parts[node.id] = (dq, dk, dv)
+        parts[node.id] = tuple(_narrow(out, x, low) for x in (dq, dk, dv))
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
     return out

@@ -10,8 +10,15 @@ and leaves with a dtype on every tensor and explicit CASTs where dtypes change:
                     the loss (bf16 terms, float32 accumulator), gate log-cumsums (log-space
                     weights), log-sigmoid gates, the log-sum-exp
     AMAX            in its operand's dtype (a max is exact), the result cast to float32
-    ATTENTION       (the flash-attention pattern op) q, k, v cast to float32, o and the
-                    log-sum-exp float32: its softmax is float32 (its consumers cast o down)
+    ATTENTION       (the flash-attention pattern op) q, k, v and o bf16, the log-sum-exp
+                    float32: scores, softmax and accumulators are float32 inside the op (the
+                    cpu loop upcasts per block, the Triton templates accumulate in float32);
+                    its VJP, ATTENTION_BWD, reads bf16 q, k, v, o, do and writes bf16 dq, dk, dv
+    matmul-bound    an elementwise node of float32 operands whose value reaches only matmul
+                    (or attention) operands, maybe through views and other such nodes (a
+                    norm's output x̂·w, its x̂): computed in float32 and stored bf16 (a CAST
+                    right after it, fused into its kernel), so the float32 value is never
+                    written and the backward saves the bf16 one the matmul reads anyway
     elementwise     float32 when every user demands it: a chain feeding a CUMSUM, a LOG, a
                     sum to a scalar (the per-token losses) or a float32 scan carry (the
                     memory state W, S); otherwise an activation: bf16 as soon as one operand
@@ -82,6 +89,66 @@ def _f32_demanded(g: Graph, n_carry: int | None) -> set[int]:
     return demanded
 
 
+# consumers that read their operands in bf16 whatever they are given
+LOW_READERS = frozenset({Op.EINSUM}) | OpGroup.PATTERN
+
+
+class _MatmulBound:
+    """Elementwise nodes (and the views on the way) whose every user is a matmul or attention
+    operand, a scan input of the same kind in its body, or another such node: their float32
+    results would only be cast down there. `stored` are those stored bf16 right away: the ones
+    whose storing low turns no full-size float32 operand low on the way down (x̂ = x·rsqrt(...)
+    is stored low; the rsqrt is not, as it would turn x·rsqrt, and so x, bf16)."""
+
+    def __init__(self, g: Graph, f32: set[int]):
+        self.g = g
+        self.scans: dict[int, set[int]] = {}
+        sinks = {i for _, i in g.outputs}
+        self.bound: set[int] = set()
+        for nid in reversed(g.order()):
+            n = g.node(nid)
+            if not (n.op in OpGroup.ELEMENTWISE or n.op in FOLLOW) or n.op is Op.CAST \
+                    or nid in f32 or nid in sinks:
+                continue
+            if self._read_low(nid):
+                self.bound.add(nid)
+        self.stored = {nid for nid in self.bound
+                       if g.node(nid).op in OpGroup.ELEMENTWISE and self._harmless(nid)}
+
+    def _read_low(self, nid: int) -> bool:
+        users = self.g.users(nid)
+        return bool(users) and all(self._reads_low(u, nid) for u in users)
+
+    def _reads_low(self, uid: int, nid: int) -> bool:
+        u = self.g.node(uid)
+        if u.op in LOW_READERS:
+            return True
+        if u.op is Op.SCAN:
+            return all(k in self._scan_inputs(u) for k, i in enumerate(u.inputs) if i == nid)
+        return uid in self.bound
+
+    def _scan_inputs(self, u: Any) -> set[int]:
+        """Positions of scan `u`'s xs and consts that its body reads only as matmul operands."""
+        if u.id not in self.scans:
+            body, nc = u.attr("body"), u.attr("n_carry")
+            inner = _MatmulBound(body, _f32_demanded(body, nc))
+            self.scans[u.id] = {k for k, i in enumerate(body.inputs)
+                                if k >= nc and inner._read_low(i) and inner._harmless(i)}
+        return self.scans[u.id]
+
+    def _harmless(self, nid: int) -> bool:
+        low, todo = {nid}, [nid]
+        while todo:
+            for u in self.g.users(todo.pop()):
+                if u in self.bound and u not in low:
+                    low.add(u)
+                    todo.append(u)
+        g = self.g
+        return all(o in low or g.node(o).type.numel < g.node(u).type.numel
+                   for u in low if u != nid and g.node(u).op in OpGroup.ELEMENTWISE
+                   for o in g.node(u).inputs)
+
+
 @dataclass(frozen=True)
 class MixedPrecision:
     """Assign bf16 / float32 to every float tensor and insert the casts (module docstring)."""
@@ -101,6 +168,7 @@ class _Rewrite:
         self.env: dict[int, int] = {}
         self.casts: dict[tuple[int, str], int] = {}
         self.f32 = _f32_demanded(g, None if in_types is None else n_carry)
+        self.bound = _MatmulBound(g, self.f32).stored
         for k, nid in enumerate(g.inputs):               # positional, as a scan binds them
             node = g.node(nid)
             t = in_types[k] if in_types is not None else node.type
@@ -169,13 +237,15 @@ class _Rewrite:
             return self._to(add(node, ins), HIGH)
         if op is Op.EINSUM:
             return add(node, [self._to(i, LOW) for i in ins])
-        if op in OpGroup.PATTERN:  # a flash-attention op: its softmax (and lse) in float32
-            return add(node, [self._to(i, HIGH) for i in ins])
+        if op in OpGroup.PATTERN:  # a flash-attention op: bf16 operands, float32 inside
+            return add(node, [self._to(i, LOW) for i in ins])
         if op in F32_OPS or node.id in self.f32:
             return add(node, [self._to(i, HIGH) for i in ins])
         if op in OpGroup.ELEMENTWISE or op is Op.CONCAT:
             dt = self._activation(ins)
-            return add(node, [self._to(i, dt) for i in ins])
+            out = add(node, [self._to(i, dt) for i in ins])
+            # matmul-bound: stored bf16 (computed in float32)
+            return self._to(out, LOW) if node.id in self.bound and dt == HIGH else out
         raise NotImplementedError(f"mixed precision has no rule for {op.name} (node %{node.id})")
 
     def _scan(self, node: Any, ins: list[int]) -> int:

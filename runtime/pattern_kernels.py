@@ -24,6 +24,11 @@ the sliding window, or after the block's last query) is skipped, not computed an
     ADAMW          the optimizer step in place over the program's flat parameter, gradient and
                    moment regions (per parameter when they are not flat).
 
+Under bf16 mixed precision q, k, v, o, do (and dq, dk, dv) are bf16 and the log-sum-exp is
+float32: each kernel upcasts its bf16 operands into float32 scratch (k and v once, a query
+block's rows per block), computes scores, softmax and sums in float32, accumulates dk and dv in
+float32 scratch and rounds each result once, into its bf16 buffer.
+
 Within a visible key block the mask zeroes the invisible pairs. Every tensor is planned storage or scratch: a run allocates
 nothing. A tuple element no later kernel reads (the forward graph's log-sum-exp) goes to
 scratch.
@@ -124,8 +129,18 @@ def _blocks(n_q: int, size: int = BLOCK_Q) -> list[tuple[int, int]]:
 
 
 def _tmp(b: "_Builder", like: Tensor, *shape: int) -> Tensor:
-    dtype = {torch.float64: "f64", torch.float32: "f32"}[like.dtype]
+    """Scratch in the compute dtype beside `like` (float32 for bf16 operands)."""
+    dtype = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "f32"}[like.dtype]
     return b.scratch.alloc(TensorType(tuple(shape), dtype))
+
+
+def _wide(b: "_Builder", x: Tensor, steps: list[Step]) -> Tensor:
+    """`x` itself, or (bf16) a float32 scratch copy of it that `steps` fill."""
+    if x.dtype != torch.bfloat16:
+        return x
+    t = _tmp(b, x, *x.shape)
+    steps.append(lambda t=t, x=x: t.copy_(x))
+    return t
 
 
 def _einsum(b: "_Builder", spec: str, xs: list[Tensor], o: Tensor) -> list[Step]:
@@ -159,13 +174,14 @@ def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> 
     o, lse = outs
     B, H, _, _ = q.shape
     steps: list[Step] = []
+    k, v = _wide(b, k, steps), _wide(b, v, steps)
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
         runs = key_runs(n.attr_dict, i0, i1)
         s = _tmp(b, q, B, H, bq, sum(hi - lo for lo, hi in runs))
         m, l = _tmp(b, q, B, H, bq, 1), _tmp(b, q, B, H, bq, 1)
         ob, t_o = _tmp(b, q, B, H, bq, v.shape[3]), _tmp(b, q, B, H, bq, v.shape[3])
-        _probabilities(b, n, q[:, :, i0:i1], k, i0, i1, runs, s, steps)
+        _probabilities(b, n, _wide(b, q[:, :, i0:i1], steps), k, i0, i1, runs, s, steps)
         steps += [lambda s=s, m=m: torch.amax(s, -1, keepdim=True, out=m),
                   lambda s=s, m=m: s.sub_(m).exp_(),
                   lambda s=s, l=l: torch.sum(s, -1, keepdim=True, out=l),
@@ -184,20 +200,26 @@ def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> 
 
 def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     q, k, v, o, lse, do = xs
-    dq, dk, dv = outs
+    dq, dk_out, dv_out = outs
     B, H, _, _ = q.shape
     scale = n.attr("scale")
-    steps: list[Step] = [lambda: dk.zero_(), lambda: dv.zero_()]
+    steps: list[Step] = []
+    k, v = _wide(b, k, steps), _wide(b, v, steps)
+    # float32 accumulators for bf16 dk, dv, dq (each rounded once, into its bf16 buffer)
+    dk = dk_out if dk_out.dtype == k.dtype else _tmp(b, dk_out, *dk_out.shape)
+    dv = dv_out if dv_out.dtype == v.dtype else _tmp(b, dv_out, *dv_out.shape)
+    steps += [lambda: dk.zero_(), lambda: dv.zero_()]
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
         runs = key_runs(n.attr_dict, i0, i1)
         n_vis = sum(hi - lo for lo, hi in runs)
-        qb, dob, ob = q[:, :, i0:i1], do[:, :, i0:i1], o[:, :, i0:i1]
+        qb, dob, ob = (_wide(b, x[:, :, i0:i1], steps) for x in (q, do, o))
         p = _tmp(b, q, B, H, bq, n_vis)
         ds = _tmp(b, q, B, H, bq, n_vis)
         delta = _tmp(b, q, B, H, bq, 1)
         t_o = _tmp(b, q, B, H, bq, v.shape[3])
-        t_q, dqb = _tmp(b, q, B, H, bq, q.shape[3]), dq[:, :, i0:i1]
+        t_q, dq_out = _tmp(b, q, B, H, bq, q.shape[3]), dq[:, :, i0:i1]
+        dqb = dq_out if dq_out.dtype == t_q.dtype else _tmp(b, q, B, H, bq, q.shape[3])
         _probabilities(b, n, qb, k, i0, i1, runs, p, steps)
         lb = lse[:, :, i0:i1].unsqueeze(-1)
         steps.append(lambda p=p, lb=lb: p.sub_(lb).exp_())          # p = exp(s - lse)
@@ -215,7 +237,12 @@ def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor])
                          (lambda dqb=dqb, t_q=t_q: dqb.add_(t_q)))
             steps += _einsum(b, "bhqk,bhqe->bhke", [dsr, qb], t_k)
             steps.append(lambda t_k=t_k, dkr=dk[:, :, lo:hi]: dkr.add_(t_k))
+        if dqb is not dq_out:
+            steps.append(lambda dqb=dqb, dq_out=dq_out: dq_out.copy_(dqb))
         b.scratch.top = mark
+    for acc, res in ((dk, dk_out), (dv, dv_out)):
+        if acc is not res:
+            steps.append(lambda acc=acc, res=res: res.copy_(acc))
     return steps
 
 

@@ -161,6 +161,49 @@ def test_int64_path_matches_torch_when_interpreted() -> None:
         torch.testing.assert_close(out1, want1, rtol=0, atol=0)
 
 
+def test_attention_over_2_31_elements_generates_int64_offsets() -> None:
+    """q, k, v of 2**31 elements (tiny_attn at batch 262,144): the flash kernels' query, key and
+    width offsets are int64; at the spec's own batch they stay int32 (batch and head offsets
+    are int64 at every size)."""
+    def attention_sources(batch: int | None) -> list[str]:
+        over = {} if batch is None else {"train.batch_size": batch}
+        plan = compile_graphs(load_spec(EXAMPLES / "tiny_attn.yaml", over)).plans["training"]
+        codes = [code for _, _, code in plan_kernels(plan)
+                 if code.family in ("attention_fwd", "attention_bwd")]
+        assert {c.family for c in codes} == {"attention_fwd", "attention_bwd"}
+        return [c.source for c in codes]
+    big, small = attention_sources(262144), attention_sources(None)
+    assert 262144 * 128 * 64 >= 2 ** 31 and len(big) == len(small)
+    assert all("arange(0, BLOCK_M).to(tl.int64)" in _kernel_body(s) for s in big)
+    assert not any("arange(0, BLOCK_M).to(tl.int64)" in _kernel_body(s) for s in small)
+
+
+def test_int64_attention_path_matches_when_interpreted() -> None:
+    """The wide flash kernels (forced at a small size) give the narrow ones' results."""
+    from titanc.codegen.fixed_families import KeyGroup, render_attention_bwd, render_attention_fwd
+
+    torch.manual_seed(0)
+    groups, lens, T, D = [KeyGroup("p", False), KeyGroup("seq", True, 8)], (2, 19), 19, 12
+    q = torch.randn(1, 2, T, D)
+    k, v = torch.randn(1, 2, sum(lens), D), torch.randn(1, 2, sum(lens), D)
+    do = torch.randn(1, 2, T, D)
+    outs = []
+    for wide in (False, True):
+        kw = dict(groups=groups, head_dim=D, block_m=16, block_n=16, wide=wide)
+        fwd, bwd = (render(f"k_att_{part}_{int(wide)}", **kw)
+                    for part, render in (("f", render_attention_fwd), ("b", render_attention_bwd)))
+        assert all(("arange(0, HEAD_DIM).to(tl.int64)" in _kernel_body(src)) == wide
+                   for src in (fwd, bwd))
+        o, lse = torch.empty_like(q), torch.empty(1, 2, T)
+        load_module(fwd, f"k_att_f_{int(wide)}").launch(q, k, v, o, lse, *lens, D ** -0.5)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        load_module(bwd, f"k_att_b_{int(wide)}").launch(q, k, v, o, lse, do, dq, dk, dv, None,
+                                                       *lens, D ** -0.5)
+        outs.append((o, lse, dq, dk, dv))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_every_bf16_tiny_kernel_compiles_with_16bit_mma() -> None:
     """train.dtype bfloat16 (passes/precision.py): every kernel of tiny.yaml's training,
     optimizer and forward programs as the program launches them (bf16 and float32 pointers

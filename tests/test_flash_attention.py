@@ -25,11 +25,13 @@ from titanc.codegen.hooks import render_kernel
 from titanc.compiler import SHARED, compile_graphs
 from titanc.frontend import lower_forward
 from titanc.ir import Builder, Graph, Op, interpret
+from titanc.ir.types import DTYPES
 from titanc.passes.autodiff import grad_graph
 from titanc.passes.canonicalize import Canonicalize
 from titanc.passes.flash_attention import FlashAttention
 from titanc.passes.fusion import fuse
 from titanc.passes.memory_plan import MemoryPlan, plan_memory
+from titanc.passes.precision import MixedPrecision
 from titanc.passes.schedule import verify_schedule
 from titanc.runtime.executor import ArenaExecutor
 from titanc.runtime.triton_executor import TritonExecutor
@@ -115,7 +117,7 @@ def test_pass_refuses_when_the_probabilities_are_read_elsewhere() -> None:
 # --- parity of the attention subgraph: cpu target, interpreted triton, reference ----------------
 
 def _attention_graph(kind: str, T: int, window: int, P: int, B: int = 2, D: int = 16,
-                     H: int = 2) -> tuple[Graph, dict[str, torch.Tensor]]:
+                     H: int = 2, dtype: str = "f64") -> tuple[Graph, dict[str, torch.Tensor]]:
     """loss = Σ w ⊙ attention(u): SWA over T tokens, or MAC over [P ‖ h ‖ u] of T tokens."""
     b = Builder("attention_test")
     gen = torch.Generator().manual_seed(T * 100 + window + P)
@@ -125,21 +127,23 @@ def _attention_graph(kind: str, T: int, window: int, P: int, B: int = 2, D: int 
         names.append("h")
     if P:
         names.append("attn_persistent")
-    vals = {n: b.input(n, shapes.get(n, (D, D)), "f64") for n in names}
+    vals = {n: b.input(n, shapes.get(n, (D, D)), dtype) for n in names}
     u = vals.pop("u")
     if kind == "mac":
         out = mac_attention(b, u, vals.pop("h"), vals, H)
     else:
         out = swa(b, u, vals, H, window)
-    w = b.input("w", out.shape, "f64")
+    w = b.input("w", out.shape, dtype)
     b.graph.set_outputs([("loss", (out * w).sum((0, 1, 2)).id)])
-    inputs = {n: torch.randn(*shapes.get(n, (D, D)), generator=gen, dtype=torch.float64) / 2
-              for n in names + ["w"]}
+    inputs = {n: (torch.randn(*shapes.get(n, (D, D)), generator=gen, dtype=torch.float64) / 2)
+              .to(DTYPES[dtype]) for n in names + ["w"]}
     return b.graph, inputs
 
 
-def _compiled(g: Graph, wrt: list[str]) -> MemoryPlan:
+def _compiled(g: Graph, wrt: list[str], bf16: bool = False) -> MemoryPlan:
     g = FlashAttention()(Canonicalize()(g))
+    if bf16:
+        g = MixedPrecision()(g)
     assert [n.op for n in g].count(Op.ATTENTION) == 1
     gg = grad_graph(g, wrt)
     for p in SHARED:
@@ -189,6 +193,31 @@ def test_cpu_attention_skips_key_blocks_outside_the_window() -> None:
     assert computed < (T // BLOCK_Q) * n_k // 2       # most of the [T, P + T] pairs skipped
     full = {"n_q": T, "q_start": 0, "groups": (("all", P + T, None),)}
     assert key_runs(full, 0, BLOCK_Q) == [(0, n_k)]   # nothing to skip without a mask
+
+
+@pytest.mark.parametrize("kind,T,window,P", [("swa", 16, 4, 4), ("mac", 80, 0, 4)])
+def test_bf16_attention_ops_match_float64(kind: str, T: int, window: int, P: int) -> None:
+    """Under bf16 mixed precision the ops take bf16 q, k, v (o, do, dq, dk, dv bf16, lse
+    float32, no float32 copy of q, k, v planned) and compute in float32: the cpu loop and the
+    interpreted triton templates (exact float32 dots off CUDA) are within bf16 rounding of the
+    float64 direct form."""
+    g, inputs = _attention_graph(kind, T, window, P, dtype="f32")
+    wrt = [n for n in g.input_names() if n != "w"]
+    g64, _ = _attention_graph(kind, T, window, P)
+    want = interpret(grad_graph(g64, wrt), {k: v.double() for k, v in inputs.items()})
+    plan = _compiled(g, wrt, bf16=True)
+    gg = plan.schedule.graph
+    ops = {n.op: n for n in gg if n.op in (Op.ATTENTION, Op.ATTENTION_BWD)}
+    assert all(gg.node(i).type.dtype == "bf16" for i in ops[Op.ATTENTION].inputs)
+    assert [t.dtype for t in ops[Op.ATTENTION].type] == ["bf16", "f32"]
+    assert [t.dtype for t in ops[Op.ATTENTION_BWD].type] == ["bf16"] * 3
+    assert not any(n.op is Op.CAST and n.type.dtype == "f32" and len(n.type.shape) == 4
+                   for n in gg), "a float32 copy of q, k or v"
+    for target, ex in (("cpu", ArenaExecutor(plan)), ("triton", TritonExecutor(plan))):
+        got = ex.run(inputs)
+        for name, ref in want.items():      # 2e-3 .. 8e-3 measured
+            err = float((got[name].double() - ref).norm() / ref.norm())
+            assert err < 0.03, (target, name, err)
 
 
 # --- the whole model on the cpu target ----------------------------------------------------------
