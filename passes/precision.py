@@ -14,6 +14,8 @@ and leaves with a dtype on every tensor and explicit CASTs where dtypes change:
                     float32: scores, softmax and accumulators are float32 inside the op (the
                     cpu loop upcasts per block, the Triton templates accumulate in float32);
                     its VJP, ATTENTION_BWD, reads bf16 q, k, v, o, do and writes bf16 dq, dk, dv
+    LINEAR_CROSS_ENTROPY  (the fused LM head + loss) and its VJP: float32 operands (h, the
+                    head, lse, dloss) and results, like the loss itself
     matmul-bound    an elementwise node of float32 operands whose value reaches only matmul
                     (or attention) operands, maybe through views and other such nodes (a
                     norm's output x̂·w, its x̂): computed in float32 and stored bf16 (a CAST
@@ -89,8 +91,11 @@ def _f32_demanded(g: Graph, n_carry: int | None) -> set[int]:
     return demanded
 
 
+# pattern ops that take bf16 operands (float32 inside); the others (the fused linear
+# cross-entropy: the loss is float32) take float32 ones
+LOW_PATTERNS = frozenset({Op.ATTENTION, Op.ATTENTION_BWD})
 # consumers that read their operands in bf16 whatever they are given
-LOW_READERS = frozenset({Op.EINSUM}) | OpGroup.PATTERN
+LOW_READERS = frozenset({Op.EINSUM}) | LOW_PATTERNS
 
 
 class _MatmulBound:
@@ -237,8 +242,10 @@ class _Rewrite:
             return self._to(add(node, ins), HIGH)
         if op is Op.EINSUM:
             return add(node, [self._to(i, LOW) for i in ins])
-        if op in OpGroup.PATTERN:  # a flash-attention op: bf16 operands, float32 inside
+        if op in LOW_PATTERNS:     # a flash-attention op: bf16 operands, float32 inside
             return add(node, [self._to(i, LOW) for i in ins])
+        if op in OpGroup.PATTERN:  # the fused loss (and its VJP): float32 operands and results
+            return add(node, [self._to(i, HIGH) for i in ins])
         if op in F32_OPS or node.id in self.f32:
             return add(node, [self._to(i, HIGH) for i in ins])
         if op in OpGroup.ELEMENTWISE or op is Op.CONCAT:

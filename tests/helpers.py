@@ -8,6 +8,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from titanc.ir import Op
 from titanc.spec import Spec, load_spec, spec_to_dict
 
 TINY: dict[str, Any] = {
@@ -65,3 +66,18 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def graphs_nested(g: Any) -> Iterator[Any]:
+    """A graph and every scan body inside it, depth first."""
+    yield g
+    for n in g:
+        if n.op is Op.SCAN:
+            yield from graphs_nested(n.attr("body"))
+
+
+def plans_nested(plan: Any) -> Iterator[Any]:
+    """A memory plan and the plans of every scan body inside it, depth first."""
+    yield plan
+    for sub in plan.bodies.values():
+        yield from plans_nested(sub)

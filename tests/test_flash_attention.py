@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tests.reference as R
-from tests.helpers import tiny_spec, tokens
+from tests.helpers import graphs_nested as _walk, plans_nested as _plans, tiny_spec, tokens
 from titanc.attention import mac_attention, swa
 from titanc.codegen.hooks import render_kernel
 from titanc.compiler import SHARED, compile_graphs
@@ -39,19 +39,6 @@ from titanc.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTENTION_BLOCKS = ["attn", "mag", "mal", "mac"]
-
-
-def _walk(g: Graph):
-    yield g
-    for n in g:
-        if n.op is Op.SCAN:
-            yield from _walk(n.attr("body"))
-
-
-def _plans(plan: MemoryPlan):
-    yield plan
-    for sub in plan.bodies.values():
-        yield from _plans(sub)
 
 
 def _is_scores(n) -> bool:

@@ -19,31 +19,19 @@ import torch
 import torch.nn.functional as F
 
 import tests.reference as R
-from tests.helpers import BLOCKS, tiny_spec, tokens
+from tests.helpers import BLOCKS, graphs_nested as _walk, plans_nested as _plans, tiny_spec, \
+    tokens
 from titanc.codegen.hooks import render_kernel
 from titanc.compiler import compile_graphs
 from titanc.ir import Builder, Graph, Op, interpret
 from titanc.passes.autodiff import grad_graph
 from titanc.passes.linear_cross_entropy import LinearCrossEntropy
-from titanc.passes.memory_plan import MemoryPlan, holds_logits
+from titanc.passes.memory_plan import holds_logits
 from titanc.runtime import pattern_kernels
 from titanc.runtime.executor import ArenaExecutor
 from titanc.runtime.triton_executor import TritonExecutor
 
 LCE = (Op.LINEAR_CROSS_ENTROPY, Op.LINEAR_CROSS_ENTROPY_BWD)
-
-
-def _walk(g: Graph):
-    yield g
-    for n in g:
-        if n.op is Op.SCAN:
-            yield from _walk(n.attr("body"))
-
-
-def _plans(plan: MemoryPlan):
-    yield plan
-    for sub in plan.bodies.values():
-        yield from _plans(sub)
 
 
 def _reference(spec, seed: int = 1):

@@ -229,20 +229,28 @@ def test_cpu_and_triton_agree_on_the_bf16_mac_forward() -> None:
     assert abs(lc - lt) <= 1e-3 * abs(lc)
 
 
-def test_emitted_bf16_program_matches_the_cpu_executor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scan_kernels", [True, False], ids=["scan-kernels", "host-loops"])
+def test_emitted_bf16_program_matches_the_cpu_executor(tmp_path: Path, monkeypatch,
+                                                       scan_kernels: bool) -> None:
     """`titanc compile` of a bf16 spec writes a program.py whose planned views carry each
-    tensor's dtype (bf16 activations, float32 masters) and whose forward gives the cpu
-    executor's loss."""
+    tensor's dtype (bf16 activations, float32 masters: visible where the layer scan is a host
+    loop, whose body values are planned views; a scan kernel keeps them in its workspace) and
+    whose forward gives the cpu executor's loss."""
     import importlib.util
 
-    from titanc.codegen.emit import emit_artifact
+    import titanc.codegen.emit as emit
+    from titanc.codegen.scan_index import ScanFallback
     from titanc.params import init_params
     from titanc.runtime.executor import ArenaExecutor
 
+    if not scan_kernels:
+        def refuse(*args, **kwargs):
+            raise ScanFallback("refused by the test")
+        monkeypatch.setattr(emit, "scan_kernel_for", refuse)
     spec = load_spec(TINY, {"model.block": "attn", **BF16})
     c = compile_graphs(spec)
-    emit_artifact(c, tmp_path)
-    assert "torch.bfloat16" in (tmp_path / "program.py").read_text()
+    emit.emit_artifact(c, tmp_path)
+    assert ("torch.bfloat16" in (tmp_path / "program.py").read_text()) == (not scan_kernels)
     mod_spec = importlib.util.spec_from_file_location("titanc_bf16_program",
                                                       tmp_path / "program.py")
     program = importlib.util.module_from_spec(mod_spec)

@@ -10,6 +10,7 @@ from titanc.compiler import compile_graphs
 from titanc.spec import load_spec
 from titanc.ir import Op
 from titanc.step_profile import compiled_profile, is_computing, step_profile
+from tests.helpers import plans_nested as _plans
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # issue 12, measured when it was filed: tiny.yaml's training schedule had 357 kernels (scan
@@ -85,12 +86,6 @@ def test_profile_follows_the_plans() -> None:
     assert p["kernels_all"] == total - noops
     launches = sum(f["launches"] for f in p["families"].values())
     assert launches >= p["kernels_all"]
-
-
-def _plans(plan):  # type: ignore[no-untyped-def]
-    yield plan
-    for b in plan.bodies.values():
-        yield from _plans(b)
 
 
 def test_computing_nodes() -> None:
