@@ -254,6 +254,8 @@ def test_int64_reduction_and_cumsum_path_matches_when_interpreted(monkeypatch) -
     toks = tokens(load_spec(TINY))
     want = titanc.compile(TINY, **over, **{"compile.target": "cpu"}).loss(toks)
     monkeypatch.setattr(hooks_rows, "needs_int64", lambda *numels: True)
+    # host loops: the body's reductions and cumsums run as the forced-wide kernels themselves
+    monkeypatch.setenv("TITANC_SCAN_KERNELS", "0")
     tri = titanc.compile(TINY, **over, **{"compile.target": "triton"})
     plan = tri.compiled.plans["forward"]
     sources = [code.source for _, _, code in plan_kernels(plan)
