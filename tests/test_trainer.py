@@ -240,6 +240,7 @@ def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "IR: forward " in out and "initial held-out loss" in out
     assert "training loss: step 1: " in out and "vs unigram baseline" in out
+    assert "launched on triton (a scan kernel once)" in out and " attention_fwd" in out
     assert (tmp_path / "demo" / "loss.png").exists()
 
 
