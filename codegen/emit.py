@@ -2,7 +2,7 @@
 
 `emit_artifact(compiled, out_dir)` renders every kernel of the compiled graphs (`forward`,
 `training`, `optimizer`; scan kernels, or the bodies of scans that stay host loops) through
-`codegen.hooks` and `codegen.scan_kernel` and writes
+`codegen.lower` and `codegen.scan` and writes
 
     kernels/<kernel>.py   one module per distinct source: kernels whose sources differ only in
                           their header and name share the file of the first one (its header
@@ -14,7 +14,7 @@
     program.py            one straight-line function per graph that creates the planned views
                           of its arena and persistent region and launches the kernels in
                           schedule order. A scan is what the triton target runs: one launch
-                          of its scan kernel (`codegen.scan_kernel`, written to kernels/ like
+                          of its scan kernel (`codegen.scan`, written to kernels/ like
                           the others), or, where the scan cannot be one kernel, a `for` loop
                           over a function running one step of its body in the scan's
                           workspace, copying nothing: where each iteration reads and writes
@@ -44,10 +44,10 @@ from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan, ScanHomes
 from titanc.passes.schedule import is_immediate
 from titanc.runtime.rundir import write_text_atomic
 
-from .expr import format_number
-from .hooks import KernelCode, graph_dtype, plan_kernels
+from .lower.dispatch import KernelCode, graph_dtype, plan_kernels
+from .lower.expr import format_number
 from .render import sanitize_comment, sanitize_identifier
-from .scan_kernel import ScanFallback, ScanKernel, scan_kernel_for
+from .scan.kernel import ScanKernel
 
 __all__ = ["Artifact", "emit_artifact", "GRAPHS"]
 
@@ -102,19 +102,12 @@ def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
     per_graph: dict[str, list[Any]] = {}
     rendered: dict[tuple[int, str], Any] = {}                   # (id(plan), kernel) -> code
 
-    def one_kernel(plan: MemoryPlan, kern: Any, sid: int) -> ScanKernel | None:
-        """The scan's one kernel, as the triton target runs it, or None (a host loop)."""
-        try:
-            return scan_kernel_for(plan, kern, sid, graph_dtype(plan.schedule.graph), tf32)
-        except ScanFallback:
-            return None
-
     inside: dict[str, dict[str, str]] = {}          # graph -> body kernel -> its scan kernel
     for name in GRAPHS:
         per_graph[name] = []
         inside[name] = {}
         for plan, kern, code in plan_kernels(compiled.plans[name], spec_path=spec_path,
-                                             allow_tf32=tf32, scan_kernel=one_kernel):
+                                             allow_tf32=tf32, scan_kernels=True):
             rendered[(id(plan), kern.name)] = code
             per_graph[name].append(code)
             codes.setdefault(code.key, []).append((name, code))
@@ -188,7 +181,7 @@ from pathlib import Path
 
 import torch
 
-from titanc.codegen.scan_kernel import host_table
+from titanc.codegen.scan.kernel import host_table
 from titanc.passes.memory_plan import ScanHomes
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"

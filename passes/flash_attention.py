@@ -6,7 +6,7 @@
       ->  o = ITEM 0 of ATTENTION(q, k, v; scale, n_q, q_start, groups)
 
 The MASK's attrs become the op's attrs, so the visible (query, key) pairs are known statically:
-the flash kernels (`codegen/pattern_kernels.py`, `runtime/pattern_kernels.py`) never hold a
+the flash kernels (`codegen/lower/patterns.py`, `runtime/pattern_kernels.py`) never hold a
 [B, H, Tq, Tk] scores or probabilities tensor. The op also returns the log-sum-exp of each
 query row (ITEM 1): its VJP (`passes/autodiff.py`) is one ATTENTION_BWD that recomputes the
 probabilities from it. Run it after canonicalize and before autodiff (so the backward

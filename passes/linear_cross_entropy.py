@@ -4,7 +4,7 @@
       ->  loss = sum(ITEM 0 of LINEAR_CROSS_ENTROPY(h (B·T, D), head, targets (B·T,))) / (B·T)
 
 The op's kernels (`runtime/pattern_kernels.py` on the cpu target, `cross_entropy.py.jinja`
-through `codegen/pattern_kernels.py` on triton) compute the logits one [rows, vocab] tile at
+through `codegen/lower/patterns.py` on triton) compute the logits one [rows, vocab] tile at
 a time with an online log-sum-exp, so no [B·T, V] (nor [chunk, V]) logits value exists in the
 graph or the plan. ITEM 1 is each row's log-sum-exp: the op's VJP (`ir/linear_cross_entropy.py`)
 is one LINEAR_CROSS_ENTROPY_BWD that recomputes the logits tiles from it. Run it on the

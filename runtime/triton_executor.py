@@ -1,10 +1,10 @@
 """The `triton` target: a schedule's kernels as generated Triton, over the same memory plan.
 
 `TritonExecutor` is an `ArenaExecutor` whose builder launches one rendered kernel per fused
-kernel (`codegen.hooks.render_kernel`) instead of one torch closure per node. Binding is the
+kernel (`codegen.lower.dispatch.render_kernel`) instead of one torch closure per node. Binding is the
 arena executor's: every value a kernel reads or writes is a view of the activation arena, the
 persistent region or a caller-bound tensor. A scan is one launch of its scan kernel
-(`codegen.scan_kernel`: the iterations loop inside the kernel, grid over the scan's
+(`codegen.scan`: the iterations loop inside the kernel, grid over the scan's
 independent axes, workspace made once at bind time); a scan that cannot be one kernel keeps the
 arena executor's host loop (carry slots, xs staged per iteration, ys copied into their ITEM
 buffers) over its body's kernels, and its reason is kept in `fallbacks` (`TITANC_DEBUG=2`
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from titanc.codegen.hooks import KernelCode, graph_dtype, render_kernel
-from titanc.codegen.pattern_kernels import SCRATCH
+from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, render_kernel
+from titanc.codegen.lower.patterns import SCRATCH
 from titanc.codegen.render import interpret_mode, load_module
-from titanc.codegen.scan_kernel import (ScanFallback, ScanKernel, count_launches,
+from titanc.codegen.scan.kernel import (ScanFallback, ScanKernel, count_launches,
                                         host_table, scan_kernel_for)
 from titanc.errors import TitancError
 from titanc.ir import Op
@@ -95,7 +95,7 @@ def launch_tensors(code: KernelCode, tensor_of: Any, scratch: Any = None) -> lis
 
 class _TritonBuilder(_Builder):
     """Binds like `_Builder`; a non-scan kernel becomes one launch of its rendered module, a
-    scan one launch of its scan kernel (`codegen.scan_kernel`) or, where the scan cannot be
+    scan one launch of its scan kernel (`codegen.scan`) or, where the scan cannot be
     one kernel, the host loop over its body's launches. `launches` counts the kernel launches
     of one run of the schedule (a host-loop scan: its body's launches times its length)."""
 

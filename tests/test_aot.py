@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from titanc.codegen import aot
-from titanc.codegen.extra_families import render_scatter_along
-from titanc.codegen.hooks import plan_kernels
+from titanc.codegen.families.scatter import render_scatter_along
+from titanc.codegen.lower.dispatch import plan_kernels
 from titanc.codegen.meta import MATMUL_TILES, needs_int64
 from titanc.codegen.emit import GRAPHS
 from titanc.codegen.render import load_module
@@ -180,7 +180,7 @@ def test_attention_over_2_31_elements_generates_int64_offsets() -> None:
 
 def test_int64_attention_path_matches_when_interpreted() -> None:
     """The wide flash kernels (forced at a small size) give the narrow ones' results."""
-    from titanc.codegen.fixed_families import KeyGroup, render_attention_bwd, render_attention_fwd
+    from titanc.codegen.families.fixed import KeyGroup, render_attention_bwd, render_attention_fwd
 
     torch.manual_seed(0)
     groups, lens, T, D = [KeyGroup("p", False), KeyGroup("seq", True, 8)], (2, 19), 19, 12
@@ -247,7 +247,7 @@ def test_int64_reduction_and_cumsum_path_matches_when_interpreted(monkeypatch) -
     """Forced wide, the reduction and cumsum kernels of a memory model give the cpu target's
     loss (interpreted, tiny shapes)."""
     import titanc
-    from titanc.codegen import hooks_rows
+    from titanc.codegen.lower import rows as hooks_rows
     from tests.helpers import TINY, tokens
 
     over = {"model.block": "lmm", "model.n_layers": 1, "train.dtype": "float32"}

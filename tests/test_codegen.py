@@ -35,16 +35,12 @@ import yaml
 pytest.importorskip("triton")
 
 import titanc
-from titanc.codegen import hooks_rows
-from titanc.codegen.extra_families import (
-    CumsumScan,
-    render_cumsum,
-    render_scatter_along,
-)
-from titanc.codegen.hooks import render_kernel
 from titanc.codegen.emit import emit_artifact
+from titanc.codegen.families import CumsumScan, render_cumsum, render_scatter_along
+from titanc.codegen.lower import rows as hooks_rows
+from titanc.codegen.lower.dispatch import render_kernel
 from titanc.codegen.render import load_module
-from titanc.codegen.scan_kernel import ScanFallback
+from titanc.codegen.scan.kernel import ScanFallback
 from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter, Op
 from titanc.runtime.executor import ArenaExecutor
@@ -298,11 +294,12 @@ def test_emitted_program_matches_executor(tmp_path, monkeypatch, scan_kernels) -
     `ScanHomes` walk, as when a scan cannot be one kernel)."""
     import tests.reference as R
     import titanc.codegen.emit as emit
+    import titanc.codegen.lower.dispatch as dispatch
 
     if not scan_kernels:
         def refuse(*args, **kwargs):
             raise ScanFallback("refused by the test")
-        monkeypatch.setattr(emit, "scan_kernel_for", refuse)
+        monkeypatch.setattr(dispatch, "scan_kernel_for", refuse)
     spec = load_spec(ROOT / "examples" / "tiny_mal.yaml", small("tiny_mal"))
     c = compile_graphs(spec)
     art = emit_artifact(c, tmp_path)
@@ -370,7 +367,7 @@ def test_hostile_spec_compiles_to_import_safe_python(tmp_path, monkeypatch) -> N
     emit_artifact(compile_graphs(spec), out)
     allowed = {"__future__", "importlib.util", "math", "pathlib", "torch", "triton",
                "triton.language",
-               "titanc.codegen.scan_kernel", "titanc.passes.memory_plan"}  # the scan loop's two
+               "titanc.codegen.scan.kernel", "titanc.passes.memory_plan"}  # the scan loop's two
     files = sorted(out.rglob("*.py"))
     assert len(files) > 15          # kernels, program.py (views and fills run no kernel)
     for path in files:
@@ -403,25 +400,18 @@ def test_every_template_is_reached_by_a_compiled_program() -> None:
     import re
     from pathlib import Path
 
-    from titanc.codegen.hooks import graph_dtype, plan_kernels
-    from titanc.codegen.scan_kernel import ScanFallback, scan_kernel_for
+    from titanc.codegen.lower.dispatch import plan_kernels
     from titanc.compiler import compile_graphs
     from titanc.spec import load_spec
 
     root = Path(__file__).resolve().parent.parent
 
-    def one_kernel(plan, kern, sid):
-        try:
-            return scan_kernel_for(plan, kern, sid, graph_dtype(plan.schedule.graph))
-        except ScanFallback:
-            return None
-
     reached: set[str] = set()
     for over in ({}, {"compile.fused_loss": False}):
         c = compile_graphs(load_spec(root / "examples" / "tiny.yaml", over), verify_each=False)
         for kind in ("forward", "training", "optimizer"):
-            for callback in (None, one_kernel):
-                for _, _, code in plan_kernels(c.plans[kind], scan_kernel=callback):
+            for scan_kernels in (False, True):
+                for _, _, code in plan_kernels(c.plans[kind], scan_kernels=scan_kernels):
                     reached |= set(re.findall(r"codegen/templates/(\w+)\.py\.jinja",
                                               code.source))
     on_disk = {p.name.removesuffix(".py.jinja")

@@ -21,7 +21,7 @@ import torch
 import tests.reference as R
 from tests.helpers import graphs_nested as _walk, plans_nested as _plans, tiny_spec, tokens
 from titanc.attention import mac_attention, swa
-from titanc.codegen.hooks import render_kernel
+from titanc.codegen.lower.dispatch import render_kernel
 from titanc.compiler import SHARED, compile_graphs
 from titanc.frontend import lower_forward
 from titanc.ir import Builder, Graph, Op, interpret

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_spec
-from titanc.codegen.hooks import render_kernel
+from titanc.codegen.lower.dispatch import render_kernel
 from titanc.compiler import SHARED, compile_graphs
 from titanc.ir import Op, interpret
 from titanc.passes.fused_adamw import FusedAdamW

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import tests.reference as R
 from tests.helpers import BLOCKS, graphs_nested as _walk, plans_nested as _plans, tiny_spec, \
     tokens
-from titanc.codegen.hooks import render_kernel
+from titanc.codegen.lower.dispatch import render_kernel
 from titanc.compiler import compile_graphs
 from titanc.ir import Builder, Graph, Op, interpret
 from titanc.passes.autodiff import grad_graph

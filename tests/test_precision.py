@@ -239,14 +239,15 @@ def test_emitted_bf16_program_matches_the_cpu_executor(tmp_path: Path, monkeypat
     import importlib.util
 
     import titanc.codegen.emit as emit
-    from titanc.codegen.scan_index import ScanFallback
+    import titanc.codegen.lower.dispatch as dispatch
+    from titanc.codegen.scan.index import ScanFallback
     from titanc.params import init_params
     from titanc.runtime.executor import ArenaExecutor
 
     if not scan_kernels:
         def refuse(*args, **kwargs):
             raise ScanFallback("refused by the test")
-        monkeypatch.setattr(emit, "scan_kernel_for", refuse)
+        monkeypatch.setattr(dispatch, "scan_kernel_for", refuse)
     spec = load_spec(TINY, {"model.block": "attn", **BF16})
     c = compile_graphs(spec)
     emit.emit_artifact(c, tmp_path)

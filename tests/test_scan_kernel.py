@@ -1,4 +1,4 @@
-"""One Triton kernel per scan (`codegen/scan_kernel.py`), under TRITON_INTERPRET=1 on tiny shapes.
+"""One Triton kernel per scan (`codegen/scan/kernel.py`), under TRITON_INTERPRET=1 on tiny shapes.
 
 - parity (tier e): every memory-chunk scan of a training graph (forward, checkpoint and
   reverse/backward scans), rendered as one kernel and run on random operands, equals the
@@ -40,9 +40,9 @@ import torch
 pytest.importorskip("triton")
 
 import titanc
-from titanc.codegen import scan_kernel
+from titanc.codegen.scan import kernel as scan_kernel
 from titanc.codegen.render import load_module
-from titanc.codegen.scan_kernel import ScanFallback, ScanKernel, render_scan
+from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, render_scan
 from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter, Op
 from titanc.ir.structural import scan_ref
@@ -324,7 +324,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from titanc.codegen.render import load_module
-from titanc.codegen.scan_kernel import render_scan
+from titanc.codegen.scan.kernel import render_scan
 from titanc.compiler import compile_graphs
 from titanc.spec import load_spec
 

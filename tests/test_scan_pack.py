@@ -1,4 +1,4 @@
-"""Liveness packing of a scan kernel's workspace (`codegen/scan_pack.py`), tier (c).
+"""Liveness packing of a scan kernel's workspace (`codegen/scan/pack.py`), tier (c).
 
 Lifetimes are counted in stages (between `tl.debug_barrier()`s) and widened over loops; buffers
 with disjoint lifetimes share addresses, buffers of one stage never do. The numerical side
@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from titanc.codegen.scan_kernel import render_scan
-from titanc.codegen.scan_pack import BARRIER, lifetimes, pack, wsoff
+from titanc.codegen.scan.kernel import render_scan
+from titanc.codegen.scan.pack import BARRIER, lifetimes, pack, wsoff
 from titanc.compiler import compile_graphs
 from titanc.ir import Op
 from titanc.spec import load_spec

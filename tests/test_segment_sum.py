@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.helpers import tiny_spec
-from titanc.codegen.hooks import render_kernel
+from titanc.codegen.lower.dispatch import render_kernel
 from titanc.codegen.render import interpret_mode, load_module
-from titanc.codegen.segment_sum import index_add_work, render_segment_sum
+from titanc.codegen.families.scatter import index_add_work, render_segment_sum
 from titanc.compiler import compile_graphs
 from titanc.ir import Op
 

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from jinja2 import UndefinedError
 
-from titanc.codegen.expr import check_statement, pointwise_statements
+from titanc.codegen.lower.expr import check_statement, pointwise_statements
 from titanc.codegen.families import (
     TEMPLATE_LOCALS,
     KeyGroup,

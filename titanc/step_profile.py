@@ -88,8 +88,8 @@ def kernel_family(plan: MemoryPlan, kern: Any) -> str:
 
 def _one_kernel_rule() -> Callable[[MemoryPlan, int], bool]:
     """Does the triton target run scan `sid` of `plan` as one scan kernel?"""
-    from titanc.codegen.hooks import graph_dtype
-    from titanc.codegen.scan_kernel import ScanFallback, scan_kernel_for
+    from titanc.codegen.lower.dispatch import graph_dtype
+    from titanc.codegen.scan.kernel import ScanFallback, scan_kernel_for
 
     def one(p: MemoryPlan, sid: int) -> bool:
         kern = next(k for k in p.schedule.kernels if sid in k.nodes)

@@ -1,4 +1,4 @@
-"""Index arithmetic and value references of a scan kernel (`codegen.scan_kernel`).
+"""Index arithmetic and value references of a scan kernel (`codegen.scan`).
 
 Coordinates are Triton expressions (strings); a `Ref` says where a body value lives (the
 program's workspace region, a kernel tensor, a literal, or a view / inlined node evaluated

@@ -1,4 +1,4 @@
-"""Liveness packing of a scan kernel's workspace (`codegen.scan_kernel`).
+"""Liveness packing of a scan kernel's workspace (`codegen.scan`).
 
 While a scan kernel is emitted, every workspace buffer gets a symbolic offset, the token
 `wsoff(k)` (buffer k), in the lines that read or write it. `pack(lines, sizes)` then gives

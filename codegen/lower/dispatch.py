@@ -12,8 +12,8 @@ it (which values, viewed how, and the trailing size arguments of its `launch`).
                          axes the rows of a [rows, cols] index space; the input-domain nodes
                          are the prologue (stored prologue values are row stores), the
                          output-domain nodes the last stage's epilogue, stored per row
-                         (`hooks_rows.py`).
-    reduction (CUMSUM)   scan_cumsum.py.jinja: the scanned axis is the columns (`hooks_rows.py`).
+                         (`rows.py`).
+    reduction (CUMSUM)   scan_cumsum.py.jinja: the scanned axis is the columns (`rows.py`).
     matmul               matmul.py.jinja in indexed mode: the einsum's letters grouped into
                          batch / M / N / K, operand tiles read through their views by index
                          statements (a concat or a mask operand is never materialized), the
@@ -32,44 +32,46 @@ naming the kernel and the node; there is no fallback.
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Callable, Collection, Iterator
+from typing import Collection, Iterator
 
 from titanc.ir import Graph, Op, OpGroup, format_node
 from titanc.ir.shapes import parse_einsum
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel
 
-from .extra_families import render_scatter_along
-from .fused_families import render_matmul, render_pointwise
-from .hooks_rows import lower_cumsum, lower_reduction
+from ..families.fused import render_matmul, render_pointwise
+from ..families.scatter import render_scatter_along, render_segment_sum
+from ..meta import compute_dtype, matmul_tiles, needs_int64, pow2
+from ..scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
+from .code import KernelCode, TensorArg, code_of, graph_dtype, index_tile, indexed_args, store
 from .indexing import Ix, Names, Section, delinearize, reshape_coords
-from .kernel_code import (KernelCode, TensorArg, code_of, graph_dtype, index_tile,
-                          indexed_args, store)
-from .lowering import KernelLowering, Val
-from .meta import compute_dtype, matmul_tiles, needs_int64, pow2
-from .pattern_kernels import render_pattern
-from .segment_sum import render_segment_sum
+from .nodes import KernelLowering, Val
+from .patterns import render_pattern
+from .rows import lower_cumsum, lower_reduction
 
 __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
 
 
 def plan_kernels(plan: MemoryPlan, dtype: str | None = None, spec_path: str = "",
-                 allow_tf32: bool = False, scan_kernel: Callable[..., Any] | None = None
-                 ) -> Iterator[tuple[MemoryPlan, Kernel, Any]]:
-    """(plan, kernel, code) for every kernel of a plan's schedule and its scan bodies
-    (pre-order); no-op kernels (all outputs alias storage that already holds them) are
-    skipped, aliased outputs are not stored. A scan yields what `scan_kernel(plan, kernel,
-    scan id)` gives (its one kernel) or, where that is None or no callback is given, its
-    body's kernels."""
+                 allow_tf32: bool = False, scan_kernels: bool = False
+                 ) -> Iterator[tuple[MemoryPlan, Kernel, KernelCode | ScanKernel]]:
+    """The one dispatch from schedule kernels to families: (plan, kernel, code) for every
+    kernel of a plan's schedule and its scan bodies (pre-order). No-op kernels (all outputs
+    alias storage that already holds them) are skipped, aliased outputs are not stored. A
+    scan is one `ScanKernel` (`codegen.scan`) when `scan_kernels` is set and it renders as
+    one, as the triton target runs it; otherwise its body's kernels (a host loop)."""
     g = plan.schedule.graph
     dt = dtype or graph_dtype(g)
     for k, kern in enumerate(plan.schedule.kernels):
         scan = [n for n in kern.nodes if n in plan.bodies]
-        one = scan_kernel(plan, kern, scan[0]) if scan and scan_kernel else None
-        if one is not None:
-            yield plan, kern, one
-        elif scan:
-            yield from plan_kernels(plan.bodies[scan[0]], dt, spec_path, allow_tf32, scan_kernel)
+        if scan and scan_kernels:
+            try:
+                yield plan, kern, scan_kernel_for(plan, kern, scan[0], dt, allow_tf32)
+                continue
+            except ScanFallback:
+                pass
+        if scan:
+            yield from plan_kernels(plan.bodies[scan[0]], dt, spec_path, allow_tf32, scan_kernels)
         elif not plan.is_noop(k):
             yield plan, kern, render_kernel(g, kern, dtype=dt, spec_path=spec_path,
                                             skip=set(plan.aliases), allow_tf32=allow_tf32,

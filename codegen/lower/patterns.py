@@ -1,5 +1,5 @@
 """Hooks of the pattern kernels: a kernel holding one `OpGroup.PATTERN` op (and its ITEMs)
-rendered from its fixed template family (`fixed_families.py`).
+rendered from its fixed template family (`codegen/families/fixed.py`).
 
     ATTENTION      attention_fwd.py.jinja: flash attention forward over the MASK's key groups
                    (`launch(q, k, v, o, lse, n_<group>..., sm_scale)`)
@@ -23,11 +23,11 @@ from __future__ import annotations
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.passes.schedule import Kernel
 
-from .fixed_families import (KeyGroup, render_attention_bwd, render_attention_fwd,
+from ..families.fixed import (KeyGroup, render_attention_bwd, render_attention_fwd,
                              render_cross_entropy)
-from .kernel_code import KernelCode, TensorArg
-from .meta import compute_dtype, needs_int64
-from .render import render
+from .code import KernelCode, TensorArg
+from ..meta import compute_dtype, needs_int64
+from ..render import render
 
 __all__ = ["SCRATCH", "key_groups", "render_pattern"]
 

@@ -1,42 +1,38 @@
-"""The kernel template families: one `render_<family>` hook per `codegen/templates/*.py.jinja`.
+"""The kernel template families: one renderer per `codegen/templates/*.py.jinja`, plain Triton
+in the template, the choice of dtypes, block sizes and layout in the renderer. Hooks that read
+the IR and pick a family live in `codegen.lower`; the scan kernel in `codegen.scan`.
 
-Fused families (`fused_families.py`, hook-made statements inside):
+Fused families (`fused.py`, hook-made statements inside):
     render_pointwise      poi  launch(*inputs, *outputs, *scalars, shape)
     render_reduction      red  launch(*inputs, *row_outputs, *reduced_outputs, n_rows, n_cols)
     render_matmul         mm   launch(a, b, c[, scale], *epilogue_inputs, *scalars)
-Fixed-structure families (`fixed_families.py`, rendered for the pattern ops):
+    render_cumsum         red  launch(*indexed, n_rows, n_cols)            (`cumsum.py`)
+Fixed-structure families (`fixed.py`, rendered for the pattern ops by `lower/patterns.py`):
     render_attention_fwd  tem  launch(q, k, v, o, lse, *group_lengths, sm_scale)
     render_attention_bwd  tem  launch(q, k, v, o, lse, do, dq, dk, dv, delta, *group_lengths,
                                       sm_scale)
     render_cross_entropy  tem  launch(h, w, target, loss, lse)
                                backward: launch(h, w, target, lse, dloss, dh, dw)
-The one-launch AdamW (`adamw_multi.py.jinja`) is rendered by `pattern_kernels.py` and the
-embedding gradient (`segment_sum.py.jinja`) by `segment_sum.py`.
-
-Families added for the IR hooks (`extra_families.py`; `hooks.py` maps schedule kernels onto
-all of these):
-    render_cumsum         red  launch(*indexed, n_rows, n_cols)
+    adamw_multi.py.jinja  tem  the one-launch AdamW (rendered by `lower/patterns.py`)
+Scatter families (`scatter.py`, the VJPs of the gathers, no atomics):
+    render_segment_sum    tem  launch(grad [n, C], index [n], out [R, C])
     render_scatter_along  tem  launch(grad [R], index [R], out [R, size])
 
-Each hook returns module source; `render.load_module(source, name)` imports it.
+Each renderer returns module source; `render.load_module(source, name)` imports it.
 """
 
 from __future__ import annotations
 
-from .fixed_families import (
+from ..meta import LAUNCH_LOCALS
+from .cumsum import CUMSUM_KERNEL_LOCALS, CumsumScan, render_cumsum
+from .fixed import (
     ATTENTION_KERNEL_LOCALS,
     KeyGroup,
     render_attention_bwd,
     render_attention_fwd,
     render_cross_entropy,
 )
-from .extra_families import (
-    CUMSUM_KERNEL_LOCALS,
-    CumsumScan,
-    render_cumsum,
-    render_scatter_along,
-)
-from .fused_families import (
+from .fused import (
     MATMUL_KERNEL_LOCALS,
     POINTWISE_KERNEL_LOCALS,
     REDUCTION_KERNEL_LOCALS,
@@ -45,7 +41,7 @@ from .fused_families import (
     render_pointwise,
     render_reduction,
 )
-from .meta import LAUNCH_LOCALS
+from .scatter import render_scatter_along, render_segment_sum
 
 __all__ = [
     "TEMPLATE_LOCALS",
@@ -60,6 +56,7 @@ __all__ = [
     "render_pointwise",
     "render_reduction",
     "render_scatter_along",
+    "render_segment_sum",
 ]
 
 # Names each family's template binds itself (kernel and launcher locals, module constants):

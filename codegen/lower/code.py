@@ -14,7 +14,7 @@ from titanc.ir import Graph
 from titanc.ir.types import TensorType
 
 from .indexing import Ix, Section
-from .lowering import KernelLowering
+from .nodes import KernelLowering
 
 __all__ = ["KernelCode", "TensorArg", "code_of", "graph_dtype", "index_tile", "indexed_args",
            "store"]

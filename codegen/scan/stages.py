@@ -11,11 +11,11 @@ from typing import Any, Callable, Iterator
 
 from titanc.ir import Graph, Node, Op, OpGroup
 
-from .meta import pow2
-from .render import sanitize_comment
-from .scan_index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
+from ..meta import pow2
+from ..render import sanitize_comment
+from .index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
                          _PaxError, _RegMiss, _delin, _local)
-from .scan_values import LOW_CASTS, _Emitter
+from .values import LOW_CASTS, _Emitter
 
 
 class _Redo(Exception):

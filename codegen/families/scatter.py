@@ -1,4 +1,10 @@
-"""The embedding gradient (INDEX_ADD, the VJP of a row gather) as a deterministic segment sum.
+"""The scatter families (`tem`): the VJPs of the gathers, each output element written once (no
+atomics), so results do not depend on the launch order.
+
+    render_segment_sum    launch(grad [n, C], index [n], out [R, C])   VJP of TAKE (INDEX_ADD)
+    render_scatter_along  launch(grad [R], index [R], out [R, size])   VJP of TAKE_ALONG
+
+The embedding gradient (INDEX_ADD, the VJP of a row gather) is a deterministic segment sum.
 
 `render_segment_sum` renders `segment_sum.py.jinja`: a stable sort of the indices and each
 row's segment start (the counting step, in the launcher), then one program per (row, column
@@ -12,10 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .meta import check_block, compute_dtype
-from .render import render
+from ..meta import check_block, compute_dtype
+from ..render import render
 
-__all__ = ["index_add_work", "render_segment_sum"]
+__all__ = ["index_add_work", "render_scatter_along", "render_segment_sum"]
 
 
 def render_segment_sum(
@@ -42,3 +48,22 @@ def index_add_work(family: str, n_idx: int, n_rows: int, n_cols: int) -> int:
     if family == "index_add":
         return n_rows * n_idx * n_cols
     raise ValueError(f"no INDEX_ADD family {family!r}; one of segment_sum, index_add")
+
+
+def render_scatter_along(
+    name: str,
+    *,
+    dtype: str = "float32",
+    header_lines: Sequence[str] = (),
+    block_r: int = 16,
+    block_c: int = 64,
+    num_warps: int = 4,
+    wide: bool = False,
+) -> str:
+    """`out = zeros; out.scatter_add_(-1, index[:, None], grad[:, None])`: one value per row;
+    `wide`: offsets in int64 (out has >= 2**31 elements, `meta.needs_int64`)."""
+    check_block("block_r", block_r)
+    check_block("block_c", block_c, 16)
+    return render("scatter_along.py.jinja", name=name, header_lines=header_lines,
+                  block_r=block_r, block_c=block_c, num_warps=num_warps,
+                  compute_dtype=compute_dtype(dtype), wide=wide)

@@ -1,13 +1,9 @@
-"""Families the IR hooks need beyond the fused three: cumulative sums with a prologue and an
-epilogue (`red`), and the scatter-add that is the VJP of TAKE_ALONG (`tem`; the VJP of TAKE,
-the embedding gradient, is `segment_sum.py`).
+"""The cumulative-sum family (`red`): a cumsum along the columns of a [rows, cols] index
+space with a prologue and an epilogue.
 
     render_cumsum         red  launch(*indexed, n_rows, n_cols)
-    render_scatter_along  tem  launch(grad [R], index [R], out [R, size])
 
-Like the fused families, `render_cumsum` carries hook-made statements through one `expr.Scope`;
-the scatter-add takes no statements. It writes every output element exactly once (no atomics),
-so its result does not depend on the launch order.
+Like the fused families, `render_cumsum` carries hook-made statements through one `expr.Scope`.
 """
 
 from __future__ import annotations
@@ -15,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .expr import Scope
-from .fused_families import indexed_tensors
-from .meta import LAUNCH_LOCALS, check_block, compute_dtype, pow2
-from .render import render
+from ..lower.expr import Scope
+from .fused import indexed_tensors
+from ..meta import LAUNCH_LOCALS, check_block, compute_dtype, pow2
+from ..render import render
 
-__all__ = ["CUMSUM_KERNEL_LOCALS", "CumsumScan", "render_cumsum", "render_scatter_along"]
+__all__ = ["CUMSUM_KERNEL_LOCALS", "CumsumScan", "render_cumsum"]
 
 CUMSUM_KERNEL_LOCALS = frozenset("""
     BLOCK_R BLOCK_C pid rows row_mask cols mask block col_start n_rows n_cols
@@ -102,21 +98,3 @@ def render_cumsum(
         wide=wide,
     )
 
-
-def render_scatter_along(
-    name: str,
-    *,
-    dtype: str = "float32",
-    header_lines: Sequence[str] = (),
-    block_r: int = 16,
-    block_c: int = 64,
-    num_warps: int = 4,
-    wide: bool = False,
-) -> str:
-    """`out = zeros; out.scatter_add_(-1, index[:, None], grad[:, None])`: one value per row;
-    `wide`: offsets in int64 (out has >= 2**31 elements, `meta.needs_int64`)."""
-    check_block("block_r", block_r)
-    check_block("block_c", block_c, 16)
-    return render("scatter_along.py.jinja", name=name, header_lines=header_lines,
-                  block_r=block_r, block_c=block_c, num_warps=num_warps,
-                  compute_dtype=compute_dtype(dtype), wide=wide)

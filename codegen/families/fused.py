@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .expr import Scope, slice_statements
-from .meta import LAUNCH_LOCALS, Tile, check_block, compute_dtype, dot_precision, pow2
-from .render import render
+from ..lower.expr import Scope, slice_statements
+from ..meta import LAUNCH_LOCALS, Tile, check_block, compute_dtype, dot_precision, pow2
+from ..render import render
 
 __all__ = [
     "MATMUL_KERNEL_LOCALS",

@@ -77,10 +77,11 @@ from titanc.passes.flash_attention import expand_attention
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, is_immediate
 
-from .meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
-from .render import render, sanitize_identifier
-from .scan_index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
-from .scan_stages import _ScanGen
+from ..lower.code import graph_dtype
+from ..meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
+from ..render import render, sanitize_identifier
+from .index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
+from .stages import _ScanGen
 
 __all__ = ["MAX_SERIAL", "MAX_SERIAL_NESTING", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
            "render_scan"]
@@ -336,8 +337,6 @@ def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: boo
     runs as a host loop launches its body's kernels once per iteration (its reason appended
     to `fallbacks`). `carries` gets, per scan kernel, where each loop's carries live
     (`ScanKernel.carries`, with the graph and kernel names)."""
-    from .hooks import graph_dtype
-
     dt = dtype or graph_dtype(plan.schedule.graph)
 
     def one_kernel(p: MemoryPlan, sid: int) -> bool:

@@ -13,10 +13,10 @@ from math import prod
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 
-from .expr import format_number
-from .scan_index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS,
+from ..lower.expr import format_number
+from .index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS,
                          _PaxError, _RegMiss, _TooBig, _bcast, _delin, _lin, _local, _sum)
-from .scan_pack import pack, wsoff
+from .pack import pack, wsoff
 
 def _bare(c: str) -> str:
     """`c` without redundant outer parentheses ("(rm3)" -> "rm3")."""

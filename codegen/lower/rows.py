@@ -12,12 +12,12 @@ from math import prod
 
 from titanc.ir import Op
 
-from .extra_families import CumsumScan, render_cumsum
-from .fused_families import ReductionStage, render_reduction
+from ..families.cumsum import CumsumScan, render_cumsum
+from ..families.fused import ReductionStage, render_reduction
 from .indexing import Ix, Names, Section, const, delinearize, reshape_coords
-from .kernel_code import KernelCode, TensorArg, code_of, index_tile, indexed_args, store
-from .lowering import KernelLowering, Val
-from .meta import needs_int64, pow2
+from .code import KernelCode, TensorArg, code_of, index_tile, indexed_args, store
+from .nodes import KernelLowering, Val
+from ..meta import needs_int64, pow2
 
 __all__ = ["MAX_ROW_BLOCK", "lower_cumsum", "lower_reduction"]
 
