@@ -125,7 +125,7 @@ def saved_bytes(g: Graph, policy: Policy) -> int:
 def choose_policy(g: Graph, train: Any) -> Policy:
     if train.remat == "none":
         return Policy("save_all")
-    if train.remat == "per_layer":
+    if train.remat in ("per_layer", "per_segment"):
         return Policy("recompute")
     budget = (train.remat_budget_mb or 0) * 2**20
     for p in (Policy("save_all"), Policy("mincut", True), Policy("mincut", False)):

@@ -72,7 +72,7 @@ BLOCK_KINDS: dict[str, BlockKind] = {
 }
 BLOCKS = tuple(BLOCK_KINDS)
 DTYPES = ("float32", "float64", "bfloat16")      # bfloat16: mixed precision, float32 masters
-REMAT_POLICIES = ("none", "per_layer", "budget")
+REMAT_POLICIES = ("none", "per_layer", "per_segment", "budget")
 TARGETS = ("auto", "cpu", "triton", "reference")
 _F32_MAX = 3.4028234663852886e38
 
