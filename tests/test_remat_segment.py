@@ -1,0 +1,145 @@
+"""`train.remat: per_segment`: the layer's per-token work a segment at a time (blocks.Parallel).
+
+- parity (float64, 1e-10): loss and every gradient equal the no-remat program's, for every
+  block kind, on the reference interpreter and on the cpu target's arena executor, with
+  the MAC conv history crossing segment boundaries (kernel 4), no conv (kernel 1), and a
+  segment shorter than the conv history (the unsegmented MAC is kept);
+- structure: no whole-sequence FFN hidden value exists in any plan; while the MAC segment
+  backward runs, the only whole-sequence buffers of the layer backward are the cotangent it
+  reads and the one it writes (per_layer keeps the queries' projection, conv taps and norm
+  alive there); the arena of a scaled-down large_125m (MAC, 2 layers, 8 segments) shrinks.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton test: set before triton is imported
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tests.reference as R
+from tests.helpers import BLOCKS, one_thread, plans_nested, tiny_spec, tokens  # noqa: F401
+from titanc.compiler import compile_graphs
+from titanc.ir import Op, interpret
+from titanc.passes.memory_plan import MemoryPlan
+from titanc.runtime.executor import ArenaExecutor
+from titanc.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"model.seq_len": 32, "model.memory.chunk_size": 2, "model.attention.segment": 8}
+
+
+def _grads(spec, executor: bool = False) -> dict[str, torch.Tensor]:
+    c = compile_graphs(spec)
+    inputs = {"tokens": tokens(spec), **R.init_params(spec.model, seed=7)}
+    if executor:
+        return ArenaExecutor(c.plans["training"]).run(inputs)
+    return interpret(c.grad, inputs)
+
+
+def _same(got: dict, want: dict) -> None:
+    assert set(got) >= set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-12, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_per_segment_matches_no_remat_float64(block: str) -> None:
+    want = _grads(tiny_spec(**BASE, **{"model.block": block, "train.remat": "none"}))
+    seg = tiny_spec(**BASE, **{"model.block": block, "train.remat": "per_segment"})
+    _same(_grads(seg), want)
+    _same({k: v.clone() for k, v in _grads(seg, executor=True).items()}, want)
+
+
+@pytest.mark.parametrize("extra", [{"model.memory.conv_kernel": 1},
+                                   {"model.attention.segment": 2, "model.memory.chunk_size": 1}])
+def test_per_segment_mac_conv_history_variants(extra: dict) -> None:
+    over = {**BASE, "model.block": "mac", **extra}
+    want = _grads(tiny_spec(**over, **{"train.remat": "none"}))
+    _same(_grads(tiny_spec(**over, **{"train.remat": "per_segment"})), want)
+
+
+def test_per_segment_is_segmented() -> None:
+    """The parity above compares different programs: per_segment has the FFN chunk scan and
+    MAC's query projection inside its segment body; per_layer has neither."""
+    def scans(remat: str) -> dict[str, list]:
+        fwd = compile_graphs(tiny_spec(**BASE, **{"model.block": "mac",
+                                                  "train.remat": remat})).forward
+        layer = next(n.attr("body") for n in fwd if n.op is Op.SCAN and n.attr("role") == "layer")
+        return {n.attr("body").name: n.attr("body") for n in layer if n.op is Op.SCAN}
+
+    seg, per_layer = scans("per_segment"), scans("per_layer")
+    assert set(seg) == {"mac_segment", "ffn_chunk"} and set(per_layer) == {"mac_segment"}
+    names = lambda g: {g.node(i).attr("name") for i in g.inputs}      # noqa: E731
+    assert {"x_prev", "mem_wq", "mem_norm"} <= names(seg["mac_segment"])
+    assert "hq" in names(per_layer["mac_segment"]) and "hq" not in names(seg["mac_segment"])
+
+
+def _large_like(remat: str):
+    """large_125m's shape of program at a CPU-test size: MAC, 8 segments, FFN 2.67 D."""
+    return load_spec(ROOT / "examples" / "large_125m.yaml", {
+        "model.d_model": 64, "model.n_layers": 2, "model.seq_len": 512, "model.ffn_hidden": 172,
+        "model.attention.heads": 4, "model.attention.window": 64,
+        "model.attention.segment": 64, "model.memory.chunk_size": 16,
+        "train.batch_size": 4, "train.remat": remat})
+
+
+def _whole_sequence_live_at_segment_bwd(plan: MemoryPlan, row_bytes: int) -> int:
+    """Buffers of at least B·T·D floats live while the layer backward runs its MAC segment
+    backward scan."""
+    layer_bwd = next(p for p in plans_nested(plan)
+                     if any(p.schedule.graph.node(b.value).op is Op.SCAN
+                            and p.schedule.graph.node(b.value).attr("body").name
+                            == "mac_segment_bwd" for b in p.buffers if b.kind == "workspace"))
+    g = layer_bwd.schedule.graph
+    (k,) = [b.first for b in layer_bwd.buffers if b.kind == "workspace"
+            and g.node(b.value).attr("body").name == "mac_segment_bwd"]
+    return sum(1 for b in layer_bwd.buffers
+               if b.kind != "workspace" and b.first <= k <= b.last and b.size >= row_bytes)
+
+
+def test_per_segment_shrinks_the_large_like_arena() -> None:
+    plans = {}
+    for remat in ("per_layer", "per_segment"):
+        spec = _large_like(remat)
+        plans[remat] = compile_graphs(spec, verify_each=False).plans["training"]
+    m, B = spec.model, spec.train.batch_size
+    row_bytes = B * m.seq_len * m.d_model * 4                       # one [B, T, D] float32
+    assert _whole_sequence_live_at_segment_bwd(plans["per_layer"], row_bytes) > 2
+    assert _whole_sequence_live_at_segment_bwd(plans["per_segment"], row_bytes) == 2
+    for plan in plans_nested(plans["per_segment"]):                # FFN hidden: a segment's
+        g = plan.schedule.graph
+        for b in plan.buffers:
+            t = g.node(b.value).type
+            if b.kind != "workspace" and t.shape and t.shape[-1] == m.ffn:
+                assert t.numel <= B * m.attention.segment * m.ffn, (b, t)
+    ratio = plans["per_segment"].arena_bytes / plans["per_layer"].arena_bytes
+    print(f"large-like arena per_layer {plans['per_layer'].arena_bytes} per_segment "
+          f"{plans['per_segment'].arena_bytes} ratio {ratio:.3f}")
+    assert ratio < 0.8
+
+
+@pytest.mark.parametrize("example", ["tiny", "tiny_mal"])
+def test_per_segment_triton_matches_cpu_float64(example: str) -> None:
+    """The FFN chunk scan and the segmented MAC body on the (interpreted) triton target."""
+    import titanc
+    from titanc.runtime.triton_executor import TritonExecutor
+
+    pytest.importorskip("triton")
+    over = {"model.d_model": 8, "model.n_layers": 1, "model.seq_len": 8, "model.vocab_size": 16,
+            "model.ffn_hidden": 8, "train.batch_size": 1, "model.attention.heads": 2,
+            "model.attention.segment": 4, "model.attention.window": 4,
+            "model.attention.persistent_tokens": 2, "model.memory.chunk_size": 2,
+            "model.memory.heads": 1, "train.dtype": "float64", "train.remat": "per_segment"}
+    path = ROOT / "examples" / f"{example}.yaml"
+    progs = {t: titanc.compile(path, **over, **{"compile.target": t}) for t in ("cpu", "triton")}
+    toks = torch.randint(0, 16, (1, 9), generator=torch.Generator().manual_seed(7))
+    losses = {t: p.train_step(toks) for t, p in progs.items()}
+    assert abs(losses["triton"] - losses["cpu"]) <= 1e-10 * max(1.0, abs(losses["cpu"]))
+    for name, p in progs["cpu"].parameters().items():
+        torch.testing.assert_close(progs["triton"].parameters()[name], p, rtol=1e-10,
+                                   atol=1e-12, msg=lambda m: f"parameter {name}: {m}")
+    assert all(type(ex) is TritonExecutor for ex in progs["triton"]._executors.values())
