@@ -117,10 +117,24 @@ class Parallel(Residuals):
         return y.reshape(B, T, D)
 
     def mac_residual(self, x: Value) -> Value:
+        """x + MAC(rmsnorm(x)); segmented: one sequence at a time (a scan over the batch
+        rows, each the segment scan of `mac(segmented=True)`), so the segment backward's
+        recomputed values and its saved memory states are one sequence's."""
         K = self.m.memory.conv_kernel
-        if self._segments(x.shape[1]) == 1 or K - 1 > self.m.attention.segment:
+        B, T, D = x.shape
+        if self._segments(T) == 1 or K - 1 > self.m.attention.segment:
             return super().mac_residual(x)
-        return self.mac(x, segmented=True)
+        if B == 1:
+            return self.mac(x, segmented=True)
+        keys = sorted(k for k in self.p if k.startswith(("attn_", "mem_", "mac_")))
+
+        def row(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+            sub = Parallel(bb, dict(zip(keys, consts)), self.m, self.segmented)
+            return [], [sub.mac(xs[0], segmented=True)]
+
+        _, (y,) = self.b.scan(row, [], [x.reshape(B, 1, T, D)], [self.p[k] for k in keys],
+                              length=B, name="mac_row", names=["x"] + keys, role="loop")
+        return y.reshape(B, T, D)
 
     def swa(self, u: Value) -> Value:
         return swa(self.b, u, self.p, self.m.attention.heads, self.m.attention.window)
