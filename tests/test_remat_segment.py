@@ -48,10 +48,12 @@ def _same(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-12, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("block", BLOCKS)
-def test_per_segment_matches_no_remat_float64(block: str) -> None:
+@pytest.mark.parametrize("block,rows", [(b, 1) for b in BLOCKS] + [("mac", 0)])
+def test_per_segment_matches_no_remat_float64(block: str, rows: int) -> None:
+    """rows 1: MAC one sequence at a time; 0 (auto): the tiny batch in one group."""
     want = _grads(tiny_spec(**BASE, **{"model.block": block, "train.remat": "none"}))
-    seg = tiny_spec(**BASE, **{"model.block": block, "train.remat": "per_segment"})
+    seg = tiny_spec(**BASE, **{"model.block": block, "train.remat": "per_segment",
+                               "train.remat_rows": rows})
     _same(_grads(seg), want)
     _same({k: v.clone() for k, v in _grads(seg, executor=True).items()}, want)
 
@@ -61,7 +63,8 @@ def test_per_segment_matches_no_remat_float64(block: str) -> None:
 def test_per_segment_mac_conv_history_variants(extra: dict) -> None:
     over = {**BASE, "model.block": "mac", **extra}
     want = _grads(tiny_spec(**over, **{"train.remat": "none"}))
-    _same(_grads(tiny_spec(**over, **{"train.remat": "per_segment"})), want)
+    _same(_grads(tiny_spec(**over, **{"train.remat": "per_segment", "train.remat_rows": 1})),
+          want)
 
 
 def test_per_segment_is_segmented() -> None:
@@ -69,14 +72,14 @@ def test_per_segment_is_segmented() -> None:
     scan over the batch rows, and MAC's query projection inside its segment body; per_layer
     has none of them."""
     def scans(remat: str) -> dict[str, list]:
-        fwd = compile_graphs(tiny_spec(**BASE, **{"model.block": "mac",
-                                                  "train.remat": remat})).forward
+        fwd = compile_graphs(tiny_spec(**BASE, **{"model.block": "mac", "train.remat": remat,
+                                                  "train.remat_rows": 1})).forward
         layer = next(n.attr("body") for n in fwd if n.op is Op.SCAN and n.attr("role") == "layer")
         return {n.attr("body").name: n.attr("body") for n in layer if n.op is Op.SCAN}
 
     seg, per_layer = scans("per_segment"), scans("per_layer")
-    assert set(seg) == {"mac_row", "ffn_chunk"} and set(per_layer) == {"mac_segment"}
-    segment = next(n.attr("body") for n in seg["mac_row"] if n.op is Op.SCAN)
+    assert set(seg) == {"mac_rows", "ffn_chunk"} and set(per_layer) == {"mac_segment"}
+    segment = next(n.attr("body") for n in seg["mac_rows"] if n.op is Op.SCAN)
     names = lambda g: {g.node(i).attr("name") for i in g.inputs}      # noqa: E731
     assert segment.name == "mac_segment" and segment.node(segment.inputs[0]).type.shape[0] == 1
     assert {"x_prev", "mem_wq", "mem_norm"} <= names(segment)
@@ -89,10 +92,10 @@ def _large_like(remat: str):
         "model.d_model": 64, "model.n_layers": 2, "model.seq_len": 512, "model.ffn_hidden": 172,
         "model.attention.heads": 4, "model.attention.window": 64,
         "model.attention.segment": 64, "model.memory.chunk_size": 16,
-        "train.batch_size": 4, "train.remat": remat})
+        "train.batch_size": 4, "train.remat": remat, "train.remat_rows": 1})
 
 
-MAC_BWD = ("mac_row_bwd", "mac_segment_bwd")       # the MAC backward scan, outermost first
+MAC_BWD = ("mac_rows_bwd", "mac_segment_bwd")       # the MAC backward scan, outermost first
 
 
 def _whole_sequence_live_at_mac_bwd(plan: MemoryPlan, row_bytes: int) -> int:
@@ -120,7 +123,7 @@ def test_per_segment_shrinks_the_large_like_arena() -> None:
     assert _whole_sequence_live_at_mac_bwd(plans["per_segment"], row_bytes) == 2
     for plan in plans_nested(plans["per_segment"]):                # one sequence at a time
         g = plan.schedule.graph
-        if g.name == "mac_row_bwd":
+        if g.name == "mac_rows_bwd":
             assert all(b.size <= row_bytes // B for b in plan.buffers if b.kind != "workspace")
     for plan in plans_nested(plans["per_segment"]):                # FFN hidden: a segment's
         g = plan.schedule.graph
@@ -145,10 +148,11 @@ def test_per_segment_triton_matches_cpu_float64(example: str) -> None:
             "model.ffn_hidden": 8, "train.batch_size": 1, "model.attention.heads": 2,
             "model.attention.segment": 4, "model.attention.window": 4,
             "model.attention.persistent_tokens": 2, "model.memory.chunk_size": 2,
-            "model.memory.heads": 1, "train.dtype": "float64", "train.remat": "per_segment"}
+            "model.memory.heads": 1, "train.dtype": "float64", "train.remat": "per_segment",
+            "train.batch_size": 2, "train.remat_rows": 1}
     path = ROOT / "examples" / f"{example}.yaml"
     progs = {t: titanc.compile(path, **over, **{"compile.target": t}) for t in ("cpu", "triton")}
-    toks = torch.randint(0, 16, (1, 9), generator=torch.Generator().manual_seed(7))
+    toks = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(7))
     losses = {t: p.train_step(toks) for t, p in progs.items()}
     assert abs(losses["triton"] - losses["cpu"]) <= 1e-10 * max(1.0, abs(losses["cpu"]))
     for name, p in progs["cpu"].parameters().items():
@@ -163,3 +167,15 @@ def test_peak_lists_what_the_peak_holds() -> None:
     assert sum(b.size for b in live) == plan.peak_activation_bytes
     assert [b.size for b in live] == sorted((b.size for b in live), reverse=True)
     assert all(b.first <= at <= b.last for b in live)
+
+
+def test_rows_per_group_auto() -> None:
+    """Auto (remat_rows 0): large_125m's MAC (S 512, D 768: 1.5 MiB a sequence) runs one
+    sequence at a time; the benchmark's (S 64, D 128: 32 KiB) keeps its batch of 4 together;
+    an explicit count is rounded down to a divisor of the batch."""
+    from titanc.blocks import Parallel
+
+    m = _large_like("per_segment").model
+    assert Parallel(None, {}, m, True)._rows_per_group(8, 512, 768) == 1   # type: ignore[arg-type]
+    assert Parallel(None, {}, m, True)._rows_per_group(4, 64, 128) == 4    # type: ignore[arg-type]
+    assert Parallel(None, {}, m, True, 3)._rows_per_group(8, 64, 128) == 2  # type: ignore[arg-type]

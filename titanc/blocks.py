@@ -19,6 +19,12 @@ from .nn import ffn, merge_heads, rmsnorm
 
 Params = dict[str, Value]
 
+# remat per_segment, train.remat_rows 0: the MAC scans run on groups of the fewest sequences
+# whose segment [rows, S, D] reaches this many float32 bytes (1 MiB): splitting the batch
+# shrinks the backward's working set, but below this size the launches of more, smaller
+# groups cost more time than the memory is worth
+ROW_GROUP_BYTES = 2**20
+
 
 class Mixers(Protocol):
     """The token mixers a block is composed of, on a normalised input u (B, T, D) -> (B, T, D).
@@ -90,8 +96,16 @@ class Parallel(Residuals):
     scan, so a layer's backward recomputes one segment at a time and no whole-sequence
     intermediate of them is live across the segment scan."""
 
-    def __init__(self, b: Builder, p: Params, m: ModelSpec, segmented: bool = False):
-        self.b, self.p, self.m, self.segmented = b, p, m, segmented
+    def __init__(self, b: Builder, p: Params, m: ModelSpec, segmented: bool = False,
+                 rows: int = 0):
+        self.b, self.p, self.m, self.segmented, self.rows = b, p, m, segmented, rows
+
+    def _rows_per_group(self, B: int, S: int, D: int) -> int:
+        """Sequences per MAC group: `rows` (train.remat_rows), or the fewest whose segment
+        reaches ROW_GROUP_BYTES; always a divisor of B."""
+        want = self.rows or next((r for r in range(1, B + 1)
+                                  if B % r == 0 and r * S * D * 4 >= ROW_GROUP_BYTES), B)
+        return max(r for r in range(1, min(want, B) + 1) if B % r == 0)
 
     def _segments(self, T: int) -> int:
         """Segments per sequence when running segmented, else 1."""
@@ -117,23 +131,24 @@ class Parallel(Residuals):
         return y.reshape(B, T, D)
 
     def mac_residual(self, x: Value) -> Value:
-        """x + MAC(rmsnorm(x)); segmented: one sequence at a time (a scan over the batch
-        rows, each the segment scan of `mac(segmented=True)`), so the segment backward's
-        recomputed values and its saved memory states are one sequence's."""
-        K = self.m.memory.conv_kernel
+        """x + MAC(rmsnorm(x)); segmented: `rows` sequences at a time (a scan over groups of
+        batch rows, each the segment scan of `mac(segmented=True)`), so the segment
+        backward's recomputed values and its saved memory states are one group's."""
+        K, S = self.m.memory.conv_kernel, self.m.attention.segment
         B, T, D = x.shape
-        if self._segments(T) == 1 or K - 1 > self.m.attention.segment:
+        if self._segments(T) == 1 or K - 1 > S:
             return super().mac_residual(x)
-        if B == 1:
+        r = self._rows_per_group(B, S, D)
+        if r == B:
             return self.mac(x, segmented=True)
         keys = sorted(k for k in self.p if k.startswith(("attn_", "mem_", "mac_")))
 
-        def row(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
-            sub = Parallel(bb, dict(zip(keys, consts)), self.m, self.segmented)
+        def rows(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+            sub = Parallel(bb, dict(zip(keys, consts)), self.m, self.segmented, self.rows)
             return [], [sub.mac(xs[0], segmented=True)]
 
-        _, (y,) = self.b.scan(row, [], [x.reshape(B, 1, T, D)], [self.p[k] for k in keys],
-                              length=B, name="mac_row", names=["x"] + keys, role="loop")
+        _, (y,) = self.b.scan(rows, [], [x.reshape(B // r, r, T, D)], [self.p[k] for k in keys],
+                              length=B // r, name="mac_rows", names=["x"] + keys, role="loop")
         return y.reshape(B, T, D)
 
     def swa(self, u: Value) -> Value:

@@ -204,6 +204,9 @@ class TrainSpec:
     dtype: str = _field("float32", choices=DTYPES)
     remat: str = _field("per_layer", choices=REMAT_POLICIES)
     remat_budget_mb: float | None = _field(None, gt=0)  # required when remat is budget
+    # per_segment, block mac: sequences per group of the MAC scans (0: the fewest whose
+    # segment [rows, S, D] reaches 1 MiB in float32, blocks.ROW_GROUP_BYTES)
+    remat_rows: int = _field(0, ge=0)
     loss_chunk: int = _field(1024, ge=0)         # tokens per LM-head chunk; 0 = unchunked
     grad_accum: int = _field(1, ge=1)            # micro-batches per optimizer step
     eval_every: int = _field(50, ge=0)           # steps between evaluations; 0 = never
