@@ -179,3 +179,17 @@ def test_rows_per_group_auto() -> None:
     assert Parallel(None, {}, m, True)._rows_per_group(8, 512, 768) == 1   # type: ignore[arg-type]
     assert Parallel(None, {}, m, True)._rows_per_group(4, 64, 128) == 4    # type: ignore[arg-type]
     assert Parallel(None, {}, m, True, 3)._rows_per_group(8, 64, 128) == 2  # type: ignore[arg-type]
+
+
+def test_memory_stats_unchanged_by_per_segment() -> None:
+    """Only the loss graph (forward, training) is segmented: the logits graph that
+    runtime.memory_stats watches keeps one chunk scan per layer over the whole batch."""
+    import titanc
+    from titanc.runtime.memory_stats import memory_stats
+
+    stats = []
+    for remat in ("per_layer", "per_segment"):
+        spec = tiny_spec(**BASE, **{"model.block": "mac", "train.remat": remat,
+                                    "train.remat_rows": 1})
+        stats.append(memory_stats(titanc.compile(spec), tokens(spec)))
+    assert stats[0] == stats[1] and len(stats[0]["layers"]) == 2

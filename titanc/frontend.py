@@ -83,7 +83,10 @@ def lower_forward(spec: Spec, batch: int | None = None, dtype: str | None = None
     tokens = b.input("tokens", (B, T + 1), "i64")
     params = {ps.name: b.input(ps.name, ps.shape, dt) for ps in param_specs(m)}
     x = b.take(params["embed"], tokens.slice(1, 0, T))            # (B, T, D)
-    x = layer_stack(b, x, params, m, spec.train.remat == "per_segment", spec.train.remat_rows)
+    # remat per_segment shapes the program the training graph differentiates (the loss);
+    # logits / logprobs keep the whole-sequence layers (memory_stats reads their chunk scans)
+    segmented = spec.train.remat == "per_segment" and output == "loss"
+    x = layer_stack(b, x, params, m, segmented, spec.train.remat_rows)
     if output == "logits":
         out = lm_logits(b, x, params, m.tie_embeddings)
     elif output == "logprobs":
