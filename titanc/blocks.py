@@ -92,8 +92,9 @@ def mac_output(y: Value, r: Value, p: Params) -> Value:
 class Parallel(Residuals):
     """The mixers over a whole training sequence (B, T, D). `segmented` (`train.remat:
     per_segment`): the FFN (with its norm and residual) runs as a scan over chunks of B·S
-    token rows, and MAC's norm, memory-query projection and residual move into its segment
-    scan, so a layer's backward recomputes one segment at a time and no whole-sequence
+    token rows, MAC's norm, memory-query projection and residual move into its segment scan,
+    and the MAC runs on groups of `rows` sequences (`train.remat_rows`, 0: auto), so a
+    layer's backward recomputes one segment of one group at a time and no whole-sequence
     intermediate of them is live across the segment scan."""
 
     def __init__(self, b: Builder, p: Params, m: ModelSpec, segmented: bool = False,
@@ -175,11 +176,11 @@ class Parallel(Residuals):
         ws, ss = initial_state(b, p, depth, B)
         u_seg = u.reshape(B, n_seg, S, D).permute(1, 0, 2, 3)     # (nS, B, S, D)
         if segmented:
-            # the last K-1 tokens of the previous segment (zeros before the first): the
-            # conv history of each segment's memory queries
-            last = u.reshape(B, n_seg, S, D).slice(2, S - K + 1, S)          # (B, nS, K-1, D)
-            prev = last.pad(1, 1, 0).slice(1, 0, n_seg).permute(1, 0, 2, 3)  # (nS, B, K-1, D)
-            xs = [u_seg] + ([prev] if K > 1 else [])
+            xs = [u_seg]
+            if K > 1:   # the previous segment's last K-1 tokens (zeros before the first): the
+                        # conv history of each segment's memory queries
+                last = u.reshape(B, n_seg, S, D).slice(2, S - K + 1, S)      # (B, nS, K-1, D)
+                xs.append(last.pad(1, 1, 0).slice(1, 0, n_seg).permute(1, 0, 2, 3))
         else:
             hq = project(b, u, p, mem, want="q").q                # (B, Nm, T, e), full-seq conv
             xs = [u_seg, hq.reshape(B, nm, n_seg, S, e).permute(2, 0, 1, 3, 4)]  # (nS,B,Nm,S,e)
