@@ -4,7 +4,7 @@ A scan's backward is a reverse scan; for every iteration it needs the body's int
 values. A `Policy` decides which of them the forward saves (stacked over iterations) and
 which the backward recomputes from the saved carry:
 
-- `recompute` (train.remat = per_layer): save only the carry at the start of every
+- `recompute` (train.remat = per_layer, per_segment): save only the carry at the start of every
   iteration. For the layer scan that is the per-layer checkpoint; for the memory scan the
   memory state at every chunk boundary. The backward re-runs one iteration at a time.
 - `save_all` (train.remat = none): save every non-view intermediate; nothing is recomputed.
