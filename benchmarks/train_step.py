@@ -406,6 +406,8 @@ def main() -> None:
                     help=f"comma-separated subset of {','.join(FRAMEWORKS)} (default: all; "
                          f"--quick leaves out torch_compile, whose compile of the unrolled token "
                          f"loop takes minutes even at the quick size)")
+    ap.add_argument("--remat", default="per_layer", choices=("none", "per_layer", "per_segment"),
+                    help="titanc's train.remat (default per_layer)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -420,6 +422,7 @@ def main() -> None:
         worker(args.worker, json.loads(args.spec), args.steps, args.warmup, args.threads)
         return
     spec = config(args.size)
+    spec["train"]["remat"] = args.remat
     default = [n for n in FRAMEWORKS if not (args.quick and n == "torch_compile")]
     names = [n for n in args.only.split(",") if n] if args.only else default
     unknown = [n for n in names if n not in FRAMEWORKS]

@@ -316,6 +316,18 @@ class MemoryPlan:
         """Is `vid` the root of a view that a generator makes at bind time (no storage)?"""
         return vid in self.constants
 
+    def peak(self) -> tuple[int, list[Buffer]]:
+        """The kernel at which the most planned bytes are live (workspaces at their planned
+        size; their sum there is `peak_activation_bytes`) and the buffers live then, largest
+        first: what the arena is made of (`benchmarks/arena_peak.py` prints it, recursively)."""
+        best, at = -1, 0
+        for k in range(len(self.schedule.kernels)):
+            live = sum(b.size for b in self.buffers if b.first <= k <= b.last)
+            if live > best:
+                best, at = live, k
+        return at, sorted((b for b in self.buffers if b.first <= at <= b.last),
+                          key=lambda b: (-b.size, b.value))
+
     @property
     def ratio(self) -> float:
         return self.arena_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0

@@ -4,7 +4,7 @@ A scan's backward is a reverse scan; for every iteration it needs the body's int
 values. A `Policy` decides which of them the forward saves (stacked over iterations) and
 which the backward recomputes from the saved carry:
 
-- `recompute` (train.remat = per_layer): save only the carry at the start of every
+- `recompute` (train.remat = per_layer, per_segment): save only the carry at the start of every
   iteration. For the layer scan that is the per-layer checkpoint; for the memory scan the
   memory state at every chunk boundary. The backward re-runs one iteration at a time.
 - `save_all` (train.remat = none): save every non-view intermediate; nothing is recomputed.
@@ -125,7 +125,7 @@ def saved_bytes(g: Graph, policy: Policy) -> int:
 def choose_policy(g: Graph, train: Any) -> Policy:
     if train.remat == "none":
         return Policy("save_all")
-    if train.remat == "per_layer":
+    if train.remat in ("per_layer", "per_segment"):
         return Policy("recompute")
     budget = (train.remat_budget_mb or 0) * 2**20
     for p in (Policy("save_all"), Policy("mincut", True), Policy("mincut", False)):

@@ -16,6 +16,7 @@ SETTINGS = [
     {"train.remat": "none", "train.loss_chunk": 0},
     {"train.remat": "per_layer", "train.loss_chunk": 0},
     {"train.remat": "per_layer", "train.loss_chunk": 8},
+    {"train.remat": "per_segment", "train.remat_rows": 1, "train.loss_chunk": 8},
     {"train.remat": "budget", "train.remat_budget_mb": 0.3, "train.loss_chunk": 5},
     {"train.remat": "budget", "train.remat_budget_mb": 0.001, "train.loss_chunk": 32},
 ]

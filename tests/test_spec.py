@@ -218,7 +218,7 @@ BAD_SPECS = [
     (edited(model__block="macc"), "model.block: 'macc' must be one of lmm, mac, mag, mal, attn"),
     (edited(train={"dtype": "float16"}),
      "train.dtype: 'float16' must be one of float32, float64, bfloat16"),
-    (edited(train={"remat": "all"}), "train.remat: 'all' must be one of none, per_layer, budget"),
+    (edited(train={"remat": "all"}), "train.remat: 'all' must be one of none, per_layer, per_segment, budget"),
     (edited(compile={"target": "cuda"}),
      "compile.target: 'cuda' must be one of auto, cpu, triton, reference"),
     # shapes

@@ -19,6 +19,12 @@ from .nn import ffn, merge_heads, rmsnorm
 
 Params = dict[str, Value]
 
+# remat per_segment, train.remat_rows 0: the MAC scans run on groups of the fewest sequences
+# whose segment [rows, S, D] reaches this many float32 bytes (1 MiB): splitting the batch
+# shrinks the backward's working set, but below this size the launches of more, smaller
+# groups cost more time than the memory is worth
+ROW_GROUP_BYTES = 2**20
+
 
 class Mixers(Protocol):
     """The token mixers a block is composed of, on a normalised input u (B, T, D) -> (B, T, D).
@@ -30,6 +36,24 @@ class Mixers(Protocol):
     def lmm(self, u: Value) -> Value: ...
 
     def mac(self, u: Value) -> Value: ...
+
+    def mac_residual(self, x: Value) -> Value: ...
+
+    def ffn_residual(self, x: Value) -> Value: ...
+
+
+class Residuals:
+    """The residual steps of a layer over its whole input: x + MAC(rmsnorm(x)) and
+    x + SwiGLU(rmsnorm(x)). `Parallel` under `train.remat: per_segment` overrides them to run
+    one segment at a time."""
+    p: Params
+
+    def mac_residual(self, x: Value) -> Value:
+        return x + self.mac(rmsnorm(x, self.p["mem_norm"]))  # type: ignore[attr-defined]
+
+    def ffn_residual(self, x: Value) -> Value:
+        p = self.p
+        return x + ffn(rmsnorm(x, p["ffn_norm"]), p["ffn_w1"], p["ffn_w3"], p["ffn_w2"])
 
 
 def block(mx: Mixers, x: Value, p: Params, m: ModelSpec) -> Value:
@@ -49,8 +73,8 @@ def block(mx: Mixers, x: Value, p: Params, m: ModelSpec) -> Value:
         x = x + mx.lmm(rmsnorm(x, p["mem_norm"]))
         x = x + mx.swa(rmsnorm(x, p["attn_norm"]))
     else:
-        x = x + mx.mac(rmsnorm(x, p["mem_norm"]))
-    return x + ffn(rmsnorm(x, p["ffn_norm"]), p["ffn_w1"], p["ffn_w3"], p["ffn_w2"])
+        x = mx.mac_residual(x)
+    return mx.ffn_residual(x)
 
 
 def lmm_output(y: Value, u: Value, p: Params) -> Value:
@@ -65,11 +89,68 @@ def mac_output(y: Value, r: Value, p: Params) -> Value:
     return (y * r.sigmoid()) @ p["mem_wo"]
 
 
-class Parallel:
-    """The mixers over a whole training sequence (B, T, D)."""
+class Parallel(Residuals):
+    """The mixers over a whole training sequence (B, T, D). `segmented` (`train.remat:
+    per_segment`): the FFN (with its norm and residual) runs as a scan over chunks of B·S
+    token rows, MAC's norm, memory-query projection and residual move into its segment scan,
+    and the MAC runs on groups of `rows` sequences (`train.remat_rows`, 0: auto), so a
+    layer's backward recomputes one segment of one group at a time and no whole-sequence
+    intermediate of them is live across the segment scan."""
 
-    def __init__(self, b: Builder, p: Params, m: ModelSpec):
-        self.b, self.p, self.m = b, p, m
+    def __init__(self, b: Builder, p: Params, m: ModelSpec, segmented: bool = False,
+                 rows: int = 0):
+        self.b, self.p, self.m, self.segmented, self.rows = b, p, m, segmented, rows
+
+    def _rows_per_group(self, B: int, S: int, D: int) -> int:
+        """Sequences per MAC group: `rows` (train.remat_rows), or the fewest whose segment
+        reaches ROW_GROUP_BYTES; always a divisor of B."""
+        want = self.rows or next((r for r in range(1, B + 1)
+                                  if B % r == 0 and r * S * D * 4 >= ROW_GROUP_BYTES), B)
+        return max(r for r in range(1, min(want, B) + 1) if B % r == 0)
+
+    def _segments(self, T: int) -> int:
+        """Segments per sequence when running segmented, else 1."""
+        S = self.m.attention.segment
+        return T // S if self.segmented and T % S == 0 else 1
+
+    def ffn_residual(self, x: Value) -> Value:
+        B, T, D = x.shape
+        n = self._segments(T)
+        if n == 1:
+            return super().ffn_residual(x)
+        keys = ["ffn_norm", "ffn_w1", "ffn_w2", "ffn_w3"]
+
+        def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+            pp = dict(zip(keys, consts))
+            x_c = xs[0]                                           # (B·T/n, D) token rows
+            return [], [x_c + ffn(rmsnorm(x_c, pp["ffn_norm"]), pp["ffn_w1"], pp["ffn_w3"],
+                                  pp["ffn_w2"])]
+
+        _, (y,) = self.b.scan(body, [], [x.reshape(n, B * T // n, D)],
+                              [self.p[k] for k in keys], length=n, name="ffn_chunk",
+                              names=["x"] + keys, role="loop")
+        return y.reshape(B, T, D)
+
+    def mac_residual(self, x: Value) -> Value:
+        """x + MAC(rmsnorm(x)); segmented: `rows` sequences at a time (a scan over groups of
+        batch rows, each the segment scan of `mac(segmented=True)`), so the segment
+        backward's recomputed values and its saved memory states are one group's."""
+        K, S = self.m.memory.conv_kernel, self.m.attention.segment
+        B, T, D = x.shape
+        if self._segments(T) == 1 or K - 1 > S:
+            return super().mac_residual(x)
+        r = self._rows_per_group(B, S, D)
+        if r == B:
+            return self.mac(x, segmented=True)
+        keys = sorted(k for k in self.p if k.startswith(("attn_", "mem_", "mac_")))
+
+        def rows(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+            sub = Parallel(bb, dict(zip(keys, consts)), self.m, self.segmented, self.rows)
+            return [], [sub.mac(xs[0], segmented=True)]
+
+        _, (y,) = self.b.scan(rows, [], [x.reshape(B // r, r, T, D)], [self.p[k] for k in keys],
+                              length=B // r, name="mac_rows", names=["x"] + keys, role="loop")
+        return y.reshape(B, T, D)
 
     def swa(self, u: Value) -> Value:
         return swa(self.b, u, self.p, self.m.attention.heads, self.m.attention.window)
@@ -82,34 +163,51 @@ class Parallel:
         _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q)
         return lmm_output(merge_heads(y), u, p)                 # y (B, T, D)
 
-    def mac(self, u: Value) -> Value:
-        """Memory as context: a scan over segments carrying the memory state."""
+    def mac(self, u: Value, segmented: bool = False) -> Value:
+        """Memory as context: a scan over segments carrying the memory state. `segmented`:
+        u is the raw layer input x; each segment normalises its tokens, projects its memory
+        queries (the causal conv reading the previous segment's last K-1 tokens, passed as a
+        per-segment slice) and returns x_s + MAC, i.e. the layer's residual."""
         b, p, m = self.b, self.p, self.m
         mem, att = m.memory, m.attention
         B, T, D = u.shape
-        S, nm, depth = att.segment, mem.heads, mem.depth
+        S, nm, depth, K = att.segment, mem.heads, mem.depth, mem.conv_kernel
         n_seg, e = T // S, D // nm
-        hq = project(b, u, p, mem, want="q").q                    # (B, Nm, T, e), full-seq conv
         ws, ss = initial_state(b, p, depth, B)
         u_seg = u.reshape(B, n_seg, S, D).permute(1, 0, 2, 3)     # (nS, B, S, D)
-        hq_seg = hq.reshape(B, nm, n_seg, S, e).permute(2, 0, 1, 3, 4)   # (nS, B, Nm, S, e)
+        if segmented:
+            xs = [u_seg]
+            if K > 1:   # the previous segment's last K-1 tokens (zeros before the first): the
+                        # conv history of each segment's memory queries
+                last = u.reshape(B, n_seg, S, D).slice(2, S - K + 1, S)      # (B, nS, K-1, D)
+                xs.append(last.pad(1, 1, 0).slice(1, 0, n_seg).permute(1, 0, 2, 3))
+        else:
+            hq = project(b, u, p, mem, want="q").q                # (B, Nm, T, e), full-seq conv
+            xs = [u_seg, hq.reshape(B, nm, n_seg, S, e).permute(2, 0, 1, 3, 4)]  # (nS,B,Nm,S,e)
         # loop-invariant weights the segment body reads (W⁽⁰⁾ enters as the carry)
-        keys = sorted(k for k in p if k.startswith(("attn_", "mem_", "mac_")) and k != "mem_norm"
-                      and not re.fullmatch(r"mem_w\d+", k))
+        keys = sorted(k for k in p if k.startswith(("attn_", "mem_", "mac_"))
+                      and (segmented or k != "mem_norm") and not re.fullmatch(r"mem_w\d+", k))
 
         def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
             pp = dict(zip(keys, consts))
             w, s = carry[:depth], carry[depth:]
-            u_s, hq_s = xs
+            if segmented:
+                x_s = xs[0]
+                u_s = rmsnorm(x_s, pp["mem_norm"])
+                u_h = bb.concat([rmsnorm(xs[1], pp["mem_norm"]), u_s], 1) if K > 1 else u_s
+                hq_s = project(bb, u_h, pp, mem, want="q").q.slice(2, K - 1, K - 1 + S)
+            else:
+                u_s, hq_s = xs
             h = merge_heads(retrieve(bb, w, hq_s))                # (B, S, D), read only
             y = mac_attention(bb, u_s, h, pp, att.heads)          # ỹ (B, S, D)
             yn = rmsnorm(y, pp["mac_norm"])                       # ŷ: the memory's input
             st = project(bb, yn, pp, mem)                         # segment-local conv history
             w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q)
-            return w2 + s2, [mac_output(y, merge_heads(r), pp)]
+            out = mac_output(y, merge_heads(r), pp)
+            return w2 + s2, [x_s + out if segmented else out]
 
         names = [f"W{i}" for i in range(1, depth + 1)] + [f"S{i}" for i in range(1, depth + 1)]
-        _, (out,) = b.scan(body, ws + ss, [u_seg, hq_seg], [p[k] for k in keys], length=n_seg,
-                           name="mac_segment", names=names + ["u", "hq"] + keys,
-                           role="segment")
+        xnames = (["x", "x_prev"][:len(xs)]) if segmented else ["u", "hq"]
+        _, (out,) = b.scan(body, ws + ss, xs, [p[k] for k in keys], length=n_seg,
+                           name="mac_segment", names=names + xnames + keys, role="segment")
         return out.permute(1, 0, 2, 3).reshape(B, T, D)

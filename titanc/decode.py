@@ -23,7 +23,7 @@ from typing import Any
 from titanc.ir import Builder, Graph, Value, dtype_name
 
 from .attention import attention
-from .blocks import block, lmm_output, mac_output
+from .blocks import Residuals, block, lmm_output, mac_output
 from .frontend import lm_logits
 from .memory import chunk_update, mlp, project
 from .nn import merge_heads, rmsnorm, rotate
@@ -60,7 +60,7 @@ def n_keys(m: ModelSpec, n: int) -> int:
     return P + m.attention.window + n
 
 
-class _Step:
+class _Step(Residuals):
     """The block mixers (`blocks.Mixers`) over n new tokens given one layer's state: emits the
     step and collects the state updates it returns."""
 

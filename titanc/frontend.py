@@ -54,13 +54,17 @@ def lm_logprobs(b: Builder, x: Value, params: dict[str, Value], targets: Value, 
     return lp.reshape(B, T)
 
 
-def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: ModelSpec) -> Value:
+def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: ModelSpec,
+                segmented: bool = False, rows: int = 0) -> Value:
+    """The layers as one scan over stacked weights; `segmented` (`train.remat: per_segment`):
+    each layer's per-token work runs a segment at a time, MAC `rows` sequences at a time
+    (`blocks.Parallel`)."""
     names = sorted(k for k in params if k.startswith("layers."))
     short = [k.removeprefix("layers.") for k in names]
 
     def body(bb: Builder, carry: list[Value], xs: list[Value], _: list[Value]):
         p = dict(zip(short, xs))
-        return [block(Parallel(bb, p, m), carry[0], p, m)], []
+        return [block(Parallel(bb, p, m, segmented, rows), carry[0], p, m)], []
 
     (x,), _ = b.scan(body, [x], [params[k] for k in names], length=m.n_layers,
                      name="layer", names=["x"] + short, role="layer")
@@ -79,7 +83,10 @@ def lower_forward(spec: Spec, batch: int | None = None, dtype: str | None = None
     tokens = b.input("tokens", (B, T + 1), "i64")
     params = {ps.name: b.input(ps.name, ps.shape, dt) for ps in param_specs(m)}
     x = b.take(params["embed"], tokens.slice(1, 0, T))            # (B, T, D)
-    x = layer_stack(b, x, params, m)
+    # remat per_segment shapes the program the training graph differentiates (the loss);
+    # logits / logprobs keep the whole-sequence layers (memory_stats reads their chunk scans)
+    segmented = spec.train.remat == "per_segment" and output == "loss"
+    x = layer_stack(b, x, params, m, segmented, spec.train.remat_rows)
     if output == "logits":
         out = lm_logits(b, x, params, m.tie_embeddings)
     elif output == "logprobs":

@@ -72,7 +72,7 @@ BLOCK_KINDS: dict[str, BlockKind] = {
 }
 BLOCKS = tuple(BLOCK_KINDS)
 DTYPES = ("float32", "float64", "bfloat16")      # bfloat16: mixed precision, float32 masters
-REMAT_POLICIES = ("none", "per_layer", "budget")
+REMAT_POLICIES = ("none", "per_layer", "per_segment", "budget")
 TARGETS = ("auto", "cpu", "triton", "reference")
 _F32_MAX = 3.4028234663852886e38
 
@@ -204,6 +204,9 @@ class TrainSpec:
     dtype: str = _field("float32", choices=DTYPES)
     remat: str = _field("per_layer", choices=REMAT_POLICIES)
     remat_budget_mb: float | None = _field(None, gt=0)  # required when remat is budget
+    # per_segment, block mac: sequences per group of the MAC scans (0: the fewest whose
+    # segment [rows, S, D] reaches 1 MiB in float32, blocks.ROW_GROUP_BYTES)
+    remat_rows: int = _field(0, ge=0)
     loss_chunk: int = _field(1024, ge=0)         # tokens per LM-head chunk; 0 = unchunked
     grad_accum: int = _field(1, ge=1)            # micro-batches per optimizer step
     eval_every: int = _field(50, ge=0)           # steps between evaluations; 0 = never
