@@ -78,7 +78,7 @@ Op.TAKE_ALONG = Op("TAKE_ALONG")         # (x [..., V], idx [...] int) -> [...]:
 Op.SCATTER_ALONG = Op("SCATTER_ALONG")   # VJP of TAKE_ALONG: (grad [...], idx) -> [..., size]; attrs: size
 # scans
 Op.CUMSUM = Op("CUMSUM")                 # attrs: axis, reverse
-Op.SCAN = Op("SCAN")                     # attrs: body, length, n_carry, n_xs, reverse, role (outputs a tuple)
+Op.SCAN = Op("SCAN")                     # attrs: body, length, n_carry, n_xs, reverse, role, checkpoint_dtype (optional) (outputs a tuple)
 Op.ITEM = Op("ITEM")                     # attrs: index   picks one value of a tuple-typed node
 # pattern ops (passes/flash_attention.py rewrites a subgraph into one; ir/attention.py has their rules)
 Op.ATTENTION = Op("ATTENTION")           # (q, k, v) -> (o, lse); attrs: scale, n_q, q_start, groups (as MASK)

@@ -9,8 +9,10 @@ adding its body's peak) is no higher than that of one kernel per node.
 
 Kernel families, with what a kernel may contain:
 - pointwise: elementwise ops, CAST, gathers (TAKE, TAKE_ALONG), views (RESHAPE, PERMUTE,
-  EXPAND, SLICE, PAD, CONCAT) and generators (FULL, ROPE, MASK); every computing node has the
-  kernel's element count (its domain) and is evaluated once per element.
+  EXPAND, SLICE, PAD, CONCAT) and generators (FULL, MASK); every computing node has the
+  kernel's element count (its domain) and is evaluated once per element. A ROPE table is a
+  kernel of its own, which the memory plan binds once as a constant (`MemoryPlan.views`):
+  its readers load cos/sin values instead of evaluating them per element.
 - reduction: SUM/AMAX sharing one input shape and axes, or CUMSUMs sharing shape, axis and
   direction, with a pointwise prologue on the reduction's input domain and a pointwise
   epilogue on its output domain; nothing on the input domain may depend on a reduction of the
@@ -222,6 +224,9 @@ class _Fuser:
     def category(self, members: list[int], inside: set[int]) -> str | None:
         """The kernel category of `members` fused, or None (the reason in `self.why`)."""
         nodes = [self.node[n] for n in members]
+        if len(nodes) > 1 and any(n.op is Op.ROPE for n in nodes):
+            return self._refuse("a rotary table stays alone: bound once as a constant table "
+                                "that readers load, never computed per element")
         tmpl = [n for n in nodes if n.op in TEMPLATES]
         if tmpl:
             t = tmpl[0]

@@ -163,6 +163,13 @@ class MixedPrecision:
         return _Rewrite(g).graph
 
 
+def _carry_dtype(role: str | None, t: Any) -> str:
+    """A scan carry's dtype: the residual stream a layer scan carries is an activation
+    (bf16: stored between layers, saved per layer for the backward, and so its cotangent);
+    every other carry keeps its type (the memory state W, S, loss accumulators)."""
+    return LOW if role == "layer" and t.dtype == HIGH else t.dtype
+
+
 class _Rewrite:
     """`g` rebuilt under the policy. A top-level graph keeps its outputs' types; a scan body
     (`in_types`: its inputs' new types, by position) keeps its `n_carry` carries' types and
@@ -259,7 +266,8 @@ class _Rewrite:
         a = node.attr_dict
         body: Graph = a["body"]
         nc, nx_ = a["n_carry"], a["n_xs"]
-        carry_dtypes = [body.node(i).type.dtype for i in body.inputs[:nc]]
+        carry_dtypes = [_carry_dtype(a.get("role"), body.node(i).type)
+                        for i in body.inputs[:nc]]
         ins = [self._to(v, carry_dtypes[k]) if k < nc else v for k, v in enumerate(ins)]
         in_types = []
         for k, v in enumerate(ins):
@@ -267,7 +275,9 @@ class _Rewrite:
             in_types.append(t if k < nc or k >= nc + nx_
                             else type(t)(t.shape[1:], t.dtype))
         new_body = _Rewrite(body, in_types, nc).graph
-        return self.graph.add_like(node, ins, body=new_body)
+        # the carries saved per iteration for the backward (the memory state at every chunk
+        # or segment boundary) are stored bf16; the carries themselves stay as they are
+        return self.graph.add_like(node, ins, body=new_body, checkpoint_dtype=LOW)
 
 
 mixed_precision = MixedPrecision()

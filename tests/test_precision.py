@@ -61,12 +61,14 @@ def test_the_compiler_assigns_bf16_and_float32_by_the_policy() -> None:
             assert all(g.node(i).type.dtype == "bf16" for i in n.inputs), n
         if n.op in (Op.SUM, Op.CUMSUM, Op.LOG):     # statistics, log-space gates, the loss
             assert n.type.dtype == "f32", n
-        if n.op is Op.SCAN:                         # carries keep float32: W, S, the residual
+        if n.op is Op.SCAN:     # the residual stream is a bf16 activation; W, S stay float32
             body: Graph = n.attr("body")
+            want = "bf16" if n.attr("role") == "layer" else "f32"
             for i in body.inputs[:n.attr("n_carry")]:
-                assert body.node(i).type.dtype == "f32", (body.name, body.node(i))
+                assert body.node(i).type.dtype == want, (body.name, body.node(i))
             if n.attr("role") == "memory":
                 seen["memory_carry"] += n.attr("n_carry")
+            assert n.attr("checkpoint_dtype") == "bf16"    # what the backward saves of them
         if n.op in (Op.ADD, Op.MUL, Op.SUB, Op.DIV, Op.MAX):
             assert len({g.node(i).type.dtype for i in n.inputs}) == 1, n
     assert seen["einsum"] >= 10 and seen["memory_carry"] >= 4
