@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
+import torch
+
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.types import TensorType
@@ -48,6 +50,10 @@ class Val:
     dims: frozenset[str] = frozenset()
     literal: float | None = None
     is_int: bool = False
+
+
+def _float_cast(g: Graph, n: Node) -> bool:
+    return n.type.is_float and g.node(n.inputs[0]).type.is_float
 
 
 def literal(x: float) -> Val:
@@ -74,6 +80,8 @@ class KernelLowering:
             local = [i for i in n.inputs if i in self.inside]
             if n.op in OpGroup.GENERATOR or (n.op in OpGroup.INDEXING and all(i in self.free for i in local)):
                 self.free.add(nid)
+            elif n.op is Op.CAST and _float_cast(g, n) and all(i in self.free for i in local):
+                self.free.add(nid)                      # converted as it is loaded
         self.tensors: dict[int, tuple[str, int]] = {}       # value -> (name, rank), first use
         self.direct: dict[int, str] = {}                    # value -> template-loaded input
 
@@ -127,6 +135,13 @@ class KernelLowering:
         if op is Op.MASK:
             return self._guard(sec, self._mask(sec, a, c), valid)
         src = n.inputs[0]
+        if op is Op.CAST:                             # of a loaded value: converted as loaded
+            x = self.read(sec, src, c, valid)
+            if a["dtype"] != "bf16":
+                return x                              # loads are in the compute dtype already
+            if x.literal is not None:
+                return literal(float(torch.tensor(x.literal).to(torch.bfloat16)))
+            return self.round_bf16(sec, x)
         if op is Op.PERMUTE:
             inner = [const(0)] * len(a["perm"])
             for i, p in enumerate(a["perm"]):

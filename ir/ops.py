@@ -73,7 +73,7 @@ Op.SLICE = Op("SLICE")                   # attrs: axis, start, stop
 Op.PAD = Op("PAD")                       # attrs: axis, before, after   (zeros)
 Op.CONCAT = Op("CONCAT")                 # attrs: axis
 Op.TAKE = Op("TAKE")                     # rows of a table: (table [V, ...], idx int) -> idx.shape + table.shape[1:]
-Op.INDEX_ADD = Op("INDEX_ADD")           # VJP of TAKE: (grad idx.shape+rest, idx) -> [rows, ...]; attrs: rows
+Op.INDEX_ADD = Op("INDEX_ADD")           # VJP of TAKE: (grad idx.shape+rest, idx) -> [rows, ...]; attrs: rows, dtype (optional: a wider sum)
 Op.TAKE_ALONG = Op("TAKE_ALONG")         # (x [..., V], idx [...] int) -> [...]: x[..., idx]
 Op.SCATTER_ALONG = Op("SCATTER_ALONG")   # VJP of TAKE_ALONG: (grad [...], idx) -> [..., size]; attrs: size
 # scans

@@ -58,10 +58,11 @@ HIGH = "f32"
 # (log-sigmoid gates, the loss's log-sum-exp)
 F32_OPS = frozenset({Op.SUM, Op.CUMSUM, Op.LOG})
 # consumers whose float32 demand reaches back through the elementwise chain that feeds them:
-# cumulative sums and logarithms, and a sum to a scalar (a loss or a total: the per-token
-# losses are float32 too); a norm's or a softmax's row sum reads bf16 terms into a float32
-# accumulator instead
-DEMANDING = frozenset({Op.CUMSUM, Op.LOG})
+# cumulative sums and logarithms, the fused LM head + loss (its h: the final norm's output is
+# computed in float32, not rounded to bf16 and widened again), and a sum to a scalar (a loss
+# or a total: the per-token losses are float32 too); a norm's or a softmax's row sum reads
+# bf16 terms into a float32 accumulator instead
+DEMANDING = frozenset({Op.CUMSUM, Op.LOG, Op.LINEAR_CROSS_ENTROPY})
 
 
 def _demanding(n: Any) -> bool:
@@ -81,8 +82,8 @@ def _f32_demanded(g: Graph, n_carry: int | None) -> set[int]:
     demanded: set[int] = set()
     for nid in reversed(g.order()):
         n = g.node(nid)
-        if n.op not in OpGroup.ELEMENTWISE or n.op is Op.CAST:
-            continue
+        if not (n.op in OpGroup.ELEMENTWISE or n.op in OpGroup.VIEW) or n.op is Op.CAST:
+            continue                # (a view passes its users' demand on to its operand)
         users = g.users(nid)
         if not users and nid not in sinks:
             continue
