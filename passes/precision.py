@@ -210,8 +210,8 @@ class _Rewrite:
         n = self.graph.node(nid)
         if isinstance(n.type, tuple) or n.type.dtype == dtype or not n.type.is_float:
             return nid
-        if n.op is Op.FULL:
-            return self.graph.add(Op.FULL, (), {**n.attr_dict, "dtype": dtype})
+        if n.op in (Op.FULL, Op.ROPE):            # a rotary table is made in bf16 at bind
+            return self.graph.add(n.op, (), {**n.attr_dict, "dtype": dtype})
         if n.op is Op.EXPAND and self.graph.node(n.inputs[0]).op is Op.FULL:
             return self.graph.add(Op.EXPAND, (self._to(n.inputs[0], dtype),), n.attr_dict)
         if n.op is Op.CAST and self._dtype(n.inputs[0]) == dtype and dtype == LOW:

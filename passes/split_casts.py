@@ -9,9 +9,14 @@ value read from memory costs no work, like a view): the kernel loads the float32
 rounds it as it loads it (`codegen.lowering`; a scan kernel inlines it), so the bf16 copy is
 never written and bf16 steps launch what float32 steps do.
 
+Each copy casts the input itself and applies the views after it (cast(slice(x)) becomes
+slice(cast(x)): a cast commutes with views), so the reader's kernel reads only the input (no
+view of it stays live for fusion's peak) and converts just the elements it loads.
+
 Pre: `g` verifies. Post: the same computation; every float-to-float CAST whose operand is an
-input or a view chain of one has exactly one reader (a graph output counts as a reader), scan
-bodies included. Run last, right before fusion: canonicalize's CSE would merge the copies.
+input or a view chain of one reads the input directly and has exactly one reader (a graph
+output counts as a reader), scan bodies included. Run last, right before fusion:
+canonicalize's CSE would merge the copies.
 """
 from __future__ import annotations
 
@@ -50,18 +55,43 @@ def split_casts(g: Graph) -> Graph:
     env: dict[int, int] = {}
     for nid in g.inputs:                                  # positional, as a scan binds them
         env[nid] = out.add_like(g.node(nid))
-    shared = {n.id for n in g if splittable(g, n.id)
-              and len(g.users(n.id)) + sum(v == n.id for _, v in g.outputs) > 1}
+    derived: set[int] = set()       # the casts and the views of them: copied per reader
+    for n in g:
+        if splittable(g, n.id) or (n.op in OpGroup.VIEW and n.inputs[0] in derived):
+            derived.add(n.id)
+    outs = {v for _, v in g.outputs}
+    dead: set[int] = set()          # views read only by the casts, which now read the input
+    for nid in reversed(g.order()):
+        users = g.users(nid)
+        if g.node(nid).op in OpGroup.VIEW and nid not in outs and users and all(
+                u in derived or u in dead for u in users):
+            dead.add(nid)
+
+    def copy(i: int) -> int:
+        """Value `i` (a cast of an input, with views before and after it) made anew: the cast
+        of the input, then every view of the chain in order (a cast commutes with views)."""
+        views, x, cast = [], i, None
+        while g.node(x).op is not Op.INPUT:
+            if g.node(x).op is Op.CAST:
+                cast = g.node(x)
+            else:
+                views.append(g.node(x))
+            x = g.node(x).inputs[0]
+        assert cast is not None
+        v = out.add_like(cast, (env[x],))
+        for view in reversed(views):
+            v = out.add_like(view, (v,))
+        return v
 
     def operand(i: int, mine: dict[int, int]) -> int:
-        if i not in shared:
+        if i not in derived:
             return env[i]
         if i not in mine:                                 # this reader's own copy
-            mine[i] = out.add_like(g.node(i), (env[g.node(i).inputs[0]],))
+            mine[i] = copy(i)
         return mine[i]
 
     for n in g:
-        if n.op is Op.INPUT or n.id in shared:
+        if n.op is Op.INPUT or n.id in derived or n.id in dead:
             continue
         mine: dict[int, int] = {}
         ins = [operand(i, mine) for i in n.inputs]
