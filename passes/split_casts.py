@@ -43,7 +43,10 @@ def splittable(g: Graph, nid: int) -> bool:
 
 @dataclass(frozen=True)
 class SplitCasts:
-    """One copy of each splittable cast per reader (module docstring)."""
+    """One copy of each splittable cast per reader (module docstring).
+
+    Pre: `g` verifies. Post: the same values; every float cast of an input reads the input
+    itself and has one reader."""
     name: ClassVar[str] = "split_casts"
 
     def __call__(self, g: Graph) -> Graph:
