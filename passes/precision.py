@@ -73,12 +73,16 @@ def _demanding(n: Any) -> bool:
 FOLLOW = OpGroup.MOVEMENT - {Op.CONCAT}
 
 
-def _f32_demanded(g: Graph, n_carry: int | None) -> set[int]:
+def _f32_demanded(g: Graph, n_carry: int | None, f32_ys: frozenset[int] = frozenset()
+                  ) -> set[int]:
     """Elementwise nodes every user of which computes in float32, so they do too: the
     prologue of a norm or a softmax, a log-sigmoid gate on its way to a cumsum, the update of
     a float32 carry (the memory state W, S). A carry output (every output of a top-level
-    graph, `n_carry` None) counts as a float32 user; a scan's ys count as no user."""
-    sinks = {i for k, (_, i) in enumerate(g.outputs) if n_carry is None or k < n_carry}
+    graph, `n_carry` None) counts as a float32 user, and so do the ys at positions `f32_ys`
+    (those the enclosing graph returns as float32 outputs: a decode step's new states, the
+    memory state a decode write computes); other ys count as no user."""
+    sinks = {i for k, (_, i) in enumerate(g.outputs)
+             if n_carry is None or k < n_carry or k in f32_ys}
     demanded: set[int] = set()
     for nid in reversed(g.order()):
         n = g.node(nid)
@@ -164,6 +168,21 @@ class MixedPrecision:
         return _Rewrite(g).graph
 
 
+def _wide_items(g: Graph, n_carry: int | None, f32_ys: frozenset[int]) -> set[tuple[int, int]]:
+    """(scan id, output index) of the scan results that `g` returns as float32 outputs (maybe
+    through views): computed in float32 in the scan's body, never rounded to bf16 first."""
+    out: set[tuple[int, int]] = set()
+    for k, (_, v) in enumerate(g.outputs):
+        if not (n_carry is None or k < n_carry or k in f32_ys):
+            continue
+        n = g.node(v)
+        while n.op in OpGroup.VIEW:
+            n = g.node(n.inputs[0])
+        if n.op is Op.ITEM and g.node(n.inputs[0]).op is Op.SCAN and n.type.dtype == HIGH:
+            out.add((n.inputs[0], n.attr("index")))
+    return out
+
+
 def _carry_dtype(role: str | None, t: Any) -> str:
     """A scan carry's dtype: the residual stream a layer scan carries is an activation
     (bf16: stored between layers, saved per layer for the backward, and so its cotangent);
@@ -176,11 +195,13 @@ class _Rewrite:
     (`in_types`: its inputs' new types, by position) keeps its `n_carry` carries' types and
     leaves its ys in the dtype computed."""
 
-    def __init__(self, g: Graph, in_types: list[Any] | None = None, n_carry: int = 0):
+    def __init__(self, g: Graph, in_types: list[Any] | None = None, n_carry: int = 0,
+                 f32_ys: frozenset[int] = frozenset()):
         self.graph = Graph(g.name)
         self.env: dict[int, int] = {}
         self.casts: dict[tuple[int, str], int] = {}
-        self.f32 = _f32_demanded(g, None if in_types is None else n_carry)
+        self.f32 = _f32_demanded(g, None if in_types is None else n_carry, f32_ys)
+        self.wide = _wide_items(g, None if in_types is None else n_carry, f32_ys)
         self.bound = _MatmulBound(g, self.f32).stored
         for k, nid in enumerate(g.inputs):               # positional, as a scan binds them
             node = g.node(nid)
@@ -195,6 +216,8 @@ class _Rewrite:
                 want = g.node(i).type.dtype
             elif k < n_carry:
                 want = self.graph.node(self.graph.inputs[k]).type.dtype
+            elif k in f32_ys:
+                want = g.node(i).type.dtype
             else:
                 want = self._dtype(self.env[i])
             outs.append((name, self._to(self.env[i], want)))
@@ -275,7 +298,9 @@ class _Rewrite:
             t = self.graph.node(v).type
             in_types.append(t if k < nc or k >= nc + nx_
                             else type(t)(t.shape[1:], t.dtype))
-        new_body = _Rewrite(body, in_types, nc).graph
+        f32_ys = frozenset(k for k in range(nc, len(body.outputs))
+                           if (node.id, k) in self.wide)
+        new_body = _Rewrite(body, in_types, nc, f32_ys).graph
         # the carries saved per iteration for the backward (the memory state at every chunk
         # or segment boundary) are stored bf16; the carries themselves stay as they are
         return self.graph.add_like(node, ins, body=new_body, checkpoint_dtype=LOW)
