@@ -9,8 +9,10 @@ coordinates it produces values:
   (a masked `tl.load` through the tensor's own strides), an immediate (a literal), or a free
   node, composed down to its operands: PERMUTE/EXPAND/SLICE/RESHAPE remap coordinates, PAD
   and CONCAT add validity conditions (and a `tl.where` chain for CONCAT), TAKE/TAKE_ALONG load
-  the index first, and FULL, ROPE and MASK are computed from the coordinates (ROPE in float64,
-  as the reference does, then rounded to the node's dtype);
+  the index first, a float CAST converts the value it loads (bf16: rounded to nearest even),
+  and FULL, ROPE and MASK are computed from the coordinates (ROPE in float64, as the reference
+  does, then rounded to the node's dtype: only a lone ROPE kernel the plan could not bind as a
+  constant table, since fusion never puts a ROPE into another kernel);
 - `compute(sec, node, coords)`: an elementwise node (or CAST, or a gather) from its operands;
   operands computed in the same section are reused, anything else is `read` at the operand's
   broadcast coordinates.

@@ -28,10 +28,18 @@ and leaves with a dtype on every tensor and explicit CASTs where dtypes change:
                     down to meet it), float32 when all operands are float32. EXP, DIV, RSQRT
                     of bf16 activations run in float32 inside the executors and are stored in
                     bf16 (the CPU's bf16 ops and the Triton kernels both compute in float32)
-    SCAN            carries keep their float32 type (the memory state W, S, the residual
-                    stream across layers, loss accumulators); xs and consts pass in the dtype
-                    they have, and the body is rewritten under the same rules
-    views, gathers  the dtype of their data operand
+    SCAN            carries keep their float32 type (the memory state W, S, loss
+                    accumulators) except a layer scan's: the residual stream between layers is
+                    a bf16 activation (and so its per-layer checkpoint and its cotangent); the
+                    carries a scan saves per iteration for the backward (the memory state at
+                    every segment / chunk boundary) are stored bf16 (`checkpoint_dtype`,
+                    widened where the backward recomputes from them); xs and consts pass in the
+                    dtype they have; ys the graph returns as float32 outputs (a decode step's
+                    states, a decode write's memory state) are computed in float32; the body
+                    is rewritten under the same rules
+    views, gathers  the dtype of their data operand; a chain read only by the fused LM head
+                    + loss (the final norm's output) is float32 like the loss
+    ROPE            a rotary table read by bf16 activations is made in bf16 at bind time
     graph outputs   their original dtype (the loss, logits and decode states stay float32)
 
 So activations written between kernels (matmul results and the elementwise chains on them,
