@@ -73,12 +73,12 @@ Op.SLICE = Op("SLICE")                   # attrs: axis, start, stop
 Op.PAD = Op("PAD")                       # attrs: axis, before, after   (zeros)
 Op.CONCAT = Op("CONCAT")                 # attrs: axis
 Op.TAKE = Op("TAKE")                     # rows of a table: (table [V, ...], idx int) -> idx.shape + table.shape[1:]
-Op.INDEX_ADD = Op("INDEX_ADD")           # VJP of TAKE: (grad idx.shape+rest, idx) -> [rows, ...]; attrs: rows
+Op.INDEX_ADD = Op("INDEX_ADD")           # VJP of TAKE: (grad idx.shape+rest, idx) -> [rows, ...]; attrs: rows, dtype (optional: a wider sum)
 Op.TAKE_ALONG = Op("TAKE_ALONG")         # (x [..., V], idx [...] int) -> [...]: x[..., idx]
 Op.SCATTER_ALONG = Op("SCATTER_ALONG")   # VJP of TAKE_ALONG: (grad [...], idx) -> [..., size]; attrs: size
 # scans
 Op.CUMSUM = Op("CUMSUM")                 # attrs: axis, reverse
-Op.SCAN = Op("SCAN")                     # attrs: body, length, n_carry, n_xs, reverse, role (outputs a tuple)
+Op.SCAN = Op("SCAN")                     # attrs: body, length, n_carry, n_xs, reverse, role, checkpoint_dtype (optional) (outputs a tuple)
 Op.ITEM = Op("ITEM")                     # attrs: index   picks one value of a tuple-typed node
 # pattern ops (passes/flash_attention.py rewrites a subgraph into one; ir/attention.py has their rules)
 Op.ATTENTION = Op("ATTENTION")           # (q, k, v) -> (o, lse); attrs: scale, n_q, q_start, groups (as MASK)

@@ -282,14 +282,19 @@ def _index_add_shape(ts: list, a: dict) -> TensorType:
     _check_index(idx)
     if grad.shape[: idx.rank] != idx.shape:
         raise ShapeError(f"INDEX_ADD grad {grad} does not start with index shape {idx.shape}")
-    return TensorType((a["rows"],) + grad.shape[idx.rank:], grad.dtype)
+    return TensorType((a["rows"],) + grad.shape[idx.rank:], a.get("dtype", grad.dtype))
 
 
 def _index_add_ref(n, xs, it):
     grad, idx = xs
     rest = grad.shape[idx.dim():]
-    out = torch.zeros((n.attr("rows"),) + tuple(rest), dtype=grad.dtype)
-    return out.index_add(0, idx.reshape(-1), grad.reshape((-1,) + tuple(rest)))
+    out = torch.zeros((n.attr("rows"),) + tuple(rest), dtype=it.dtype(n.type.dtype))
+    return out.index_add(0, idx.reshape(-1), grad.reshape((-1,) + tuple(rest)).to(out.dtype))
+
+
+def _as(b: Any, v: Any, dtype: str) -> Any:
+    """`v` in `dtype` (a CAST where it differs: INDEX_ADD may sum a narrower gradient)."""
+    return v if v.dtype == dtype else b.op(Op.CAST, v, dtype=dtype)
 
 
 def _take_along_shape(ts: list, a: dict) -> TensorType:
@@ -319,7 +324,8 @@ register(
                lambda b, a, xs, y, ct: [b.op(Op.INDEX_ADD, ct, xs[1], rows=xs[0].shape[0]),
                                         None], reads=(1,)),
     Structural(Op.INDEX_ADD, _index_add_shape, _index_add_ref,
-               lambda b, a, xs, y, ct: [b.take(ct, xs[1]), None], reads=(1,), zero="first"),
+               lambda b, a, xs, y, ct: [_as(b, b.take(ct, xs[1]), xs[0].dtype), None],
+               reads=(1,), zero="first"),
     Structural(Op.TAKE_ALONG, _take_along_shape,
                lambda n, xs, it: torch.gather(xs[0], -1, xs[1].unsqueeze(-1)).squeeze(-1),
                lambda b, a, xs, y, ct: [b.op(Op.SCATTER_ALONG, ct, xs[1],

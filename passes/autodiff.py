@@ -6,9 +6,11 @@ Postcondition: the result verifies; its forward part computes exactly what `g` c
 
 Scans are differentiated by recomputation: the forward scan also stacks the carry at the
 start of every iteration (for the layer scan that is the per-layer activation checkpoint,
-for the memory scan the per-chunk memory state); the backward is a reverse scan whose body
-recomputes one iteration from its saved carry and pulls cotangents back through it, adding
-the cotangents of loop-invariant operands into accumulator carries.
+for the memory scan the per-chunk memory state; stored in the scan's `checkpoint_dtype`
+where the mixed-precision policy set one, widened again where the backward reads it); the
+backward is a reverse scan whose body recomputes one iteration from its saved carry and pulls
+cotangents back through it, adding the cotangents of loop-invariant operands into accumulator
+carries.
 """
 from __future__ import annotations
 
@@ -48,6 +50,15 @@ def _add_ct(acc: Value | None, ct: Value | None) -> Value | None:
     if ct is None:
         return acc
     return ct if acc is None else acc + ct
+
+
+def _checkpoint(b: Builder, carry: Value, dtype: str | None) -> Value:
+    """A carry as its scan saves it for the backward: in the scan's `checkpoint_dtype` where
+    that is narrower (mixed precision stores the float32 memory state's checkpoints bf16; the
+    carry itself stays float32), else as it is."""
+    if dtype is None or carry.dtype == dtype or carry.dtype != "f32":
+        return carry
+    return b.op(Op.CAST, carry, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -135,7 +146,8 @@ class _Differentiator:
         inner = _Differentiator(ab, body, self.policy.nested())
         inner.forward(args)
         nested = {k: v for k, v in inner.saved.items() if self.policy.keeps_nested}
-        proto = ScanSave([inner.env[body.inputs[k]] for k in range(nc)],
+        low = a.get("checkpoint_dtype")
+        proto = ScanSave([_checkpoint(ab, inner.env[body.inputs[k]], low) for k in range(nc)],
                          {k: inner.env[k] for k in sorted(keep)}, nested)
         extra = proto.flatten()
         ab.graph.set_outputs([(name, inner.env[i].id) for name, i in body.outputs]
@@ -195,7 +207,9 @@ class _Differentiator:
             x_t = xsl[len(flat):len(flat) + nx_]
             ct_y = xsl[len(flat) + nx_:len(flat) + nx_ + n_ct_y]
             inner = _Differentiator(bb, body, self.policy.nested())
-            inner.forward(list(here.carries) + list(x_t) + list(ks), here.values, here.nested)
+            start = [c if c.dtype == t.dtype else bb.op(Op.CAST, c, dtype=t.dtype)
+                     for c, t in zip(here.carries, body_types)]   # a narrowed checkpoint, widened
+            inner.forward(start + list(x_t) + list(ks), here.values, here.nested)
             seeds: Ct = {}
             for k, (_, oid) in enumerate(body.outputs[:nc]):
                 seeds[oid] = _add_ct(seeds.get(oid), ct_carry[k])

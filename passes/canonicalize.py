@@ -152,6 +152,35 @@ def collapse_moves(n: Node, r: Rewriter) -> int | None:
     return None
 
 
+WIDER = {"bf16": 0, "f32": 1, "f64": 2}
+
+
+def sum_narrow(n: Node, r: Rewriter) -> int | None:
+    # index_add(cast(x, wide)) -> index_add[dtype=wide](x): the narrow gradient (a bf16
+    # embedding cotangent) is read as it is and summed in the wide dtype (widening is exact)
+    x = r.node(n.inputs[0])
+    if x.op is not Op.CAST or not isinstance(x.type, TensorType):
+        return None
+    src = r.node(x.inputs[0]).type
+    if WIDER.get(src.dtype, 9) >= WIDER.get(x.type.dtype, -1):
+        return None
+    return r.emit(Op.INDEX_ADD, (x.inputs[0], n.inputs[1]), {**n.attr_dict,
+                                                             "dtype": x.type.dtype})
+
+
+def widen_narrow(n: Node, r: Rewriter) -> int | None:
+    # cast(cast(x, wide), narrow) -> x where x is narrow: widening is exact (a bf16 cotangent
+    # through the VJPs of a float32 residual add and of the cast back to bf16)
+    x = r.node(n.inputs[0])
+    if x.op is not Op.CAST:
+        return None
+    src = r.node(x.inputs[0])
+    if (src.type.dtype == n.type.dtype
+            and WIDER.get(src.type.dtype, 9) < WIDER.get(x.type.dtype, -1)):
+        return src.id
+    return None
+
+
 RULES: dict[Op, tuple[Rule, ...]] = {}      # an elementwise op missing here: fold_constants
 RULES[Op.ADD] = (fold_constants, add_zero)
 RULES[Op.SUB] = (fold_constants, add_zero)
@@ -163,6 +192,8 @@ for _op in (Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.CAST):
 for _op, _entry in STRUCTURAL.items():
     if _entry.zero:
         RULES[_op] = RULES.get(_op, ()) + (zero_through,)
+RULES[Op.INDEX_ADD] += (sum_narrow,)
+RULES[Op.CAST] += (widen_narrow,)
 
 
 # -- the driver ---------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ adding its body's peak) is no higher than that of one kernel per node.
 
 Kernel families, with what a kernel may contain:
 - pointwise: elementwise ops, CAST, gathers (TAKE, TAKE_ALONG), views (RESHAPE, PERMUTE,
-  EXPAND, SLICE, PAD, CONCAT) and generators (FULL, ROPE, MASK); every computing node has the
-  kernel's element count (its domain) and is evaluated once per element.
+  EXPAND, SLICE, PAD, CONCAT) and generators (FULL, MASK); every computing node has the
+  kernel's element count (its domain) and is evaluated once per element. A ROPE table is a
+  kernel of its own, which the memory plan binds once as a constant (`MemoryPlan.views`):
+  its readers load cos/sin values instead of evaluating them per element.
 - reduction: SUM/AMAX sharing one input shape and axes, or CUMSUMs sharing shape, axis and
   direction, with a pointwise prologue on the reduction's input domain and a pointwise
   epilogue on its output domain; nothing on the input domain may depend on a reduction of the
@@ -20,8 +22,9 @@ Kernel families, with what a kernel may contain:
 - template: a SCAN with its ITEMs, a pattern op (`OpGroup.PATTERN`, e.g. ATTENTION) with its
   ITEMs, an INDEX_ADD or a SCATTER_ALONG, alone.
 
-"Free" nodes (generators, and views whose operands are free or read from memory) cost no
-work and may be used at any index. A view of a value computed in the same kernel must be a
+"Free" nodes (generators, and views and float casts whose operands are free or read from
+memory) cost no work and may be used at any index (`passes/split_casts.py` gives each reader
+of a cast of an input its own copy, so the cast fuses into every reader's loads). A view of a value computed in the same kernel must be a
 RESHAPE (the linear index is unchanged); anything else (a broadcast, slice, pad, permute or
 gather of a computed value) would evaluate it more or less than once per element, duplicating
 or scattering work, so such a value is materialized instead.
@@ -54,6 +57,7 @@ from titanc.ir.types import TensorType
 
 from .manager import debug_level
 from .schedule import PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, value_bytes
+from .split_casts import splittable
 
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
 REDUCTIONS = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM})
@@ -124,6 +128,12 @@ def visible_pairs(n_q: int, groups: tuple) -> int:
             w = length if window is None else window
             total += sum(min(i + 1, w, length) for i in range(n_q))
     return total
+
+
+def _float_cast(n: Node, node: dict[int, Node]) -> bool:
+    """A float-to-float CAST: free where its operand is read from memory (a conversion as the
+    value is loaded, like a view's index arithmetic)."""
+    return n.op is Op.CAST and n.type.is_float and node[n.inputs[0]].type.is_float
 
 
 @dataclass(frozen=True)
@@ -222,6 +232,9 @@ class _Fuser:
     def category(self, members: list[int], inside: set[int]) -> str | None:
         """The kernel category of `members` fused, or None (the reason in `self.why`)."""
         nodes = [self.node[n] for n in members]
+        if len(nodes) > 1 and any(n.op is Op.ROPE for n in nodes):
+            return self._refuse("a rotary table stays alone: bound once as a constant table "
+                                "that readers load, never computed per element")
         tmpl = [n for n in nodes if n.op in TEMPLATES]
         if tmpl:
             t = tmpl[0]
@@ -238,7 +251,8 @@ class _Fuser:
         for n in nodes:
             local = [i for i in n.inputs if i in inside]
             bound = [i for i in local if i not in free]       # computed operands
-            if n.op in OpGroup.GENERATOR or (n.op in OpGroup.INDEXING and not bound):
+            if n.op in OpGroup.GENERATOR or (n.op in OpGroup.INDEXING and not bound) or (
+                    _float_cast(n, self.node) and not bound):
                 free.add(n.id)
                 continue
             if n.op in OpGroup.INDEXING and n.op is not Op.RESHAPE:
@@ -438,11 +452,21 @@ class _Fuser:
                     near += [(o, 1) for o in readers]
         seen: set[int] = set()
         for other, kind in near:
+            # a lone cast of an input (one per reader: `split_casts`) goes into its reader
+            if (self._cast_only(gid) and other not in self.succs[gid]) or (
+                    self._cast_only(other) and other not in self.preds[gid]):
+                continue
             if other not in seen and self.compatible(gid, other):
                 seen.add(other)
                 score = info.bytes + self.info[other].bytes - self.union(gid, other).bytes
                 if score > 0:
                     yield other, kind, score
+
+    def _cast_only(self, gid: int) -> bool:
+        """Is the group a cast of an input (with views of it), which only its reader takes?"""
+        ms = [self.node[n] for n in self.members[gid]]
+        return any(n.op is Op.CAST for n in ms) and all(
+            n.op in OpGroup.VIEW or splittable(self.g, n.id) for n in ms)
 
     def run(self) -> None:
         heap: list[tuple] = []

@@ -28,10 +28,18 @@ and leaves with a dtype on every tensor and explicit CASTs where dtypes change:
                     down to meet it), float32 when all operands are float32. EXP, DIV, RSQRT
                     of bf16 activations run in float32 inside the executors and are stored in
                     bf16 (the CPU's bf16 ops and the Triton kernels both compute in float32)
-    SCAN            carries keep their float32 type (the memory state W, S, the residual
-                    stream across layers, loss accumulators); xs and consts pass in the dtype
-                    they have, and the body is rewritten under the same rules
-    views, gathers  the dtype of their data operand
+    SCAN            carries keep their float32 type (the memory state W, S, loss
+                    accumulators) except a layer scan's: the residual stream between layers is
+                    a bf16 activation (and so its per-layer checkpoint and its cotangent); the
+                    carries a scan saves per iteration for the backward (the memory state at
+                    every segment / chunk boundary) are stored bf16 (`checkpoint_dtype`,
+                    widened where the backward recomputes from them); xs and consts pass in the
+                    dtype they have; ys the graph returns as float32 outputs (a decode step's
+                    states, a decode write's memory state) are computed in float32; the body
+                    is rewritten under the same rules
+    views, gathers  the dtype of their data operand; a chain read only by the fused LM head
+                    + loss (the final norm's output) is float32 like the loss
+    ROPE            a rotary table read by bf16 activations is made in bf16 at bind time
     graph outputs   their original dtype (the loss, logits and decode states stay float32)
 
 So activations written between kernels (matmul results and the elementwise chains on them,
@@ -58,10 +66,11 @@ HIGH = "f32"
 # (log-sigmoid gates, the loss's log-sum-exp)
 F32_OPS = frozenset({Op.SUM, Op.CUMSUM, Op.LOG})
 # consumers whose float32 demand reaches back through the elementwise chain that feeds them:
-# cumulative sums and logarithms, and a sum to a scalar (a loss or a total: the per-token
-# losses are float32 too); a norm's or a softmax's row sum reads bf16 terms into a float32
-# accumulator instead
-DEMANDING = frozenset({Op.CUMSUM, Op.LOG})
+# cumulative sums and logarithms, the fused LM head + loss (its h: the final norm's output is
+# computed in float32, not rounded to bf16 and widened again), and a sum to a scalar (a loss
+# or a total: the per-token losses are float32 too); a norm's or a softmax's row sum reads
+# bf16 terms into a float32 accumulator instead
+DEMANDING = frozenset({Op.CUMSUM, Op.LOG, Op.LINEAR_CROSS_ENTROPY})
 
 
 def _demanding(n: Any) -> bool:
@@ -72,17 +81,21 @@ def _demanding(n: Any) -> bool:
 FOLLOW = OpGroup.MOVEMENT - {Op.CONCAT}
 
 
-def _f32_demanded(g: Graph, n_carry: int | None) -> set[int]:
+def _f32_demanded(g: Graph, n_carry: int | None, f32_ys: frozenset[int] = frozenset()
+                  ) -> set[int]:
     """Elementwise nodes every user of which computes in float32, so they do too: the
     prologue of a norm or a softmax, a log-sigmoid gate on its way to a cumsum, the update of
     a float32 carry (the memory state W, S). A carry output (every output of a top-level
-    graph, `n_carry` None) counts as a float32 user; a scan's ys count as no user."""
-    sinks = {i for k, (_, i) in enumerate(g.outputs) if n_carry is None or k < n_carry}
+    graph, `n_carry` None) counts as a float32 user, and so do the ys at positions `f32_ys`
+    (those the enclosing graph returns as float32 outputs: a decode step's new states, the
+    memory state a decode write computes); other ys count as no user."""
+    sinks = {i for k, (_, i) in enumerate(g.outputs)
+             if n_carry is None or k < n_carry or k in f32_ys}
     demanded: set[int] = set()
     for nid in reversed(g.order()):
         n = g.node(nid)
-        if n.op not in OpGroup.ELEMENTWISE or n.op is Op.CAST:
-            continue
+        if not (n.op in OpGroup.ELEMENTWISE or n.op in OpGroup.VIEW) or n.op is Op.CAST:
+            continue                # (a view passes its users' demand on to its operand)
         users = g.users(nid)
         if not users and nid not in sinks:
             continue
@@ -163,16 +176,40 @@ class MixedPrecision:
         return _Rewrite(g).graph
 
 
+def _wide_items(g: Graph, n_carry: int | None, f32_ys: frozenset[int]) -> set[tuple[int, int]]:
+    """(scan id, output index) of the scan results that `g` returns as float32 outputs (maybe
+    through views): computed in float32 in the scan's body, never rounded to bf16 first."""
+    out: set[tuple[int, int]] = set()
+    for k, (_, v) in enumerate(g.outputs):
+        if not (n_carry is None or k < n_carry or k in f32_ys):
+            continue
+        n = g.node(v)
+        while n.op in OpGroup.VIEW:
+            n = g.node(n.inputs[0])
+        if n.op is Op.ITEM and g.node(n.inputs[0]).op is Op.SCAN and n.type.dtype == HIGH:
+            out.add((n.inputs[0], n.attr("index")))
+    return out
+
+
+def _carry_dtype(role: str | None, t: Any) -> str:
+    """A scan carry's dtype: the residual stream a layer scan carries is an activation
+    (bf16: stored between layers, saved per layer for the backward, and so its cotangent);
+    every other carry keeps its type (the memory state W, S, loss accumulators)."""
+    return LOW if role == "layer" and t.dtype == HIGH else t.dtype
+
+
 class _Rewrite:
     """`g` rebuilt under the policy. A top-level graph keeps its outputs' types; a scan body
     (`in_types`: its inputs' new types, by position) keeps its `n_carry` carries' types and
     leaves its ys in the dtype computed."""
 
-    def __init__(self, g: Graph, in_types: list[Any] | None = None, n_carry: int = 0):
+    def __init__(self, g: Graph, in_types: list[Any] | None = None, n_carry: int = 0,
+                 f32_ys: frozenset[int] = frozenset()):
         self.graph = Graph(g.name)
         self.env: dict[int, int] = {}
         self.casts: dict[tuple[int, str], int] = {}
-        self.f32 = _f32_demanded(g, None if in_types is None else n_carry)
+        self.f32 = _f32_demanded(g, None if in_types is None else n_carry, f32_ys)
+        self.wide = _wide_items(g, None if in_types is None else n_carry, f32_ys)
         self.bound = _MatmulBound(g, self.f32).stored
         for k, nid in enumerate(g.inputs):               # positional, as a scan binds them
             node = g.node(nid)
@@ -187,6 +224,8 @@ class _Rewrite:
                 want = g.node(i).type.dtype
             elif k < n_carry:
                 want = self.graph.node(self.graph.inputs[k]).type.dtype
+            elif k in f32_ys:
+                want = g.node(i).type.dtype
             else:
                 want = self._dtype(self.env[i])
             outs.append((name, self._to(self.env[i], want)))
@@ -202,8 +241,8 @@ class _Rewrite:
         n = self.graph.node(nid)
         if isinstance(n.type, tuple) or n.type.dtype == dtype or not n.type.is_float:
             return nid
-        if n.op is Op.FULL:
-            return self.graph.add(Op.FULL, (), {**n.attr_dict, "dtype": dtype})
+        if n.op in (Op.FULL, Op.ROPE):            # a rotary table is made in bf16 at bind
+            return self.graph.add(n.op, (), {**n.attr_dict, "dtype": dtype})
         if n.op is Op.EXPAND and self.graph.node(n.inputs[0]).op is Op.FULL:
             return self.graph.add(Op.EXPAND, (self._to(n.inputs[0], dtype),), n.attr_dict)
         if n.op is Op.CAST and self._dtype(n.inputs[0]) == dtype and dtype == LOW:
@@ -259,15 +298,20 @@ class _Rewrite:
         a = node.attr_dict
         body: Graph = a["body"]
         nc, nx_ = a["n_carry"], a["n_xs"]
-        carry_dtypes = [body.node(i).type.dtype for i in body.inputs[:nc]]
+        carry_dtypes = [_carry_dtype(a.get("role"), body.node(i).type)
+                        for i in body.inputs[:nc]]
         ins = [self._to(v, carry_dtypes[k]) if k < nc else v for k, v in enumerate(ins)]
         in_types = []
         for k, v in enumerate(ins):
             t = self.graph.node(v).type
             in_types.append(t if k < nc or k >= nc + nx_
                             else type(t)(t.shape[1:], t.dtype))
-        new_body = _Rewrite(body, in_types, nc).graph
-        return self.graph.add_like(node, ins, body=new_body)
+        f32_ys = frozenset(k for k in range(nc, len(body.outputs))
+                           if (node.id, k) in self.wide)
+        new_body = _Rewrite(body, in_types, nc, f32_ys).graph
+        # the carries saved per iteration for the backward (the memory state at every chunk
+        # or segment boundary) are stored bf16; the carries themselves stay as they are
+        return self.graph.add_like(node, ins, body=new_body, checkpoint_dtype=LOW)
 
 
 mixed_precision = MixedPrecision()

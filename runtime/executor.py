@@ -533,6 +533,10 @@ def _gathers(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[Step]:
         steps.append(lambda: torch.index_select(src, 0, flat_idx, out=flat_out))
     elif n.op is Op.INDEX_ADD:
         g = _contiguous(b, src, steps)
+        if g.dtype != o.dtype:              # a narrower gradient summed in o's dtype
+            wide = b.scratch.alloc(TensorType(tuple(g.shape), _dname(o.dtype)))
+            steps.append(lambda g=g: wide.copy_(g))
+            g = wide
         flat_idx, flat_g = idx.view(-1), g.view(-1, *o.shape[1:])
         steps += [lambda: o.zero_(), lambda: o.index_add_(0, flat_idx, flat_g)]
     elif n.op is Op.TAKE_ALONG:

@@ -418,3 +418,38 @@ def test_every_template_is_reached_by_a_compiled_program() -> None:
                for p in (root / "codegen" / "templates").glob("*.py.jinja")
                if not p.name.startswith("_")}
     assert on_disk == reached, (sorted(on_disk - reached), sorted(reached - on_disk))
+
+
+@pytest.mark.parametrize("example", ["tiny", "tiny_attn", "tiny_lmm", "tiny_mag", "tiny_mal"])
+def test_no_kernel_computes_rotary_tables_per_element(example: str) -> None:
+    """Rotary cos/sin come from a table made once at bind time (a ROPE node is a kernel of
+    its own that the memory plan binds as a constant; scan kernels get it from the host), so
+    no generated kernel evaluates tl.cos / tl.sin: every scan run as a host loop (its body's
+    kernels rendered) and as scan kernels, float32 and (tiny) bf16."""
+    import re
+
+    from titanc.codegen.hooks import graph_dtype, plan_kernels
+    from titanc.codegen.scan_kernel import ScanFallback, scan_kernel_for
+
+    def one_kernel(plan, kern, sid):
+        try:
+            return scan_kernel_for(plan, kern, sid, graph_dtype(plan.schedule.graph))
+        except ScanFallback:
+            return None
+
+    dtypes = ("float32", "bfloat16") if example == "tiny" else ("float32",)
+    for dt in dtypes:
+        c = compile_graphs(load_spec(ROOT / "examples" / f"{example}.yaml",
+                                     {"train.dtype": dt}), verify_each=False)
+        ropes = 0
+        for callback in (None, one_kernel) if example == "tiny" else (None,):
+            for plan, kern, code in plan_kernels(c.plans["training"], scan_kernel=callback):
+                assert not re.search(r"tl\.(cos|sin)\(", code.source), (dt, kern.name)
+                g = plan.schedule.graph
+                ropes += sum(g.node(n).op is Op.ROPE for n in kern.nodes)
+        assert ropes == 0          # every ROPE node is a no-op kernel, its table bound once
+
+        def count(g):
+            return sum(1 if n.op is Op.ROPE else count(n.attr("body")) if n.op is Op.SCAN
+                       else 0 for n in g)
+        assert (count(c.grad) > 0) == (example != "tiny_lmm")   # attention has rotary tables

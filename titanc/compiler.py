@@ -40,6 +40,7 @@ from titanc.passes.remat import Policy, choose_policy
 from titanc.passes.manager import Pass, PassLog
 from titanc.passes.optimizer import optimizer_graph
 from titanc.passes.precision import MixedPrecision
+from titanc.passes.split_casts import SplitCasts
 
 from .decode import lower_step, lower_write
 from .frontend import lower_forward
@@ -198,6 +199,9 @@ def _pipeline(log: PassLog, kind: str, lower: Callable[[], Graph], persistent: s
 
 
 def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int) -> CompiledGraph:
+    # a cast of an input read by several kernels: one copy per reader, which fusion loads cast
+    # (mixed precision's parameter casts launch nothing of their own)
+    g = log.apply(SplitCasts(), g)
     schedule = _timed(log, f"fusion_{kind}", lambda: verify_schedule(fuse(g)))
     persistent = persistent | {n for n in g.input_names() if n.startswith("state.")}
     plan = _timed(log, f"memory_plan_{kind}", lambda: plan_memory(schedule, persistent))

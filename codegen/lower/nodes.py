@@ -9,8 +9,10 @@ coordinates it produces values:
   (a masked `tl.load` through the tensor's own strides), an immediate (a literal), or a free
   node, composed down to its operands: PERMUTE/EXPAND/SLICE/RESHAPE remap coordinates, PAD
   and CONCAT add validity conditions (and a `tl.where` chain for CONCAT), TAKE/TAKE_ALONG load
-  the index first, and FULL, ROPE and MASK are computed from the coordinates (ROPE in float64,
-  as the reference does, then rounded to the node's dtype);
+  the index first, a float CAST converts the value it loads (bf16: rounded to nearest even),
+  and FULL, ROPE and MASK are computed from the coordinates (ROPE in float64, as the reference
+  does, then rounded to the node's dtype: only a lone ROPE kernel the plan could not bind as a
+  constant table, since fusion never puts a ROPE into another kernel);
 - `compute(sec, node, coords)`: an elementwise node (or CAST, or a gather) from its operands;
   operands computed in the same section are reused, anything else is `read` at the operand's
   broadcast coordinates.
@@ -26,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Collection, Sequence
+
+import torch
 
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
@@ -48,6 +52,10 @@ class Val:
     dims: frozenset[str] = frozenset()
     literal: float | None = None
     is_int: bool = False
+
+
+def _float_cast(g: Graph, n: Node) -> bool:
+    return n.type.is_float and g.node(n.inputs[0]).type.is_float
 
 
 def literal(x: float) -> Val:
@@ -74,6 +82,8 @@ class KernelLowering:
             local = [i for i in n.inputs if i in self.inside]
             if n.op in OpGroup.GENERATOR or (n.op in OpGroup.INDEXING and all(i in self.free for i in local)):
                 self.free.add(nid)
+            elif n.op is Op.CAST and _float_cast(g, n) and all(i in self.free for i in local):
+                self.free.add(nid)                      # converted as it is loaded
         self.tensors: dict[int, tuple[str, int]] = {}       # value -> (name, rank), first use
         self.direct: dict[int, str] = {}                    # value -> template-loaded input
 
@@ -127,6 +137,13 @@ class KernelLowering:
         if op is Op.MASK:
             return self._guard(sec, self._mask(sec, a, c), valid)
         src = n.inputs[0]
+        if op is Op.CAST:                             # of a loaded value: converted as loaded
+            x = self.read(sec, src, c, valid)
+            if a["dtype"] != "bf16":
+                return x                              # loads are in the compute dtype already
+            if x.literal is not None:
+                return literal(float(torch.tensor(x.literal).to(torch.bfloat16)))
+            return self.round_bf16(sec, x)
         if op is Op.PERMUTE:
             inner = [const(0)] * len(a["perm"])
             for i, p in enumerate(a["perm"]):

@@ -295,7 +295,9 @@ def host_table(op: str, a: dict, dtype: torch.dtype) -> torch.Tensor:
     node's values, from the interpreter's own definitions (one semantics for every target)."""
     if op == "MASK":
         return mask_table(a["n_q"], a["q_start"], a["groups"], dtype)
-    return rope_table(a["kind"], a["start"], a["count"], a["half"], a["base"], dtype)
+    # a bf16 rotary table (mixed precision) holds bf16 values, kept in the compute dtype
+    made = torch.bfloat16 if a.get("dtype") == "bf16" else dtype
+    return rope_table(a["kind"], a["start"], a["count"], a["half"], a["base"], made).to(dtype)
 
 
 def _table_shape(op: str, a: dict) -> tuple[int, ...]:

@@ -392,7 +392,7 @@ class _ScanGen(_Emitter):
                     raise ScanFallback(f"%{vid}: cast to {n.attr('dtype')}")
                 # a cast of a stored value is inlined into every user (one rounding each)
                 # rather than a stage of its own
-                cheap = op is Op.CAST and sc.refs[n.inputs[0]].kind in ("ws", "arg", "lit")
+                cheap = op is Op.CAST and sc.refs[n.inputs[0]].kind in ("ws", "arg", "lit", "at")
                 if (self.uses(g, vid) == 1 or cheap) and all(g.node(u).op is not Op.SCAN
                                                              for u in g.users(vid)):
                     sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
