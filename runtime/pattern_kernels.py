@@ -11,9 +11,12 @@ ITEM buffers.
                    dv and dk accumulated over blocks, dq written per block (FlashAttention-2's
                    backward, ordered by query block).
 
-Keys come in blocks of BLOCK_K: a key block that no query of the query block can see (outside
-the sliding window, or after the block's last query) is skipped, not computed and masked
-(`key_runs`: the visible key blocks, merged into runs of consecutive blocks).
+The keys and values come as one tensor per key group (persistent tokens, memory output,
+segment or sequence keys, each read in place through its strides: nothing concatenates them),
+and the backward writes one dk and one dv per group. Keys come in blocks of BLOCK_K within a
+group: a key block that no query of the query block can see (outside the sliding window, or
+after the block's last query) is skipped, not computed and masked (`key_runs`: the visible
+key blocks of each group, merged into runs of consecutive blocks).
     LINEAR_CROSS_ENTROPY      per block of `chunk` rows, per tile of VOCAB_TILE vocabulary
                    entries: the logits tile h_b · headᵀ, an online log-sum-exp (running max and
                    sum); the target logit is h_r · head[target_r] (a gather of head rows), so
@@ -43,6 +46,7 @@ import torch
 from torch import Tensor
 
 from titanc.ir import Node, Op
+from titanc.ir.attention import split
 from titanc.ir.tables import mask_table
 from titanc.ir.types import TensorType
 
@@ -93,31 +97,48 @@ def _visible_table(n_q: int, q_start: int, groups: tuple) -> Tensor:
     return mask_table(n_q, q_start, groups, torch.float64) == 0
 
 
-def key_runs(a: dict, i0: int, i1: int) -> list[tuple[int, int]]:
-    """The keys queries i0..i1 of an attention op with attrs `a` compute against: the key
-    blocks of BLOCK_K holding a visible pair, consecutive ones merged, as [(lo, hi)]."""
-    n_k = sum(length for _, length, _ in a["groups"])
+Run = tuple[int, int, int]      # (key group, first key, end key), keys numbered in the group
+
+
+def key_runs(a: dict, i0: int, i1: int) -> list[Run]:
+    """The keys queries i0..i1 of an attention op with attrs `a` compute against: per key
+    group, the blocks of BLOCK_K keys holding a visible pair, consecutive ones merged, as
+    [(group, lo, hi)] with keys numbered within their group."""
     vis = _visible(a)
-    runs: list[tuple[int, int]] = []
-    for lo in range(0, n_k, BLOCK_K):
-        hi = min(lo + BLOCK_K, n_k)
-        if vis is not None and not bool(vis[i0:i1, lo:hi].any()):
-            continue                                    # no query of the block sees these
-        if runs and runs[-1][1] == lo:
-            runs[-1] = (runs[-1][0], hi)
-        else:
-            runs.append((lo, hi))
+    runs: list[Run] = []
+    at = 0                                              # the group's first key in the table
+    for grp, (_, length, _) in enumerate(a["groups"]):
+        for lo in range(0, length, BLOCK_K):
+            hi = min(lo + BLOCK_K, length)
+            if vis is not None and not bool(vis[i0:i1, at + lo:at + hi].any()):
+                continue                                # no query of the block sees these
+            if runs and runs[-1][0] == grp and runs[-1][2] == lo:
+                runs[-1] = (grp, runs[-1][1], hi)
+            else:
+                runs.append((grp, lo, hi))
+        at += length
     return runs
 
 
-def _block_bias(b: "_Builder", n: Node, i0: int, i1: int, runs: list[tuple[int, int]],
+def _starts(a: dict) -> list[int]:
+    """Where each key group starts in the MASK's key axis."""
+    out, at = [], 0
+    for _, length, _ in a["groups"]:
+        out.append(at)
+        at += length
+    return out
+
+
+def _block_bias(b: "_Builder", n: Node, i0: int, i1: int, runs: list[Run],
                 dtype: torch.dtype) -> Tensor | None:
     """The additive mask of queries i0..i1 over the keys of `runs` [bq, visible keys], or None
     when the block sees all of them."""
     a = n.attr_dict
     if _visible(a) is None:
         return None
-    vis = torch.cat([_visible(a)[i0:i1, lo:hi] for lo, hi in runs], dim=1)
+    at = _starts(a)
+    vis = torch.cat([_visible(a)[i0:i1, at[grp] + lo:at[grp] + hi] for grp, lo, hi in runs],
+                    dim=1)
     if bool(vis.all()):
         return None
     zero, ninf = torch.zeros((), dtype=dtype), torch.tensor(-math.inf, dtype=dtype)
@@ -148,20 +169,21 @@ def _einsum(b: "_Builder", spec: str, xs: list[Tensor], o: Tensor) -> list[Step]
     return einsum_steps(b, spec, xs, o)
 
 
-def _cols(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(lo, hi, offset of the run in the block's score columns)."""
+def _cols(runs: list[Run]) -> list[tuple[int, int, int, int]]:
+    """(group, lo, hi, offset of the run in the block's score columns)."""
     out, off = [], 0
-    for lo, hi in runs:
-        out.append((lo, hi, off))
+    for grp, lo, hi in runs:
+        out.append((grp, lo, hi, off))
         off += hi - lo
     return out
 
 
-def _probabilities(b: "_Builder", n: Node, qb: Tensor, k: Tensor, i0: int, i1: int,
-                   runs: list[tuple[int, int]], s: Tensor, steps: list[Step]) -> None:
+def _probabilities(b: "_Builder", n: Node, qb: Tensor, ks: list[Tensor], i0: int, i1: int,
+                   runs: list[Run], s: Tensor, steps: list[Step]) -> None:
     """s <- scale · qb kᵀ + bias over the keys of `runs` (the block's masked, scaled scores)."""
-    for lo, hi, off in _cols(runs):
-        steps += _einsum(b, "bhqe,bhke->bhqk", [qb, k[:, :, lo:hi]], s[..., off:off + hi - lo])
+    for grp, lo, hi, off in _cols(runs):
+        steps += _einsum(b, "bhqe,bhke->bhqk", [qb, ks[grp][:, :, lo:hi]],
+                         s[..., off:off + hi - lo])
     scale = n.attr("scale")
     steps.append(lambda: s.mul_(scale))
     bias = _block_bias(b, n, i0, i1, runs, s.dtype)
@@ -170,24 +192,26 @@ def _probabilities(b: "_Builder", n: Node, qb: Tensor, k: Tensor, i0: int, i1: i
 
 
 def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
-    q, k, v = xs
+    q, ks, vs, _ = split(xs, n.attr_dict)
     o, lse = outs
     B, H, _, _ = q.shape
+    e_v = vs[0].shape[3]
     steps: list[Step] = []
-    k, v = _wide(b, k, steps), _wide(b, v, steps)
+    ks, vs = [_wide(b, k, steps) for k in ks], [_wide(b, v, steps) for v in vs]
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
         runs = key_runs(n.attr_dict, i0, i1)
-        s = _tmp(b, q, B, H, bq, sum(hi - lo for lo, hi in runs))
+        s = _tmp(b, q, B, H, bq, sum(hi - lo for _, lo, hi in runs))
         m, l = _tmp(b, q, B, H, bq, 1), _tmp(b, q, B, H, bq, 1)
-        ob, t_o = _tmp(b, q, B, H, bq, v.shape[3]), _tmp(b, q, B, H, bq, v.shape[3])
-        _probabilities(b, n, _wide(b, q[:, :, i0:i1], steps), k, i0, i1, runs, s, steps)
+        ob, t_o = _tmp(b, q, B, H, bq, e_v), _tmp(b, q, B, H, bq, e_v)
+        _probabilities(b, n, _wide(b, q[:, :, i0:i1], steps), ks, i0, i1, runs, s, steps)
         steps += [lambda s=s, m=m: torch.amax(s, -1, keepdim=True, out=m),
                   lambda s=s, m=m: s.sub_(m).exp_(),
                   lambda s=s, l=l: torch.sum(s, -1, keepdim=True, out=l),
                   lambda s=s, l=l: s.div_(l)]
-        for j, (lo, hi, off) in enumerate(_cols(runs)):
-            steps += _einsum(b, "bhqk,bhke->bhqe", [s[..., off:off + hi - lo], v[:, :, lo:hi]],
+        for j, (grp, lo, hi, off) in enumerate(_cols(runs)):
+            steps += _einsum(b, "bhqk,bhke->bhqe",
+                             [s[..., off:off + hi - lo], vs[grp][:, :, lo:hi]],
                              ob if j == 0 else t_o)
             if j:
                 steps.append(lambda ob=ob, t_o=t_o: ob.add_(t_o))
@@ -199,35 +223,38 @@ def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> 
 
 
 def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
-    q, k, v, o, lse, do = xs
-    dq, dk_out, dv_out = outs
+    a = n.attr_dict
+    q, ks, vs, (o, lse, do) = split(xs, a)
+    dq, dk_outs, dv_outs, _ = split(outs, a)
     B, H, _, _ = q.shape
+    e_k, e_v = q.shape[3], vs[0].shape[3]
     scale = n.attr("scale")
     steps: list[Step] = []
-    k, v = _wide(b, k, steps), _wide(b, v, steps)
+    ks, vs = [_wide(b, k, steps) for k in ks], [_wide(b, v, steps) for v in vs]
     # float32 accumulators for bf16 dk, dv, dq (each rounded once, into its bf16 buffer)
-    dk = dk_out if dk_out.dtype == k.dtype else _tmp(b, dk_out, *dk_out.shape)
-    dv = dv_out if dv_out.dtype == v.dtype else _tmp(b, dv_out, *dv_out.shape)
-    steps += [lambda: dk.zero_(), lambda: dv.zero_()]
+    dks = [d if d.dtype == k.dtype else _tmp(b, d, *d.shape) for d, k in zip(dk_outs, ks)]
+    dvs = [d if d.dtype == v.dtype else _tmp(b, d, *d.shape) for d, v in zip(dv_outs, vs)]
+    steps += [lambda d=d: d.zero_() for d in dks + dvs]
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
-        runs = key_runs(n.attr_dict, i0, i1)
-        n_vis = sum(hi - lo for lo, hi in runs)
+        runs = key_runs(a, i0, i1)
+        n_vis = sum(hi - lo for _, lo, hi in runs)
         qb, dob, ob = (_wide(b, x[:, :, i0:i1], steps) for x in (q, do, o))
         p = _tmp(b, q, B, H, bq, n_vis)
         ds = _tmp(b, q, B, H, bq, n_vis)
         delta = _tmp(b, q, B, H, bq, 1)
-        t_o = _tmp(b, q, B, H, bq, v.shape[3])
-        t_q, dq_out = _tmp(b, q, B, H, bq, q.shape[3]), dq[:, :, i0:i1]
-        dqb = dq_out if dq_out.dtype == t_q.dtype else _tmp(b, q, B, H, bq, q.shape[3])
-        _probabilities(b, n, qb, k, i0, i1, runs, p, steps)
+        t_o = _tmp(b, q, B, H, bq, e_v)
+        t_q, dq_out = _tmp(b, q, B, H, bq, e_k), dq[:, :, i0:i1]
+        dqb = dq_out if dq_out.dtype == t_q.dtype else _tmp(b, q, B, H, bq, e_k)
+        _probabilities(b, n, qb, ks, i0, i1, runs, p, steps)
         lb = lse[:, :, i0:i1].unsqueeze(-1)
         steps.append(lambda p=p, lb=lb: p.sub_(lb).exp_())          # p = exp(s - lse)
         steps += [lambda t_o=t_o, dob=dob, ob=ob: torch.mul(dob, ob, out=t_o),
                   lambda t_o=t_o, delta=delta: torch.sum(t_o, -1, keepdim=True, out=delta)]
-        for j, (lo, hi, off) in enumerate(_cols(runs)):
+        for j, (grp, lo, hi, off) in enumerate(_cols(runs)):
             pr, dsr, w = p[..., off:off + hi - lo], ds[..., off:off + hi - lo], hi - lo
-            t_k, t_v = _tmp(b, q, B, H, w, k.shape[3]), _tmp(b, q, B, H, w, v.shape[3])
+            k, v, dk, dv = ks[grp], vs[grp], dks[grp], dvs[grp]
+            t_k, t_v = _tmp(b, q, B, H, w, e_k), _tmp(b, q, B, H, w, e_v)
             steps += _einsum(b, "bhqk,bhqe->bhke", [pr, dob], t_v)
             steps.append(lambda t_v=t_v, dvr=dv[:, :, lo:hi]: dvr.add_(t_v))
             steps += _einsum(b, "bhqe,bhke->bhqk", [dob, v[:, :, lo:hi]], dsr)   # dp
@@ -240,7 +267,7 @@ def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor])
         if dqb is not dq_out:
             steps.append(lambda dqb=dqb, dq_out=dq_out: dq_out.copy_(dqb))
         b.scratch.top = mark
-    for acc, res in ((dk, dk_out), (dv, dv_out)):
+    for acc, res in zip(dks + dvs, dk_outs + dv_outs):
         if acc is not res:
             steps.append(lambda acc=acc, res=res: res.copy_(acc))
     return steps
