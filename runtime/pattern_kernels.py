@@ -288,11 +288,24 @@ def _tiles(b: "_Builder", like: Tensor, rows: int, vocab: int) -> tuple[list[tup
     return tiles, {w: _tmp(b, like, rows, w) for w in {hi - lo for lo, hi in tiles}}
 
 
+def _rows_of(b: "_Builder", tg: Tensor, steps: list[Step]) -> Tensor:
+    """The targets as [rows]: a view of [rows] or dense [batch, T] ones; a [batch, T] slice of
+    the token windows (strided) is gathered into int64 scratch by the kernel's first step."""
+    if tg.dim() == 1:
+        return tg
+    if tg.is_contiguous():
+        return tg.view(-1)
+    t = b.scratch.alloc(TensorType((tg.numel(),), "i64"))
+    steps.append(lambda t=t, tg=tg: t.view(tg.shape).copy_(tg))
+    return t
+
+
 def _lce(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     h, head, tg = xs
     loss, lse = outs
     w = _vocab_major(head, n.attr("layout"))            # (V, D)
     steps: list[Step] = []
+    tg = _rows_of(b, tg, steps)
     for r0, r1 in _blocks(h.shape[0], n.attr("chunk")):
         mark, rb = b.scratch.top, r1 - r0
         hb, tb = h[r0:r1], tg[r0:r1]
@@ -328,6 +341,7 @@ def _lce_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> li
     w = _vocab_major(head, n.attr("layout"))            # (V, D)
     dw = _vocab_major(dhead, n.attr("layout"))
     steps: list[Step] = [lambda: dw.zero_()]
+    tg = _rows_of(b, tg, steps)
     for r0, r1 in _blocks(h.shape[0], n.attr("chunk")):
         mark, rb = b.scratch.top, r1 - r0
         hb, tb, dhb = h[r0:r1], tg[r0:r1], dh[r0:r1]
