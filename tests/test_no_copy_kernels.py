@@ -7,10 +7,11 @@ SCATTER_ALONG), a SCAN or a pattern op (ATTENTION, LINEAR_CROSS_ENTROPY, ADAMW, 
 (FULL, ROPE, MASK), an ITEM or an INPUT only moves or makes values. A kernel that launches
 (not `MemoryPlan.is_noop`) and holds no computing node is a pure copy.
 
-What stays, at the top level of the training and forward graphs only: the embedding gather
-(TAKE, whose one reader is the layer scan's carry) and the token slice the segment-sum
-embedding gradient and the fused loss read densely (SLICE, RESHAPE of the [B, T + 1] tokens).
-Nothing else: no concat of RoPE halves or of attention key groups, in any scan body.
+What stays, once, at the top level of the training and forward graphs: the embedding gather
+(TAKE, with the token slice it reads; its one reader is the layer scan, whose carry starts
+from dense storage). Nothing else: no concat of RoPE halves or of attention key groups in any
+scan body, no copy of the token slices (the fused loss and the segment sum read them through
+their strides).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from titanc.step_profile import is_computing
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 # the top-level copies that remain, by their ops (module docstring)
-TOLERATED = ({Op.TAKE}, {Op.SLICE, Op.TAKE}, {Op.SLICE}, {Op.SLICE, Op.RESHAPE})
+TOLERATED = ({Op.TAKE}, {Op.SLICE, Op.TAKE})
 
 
 def _copies(plan, depth=0, out=None) -> list[tuple[int, str, str, set]]:
@@ -52,7 +53,7 @@ def test_every_launched_kernel_computes(path: Path) -> None:
     for kind in ("forward", "training", "optimizer"):
         copies = _copies(c.plans[kind])
         assert all(depth == 0 and ops in TOLERATED for depth, _, _, ops in copies), (kind, copies)
-        assert len(copies) <= 2, (kind, copies)
+        assert len(copies) <= 1, (kind, copies)
         if kind == "optimizer":
             assert not copies
 
