@@ -191,16 +191,49 @@ def _probabilities(b: "_Builder", n: Node, qb: Tensor, ks: list[Tensor], i0: int
         steps.append(lambda: s.add_(bias))
 
 
+def _pack(b: "_Builder", xs: list[Tensor], steps: list[Step]) -> list[Tensor]:
+    """The key (or value) groups as one dense [B, H, keys, e] scratch in the compute dtype,
+    filled by the kernel's first steps: the BLAS calls of the loop want dense operands (a
+    batch-expanded persistent group would be copied by every call), and a block's visible
+    keys are then one run across groups. One group: itself (widened under bf16)."""
+    if len(xs) == 1:
+        return [_wide(b, xs[0], steps)]
+    B, H, _, e = xs[0].shape
+    t = _tmp(b, xs[0], B, H, sum(x.shape[2] for x in xs), e)
+    at = 0
+    for x in xs:
+        steps.append(lambda x=x, d=t[:, :, at:at + x.shape[2]]: d.copy_(x))
+        at += x.shape[2]
+    return [t]
+
+
+def _runs(a: dict, i0: int, i1: int, packed: bool) -> list[Run]:
+    """`key_runs`, or over packed groups: in key-axis numbering as group 0, runs that meet
+    across a group boundary merged."""
+    runs = key_runs(a, i0, i1)
+    if not packed:
+        return runs
+    at, out = _starts(a), []
+    for grp, lo, hi in runs:
+        lo, hi = at[grp] + lo, at[grp] + hi
+        if out and out[-1][2] == lo:
+            out[-1] = (0, out[-1][1], hi)
+        else:
+            out.append((0, lo, hi))
+    return out
+
+
 def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     q, ks, vs, _ = split(xs, n.attr_dict)
     o, lse = outs
     B, H, _, _ = q.shape
     e_v = vs[0].shape[3]
     steps: list[Step] = []
-    ks, vs = [_wide(b, k, steps) for k in ks], [_wide(b, v, steps) for v in vs]
+    packed = len(ks) > 1
+    ks, vs = _pack(b, ks, steps), _pack(b, vs, steps)
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
-        runs = key_runs(n.attr_dict, i0, i1)
+        runs = _runs(n.attr_dict, i0, i1, packed)
         s = _tmp(b, q, B, H, bq, sum(hi - lo for _, lo, hi in runs))
         m, l = _tmp(b, q, B, H, bq, 1), _tmp(b, q, B, H, bq, 1)
         ob, t_o = _tmp(b, q, B, H, bq, e_v), _tmp(b, q, B, H, bq, e_v)
@@ -230,14 +263,19 @@ def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor])
     e_k, e_v = q.shape[3], vs[0].shape[3]
     scale = n.attr("scale")
     steps: list[Step] = []
-    ks, vs = [_wide(b, k, steps) for k in ks], [_wide(b, v, steps) for v in vs]
-    # float32 accumulators for bf16 dk, dv, dq (each rounded once, into its bf16 buffer)
-    dks = [d if d.dtype == k.dtype else _tmp(b, d, *d.shape) for d, k in zip(dk_outs, ks)]
-    dvs = [d if d.dtype == v.dtype else _tmp(b, d, *d.shape) for d, v in zip(dv_outs, vs)]
+    packed = len(ks) > 1
+    ks, vs = _pack(b, ks, steps), _pack(b, vs, steps)
+    # accumulators: float32 for bf16 dk, dv, dq (each rounded once, into its bf16 buffer);
+    # over packed groups one dense scratch, copied into each group's gradient at the end
+    if packed:
+        dks, dvs = [_tmp(b, ks[0], *ks[0].shape)], [_tmp(b, vs[0], *vs[0].shape)]
+    else:
+        dks = [d if d.dtype == k.dtype else _tmp(b, d, *d.shape) for d, k in zip(dk_outs, ks)]
+        dvs = [d if d.dtype == v.dtype else _tmp(b, d, *d.shape) for d, v in zip(dv_outs, vs)]
     steps += [lambda d=d: d.zero_() for d in dks + dvs]
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
-        runs = key_runs(a, i0, i1)
+        runs = _runs(a, i0, i1, packed)
         n_vis = sum(hi - lo for _, lo, hi in runs)
         qb, dob, ob = (_wide(b, x[:, :, i0:i1], steps) for x in (q, do, o))
         p = _tmp(b, q, B, H, bq, n_vis)
@@ -267,6 +305,10 @@ def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor])
         if dqb is not dq_out:
             steps.append(lambda dqb=dqb, dq_out=dq_out: dq_out.copy_(dqb))
         b.scratch.top = mark
+    if packed:                                       # each group's slice of the accumulators
+        at = _starts(a)
+        dks = [dks[0][:, :, s:s + d.shape[2]] for s, d in zip(at, dk_outs)]
+        dvs = [dvs[0][:, :, s:s + d.shape[2]] for s, d in zip(at, dv_outs)]
     for acc, res in zip(dks + dvs, dk_outs + dv_outs):
         if acc is not res:
             steps.append(lambda acc=acc, res=res: res.copy_(acc))
