@@ -12,8 +12,10 @@ ITEM buffers.
                    backward, ordered by query block).
 
 The keys and values come as one tensor per key group (persistent tokens, memory output,
-segment or sequence keys, each read in place through its strides: nothing concatenates them),
-and the backward writes one dk and one dv per group. Keys come in blocks of BLOCK_K within a
+segment or sequence keys; no kernel concatenates them), and the backward writes one dk and
+one dv per group. With several groups the loop's first steps pack them into one dense scratch
+(`_pack`: the BLAS calls want dense operands, and a block's visible keys become one run);
+the backward accumulates into dense scratch and copies each group's slice out at the end. Keys come in blocks of BLOCK_K within a
 group: a key block that no query of the query block can see (outside the sliding window, or
 after the block's last query) is skipped, not computed and masked (`key_runs`: the visible
 key blocks of each group, merged into runs of consecutive blocks).
