@@ -1,5 +1,11 @@
-"""Rules of the attention pattern ops: ATTENTION (q, k, v) -> (o, lse) and ATTENTION_BWD
-(q, k, v, o, lse, do) -> (dq, dk, dv).
+"""Rules of the attention pattern ops: ATTENTION (q, k_1..k_G, v_1..v_G) -> (o, lse) and
+ATTENTION_BWD (q, k_1..k_G, v_1..v_G, o, lse, do) -> (dq, dk_1..dk_G, dv_1..dv_G).
+
+The keys and values come one operand per key group of the MASK (`groups`, G of them: the
+persistent tokens, the memory output, the segment or sequence keys), each [b, h, length of
+the group, e]: no kernel concatenates them, every implementation reads each group through its
+own strides (a permuted or batch-expanded projection is a strided view), and the backward
+writes one dk and one dv per group.
 
 `passes/flash_attention.py` rewrites `softmax(q kᵀ · scale + MASK) v` into ATTENTION; its
 attrs are the scale and the MASK's (`n_q`, `q_start`, `groups`), so the visible (query, key)
@@ -29,15 +35,28 @@ from .tables import mask_table
 from .types import TensorType
 
 
-def _check_qkv(q: Any, k: Any, v: Any, a: dict) -> None:
-    if not all(isinstance(t, TensorType) and t.rank == 4 for t in (q, k, v)):
+def n_groups(a: dict) -> int:
+    """G, the number of key groups (and of key operands, and of value operands)."""
+    return len(a["groups"])
+
+
+def split(xs: list, a: dict) -> tuple[Any, list, list, list]:
+    """(q, keys per group, values per group, the operands after them) of an attention op."""
+    n = n_groups(a)
+    return xs[0], list(xs[1:1 + n]), list(xs[1 + n:1 + 2 * n]), list(xs[1 + 2 * n:])
+
+
+def _check_qkv(q: Any, ks: list, vs: list, a: dict) -> None:
+    if not all(isinstance(t, TensorType) and t.rank == 4 for t in (q, *ks, *vs)):
         raise ShapeError("ATTENTION needs rank-4 q, k, v [batch, head, position, width]")
-    n_k = sum(length for _, length, _ in a["groups"])
-    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]:
-        raise ShapeError(f"ATTENTION q {q}, k {k}, v {v} disagree")
-    if q.shape[2] != a["n_q"] or k.shape[2] != n_k:
-        raise ShapeError(f"ATTENTION q {q} / k {k} do not match n_q={a['n_q']}, "
-                         f"keys={n_k} of the groups")
+    for (_, length, _), k, v in zip(a["groups"], ks, vs):
+        if (q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]
+                or v.shape[3] != vs[0].shape[3]):
+            raise ShapeError(f"ATTENTION q {q}, k {k}, v {v} disagree")
+        if k.shape[2] != length:
+            raise ShapeError(f"ATTENTION k {k} does not match its key group of {length} keys")
+    if q.shape[2] != a["n_q"]:
+        raise ShapeError(f"ATTENTION q {q} does not match n_q={a['n_q']}")
 
 
 def stat_dtype(dtype: str) -> str:
@@ -46,23 +65,31 @@ def stat_dtype(dtype: str) -> str:
 
 
 def _attention_type(ts: list, a: dict) -> tuple[TensorType, ...]:
-    q, k, v = ts
-    _check_qkv(q, k, v, a)
-    if len({q.dtype, k.dtype, v.dtype}) != 1:
-        raise ShapeError(f"ATTENTION q {q}, k {k}, v {v} must share one dtype")
-    return (TensorType(q.shape[:3] + v.shape[3:], q.dtype),
+    q, ks, vs, rest = split(ts, a)
+    if rest or len(vs) != n_groups(a):
+        raise ShapeError(f"ATTENTION takes q and one key and one value per group "
+                         f"({1 + 2 * n_groups(a)} operands), got {len(ts)}")
+    _check_qkv(q, ks, vs, a)
+    if len({t.dtype for t in ts}) != 1:
+        raise ShapeError(f"ATTENTION q {q}, k {ks}, v {vs} must share one dtype")
+    return (TensorType(q.shape[:3] + vs[0].shape[3:], q.dtype),
             TensorType(q.shape[:3], stat_dtype(q.dtype)))
 
 
 def _attention_bwd_type(ts: list, a: dict) -> tuple[TensorType, ...]:
-    q, k, v, o, lse, do = ts
-    _check_qkv(q, k, v, a)
+    q, ks, vs, rest = split(ts, a)
+    if len(rest) != 3:
+        raise ShapeError(f"ATTENTION_BWD takes q, a key and a value per group, o, lse, do "
+                         f"({4 + 2 * n_groups(a)} operands), got {len(ts)}")
+    o, lse, do = rest
+    _check_qkv(q, ks, vs, a)
+    v = vs[0]
     if o.shape != do.shape or o.shape != q.shape[:3] + v.shape[3:] or lse.shape != q.shape[:3]:
         raise ShapeError(f"ATTENTION_BWD o {o}, lse {lse}, do {do} do not match q {q}, v {v}")
     if {o.dtype, do.dtype} != {q.dtype} or lse.dtype != stat_dtype(q.dtype):
         raise ShapeError(f"ATTENTION_BWD o {o}, do {do} must have q's dtype and lse {lse} "
                          f"{stat_dtype(q.dtype)}")
-    return (q, k, v)
+    return (q, *ks, *vs)
 
 
 def scores(q: Tensor, k: Tensor, a: dict) -> Tensor:
@@ -77,38 +104,43 @@ def _wide(xs: list[Tensor]) -> list[Tensor]:
 
 
 def attention_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Tensor]:
-    q, k, v = _wide(xs)
+    q, ks, vs, _ = split(_wide(xs), node.attr_dict)
+    k, v = torch.cat(ks, 2), torch.cat(vs, 2)
     s = scores(q, k, node.attr_dict)
     lse = torch.logsumexp(s, -1)
     o = torch.einsum("bhqk,bhke->bhqe", torch.exp(s - lse[..., None]), v)
     return o.to(xs[0].dtype), lse
 
 
-def attention_bwd_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Tensor, Tensor]:
-    q, k, v, o, lse, do = _wide(xs)
+def attention_bwd_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, ...]:
     a = node.attr_dict
+    q, ks, vs, (o, lse, do) = split(_wide(xs), a)
+    k, v = torch.cat(ks, 2), torch.cat(vs, 2)
+    lengths = [length for _, length, _ in a["groups"]]
     p = torch.exp(scores(q, k, a) - lse[..., None])                   # (b, h, q, k)
     dv = torch.einsum("bhqk,bhqe->bhke", p, do)
     dp = torch.einsum("bhqe,bhke->bhqk", do, v)
     ds = p * (dp - (do * o).sum(-1, keepdim=True))                     # softmax VJP
     dq = torch.einsum("bhqk,bhke->bhqe", ds, k) * a["scale"]
     dk = torch.einsum("bhqk,bhqe->bhke", ds, q) * a["scale"]
-    return tuple(t.to(x.dtype) for t, x in zip((dq, dk, dv), xs))
+    grads = (dq, *torch.split(dk, lengths, 2), *torch.split(dv, lengths, 2))
+    return tuple(t.to(x.dtype) for t, x in zip(grads, xs))
 
 
 def _attention_vjp(b: Any, a: dict, xs: list, y: Any, cts: list) -> list:
-    """ATTENTION (q, k, v) -> (o, lse): one ATTENTION_BWD, which recomputes the probabilities
-    from the saved log-sum-exp (cotangents: of o; lse is read by the backward only)."""
+    """ATTENTION (q, k_1.., v_1..) -> (o, lse): one ATTENTION_BWD, which recomputes the
+    probabilities from the saved log-sum-exp (cotangents: of o; lse is read by the backward
+    only); its results are the gradients of q and of every key and value group."""
     ct_o, ct_lse = cts
     if ct_lse is not None:
         raise NotImplementedError("no VJP of ATTENTION through its log-sum-exp output")
     if ct_o is None:
-        return [None, None, None]
+        return [None] * len(xs)
     bwd = b.op(Op.ATTENTION_BWD, *xs, b.item(y, 0), b.item(y, 1), ct_o, **a)
-    return [b.item(bwd, i) for i in range(3)]
+    return [b.item(bwd, i) for i in range(len(xs))]
 
 
 register(
-    Structural(Op.ATTENTION, _attention_type, attention_ref, _attention_vjp, reads=(0, 1, 2)),
+    Structural(Op.ATTENTION, _attention_type, attention_ref, _attention_vjp, reads=("all",)),
     Structural(Op.ATTENTION_BWD, _attention_bwd_type, attention_bwd_ref),
 )

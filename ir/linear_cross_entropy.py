@@ -8,7 +8,9 @@ headᵀ, targets)` into the forward op. Per row r: logits_r = h_r · head (never
 lse_r = log Σ_v exp(logits_rv), loss_r = lse_r − logits_r[targets_r]. The backward op
 recomputes the logits from h, head and the saved lse: dlogits = (softmax − onehot(targets)) ·
 dloss_r, dh = dlogits · head, dhead = dlogitsᵀ · h (transposed for a [d, v] head). Only the
-per-row lse is saved between them.
+per-row lse is saved between them. The targets are [rows] or [batch, T] (row r is
+targets[r // T, r % T]): the [B, T] slice of the token windows is read in place, through its
+strides, with no flattening copy.
 
 attrs: `layout` "vd" (a tied embedding [vocab, d]) or "dv" (an untied head [d, vocab]), and
 `chunk` (rows per block of the cpu kernel). The reference semantics below materialise the
@@ -36,11 +38,11 @@ def _check(h: Any, head: Any, targets: Any, a: dict) -> int:
     if a.get("layout") not in LAYOUTS:
         raise ShapeError(f"LINEAR_CROSS_ENTROPY layout {a.get('layout')!r}: one of {LAYOUTS}")
     if not all(isinstance(t, TensorType) for t in (h, head, targets)) or h.rank != 2 \
-            or head.rank != 2 or targets.rank != 1:
+            or head.rank != 2 or targets.rank not in (1, 2):
         raise ShapeError("LINEAR_CROSS_ENTROPY needs h [rows, d], head [v, d] or [d, v], "
-                         "targets [rows]")
+                         "targets [rows] or [batch, T] (batch · T = rows)")
     d = head.shape[1] if a["layout"] == "vd" else head.shape[0]
-    if h.shape[1] != d or targets.shape[0] != h.shape[0] or targets.is_float:
+    if h.shape[1] != d or targets.numel != h.shape[0] or targets.is_float:
         raise ShapeError(f"LINEAR_CROSS_ENTROPY h {h}, head {head} ({a['layout']}), "
                          f"targets {targets} disagree")
     return head.shape[0] if a["layout"] == "vd" else head.shape[1]
@@ -69,6 +71,7 @@ def logits(h: Tensor, head: Tensor, layout: str) -> Tensor:
 
 def lce_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Tensor]:
     h, head, targets = xs
+    targets = targets.reshape(-1)
     z = logits(h, head, node.attr("layout"))
     lse = torch.logsumexp(z, -1)
     return lse - z.gather(1, targets.long()[:, None])[:, 0], lse
@@ -76,6 +79,7 @@ def lce_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Tensor]:
 
 def lce_bwd_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, Tensor]:
     h, head, targets, lse, dloss = xs
+    targets = targets.reshape(-1)
     layout = node.attr("layout")
     p = torch.exp(logits(h, head, layout) - lse[:, None])              # softmax (r, v)
     p[torch.arange(h.shape[0]), targets.long()] -= 1.0                 # − onehot(targets)

@@ -81,8 +81,8 @@ Op.CUMSUM = Op("CUMSUM")                 # attrs: axis, reverse
 Op.SCAN = Op("SCAN")                     # attrs: body, length, n_carry, n_xs, reverse, role, checkpoint_dtype (optional) (outputs a tuple)
 Op.ITEM = Op("ITEM")                     # attrs: index   picks one value of a tuple-typed node
 # pattern ops (passes/flash_attention.py rewrites a subgraph into one; ir/attention.py has their rules)
-Op.ATTENTION = Op("ATTENTION")           # (q, k, v) -> (o, lse); attrs: scale, n_q, q_start, groups (as MASK)
-Op.ATTENTION_BWD = Op("ATTENTION_BWD")   # (q, k, v, o, lse, do) -> (dq, dk, dv); attrs as ATTENTION
+Op.ATTENTION = Op("ATTENTION")           # (q, k per group.., v per group..) -> (o, lse); attrs: scale, n_q, q_start, groups (as MASK)
+Op.ATTENTION_BWD = Op("ATTENTION_BWD")   # (q, ks.., vs.., o, lse, do) -> (dq, dks.., dvs..); attrs as ATTENTION
 Op.LINEAR_CROSS_ENTROPY = Op("LINEAR_CROSS_ENTROPY")          # (h, head, targets) -> (loss, lse) per row; attrs: layout
 Op.LINEAR_CROSS_ENTROPY_BWD = Op("LINEAR_CROSS_ENTROPY_BWD")  # (h, head, targets, lse, dloss) -> (dh, dhead); attrs as forward
 Op.ADAMW = Op("ADAMW")                   # (params, grads, ms, vs, lr, step, grad_scale) -> (params, ms, vs, norm); attrs: n, betas, eps, weight_decay, clip, decay

@@ -3,7 +3,13 @@
     p = div(exp(s - amax(s)), sum(exp(s - amax(s))))       s = einsum[xyqe,xyke->xyqk](q, k)
                                                                 · scale + MASK
     o = einsum[xyqk,xyke->xyqf](p, v)
-      ->  o = ITEM 0 of ATTENTION(q, k, v; scale, n_q, q_start, groups)
+      ->  o = ITEM 0 of ATTENTION(q, k_1..k_G, v_1..v_G; scale, n_q, q_start, groups)
+
+The op takes one key and one value operand per key group of the MASK: where k (v) is a
+CONCAT along the key axis whose pieces are the groups (MAC's [persistent ‖ memory ‖
+segment], SWA's [persistent ‖ sequence]), the pieces themselves, so the concatenation is
+never materialised (each piece, often a permuted or batch-expanded view, is read through its
+strides); otherwise a SLICE view of k per group.
 
 The MASK's attrs become the op's attrs, so the visible (query, key) pairs are known statically:
 the flash kernels (`codegen/lower/patterns.py`, `runtime/pattern_kernels.py`) never hold a
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from titanc.ir import Graph, Node, Op
-from titanc.ir.attention import stat_dtype
+from titanc.ir.attention import split, stat_dtype
 
 from .manager import debug_level
 
@@ -141,6 +147,29 @@ class _Matcher:
         return (q, k, pv.inputs[1]), attrs, chain
 
 
+def _pieces(g: Graph, x: int) -> list[int]:
+    """The operands of `x` concatenated along the key axis (2), nested CONCATs flattened."""
+    n = g.node(x)
+    if n.op is not Op.CONCAT or n.attr("axis") % 4 != 2:
+        return [x]
+    return [p for i in n.inputs for p in _pieces(g, i)]
+
+
+def _per_group(g: Graph, out: Graph, env: dict[int, int], x: int, lengths: list[int]) -> list[int]:
+    """Key (or value) `x` of an attention op as one operand per key group of `lengths` (in
+    `out`): the CONCAT pieces when they are exactly the groups, else a SLICE view per group."""
+    pieces = _pieces(g, x)
+    if [g.node(p).type.shape[2] for p in pieces] == lengths:
+        return [env[p] for p in pieces]
+    if len(lengths) == 1:
+        return [env[x]]
+    res, lo = [], 0
+    for length in lengths:
+        res.append(out.add(Op.SLICE, (env[x],), {"axis": 2, "start": lo, "stop": lo + length}))
+        lo += length
+    return res
+
+
 def flash_attention(g: Graph) -> Graph:
     """`g` with every attention chain replaced by ATTENTION (scan bodies too)."""
     mt = _Matcher(g)
@@ -163,7 +192,9 @@ def flash_attention(g: Graph) -> Graph:
             continue
         if node.id in found:
             (q, k, v), attrs = found[node.id]
-            att = out.add(Op.ATTENTION, (env[q], env[k], env[v]), attrs)
+            lengths = [length for _, length, _ in attrs["groups"]]
+            ks, vs = (_per_group(g, out, env, x, lengths) for x in (k, v))
+            att = out.add(Op.ATTENTION, (env[q], *ks, *vs), attrs)
             env[node.id] = out.add(Op.ITEM, (att,), {"index": 0})
             continue
         extra = {"body": flash_attention(node.attr("body"))} if node.op is Op.SCAN else {}
@@ -245,7 +276,8 @@ def expand_attention(g: Graph) -> Graph:
         dt = stat_dtype(low)
         ins = tuple(i if out.node(i).type.dtype == dt else _add(out, Op.CAST, (i,), dtype=dt)
                     for i in ins)
-        q, k, v = ins[:3]
+        q, ks, vs, rest = split(list(ins), a)
+        k, v = (x[0] if len(x) == 1 else _add(out, Op.CONCAT, tuple(x), axis=2) for x in (ks, vs))
         rows = tuple(g.node(node.inputs[0]).type.shape[:3])
         z = _scores(out, q, k, a, dt)
         if node.op is Op.ATTENTION:
@@ -258,7 +290,7 @@ def expand_attention(g: Graph) -> Graph:
                                                               shape=rows),))))
             parts[node.id] = (_narrow(out, o, low), lse)
             continue
-        o, lse, do = ins[3:]
+        o, lse, do = rest
         p = _add(out, Op.EXP, (_add(out, Op.SUB, (z, _rows(out, lse, rows))),))
         dv = _add(out, Op.EINSUM, (p, do), spec="bhqk,bhqe->bhke")
         dp = _add(out, Op.EINSUM, (do, v), spec="bhqe,bhke->bhqk")
@@ -267,6 +299,13 @@ def expand_attention(g: Graph) -> Graph:
         scale = _add(out, Op.FULL, (), value=float(a["scale"]), shape=(), dtype=dt)
         dq = _add(out, Op.MUL, (_add(out, Op.EINSUM, (ds, k), spec="bhqk,bhke->bhqe"), scale))
         dk = _add(out, Op.MUL, (_add(out, Op.EINSUM, (ds, q), spec="bhqk,bhqe->bhke"), scale))
-        parts[node.id] = tuple(_narrow(out, x, low) for x in (dq, dk, dv))
+        grads = [dq]
+        for full in (dk, dv):
+            lo = 0
+            for _, length, _ in a["groups"]:
+                grads.append(full if len(ks) == 1 else
+                             _add(out, Op.SLICE, (full,), axis=2, start=lo, stop=lo + length))
+                lo += length
+        parts[node.id] = tuple(_narrow(out, x, low) for x in grads)
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
     return out

@@ -112,7 +112,8 @@ def pattern_flops(n: Node, g: Graph) -> int:
     if n.op in (Op.LINEAR_CROSS_ENTROPY, Op.LINEAR_CROSS_ENTROPY_BWD):   # 2·d per logit per
         (rows, d), head = g.node(n.inputs[0]).type.shape, g.node(n.inputs[1]).type.shape  # dot
         return 2 * rows * head[0] * head[1] * (1 if n.op is Op.LINEAR_CROSS_ENTROPY else 3)
-    q, k, v = (g.node(i).type.shape for i in n.inputs[:3])
+    q = g.node(n.inputs[0]).type.shape
+    v = g.node(n.inputs[1 + len(n.attr("groups"))]).type.shape     # the first value group
     pairs = q[0] * q[1] * visible_pairs(n.attr("n_q"), n.attr("groups"))
     per_pair = 2 * q[3] + 2 * v[3] if n.op is Op.ATTENTION else 6 * q[3] + 4 * v[3]
     return pairs * per_pair

@@ -1,7 +1,7 @@
 """linear_cross_entropy: the LM head + cross-entropy -> one LINEAR_CROSS_ENTROPY pattern op.
 
     loss = mean(lse(h @ head) − take_along(h @ head, targets))           h (B, T, D)
-      ->  loss = sum(ITEM 0 of LINEAR_CROSS_ENTROPY(h (B·T, D), head, targets (B·T,))) / (B·T)
+      ->  loss = sum(ITEM 0 of LINEAR_CROSS_ENTROPY(h (B·T, D), head, targets (B, T))) / (B·T)
 
 The op's kernels (`runtime/pattern_kernels.py` on the cpu target, `cross_entropy.py.jinja`
 through `codegen/lower/patterns.py` on triton) compute the logits one [rows, vocab] tile at
@@ -71,7 +71,7 @@ class LinearCrossEntropy:
         for node in g:               # every node is rebuilt; the loss becomes the op, and the
             if node.id == m["loss"]:  # old head path dies (canonicalize's DCE)
                 lce = b.op(Op.LINEAR_CROSS_ENTROPY, env[m["h"]].reshape(B * T, D),
-                           env[m["head"]], env[m["targets"]].reshape(B * T),
+                           env[m["head"]], env[m["targets"]],     # [B, T]: read strided
                            layout=layout, chunk=self.chunk if self.chunk > 0 else B * T)
                 env[node.id] = b.item(lce, 0).sum((0,)) * (1.0 / (B * T))
                 continue

@@ -421,10 +421,14 @@ STRIDED_TEMPLATES = frozenset({Op.SCAN, Op.ATTENTION, Op.ATTENTION_BWD, Op.LINEA
                                Op.LINEAR_CROSS_ENTROPY_BWD})
 
 
-def _reads_strided(g: Graph, kern: Any) -> bool:
+def _reads_strided(g: Graph, kern: Any, v: int) -> bool:
+    """Does `kern` read value `v` through its strides? Every kernel but a template that needs
+    dense operands, and of the segment sum (INDEX_ADD) its indices (sorted as they are read)."""
     if kern.category != "template":
         return True
-    return any(g.node(n).op in STRIDED_TEMPLATES for n in kern.nodes)
+    return any(g.node(n).op in STRIDED_TEMPLATES
+               or (g.node(n).op is Op.INDEX_ADD and g.node(n).inputs[1] == v)
+               for n in kern.nodes)
 
 
 def _views(schedule: Schedule, live: dict, outs: set[int], elsewhere: set[int],
@@ -439,7 +443,7 @@ def _views(schedule: Schedule, live: dict, outs: set[int], elsewhere: set[int],
     for kern in kernels:
         inside = set(kern.nodes)
         for v in kern.outputs:
-            if v in outs or v in elsewhere or not all(_reads_strided(g, r)
+            if v in outs or v in elsewhere or not all(_reads_strided(g, r, v)
                                                       for r in readers.get(v, [])):
                 continue
             chain, x, ok = [], v, True

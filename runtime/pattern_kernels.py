@@ -11,9 +11,14 @@ ITEM buffers.
                    dv and dk accumulated over blocks, dq written per block (FlashAttention-2's
                    backward, ordered by query block).
 
-Keys come in blocks of BLOCK_K: a key block that no query of the query block can see (outside
-the sliding window, or after the block's last query) is skipped, not computed and masked
-(`key_runs`: the visible key blocks, merged into runs of consecutive blocks).
+The keys and values come as one tensor per key group (persistent tokens, memory output,
+segment or sequence keys; no kernel concatenates them), and the backward writes one dk and
+one dv per group. With several groups the loop's first steps pack them into one dense scratch
+(`_pack`: the BLAS calls want dense operands, and a block's visible keys become one run);
+the backward accumulates into dense scratch and copies each group's slice out at the end. Keys come in blocks of BLOCK_K within a
+group: a key block that no query of the query block can see (outside the sliding window, or
+after the block's last query) is skipped, not computed and masked (`key_runs`: the visible
+key blocks of each group, merged into runs of consecutive blocks).
     LINEAR_CROSS_ENTROPY      per block of `chunk` rows, per tile of VOCAB_TILE vocabulary
                    entries: the logits tile h_b · headᵀ, an online log-sum-exp (running max and
                    sum); the target logit is h_r · head[target_r] (a gather of head rows), so
@@ -43,6 +48,7 @@ import torch
 from torch import Tensor
 
 from titanc.ir import Node, Op
+from titanc.ir.attention import split
 from titanc.ir.tables import mask_table
 from titanc.ir.types import TensorType
 
@@ -93,31 +99,48 @@ def _visible_table(n_q: int, q_start: int, groups: tuple) -> Tensor:
     return mask_table(n_q, q_start, groups, torch.float64) == 0
 
 
-def key_runs(a: dict, i0: int, i1: int) -> list[tuple[int, int]]:
-    """The keys queries i0..i1 of an attention op with attrs `a` compute against: the key
-    blocks of BLOCK_K holding a visible pair, consecutive ones merged, as [(lo, hi)]."""
-    n_k = sum(length for _, length, _ in a["groups"])
+Run = tuple[int, int, int]      # (key group, first key, end key), keys numbered in the group
+
+
+def key_runs(a: dict, i0: int, i1: int) -> list[Run]:
+    """The keys queries i0..i1 of an attention op with attrs `a` compute against: per key
+    group, the blocks of BLOCK_K keys holding a visible pair, consecutive ones merged, as
+    [(group, lo, hi)] with keys numbered within their group."""
     vis = _visible(a)
-    runs: list[tuple[int, int]] = []
-    for lo in range(0, n_k, BLOCK_K):
-        hi = min(lo + BLOCK_K, n_k)
-        if vis is not None and not bool(vis[i0:i1, lo:hi].any()):
-            continue                                    # no query of the block sees these
-        if runs and runs[-1][1] == lo:
-            runs[-1] = (runs[-1][0], hi)
-        else:
-            runs.append((lo, hi))
+    runs: list[Run] = []
+    at = 0                                              # the group's first key in the table
+    for grp, (_, length, _) in enumerate(a["groups"]):
+        for lo in range(0, length, BLOCK_K):
+            hi = min(lo + BLOCK_K, length)
+            if vis is not None and not bool(vis[i0:i1, at + lo:at + hi].any()):
+                continue                                # no query of the block sees these
+            if runs and runs[-1][0] == grp and runs[-1][2] == lo:
+                runs[-1] = (grp, runs[-1][1], hi)
+            else:
+                runs.append((grp, lo, hi))
+        at += length
     return runs
 
 
-def _block_bias(b: "_Builder", n: Node, i0: int, i1: int, runs: list[tuple[int, int]],
+def _starts(a: dict) -> list[int]:
+    """Where each key group starts in the MASK's key axis."""
+    out, at = [], 0
+    for _, length, _ in a["groups"]:
+        out.append(at)
+        at += length
+    return out
+
+
+def _block_bias(b: "_Builder", n: Node, i0: int, i1: int, runs: list[Run],
                 dtype: torch.dtype) -> Tensor | None:
     """The additive mask of queries i0..i1 over the keys of `runs` [bq, visible keys], or None
     when the block sees all of them."""
     a = n.attr_dict
     if _visible(a) is None:
         return None
-    vis = torch.cat([_visible(a)[i0:i1, lo:hi] for lo, hi in runs], dim=1)
+    at = _starts(a)
+    vis = torch.cat([_visible(a)[i0:i1, at[grp] + lo:at[grp] + hi] for grp, lo, hi in runs],
+                    dim=1)
     if bool(vis.all()):
         return None
     zero, ninf = torch.zeros((), dtype=dtype), torch.tensor(-math.inf, dtype=dtype)
@@ -148,20 +171,21 @@ def _einsum(b: "_Builder", spec: str, xs: list[Tensor], o: Tensor) -> list[Step]
     return einsum_steps(b, spec, xs, o)
 
 
-def _cols(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(lo, hi, offset of the run in the block's score columns)."""
+def _cols(runs: list[Run]) -> list[tuple[int, int, int, int]]:
+    """(group, lo, hi, offset of the run in the block's score columns)."""
     out, off = [], 0
-    for lo, hi in runs:
-        out.append((lo, hi, off))
+    for grp, lo, hi in runs:
+        out.append((grp, lo, hi, off))
         off += hi - lo
     return out
 
 
-def _probabilities(b: "_Builder", n: Node, qb: Tensor, k: Tensor, i0: int, i1: int,
-                   runs: list[tuple[int, int]], s: Tensor, steps: list[Step]) -> None:
+def _probabilities(b: "_Builder", n: Node, qb: Tensor, ks: list[Tensor], i0: int, i1: int,
+                   runs: list[Run], s: Tensor, steps: list[Step]) -> None:
     """s <- scale · qb kᵀ + bias over the keys of `runs` (the block's masked, scaled scores)."""
-    for lo, hi, off in _cols(runs):
-        steps += _einsum(b, "bhqe,bhke->bhqk", [qb, k[:, :, lo:hi]], s[..., off:off + hi - lo])
+    for grp, lo, hi, off in _cols(runs):
+        steps += _einsum(b, "bhqe,bhke->bhqk", [qb, ks[grp][:, :, lo:hi]],
+                         s[..., off:off + hi - lo])
     scale = n.attr("scale")
     steps.append(lambda: s.mul_(scale))
     bias = _block_bias(b, n, i0, i1, runs, s.dtype)
@@ -169,25 +193,60 @@ def _probabilities(b: "_Builder", n: Node, qb: Tensor, k: Tensor, i0: int, i1: i
         steps.append(lambda: s.add_(bias))
 
 
+def _pack(b: "_Builder", xs: list[Tensor], steps: list[Step]) -> list[Tensor]:
+    """The key (or value) groups as one dense [B, H, keys, e] scratch in the compute dtype,
+    filled by the kernel's first steps: the BLAS calls of the loop want dense operands (a
+    batch-expanded persistent group would be copied by every call), and a block's visible
+    keys are then one run across groups. One group: itself (widened under bf16)."""
+    if len(xs) == 1:
+        return [_wide(b, xs[0], steps)]
+    B, H, _, e = xs[0].shape
+    t = _tmp(b, xs[0], B, H, sum(x.shape[2] for x in xs), e)
+    at = 0
+    for x in xs:
+        steps.append(lambda x=x, d=t[:, :, at:at + x.shape[2]]: d.copy_(x))
+        at += x.shape[2]
+    return [t]
+
+
+def _runs(a: dict, i0: int, i1: int, packed: bool) -> list[Run]:
+    """`key_runs`, or over packed groups: in key-axis numbering as group 0, runs that meet
+    across a group boundary merged."""
+    runs = key_runs(a, i0, i1)
+    if not packed:
+        return runs
+    at, out = _starts(a), []
+    for grp, lo, hi in runs:
+        lo, hi = at[grp] + lo, at[grp] + hi
+        if out and out[-1][2] == lo:
+            out[-1] = (0, out[-1][1], hi)
+        else:
+            out.append((0, lo, hi))
+    return out
+
+
 def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
-    q, k, v = xs
+    q, ks, vs, _ = split(xs, n.attr_dict)
     o, lse = outs
     B, H, _, _ = q.shape
+    e_v = vs[0].shape[3]
     steps: list[Step] = []
-    k, v = _wide(b, k, steps), _wide(b, v, steps)
+    packed = len(ks) > 1
+    ks, vs = _pack(b, ks, steps), _pack(b, vs, steps)
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
-        runs = key_runs(n.attr_dict, i0, i1)
-        s = _tmp(b, q, B, H, bq, sum(hi - lo for lo, hi in runs))
+        runs = _runs(n.attr_dict, i0, i1, packed)
+        s = _tmp(b, q, B, H, bq, sum(hi - lo for _, lo, hi in runs))
         m, l = _tmp(b, q, B, H, bq, 1), _tmp(b, q, B, H, bq, 1)
-        ob, t_o = _tmp(b, q, B, H, bq, v.shape[3]), _tmp(b, q, B, H, bq, v.shape[3])
-        _probabilities(b, n, _wide(b, q[:, :, i0:i1], steps), k, i0, i1, runs, s, steps)
+        ob, t_o = _tmp(b, q, B, H, bq, e_v), _tmp(b, q, B, H, bq, e_v)
+        _probabilities(b, n, _wide(b, q[:, :, i0:i1], steps), ks, i0, i1, runs, s, steps)
         steps += [lambda s=s, m=m: torch.amax(s, -1, keepdim=True, out=m),
                   lambda s=s, m=m: s.sub_(m).exp_(),
                   lambda s=s, l=l: torch.sum(s, -1, keepdim=True, out=l),
                   lambda s=s, l=l: s.div_(l)]
-        for j, (lo, hi, off) in enumerate(_cols(runs)):
-            steps += _einsum(b, "bhqk,bhke->bhqe", [s[..., off:off + hi - lo], v[:, :, lo:hi]],
+        for j, (grp, lo, hi, off) in enumerate(_cols(runs)):
+            steps += _einsum(b, "bhqk,bhke->bhqe",
+                             [s[..., off:off + hi - lo], vs[grp][:, :, lo:hi]],
                              ob if j == 0 else t_o)
             if j:
                 steps.append(lambda ob=ob, t_o=t_o: ob.add_(t_o))
@@ -199,35 +258,43 @@ def _attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> 
 
 
 def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
-    q, k, v, o, lse, do = xs
-    dq, dk_out, dv_out = outs
+    a = n.attr_dict
+    q, ks, vs, (o, lse, do) = split(xs, a)
+    dq, dk_outs, dv_outs, _ = split(outs, a)
     B, H, _, _ = q.shape
+    e_k, e_v = q.shape[3], vs[0].shape[3]
     scale = n.attr("scale")
     steps: list[Step] = []
-    k, v = _wide(b, k, steps), _wide(b, v, steps)
-    # float32 accumulators for bf16 dk, dv, dq (each rounded once, into its bf16 buffer)
-    dk = dk_out if dk_out.dtype == k.dtype else _tmp(b, dk_out, *dk_out.shape)
-    dv = dv_out if dv_out.dtype == v.dtype else _tmp(b, dv_out, *dv_out.shape)
-    steps += [lambda: dk.zero_(), lambda: dv.zero_()]
+    packed = len(ks) > 1
+    ks, vs = _pack(b, ks, steps), _pack(b, vs, steps)
+    # accumulators: float32 for bf16 dk, dv, dq (each rounded once, into its bf16 buffer);
+    # over packed groups one dense scratch, copied into each group's gradient at the end
+    if packed:
+        dks, dvs = [_tmp(b, ks[0], *ks[0].shape)], [_tmp(b, vs[0], *vs[0].shape)]
+    else:
+        dks = [d if d.dtype == k.dtype else _tmp(b, d, *d.shape) for d, k in zip(dk_outs, ks)]
+        dvs = [d if d.dtype == v.dtype else _tmp(b, d, *d.shape) for d, v in zip(dv_outs, vs)]
+    steps += [lambda d=d: d.zero_() for d in dks + dvs]
     for i0, i1 in _blocks(q.shape[2]):
         mark, bq = b.scratch.top, i1 - i0
-        runs = key_runs(n.attr_dict, i0, i1)
-        n_vis = sum(hi - lo for lo, hi in runs)
+        runs = _runs(a, i0, i1, packed)
+        n_vis = sum(hi - lo for _, lo, hi in runs)
         qb, dob, ob = (_wide(b, x[:, :, i0:i1], steps) for x in (q, do, o))
         p = _tmp(b, q, B, H, bq, n_vis)
         ds = _tmp(b, q, B, H, bq, n_vis)
         delta = _tmp(b, q, B, H, bq, 1)
-        t_o = _tmp(b, q, B, H, bq, v.shape[3])
-        t_q, dq_out = _tmp(b, q, B, H, bq, q.shape[3]), dq[:, :, i0:i1]
-        dqb = dq_out if dq_out.dtype == t_q.dtype else _tmp(b, q, B, H, bq, q.shape[3])
-        _probabilities(b, n, qb, k, i0, i1, runs, p, steps)
+        t_o = _tmp(b, q, B, H, bq, e_v)
+        t_q, dq_out = _tmp(b, q, B, H, bq, e_k), dq[:, :, i0:i1]
+        dqb = dq_out if dq_out.dtype == t_q.dtype else _tmp(b, q, B, H, bq, e_k)
+        _probabilities(b, n, qb, ks, i0, i1, runs, p, steps)
         lb = lse[:, :, i0:i1].unsqueeze(-1)
         steps.append(lambda p=p, lb=lb: p.sub_(lb).exp_())          # p = exp(s - lse)
         steps += [lambda t_o=t_o, dob=dob, ob=ob: torch.mul(dob, ob, out=t_o),
                   lambda t_o=t_o, delta=delta: torch.sum(t_o, -1, keepdim=True, out=delta)]
-        for j, (lo, hi, off) in enumerate(_cols(runs)):
+        for j, (grp, lo, hi, off) in enumerate(_cols(runs)):
             pr, dsr, w = p[..., off:off + hi - lo], ds[..., off:off + hi - lo], hi - lo
-            t_k, t_v = _tmp(b, q, B, H, w, k.shape[3]), _tmp(b, q, B, H, w, v.shape[3])
+            k, v, dk, dv = ks[grp], vs[grp], dks[grp], dvs[grp]
+            t_k, t_v = _tmp(b, q, B, H, w, e_k), _tmp(b, q, B, H, w, e_v)
             steps += _einsum(b, "bhqk,bhqe->bhke", [pr, dob], t_v)
             steps.append(lambda t_v=t_v, dvr=dv[:, :, lo:hi]: dvr.add_(t_v))
             steps += _einsum(b, "bhqe,bhke->bhqk", [dob, v[:, :, lo:hi]], dsr)   # dp
@@ -240,7 +307,11 @@ def _attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor])
         if dqb is not dq_out:
             steps.append(lambda dqb=dqb, dq_out=dq_out: dq_out.copy_(dqb))
         b.scratch.top = mark
-    for acc, res in ((dk, dk_out), (dv, dv_out)):
+    if packed:                                       # each group's slice of the accumulators
+        at = _starts(a)
+        dks = [dks[0][:, :, s:s + d.shape[2]] for s, d in zip(at, dk_outs)]
+        dvs = [dvs[0][:, :, s:s + d.shape[2]] for s, d in zip(at, dv_outs)]
+    for acc, res in zip(dks + dvs, dk_outs + dv_outs):
         if acc is not res:
             steps.append(lambda acc=acc, res=res: res.copy_(acc))
     return steps
@@ -261,11 +332,24 @@ def _tiles(b: "_Builder", like: Tensor, rows: int, vocab: int) -> tuple[list[tup
     return tiles, {w: _tmp(b, like, rows, w) for w in {hi - lo for lo, hi in tiles}}
 
 
+def _rows_of(b: "_Builder", tg: Tensor, steps: list[Step]) -> Tensor:
+    """The targets as [rows]: a view of [rows] or dense [batch, T] ones; a [batch, T] slice of
+    the token windows (strided) is gathered into int64 scratch by the kernel's first step."""
+    if tg.dim() == 1:
+        return tg
+    if tg.is_contiguous():
+        return tg.view(-1)
+    t = b.scratch.alloc(TensorType((tg.numel(),), "i64"))
+    steps.append(lambda t=t, tg=tg: t.view(tg.shape).copy_(tg))
+    return t
+
+
 def _lce(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     h, head, tg = xs
     loss, lse = outs
     w = _vocab_major(head, n.attr("layout"))            # (V, D)
     steps: list[Step] = []
+    tg = _rows_of(b, tg, steps)
     for r0, r1 in _blocks(h.shape[0], n.attr("chunk")):
         mark, rb = b.scratch.top, r1 - r0
         hb, tb = h[r0:r1], tg[r0:r1]
@@ -301,6 +385,7 @@ def _lce_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> li
     w = _vocab_major(head, n.attr("layout"))            # (V, D)
     dw = _vocab_major(dhead, n.attr("layout"))
     steps: list[Step] = [lambda: dw.zero_()]
+    tg = _rows_of(b, tg, steps)
     for r0, r1 in _blocks(h.shape[0], n.attr("chunk")):
         mark, rb = b.scratch.top, r1 - r0
         hb, tb, dhb = h[r0:r1], tg[r0:r1], dh[r0:r1]

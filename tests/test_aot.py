@@ -195,10 +195,12 @@ def test_int64_attention_path_matches_when_interpreted() -> None:
         assert all(("arange(0, HEAD_DIM).to(tl.int64)" in _kernel_body(src)) == wide
                    for src in (fwd, bwd))
         o, lse = torch.empty_like(q), torch.empty(1, 2, T)
-        load_module(fwd, f"k_att_f_{int(wide)}").launch(q, k, v, o, lse, *lens, D ** -0.5)
+        ks, vs = k.split(lens, 2), v.split(lens, 2)       # a key and a value view per group
+        load_module(fwd, f"k_att_f_{int(wide)}").launch(q, *ks, *vs, o, lse, *lens, D ** -0.5)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        load_module(bwd, f"k_att_b_{int(wide)}").launch(q, k, v, o, lse, do, dq, dk, dv, None,
-                                                       *lens, D ** -0.5)
+        load_module(bwd, f"k_att_b_{int(wide)}").launch(q, *ks, *vs, o, lse, do, dq,
+                                                       *dk.split(lens, 2), *dv.split(lens, 2),
+                                                       None, *lens, D ** -0.5)
         outs.append((o, lse, dq, dk, dv))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

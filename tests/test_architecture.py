@@ -294,11 +294,13 @@ def test_passes_are_typed_objects_and_the_log_calls_back(examples_dir) -> None:
     from titanc.passes.autodiff import Autodiff
     from titanc.passes.checkpoint_chunks import CheckpointChunks
     from titanc.passes.chunked_loss import ChunkedLoss
+    from titanc.passes.constants import ConstantsPerReader
     from titanc.passes.manager import PassLog
     from titanc.passes.split_casts import SplitCasts
     from titanc.spec import load_spec
 
-    for p in (*SHARED, ChunkedLoss(64), CheckpointChunks(), Autodiff(("x",)), SplitCasts()):
+    for p in (*SHARED, ChunkedLoss(64), CheckpointChunks(), Autodiff(("x",)),
+              ConstantsPerReader(), SplitCasts()):
         doc = type(p).__doc__ or ""
         assert isinstance(p.name, str) and ("Pre:" in doc or "pre/postconditions" in doc), p
     seen: list[tuple[str, str]] = []
@@ -307,7 +309,8 @@ def test_passes_are_typed_objects_and_the_log_calls_back(examples_dir) -> None:
     c = Compiled(spec, 1, param_specs(spec.model), log)
     c.graph("decode_write")
     assert seen == [("frontend", "write"), ("canonicalize", "write"), ("aggregate", "write"),
-                    ("flash_attention", "write"), ("split_casts", "write")]
+                    ("flash_attention", "write"), ("split_casts", "write"),
+                    ("constants_per_reader", "write")]
     assert ChunkedLoss(0)(c.graph("decode_write").graph) is c.graph("decode_write").graph
 
 

@@ -479,8 +479,11 @@ ATTENTION_LAYOUTS = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", sorted(ATTENTION_LAYOUTS))
 def test_attention_forward_backward(dtype: torch.dtype, layout: str) -> None:
+    """One key and one value tensor per group, each with its own layout: the first group's
+    keys a batch-expanded view (persistent tokens shared by the batch), the others a
+    [B, T, H, D] projection permuted to [B, H, T, D]; nothing is concatenated."""
     groups, lens_of = ATTENTION_LAYOUTS[layout]
-    Z, H, T, D = 1, 2, 37 if layout == "swa" else 19, 12
+    Z, H, T, D = 2, 2, 37 if layout == "swa" else 19, 12
     lens = lens_of(T)
     kw = dict(groups=groups, head_dim=D, dtype=dname(dtype), block_m=16, block_n=16)
     fwd = load_module(render_attention_fwd(f"titanc_tem_fused_attn_{layout}_0", **kw), "af")
@@ -488,13 +491,24 @@ def test_attention_forward_backward(dtype: torch.dtype, layout: str) -> None:
     g = gen(26)
     # q as a [B, T, H, D] projection permuted to [B, H, T, D]: strided, no copy
     q = torch.randn(Z, T, H, D, dtype=dtype, generator=g).permute(0, 2, 1, 3).requires_grad_()
-    k = torch.randn(Z, H, sum(lens), D, dtype=dtype, generator=g).requires_grad_()
-    v = torch.randn(Z, H, sum(lens), D, dtype=dtype, generator=g).requires_grad_()
+
+    def group(i: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(leaf, the tensor the kernels read) of one group's keys or values."""
+        if i == 0 and not groups[0].causal:
+            leaf = torch.randn(1, H, n, D, dtype=dtype, generator=g).requires_grad_()
+            return leaf, leaf.expand(Z, H, n, D)
+        leaf = torch.randn(Z, n, H, D, dtype=dtype, generator=g).requires_grad_()
+        return leaf, leaf.permute(0, 2, 1, 3)
+
+    kl, ks = zip(*(group(i, n) for i, n in enumerate(lens)))
+    vl, vs = zip(*(group(i, n) for i, n in enumerate(lens)))
     scale = D ** -0.5
     o = torch.empty(Z, H, T, D, dtype=dtype)
     lse = torch.empty(Z, H, T, dtype=dtype)
-    fwd.launch(q.detach(), k.detach(), v.detach(), o, lse, *lens, scale)
+    fwd.launch(q.detach(), *(k.detach() for k in ks), *(v.detach() for v in vs), o, lse,
+               *lens, scale)
 
+    k, v = torch.cat(ks, 2), torch.cat(vs, 2)
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~_attention_mask(T, lens, groups), float("-inf"))
     ref = torch.softmax(scores, -1) @ v
@@ -503,12 +517,16 @@ def test_attention_forward_backward(dtype: torch.dtype, layout: str) -> None:
 
     do = torch.randn(Z, H, T, D, dtype=dtype, generator=g)
     ref.backward(do)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
+    dks = [torch.empty(Z, H, n, D, dtype=dtype) for n in lens]
+    dvs = [torch.empty(Z, H, n, D, dtype=dtype) for n in lens]
     delta = torch.empty(Z, H, T, dtype=dtype)
-    bwd.launch(q.detach(), k.detach(), v.detach(), o, lse, do, dq, dk, dv, delta, *lens, scale)
+    bwd.launch(q.detach(), *(k.detach() for k in ks), *(v.detach() for v in vs), o, lse, do,
+               dq, *dks, *dvs, delta, *lens, scale)
     close(dq, q.grad, dtype)
-    close(dk, k.grad, dtype)
-    close(dv, v.grad, dtype)
+    for leaf, d, in list(zip(kl, dks)) + list(zip(vl, dvs)):
+        want = leaf.grad if leaf.shape[0] == 1 else leaf.grad.permute(0, 2, 1, 3)
+        close(d.sum(0, keepdim=True) if leaf.shape[0] == 1 else d, want, dtype)
 
 
 # --- 6. cross-entropy -------------------------------------------------------------------------

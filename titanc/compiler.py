@@ -29,6 +29,7 @@ from titanc.passes.aggregate import Aggregate
 from titanc.passes.autodiff import Autodiff
 from titanc.passes.canonicalize import Canonicalize
 from titanc.passes.fusion import fuse
+from titanc.passes.constants import ConstantsPerReader
 from titanc.passes.memory_plan import MemoryPlan, plan_memory
 from titanc.passes.schedule import Schedule, verify_schedule
 from titanc.passes.checkpoint_chunks import CheckpointChunks
@@ -202,6 +203,9 @@ def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int)
     # a cast of an input read by several kernels: one copy per reader, which fusion loads cast
     # (mixed precision's parameter casts launch nothing of their own)
     g = log.apply(SplitCasts(), g)
+    # composed constants (RoPE's [cos ‖ cos]) copied per reader: computed in each reader's
+    # kernel rather than stored by a kernel of their own; last, as it undoes their CSE
+    g = log.apply(ConstantsPerReader(), g)
     schedule = _timed(log, f"fusion_{kind}", lambda: verify_schedule(fuse(g)))
     persistent = persistent | {n for n in g.input_names() if n.startswith("state.")}
     plan = _timed(log, f"memory_plan_{kind}", lambda: plan_memory(schedule, persistent))

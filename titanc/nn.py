@@ -60,11 +60,18 @@ def rope(b: Builder, x: Value, start: int = 0) -> Value:
 
 
 def rotate(b: Builder, x: Value, cos: Value, sin: Value) -> Value:
-    """RoPE with given tables broadcastable to (…, T, e/2)."""
+    """RoPE with given tables broadcastable to (…, T, e/2): [x1 cos − x2 sin ‖ x2 cos + x1 sin].
+
+    Written over the whole width, x ⊙ [cos ‖ cos] + [x2 ‖ x1] ⊙ [sin ‖ sin] ⊙ [−1 ‖ 1], so
+    every CONCAT is of views of x or of the tables (read in place by the one kernel computing
+    the result) and no kernel concatenates computed halves; the same values bit for bit
+    ((x2 sin)·(−1) + x1 cos is x1 cos − x2 sin exactly)."""
     E = x.shape[-1]
     half = E // 2
     x1, x2 = x.slice(-1, 0, half), x.slice(-1, half, E)
-    return b.concat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+    sign = b.concat([b.full(-1.0, (half,), x.dtype), b.full(1.0, (half,), x.dtype)], -1)
+    swapped = b.concat([x2, x1], -1) * b.concat([sin, sin], -1) * sign
+    return x * b.concat([cos, cos], -1) + swapped
 
 
 def softmax_last(x: Value) -> Value:

@@ -29,7 +29,7 @@ a contraction (EINSUM), a scatter-add (INDEX_ADD, SCATTER_ALONG), a scan or a pa
 view (RESHAPE, PERMUTE, EXPAND, SLICE), a constant (FULL, ROPE, MASK), a PAD, a CONCAT or a
 gather (TAKE, TAKE_ALONG) only moves or makes values: a kernel of those alone is a pure copy.
 The memory plan binds views and constants without a kernel (`MemoryPlan.views`); what stays
-is a gather, a pad or concat, or a view some reader needs dense (a segment sum's ids).
+is a gather, a pad or concat, or a view some reader needs dense (a segment sum's gradient rows).
 
 `step_profile(spec)` compiles the spec twice: as the pipeline does (`after`) and with the
 pattern passes left out (`before`: attention as its scores/softmax/PV chain, AdamW as

@@ -8,9 +8,9 @@ Fused families (`fused.py`, hook-made statements inside):
     render_matmul         mm   launch(a, b, c[, scale], *epilogue_inputs, *scalars)
     render_cumsum         red  launch(*indexed, n_rows, n_cols)            (`cumsum.py`)
 Fixed-structure families (`fixed.py`, rendered for the pattern ops by `lower/patterns.py`):
-    render_attention_fwd  tem  launch(q, k, v, o, lse, *group_lengths, sm_scale)
-    render_attention_bwd  tem  launch(q, k, v, o, lse, do, dq, dk, dv, delta, *group_lengths,
-                                      sm_scale)
+    render_attention_fwd  tem  launch(q, *ks, *vs, o, lse, *group_lengths, sm_scale)
+    render_attention_bwd  tem  launch(q, *ks, *vs, o, lse, do, dq, *dks, *dvs, delta,
+                                      *group_lengths, sm_scale)   (a k, v, dk, dv per group)
     render_cross_entropy  tem  launch(h, w, target, loss, lse)
                                backward: launch(h, w, target, lse, dloss, dh, dw)
     adamw_multi.py.jinja  tem  the one-launch AdamW (rendered by `lower/patterns.py`)

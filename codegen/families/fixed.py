@@ -26,6 +26,8 @@ __all__ = [
 
 # --- attention --------------------------------------------------------------------------------
 
+MAX_KEY_GROUPS = 16     # key groups a template names locals for (MAC has 3, SWA 2)
+
 ATTENTION_KERNEL_LOCALS = frozenset("""
     BLOCK_M BLOCK_N HEAD_DIM DOT_F32 dot_f32 _mma a b _visible _attend_group _dq_group q k v o do dq dk dv lse delta
     q_ptr k_ptr v_ptr o_ptr do_ptr dq_ptr dk_ptr dv_ptr lse_ptr delta_ptr n_queries head_dim
@@ -34,14 +36,17 @@ ATTENTION_KERNEL_LOCALS = frozenset("""
     lo hi CAUSAL WINDOW heads n_keys qi kj visible qk m_new m_safe alpha p dp ds sT pT dpT dsT
     tile_mask keys lengths GROUPS key_offset causal window kv_mask q_mask lse_base delta_base
     q_ptrs k_ptrs v_ptrs o_ptrs do_ptrs dq_ptrs dk_ptrs dv_ptrs lse_ptrs delta_ptrs
+    k_ptr v_ptr dk_ptr dv_ptr k_ v_ dk_ dv_ groups
 """.split()) | frozenset(  # strides: tensor letters x axis letters, as in the Triton tutorials
     f"stride_{t}{a}" for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv", "l", "delta")
-    for a in "zhmnd")
+    for a in "zhmnd") | frozenset(  # one key, value (and gradient) tensor per key group
+    name for t in ("k", "v", "dk", "dv") for i in range(MAX_KEY_GROUPS)
+    for name in (f"{t}{i}", f"{t}{i}_ptr", f"{t}{i}_base", *(f"stride_{t}{i}{a}" for a in "zhnd")))
 
 
 @dataclass(frozen=True)
 class KeyGroup:
-    """One contiguous run of keys in the attention key/value tensor.
+    """One key group: its own key and value tensor (and gradients) in the kernel's arguments.
 
     `causal=False`: every query sees every key of the group (persistent tokens).
     `causal=True`: query i sees group key j iff j <= i, and with a `window` W also i - W < j
@@ -65,6 +70,8 @@ def _attention_context(name: str, groups: Sequence[KeyGroup], head_dim: int, dty
                        header_lines: Sequence[str], wide: bool = False) -> dict[str, object]:
     if not groups:
         raise ValueError("attention needs at least one key group")
+    if len(groups) > MAX_KEY_GROUPS:
+        raise ValueError(f"attention takes at most {MAX_KEY_GROUPS} key groups, got {len(groups)}")
     check_block("block_m", block_m, 16)
     check_block("block_n", block_n, 16)
     namer = Namer(ATTENTION_KERNEL_LOCALS | LAUNCH_LOCALS)
@@ -76,8 +83,7 @@ def _attention_context(name: str, groups: Sequence[KeyGroup], head_dim: int, dty
         ctx_groups.append({
             "label": sanitize_comment(g.label),
             "len_arg": n,
-            "k_start": _group_start("k_base", "stride_kn", len_args[:i], wide),
-            "v_start": _group_start("v_base", "stride_vn", len_args[:i], wide),
+            "k": f"k{i}", "v": f"v{i}", "dk": f"dk{i}", "dv": f"dv{i}",
             "causal": str(g.causal),
             "window": str(int(g.window or 0)),
             "rule": g.rule(),
@@ -100,15 +106,6 @@ def _attention_context(name: str, groups: Sequence[KeyGroup], head_dim: int, dty
     )
 
 
-def _group_start(base: str, stride: str, before: Sequence[str], wide: bool) -> str:
-    """Pointer to a key group's first row: the base moved past the groups before it (the
-    row count in int64 when `wide`)."""
-    if not before:
-        return base
-    rows = f"({' + '.join(before)})" + (".to(tl.int64)" if wide else "")
-    return f"{base} + {rows} * {stride}"
-
-
 def render_attention_fwd(
     name: str,
     *,
@@ -126,7 +123,8 @@ def render_attention_fwd(
 
     SWA: `[KeyGroup("persistent", False), KeyGroup("seq", True, window=W)]`;
     MAC: `[KeyGroup("persistent", False), KeyGroup("memory", True), KeyGroup("segment", True)]`.
-    Launcher: `launch(q, k, v, o, lse, n_<group>..., sm_scale)`. `wide`: query, key and
+    Launcher: `launch(q, k_<group>..., v_<group>..., o, lse, n_<group>..., sm_scale)`, one
+    key and one value tensor per group, each with its own strides. `wide`: query, key and
     width offsets in int64 (q, k or v has >= 2**31 elements, `meta.needs_int64`; batch and
     head offsets are int64 always).
     """
@@ -150,7 +148,8 @@ def render_attention_bwd(
 ) -> str:
     """Flash-attention backward (dq kernel, then a dk/dv kernel per key group).
 
-    Launcher: `launch(q, k, v, o, lse, do, dq, dk, dv, delta, n_<group>..., sm_scale)`;
+    Launcher: `launch(q, k_<group>..., v_<group>..., o, lse, do, dq, dk_<group>...,
+    dv_<group>..., delta, n_<group>..., sm_scale)`;
     `delta` is a [batch, head, queries] scratch tensor. `wide`: as the forward's.
     """
     ctx = _attention_context(name, groups, head_dim, dtype, allow_tf32, block_m, block_n,

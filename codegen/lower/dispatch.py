@@ -223,7 +223,7 @@ def _scatter(low: KernelLowering, header: list[str], dtype: str) -> KernelCode:
         cols = g.node(grad).type.numel // max(n_idx, 1)
         source = render_segment_sum(kernel.name, dtype=dtype, header_lines=header,
                                     block_c=max(16, min(128, pow2(cols))))
-        args = [TensorArg(grad, (n_idx, cols)), TensorArg(idx, (n_idx,)),
+        args = [TensorArg(grad, (n_idx, cols)), TensorArg(idx),    # idx: any strides
                 TensorArg(node.id, (node.attr("rows"), cols))]
         return code_of(low, "segment_sum", source, args, ())
     source = render_scatter_along(kernel.name, dtype=dtype, header_lines=header,

@@ -1,10 +1,12 @@
 """Hooks of the pattern kernels: a kernel holding one `OpGroup.PATTERN` op (and its ITEMs)
 rendered from its fixed template family (`codegen/families/fixed.py`).
 
-    ATTENTION      attention_fwd.py.jinja: flash attention forward over the MASK's key groups
-                   (`launch(q, k, v, o, lse, n_<group>..., sm_scale)`)
+    ATTENTION      attention_fwd.py.jinja: flash attention forward over the MASK's key groups,
+                   a key and a value tensor per group, each through its own strides
+                   (`launch(q, k_<group>..., v_<group>..., o, lse, n_<group>..., sm_scale)`)
     ATTENTION_BWD  attention_bwd.py.jinja: dq per query block, then dk/dv per key block and
-                   group (`launch(q, k, v, o, lse, do, dq, dk, dv, delta, ..., sm_scale)`)
+                   group (`launch(q, ks.., vs.., o, lse, do, dq, dks.., dvs.., delta, ...,
+                   sm_scale)`)
     LINEAR_CROSS_ENTROPY      cross_entropy.py.jinja: per-row loss and lse of h · headᵀ over
                    vocabulary blocks (`launch(h, head, targets, loss, lse)`)
     LINEAR_CROSS_ENTROPY_BWD  cross_entropy.py.jinja (backward): dh per row block, dhead per
@@ -21,6 +23,7 @@ passes scratch of that shape, a generated program passes None (the launcher make
 from __future__ import annotations
 
 from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.ir.attention import split
 from titanc.passes.schedule import Kernel
 
 from ..families.fixed import (KeyGroup, render_attention_bwd, render_attention_fwd,
@@ -61,14 +64,14 @@ def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
         return _adamw(g, n, kernel, header, dtype)
     if n.op in (Op.LINEAR_CROSS_ENTROPY, Op.LINEAR_CROSS_ENTROPY_BWD):
         return _linear_cross_entropy(g, n, kernel, header, dtype, allow_tf32)
-    q, k, v = (g.node(i).type for i in n.inputs[:3])
-    if q.shape[3] != v.shape[3]:
+    q, ks, vs, _ = split([g.node(i).type for i in n.inputs], a)
+    if any(q.shape[3] != v.shape[3] for v in vs):
         raise NotImplementedError(f"{kernel.name}: the attention templates need values as wide "
-                                  f"as keys (q {q}, v {v})")
+                                  f"as keys (q {q}, v {vs[0]})")
     # offsets in int64 when an operand reaches 2**31 elements (decided from the shapes)
     kw = dict(groups=key_groups(a["groups"]), head_dim=q.shape[3], dtype=dtype,
               allow_tf32=allow_tf32, header_lines=header,
-              wide=needs_int64(q.numel, k.numel, v.numel))
+              wide=needs_int64(q.numel, *(t.numel for t in ks + vs)))
     sizes = (*(length for _, length, _ in a["groups"]), float(a["scale"]))
     ins = [TensorArg(i) for i in n.inputs]
     outs = _element_args(g, n, kernel)

@@ -92,7 +92,9 @@ MAX_SERIAL = 1 << 22            # workspace elements of a one-program (serial) s
 # backward and its memory chunks), not a layer's worth (whose inner scans have grids of their
 # own). Decided from the body's structure, so it does not change with seq_len.
 MAX_SERIAL_NESTING = 1
-MAX_STAGES = 256                # stages of one scan kernel (compile time and registers grow)
+MAX_STAGES = 288                # stages of one scan kernel (compile time and registers grow);
+                                # tiny.yaml's bf16 MAC segment backward has 264 (255 before
+                                # RoPE over the whole width added a stage per rotation's VJP)
 NUM_WARPS = 4
 # No software pipelining: every loop of a scan kernel is short or reads the workspace its
 # previous stage wrote, and pipelined loads multiply shared memory (tiny.yaml's layer scan:

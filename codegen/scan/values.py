@@ -199,7 +199,7 @@ class _Emitter:
         ref = sc.refs[vid]
         if ref.kind == "lit":
             v = format_number(ref.value)
-            return v if not conds else f"tl.where({' & '.join(conds)}, {v}, 0.0)"
+            return v if not conds else f"tl.where({' & '.join(f'({x})' for x in conds)}, {v}, 0.0)"
         if ref.kind == "reg":
             r = self._reg_value(sec, ref, coords)
             return r if not conds else self.let(

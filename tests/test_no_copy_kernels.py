@@ -1,0 +1,80 @@
+"""Issue 12: no kernel without a computing node, in the plans of every example.
+
+A *computing node* computes values (`titanc.step_profile.is_computing`): an elementwise op or
+CAST, a reduction (SUM, AMAX, CUMSUM), a contraction (EINSUM), a scatter-add (INDEX_ADD,
+SCATTER_ALONG), a SCAN or a pattern op (ATTENTION, LINEAR_CROSS_ENTROPY, ADAMW, ...). A view
+(RESHAPE, PERMUTE, EXPAND, SLICE), a PAD or CONCAT, a gather (TAKE, TAKE_ALONG), a constant
+(FULL, ROPE, MASK), an ITEM or an INPUT only moves or makes values. A kernel that launches
+(not `MemoryPlan.is_noop`) and holds no computing node is a pure copy.
+
+What stays, once, at the top level of the training and forward graphs: the embedding gather
+(TAKE, with the token slice it reads; its one reader is the layer scan, whose carry starts
+from dense storage). Nothing else: no concat of RoPE halves or of attention key groups in any
+scan body, no copy of the token slices (the fused loss and the segment sum read them through
+their strides).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from titanc.compiler import compile_graphs
+from titanc.ir import Builder, Op, interpret
+from titanc.passes.constants import constants_per_reader
+from titanc.spec import load_spec
+from titanc.step_profile import is_computing
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+# the top-level copies that remain, by their ops (module docstring)
+TOLERATED = ({Op.TAKE}, {Op.SLICE, Op.TAKE})
+
+
+def _copies(plan, depth=0, out=None) -> list[tuple[int, str, str, set]]:
+    """(depth, graph, kernel, ops) of every launched kernel without a computing node."""
+    out = [] if out is None else out
+    g = plan.schedule.graph
+    for i, k in enumerate(plan.schedule.kernels):
+        if plan.is_noop(i):
+            continue
+        ops = {g.node(n).op for n in k.nodes}
+        if not any(is_computing(op) for op in ops):
+            out.append((depth, g.name, k.name, ops))
+        for n in k.nodes:
+            if n in plan.bodies:
+                _copies(plan.bodies[n], depth + 1, out)
+    return out
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_launched_kernel_computes(path: Path) -> None:
+    c = compile_graphs(load_spec(path), verify_each=False)
+    for kind in ("forward", "training", "optimizer"):
+        copies = _copies(c.plans[kind])
+        assert all(depth == 0 and ops in TOLERATED for depth, _, _, ops in copies), (kind, copies)
+        assert len(copies) <= 1, (kind, copies)
+        if kind == "optimizer":
+            assert not copies
+
+
+def test_constants_per_reader_copies_a_concatenated_table_into_each_reader() -> None:
+    """[cos ‖ cos] read by two multiplies: one copy each (so fusion computes it in both
+    kernels), the same values; a plain generator stays shared."""
+    b = Builder("t")
+    x = b.input("x", (4, 6), "f64")
+    cos = b.rope("cos", 0, 4, 3, "f64")
+    full = b.concat([cos, cos], -1)
+    y, z = x * full, (x + 1.0) * full
+    b.graph.set_outputs([("y", y.id), ("z", z.id), ("c", cos.id)])
+    g = b.graph
+    got = constants_per_reader(g)
+    assert [n.op for n in got].count(Op.CONCAT) == 2
+    assert [n.op for n in got].count(Op.ROPE) == 1
+    for n in got:
+        if n.op is Op.CONCAT:
+            assert len(got.users(n.id)) == 1
+    xs = {"x": torch.randn(4, 6, dtype=torch.float64)}
+    want, have = interpret(g, xs), interpret(got, xs)
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], rtol=0, atol=0)
