@@ -1,7 +1,8 @@
 """constants_per_reader: a copy of a composed constant for each elementwise node reading it.
 
-A constant is a generator (FULL, ROPE, MASK) or an INDEXING op (view, PAD, CONCAT) of
-constants only, e.g. RoPE's full-width table [cos ‖ cos] or its sign [−1 ‖ 1]. A kernel
+A constant is a generator (FULL, ROPE, MASK), or an INDEXING op (view, PAD, CONCAT) or a
+CAST of constants only, e.g. RoPE's full-width table [cos ‖ cos] or its sign [−1 ‖ 1] (and
+under mixed precision their casts). A kernel
 computes one from its coordinates at no cost (`codegen/lower/nodes.py`), but fusion puts each
 node in one kernel: a constant read by two kernels (the recomputed forward and the backward of
 a scan body) would be stored by a kernel of its own that only makes values. A generator or a
@@ -28,7 +29,8 @@ def _composed_constants(g: Graph) -> tuple[set[int], set[int]]:
     for n in g:
         if n.op in OpGroup.GENERATOR:
             const.add(n.id)
-        elif n.op in OpGroup.INDEXING and n.inputs and all(i in const for i in n.inputs):
+        elif ((n.op in OpGroup.INDEXING or n.op is Op.CAST) and n.inputs
+              and all(i in const for i in n.inputs)):
             const.add(n.id)
             if n.op in (Op.CONCAT, Op.PAD) or any(i in composed for i in n.inputs):
                 composed.add(n.id)

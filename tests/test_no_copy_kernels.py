@@ -78,3 +78,26 @@ def test_constants_per_reader_copies_a_concatenated_table_into_each_reader() -> 
     want, have = interpret(g, xs), interpret(got, xs)
     for name in want:
         torch.testing.assert_close(have[name], want[name], rtol=0, atol=0)
+
+
+def test_a_cast_constant_is_copied_into_each_reader_too() -> None:
+    """Under mixed precision RoPE's [cos ‖ cos] is read through a cast: the cast of a
+    constant is a constant, copied with its operands into each reader (before, the shared
+    cast(concat) was a kernel of its own in tiny_mag's and tiny_mal's bf16 layer backward)."""
+    b = Builder("t")
+    x = b.input("x", (4, 6), "f32")
+    cos = b.rope("cos", 0, 4, 3, "bf16")
+    full = b.op(Op.CAST, b.concat([cos, cos], -1), dtype="f32")
+    y, z = x * full, (x + 1.0) * full
+    b.graph.set_outputs([("y", y.id), ("z", z.id)])
+    g = b.graph
+    got = constants_per_reader(g)
+    assert [n.op for n in got].count(Op.CAST) == 2
+    assert [n.op for n in got].count(Op.CONCAT) == 2
+    for n in got:
+        if n.op in (Op.CAST, Op.CONCAT):
+            assert len(got.users(n.id)) == 1
+    xs = {"x": torch.randn(4, 6)}
+    want, have = interpret(g, xs), interpret(got, xs)
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], rtol=0, atol=0)

@@ -217,7 +217,7 @@ def _cast_kernels(plan) -> int:
     return n + sum(_cast_kernels(b) for b in plan.bodies.values())
 
 
-@pytest.mark.parametrize("block", ["attn", "mac", "lmm"])
+@pytest.mark.parametrize("block", ["attn", "mac", "lmm", "mag", "mal"])
 def test_bf16_steps_launch_what_float32_steps_launch(block: str) -> None:
     """Scan kernels render bf16 casts (rounded to nearest even, held in float32) and read bf16
     tensors, so a bf16 program's scans are kernels exactly where float32's are (the same
