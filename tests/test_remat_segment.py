@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import tests.reference as R
-from tests.helpers import BLOCKS, one_thread, plans_nested, tiny_spec, tokens  # noqa: F401
+from tests.helpers import (BLOCKS, one_step_on_both_targets, one_thread,  # noqa: F401
+                           plans_nested, tiny_spec, tokens)
 from titanc.compiler import compile_graphs
 from titanc.ir import Op, interpret
 from titanc.passes.memory_plan import MemoryPlan
@@ -140,7 +141,6 @@ def test_per_segment_shrinks_the_large_like_arena() -> None:
 @pytest.mark.parametrize("example", ["tiny", "tiny_mal"])
 def test_per_segment_triton_matches_cpu_float64(example: str) -> None:
     """The FFN chunk scan and the segmented MAC body on the (interpreted) triton target."""
-    import titanc
     from titanc.runtime.triton_executor import TritonExecutor
 
     pytest.importorskip("triton")
@@ -150,14 +150,7 @@ def test_per_segment_triton_matches_cpu_float64(example: str) -> None:
             "model.attention.persistent_tokens": 2, "model.memory.chunk_size": 2,
             "model.memory.heads": 1, "train.dtype": "float64", "train.remat": "per_segment",
             "train.batch_size": 2, "train.remat_rows": 1}
-    path = ROOT / "examples" / f"{example}.yaml"
-    progs = {t: titanc.compile(path, **over, **{"compile.target": t}) for t in ("cpu", "triton")}
-    toks = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(7))
-    losses = {t: p.train_step(toks) for t, p in progs.items()}
-    assert abs(losses["triton"] - losses["cpu"]) <= 1e-10 * max(1.0, abs(losses["cpu"]))
-    for name, p in progs["cpu"].parameters().items():
-        torch.testing.assert_close(progs["triton"].parameters()[name], p, rtol=1e-10,
-                                   atol=1e-12, msg=lambda m: f"parameter {name}: {m}")
+    progs = one_step_on_both_targets(ROOT / "examples" / f"{example}.yaml", over, batch=2)
     assert all(type(ex) is TritonExecutor for ex in progs["triton"]._executors.values())
 
 

@@ -39,7 +39,7 @@ import torch
 
 pytest.importorskip("triton")
 
-import titanc
+from tests.helpers import one_step_on_both_targets
 from titanc.codegen.scan import kernel as scan_kernel
 from titanc.codegen.render import load_module
 from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, render_scan
@@ -159,15 +159,7 @@ def test_nested_scan_float64() -> None:
 @pytest.mark.slow
 def test_training_step_float64_matches_cpu_target() -> None:
     over = {**SMALL, "model.memory.heads": 1, "train.dtype": "float64"}
-    path = ROOT / "examples" / "tiny_lmm.yaml"
-    progs = {t: titanc.compile(path, **over, **{"compile.target": t}) for t in ("cpu", "triton")}
-    tri = [ex for ex in progs["triton"]._executors.values()]
-    toks = torch.randint(0, 16, (1, 9), generator=torch.Generator().manual_seed(7))
-    losses = {t: p.train_step(toks) for t, p in progs.items()}
-    assert abs(losses["triton"] - losses["cpu"]) <= 1e-10 * max(1.0, abs(losses["cpu"]))
-    for name, p in progs["cpu"].parameters().items():
-        torch.testing.assert_close(progs["triton"].parameters()[name], p, rtol=1e-10,
-                                   atol=1e-12, msg=lambda m: f"parameter {name}: {m}")
+    progs = one_step_on_both_targets(ROOT / "examples" / "tiny_lmm.yaml", over, batch=1)
     tri = [ex for ex in progs["triton"]._executors.values() if isinstance(ex, TritonExecutor)]
     assert tri and not any(f["scan"].find("memory_chunk") >= 0 for ex in tri
                            for f in ex.fallbacks)
