@@ -6,7 +6,7 @@ read by several kernels must be a kernel of its own (fusion puts every node in o
 launch that only converts: per layer, inside the layer backward's host loop. Split into one
 CAST per reader, each is "free" in its reader's kernel (`passes.fusion`: a float cast of a
 value read from memory costs no work, like a view): the kernel loads the float32 value and
-rounds it as it loads it (`codegen.lowering`; a scan kernel inlines it), so the bf16 copy is
+rounds it as it loads it (`codegen.lower.nodes`; a scan kernel inlines it), so the bf16 copy is
 never written and bf16 steps launch what float32 steps do.
 
 Each copy casts the input itself and applies the views after it (cast(slice(x)) becomes

@@ -428,22 +428,15 @@ def test_no_kernel_computes_rotary_tables_per_element(example: str) -> None:
     kernels rendered) and as scan kernels, float32 and (tiny) bf16."""
     import re
 
-    from titanc.codegen.hooks import graph_dtype, plan_kernels
-    from titanc.codegen.scan_kernel import ScanFallback, scan_kernel_for
-
-    def one_kernel(plan, kern, sid):
-        try:
-            return scan_kernel_for(plan, kern, sid, graph_dtype(plan.schedule.graph))
-        except ScanFallback:
-            return None
+    from titanc.codegen.lower.dispatch import plan_kernels
 
     dtypes = ("float32", "bfloat16") if example == "tiny" else ("float32",)
     for dt in dtypes:
         c = compile_graphs(load_spec(ROOT / "examples" / f"{example}.yaml",
                                      {"train.dtype": dt}), verify_each=False)
         ropes = 0
-        for callback in (None, one_kernel) if example == "tiny" else (None,):
-            for plan, kern, code in plan_kernels(c.plans["training"], scan_kernel=callback):
+        for scan_kernels in (False, True) if example == "tiny" else (False,):
+            for plan, kern, code in plan_kernels(c.plans["training"], scan_kernels=scan_kernels):
                 assert not re.search(r"tl\.(cos|sin)\(", code.source), (dt, kern.name)
                 g = plan.schedule.graph
                 ropes += sum(g.node(n).op is Op.ROPE for n in kern.nodes)
