@@ -27,13 +27,17 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.yaml"
 TEXT = ("The old lighthouse keeper counted the ships. Grüße aus 東京 🚀 — naïve café.\n"
         "Each night the lamp turned, and each night the sea answered.\n") * 40
+FILLER = " ".join(f"{w}{i % 7}" for i, w in enumerate(
+    "a compiler lowers the model into kernels that train and serve it while memory learns "
+    "at test time over long sequences of tokens".split() * 30))
 
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory: pytest.TempPathFactory) -> BPETokenizer:
-    """A 320-token byte-level BPE trained on the fly."""
+    """A 320-token byte-level BPE trained on the fly, on fixed text only (not on a repo file
+    whose edits would change the merges)."""
     d = tmp_path_factory.mktemp("tok")
-    return train_bpe([TEXT, (ROOT / "README.md").read_text()], 320, d / "tok.json")
+    return train_bpe([TEXT, FILLER], 320, d / "tok.json")
 
 
 def write(path: Path, data: str | bytes) -> Path:
