@@ -7,13 +7,19 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv gpu-check clean distclean
+.PHONY: demo test test-all venv gpu-check clean distclean
 
 demo: $(STAMP)
 	$(BIN)/titanc compile examples/tiny.yaml -o build/tiny
 	$(BIN)/python -m titanc.demo
 
+# `make test`: every tier but `slow` (CI; under 20 minutes on a 2-core machine).
+# `make test-all`: the slow tier too (other block kinds of the parity sweeps, the recall run,
+# the 1B-parameter compile); TITANC_AOT_FULL=1 adds every kernel of every example to the AOT test.
 test: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not slow"
+
+test-all: $(STAMP)
 	$(BIN)/python -m pytest tests
 
 venv: $(STAMP)

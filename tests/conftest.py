@@ -1,7 +1,9 @@
 """Shared pytest fixtures and markers.
 
-Markers (declared in pyproject.toml): `slow` for longer end-to-end tests, `gpu` for tests that
-need CUDA; `gpu` tests are skipped when no CUDA device is present.
+Markers (declared in pyproject.toml): `slow` for longer tests that `make test` leaves out
+(`make test-all` runs them: the other block kinds of parity sweeps whose fast case stays in
+`make test`, the recall run, the 1B-parameter compile), `gpu` for tests that need CUDA; `gpu`
+tests are skipped when no CUDA device is present.
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("block", BLOCKS)
+# MAC (the deepest nesting: layer, segment, chunk scans) and attn in `make test`, the rest slow
+@pytest.mark.parametrize("block", [b if b in ("mac", "attn") else pytest.param(b, marks=pytest.mark.slow)
+                                   for b in BLOCKS])
 def test_loss_and_gradients_identical_across_policies(block: str) -> None:
     base = {"model.block": block, "model.seq_len": 32, "model.memory.chunk_size": 2,
             "model.attention.segment": 16}
