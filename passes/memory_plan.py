@@ -14,7 +14,9 @@ What gets a buffer, top level:
   optimizer state) sit in a separate persistent region, laid out in graph order; a value
   reachable under several persistent names lives in the first and is copied to the others;
   an output with an input's persistent name gets its own buffer, except the parameter and
-  moment results of an ADAMW pattern op (elementwise), which share their input's slot;
+  moment results of an ADAMW pattern op (elementwise), which share their input's slot; a
+  persistent output that is a RESHAPE of a kernel output with no other home puts that value
+  in its slot (the reshape is an alias: a layer group's stacked gradients cost no copy);
 - other graph inputs (e.g. `tokens`) get activation buffers live from kernel 0;
 - kernel outputs get activation buffers from their producer to their last reader (graph
   outputs: to the end), except aliases: a RESHAPE whose operand already has storage shares
@@ -392,6 +394,20 @@ def _updates_in_place(g: Graph, vid: int, name: str) -> bool:
     return src_node.op is Op.INPUT and src_node.attr("name") == name
 
 
+def _reshaped_source(g: Graph, vid: int, live: dict, inputs: dict[int, str],
+                     homed: dict[int, list[str]]) -> int | None:
+    """The value a persistent output only reshapes, where that value can live in the
+    output's slot instead of an arena buffer plus a copy (a layer group's stacked weight
+    gradient [L/k, k, ...] reshaped to [L, ...]): a kernel output with no home of its own."""
+    node = g.node(vid)
+    if node.op is not Op.RESHAPE:
+        return None
+    src = node.inputs[0]
+    if src not in live or src in inputs or src in homed or g.node(src).op in OpGroup.VIEW:
+        return None
+    return src
+
+
 def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
@@ -497,6 +513,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
     external = dict(names) if body else {}
     pers_vals: dict[int, list[str]] = {}
     pers_slots: dict[str, tuple[int, int]] = {}
+    reshaped: dict[int, int] = {}        # persistent output -> the value it reshapes, homed there
     if not body:
         top = 0
         for vid, name in [(i, names[i]) for i in g.inputs] + [(v, n) for n, v in g.outputs]:
@@ -504,7 +521,10 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
                 size = _align(value_bytes(g, vid), alignment)
                 pers_slots[name] = (top, size)
                 top += size
-                pers_vals.setdefault(vid, []).append(name)
+                src = _reshaped_source(g, vid, live, names, pers_vals)
+                if src is not None:
+                    reshaped[vid] = src
+                pers_vals.setdefault(vid if src is None else src, []).append(name)
             elif name in persistent and _updates_in_place(g, vid, name):
                 pers_vals.setdefault(vid, []).append(name)    # the input's slot, updated
     if body:                                 # outputs written where the scan wants them
@@ -527,6 +547,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
                 aliases[v] = aliases.get(src, src)
     for v in views:                      # a view of a dense reshape: the storage's owner
         aliases[v] = aliases.get(aliases[v], aliases[v])
+    aliases.update(reshaped)
     constants = frozenset(r for r, _ in views.values()
                           if g.node(r).op in OpGroup.GENERATOR and (r in views or r not in live))
     span = {v: list(iv) for v, iv in live.items() if v not in aliases and v not in elsewhere}
