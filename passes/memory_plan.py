@@ -35,7 +35,9 @@ What gets a buffer, top level:
   as dense memory; A SCAN's results are its ITEMs' buffers (the scan writes them
   directly), so ITEMs never copy;
 - each SCAN kernel holds a workspace for exactly its own kernel index: the carry state
-  (two aligned slots per carry, A then B, that iterations write in turn) followed by its
+  (two aligned slots per carry, A then B, that iterations write in turn; 0 bytes for a slot
+  no iteration uses: a carry whose ITEM is read uses that buffer as one of its two, and a
+  scan of one or two iterations needs fewer, `ScanHomes.slot_used`) followed by its
   body's arena. The body is planned recursively with its inputs external (the first
   iteration reads the carry operands, later ones the slot the previous iteration wrote;
   per-iteration slices are read in place from the xs operands, constants from their
@@ -160,8 +162,10 @@ class ScanHomes:
     Iteration i (over `order()`, reversed for a reverse scan) reads carry j from `carry_in(i)`
     (the scan's operand on the first iteration, else where iteration i-1 wrote it) and writes
     body output k to `homes(i)[k]`: a carry into slot set i % 2 (on the last iteration into
-    its ITEM buffer when the program reads it), a ys value into its slice of the stacked ITEM
-    buffer (a fresh scratch tensor when nothing reads it). A carry the body also returns as
+    its ITEM buffer when the program reads it; then the iterations of the last one's parity
+    write that ITEM buffer too, in place of a slot: no iteration reads what it writes, and a
+    carry costs one slot, `slot_used`), a ys value into its slice of the stacked ITEM buffer
+    (a fresh scratch tensor when nothing reads it). A carry the body also returns as
     a ys value (a residual saved for the backward) lives in that stacked buffer instead of a
     slot: saved as it enters an iteration (`saved_in`: the previous iteration writes it into
     this iteration's slice) or as it leaves (`saved_out`)."""
@@ -200,10 +204,18 @@ class ScanHomes:
                        ("slot", i % 2, j) if last else
                        ("item", saved_in[j], order[i + 1]) if j in saved_in else
                        ("item", saved_out[j], t) if j in saved_out else
+                       ("item", j, None) if j in self.items
+                       and i % 2 == (self.length - 1) % 2 else
                        ("slot", i % 2, j))
         out += [("item", k, t) if k in self.items else ("scratch", k)
                 for k in range(self.n_carry, self.n_outputs)]
         return out
+
+    def slot_used(self, s: int, j: int) -> bool:
+        """Does any iteration keep carry j in slot set s? (Else the plan reserves no bytes
+        for it and the executors bind no tensor.)"""
+        return any(h == ("slot", s, j) for i in range(self.length)
+                   for h in self.homes(i)[:self.n_carry])
 
     def carry_in(self, i: int) -> list[Home]:
         return ([("operand", j) for j in range(self.n_carry)] if i == 0
@@ -581,8 +593,12 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
             bodies[sid] = sub
             slots, off = [], 0
             node = g.node(sid)
-            for t in 2 * node.type[: node.attr("n_carry")]:         # slots A, then slots B
-                slots.append((off, _align(t.nbytes, alignment)))
+            nc = node.attr("n_carry")
+            layout = ScanHomes.of(g, sid, {g.node(u).attr("index") for u in g.users(sid)
+                                           if u in kern.outputs})
+            for q, t in enumerate(2 * node.type[:nc]):              # slots A, then slots B
+                used = layout.slot_used(q // nc, q % nc)            # (an unused one: 0 bytes)
+                slots.append((off, _align(t.nbytes, alignment) if used else 0))
                 off += slots[-1][1]
             carry[sid] = slots
             entries.append((sid, kern.name, "workspace"))
