@@ -43,10 +43,11 @@ What gets a buffer, top level:
   per-iteration slices are read in place from the xs operands, constants from their
   operands). Its outputs are external too, written where the scan wants them (`OUTPUT_PREFIX`
   + output name): a carry into the other slot (into its ITEM buffer on the last iteration),
-  a ys value straight into its slice of the stacked ITEM buffer. So a scan copies nothing.
-  The exceptions keep a body-arena buffer and are copied: an output that is a body input, an
-  alias (reshape) of another value, or a value returned under several names (all but the
-  first). A body's buffers are reused every iteration.
+  a ys value straight into its slice of the stacked ITEM buffer; an output that reshapes a
+  kernel output has that value written there (viewed in its shape). So a scan copies
+  nothing. The exceptions keep a body-arena buffer and are copied: an output that is a body
+  input, a reshape of a body input or of another output, or a value returned under several
+  names (all but the first). A body's buffers are reused every iteration.
 
 Numbers: `lower_bound_bytes` is the peak over the kernels of live activation bytes (aligned,
 a workspace counted as carry state + its body's lower bound): no placement of this schedule
@@ -296,7 +297,7 @@ class MemoryPlan:
         """Does a body plan write output `index` straight where the scan passes it
         (rather than into its own arena, to be copied)?"""
         name, v = self.schedule.graph.outputs[index]
-        return self.external.get(v) == OUTPUT_PREFIX + name
+        return self.external.get(self.aliases.get(v, v)) == OUTPUT_PREFIX + name
 
     def launches(self, one_kernel: Callable[["MemoryPlan", int], bool] | None = None) -> int:
         """Kernel launches in one run of this plan: every kernel that is not a no-op; a scan
@@ -525,7 +526,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
     external = dict(names) if body else {}
     pers_vals: dict[int, list[str]] = {}
     pers_slots: dict[str, tuple[int, int]] = {}
-    reshaped: dict[int, int] = {}        # persistent output -> the value it reshapes, homed there
+    reshaped: dict[int, int] = {}        # an output -> the kernel output it reshapes, homed there
     if not body:
         top = 0
         for vid, name in [(i, names[i]) for i in g.inputs] + [(v, n) for n, v in g.outputs]:
@@ -540,10 +541,19 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
             elif name in persistent and _updates_in_place(g, vid, name):
                 pers_vals.setdefault(vid, []).append(name)    # the input's slot, updated
     if body:                                 # outputs written where the scan wants them
+        outs = {v for _, v in g.outputs}
         for name, v in g.outputs:
             node = g.node(v)
-            if v not in external and not (node.op is Op.RESHAPE and node.inputs[0] in live):
+            if v in external:
+                continue
+            if not (node.op is Op.RESHAPE and node.inputs[0] in live):
                 external[v] = OUTPUT_PREFIX + name
+                continue
+            src = node.inputs[0]             # a reshaped kernel output: written there, viewed
+            if (src not in external and src not in outs and src not in names
+                    and g.node(src).op not in OpGroup.VIEW):
+                external[src] = OUTPUT_PREFIX + name
+                reshaped[v] = src
     elsewhere = set(pers_vals) | set(external)
 
     # views (strided, of a stored value or a constant), then aliases: a RESHAPE written by a
