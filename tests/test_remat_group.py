@@ -122,3 +122,18 @@ def test_group_spec_errors(over: dict, message: str) -> None:
     with pytest.raises(TitancError) as e:
         tiny_spec(**over)
     assert str(e.value) == message
+
+
+def test_group_under_mixed_precision() -> None:
+    """bfloat16: the outer layer-group scan carries the residual stream in bf16 like the layer
+    scan, so a training step's loss and updated parameters are those of remat_group 1."""
+    import titanc
+
+    runs = []
+    for k in (1, 2):
+        spec = tiny_spec(**{"model.n_layers": 4, "train.dtype": "bfloat16", "train.remat_group": k})
+        prog = titanc.compile(spec)
+        runs.append((prog.train_step(tokens(spec)), prog.parameters()))
+    assert runs[0][0] == runs[1][0]
+    for name, p in runs[0][1].items():
+        assert torch.equal(runs[1][1][name], p), name
