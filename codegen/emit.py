@@ -457,9 +457,9 @@ class _Emitter:
         items = self._items(g, kern, node)
         b(f"ws = arena[{ws.offset}:{ws.offset + ws.size}]  # carry slots A and B, then the body's arena")
         state = plan.carry_state[node.id]
-        sets = [[f"view(ws, {off}, {tuple(t.shape)!r}, {_TORCH[t.dtype]})"
-                 for (off, _), t in zip(state[s * nc:(s + 1) * nc], node.type[:nc])]
-                for s in (0, 1)]
+        sets = [[f"view(ws, {off}, {tuple(t.shape)!r}, {_TORCH[t.dtype]})" if size else "None"
+                 for (off, size), t in zip(state[s * nc:(s + 1) * nc], node.type[:nc])]
+                for s in (0, 1)]                          # None: a slot no iteration uses
         b("slots = ([" + ", ".join(sets[0]) + "], [" + ", ".join(sets[1]) + "])")
         b("operands = [" + ", ".join(args) + "]")
         b("items = {" + ", ".join(f"{k}: v{v}" for k, v in sorted(items.items())) + "}")

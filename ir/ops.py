@@ -116,5 +116,6 @@ class OpGroup:
 
 # what a SCAN is (its `role` attr), for the passes and the profiler: the layer stack, a MAC
 # segment, a memory update over chunks (forward, backward and the decode write), the outer scan
-# of chunk-carry checkpoints, a chunk of the LM-head loss, anything else
-SCAN_ROLES = ("layer", "segment", "memory", "memory_group", "loss", "loop")
+# of chunk-carry checkpoints, the outer scan of layer-group checkpoints (train.remat_group), a
+# chunk of the LM-head loss, anything else
+SCAN_ROLES = ("layer", "segment", "memory", "memory_group", "layer_group", "loss", "loop")

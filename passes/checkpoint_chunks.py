@@ -1,11 +1,16 @@
-"""checkpoint_chunks: memory-chunk scans split into groups, so the backward saves √n states.
+"""checkpoint_chunks: memory-chunk scans (and, on request, the layer scan) split into groups,
+so the backward saves about √n states.
 
 Every scan of role "memory" (length n, n >= 8 and not prime) becomes an outer scan of n/k
 iterations (role "memory_group") over an inner scan of k, k the divisor of n closest to √n.
 Under the `recompute` policy (passes/remat.py) the outer scan saves the memory state every k
 chunks and the backward recomputes the k states in between: saved states drop from n to
-n/k + k. Precondition: `g` verifies. Postcondition: same values (tests/test_remat.py), every
-other node unchanged.
+n/k + k. With `layer_group` k > 1 (train.remat_group) the layer scan (role "layer", k dividing
+its length L) is split the same way (outer role "layer_group"): the residual stream is saved
+every k layers and the backward of a group re-runs its k layers, so L/k + k layer checkpoints
+are live instead of L, for one more forward of the layers. Precondition: `g` verifies.
+Postcondition: same values (tests/test_remat.py, tests/test_remat_group.py), every other node
+unchanged.
 """
 from __future__ import annotations
 
@@ -31,7 +36,17 @@ class CheckpointChunks:
     """Split every memory scan (role "memory", length n) into an outer scan of n/k
     iterations over an inner scan of k, k ≈ sqrt(n) (the module docstring has the
     pre/postconditions)."""
+    layer_group: int = 1           # layers per group of the layer scan (1: not split)
     name: ClassVar[str] = "checkpoint_chunks"
+
+    def _factor(self, attrs: dict) -> tuple[int, str]:
+        """(inner length, outer role) of a scan to split; inner length 1: not split."""
+        role, n = attrs.get("role"), attrs["length"]
+        if role == "memory":
+            return _split_factor(n), "memory_group"
+        if role == "layer" and 1 < self.layer_group < n and n % self.layer_group == 0:
+            return self.layer_group, "layer_group"
+        return 1, ""
 
     def __call__(self, g: Graph) -> Graph:
         from titanc.ir import Builder, Value
@@ -46,8 +61,8 @@ class CheckpointChunks:
                 continue
             if node.op is Op.SCAN:
                 attrs["body"] = self(attrs["body"])
-            k = _split_factor(attrs["length"]) if node.op is Op.SCAN else 1
-            if k == 1 or attrs.get("role") != "memory":
+            k, role = self._factor(attrs) if node.op is Op.SCAN else (1, "")
+            if k == 1:
                 env[node.id] = b.like(node, *ins, **attrs)
                 continue
             n, nc, nx_ = attrs["length"], attrs["n_carry"], attrs["n_xs"]
@@ -61,7 +76,7 @@ class CheckpointChunks:
 
             cs, ys = b.scan(outer, ins[:nc], xs, ins[nc + nx_:], length=n // k,
                             reverse=attrs["reverse"], name=f"{attrs['body'].name}_group",
-                            role="memory_group")
+                            role=role)
             env[node.id] = cs + [y.reshape(n, *y.shape[2:]) for y in ys]
         b.graph.set_outputs([(name, env[i].id) for name, i in g.outputs])
         return b.graph

@@ -14,7 +14,9 @@ What gets a buffer, top level:
   optimizer state) sit in a separate persistent region, laid out in graph order; a value
   reachable under several persistent names lives in the first and is copied to the others;
   an output with an input's persistent name gets its own buffer, except the parameter and
-  moment results of an ADAMW pattern op (elementwise), which share their input's slot;
+  moment results of an ADAMW pattern op (elementwise), which share their input's slot; a
+  persistent output that is a RESHAPE of a kernel output with no other home puts that value
+  in its slot (the reshape is an alias: a layer group's stacked gradients cost no copy);
 - other graph inputs (e.g. `tokens`) get activation buffers live from kernel 0;
 - kernel outputs get activation buffers from their producer to their last reader (graph
   outputs: to the end), except aliases: a RESHAPE whose operand already has storage shares
@@ -33,16 +35,19 @@ What gets a buffer, top level:
   as dense memory; A SCAN's results are its ITEMs' buffers (the scan writes them
   directly), so ITEMs never copy;
 - each SCAN kernel holds a workspace for exactly its own kernel index: the carry state
-  (two aligned slots per carry, A then B, that iterations write in turn) followed by its
+  (two aligned slots per carry, A then B, that iterations write in turn; 0 bytes for a slot
+  no iteration uses: a carry whose ITEM is read uses that buffer as one of its two, and a
+  scan of one or two iterations needs fewer, `ScanHomes.slot_used`) followed by its
   body's arena. The body is planned recursively with its inputs external (the first
   iteration reads the carry operands, later ones the slot the previous iteration wrote;
   per-iteration slices are read in place from the xs operands, constants from their
   operands). Its outputs are external too, written where the scan wants them (`OUTPUT_PREFIX`
   + output name): a carry into the other slot (into its ITEM buffer on the last iteration),
-  a ys value straight into its slice of the stacked ITEM buffer. So a scan copies nothing.
-  The exceptions keep a body-arena buffer and are copied: an output that is a body input, an
-  alias (reshape) of another value, or a value returned under several names (all but the
-  first). A body's buffers are reused every iteration.
+  a ys value straight into its slice of the stacked ITEM buffer; an output that reshapes a
+  kernel output has that value written there (viewed in its shape). So a scan copies
+  nothing. The exceptions keep a body-arena buffer and are copied: an output that is a body
+  input, a reshape of a body input or of another output, or a value returned under several
+  names (all but the first). A body's buffers are reused every iteration.
 
 Numbers: `lower_bound_bytes` is the peak over the kernels of live activation bytes (aligned,
 a workspace counted as carry state + its body's lower bound): no placement of this schedule
@@ -158,8 +163,10 @@ class ScanHomes:
     Iteration i (over `order()`, reversed for a reverse scan) reads carry j from `carry_in(i)`
     (the scan's operand on the first iteration, else where iteration i-1 wrote it) and writes
     body output k to `homes(i)[k]`: a carry into slot set i % 2 (on the last iteration into
-    its ITEM buffer when the program reads it), a ys value into its slice of the stacked ITEM
-    buffer (a fresh scratch tensor when nothing reads it). A carry the body also returns as
+    its ITEM buffer when the program reads it; then the iterations of the last one's parity
+    write that ITEM buffer too, in place of a slot: no iteration reads what it writes, and a
+    carry costs one slot, `slot_used`), a ys value into its slice of the stacked ITEM buffer
+    (a fresh scratch tensor when nothing reads it). A carry the body also returns as
     a ys value (a residual saved for the backward) lives in that stacked buffer instead of a
     slot: saved as it enters an iteration (`saved_in`: the previous iteration writes it into
     this iteration's slice) or as it leaves (`saved_out`)."""
@@ -198,10 +205,18 @@ class ScanHomes:
                        ("slot", i % 2, j) if last else
                        ("item", saved_in[j], order[i + 1]) if j in saved_in else
                        ("item", saved_out[j], t) if j in saved_out else
+                       ("item", j, None) if j in self.items
+                       and i % 2 == (self.length - 1) % 2 else
                        ("slot", i % 2, j))
         out += [("item", k, t) if k in self.items else ("scratch", k)
                 for k in range(self.n_carry, self.n_outputs)]
         return out
+
+    def slot_used(self, s: int, j: int) -> bool:
+        """Does any iteration keep carry j in slot set s? (Else the plan reserves no bytes
+        for it and the executors bind no tensor.)"""
+        return any(h == ("slot", s, j) for i in range(self.length)
+                   for h in self.homes(i)[:self.n_carry])
 
     def carry_in(self, i: int) -> list[Home]:
         return ([("operand", j) for j in range(self.n_carry)] if i == 0
@@ -282,7 +297,7 @@ class MemoryPlan:
         """Does a body plan write output `index` straight where the scan passes it
         (rather than into its own arena, to be copied)?"""
         name, v = self.schedule.graph.outputs[index]
-        return self.external.get(v) == OUTPUT_PREFIX + name
+        return self.external.get(self.aliases.get(v, v)) == OUTPUT_PREFIX + name
 
     def launches(self, one_kernel: Callable[["MemoryPlan", int], bool] | None = None) -> int:
         """Kernel launches in one run of this plan: every kernel that is not a no-op; a scan
@@ -392,6 +407,20 @@ def _updates_in_place(g: Graph, vid: int, name: str) -> bool:
     return src_node.op is Op.INPUT and src_node.attr("name") == name
 
 
+def _reshaped_source(g: Graph, vid: int, live: dict, inputs: dict[int, str],
+                     homed: dict[int, list[str]]) -> int | None:
+    """The value a persistent output only reshapes, where that value can live in the
+    output's slot instead of an arena buffer plus a copy (a layer group's stacked weight
+    gradient [L/k, k, ...] reshaped to [L, ...]): a kernel output with no home of its own."""
+    node = g.node(vid)
+    if node.op is not Op.RESHAPE:
+        return None
+    src = node.inputs[0]
+    if src not in live or src in inputs or src in homed or g.node(src).op in OpGroup.VIEW:
+        return None
+    return src
+
+
 def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
@@ -497,6 +526,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
     external = dict(names) if body else {}
     pers_vals: dict[int, list[str]] = {}
     pers_slots: dict[str, tuple[int, int]] = {}
+    reshaped: dict[int, int] = {}        # an output -> the kernel output it reshapes, homed there
     if not body:
         top = 0
         for vid, name in [(i, names[i]) for i in g.inputs] + [(v, n) for n, v in g.outputs]:
@@ -504,14 +534,26 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
                 size = _align(value_bytes(g, vid), alignment)
                 pers_slots[name] = (top, size)
                 top += size
-                pers_vals.setdefault(vid, []).append(name)
+                src = _reshaped_source(g, vid, live, names, pers_vals)
+                if src is not None:
+                    reshaped[vid] = src
+                pers_vals.setdefault(vid if src is None else src, []).append(name)
             elif name in persistent and _updates_in_place(g, vid, name):
                 pers_vals.setdefault(vid, []).append(name)    # the input's slot, updated
     if body:                                 # outputs written where the scan wants them
+        outs = {v for _, v in g.outputs}
         for name, v in g.outputs:
             node = g.node(v)
-            if v not in external and not (node.op is Op.RESHAPE and node.inputs[0] in live):
+            if v in external:
+                continue
+            if not (node.op is Op.RESHAPE and node.inputs[0] in live):
                 external[v] = OUTPUT_PREFIX + name
+                continue
+            src = node.inputs[0]             # a reshaped kernel output: written there, viewed
+            if (src not in external and src not in outs and src not in names
+                    and g.node(src).op not in OpGroup.VIEW):
+                external[src] = OUTPUT_PREFIX + name
+                reshaped[v] = src
     elsewhere = set(pers_vals) | set(external)
 
     # views (strided, of a stored value or a constant), then aliases: a RESHAPE written by a
@@ -527,6 +569,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
                 aliases[v] = aliases.get(src, src)
     for v in views:                      # a view of a dense reshape: the storage's owner
         aliases[v] = aliases.get(aliases[v], aliases[v])
+    aliases.update(reshaped)
     constants = frozenset(r for r, _ in views.values()
                           if g.node(r).op in OpGroup.GENERATOR and (r in views or r not in live))
     span = {v: list(iv) for v, iv in live.items() if v not in aliases and v not in elsewhere}
@@ -560,8 +603,12 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
             bodies[sid] = sub
             slots, off = [], 0
             node = g.node(sid)
-            for t in 2 * node.type[: node.attr("n_carry")]:         # slots A, then slots B
-                slots.append((off, _align(t.nbytes, alignment)))
+            nc = node.attr("n_carry")
+            layout = ScanHomes.of(g, sid, {g.node(u).attr("index") for u in g.users(sid)
+                                           if u in kern.outputs})
+            for q, t in enumerate(2 * node.type[:nc]):              # slots A, then slots B
+                used = layout.slot_used(q // nc, q % nc)            # (an unused one: 0 bytes)
+                slots.append((off, _align(t.nbytes, alignment) if used else 0))
                 off += slots[-1][1]
             carry[sid] = slots
             entries.append((sid, kern.name, "workspace"))

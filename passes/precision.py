@@ -194,8 +194,9 @@ def _wide_items(g: Graph, n_carry: int | None, f32_ys: frozenset[int]) -> set[tu
 def _carry_dtype(role: str | None, t: Any) -> str:
     """A scan carry's dtype: the residual stream a layer scan carries is an activation
     (bf16: stored between layers, saved per layer for the backward, and so its cotangent);
-    every other carry keeps its type (the memory state W, S, loss accumulators)."""
-    return LOW if role == "layer" and t.dtype == HIGH else t.dtype
+    the outer scan of layer groups (`layer_group`) carries the same stream; every other carry
+    keeps its type (the memory state W, S, loss accumulators)."""
+    return LOW if role in ("layer", "layer_group") and t.dtype == HIGH else t.dtype
 
 
 class _Rewrite:

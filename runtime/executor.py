@@ -300,8 +300,8 @@ class _Builder:
         region = _region(self.arena, ws.offset, ws.size)
         state = self.plan.carry_state[n.id]
         carry_types = list(n.type[:nc])
-        slot_sets = [[region.view(off, t, self.float_dtype)
-                      for (off, _), t in zip(state[s * nc:(s + 1) * nc], carry_types)]
+        slot_sets = [[region.view(off, t, self.float_dtype) if size else None   # unused slot
+                      for (off, size), t in zip(state[s * nc:(s + 1) * nc], carry_types)]
                      for s in (0, 1)]
         body_offset = self.plan.workspace_body_offset(n.id)
         body_arena = _region(region, body_offset, ws.size - body_offset)

@@ -19,7 +19,7 @@ from titanc.ir.types import DTYPES, TensorType
 from titanc.params import init_params
 from titanc.passes.fusion import fuse
 from titanc.ir.tables import mask_table, rope_table
-from titanc.passes.memory_plan import (ORDERS, view_of, OUTPUT_PREFIX, MemoryPlan, lower_bound, memory_report, overlaps,
+from titanc.passes.memory_plan import (ORDERS, view_of, OUTPUT_PREFIX, MemoryPlan, ScanHomes, lower_bound, memory_report, overlaps,
                                        place, place_in_order, plan_memory)
 from titanc.spec import load_spec
 
@@ -99,8 +99,8 @@ def small_scan_graph() -> Graph:
 
 
 GOLDEN = """\
-memory plan small: 8 kernels, arena 512 B, lower bound 512 B (ratio 1.000)
-  peak activation 512 B, persistent 576 B, alignment 64
+memory plan small: 8 kernels, arena 448 B, lower bound 448 B (ratio 1.000)
+  peak activation 448 B, persistent 576 B, alignment 64
   persistent region:
           offset         size  name
                0          320  embed
@@ -109,15 +109,15 @@ memory plan small: 8 kernels, arena 512 B, lower bound 512 B (ratio 1.000)
     buffer           offset         size  live        kernel
     %4                    0          256  [0,3]       titanc_poi_fused_take_0  f32[2,4,8]
     %0                  256          128  [0,0]       input:tokens  i64[2,5]
-    ws %7               256          128  [3,3]       titanc_tem_fused_scan_rnn_3
-      carry state: +0:64, +64:64
+    ws %7               256           64  [3,3]       titanc_tem_fused_scan_rnn_3
+      carry state: +0:64, +64:0
       memory plan rnn: 2 kernels, arena 0 B, lower bound 0 B (ratio 1.000)
         peak activation 0 B, persistent 0 B, alignment 64
         bound by the scan (inputs; outputs as out:NAME): %0=c0, %1=x1, %2=k2, %5=out:carry0, %6=out:y0
         activation arena:
           buffer           offset         size  live        kernel
-    %9                  384           64  [3,5]       titanc_tem_fused_scan_rnn_3  f32[4,2]
-    %8                  448           64  [3,7]       titanc_tem_fused_scan_rnn_3  f32[2,8]
+    %9                  320           64  [3,5]       titanc_tem_fused_scan_rnn_3  f32[4,2]
+    %8                  384           64  [3,7]       titanc_tem_fused_scan_rnn_3  f32[2,8]
     %11                   0          128  [4,7]       titanc_mm_fused_einsum_6  f32[20]
     %14                 128           64  [5,6]       titanc_red_fused_sum_7  f32[]
     %15                 192           64  [6,7]       titanc_red_fused_exp_sum_add_8  f32[]
@@ -135,11 +135,13 @@ def test_memory_map_golden() -> None:
     # the constant fill (a scan carry) and the permute (its xs) are views: no kernel runs
     assert plan.is_noop(1) and plan.is_noop(2)
     assert plan.views == {5: (5, ()), 6: (4, (6,))} and plan.constants == {5}
-    assert plan.location(16) == plan.location(8) == ("arena", 448)
+    assert plan.location(16) == plan.location(8) == ("arena", 384)
+    # the carry's ITEM %8 is one of its two slots (the last iteration's parity): one slot left
+    assert [size for _, size in plan.carry_state[7]] == [64, 0]
     assert plan.location(2) == ("persistent", 320)
     assert memory_report(plan, 10) == {
-        "arena_bytes": 512, "lower_bound_bytes": 512, "persistent_bytes": 576,
-        "peak_activation_bytes": 512, "logits_bytes": 80}   # the flattened [2, 10] logits
+        "arena_bytes": 448, "lower_bound_bytes": 448, "persistent_bytes": 576,
+        "peak_activation_bytes": 448, "logits_bytes": 80}   # the flattened [2, 10] logits
 
 
 # -- an executor over the planned arena ----------------------------------------------------------
@@ -215,25 +217,26 @@ def _scan(plan: MemoryPlan, node, args: list[Tensor], region: Tensor,
           items: dict[int, Tensor], interp: Interpreter) -> None:
     """Two carry slot sets at the start of the workspace, the body's arena after them.
     Iteration i reads the operands (i = 0) or the set iteration i-1 wrote, and writes its
-    carries into set i % 2 (the last iteration into the carries' ITEM buffers) and its ys
-    straight into their stacked ITEM buffers; outputs the body cannot write in place are
-    copied there."""
+    carries into set i % 2 (the last iteration into the carries' ITEM buffers, and so do the
+    iterations of its parity where the ITEM is read; a carry saved for the backward into its
+    stacked buffer: `ScanHomes`) and its ys straight into their stacked ITEM buffers; outputs
+    the body cannot write in place are copied there."""
     a = node.attr_dict
     body, nc, nx_, length = a["body"], a["n_carry"], a["n_xs"], a["length"]
     sub = plan.bodies[node.id]
     state = plan.carry_state[node.id]
-    sets = [[_view(region, off, t) for (off, _), t in zip(state[s * nc:(s + 1) * nc], node.type)]
-            for s in (0, 1)]
+    sets = [[_view(region, off, t) if size else None
+             for (off, size), t in zip(state[s * nc:(s + 1) * nc], node.type)] for s in (0, 1)]
     names = body.input_names()
     body_mem = region[plan.workspace_body_offset(node.id):]
     steps = range(length - 1, -1, -1) if a["reverse"] else range(length)
     carry = args[:nc]
+    layout = ScanHomes.of(plan.schedule.graph, node.id, items)
     for i, t in enumerate(steps):
-        last = i == length - 1
-        homes = [items[k] if last and k in items else sets[i % 2][k] for k in range(nc)]
-        homes += [items[k][t] if k in items else torch.empty(body.node(v).type.shape,
-                  dtype=DTYPES[body.node(v).type.dtype])
-                  for k, (_, v) in enumerate(body.outputs) if k >= nc]
+        homes = [ScanHomes.resolve(h, args, sets, items, lambda k: torch.empty(
+                 body.node(body.outputs[k][1]).type.shape,
+                 dtype=DTYPES[body.node(body.outputs[k][1]).type.dtype]))
+                 for h in layout.homes(i)]
         ext = dict(zip(names, carry + [x[t] for x in args[nc:nc + nx_]] + args[nc + nx_:]))
         ext.update({OUTPUT_PREFIX + name: h for (name, _), h in zip(body.outputs, homes)})
         where = _execute(sub, body_mem, torch.empty(0), ext, interp)

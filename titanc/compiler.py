@@ -126,12 +126,13 @@ class Compiled:
             # then LM head + cross-entropy as one fused pattern op whose kernels compute the
             # logits a tile at a time (the [B·T, V] logits never exist; the chunked-loss scan
             # is the fallback where the pattern refuses) and the memory state saved every
-            # k ≈ sqrt(n) chunks, recomputed between
+            # k ≈ sqrt(n) chunks (the residual stream every train.remat_group layers),
+            # recomputed between
             extra: tuple[Pass, ...] = (ChunkedLoss(spec.train.loss_chunk),)
             if spec.compile.fused_loss and self.patterns:
                 extra = (LinearCrossEntropy(spec.train.loss_chunk),) + extra
             if spec.train.remat != "none":
-                extra += (CheckpointChunks(),)
+                extra += (CheckpointChunks(spec.train.remat_group),)
             return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra + mp,
                              shared)
         if kind == "training":

@@ -207,6 +207,10 @@ class TrainSpec:
     # per_segment, block mac: sequences per group of the MAC scans (0: the fewest whose
     # segment [rows, S, D] reaches 1 MiB in float32, blocks.ROW_GROUP_BYTES)
     remat_rows: int = _field(0, ge=0)
+    # per_layer / per_segment: layers per checkpoint group; the residual stream is saved every
+    # `remat_group` layers and the backward re-runs a group's layers (n_layers/k + k
+    # checkpoints live instead of n_layers; 1: every layer)
+    remat_group: int = _field(1, ge=1)
     loss_chunk: int = _field(1024, ge=0)         # tokens per LM-head chunk; 0 = unchunked
     grad_accum: int = _field(1, ge=1)            # micro-batches per optimizer step
     eval_every: int = _field(50, ge=0)           # steps between evaluations; 0 = never
@@ -243,6 +247,10 @@ class TrainSpec:
             raise SpecError(
                 "train.remat_budget_mb: required when train.remat is 'budget'; "
                 "set it, e.g. --set train.remat_budget_mb=512")
+        if self.remat_group > 1 and self.remat not in ("per_layer", "per_segment"):
+            raise SpecError(
+                f"train.remat_group: {self.remat_group} needs train.remat per_layer or "
+                f"per_segment (is {self.remat}); set train.remat_group=1 or change train.remat")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -290,6 +298,10 @@ class Spec:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        k, n = self.train.remat_group, self.model.n_layers
+        if k > 1 and n % k:
+            raise SpecError(f"train.remat_group: {k} must divide model.n_layers={n}; "
+                            f"use a divisor of {n} (1: a checkpoint per layer)")
 
     @property
     def safe_name(self) -> str:
