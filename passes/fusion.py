@@ -63,6 +63,7 @@ GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
 REDUCTIONS = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM})
 TEMPLATES = frozenset({Op.SCAN, Op.INDEX_ADD, Op.SCATTER_ALONG}) | OpGroup.PATTERN
 MAX_NAME_OPS = 4
+MAX_CONTRACTIONS = 4         # einsums one matmul kernel may hold (one K loop each)
 SIBLING_READERS = 8          # siblings of a value are paired only when it has this few readers
 
 
@@ -117,6 +118,21 @@ def pattern_flops(n: Node, g: Graph) -> int:
     pairs = q[0] * q[1] * visible_pairs(n.attr("n_q"), n.attr("groups"))
     per_pair = 2 * q[3] + 2 * v[3] if n.op is Op.ATTENTION else 6 * q[3] + 4 * v[3]
     return pairs * per_pair
+
+
+def matmul_tile(g: Graph, e: Node) -> tuple | None:
+    """The output tile of a two-operand einsum as the matmul family iterates it: its output
+    shape and, per output axis, whether its letter is a batch letter (in both operands), an M
+    letter (the first operand's) or an N letter (the second's); None when the matmul family
+    cannot run it (not two operands, or a diagonal). Einsums with equal tiles share one
+    kernel's (batch, M, N) grid, each with its own K loop and accumulator."""
+    if len(e.inputs) != 2:
+        return None
+    (ta, tb), tc = parse_einsum(e.attr("spec"), 2)
+    if len(set(ta)) != len(ta) or len(set(tb)) != len(tb):
+        return None
+    roles = tuple("b" if ch in ta and ch in tb else "m" if ch in ta else "n" for ch in tc)
+    return e.type.shape, roles
 
 
 def visible_pairs(n_q: int, groups: tuple) -> int:
@@ -244,8 +260,14 @@ class _Fuser:
             return "template" if ok else self._refuse("a template kernel holds one template node")
         einsums = [n for n in nodes if n.op is Op.EINSUM]
         reds = [n for n in nodes if n.op in REDUCTIONS]
-        if len(einsums) > 1 or (einsums and reds):
-            return self._refuse("two contractions, or a contraction and a reduction")
+        if einsums and reds:
+            return self._refuse("a contraction and a reduction")
+        if len(einsums) > 1:
+            if len(einsums) > MAX_CONTRACTIONS:
+                return self._refuse(f"more than {MAX_CONTRACTIONS} contractions")
+            tile = matmul_tile(self.g, einsums[0])
+            if tile is None or any(matmul_tile(self.g, e) != tile for e in einsums[1:]):
+                return self._refuse("contractions over different output tiles")
         free: set[int] = set()
         post: set[int] = set()           # depends on a reduction / einsum of this kernel
         computed: list[Node] = []
@@ -263,7 +285,8 @@ class _Fuser:
                     return self._refuse(f"%{n.id} ({n.op.name.lower()}) reads a computed "
                                         f"operand (gathers and matmuls read memory)")
             elif n.op in OpGroup.ELEMENTWISE:
-                if any(_numel(self.node[i]) != _numel(n) for i in bound):
+                wide = [i for i in bound if _numel(self.node[i]) != _numel(n)]
+                if wide and not (reds and all(i in post for i in wide)):   # a row epilogue
                     return self._refuse(f"%{n.id} broadcasts a computed value")
             elif n.op in REDUCTIONS:
                 if any(i in post or self.node[i].op in REDUCTIONS for i in bound):
@@ -283,8 +306,11 @@ class _Fuser:
             if any(self._reduction_key(r) != key for r in reds[1:]):
                 return self._refuse("reductions over different axes")
             n_in, n_out = _numel(self.node[r0.inputs[0]]), _numel(r0)
-            if any(_numel(n) == n_in != n_out and n.id in post for n in computed):
-                return self._refuse("input-domain work after the reduction (a second pass)")
+            late = [n for n in computed if _numel(n) == n_in != n_out and n.id in post]
+            if late:
+                why = self._row_epilogue(r0, late, inside, post)
+                if why:
+                    return self._refuse(why)
             dom = {n_in, n_out}
             kind = "reduction"
         else:
@@ -296,6 +322,30 @@ class _Fuser:
             return self._refuse("a pointwise kernel over two domains")
         return kind
 
+    def _row_epilogue(self, r0: Node, late: list[Node], inside: set[int],
+                      post: set[int]) -> str | None:
+        """Why input-domain nodes after the reduction cannot be its row epilogue, or None.
+
+        The reduction kernel holds each row while it reduces it (or loops over its column
+        blocks again), so `x * rsqrt(mean(x²))` is one kernel: an input-domain node reads the
+        reduced value of its own row. That is the element at its broadcast coordinates only
+        when the node has the reduction's input shape and the reduced value the keep-dims
+        shape (the reduced axes of size 1); other reads would cross rows."""
+        x = self.node[r0.inputs[0]].type.shape
+        axes = {a % len(x) for a in r0.attr("axes")}
+        keep = tuple(1 if d in axes else s for d, s in enumerate(x))
+        n_out = _numel(r0)
+        for n in late:
+            if n.op not in OpGroup.ELEMENTWISE and n.op is not Op.RESHAPE:
+                return f"%{n.id} ({n.op.name.lower()}) after the reduction is no elementwise op"
+            for i in n.inputs:
+                if i not in inside or _numel(self.node[i]) != n_out:
+                    continue
+                if n.type.shape != x or self.node[i].type.shape != keep:
+                    return (f"%{n.id} reads the reduced %{i} {self.node[i].type.shape} at "
+                            f"other than its row of {x} (a second pass)")
+        return None
+
     def _tag(self, members: list[int]) -> tuple[int, int, frozenset]:
         """(templates, einsums, reduction keys): enough to reject most unions cheaply."""
         ops = [self.node[n] for n in members]
@@ -305,7 +355,8 @@ class _Fuser:
     def compatible(self, a: int, b: int) -> bool:
         """A necessary condition for `category(a ∪ b)` to be legal."""
         (ta, ea, ra), (tb, eb, rb) = self.tag[a], self.tag[b]
-        return not (ta or tb or ea + eb > 1 or ((ea or eb) and (ra or rb)) or len(ra | rb) > 1)
+        return not (ta or tb or ea + eb > MAX_CONTRACTIONS or ((ea or eb) and (ra or rb))
+                    or len(ra | rb) > 1)
 
     def _reduction_key(self, r: Node) -> tuple:
         shape = self.node[r.inputs[0]].type.shape
