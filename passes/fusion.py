@@ -278,7 +278,9 @@ class _Fuser:
                     _float_cast(n, self.node) and not bound):
                 free.add(n.id)
                 continue
-            if n.op in OpGroup.INDEXING and n.op is not Op.RESHAPE:
+            if n.op is Op.EXPAND and reds and all(i in post for i in bound):
+                pass                     # a reduced value over its row (`_row_epilogue`)
+            elif n.op in OpGroup.INDEXING and n.op is not Op.RESHAPE:
                 return self._refuse(f"%{n.id} ({n.op.name.lower()}) views a computed value")
             if n.op in GATHERS or n.op is Op.EINSUM:
                 if bound:
@@ -291,7 +293,7 @@ class _Fuser:
             elif n.op in REDUCTIONS:
                 if any(i in post or self.node[i].op in REDUCTIONS for i in bound):
                     return self._refuse(f"%{n.id} reduces a reduction (a second pass)")
-            elif n.op is not Op.RESHAPE:
+            elif n.op not in (Op.RESHAPE, Op.EXPAND):
                 return self._refuse(f"%{n.id} ({n.op.name.lower()}) fuses with nothing")
             if n.op in REDUCTIONS or n.op is Op.EINSUM or any(i in post for i in bound):
                 post.add(n.id)
@@ -336,8 +338,10 @@ class _Fuser:
         keep = tuple(1 if d in axes else s for d, s in enumerate(x))
         n_out = _numel(r0)
         for n in late:
-            if n.op not in OpGroup.ELEMENTWISE and n.op is not Op.RESHAPE:
+            if n.op not in OpGroup.ELEMENTWISE and n.op not in (Op.RESHAPE, Op.EXPAND):
                 return f"%{n.id} ({n.op.name.lower()}) after the reduction is no elementwise op"
+            if n.op is Op.EXPAND and _numel(self.node[n.inputs[0]]) != n_out:
+                return f"%{n.id} expands no reduced value"
             for i in n.inputs:
                 if i not in inside or _numel(self.node[i]) != n_out:
                     continue
@@ -502,6 +506,11 @@ class _Fuser:
                 readers = sorted(self.readers[v] - {gid})
                 if len(readers) <= SIBLING_READERS:
                     near += [(o, 1) for o in readers]
+        if self._elementwise_only(gid):
+            for p in sorted(self.preds[gid]):          # cousins: read one kernel's outputs
+                others = sorted(self.succs[p] - {gid})
+                if len(others) <= SIBLING_READERS:
+                    near += [(o, 2) for o in others if self._elementwise_only(o)]
         seen: set[int] = set()
         for other, kind in near:
             # a lone cast of an input (one per reader: `split_casts`) goes into its reader
@@ -511,8 +520,13 @@ class _Fuser:
             if other not in seen and self.compatible(gid, other):
                 seen.add(other)
                 score = info.bytes + self.info[other].bytes - self.union(gid, other).bytes
-                if score > 0:
+                if score > 0 or (kind == 2 and score == 0):     # cousins: a launch saved
                     yield other, kind, score
+
+    def _elementwise_only(self, gid: int) -> bool:
+        """No contraction, reduction or template: a group that can only be pointwise."""
+        t, e, r = self.tag[gid]
+        return not (t or e or r)
 
     def _cast_only(self, gid: int) -> bool:
         """Is the group a cast of an input (with views of it), which only its reader takes?"""

@@ -107,6 +107,9 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
     for nid in kernel.nodes:
         if low.computed(nid) and late(nid):
             n = g.node(nid)
+            if n.op is Op.EXPAND:              # the row's value, broadcast over its columns
+                pre.values[nid] = rowwise[n.inputs[0]]
+                continue
             pre.values.update(rowwise)
             pre.values[nid] = low.compute(pre, n, in_coords(n.type.shape))
             for v in rowwise:
