@@ -14,11 +14,17 @@ Kernel families, with what a kernel may contain:
   kernel of its own, which the memory plan binds once as a constant (`MemoryPlan.views`):
   its readers load cos/sin values instead of evaluating them per element.
 - reduction: SUM/AMAX sharing one input shape and axes, or CUMSUMs sharing shape, axis and
-  direction, with a pointwise prologue on the reduction's input domain and a pointwise
-  epilogue on its output domain; nothing on the input domain may depend on a reduction of the
-  same kernel (that would be a second pass) and no reduction depends on another.
-- matmul: one EINSUM with a pointwise epilogue on its output domain; its operands may be
-  views of kernel inputs (read with remapped indices, never materialized), not computed ones.
+  direction, with a pointwise prologue on the reduction's input domain, a pointwise epilogue
+  on its output domain, and a row epilogue: input-domain elementwise nodes (and EXPANDs of a
+  reduced value) after the reduction, each reading only its own row's reduced value (the node
+  has the input's shape, the reduced value the keep-dims shape; `_row_epilogue`), so
+  `x * rsqrt(mean(x²))` is one kernel that holds the row (or loops over it again). No
+  reduction depends on another (that would be a second pass).
+- matmul: up to MAX_CONTRACTIONS EINSUMs over one output tile (`matmul_tile`: the same output
+  shape, each axis a batch, M or N letter alike), each its own K loop and accumulator, with a
+  pointwise epilogue on that domain (siblings reading one operand, a sum of products); their
+  operands may be views of kernel inputs (read with remapped indices, never materialized),
+  not computed ones.
 - template: a SCAN with its ITEMs, a pattern op (`OpGroup.PATTERN`, e.g. ATTENTION) with its
   ITEMs, an INDEX_ADD or a SCATTER_ALONG, alone.
 
@@ -29,10 +35,12 @@ RESHAPE (the linear index is unchanged); anything else (a broadcast, slice, pad,
 gather of a computed value) would evaluate it more or less than once per element, duplicating
 or scattering work, so such a value is materialized instead.
 
-Greedy: start from one kernel per node; candidate merges are producer/consumer pairs and
-siblings reading a common value, scored by bytes saved (`bytes(a) + bytes(b) - bytes(a∪b)`: a
-value read only inside the group never goes to memory, a shared input is read once); the best
-is taken first (ties: producer/consumer before siblings, then program order). A merge is
+Greedy: start from one kernel per node; candidate merges are producer/consumer pairs,
+siblings reading a common value, and cousins (two elementwise-only groups reading outputs of
+one kernel), scored by bytes saved (`bytes(a) + bytes(b) - bytes(a∪b)`: a value read only
+inside the group never goes to memory, a shared input is read once); the best is taken first
+(ties: producer/consumer before siblings before cousins, then program order). A merge that
+saves no bytes is taken only for cousins of one domain: it saves a launch. A merge is
 refused if the union breaks the rules above, if it closes a cycle in the kernel graph, or if it
 raises the schedule's peak of live bytes. The kernel order starts as a topological sort keyed
 on program order; a merge only reorders the kernels between the two it joins, placing the
