@@ -318,7 +318,7 @@ class _Fuser:
             n_in, n_out = _numel(self.node[r0.inputs[0]]), _numel(r0)
             late = [n for n in computed if _numel(n) == n_in != n_out and n.id in post]
             if late:
-                why = self._row_epilogue(r0, late, inside, post)
+                why = self._row_epilogue(r0, late, inside - free)
                 if why:
                     return self._refuse(why)
             dom = {n_in, n_out}
@@ -332,8 +332,7 @@ class _Fuser:
             return self._refuse("a pointwise kernel over two domains")
         return kind
 
-    def _row_epilogue(self, r0: Node, late: list[Node], inside: set[int],
-                      post: set[int]) -> str | None:
+    def _row_epilogue(self, r0: Node, late: list[Node], computed: set[int]) -> str | None:
         """Why input-domain nodes after the reduction cannot be its row epilogue, or None.
 
         The reduction kernel holds each row while it reduces it (or loops over its column
@@ -351,8 +350,8 @@ class _Fuser:
             if n.op is Op.EXPAND and _numel(self.node[n.inputs[0]]) != n_out:
                 return f"%{n.id} expands no reduced value"
             for i in n.inputs:
-                if i not in inside or _numel(self.node[i]) != n_out:
-                    continue
+                if i not in computed or _numel(self.node[i]) != n_out:
+                    continue                 # read from memory (or free) at its coordinates
                 if n.type.shape != x or self.node[i].type.shape != keep:
                     return (f"%{n.id} reads the reduced %{i} {self.node[i].type.shape} at "
                             f"other than its row of {x} (a second pass)")
