@@ -77,6 +77,16 @@ def test_rmsnorm_is_one_reduction_kernel(row_block, monkeypatch) -> None:
                                                      "mul", "mul"]
 
 
+def test_row_epilogue_reads_a_weight_as_long_as_the_rows() -> None:
+    # 2 x 8 rows of 16: the [16] weight (a view of an input, free in the kernel) has as many
+    # elements as there are reduced values, but it is read at its own coordinates
+    b = Builder("rmsnorm16")
+    x, w = b.input("x", (2, 8, 16), DT), b.input("w", (1, 16), DT)
+    inv = ((x * x).sum((2,), keepdim=True) * (1.0 / 16) + 1e-6).rsqrt()
+    b.graph.set_outputs([("y", (x * inv * b.op(Op.RESHAPE, w, shape=[16])).id)])
+    assert categories(check_parity(b.graph)) == ["reduction"]
+
+
 def test_expanded_row_value_is_the_row_epilogue() -> None:
     # the RMSNorm backward: dx = g * inv + expand(sum(g * x) * inv³ * c) * x
     b = Builder("rmsnorm_bwd")
