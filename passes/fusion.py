@@ -14,11 +14,17 @@ Kernel families, with what a kernel may contain:
   kernel of its own, which the memory plan binds once as a constant (`MemoryPlan.views`):
   its readers load cos/sin values instead of evaluating them per element.
 - reduction: SUM/AMAX sharing one input shape and axes, or CUMSUMs sharing shape, axis and
-  direction, with a pointwise prologue on the reduction's input domain and a pointwise
-  epilogue on its output domain; nothing on the input domain may depend on a reduction of the
-  same kernel (that would be a second pass) and no reduction depends on another.
-- matmul: one EINSUM with a pointwise epilogue on its output domain; its operands may be
-  views of kernel inputs (read with remapped indices, never materialized), not computed ones.
+  direction, with a pointwise prologue on the reduction's input domain, a pointwise epilogue
+  on its output domain, and a row epilogue: input-domain elementwise nodes (and EXPANDs of a
+  reduced value) after the reduction, each reading only its own row's reduced value (the node
+  has the input's shape, the reduced value the keep-dims shape; `_row_epilogue`), so
+  `x * rsqrt(mean(x²))` is one kernel that holds the row (or loops over it again). No
+  reduction depends on another (that would be a second pass).
+- matmul: up to MAX_CONTRACTIONS EINSUMs over one output tile (`matmul_tile`: the same output
+  shape, each axis a batch, M or N letter alike), each its own K loop and accumulator, with a
+  pointwise epilogue on that domain (siblings reading one operand, a sum of products); their
+  operands may be views of kernel inputs (read with remapped indices, never materialized),
+  not computed ones.
 - template: a SCAN with its ITEMs, a pattern op (`OpGroup.PATTERN`, e.g. ATTENTION) with its
   ITEMs, an INDEX_ADD or a SCATTER_ALONG, alone.
 
@@ -29,10 +35,12 @@ RESHAPE (the linear index is unchanged); anything else (a broadcast, slice, pad,
 gather of a computed value) would evaluate it more or less than once per element, duplicating
 or scattering work, so such a value is materialized instead.
 
-Greedy: start from one kernel per node; candidate merges are producer/consumer pairs and
-siblings reading a common value, scored by bytes saved (`bytes(a) + bytes(b) - bytes(a∪b)`: a
-value read only inside the group never goes to memory, a shared input is read once); the best
-is taken first (ties: producer/consumer before siblings, then program order). A merge is
+Greedy: start from one kernel per node; candidate merges are producer/consumer pairs,
+siblings reading a common value, and cousins (two elementwise-only groups reading outputs of
+one kernel), scored by bytes saved (`bytes(a) + bytes(b) - bytes(a∪b)`: a value read only
+inside the group never goes to memory, a shared input is read once); the best is taken first
+(ties: producer/consumer before siblings before cousins, then program order). A merge that
+saves no bytes is taken only for cousins of one domain: it saves a launch. A merge is
 refused if the union breaks the rules above, if it closes a cycle in the kernel graph, or if it
 raises the schedule's peak of live bytes. The kernel order starts as a topological sort keyed
 on program order; a merge only reorders the kernels between the two it joins, placing the
@@ -63,6 +71,7 @@ GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
 REDUCTIONS = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM})
 TEMPLATES = frozenset({Op.SCAN, Op.INDEX_ADD, Op.SCATTER_ALONG}) | OpGroup.PATTERN
 MAX_NAME_OPS = 4
+MAX_CONTRACTIONS = 4         # einsums one matmul kernel may hold (one K loop each)
 SIBLING_READERS = 8          # siblings of a value are paired only when it has this few readers
 
 
@@ -117,6 +126,21 @@ def pattern_flops(n: Node, g: Graph) -> int:
     pairs = q[0] * q[1] * visible_pairs(n.attr("n_q"), n.attr("groups"))
     per_pair = 2 * q[3] + 2 * v[3] if n.op is Op.ATTENTION else 6 * q[3] + 4 * v[3]
     return pairs * per_pair
+
+
+def matmul_tile(g: Graph, e: Node) -> tuple | None:
+    """The output tile of a two-operand einsum as the matmul family iterates it: its output
+    shape and, per output axis, whether its letter is a batch letter (in both operands), an M
+    letter (the first operand's) or an N letter (the second's); None when the matmul family
+    cannot run it (not two operands, or a diagonal). Einsums with equal tiles share one
+    kernel's (batch, M, N) grid, each with its own K loop and accumulator."""
+    if len(e.inputs) != 2:
+        return None
+    (ta, tb), tc = parse_einsum(e.attr("spec"), 2)
+    if len(set(ta)) != len(ta) or len(set(tb)) != len(tb):
+        return None
+    roles = tuple("b" if ch in ta and ch in tb else "m" if ch in ta else "n" for ch in tc)
+    return e.type.shape, roles
 
 
 def visible_pairs(n_q: int, groups: tuple) -> int:
@@ -244,8 +268,14 @@ class _Fuser:
             return "template" if ok else self._refuse("a template kernel holds one template node")
         einsums = [n for n in nodes if n.op is Op.EINSUM]
         reds = [n for n in nodes if n.op in REDUCTIONS]
-        if len(einsums) > 1 or (einsums and reds):
-            return self._refuse("two contractions, or a contraction and a reduction")
+        if einsums and reds:
+            return self._refuse("a contraction and a reduction")
+        if len(einsums) > 1:
+            if len(einsums) > MAX_CONTRACTIONS:
+                return self._refuse(f"more than {MAX_CONTRACTIONS} contractions")
+            tile = matmul_tile(self.g, einsums[0])
+            if tile is None or any(matmul_tile(self.g, e) != tile for e in einsums[1:]):
+                return self._refuse("contractions over different output tiles")
         free: set[int] = set()
         post: set[int] = set()           # depends on a reduction / einsum of this kernel
         computed: list[Node] = []
@@ -256,19 +286,22 @@ class _Fuser:
                     _float_cast(n, self.node) and not bound):
                 free.add(n.id)
                 continue
-            if n.op in OpGroup.INDEXING and n.op is not Op.RESHAPE:
+            if n.op is Op.EXPAND and reds and all(i in post for i in bound):
+                pass                     # a reduced value over its row (`_row_epilogue`)
+            elif n.op in OpGroup.INDEXING and n.op is not Op.RESHAPE:
                 return self._refuse(f"%{n.id} ({n.op.name.lower()}) views a computed value")
             if n.op in GATHERS or n.op is Op.EINSUM:
                 if bound:
                     return self._refuse(f"%{n.id} ({n.op.name.lower()}) reads a computed "
                                         f"operand (gathers and matmuls read memory)")
             elif n.op in OpGroup.ELEMENTWISE:
-                if any(_numel(self.node[i]) != _numel(n) for i in bound):
+                wide = [i for i in bound if _numel(self.node[i]) != _numel(n)]
+                if wide and not (reds and all(i in post for i in wide)):   # a row epilogue
                     return self._refuse(f"%{n.id} broadcasts a computed value")
             elif n.op in REDUCTIONS:
                 if any(i in post or self.node[i].op in REDUCTIONS for i in bound):
                     return self._refuse(f"%{n.id} reduces a reduction (a second pass)")
-            elif n.op is not Op.RESHAPE:
+            elif n.op not in (Op.RESHAPE, Op.EXPAND):
                 return self._refuse(f"%{n.id} ({n.op.name.lower()}) fuses with nothing")
             if n.op in REDUCTIONS or n.op is Op.EINSUM or any(i in post for i in bound):
                 post.add(n.id)
@@ -283,8 +316,11 @@ class _Fuser:
             if any(self._reduction_key(r) != key for r in reds[1:]):
                 return self._refuse("reductions over different axes")
             n_in, n_out = _numel(self.node[r0.inputs[0]]), _numel(r0)
-            if any(_numel(n) == n_in != n_out and n.id in post for n in computed):
-                return self._refuse("input-domain work after the reduction (a second pass)")
+            late = [n for n in computed if _numel(n) == n_in != n_out and n.id in post]
+            if late:
+                why = self._row_epilogue(r0, late, inside - free)
+                if why:
+                    return self._refuse(why)
             dom = {n_in, n_out}
             kind = "reduction"
         else:
@@ -296,6 +332,31 @@ class _Fuser:
             return self._refuse("a pointwise kernel over two domains")
         return kind
 
+    def _row_epilogue(self, r0: Node, late: list[Node], computed: set[int]) -> str | None:
+        """Why input-domain nodes after the reduction cannot be its row epilogue, or None.
+
+        The reduction kernel holds each row while it reduces it (or loops over its column
+        blocks again), so `x * rsqrt(mean(x²))` is one kernel: an input-domain node reads the
+        reduced value of its own row. That is the element at its broadcast coordinates only
+        when the node has the reduction's input shape and the reduced value the keep-dims
+        shape (the reduced axes of size 1); other reads would cross rows."""
+        x = self.node[r0.inputs[0]].type.shape
+        axes = {a % len(x) for a in r0.attr("axes")}
+        keep = tuple(1 if d in axes else s for d, s in enumerate(x))
+        n_out = _numel(r0)
+        for n in late:
+            if n.op not in OpGroup.ELEMENTWISE and n.op not in (Op.RESHAPE, Op.EXPAND):
+                return f"%{n.id} ({n.op.name.lower()}) after the reduction is no elementwise op"
+            if n.op is Op.EXPAND and _numel(self.node[n.inputs[0]]) != n_out:
+                return f"%{n.id} expands no reduced value"
+            for i in n.inputs:
+                if i not in computed or _numel(self.node[i]) != n_out:
+                    continue                 # read from memory (or free) at its coordinates
+                if n.type.shape != x or self.node[i].type.shape != keep:
+                    return (f"%{n.id} reads the reduced %{i} {self.node[i].type.shape} at "
+                            f"other than its row of {x} (a second pass)")
+        return None
+
     def _tag(self, members: list[int]) -> tuple[int, int, frozenset]:
         """(templates, einsums, reduction keys): enough to reject most unions cheaply."""
         ops = [self.node[n] for n in members]
@@ -305,7 +366,8 @@ class _Fuser:
     def compatible(self, a: int, b: int) -> bool:
         """A necessary condition for `category(a ∪ b)` to be legal."""
         (ta, ea, ra), (tb, eb, rb) = self.tag[a], self.tag[b]
-        return not (ta or tb or ea + eb > 1 or ((ea or eb) and (ra or rb)) or len(ra | rb) > 1)
+        return not (ta or tb or ea + eb > MAX_CONTRACTIONS or ((ea or eb) and (ra or rb))
+                    or len(ra | rb) > 1)
 
     def _reduction_key(self, r: Node) -> tuple:
         shape = self.node[r.inputs[0]].type.shape
@@ -451,6 +513,11 @@ class _Fuser:
                 readers = sorted(self.readers[v] - {gid})
                 if len(readers) <= SIBLING_READERS:
                     near += [(o, 1) for o in readers]
+        if self._elementwise_only(gid):
+            for p in sorted(self.preds[gid]):          # cousins: read one kernel's outputs
+                others = sorted(self.succs[p] - {gid})
+                if len(others) <= SIBLING_READERS:
+                    near += [(o, 2) for o in others if self._elementwise_only(o)]
         seen: set[int] = set()
         for other, kind in near:
             # a lone cast of an input (one per reader: `split_casts`) goes into its reader
@@ -460,8 +527,13 @@ class _Fuser:
             if other not in seen and self.compatible(gid, other):
                 seen.add(other)
                 score = info.bytes + self.info[other].bytes - self.union(gid, other).bytes
-                if score > 0:
+                if score > 0 or (kind == 2 and score == 0):     # cousins: a launch saved
                     yield other, kind, score
+
+    def _elementwise_only(self, gid: int) -> bool:
+        """No contraction, reduction or template: a group that can only be pointwise."""
+        t, e, r = self.tag[gid]
+        return not (t or e or r)
 
     def _cast_only(self, gid: int) -> bool:
         """Is the group a cast of an input (with views of it), which only its reader takes?"""

@@ -369,7 +369,7 @@ def test_hostile_spec_compiles_to_import_safe_python(tmp_path, monkeypatch) -> N
                "triton.language",
                "titanc.codegen.scan.kernel", "titanc.passes.memory_plan"}  # the scan loop's two
     files = sorted(out.rglob("*.py"))
-    assert len(files) > 15          # kernels, program.py (views and fills run no kernel)
+    assert len(files) > 10          # kernels, program.py (views and fills run no kernel)
     for path in files:
         src = path.read_text()
         assert src.isascii(), path

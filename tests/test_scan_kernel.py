@@ -367,8 +367,10 @@ def test_report_counts_launches_per_target_and_says_why_a_scan_stays_a_loop(tmp_
     cpu, tri = report["launches_per_step"]["cpu"], report["launches_per_step"]["triton"]
     # AdamW: 1 kernel; views and constant fills launch nothing (2,932 before they became views,
     # 2,683 before attention took a key/value operand per group, RoPE lost its concat and
-    # the loss and the segment sum read the token slices in place)
-    assert cpu["training"] == 2594 and tri["training"] * 5 <= cpu["training"]
+    # the loss and the segment sum read the token slices in place, 2,594 before reductions
+    # took their row epilogues, matmul kernels several einsums of one tile, and cousin
+    # pointwise kernels merged)
+    assert cpu["training"] == 1878 and tri["training"] * 5 <= cpu["training"]
     assert tri["decode"] < cpu["decode"] and tri["decode_write_per_chunk"] == 1
     (fb,) = report["scan_fallbacks"]["triton"]           # the layer backward (see above)
     assert fb["graph"] == "grad" and "independent" in fb["reason"]

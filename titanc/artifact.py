@@ -25,7 +25,7 @@ from .compiler import GRAPH_KINDS, Compiled, compile_graphs, launches_per_step
 from .fit import check_fits, lower_bound_bytes, planned_bytes
 from .params import param_count
 from .spec import spec_hash, spec_to_dict
-from .step_profile import kernel_rows, step_profile
+from .step_profile import kernel_rows, launched_kernels, step_profile
 
 
 def _versions() -> dict[str, str]:
@@ -61,8 +61,9 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         # the kernels a step runs (no-ops left out: views and constants bound without a kernel)
         "kernels": [{k: r[k] for k in ("name", "category", "flops", "bytes", "nodes")}
                     for r in kernel_rows(c)],
-        # schedule kernels per graph, scan bodies and no-ops included
-        "kernel_counts": {name: len(s.all_kernels()) for name, s in c.schedules.items()},
+        # kernels per graph that run something, scan bodies included, no-ops (views and
+        # constants bound without a kernel) left out: step.after.kernels_all, per graph
+        "kernel_counts": {name: launched_kernels(p) for name, p in c.plans.items()},
         "launches_per_step": launches,
         "scan_fallbacks": {"triton": fallbacks},   # scans that stay host loops, and why
         # each scan kernel's loops: which carries are held on chip, which stay in the
@@ -89,7 +90,7 @@ def _graph_row(c: Compiled, kind: str) -> dict[str, Any]:
     cg = c.graph(kind)
     st = graph_stats(cg.graph)
     return {"nodes": st["nodes"], "largest_tensor_bytes": st["largest_tensor_bytes"],
-            "kernels": len(cg.schedule.all_kernels()),
+            "kernels": launched_kernels(cg.plan),
             "arena_bytes": cg.plan.arena_bytes,
             "passes": [{k: r[k] for k in r if k != "graph"} for r in cg.passes]}
 

@@ -10,9 +10,10 @@ Figures per step:
   that falls back to a host loop counting its body's kernels by the same rule. Repetition is
   not counted here (a kernel launched every iteration of a host loop, or once per gradient
   accumulation step, is one kernel); `launches_per_step` counts launches.
-- `kernels_all`: every kernel of the schedules and their scan bodies (the cpu target, where
-  every scan is a host loop over its body's kernels); report.json `kernel_counts` is the same
-  count per graph, no-ops included.
+- `kernels_all`: every kernel of the schedules and their scan bodies that is not a no-op (the
+  cpu target, where every scan is a host loop over its body's kernels); report.json
+  `kernel_counts` is the same count per graph (`launched_kernels`), so for one gradient
+  accumulation step `kernels_all` = `kernel_counts.training` + `kernel_counts.optimizer`.
 - `families`: per kernel family (pointwise, reduction, matmul, or a template's name:
   attention_fwd, attention_bwd, adamw_multi, segment_sum, scatter_along, scan) the kernels
   (counted as in `kernels_all`), launches, bytes and FLOPs;
@@ -131,6 +132,14 @@ def plan_profile(plan: MemoryPlan, runs: int, one_kernel: Callable[[MemoryPlan, 
             acc.update({key: inner[key] for key in ("kernels_all", "families", "copy_kernels")})
         else:
             plan_profile(plan.bodies[sid], runs * length, one_kernel, acc)
+
+
+def launched_kernels(plan: MemoryPlan) -> int:
+    """Kernels of a plan and its scan bodies that run something (no-ops left out): the
+    count report.json `kernel_counts` and `graphs.<kind>.kernels` give, and per graph what
+    `kernels_all` sums over the step."""
+    own = sum(not plan.is_noop(k) for k in range(len(plan.schedule.kernels)))
+    return own + sum(launched_kernels(b) for b in plan.bodies.values())
 
 
 def compiled_profile(c: Compiled) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from ..render import render
 
 __all__ = [
     "MATMUL_KERNEL_LOCALS",
+    "MatmulContraction",
     "POINTWISE_KERNEL_LOCALS",
     "REDUCTION_KERNEL_LOCALS",
     "ReductionStage",
@@ -284,6 +285,18 @@ MATMUL_KERNEL_LOCALS = frozenset("""
 """.split())
 
 
+@dataclass(frozen=True)
+class MatmulContraction:
+    """A further product of an indexed matmul kernel: `loads` leave the tiles named `a` and
+    `b` per K step (as `operand_loads` do), summed over `k` into `acc`."""
+
+    loads: tuple[str, ...]
+    a: str
+    b: str
+    acc: str
+    k: int
+
+
 def render_matmul(
     name: str,
     *,
@@ -295,6 +308,7 @@ def render_matmul(
     indexed: Sequence[tuple[str, int]] = (),
     operand_loads: Sequence[str] = (),
     operands: tuple[str, str] = ("a", "b"),
+    contractions: Sequence[MatmulContraction] = (),
     stores: Sequence[tuple[str, str, str]] = (),
     dtype: str = "float32",
     allow_tf32: bool = False,
@@ -328,6 +342,8 @@ def render_matmul(
     `offs_n`, `offs_k`, `k_start`, `m_mask`, `n_mask`, `k_mask`, `batch`); the epilogue reads
     `acc`, `rows`, `cols`, `batch`, and `stores` are `(indexed tensor, offset var, value var)`
     written under `mask`. Launcher: `launch(*indexed, *scalars, batch, M, N, K)`.
+    `contractions` (indexed mode only): more products over the same output tile, each its
+    own K loop (static length) into its own accumulator, which the epilogue reads.
     """
     tiles = dict(tiles or {0: Tile(block_m, block_n, block_k, num_warps, 3)})
     for arch, t in tiles.items():
@@ -342,6 +358,13 @@ def render_matmul(
     scalar_names = [scope.declare(n) for n in scalars]
     loads = scope.statements(operand_loads)
     a_operand, b_operand = (scope.ref(v) for v in operands) if indexed else operands
+    extra = []
+    for c in contractions:
+        if not indexed:
+            raise ValueError("more than one contraction needs the indexed mode")
+        c_loads = scope.statements(c.loads)
+        extra.append({"loads": c_loads, "a": scope.ref(c.a), "b": scope.ref(c.b),
+                      "acc": scope.assign(c.acc), "k": int(c.k)})
     stmts = scope.statements(epilogue)
     res = "acc" if result == "acc" else scope.ref(result)
     store_ctx = []
@@ -377,6 +400,7 @@ def render_matmul(
         operand_loads=loads,
         a_operand=a_operand,
         b_operand=b_operand,
+        contractions=extra,
         stores=store_ctx,
         launch_params=tensors + scalar_names,
         tensor_args=tensors,

@@ -31,15 +31,16 @@ naming the kernel and the node; there is no fallback.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import prod
 from typing import Collection, Iterator
 
-from titanc.ir import Graph, Op, OpGroup, format_node
+from titanc.ir import Graph, Node, Op, OpGroup, format_node
 from titanc.ir.shapes import parse_einsum
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel
 
-from ..families.fused import render_matmul, render_pointwise
+from ..families.fused import MatmulContraction, render_matmul, render_pointwise
 from ..families.scatter import render_scatter_along, render_segment_sum
 from ..meta import compute_dtype, matmul_tiles, needs_int64, pow2
 from ..scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
@@ -139,8 +140,80 @@ _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
             allow_tf32: bool = False) -> KernelCode:
+    """One output tile grid; each einsum of the kernel (fusion gave them equal tiles,
+    `passes.fusion.matmul_tile`) its own K loop and accumulator, then the epilogue."""
     g, kernel = low.g, low.kernel
-    e = next(g.node(n) for n in kernel.nodes if g.node(n).op is Op.EINSUM)
+    einsums = [g.node(n) for n in kernel.nodes if g.node(n).op is Op.EINSUM]
+    cd = low.cd
+    # 16-bit MMA when the executor runs in 16 bits or the operands are bf16 tensors (the
+    # mixed-precision pass casts every einsum operand to bf16)
+    mma16 = dtype in ("bfloat16", "float16") or all(
+        low.node(v).type.dtype == "bf16" for e in einsums for v in e.inputs)
+    op16 = dtype if dtype in ("bfloat16", "float16") else "bfloat16"
+    names = Names()
+    products = [_product(low, e, names, mma16, op16) for e in einsums]
+    first = products[0]
+    for p in products[1:]:
+        if (p.out_roles, p.sz["batch"], p.sz["M"], p.sz["N"]) != (
+                first.out_roles, first.sz["batch"], first.sz["M"], first.sz["N"]):
+            raise NotImplementedError(low.where(f"%{p.node.id} and %{first.node.id} have "
+                                                f"different output tiles"))
+    e, size, (batch, m, n) = first.node, first.size, first.groups
+    tc = first.tc
+
+    def group(sec: Section, chars: list[str], index: Ix) -> dict[str, Ix]:
+        return dict(zip(chars, delinearize(sec, index, [size[ch] for ch in chars])))
+
+    epi = Section(names, "mask", "[BLOCK_M, BLOCK_N]", frozenset({"m", "n"}))
+    letters = (group(epi, batch, Ix("batch")) | group(epi, m, index_tile(epi, "rows", "m"))
+               | group(epi, n, index_tile(epi, "cols", "n")))
+    oc = [letters[ch] for ch in tc]
+    oshape = e.type.shape
+
+    def coords(shape: tuple[int, ...]) -> list[Ix]:
+        return reshape_coords(epi, oc, oshape, shape)
+
+    for k, p in enumerate(products):
+        epi.values[p.node.id] = Val("acc" if k == 0 else f"acc{k}", epi.dims)
+        if p.node.type.dtype == "bf16":   # the epilogue and the store see the product rounded
+            epi.values[p.node.id] = low.round_bf16(epi, epi.values[p.node.id])
+    ids = {p.node.id for p in products}
+    for nid in kernel.nodes:
+        node = g.node(nid)
+        if low.computed(nid) and nid not in ids:
+            epi.values[nid] = low.compute(epi, node, coords(node.type.shape))
+    stores: list[tuple[str, str, str]] = []
+    for v in outs:
+        store(low, epi, v, coords(low.shape(v)), stores)
+    more = [MatmulContraction(tuple(p.loads), p.tiles[0], p.tiles[1], f"acc{k}", p.sz["K"])
+            for k, p in enumerate(products) if k > 0]
+    k_max = max(p.sz["K"] for p in products)
+    source = render_matmul(kernel.name, indexed=low.indexed(), operand_loads=first.loads,
+                           operands=(first.tiles[0], first.tiles[1]), contractions=more,
+                           epilogue=epi.stmts, stores=stores,
+                           dtype=dtype, header_lines=header, allow_tf32=allow_tf32,
+                           tiles=matmul_tiles(2 if mma16 else _ITEMSIZE[dtype], first.sz["M"],
+                                              first.sz["N"], k_max),
+                           mma16=mma16)
+    return code_of(low, "matmul", source, indexed_args(low),
+                   (first.sz["batch"], first.sz["M"], first.sz["N"], first.sz["K"]))
+
+
+@dataclass
+class _Product:
+    """One einsum of a matmul kernel: its letters grouped into batch / M / N / K, and the
+    statements loading its [BLOCK_M, BLOCK_K] and [BLOCK_K, BLOCK_N] tiles per K step."""
+    node: Node
+    tc: str
+    size: dict[str, int]
+    groups: tuple[list[str], list[str], list[str]]
+    sz: dict[str, int]
+    out_roles: tuple[str, ...]
+    loads: list[str]
+    tiles: list[str]
+
+
+def _product(low: KernelLowering, e: Node, names: Names, mma16: bool, op16: str) -> _Product:
     if len(e.inputs) != 2:
         raise NotImplementedError(low.where(f"%{e.id} contracts {len(e.inputs)} operands, "
                                             f"the matmul family takes two"))
@@ -154,14 +227,8 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
     k = list(dict.fromkeys(ch for ch in ta + tb if ch not in tc))
     sz = {name: prod(size[ch] for ch in group)
           for name, group in (("batch", batch), ("M", m), ("N", n), ("K", k))}
-    cd = low.cd
-    # 16-bit MMA when the executor runs in 16 bits or the operands are bf16 tensors (the
-    # mixed-precision pass casts every einsum operand to bf16)
-    mma16 = dtype in ("bfloat16", "float16") or all(
-        low.node(v).type.dtype == "bf16" for v in e.inputs)
-    op16 = dtype if dtype in ("bfloat16", "float16") else "bfloat16"
-    names, loads = Names(), []
-    letters: dict[str, dict[str, Ix]] = {}
+    roles = tuple("b" if ch in batch else "m" if ch in m else "n" for ch in tc)
+    loads: list[str] = []
 
     def group(sec: Section, chars: list[str], index: Ix) -> dict[str, Ix]:
         return dict(zip(chars, delinearize(sec, index, [size[ch] for ch in chars])))
@@ -180,35 +247,9 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
         if mma16:                                 # 16-bit MMA, float32 accumulation
             cast = f".to(tl.{op16})"
         else:
-            cast = f".to({cd})" if val.literal is not None or cd != "tl.float32" else ""
+            cast = f".to({low.cd})" if val.literal is not None or low.cd != "tl.float32" else ""
         tiles.append(sec.let(f"tl.where({mask}, {val.expr}, 0.0){cast}", "t"))
-    epi = Section(names, "mask", "[BLOCK_M, BLOCK_N]", frozenset({"m", "n"}))
-    letters = (group(epi, batch, Ix("batch")) | group(epi, m, index_tile(epi, "rows", "m"))
-               | group(epi, n, index_tile(epi, "cols", "n")))
-    oc = [letters[ch] for ch in tc]
-    oshape = e.type.shape
-
-    def coords(shape: tuple[int, ...]) -> list[Ix]:
-        return reshape_coords(epi, oc, oshape, shape)
-
-    epi.values[e.id] = Val("acc", epi.dims)
-    if e.type.dtype == "bf16":   # the epilogue and the store see the product rounded to bf16
-        epi.values[e.id] = low.round_bf16(epi, epi.values[e.id])
-    for nid in kernel.nodes:
-        node = g.node(nid)
-        if low.computed(nid) and nid != e.id:
-            epi.values[nid] = low.compute(epi, node, coords(node.type.shape))
-    stores: list[tuple[str, str, str]] = []
-    for v in outs:
-        store(low, epi, v, coords(low.shape(v)), stores)
-    source = render_matmul(kernel.name, indexed=low.indexed(), operand_loads=loads,
-                           operands=(tiles[0], tiles[1]), epilogue=epi.stmts, stores=stores,
-                           dtype=dtype, header_lines=header, allow_tf32=allow_tf32,
-                           tiles=matmul_tiles(2 if mma16 else _ITEMSIZE[dtype], sz["M"], sz["N"],
-                                              sz["K"]),
-                           mma16=mma16)
-    return code_of(low, "matmul", source, indexed_args(low),
-                 (sz["batch"], sz["M"], sz["N"], sz["K"]))
+    return _Product(e, tc, size, (batch, m, n), sz, roles, loads, tiles)
 
 
 # -- scatter-adds ----------------------------------------------------------------------------------

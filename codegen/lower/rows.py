@@ -63,6 +63,9 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
             return nid in feeds
         return g.node(nid).type.numel == n_in
 
+    def late(nid: int) -> bool:            # input-domain work on the reduced rows
+        return nid in post and n_cols > 1 and g.node(nid).type.numel == n_in != n_rows
+
     names = Names()
     pre = Section(names, "mask", "[BLOCK_R, BLOCK_C]", frozenset({"r", "c"}))
     epi = Section(names, "row_mask", "[BLOCK_R, 1]", frozenset({"r"}))
@@ -89,7 +92,7 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
     prologue, pre.stmts = pre.stmts, []       # what follows is the row epilogue
     for nid in kernel.nodes:                  # then the output domain
         n = g.node(nid)
-        if low.computed(nid) and nid not in reds and not on_input(nid):
+        if low.computed(nid) and nid not in reds and not on_input(nid) and not late(nid):
             for i in n.inputs:                # degenerate rows: a column-0 value per row
                 if i in pre.values and i not in epi.values:
                     epi.values[i] = Val(epi.let(
@@ -97,6 +100,20 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
                         f"keep_dims=True)"), epi.dims)
             epi.values[nid] = low.compute(epi, n, delinearize(epi, index_tile(epi, "rows", "r"),
                                                               n.type.shape))
+    # then the input-domain nodes that read the reduced values (fusion checked that each
+    # reads its own row's: the node has the input's shape, the value the keep-dims shape)
+    rowwise = {v: val for v, val in epi.values.items()
+               if g.node(v).type.numel == n_rows and v not in pre.values}
+    for nid in kernel.nodes:
+        if low.computed(nid) and late(nid):
+            n = g.node(nid)
+            if n.op is Op.EXPAND:              # the row's value, broadcast over its columns
+                pre.values[nid] = rowwise[n.inputs[0]]
+                continue
+            pre.values.update(rowwise)
+            pre.values[nid] = low.compute(pre, n, in_coords(n.type.shape))
+            for v in rowwise:
+                del pre.values[v]
     reduced, row_stores, args = [], [], []
     for v in outs:
         if v in pre.values or (v not in epi.values and g.node(v).type.numel == n_in
