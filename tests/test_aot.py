@@ -6,8 +6,10 @@ Budgets asserted on every compiled kernel: shared memory within the architecture
 per-block limit (`aot.SHARED_LIMIT`), at most SPILL_BUDGET bytes of register spill stores per
 thread (SCAN_SPILL_BUDGET for scan kernels, SERIAL_SPILL_BUDGET for one-program ones), and
 tensor-core instructions (`mma` on sm_80, `wgmma` on sm_90) in the PTX of every
-matmul-family kernel when tf32 is allowed, or bf16 MMA under train.dtype bfloat16. The fast
-tier (tiny.yaml in float32 + tf32, scan kernels included, and in bfloat16) runs in `make test`;
+matmul-family kernel when tf32 is allowed, and bf16 MMA (`mma...bf16`) in every kernel with
+16-bit dot operands (`dot16`: a bf16 program's matmuls and its scan kernels' dots of bf16
+values). The fast tier (tiny.yaml in float32 + tf32, scan kernels included, and in bfloat16
+without them; one small bf16 scan kernel) runs in `make test`;
 TITANC_AOT_FULL=1 adds every tiny example, in float32 and bfloat16 (the numbers are in the
 README's "targets" section).
 Compiled results are cached on disk by `codegen.aot`, so a second run compiles nothing.
