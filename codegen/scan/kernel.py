@@ -211,7 +211,6 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
     shape does; every other operand is shared (read at full coordinates)."""
     em = _ScanGen(g, n, cd, prefix)
     em.precision = dot_precision(allow_tf32)
-    em.dtype = dtype
     em.reg_budget = carry_budget
     p = len(prefix)
     nc, nx = n.attr("n_carry"), n.attr("n_xs")

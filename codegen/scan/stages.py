@@ -34,7 +34,6 @@ class _ScanGen(_Emitter):
         self.carry_pax: dict[tuple[int, int], tuple[int, ...]] = {}
         self.grouped = False
         self.precision = '"ieee"'
-        self.dtype = "float32"        # the executor's float dtype (`codegen.meta.mma16`)
         self.dot16 = False            # a dot takes 16-bit operands: the kernel has DOT_F32
         # carries on chip: the budget (bytes per program), what enclosing loops hold, the
         # carries found unreadable on chip (scan, k) -> why, and one note per emitted carry
@@ -244,7 +243,8 @@ class _ScanGen(_Emitter):
                        axes=tuple((a, e) for a, e, w in axes if w))
             x = self.value(sec, sc, v, [lmap[ch] for ch in t])
             tiles.append(self.masked(x, mask, shape))
-        op16 = mma16(self.dtype, [value_dtype(sc.g, v) for v in (ia, ib)])
+        # the workspace stores `cd` (never 16 bits): the operands' values decide
+        op16 = mma16(self.cd.removeprefix("tl."), [value_dtype(sc.g, v) for v in (ia, ib)])
         if op16 is None:
             self.line(f"{acc} += tl.dot({tiles[0]}, {tiles[1]}, input_precision={self.precision})")
         else:       # bf16 values held in `cd`: exact in 16 bits, the MMA accumulates in float32
