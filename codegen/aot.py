@@ -66,6 +66,12 @@ class Launch:
         return "tl.dot(" in self.source
 
     @property
+    def uses_dot16(self) -> bool:
+        """A `tl.dot` of 16-bit operand tiles on the GPU (`codegen.meta.mma16`: the launcher's
+        DOT_F32 constexpr, false there, picks it)."""
+        return "DOT_F32: tl.constexpr" in self.source
+
+    @property
     def is_scan(self) -> bool:
         return "scan kernel of graph" in self.source
 
@@ -226,8 +232,8 @@ def compile_all(launches: Iterable[Launch], archs: Iterable[int], jobs: int = 1
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
-    serial = [l.is_serial for l in launches for _ in archs]
-    return [r | {"serial": s} for r, s in zip(results, serial)]
+    more = [{"serial": l.is_serial, "dot16": l.uses_dot16} for l in launches for _ in archs]
+    return [r | m for r, m in zip(results, more)]
 
 
 def _main(argv: list[str]) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
+
+from titanc.ir import Graph, Op, OpGroup
 
 __all__ = ["CARRY_REGISTER_BYTES", "INT32_LIMIT", "LAUNCH_LOCALS", "MATMUL_TILES", "Tile", "check_block", "compute_dtype",
-           "dot_precision", "matmul_tiles", "needs_int64", "pow2"]
+           "dot_precision", "matmul_tiles", "mma16", "needs_int64", "pow2", "value_dtype"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -36,6 +38,40 @@ def dot_precision(allow_tf32: bool) -> str:
     bf16/fp16 operands always use their MMA (fp32 accumulation) and float64 the DMMA; the
     literal only matters for float32 operands."""
     return '"tf32"' if allow_tf32 else '"ieee"'
+
+
+# float casts that keep every value exactly (IR dtypes: from, to)
+_EXACT_WIDENING = frozenset({("bf16", "f32"), ("bf16", "f64"), ("f16", "f32"), ("f16", "f64"),
+                             ("f32", "f64")})
+
+
+def value_dtype(g: Graph, vid: int) -> str:
+    """The IR dtype of the values node `vid` holds: its own type's, or, through views, exact
+    widening casts and concatenations, its sources' (a bf16 value cast to float32 holds bf16
+    values, as the float32 copies of bf16 q, k, v and their key-group concat do in an expanded
+    attention chain)."""
+    n = g.node(vid)
+    while n.op in OpGroup.VIEW or (n.op is Op.CAST and (g.node(n.inputs[0]).type.dtype,
+                                                       n.type.dtype) in _EXACT_WIDENING):
+        n = g.node(n.inputs[0])
+    if n.op is Op.CONCAT:
+        parts = {value_dtype(g, i) for i in n.inputs}
+        return parts.pop() if len(parts) == 1 else n.type.dtype
+    return n.type.dtype
+
+
+def mma16(storage: str, operands: Iterable[str]) -> str | None:
+    """The 16-bit type ("bfloat16", "float16") a `tl.dot`'s operand tiles take on the GPU (the
+    16-bit MMA, float32 accumulation), or None for a dot in the compute dtype (float32: tf32
+    or exact, `dot_precision`; float64: DMMA). 16-bit when the kernel stores every value in
+    16 bits (`storage`, the executor's float dtype), or when both operands hold bf16 values
+    (`operands`: their `value_dtype`s; under mixed precision every einsum operand is bf16,
+    and kernels that hold values in float32, the scan kernels, keep them bf16-exact), so the
+    conversion is exact. The one decision of the matmul family and the scan kernels."""
+    if storage in ("bfloat16", "float16"):
+        return storage
+    dts = list(operands)
+    return "bfloat16" if dts and all(d == "bf16" for d in dts) else None
 
 
 INT32_LIMIT = 2 ** 31

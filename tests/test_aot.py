@@ -6,8 +6,10 @@ Budgets asserted on every compiled kernel: shared memory within the architecture
 per-block limit (`aot.SHARED_LIMIT`), at most SPILL_BUDGET bytes of register spill stores per
 thread (SCAN_SPILL_BUDGET for scan kernels, SERIAL_SPILL_BUDGET for one-program ones), and
 tensor-core instructions (`mma` on sm_80, `wgmma` on sm_90) in the PTX of every
-matmul-family kernel when tf32 is allowed, or bf16 MMA under train.dtype bfloat16. The fast
-tier (tiny.yaml in float32 + tf32, scan kernels included, and in bfloat16) runs in `make test`;
+matmul-family kernel when tf32 is allowed, and bf16 MMA (`mma...bf16`) in every kernel with
+16-bit dot operands (`dot16`: a bf16 program's matmuls and its scan kernels' dots of bf16
+values). The fast tier (tiny.yaml in float32 + tf32, scan kernels included, and in bfloat16
+without them; one small bf16 scan kernel) runs in `make test`;
 TITANC_AOT_FULL=1 adds every tiny example, in float32 and bfloat16 (the numbers are in the
 README's "targets" section).
 Compiled results are cached on disk by `codegen.aot`, so a second run compiles nothing.
@@ -40,16 +42,18 @@ SERIAL_SPILL_BUDGET = 8192  # one-program scan kernels (a MAC segment's backward
 ARCHS = (80, 90)
 
 
-def _compile(spec_path, overrides: dict, skip_scan: bool, skip_serial: bool = False) -> list[dict]:
-    """Compile every distinct launch of the spec's programs for ARCHS (cached on disk);
-    `skip_serial` leaves out one-program scan kernels (minutes each to compile: the full tier
-    has them)."""
+def _compile(spec_path, overrides: dict, skip_scan: bool, skip_serial: bool = False,
+             graphs: tuple[str, ...] = GRAPHS, only_scan: bool = False) -> list[dict]:
+    """Compile every distinct launch of the spec's programs (`graphs`) for ARCHS (cached on
+    disk); `skip_serial` leaves out one-program scan kernels (minutes each to compile: the
+    full tier has them), `only_scan` keeps scan kernels alone."""
     compiled = compile_graphs(load_spec(spec_path, overrides))
     launches: dict[str, aot.Launch] = {}
-    for g in GRAPHS:
+    for g in graphs:
         for launch in aot.record_launches(compiled.plans[g],
                                           allow_tf32=compiled.spec.compile.allow_tf32):
-            if not (skip_scan and launch.is_scan) and not (skip_serial and launch.is_serial):
+            if not (skip_scan and launch.is_scan) and not (skip_serial and launch.is_serial) \
+                    and not (only_scan and not launch.is_scan):
                 launches.setdefault(launch.key(), launch)
     results = aot.compile_all(launches.values(), ARCHS, jobs=2)
     if any("ptxas" in r.get("error", "") and "not found" in r.get("error", "")
@@ -71,6 +75,8 @@ def _check(results: list[dict], tensor_cores: bool) -> None:
         if tensor_cores and r["matmul"]:
             assert r["mma"], f"{where}: no mma in its PTX"
             assert r["wgmma"] or r["arch"] < 90, f"{where}: no wgmma on sm_90"
+        if r["dot16"]:      # bf16 operand tiles (a bf16 program's matmuls and scan dots)
+            assert r["mma_bf16"], f"{where}: no bf16 mma in its PTX"
 
 
 def test_every_tiny_kernel_compiles_for_sm80_and_sm90_with_tensor_cores() -> None:
@@ -86,6 +92,29 @@ def test_every_tiny_kernel_compiles_for_sm80_and_sm90_with_tensor_cores() -> Non
     assert len({r["name"] for r in scans}) >= 3    # layers, MAC segment (serial ones: full tier)
     assert all(r["mma"] for r in scans if r["uses_dot"])
     _check(results, tensor_cores=True)
+
+
+# tiny_lmm shrunk (as tests/test_scan_kernel.py shrinks it): its forward's one scan kernel,
+# the layer scan with the memory-chunk scan inside, is serial (batch 1) and small
+SMALL = {"model.d_model": 8, "model.n_layers": 1, "model.seq_len": 8, "model.vocab_size": 16,
+         "model.ffn_hidden": 8, "train.batch_size": 1, "model.memory.heads": 2,
+         "model.memory.chunk_size": 2}
+
+
+def test_bf16_scan_kernel_multiplies_on_bf16_tensor_cores() -> None:
+    """Under train.dtype bfloat16 a scan kernel's dots of bf16 values take bf16 tiles: the
+    PTX has `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` (float32 accumulation) on
+    sm_80 and sm_90 (`wgmma` needs 64-row tiles; these are 16 x 16), where the float32
+    workspace values used to take exact float32 dots (no mma at all). The smallest such kernel
+    (about 13 s a architecture cold: the layer scan of a shrunk tiny_lmm forward, 20 bf16
+    dots); every bf16 scan kernel of every example is in the TITANC_AOT_FULL tier."""
+    assert interpreting()
+    results = _compile(EXAMPLES / "tiny_lmm.yaml", {**SMALL, "train.dtype": "bfloat16"},
+                       skip_scan=False, graphs=("forward",), only_scan=True)
+    assert {r["arch"] for r in results} == set(ARCHS)
+    assert results and all(r["scan"] and r["dot16"] for r in results)
+    _check(results, tensor_cores=False)
+    assert all(r["mma_bf16"] for r in results)
 
 
 def test_exact_float32_keeps_ieee_dots() -> None:

@@ -32,6 +32,7 @@ import sys
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorated: set first
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,70 @@ def test_training_step_float64_matches_cpu_target() -> None:
     tri = [ex for ex in progs["triton"]._executors.values() if isinstance(ex, TritonExecutor)]
     assert tri and not any(f["scan"].find("memory_chunk") >= 0 for ex in tri
                            for f in ex.fallbacks)
+
+
+# --- bf16 dots --------------------------------------------------------------------------------------
+
+_TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "f64": torch.float64}
+
+
+def _run_low(g, n, seed: int = 0) -> tuple[ScanKernel, list[torch.Tensor], tuple]:
+    """Render scan `n` of a bf16 program's graph `g` and run it on random operands in each
+    operand's own dtype; the kernel's outputs and the reference interpreter's."""
+    imm = lambda v: float(g.node(v).attr("value")) if is_immediate(g, v) else None
+    sk = render_scan(g, n.id, immediate=imm)
+    gen = torch.Generator().manual_seed(seed)
+    args = {v: (torch.tensor(imm(v)) if imm(v) is not None else
+                (0.3 * torch.randn(g.node(v).type.shape, generator=gen)
+                 ).to(_TORCH[g.node(v).type.dtype])) for v in n.inputs}
+    operands = [args[v] for v in n.inputs]
+    want = scan_ref(n, operands, Interpreter(torch.float32))
+    ws = torch.full((sk.grid * sk.ws_per_program,), float("nan"))
+    outs = [torch.full(w.shape, float("nan"), dtype=w.dtype) for w in want]
+    load_module(sk.source, sk.name).launch(ws, *[operands[i] for i in sk.inputs],
+                                           *[outs[k] for k in sk.outputs],
+                                           *_tables(sk, torch.float32))
+    return sk, outs, want
+
+
+@pytest.mark.parametrize("example, body", [("tiny_lmm", "memory_chunk"), ("tiny", "mac_segment")])
+def test_bf16_dots_take_bf16_operands_exactly(example: str, body: str, monkeypatch) -> None:
+    """Under `train.dtype: bfloat16` a scan kernel holds bf16 values in float32; a dot whose
+    operands hold bf16 values (`codegen.meta.value_dtype`: bf16 nodes, and float32 widenings
+    of them such as an expanded attention's q and k) converts its tiles to bf16 for the 16-bit
+    MMA (float32 accumulation, constexpr DOT_F32 off on a GPU). Under the interpreter the
+    DOT_F32 branch multiplies the converted tiles widened back, and the interpreter's
+    conversion truncates: outputs bit-equal to the same kernel with float32 dots of the
+    unconverted tiles (`mma16` refused) show the conversion never changed a value. The forward
+    and backward memory-chunk scans (every dot bf16), and the MAC segment's forward with its
+    attention (q k^T over the widened bf16 q and the key groups' concat; the softmax-weighted
+    dots stay float32); its serial backward takes 10 s a run interpreted."""
+    c = compile_graphs(_spec(example, **{"train.dtype": "bfloat16"}))
+    found = list(_scans(c.plans["training"], body))
+    assert any(n.attr("reverse") for _, n in found) and any(not n.attr("reverse")
+                                                           for _, n in found)
+    if body == "mac_segment":
+        found = [(g, n) for g, n in found if not n.attr("reverse")]
+    for k, (g, n) in enumerate(found):
+        sk, got, want = _run_low(g, n, seed=k)
+        dots = sk.source.count("tl.dot(")
+        low = len(re.findall(r"\+= tl\.dot\(h\d+, h\d+\)$", sk.source, re.M))  # bf16 tiles
+        assert low >= 2 and "DOT_F32: tl.constexpr" in sk.source, (g.name, n.id)
+        assert ".to(tl.bfloat16)" in sk.source
+        if body == "memory_chunk":
+            assert dots == 2 * low                      # each dot: DOT_F32 or the MMA
+        else:                                           # p @ v, ds @ k, ...: float32
+            assert low < dots - low
+        for i in sk.outputs:   # the bf16 rounding places are the reference's
+            err = (got[i].float() - want[i].float()).abs().max() / \
+                want[i].float().abs().max().clamp_min(1e-30)
+            assert err <= 2e-2, f"{g.name} scan %{n.id} output {i}: relative error {err:.2e}"
+        with monkeypatch.context() as m:
+            m.setattr("titanc.codegen.scan.stages.mma16", lambda *a: None)
+            sk32, got32, _ = _run_low(g, n, seed=k)
+        assert "DOT_F32" not in sk32.source and ".to(tl.bfloat16)" not in sk32.source
+        for i in sk.outputs:
+            assert torch.equal(got[i], got32[i]), (g.name, n.id, i)
 
 
 # --- carries on chip ----------------------------------------------------------------------------------

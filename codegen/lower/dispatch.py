@@ -42,7 +42,8 @@ from titanc.passes.schedule import Kernel
 
 from ..families.fused import MatmulContraction, render_matmul, render_pointwise
 from ..families.scatter import render_scatter_along, render_segment_sum
-from ..meta import compute_dtype, matmul_tiles, needs_int64, pow2
+from ..meta import compute_dtype, matmul_tiles, needs_int64, pow2, value_dtype
+from ..meta import mma16 as mma16_dtype
 from ..scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
 from .code import KernelCode, TensorArg, code_of, graph_dtype, index_tile, indexed_args, store
 from .indexing import Ix, Names, Section, delinearize, reshape_coords
@@ -144,12 +145,10 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
     `passes.fusion.matmul_tile`) its own K loop and accumulator, then the epilogue."""
     g, kernel = low.g, low.kernel
     einsums = [g.node(n) for n in kernel.nodes if g.node(n).op is Op.EINSUM]
-    cd = low.cd
-    # 16-bit MMA when the executor runs in 16 bits or the operands are bf16 tensors (the
-    # mixed-precision pass casts every einsum operand to bf16)
-    mma16 = dtype in ("bfloat16", "float16") or all(
-        low.node(v).type.dtype == "bf16" for e in einsums for v in e.inputs)
-    op16 = dtype if dtype in ("bfloat16", "float16") else "bfloat16"
+    # 16-bit MMA when the executor stores in 16 bits or every operand holds bf16 values (the
+    # mixed-precision pass casts every einsum operand to bf16): `meta.mma16`, as scan kernels
+    op16 = mma16_dtype(dtype, [value_dtype(g, v) for e in einsums for v in e.inputs])
+    mma16 = op16 is not None
     names = Names()
     products = [_product(low, e, names, mma16, op16) for e in einsums]
     first = products[0]

@@ -285,7 +285,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
     source = render("scan.py.jinja", name=name, header_lines=header, tensors=tensors,
                     strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
                     grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,
-                    round_bf16=any("_bf16(" in line for line in em.lines),
+                    round_bf16=any("_bf16(" in line for line in em.lines), dot16=em.dot16,
                     num_stages=NUM_STAGES)
     return ScanKernel(name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
                       tuple(outputs), tuple(em.tables), em.stages,

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 from titanc.ir import Graph, Node, Op, OpGroup
 
-from ..meta import pow2
+from ..meta import mma16, pow2, value_dtype
 from ..render import sanitize_comment
 from .index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
                          _PaxError, _RegMiss, _delin, _local)
@@ -34,6 +34,7 @@ class _ScanGen(_Emitter):
         self.carry_pax: dict[tuple[int, int], tuple[int, ...]] = {}
         self.grouped = False
         self.precision = '"ieee"'
+        self.dot16 = False            # a dot takes 16-bit operands: the kernel has DOT_F32
         # carries on chip: the budget (bytes per program), what enclosing loops hold, the
         # carries found unreadable on chip (scan, k) -> why, and one note per emitted carry
         self.reg_budget = 0
@@ -242,7 +243,18 @@ class _ScanGen(_Emitter):
                        axes=tuple((a, e) for a, e, w in axes if w))
             x = self.value(sec, sc, v, [lmap[ch] for ch in t])
             tiles.append(self.masked(x, mask, shape))
-        self.line(f"{acc} += tl.dot({tiles[0]}, {tiles[1]}, input_precision={self.precision})")
+        # the workspace stores `cd` (never 16 bits): the operands' values decide
+        op16 = mma16(self.cd.removeprefix("tl."), [value_dtype(sc.g, v) for v in (ia, ib)])
+        if op16 is None:
+            self.line(f"{acc} += tl.dot({tiles[0]}, {tiles[1]}, input_precision={self.precision})")
+        else:       # bf16 values held in `cd`: exact in 16 bits, the MMA accumulates in float32
+            self.dot16 = True
+            a, b = (self.let(f"{t}.to(tl.{op16})", "h", True) for t in tiles)
+            self.line("if DOT_F32:  # interpreter (it multiplies 16-bit floats as integers)")
+            self.line(f'    {acc} += tl.dot({a}.to({self.cd}), {b}.to({self.cd}), '
+                      'input_precision="ieee")')
+            self.line(f"else:        # 16-bit MMA, float32 accumulation")
+            self.line(f"    {acc} += tl.dot({a}, {b})")
         self._close(k0)
         lmap = {**base, **letters(ms, rm), **letters(ns, rn)}
         mask = self.let(f"({rm} < {M}) & ({rn} < {N})", "m")
