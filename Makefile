@@ -13,14 +13,18 @@ demo: $(STAMP)
 	$(BIN)/titanc compile examples/tiny.yaml -o build/tiny
 	$(BIN)/python -m titanc.demo
 
-# `make test`: every tier but `slow` (CI; under 20 minutes on a 2-core machine).
+# `make test`: every tier but `slow` (CI; under 20 minutes on a 2-core machine), one pytest
+# worker per core (pytest-xdist, a test file per worker: module fixtures and compiled
+# programs stay in one process; the kernel cache is shared safely).
 # `make test-all`: the slow tier too (other block kinds of the parity sweeps, the recall run,
 # the 1B-parameter compile); TITANC_AOT_FULL=1 adds every kernel of every example to the AOT test.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow"
+	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 venv: $(STAMP)
 

@@ -121,7 +121,9 @@ def test_per_segment_shrinks_the_large_like_arena() -> None:
     m, B = spec.model, spec.train.batch_size
     row_bytes = B * m.seq_len * m.d_model * 4                       # one [B, T, D] float32
     assert _whole_sequence_live_at_mac_bwd(plans["per_layer"], row_bytes) > 2
-    assert _whole_sequence_live_at_mac_bwd(plans["per_segment"], row_bytes) == 2
+    # per_segment: the FFN-chunk backward's cotangent of the MAC output alone (the MAC rows'
+    # cotangent, a reshape of a scan-body output, is written at its home: no second buffer)
+    assert _whole_sequence_live_at_mac_bwd(plans["per_segment"], row_bytes) == 1
     for plan in plans_nested(plans["per_segment"]):                # one sequence at a time
         g = plan.schedule.graph
         if g.name == "mac_rows_bwd":
@@ -138,7 +140,7 @@ def test_per_segment_shrinks_the_large_like_arena() -> None:
     assert ratio < 0.6
 
 
-@pytest.mark.parametrize("example", ["tiny", "tiny_mal"])
+@pytest.mark.parametrize("example", ["tiny", pytest.param("tiny_mal", marks=pytest.mark.slow)])
 def test_per_segment_triton_matches_cpu_float64(example: str) -> None:
     """The FFN chunk scan and the segmented MAC body on the (interpreted) triton target."""
     from titanc.runtime.triton_executor import TritonExecutor

@@ -193,7 +193,8 @@ def _run_low(g, n, seed: int = 0) -> tuple[ScanKernel, list[torch.Tensor], tuple
     return sk, outs, want
 
 
-@pytest.mark.parametrize("example, body", [("tiny_lmm", "memory_chunk"), ("tiny", "mac_segment")])
+@pytest.mark.parametrize("example, body", [("tiny_lmm", "memory_chunk"),
+                                           pytest.param("tiny", "mac_segment", marks=pytest.mark.slow)])
 def test_bf16_dots_take_bf16_operands_exactly(example: str, body: str, monkeypatch) -> None:
     """Under `train.dtype: bfloat16` a scan kernel holds bf16 values in float32; a dot whose
     operands hold bf16 values (`codegen.meta.value_dtype`: bf16 nodes, and float32 widenings
