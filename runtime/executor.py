@@ -480,17 +480,23 @@ def _einsum(b: _Builder, spec: str, xs: list[Tensor], o: Tensor) -> list[Step]:
     prod = lambda cs: int(torch.tensor([size[c] for c in cs] or [1]).prod())
     B, M, N, K = prod(batch), prod(m), prod(nn), prod(k)
 
-    def arrange(v: Tensor, t: str, order: list[str], shape: tuple[int, ...]) -> Tensor:
-        p = v.permute(*[t.index(ch) for ch in order])
+    def arrange(v: Tensor, t: str, rows: list[str], cols: list[str]) -> Tensor:
+        """v as (batch, rows, cols): a view, else staged into scratch whose innermost axis
+        is v's unit-stride one (a contiguous copy; BLAS takes the transposed view as is)."""
+        shape = (prod(batch), prod(rows), prod(cols))
         try:
-            return p.view(shape)
+            return v.permute(*[t.index(ch) for ch in batch + rows + cols]).view(shape)
         except RuntimeError:
-            s = b.scratch.alloc(TensorType(tuple(p.shape), _dname(v.dtype)))
-            steps.append(lambda s=s, p=p: s.copy_(p))
-            return s.view(shape)
+            pass
+        unit = [ch for i, ch in enumerate(t) if v.stride(i) == 1 and v.shape[i] > 1]
+        flip = bool(unit) and unit[0] in rows
+        p = v.permute(*[t.index(ch) for ch in batch + (cols + rows if flip else rows + cols)])
+        s = b.scratch.alloc(TensorType(tuple(p.shape), _dname(v.dtype)))
+        steps.append(lambda s=s, p=p: s.copy_(p))
+        return s.view(shape[0], shape[2], shape[1]).transpose(1, 2) if flip else s.view(shape)
 
-    A = arrange(x, ta, batch + m + k, (B, M, K))
-    Bm = arrange(y, tb, batch + k + nn, (B, K, N))
+    A = arrange(x, ta, m, k)
+    Bm = arrange(y, tb, k, nn)
     natural = batch + m + nn
     if list(tc) == natural:
         C = o.view(B, M, N)

@@ -161,7 +161,7 @@ def test_attention_targets_match_reference(kind: str, T: int, window: int, P: in
 def test_cpu_attention_skips_key_blocks_outside_the_window() -> None:
     """The blocked loop computes only the key blocks a query block can see: causal blocks
     after its last query and window blocks before its first are never computed."""
-    from titanc.runtime.pattern_kernels import BLOCK_K, BLOCK_Q, key_runs
+    from titanc.runtime.attention_kernels import BLOCK_K, BLOCK_Q, key_runs
     T, W, P = 512, 64, 4
     a = {"n_q": T, "q_start": 0, "groups": (("all", P, None), ("causal", T, W))}
     n_k, computed = P + T, 0

@@ -117,7 +117,7 @@ def test_cpu_kernel_scratch_holds_one_logits_tile(monkeypatch) -> None:
     c = compile_graphs(spec)
     rows, d = spec.train.batch_size * spec.model.seq_len, spec.model.d_model
     peak: dict[str, int] = {}
-    real = pattern_kernels._tmp
+    real = pattern_kernels.tmp
 
     def spy(b, like, *shape):
         if len(shape) == 2 and shape[1] > 1:                   # a tile
@@ -125,7 +125,7 @@ def test_cpu_kernel_scratch_holds_one_logits_tile(monkeypatch) -> None:
             assert shape in ((8, 16), (8, d), (16, d)), shape
         return real(b, like, *shape)
 
-    monkeypatch.setattr(pattern_kernels, "_tmp", spy)
+    monkeypatch.setattr(pattern_kernels, "tmp", spy)
     for kind in ("forward", "training"):
         ArenaExecutor(c.plans[kind])
     assert 0 < peak["tile"] <= 16 * max(8, d) < rows * 96
