@@ -43,6 +43,7 @@ class PassLog:
     dumps: list[tuple[str, Graph]] = field(default_factory=list)
     verify_each: bool = True
     callbacks: list[Callback] = field(default_factory=list)   # run after the built-in ones
+    keep_dumps: bool = True         # off for a program that only runs (no graph kept per pass)
 
     def run(self, name: str, fn: Callable[[], Graph], before: Graph | None = None) -> Graph:
         """Run one step (`fn` closes over its input, `before`, if any) and record it."""
@@ -67,7 +68,8 @@ class PassLog:
         return self.run(p.name, lambda: p(g), before=g)
 
     def _dump(self, record: dict[str, Any], g: Graph) -> None:
-        self.dumps.append((f"{record['name']}_{g.name}", g))
+        if self.keep_dumps:
+            self.dumps.append((f"{record['name']}_{g.name}", g))
 
 
 def _debug_print(record: dict[str, Any], g: Graph) -> None:

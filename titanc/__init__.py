@@ -39,7 +39,7 @@ def compile(spec: Any, **overrides: Any) -> "Program":
 
     spec = load_spec(spec, overrides or None)
     check_fits(lower_bound_bytes(spec), spec, lower=True)   # before any time is spent
-    return Program(compile_graphs(spec))
+    return Program(compile_graphs(spec, dumps=False))
 
 
 def load(path: Any, **overrides: Any) -> "Program":

@@ -214,12 +214,13 @@ def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int)
 
 
 def compile_graphs(spec: Spec, batch: int | None = None, verify_each: bool = True,
-                   patterns: bool = True) -> Compiled:
+                   patterns: bool = True, dumps: bool = True) -> Compiled:
     """Lower `spec` and compile its training graphs (forward, training, optimizer); the other
     kinds compile on first use. Allocates no model-sized tensors. `patterns=False` leaves the
-    pattern passes out (flash attention, fused AdamW): the 'before' of `titanc.step_profile`."""
+    pattern passes out (flash attention, fused AdamW): the 'before' of `titanc.step_profile`.
+    `dumps=False` keeps no graph per pass (`log.dumps` empty: a program that only runs)."""
     c = Compiled(spec, batch or spec.train.batch_size, param_specs(spec.model),
-                 PassLog(verify_each=verify_each), patterns=patterns)
+                 PassLog(verify_each=verify_each, keep_dumps=dumps), patterns=patterns)
     for kind in ("forward", "training", "optimizer"):
         c.graph(kind)
     return c
