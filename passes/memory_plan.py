@@ -34,6 +34,16 @@ What gets a buffer, top level:
   input whose operand is such a view is `strided` too, so the body's kernels never load it
   as dense memory; A SCAN's results are its ITEMs' buffers (the scan writes them
   directly), so ITEMs never copy;
+- a carry ITEM of a scan of even length takes its carry operand's buffer (also an alias) when
+  that operand is a plain arena value read by nothing but the scan: only the first iteration
+  reads it and only the odd ones write the ITEM (`_carry_in_place`), so the cotangent
+  entering a layer stack's backward and the one leaving it cost one buffer;
+- a carry operand that nothing reads after the scan (a plain arena value read by the scan
+  alone, or a body input its enclosing scan lends) is the carry's slot B: iterations after
+  the first write it (`MemoryPlan.lent`, `ScanHomes.lent`); a scan's carry input is dead
+  after each iteration (it is read from a slot, the ITEM or a lent operand), so a body lends
+  it to its own scans (`_dead_carries`): the layer backward inside a group's backward writes
+  the group's incoming cotangent instead of a slot of its own;
 - each SCAN kernel holds a workspace for exactly its own kernel index: the carry state
   (two aligned slots per carry, A then B, that iterations write in turn; 0 bytes for a slot
   no iteration uses: a carry whose ITEM is read uses that buffer as one of its two, and a
@@ -178,10 +188,14 @@ class ScanHomes:
     items: frozenset[int]                  # body outputs whose ITEM the program reads
     saved_in: tuple[tuple[int, int], ...] = ()     # (carry, ys output)
     saved_out: tuple[tuple[int, int], ...] = ()
+    lent: frozenset[int] = frozenset()     # carries whose operand is their slot B (dead after)
 
     @classmethod
-    def of(cls, g: Graph, sid: int, items: Collection[int]) -> "ScanHomes":
-        """The homes of scan node `sid` of `g` whose ITEM outputs `items` are read later."""
+    def of(cls, g: Graph, sid: int, items: Collection[int],
+           lent: Collection[int] = ()) -> "ScanHomes":
+        """The homes of scan node `sid` of `g` whose ITEM outputs `items` are read later;
+        `lent`: carries whose operand nothing reads after the scan (`MemoryPlan.lent`), so
+        that the iterations after the first may write it in place of slot B."""
         a = g.node(sid).attr_dict
         body: Graph = a["body"]
         nc, outs = a["n_carry"], [v for _, v in body.outputs]
@@ -190,7 +204,8 @@ class ScanHomes:
         saved_in = {j: k for k in ys for j in range(nc) if outs[k] == body.inputs[j]}
         saved_out = {j: k for k in ys for j in range(nc) if outs[k] == outs[j]}
         return cls(a["length"], bool(a["reverse"]), nc, len(outs), read,
-                   tuple(sorted(saved_in.items())), tuple(sorted(saved_out.items())))
+                   tuple(sorted(saved_in.items())), tuple(sorted(saved_out.items())),
+                   frozenset(j for j in lent if j not in saved_in and j not in saved_out))
 
     def order(self) -> list[int]:
         """The xs index of each iteration."""
@@ -207,6 +222,7 @@ class ScanHomes:
                        ("item", saved_out[j], t) if j in saved_out else
                        ("item", j, None) if j in self.items
                        and i % 2 == (self.length - 1) % 2 else
+                       ("operand", j) if i % 2 and j in self.lent else
                        ("slot", i % 2, j))
         out += [("item", k, t) if k in self.items else ("scratch", k)
                 for k in range(self.n_carry, self.n_outputs)]
@@ -275,6 +291,10 @@ class MemoryPlan:
     # values that may be bound non-dense: the views, and body inputs whose operand is one
     constants: frozenset[int] = frozenset()
     # roots of views that are generators without storage (made once at bind time)
+    lent: dict[int, frozenset[int]] = field(default_factory=dict)
+    # SCAN id -> carries whose operand nothing reads after the scan: the iterations after
+    # the first may overwrite it (`ScanHomes.lent`: it is their slot B; the body, given the
+    # matching inputs as `clobber`, may lend them to its own scans in turn)
 
     def location(self, vid: int) -> tuple[str, int | str]:
         """Where a value lives: ("arena", offset), ("persistent", offset) or, in a scan body,
@@ -421,6 +441,69 @@ def _reshaped_source(g: Graph, vid: int, live: dict, inputs: dict[int, str],
     return src
 
 
+def _carry_in_place(schedule: Schedule, live: dict, aliases: dict[int, int],
+                    elsewhere: set[int], names: dict[int, str],
+                    strided_in: frozenset[int]) -> dict[int, int]:
+    """Carry ITEMs that take their operand's buffer: ITEM j of a scan of even length (>= 2)
+    whose carry j is read after the scan (and not saved for the backward) shares the storage
+    of carry operand j when that operand is a plain arena value read by nothing but this
+    scan, once. `ScanHomes.homes` writes that ITEM on the odd iterations only, and only
+    iteration 0 reads the operand, so no iteration reads what it writes; the operand costs
+    no extra buffer beside the result (the cotangent entering a layer stack and the one
+    leaving it share one)."""
+    g, out = schedule.graph, {}
+    roots = set(aliases.values())
+    for k, kern in enumerate(schedule.kernels):
+        for sid in kern.nodes:
+            node = g.node(sid)
+            if node.op is not Op.SCAN or sid not in schedule.bodies:
+                continue
+            nc, length = node.attr("n_carry"), node.attr("length")
+            if length < 2 or length % 2:
+                continue
+            items = {g.node(u).attr("index"): u for u in g.users(sid) if u in kern.outputs}
+            layout = ScanHomes.of(g, sid, set(items))
+            saved = {j for j, _ in layout.saved_in + layout.saved_out}
+            for j in range(nc):
+                op, item = node.inputs[j], items.get(j)
+                if (item is None or j in saved or item in elsewhere or item in aliases
+                        or item in roots or item in out.values()):
+                    continue
+                if (op in aliases or op in roots or op in elsewhere or op in names
+                        or op in strided_in or op not in live or op in out.values()
+                        or list(node.inputs).count(op) != 1 or set(g.users(op)) != {sid}
+                        or live[op][1] != k
+                        or value_bytes(g, op) != value_bytes(g, item)):
+                    continue
+                out[item] = op
+    return out
+
+
+def _dead_carries(g: Graph, sid: int, k: int, read: Collection[int], live: dict,
+                  aliases: dict[int, int], elsewhere: set[int], names: dict[int, str],
+                  strided: frozenset[int], clobber: frozenset[int]) -> list[int]:
+    """The carries j of scan `sid` (kernel k) that the scan may overwrite: every iteration
+    reads carry j from a home nothing reads afterwards. Iteration i > 0 reads a slot or the
+    ITEM (never a saved ys slice: excluded); iteration 0 reads operand j, which must be dense,
+    read by this scan alone and dead after it: a plain arena value (or the ITEM it lends its
+    buffer to, `_carry_in_place`), or a body input the enclosing scan lends (`clobber`)."""
+    node = g.node(sid)
+    layout = ScanHomes.of(g, sid, read)
+    saved = {j for j, _ in layout.saved_in + layout.saved_out}
+    items = {g.node(u).attr("index"): u for u in g.users(sid)}
+    free = []
+    for j in range(node.attr("n_carry")):
+        op = node.inputs[j]
+        sharers = {v for v, r in aliases.items() if r == op}
+        if (j in saved or op in aliases or op in strided or sharers - {items.get(j)}
+                or list(node.inputs).count(op) != 1 or list(g.users(op)) != [sid]):
+            continue
+        if op in clobber or (op not in elsewhere and op not in names and op in live
+                             and live[op][1] == k):
+            free.append(j)
+    return free
+
+
 def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
@@ -516,7 +599,8 @@ def _expressible(g: Graph, root: int, chain: tuple[int, ...], strided: bool) -> 
 
 
 def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
-          strided_in: frozenset[int] = frozenset()) -> MemoryPlan:
+          strided_in: frozenset[int] = frozenset(),
+          clobber: frozenset[int] = frozenset()) -> MemoryPlan:
     g, kernels = schedule.graph, schedule.kernels
     live = liveness(schedule)
     names = {i: g.node(i).attr("name") for i in g.inputs}
@@ -570,6 +654,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
     for v in views:                      # a view of a dense reshape: the storage's owner
         aliases[v] = aliases.get(aliases[v], aliases[v])
     aliases.update(reshaped)
+    aliases.update(_carry_in_place(schedule, live, aliases, elsewhere, names, strided_in))
     constants = frozenset(r for r, _ in views.values()
                           if g.node(r).op in OpGroup.GENERATOR and (r in views or r not in live))
     span = {v: list(iv) for v, iv in live.items() if v not in aliases and v not in elsewhere}
@@ -590,6 +675,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
         spans.append((span[v][0], span[v][1]))
     bodies: dict[int, MemoryPlan] = {}
     carry: dict[int, list[tuple[int, int]]] = {}
+    lent: dict[int, frozenset[int]] = {}
     ws_low: dict[int, int] = {}                                  # workspace at the lower bound
     for k, kern in enumerate(kernels):
         for sid in kern.nodes:
@@ -599,13 +685,16 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
             bg = node.attr("body")
             strided = frozenset(bi for bi, op in zip(bg.inputs, node.inputs)
                                 if op in views or op in strided_in)
-            sub = _plan(schedule.bodies[sid], set(), alignment, body=True, strided_in=strided)
+            nc = node.attr("n_carry")
+            read = {g.node(u).attr("index") for u in g.users(sid) if u in kern.outputs}
+            free = _dead_carries(g, sid, k, read, live, aliases, elsewhere, names,
+                                 strided_in | strided, clobber)
+            lent[sid] = frozenset(free)
+            sub = _plan(schedule.bodies[sid], set(), alignment, body=True, strided_in=strided,
+                        clobber=frozenset(bg.inputs[j] for j in free))
             bodies[sid] = sub
             slots, off = [], 0
-            node = g.node(sid)
-            nc = node.attr("n_carry")
-            layout = ScanHomes.of(g, sid, {g.node(u).attr("index") for u in g.users(sid)
-                                           if u in kern.outputs})
+            layout = ScanHomes.of(g, sid, read, lent[sid])
             for q, t in enumerate(2 * node.type[:nc]):              # slots A, then slots B
                 used = layout.slot_used(q // nc, q % nc)            # (an unused one: 0 bytes)
                 slots.append((off, _align(t.nbytes, alignment) if used else 0))
@@ -625,7 +714,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
     return MemoryPlan(schedule, buffers, aliases, pers_slots, pers_vals, external, arena,
                       lower_bound(low), lower_bound(intervals),
                       sum(s for _, s in pers_slots.values()), alignment, bodies, carry, views,
-                      frozenset(views) | strided_in, constants)
+                      frozenset(views) | strided_in, constants, lent)
 
 
 def holds_logits(g: Graph, vid: int, vocab_size: int) -> bool:

@@ -231,7 +231,7 @@ def _scan(plan: MemoryPlan, node, args: list[Tensor], region: Tensor,
     body_mem = region[plan.workspace_body_offset(node.id):]
     steps = range(length - 1, -1, -1) if a["reverse"] else range(length)
     carry = args[:nc]
-    layout = ScanHomes.of(plan.schedule.graph, node.id, items)
+    layout = ScanHomes.of(plan.schedule.graph, node.id, items, plan.lent.get(node.id, ()))
     for i, t in enumerate(steps):
         homes = [ScanHomes.resolve(h, args, sets, items, lambda k: torch.empty(
                  body.node(body.outputs[k][1]).type.shape,

@@ -8,7 +8,9 @@ the backward (passes/checkpoint_chunks.py, role `layer_group`).
   k layers; the stacked weight gradients live in their persistent slots (no arena copy);
   large_125m at batch 8 (compile only) saves 4 checkpoints instead of 12 (3 more live in a
   group's backward) and its training arena shrinks by more than 3.5 checkpoints against
-  per_segment alone (1.56 GB vs 1.96 GB; per_layer 4.36 GB);
+  per_segment alone, to at most 12.5 checkpoints (1.254 GB vs 1.757 GB; per_layer 3.894 GB);
+- the cotangent entering the layer-group backward and the one leaving it share a buffer, and
+  the layer backward inside writes the group's incoming cotangent instead of a carry slot;
 - spec errors name the field and the fix.
 """
 from __future__ import annotations
@@ -73,6 +75,50 @@ def test_group_structure_and_gradient_homes() -> None:
     assert stacked > 0
 
 
+def test_stack_cotangent_in_and_out_share_a_buffer() -> None:
+    """The layer-group backward (4 layers in groups of 2: an even scan) writes its result
+    cotangent into the buffer of the cotangent it consumed (read only by its first iteration);
+    the arena executor's gradients are those of the reference interpreter."""
+    spec = tiny_spec(**BASE, **{"model.block": "mac", "train.remat_group": 2})
+    plan = compile_graphs(spec).plans["training"]
+    g = plan.schedule.graph
+    (scan,) = [n for n in g if n.op is Op.SCAN and n.attr("role") == "layer_group"
+               and n.attr("reverse")]
+    (item,) = [u for u in g.users(scan.id) if g.node(u).attr("index") == 0]
+    cot = scan.inputs[0]
+    assert plan.aliases[item] == cot and plan.location(item) == plan.location(cot)
+    assert g.users(cot) == [scan.id]
+    want, got = _run(spec, executor=False), _run(spec, executor=True)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_group_backward_lends_its_cotangent_to_the_layer_backward() -> None:
+    """6 layers in groups of 3: the layer-group backward's incoming cotangent is dead after
+    each iteration reads it, so the layer backward inside (3 iterations: odd) writes its
+    second iteration there instead of a carry slot; no slot is left for that carry. The
+    arena executor's gradients are those of the reference interpreter."""
+    spec = tiny_spec(**{**BASE, "model.n_layers": 6}, **{"model.block": "mac",
+                                                         "train.remat_group": 3})
+    plan = compile_graphs(spec).plans["training"]
+    g = plan.schedule.graph
+    (outer,) = [n for n in g if n.op is Op.SCAN and n.attr("role") == "layer_group"
+                and n.attr("reverse")]
+    assert 0 in plan.lent[outer.id]
+    body = plan.bodies[outer.id]
+    (inner,) = [n for n in body.schedule.graph if n.op is Op.SCAN and n.attr("role") == "layer"
+                and n.attr("reverse")]
+    assert 0 in body.lent[inner.id]
+    nc = inner.attr("n_carry")
+    state = body.carry_state[inner.id]
+    assert state[0][1] == 0 and state[nc][1] == 0          # neither slot A nor B: ITEM, operand
+    want, got = _run(spec, executor=False), _run(spec, executor=True)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-12, msg=k)
+
+
 def test_large_125m_group_arena() -> None:
     """large_125m at batch 8, seq 4096 (compile only): per_segment with remat_group 3 keeps
     [4, B, T, D] checkpoints at the top level (not [12, ...]) and [3, B, T, D] inside a
@@ -95,6 +141,8 @@ def test_large_125m_group_arena() -> None:
     print({k: round(v / 1e9, 3) for k, v in arena.items()})
     row = B * T * D * 4                                    # one [B, T, D] float32 checkpoint
     assert arena["per_segment"] - arena["group"] > 3.5 * row
+    assert arena["group"] <= 12.5 * row                    # 1.254 GB (1.455 GB before the
+                                                           # plan reused dead carry operands)
     assert arena["group"] < 0.4 * arena["per_layer"]
 
 
