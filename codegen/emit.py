@@ -470,7 +470,7 @@ class _Emitter:
         key = f"{self.name}.{sanitize_identifier(kern.name)}"
         b(f"scratch = lambda k: kept(({key!r}, k), lambda: torch.empty(unread[k][0], "
           f"dtype=unread[k][1], device=arena.device))")
-        layout = ScanHomes.of(g, node.id, items, plan.lent.get(node.id, ()))
+        layout = plan.scan_homes(node.id, items)
         b(f"layout = {layout!r}")
         direct = [k for k in range(len(bg.outputs)) if body.direct_output(k)]
         copied = [k for k in range(len(bg.outputs)) if k not in direct]

@@ -189,13 +189,17 @@ class ScanHomes:
     saved_in: tuple[tuple[int, int], ...] = ()     # (carry, ys output)
     saved_out: tuple[tuple[int, int], ...] = ()
     lent: frozenset[int] = frozenset()     # carries whose operand is their slot B (dead after)
+    in_place: frozenset[int] = frozenset()  # lent carries every iteration updates in place
 
     @classmethod
     def of(cls, g: Graph, sid: int, items: Collection[int],
-           lent: Collection[int] = ()) -> "ScanHomes":
+           lent: Collection[int] = (), in_place: Collection[int] = ()) -> "ScanHomes":
         """The homes of scan node `sid` of `g` whose ITEM outputs `items` are read later;
         `lent`: carries whose operand nothing reads after the scan (`MemoryPlan.lent`), so
-        that the iterations after the first may write it in place of slot B."""
+        that the iterations after the first may write it in place of slot B; `in_place`:
+        lent carries whose body reads the carry before it writes the next one
+        (`MemoryPlan.in_place`), so that every iteration writes the operand (the last one
+        the ITEM when it is read): no slot at all."""
         a = g.node(sid).attr_dict
         body: Graph = a["body"]
         nc, outs = a["n_carry"], [v for _, v in body.outputs]
@@ -205,7 +209,9 @@ class ScanHomes:
         saved_out = {j: k for k in ys for j in range(nc) if outs[k] == outs[j]}
         return cls(a["length"], bool(a["reverse"]), nc, len(outs), read,
                    tuple(sorted(saved_in.items())), tuple(sorted(saved_out.items())),
-                   frozenset(j for j in lent if j not in saved_in and j not in saved_out))
+                   frozenset(j for j in lent if j not in saved_in and j not in saved_out),
+                   frozenset(j for j in in_place if j in lent and j not in saved_in
+                             and j not in saved_out))
 
     def order(self) -> list[int]:
         """The xs index of each iteration."""
@@ -216,6 +222,9 @@ class ScanHomes:
         t, saved_in, saved_out = order[i], dict(self.saved_in), dict(self.saved_out)
         out: list[Home] = []
         for j in range(self.n_carry):
+            if j in self.in_place:
+                out.append(("item", j, None) if last and j in self.items else ("operand", j))
+                continue
             out.append(("item", j, None) if last and j in self.items else
                        ("slot", i % 2, j) if last else
                        ("item", saved_in[j], order[i + 1]) if j in saved_in else
@@ -292,6 +301,9 @@ class MemoryPlan:
     constants: frozenset[int] = frozenset()
     # roots of views that are generators without storage (made once at bind time)
     lent: dict[int, frozenset[int]] = field(default_factory=dict)
+    in_place: dict[int, frozenset[int]] = field(default_factory=dict)
+    # SCAN id -> lent carries updated in place by every iteration
+    # (`_carry_in_place_each_iteration`)
     # SCAN id -> carries whose operand nothing reads after the scan: the iterations after
     # the first may overwrite it (`ScanHomes.lent`: it is their slot B; the body, given the
     # matching inputs as `clobber`, may lend them to its own scans in turn)
@@ -341,11 +353,19 @@ class MemoryPlan:
         """Where the body's arena starts inside the scan's workspace (after the carry slots)."""
         return sum(s for _, s in self.carry_state.get(scan_id, []))
 
+    def scan_homes(self, sid: int, items: Collection[int]) -> ScanHomes:
+        """Where scan `sid`'s iterations read and write (its ITEMs `items` read later)."""
+        return ScanHomes.of(self.schedule.graph, sid, items, self.lent.get(sid, ()),
+                            self.in_place.get(sid, ()))
+
     def is_noop(self, kernel_index: int) -> bool:
         """A kernel all of whose outputs alias storage that already holds them (a lone
-        reshape): the executor skips it."""
+        reshape): the executor skips it. A scan's ITEM that shares its carry operand's
+        buffer (`_carry_in_place`) is still written by the scan: not a no-op."""
         outs = self.schedule.kernels[kernel_index].outputs
-        return bool(outs) and all(v in self.aliases for v in outs)
+        g = self.schedule.graph
+        return bool(outs) and all(v in self.aliases and g.node(v).op is not Op.ITEM
+                                  for v in outs)
 
     def is_constant_root(self, vid: int) -> bool:
         """Is `vid` the root of a view that a generator makes at bind time (no storage)?"""
@@ -502,6 +522,36 @@ def _dead_carries(g: Graph, sid: int, k: int, read: Collection[int], live: dict,
                              and live[op][1] == k):
             free.append(j)
     return free
+
+
+def _carry_in_place_each_iteration(body: MemoryPlan, j: int) -> bool:
+    """May an iteration of a scan with body plan `body` write carry j's next value over the
+    storage it read carry j from? Yes when every kernel reading body input j (or a view of
+    it) runs before the kernel that produces body output j, or that producer is a nested
+    scan whose carry, started from input j alone, is itself updated in place into output j
+    (a layer group's backward: its layer backward scan updates the cotangent in place)."""
+    sched, bg = body.schedule, body.schedule.graph
+    inp, out = bg.inputs[j], bg.outputs[j][1]
+    same = {inp} | {v for v, (root, _) in body.views.items() if root == inp} | \
+        {v for v, r in body.aliases.items() if r == inp}
+    kernel_of = {n: k for k, kern in enumerate(sched.kernels) for n in kern.nodes}
+    if out in same or out not in kernel_of:
+        return False
+    # the first kernel writing output j's storage (a value aliased to it is written in place)
+    writers = {out, body.aliases.get(out, out)} | {v for v, r in body.aliases.items()
+                                                   if r in (out, body.aliases.get(out, out))}
+    produced = min(kernel_of[w] for w in writers if w in kernel_of)
+    readers = {kernel_of[u] for v in same for u in bg.users(v) if u not in same}
+    if all(k < produced for k in readers):
+        return True
+    item = bg.node(out)
+    if item.op is not Op.ITEM or readers != {produced}:
+        return False
+    sid, jj = item.inputs[0], item.attr("index")
+    scan = bg.node(sid)
+    return (scan.op is Op.SCAN and jj < scan.attr("n_carry") and scan.inputs[jj] == inp
+            and list(bg.users(inp)) == [sid] and list(scan.inputs).count(inp) == 1
+            and jj in body.in_place.get(sid, frozenset()))
 
 
 def _align(n: int, alignment: int) -> int:
@@ -676,6 +726,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
     bodies: dict[int, MemoryPlan] = {}
     carry: dict[int, list[tuple[int, int]]] = {}
     lent: dict[int, frozenset[int]] = {}
+    in_place: dict[int, frozenset[int]] = {}
     ws_low: dict[int, int] = {}                                  # workspace at the lower bound
     for k, kern in enumerate(kernels):
         for sid in kern.nodes:
@@ -694,7 +745,8 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
                         clobber=frozenset(bg.inputs[j] for j in free))
             bodies[sid] = sub
             slots, off = [], 0
-            layout = ScanHomes.of(g, sid, read, lent[sid])
+            in_place[sid] = frozenset(j for j in free if _carry_in_place_each_iteration(sub, j))
+            layout = ScanHomes.of(g, sid, read, lent[sid], in_place[sid])
             for q, t in enumerate(2 * node.type[:nc]):              # slots A, then slots B
                 used = layout.slot_used(q // nc, q % nc)            # (an unused one: 0 bytes)
                 slots.append((off, _align(t.nbytes, alignment) if used else 0))
@@ -714,7 +766,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
     return MemoryPlan(schedule, buffers, aliases, pers_slots, pers_vals, external, arena,
                       lower_bound(low), lower_bound(intervals),
                       sum(s for _, s in pers_slots.values()), alignment, bodies, carry, views,
-                      frozenset(views) | strided_in, constants, lent)
+                      frozenset(views) | strided_in, constants, lent, in_place)
 
 
 def holds_logits(g: Graph, vid: int, vocab_size: int) -> bool:

@@ -311,7 +311,7 @@ class _Builder:
             self.val[u] = items[self.g.node(u).attr("index")]
         in_names = body.input_names()
         out_names = [name for name, _ in body.outputs]
-        layout = ScanHomes.of(self.g, n.id, items, self.plan.lent.get(n.id, ()))
+        layout = self.plan.scan_homes(n.id, items)
 
         def tensor(home: Home) -> Tensor:
             return ScanHomes.resolve(home, args, slot_sets, items, lambda k: self.scratch.alloc(

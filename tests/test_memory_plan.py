@@ -231,7 +231,7 @@ def _scan(plan: MemoryPlan, node, args: list[Tensor], region: Tensor,
     body_mem = region[plan.workspace_body_offset(node.id):]
     steps = range(length - 1, -1, -1) if a["reverse"] else range(length)
     carry = args[:nc]
-    layout = ScanHomes.of(plan.schedule.graph, node.id, items, plan.lent.get(node.id, ()))
+    layout = plan.scan_homes(node.id, items)
     for i, t in enumerate(steps):
         homes = [ScanHomes.resolve(h, args, sets, items, lambda k: torch.empty(
                  body.node(body.outputs[k][1]).type.shape,
@@ -325,3 +325,63 @@ def test_large_example_plans_in_seconds() -> None:
           f"{memory_report(plan, 256)}")
     assert t2 - t1 < 5.0 and t1 - t0 < 30.0
     _check_plan(plan)
+
+
+# -- carries written over their operand --------------------------------------------------------
+
+def _carry_scan(body_fn: Callable, length: int = 3) -> tuple[Graph, int]:
+    """x0 = exp(x) (a plain arena value read only by the scan) carried through `length`
+    iterations of `body_fn`; the result's sum is the output."""
+    b = Builder("carry")
+    x, w = b.input("x", (4, 8), "f64"), b.input("w", (8, 8), "f64")
+    x0 = x.exp()
+    (c,), _ = b.scan(body_fn, [x0], [b.full(1.0, (length, 4, 8), "f64")], [w], name="step")
+    b.graph.set_outputs([("out", c.sum((0, 1)).id)])
+    g = verify(b.graph)
+    return g, next(n.id for n in g if n.op is Op.SCAN)
+
+
+def test_a_carry_read_before_its_next_value_is_written_is_updated_in_place() -> None:
+    """Every kernel reading the carry runs before the kernel writing the next value (a matmul
+    reads c, a second matmul reads only the first's result): every iteration writes the
+    operand's storage, no carry slot; executing the plan in its arena gives the interpreter's
+    result. Where the kernel writing the next value reads the carry too (c * x), the carry is
+    lent (slot B) but not updated in place."""
+    def late(bb, c, xt, k):
+        return [bb.matmul(bb.matmul(c[0], k[0]).silu(), k[0]) + xt[0]], []
+
+    def same(bb, c, xt, k):
+        return [c[0] * xt[0] + 1.0], []
+
+    gen = torch.Generator().manual_seed(3)
+    inputs = {"x": torch.randn(4, 8, generator=gen, dtype=torch.float64),
+              "w": torch.randn(8, 8, generator=gen, dtype=torch.float64) / 3}
+    for fn, in_place in ((late, True), (same, False)):
+        g, sid = _carry_scan(fn)
+        plan = plan_memory(fuse(g), {"w"})
+        assert 0 in plan.lent[sid]
+        assert (0 in plan.in_place[sid]) is in_place, fn.__name__
+        if in_place:
+            assert all(size == 0 for _, size in plan.carry_state[sid])
+        got, want = run_planned(plan, inputs), Interpreter()(g, inputs)
+        torch.testing.assert_close(got["out"], want["out"], rtol=1e-12, atol=1e-12)
+
+
+def test_a_scan_whose_only_result_takes_its_operand_buffer_still_runs() -> None:
+    """2 layers (an even scan): the forward plan's layer result shares the embedding gather's
+    buffer (`_carry_in_place`); the scan's kernel, all of whose outputs are then aliased, is
+    not a no-op (it was skipped once: the loss was the unembedded gather's)."""
+    from titanc.runtime.executor import ArenaExecutor
+    import tests.reference as R
+    spec = tiny_spec(**{"model.block": "attn", "model.n_layers": 2})
+    c = compile_graphs(spec)
+    plan = c.plans["forward"]
+    g = plan.schedule.graph
+    (scan,) = [n for n in g if n.op is Op.SCAN and n.attr("role") == "layer"]
+    k = next(i for i, kern in enumerate(plan.schedule.kernels) if scan.id in kern.nodes)
+    items = [u for u in g.users(scan.id) if u in plan.aliases]
+    assert items and not plan.is_noop(k)
+    inputs = {"tokens": tokens(spec), **R.init_params(spec.model, seed=0)}
+    want = Interpreter()(c.graphs["forward"].graph, inputs)["loss"]
+    got = ArenaExecutor(plan).run(inputs)["loss"]
+    assert abs(float(got) - float(want)) < 1e-10
