@@ -34,7 +34,7 @@ def tokens(spec: Spec, batch: int | None = None, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, spec.model.vocab_size, (B, spec.model.seq_len + 1), generator=gen)
 
 
-_COMPILED: dict[tuple[str, Any, bool], Any] = {}
+_COMPILED: dict[tuple[str, Any, Any], Any] = {}
 
 
 def compile_each_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,14 +45,14 @@ def compile_each_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from titanc.runtime.checkpoint import RUN_CONTROL
     real = compiler.compile_graphs
 
-    def cached(spec: Any, batch: int | None = None, verify_each: bool = True) -> Any:
+    def cached(spec: Any, batch: int | None = None, **options: bool) -> Any:
         fields = spec_to_dict(spec)
         fields["train"] = {k: v for k, v in fields["train"].items()
                            if f"train.{k}" not in RUN_CONTROL}
         del fields["data"], fields["name"]
-        key = (json.dumps(fields, sort_keys=True), batch, verify_each)
+        key = (json.dumps(fields, sort_keys=True), batch, tuple(sorted(options.items())))
         if key not in _COMPILED:
-            _COMPILED[key] = real(spec, batch=batch, verify_each=verify_each)
+            _COMPILED[key] = real(spec, batch=batch, **options)
         return dataclasses.replace(_COMPILED[key], spec=spec)
 
     monkeypatch.setattr(compiler, "compile_graphs", cached)
