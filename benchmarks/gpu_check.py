@@ -18,6 +18,10 @@ Runs unattended, nothing downloaded. Checks, each printed PASS/FAIL (exit status
                       titanc (triton, float32, tf32 and bfloat16) vs the eager reference and
                       torch.compile of it (tests/reference), at the benchmark sizes
 
+Each check prints a `# name: {json}` line as it finishes; the throughput table runs after the
+first spec's checks; `--budget S` starts nothing past S seconds (reported NOT RUN), so a run
+under a time limit still reports what it finished.
+
 Without a CUDA device the same code runs on CPU (triton interpreted) at --quick sizes, which is
 how it is exercised in this repository; the throughput table needs CUDA and is skipped.
 Prints one JSON object (checks, throughput, device, load average) then a readable table.
@@ -150,35 +154,58 @@ def throughput(spec: str, steps: int, warmup: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _throughput_rows(spec: str, steps: int, warmup: int) -> list[dict[str, Any]]:
+    """`throughput`, a crash reported as a row (the checks still get printed)."""
+    try:
+        rows = throughput(spec, steps, warmup)
+    except Exception as e:
+        rows = [{"name": "throughput", "error": f"{type(e).__name__}: {e}"[:500]}]
+    print(f"# throughput: {json.dumps(rows, default=str)}", flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, no throughput table")
     ap.add_argument("--specs", default=",".join(SPECS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds: start no check or throughput run past this (0: no limit); "
+                         "what is skipped is reported NOT RUN")
     args = ap.parse_args()
+    t_start = time.perf_counter()
+
+    def over_budget() -> bool:
+        return bool(args.budget) and time.perf_counter() - t_start > args.budget
+
     cuda = torch.cuda.is_available()
     over = QUICK if args.quick or not cuda else {}
     checks: dict[str, dict[str, Any]] = {}
-    for spec in args.specs.split(","):
+    rows: list[dict[str, Any]] = []
+    for i, spec in enumerate(args.specs.split(",")):
+        if i == 1 and cuda and not args.quick and not over_budget():
+            rows = _throughput_rows(SPECS[0], args.steps, args.warmup)
         for name, fn in ((f"{spec} step/float32", lambda: check_step(spec, over, 1e-4)),
-                         (f"{spec} step/float32+tf32",
-                          lambda: check_step(spec, {**over, "compile.allow_tf32": True}, 2e-2)),
+                         (f"{spec} decode", lambda: check_decode(spec, over, 1e-3)),
                          (f"{spec} step/bfloat16",
                           lambda: check_step(spec, {**over, "train.dtype": "bfloat16"}, 2e-2)),
-                         (f"{spec} decode", lambda: check_decode(spec, over, 1e-3)),
+                         (f"{spec} step/float32+tf32",
+                          lambda: check_step(spec, {**over, "compile.allow_tf32": True}, 2e-2)),
                          (f"{spec} decode/bfloat16",
                           lambda: check_decode(spec, {**over, "train.dtype": "bfloat16"}, 5e-2))):
+            if over_budget():
+                checks[name] = {"ok": None, "error": "not run: past --budget"}
+                continue
+            t0 = time.perf_counter()
             try:
                 checks[name] = fn()
             except Exception as e:  # a crash is a failed check, reported with the others
                 checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
-    rows: list[dict[str, Any]] = []
-    if cuda and not args.quick:
-        try:
-            rows = throughput(SPECS[0], args.steps, args.warmup)
-        except Exception as e:  # the checks above still get printed
-            rows = [{"name": "throughput", "error": f"{type(e).__name__}: {e}"[:500]}]
+            checks[name]["seconds"] = time.perf_counter() - t0
+            print(f"# {name}: {json.dumps(checks[name], default=str)}", flush=True)
+    if not rows and cuda and not args.quick and not over_budget():
+        rows = _throughput_rows(SPECS[0], args.steps, args.warmup)
     print(json.dumps({"device": device_name("triton"), "cuda": cuda, "checks": checks,
                       "throughput": rows, "loadavg": os.getloadavg()}, default=str))
     for name, c in checks.items():

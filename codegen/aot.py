@@ -14,7 +14,8 @@ interpreted, so one process cannot do both):
     compile_launch(l, arch) without the interpreter: `triton.compile(ASTSource(...),
                             target=GPUTarget("cuda", arch, 32))`; returns shared memory, the
                             registers and spill bytes ptxas reports (`-v`), and whether the PTX
-                            holds tensor-core instructions (`mma` / `wgmma`).
+                            holds tensor-core instructions (`mma` / `wgmma`), and the
+                            seconds the compile took (`compile_s`).
 
 Results are cached on disk (`codegen.render.cache_dir() / "aot"`, keyed by the launch, the
 architecture and the Triton version), so a second run compiles nothing.
@@ -32,6 +33,7 @@ import json
 import os
 import re
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -182,6 +184,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     attrs = {(index[n],): [["tt.divisibility", 16]] for n in launch.divisible}
     log = io.StringIO()
     knobs.nvidia.dump_ptxas_log = True
+    t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(log):
             k = triton.compile(ASTSource(fn, sig, constexprs, attrs),
@@ -194,7 +197,8 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
         if not _PTXAS.search(text):             # Triton's own cache hit: no ptxas ran
             text = _ptxas_log(ptx, arch)
         regs, spill, stack = _PTXAS.search(text), _SPILL.search(text), _STACK.search(text)
-        result |= {"ok": True, "shared": int(k.metadata.shared),
+        result |= {"ok": True, "compile_s": round(time.perf_counter() - t0, 2),
+                   "shared": int(k.metadata.shared),
                    "registers": int(regs.group(1)) if regs else None,
                    "spill_bytes": int(spill.group(1)) if spill else 0,
                    "stack_bytes": int(stack.group(1)) if stack else 0,
