@@ -178,10 +178,13 @@ def _pack(b: "_Builder", xs: list[Tensor], steps: list[Step]) -> Tensor:
         return _rows(b, xs[0], steps)
     B, H, _, e = xs[0].shape
     t = tmp(b, xs[0], B, H, sum(x.shape[2] for x in xs), e)
-    at = 0
-    for x in xs:
-        steps.append(lambda x=x, d=t[:, :, at:at + x.shape[2]]: d.copy_(x))
-        at += x.shape[2]
+    if all(x.dtype == t.dtype for x in xs):
+        steps.append(lambda: torch.cat(xs, 2, out=t))
+    else:                                            # bf16 groups: upcast while copying
+        at = 0
+        for x in xs:
+            steps.append(lambda x=x, d=t[:, :, at:at + x.shape[2]]: d.copy_(x))
+            at += x.shape[2]
     return t.view(B * H, -1, e)
 
 
@@ -253,7 +256,8 @@ def attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> l
         if not direct:
             steps.append(lambda oo=oo, ob=ob: oo.copy_(ob.view(oo.shape)))
         ll = lse[:, :, i0:i1]                           # lse = max − log(max probability)
-        steps.append(lambda ll=ll, m=m, pm=pm: ll.copy_(m.sub_(pm.log_()).view(ll.shape)))
+        steps.append(lambda ll=ll, m=m.view(ll.shape), pm=pm.view(ll.shape):
+                     torch.sub(m, pm.log_(), out=ll))
         b.scratch.top = mark                         # the next block reuses this scratch
     return steps
 
