@@ -15,11 +15,12 @@
                           of its arena and persistent region and launches the kernels in
                           schedule order. A scan is what the triton target runs: one launch
                           of its scan kernel (`codegen.scan`, written to kernels/ like
-                          the others), or, where the scan cannot be one kernel, a `for` loop
-                          over a function running one step of its body in the scan's
-                          workspace, copying nothing: where each iteration reads and writes
-                          is `passes.memory_plan.ScanHomes`, the same object the executors
-                          bind, so the loop is stated once.
+                          the others), or, where the scan cannot be one kernel, a launch of
+                          its prologue gathers (`passes.schedule.prologue_kernel`, if any)
+                          and a `for` loop over a function running one step of its body in
+                          the scan's workspace, copying nothing: where each iteration reads
+                          and writes is `passes.memory_plan.ScanHomes`, the same object the
+                          executors bind, so the loop is stated once.
 
 Nothing from the spec reaches the output unsanitised: comments go through `sanitize_comment`,
 identifiers are built from node ids and sanitised kernel and graph names, and persistent
@@ -41,7 +42,7 @@ from typing import Any, Iterator
 from titanc.ir import Graph, Op
 from titanc.ir.types import TensorType
 from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan, ScanHomes
-from titanc.passes.schedule import is_immediate
+from titanc.passes.schedule import is_immediate, prologue_kernel
 from titanc.runtime.rundir import write_text_atomic
 
 from .lower.dispatch import KernelCode, graph_dtype, plan_kernels
@@ -344,9 +345,12 @@ class _Emitter:
 
     def _kernel_imports(self, plan: MemoryPlan) -> None:
         seen: list[str] = []
+        g = plan.schedule.graph
         for k, kern in enumerate(plan.schedule.kernels):
-            if kern.name in self.modules and kern.name not in seen and not plan.is_noop(k):
-                seen.append(kern.name)
+            pro = prologue_kernel(g, kern)       # a host-loop scan's prologue gathers
+            for name in [kern.name] + ([pro.name] if pro is not None else []):
+                if name in self.modules and name not in seen and not plan.is_noop(k):
+                    seen.append(name)
         if seen:
             self.buf.comment("kernels (modules shared by identical kernels)")
         for name in seen:
@@ -363,7 +367,14 @@ class _Emitter:
             scan = [n for n in kern.nodes if n in plan.bodies]
             if scan:
                 node = g.node(scan[0])
-                used += [i for i in node.inputs if not is_immediate(g, i)]
+                sk = self._scan_kernel_of(plan, kern)
+                pro = prologue_kernel(g, kern)
+                if sk is not None:               # a prologue gather is read through
+                    used += [node.inputs[i] for i in sk.inputs] + list(sk.extra)
+                else:
+                    if pro is not None:
+                        used += [a.value for a in self._code(plan, pro).args if a.value >= 0]
+                    used += [i for i in node.inputs if not is_immediate(g, i)]
                 used += [u for u in g.users(node.id) if u in kern.outputs]
             else:
                 used += [a.value for a in self._code(plan, kern).args if a.value >= 0]
@@ -417,13 +428,20 @@ class _Emitter:
                 self._scan_launch(plan, kern, g.node(scan[0]), sk)
                 continue
             if scan:
+                pro = prologue_kernel(g, kern)
+                if pro is not None:                  # the carries' rows, gathered first
+                    self._launch(plan, pro)
                 self._scan(plan, kern, g.node(scan[0]))
                 continue
-            code = self._code(plan, kern)
-            args = ["None" if a.value < 0 else f"v{a.value}" if a.view is None
-                    else f"v{a.value}.view({a.view!r})"       # < 0: the launcher's temporary
-                    for a in code.args] + [repr(s) for s in code.sizes]
-            b(f"{sanitize_identifier(kern.name)}.launch({', '.join(args)})")
+            self._launch(plan, kern)
+
+    def _launch(self, plan: MemoryPlan, kern: Any) -> None:
+        """One launch of a rendered (non-scan) kernel."""
+        code = self._code(plan, kern)
+        args = ["None" if a.value < 0 else f"v{a.value}" if a.view is None
+                else f"v{a.value}.view({a.view!r})"       # < 0: the launcher's temporary
+                for a in code.args] + [repr(s) for s in code.sizes]
+        self.buf(f"{sanitize_identifier(kern.name)}.launch({', '.join(args)})")
 
     def _items(self, g: Graph, kern: Any, node: Any) -> dict[int, int]:
         """Output index -> ITEM value, for the scan's results the program reads."""
@@ -435,6 +453,7 @@ class _Emitter:
         dt = "torch.float64" if graph_dtype(g) == "float64" else "torch.float32"
         items = self._items(g, kern, node)
         args = [self._operand(g, node.inputs[i]) for i in sk.inputs]
+        args += [f"v{v}" for v in sk.extra]
         args += [f"v{items[k]}" for k in sk.outputs]
         args += [f"table({op!r}, {a!r}, {dt}, arena.device)" for op, a in sk.tables]
         ident = sanitize_identifier(kern.name)

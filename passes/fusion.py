@@ -25,8 +25,10 @@ Kernel families, with what a kernel may contain:
   pointwise epilogue on that domain (siblings reading one operand, a sum of products); their
   operands may be views of kernel inputs (read with remapped indices, never materialized),
   not computed ones.
-- template: a SCAN with its ITEMs, a pattern op (`OpGroup.PATTERN`, e.g. ATTENTION) with its
-  ITEMs, an INDEX_ADD or a SCATTER_ALONG, alone.
+- template: a SCAN with its ITEMs and its prologue (`schedule.prologue_of`: gathers, and float
+  casts of them, that only its carries read, as their initial values; the embedding gather
+  feeding the layer scan is no kernel of its own), a pattern op (`OpGroup.PATTERN`, e.g. ATTENTION) with its ITEMs, an
+  INDEX_ADD or a SCATTER_ALONG, alone.
 
 "Free" nodes (generators, and views and float casts whose operands are free or read from
 memory) cost no work and may be used at any index (`passes/split_casts.py` gives each reader
@@ -47,6 +49,8 @@ on program order; a merge only reorders the kernels between the two it joins, pl
 merged kernel early (after what the later one needs) or late (before what depends on the
 earlier one), whichever keeps fewer bytes live; the peak is updated over that window only.
 Scalar constants (`schedule.is_immediate`) are inlined by every kernel that reads them.
+Before the greedy loop, each prologue node joins its scan's kernel (under the same cycle
+and peak checks; it saves the gathered value's round trip through memory).
 The result depends only on the graph.
 """
 from __future__ import annotations
@@ -64,7 +68,8 @@ from titanc.ir.shapes import parse_einsum
 from titanc.ir.types import TensorType
 
 from .manager import debug_level
-from .schedule import PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, value_bytes
+from .schedule import (PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, prologue_of,
+                       value_bytes)
 from .split_casts import splittable
 
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
@@ -264,8 +269,9 @@ class _Fuser:
         if tmpl:
             t = tmpl[0]
             ok = len(tmpl) == 1 and all(n is t or (n.op is Op.ITEM and n.inputs[0] == t.id)
-                                         for n in nodes)
-            return "template" if ok else self._refuse("a template kernel holds one template node")
+                                         or prologue_of(self.g, n.id) == t.id for n in nodes)
+            return "template" if ok else self._refuse("a template kernel holds one template "
+                                                      "node (a scan: and its prologue gathers)")
         einsums = [n for n in nodes if n.op is Op.EINSUM]
         reds = [n for n in nodes if n.op in REDUCTIONS]
         if einsums and reds:
@@ -549,34 +555,50 @@ class _Fuser:
                 a, b = min(gid, other), max(gid, other)
                 heapq.heappush(heap, (-score, kind, a, b, self.version[a], self.version[b]))
 
+        self.prologues()
         for gid in sorted(self.members):
             push(gid)
         while heap:
             _, _, a, b, va, vb = heapq.heappop(heap)
             if self.version.get(a) != va or self.version.get(b) != vb:
                 continue
-            members = sorted(self.members[a] + self.members[b], key=self.pos.__getitem__)
-            if self.category(members, set(members)) is None:
-                self._refused(a, b, self.why)
-                continue
-            x, y = (a, b) if self.rank[a] < self.rank[b] else (b, a)
-            u = self.union(a, b)
-            got = self.window(x, y, u)
-            if got is None:
-                self._refused(a, b, "a path between them runs through another kernel")
-                continue
-            new, prof = got
-            i, j = self.rank[x], self.rank[y]
-            peak = max(self.pre[i - 1] if i else 0, max(prof),
-                       self.suf[j + 1] if j + 1 < len(self.order) else 0)
-            if self.check_peak and peak > self.peak:
-                self._refused(a, b, f"peak memory would rise to {peak} B (> {self.peak} B)")
-                continue
-            self.merge(x, y, u)
-            keep = min(a, b)
-            self.order = self.order[:i] + [keep if g == x else g for g in new] + self.order[j + 1:]
-            self._reindex(self.prof[:i] + prof + self.prof[j + 1:])
-            push(keep)
+            if self.join(a, b):
+                push(min(a, b))
+
+    def prologues(self) -> None:
+        """Fold each prologue node (`schedule.prologue_of`: a gather, casts of it) into its
+        scan's kernel, the scan's operand first (so no merge closes a cycle)."""
+        for nid in sorted(self.group, key=self.pos.__getitem__, reverse=True):
+            sid = prologue_of(self.g, nid) if self.node[nid].op in (Op.TAKE, Op.CAST) else None
+            a = self.group[nid]
+            if sid is not None and self.members[a] == [nid]:
+                self.join(a, self.group[sid])
+
+    def join(self, a: int, b: int) -> bool:
+        """Merge groups a and b into one kernel if legal, acyclic and not raising the peak
+        (else say why, `_refused`); the merged group keeps the label min(a, b)."""
+        members = sorted(self.members[a] + self.members[b], key=self.pos.__getitem__)
+        if self.category(members, set(members)) is None:
+            self._refused(a, b, self.why)
+            return False
+        x, y = (a, b) if self.rank[a] < self.rank[b] else (b, a)
+        u = self.union(a, b)
+        got = self.window(x, y, u)
+        if got is None:
+            self._refused(a, b, "a path between them runs through another kernel")
+            return False
+        new, prof = got
+        i, j = self.rank[x], self.rank[y]
+        peak = max(self.pre[i - 1] if i else 0, max(prof),
+                   self.suf[j + 1] if j + 1 < len(self.order) else 0)
+        if self.check_peak and peak > self.peak:
+            self._refused(a, b, f"peak memory would rise to {peak} B (> {self.peak} B)")
+            return False
+        self.merge(x, y, u)
+        keep = min(a, b)
+        self.order = self.order[:i] + [keep if g == x else g for g in new] + self.order[j + 1:]
+        self._reindex(self.prof[:i] + prof + self.prof[j + 1:])
+        return True
 
     def _refused(self, a: int, b: int, why: str) -> None:
         """`TITANC_DEBUG=2`: print each refused merge and its reason."""

@@ -19,10 +19,14 @@ What gets a buffer, top level:
   in its slot (the reshape is an alias: a layer group's stacked gradients cost no copy);
 - other graph inputs (e.g. `tokens`) get activation buffers live from kernel 0;
 - kernel outputs get activation buffers from their producer to their last reader (graph
-  outputs: to the end), except aliases: a RESHAPE whose operand already has storage shares
-  it (same offset, the source's interval stretched to cover the view's; arena buffers are
-  dense row-major, so a reshape is free; a kernel all of whose outputs are aliases is a no-op,
-  `MemoryPlan.is_noop`);
+  outputs: to the end), and so does the result of a scan's prologue (the gathered rows, cast
+  if so: `schedule.prologue_results`), during its scan's kernel alone: a host-loop scan
+  gathers the rows there and uses them as the
+  carry's operand (lent, updated in place, an ITEM sharing it, as any operand), a scan kernel
+  reads the initial value through the gather and leaves it unwritten; except aliases: a
+  RESHAPE whose operand already has storage shares it (same offset, the source's interval
+  stretched to cover the view's; arena buffers are dense row-major, so a reshape is free; a
+  kernel all of whose outputs are aliases is a no-op, `MemoryPlan.is_noop`);
 - views (`MemoryPlan.views`, also aliases): a value a kernel would only copy, i.e. a chain of
   views (RESHAPE, PERMUTE, EXPAND, SLICE) of a stored value or of a constant (a FULL, ROPE or
   MASK generator), gets no buffer: the executors bind it as a strided view of its root's
@@ -76,7 +80,7 @@ import torch
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.types import TensorType
 
-from .schedule import Schedule, liveness, value_bytes
+from .schedule import Schedule, liveness, prologue_results, scan_prologue, value_bytes
 
 Interval = tuple[int, int, int]          # (size, first, last), last inclusive
 OUTPUT_PREFIX = "out:"                   # external names of scan-body outputs
@@ -333,8 +337,9 @@ class MemoryPlan:
 
     def launches(self, one_kernel: Callable[["MemoryPlan", int], bool] | None = None) -> int:
         """Kernel launches in one run of this plan: every kernel that is not a no-op; a scan
-        launches its body's kernels once per iteration (a host loop), or is one launch in all
-        where `one_kernel(plan, scan id)` says the target runs it as a single kernel."""
+        launches its body's kernels once per iteration (a host loop, after one launch of its
+        prologue gathers, if any), or is one launch in all where `one_kernel(plan, scan id)`
+        says the target runs it as a single kernel."""
         g, count = self.schedule.graph, 0
         for k, kern in enumerate(self.schedule.kernels):
             if self.is_noop(k):
@@ -347,6 +352,7 @@ class MemoryPlan:
                     count += 1
                 else:
                     count += g.node(sid).attr("length") * self.bodies[sid].launches(one_kernel)
+                    count += bool(scan_prologue(g, kern))
         return count
 
     def workspace_body_offset(self, scan_id: int) -> int:
@@ -654,7 +660,8 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
     g, kernels = schedule.graph, schedule.kernels
     live = liveness(schedule)
     names = {i: g.node(i).attr("name") for i in g.inputs}
-    kernel_of = {v: k for k, kern in enumerate(kernels) for v in kern.outputs}
+    kernel_of = {v: k for k, kern in enumerate(kernels)
+                 for v in kern.outputs + prologue_results(g, kern)}
 
     # where values that are not activations live
     external = dict(names) if body else {}

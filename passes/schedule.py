@@ -3,14 +3,22 @@
 A `Schedule` is a graph cut into `Kernel`s listed in execution order. Every non-INPUT node of
 the graph belongs to exactly one kernel; the ITEMs of a SCAN belong to the SCAN's kernel, and
 a SCAN's body has its own `Schedule` (in `Schedule.bodies`, keyed by the SCAN node id), never
-mixed with the outside. A value goes to memory exactly when it crosses a kernel boundary: it is
-a graph input, a graph output, or an output of one kernel that a later kernel reads. The one
-exception is an immediate (`is_immediate`: a scalar FULL): a kernel that reads one it does not
-contain uses the literal value (`node.attr("value")`), so it is in no kernel's `inputs`.
+mixed with the outside. A SCAN's kernel may also hold its *prologue* (`scan_prologue`):
+gathers (TAKE, and float casts of them) that only its carries read, as their initial values
+(the embedding gather feeding the layer scan), computed where the scan starts instead of in
+a kernel of their own.
+A value goes to memory exactly when it crosses a kernel boundary: it is a graph input, a graph
+output, or an output of one kernel that a later kernel reads. Two exceptions: an immediate
+(`is_immediate`: a scalar FULL): a kernel that reads one it does not contain uses the literal
+value (`node.attr("value")`), so it is in no kernel's `inputs`; and a carry operand the
+prologue computes (`prologue_results`), which keeps storage during its scan's kernel: a scan
+run as a host loop writes the gathered rows there first and starts the carry from them (a
+scan kernel reads the carry's initial value through the gather instead).
 
 Liveness is over kernel indices: value v is live during kernels `first..last` (inclusive),
 where `first` is its producer's index (0 for graph inputs) and `last` the last kernel reading
-it (the last kernel of the schedule for graph outputs).
+it (the last kernel of the schedule for graph outputs); a prologue's result is live during its
+scan's kernel alone.
 """
 from __future__ import annotations
 
@@ -93,14 +101,15 @@ def liveness(schedule: Schedule) -> dict[int, tuple[int, int]]:
     """value id -> (first, last) kernel index for every value that lives in memory.
 
     Graph inputs that some kernel reads (or that are graph outputs) are live from kernel 0;
-    kernel outputs from their producer; graph outputs until the last kernel.
+    kernel outputs (and prologue results, `prologue_results`) from their producer; graph
+    outputs until the last kernel.
     """
     g, kernels = schedule.graph, schedule.kernels
     end = max(len(kernels) - 1, 0)
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for k, kern in enumerate(kernels):
-        for v in kern.outputs:
+        for v in kern.outputs + prologue_results(g, kern):
             first[v] = k
             last.setdefault(v, k)
         for v in kern.inputs:
@@ -156,8 +165,9 @@ def verify_schedule(schedule: Schedule) -> Schedule:
 
     1. cover: every non-INPUT node of the graph is in exactly one kernel, and kernels hold
        only nodes of this graph;
-    2. scan: a SCAN's kernel is a template holding just the SCAN and its ITEMs, and the SCAN
-       has a body schedule over exactly its body graph (verified recursively);
+    2. scan: a SCAN's kernel is a template holding just the SCAN, its ITEMs and its
+       prologue (`prologue_of`), and the SCAN has a body schedule over exactly its
+       body graph (verified recursively);
     3. closed: each operand of a kernel's node is in the kernel, in its `inputs`, or an
        immediate;
     4. order: each input is a graph input or an output of an earlier kernel (so the kernel
@@ -195,7 +205,8 @@ def verify_schedule(schedule: Schedule) -> Schedule:
                     raise fail(k, "closed", f"%{nid} reads %{i}, neither computed nor an input")
             if node.op is Op.SCAN:
                 extra = [n for n in k.nodes if n != nid and not (
-                    g.node(n).op is Op.ITEM and g.node(n).inputs[0] == nid)]
+                    g.node(n).op is Op.ITEM and g.node(n).inputs[0] == nid)
+                    and prologue_of(g, n) != nid]
                 body = schedule.bodies.get(nid)
                 if k.category != "template" or extra:
                     raise fail(k, "scan", f"scan %{nid} shares its kernel with {extra}")
@@ -224,3 +235,62 @@ def is_immediate(g: Graph, vid: int) -> bool:
     an input; it goes to memory only when a template kernel reads it or it is a graph output."""
     n = g.node(vid)
     return n.op is Op.FULL and tuple(n.attr("shape")) == ()
+
+
+def prologue_of(g: Graph, vid: int) -> int | None:
+    """The SCAN whose prologue node `vid` may be (None otherwise): a gather (TAKE), then
+    float casts of it, each read by the next alone, the last read by one SCAN alone and only
+    as carry operands (their initial value), so that the scan's kernel computes them as it
+    starts (under mixed precision the embedding rows are gathered, then cast to bf16)."""
+    head = vid
+    while g.node(head).op is Op.CAST and _float_cast(g, head):
+        head = g.node(head).inputs[0]
+    if g.node(head).op is not Op.TAKE:
+        return None
+    chain, cur = [head], head
+    outs = {v for _, v in g.outputs}
+    while True:
+        users = list(dict.fromkeys(g.users(cur)))
+        if cur in outs or len(users) != 1:
+            return None
+        nxt = g.node(users[0])
+        if nxt.op is Op.CAST and _float_cast(g, nxt.id):
+            chain.append(nxt.id)
+            cur = nxt.id
+            continue
+        if nxt.op is not Op.SCAN or vid not in chain:
+            return None
+        nc = nxt.attr("n_carry")
+        return nxt.id if all(i < nc for i, x in enumerate(nxt.inputs) if x == cur) else None
+
+
+def _float_cast(g: Graph, vid: int) -> bool:
+    n = g.node(vid)
+    return n.type.is_float and g.node(n.inputs[0]).type.is_float
+
+
+def scan_prologue(g: Graph, kern: Kernel) -> tuple[int, ...]:
+    """The prologue nodes a scan kernel holds (empty for any other kernel), in order."""
+    if kern.category != "template":
+        return ()
+    return tuple(n for n in kern.nodes if g.node(n).op in (Op.TAKE, Op.CAST)
+                 and prologue_of(g, n) in kern.nodes)
+
+
+def prologue_results(g: Graph, kern: Kernel) -> tuple[int, ...]:
+    """The prologue values the scan reads (its carry operands): what keeps storage."""
+    nodes = scan_prologue(g, kern)
+    return tuple(n for n in nodes if all(u not in nodes for u in g.users(n)))
+
+
+def prologue_kernel(g: Graph, kern: Kernel) -> Kernel | None:
+    """A scan kernel's prologue as a pointwise kernel of its own, for a target that runs the
+    scan as a host loop (it writes the carries' initial values into their planned storage
+    first); its name carries the scan kernel's number. None without a prologue."""
+    nodes = scan_prologue(g, kern)
+    if not nodes:
+        return None
+    ops = "_".join(dict.fromkeys(g.node(n).op.name.lower() for n in nodes))
+    ins = tuple(dict.fromkeys(i for n in nodes for i in g.node(n).inputs if i not in nodes))
+    return Kernel(f"titanc_{PREFIX['pointwise']}_fused_{ops}_{kern.name.rsplit('_', 1)[-1]}",
+                  "pointwise", nodes, ins, prologue_results(g, kern), 0, 0)

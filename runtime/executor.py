@@ -9,7 +9,9 @@ after warm-up.
 
 Scans are unrolled at build time (`_Builder._scan`): each iteration is its own instance of
 the body's closures, bound to that iteration's xs slices (views of the stacked operands),
-its carry slots (ping-pong) and its ys slices, so a scan copies nothing at run time.
+its carry slots (ping-pong) and its ys slices, so a scan copies nothing at run time. A scan
+kernel's prologue (the embedding gather its carry starts from) first gathers the rows into
+their planned storage, which the scan's first iteration reads.
 Generators (ROPE, MASK) are evaluated once into constant storage at build time.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType, dtype_name
 from titanc.passes.memory_plan import OUTPUT_PREFIX, Home, MemoryPlan, ScanHomes, view_of
-from titanc.passes.schedule import is_immediate
+from titanc.passes.schedule import is_immediate, prologue_results, scan_prologue
 
 from .pattern_kernels import pattern_steps
 
@@ -203,10 +205,15 @@ class _Builder:
 
     def kernel(self, kern: Any) -> None:
         """Emit the steps of one kernel: one out= torch closure per node (a subclass may
-        launch the kernel as one generated program instead)."""
+        launch the kernel as one generated program instead). A scan's prologue gathers
+        (`scan_prologue`) run first, into their planned storage (`prologue`)."""
         outputs = set(kern.outputs)
+        pro = scan_prologue(self.g, kern)
+        if pro:
+            self.prologue(kern, pro)
         for nid in kern.nodes:
-            self.node(self.g.node(nid), outputs)
+            if nid not in pro:
+                self.node(self.g.node(nid), outputs)
         for v in kern.outputs:                       # views that leave the kernel: copy home
             if v in self.plan.views:                 # bound as a view: nothing to copy
                 self.val[v] = self.located(v)
@@ -217,6 +224,14 @@ class _Builder:
             if src is not dst and not _same_view(src, dst):
                 self.steps.append(_copy(dst, src))
                 self.val[v] = dst
+
+    def prologue(self, kern: Any, nodes: tuple[int, ...]) -> None:
+        """Run scan kernel `kern`'s prologue `nodes` (a gather, casts of it) into the planned
+        storage of their results, where the scan's first iteration reads its carries (a host
+        loop cannot read through a gather)."""
+        results = set(prologue_results(self.g, kern))
+        for nid in nodes:
+            self.node(self.g.node(nid), results)
 
     def sub_builder(self, *args: Any) -> "_Builder":
         """The builder of a scan body (same class, so a subclass's kernels run there too)."""

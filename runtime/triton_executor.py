@@ -4,12 +4,13 @@
 kernel (`codegen.lower.dispatch.render_kernel`) instead of one torch closure per node. Binding is the
 arena executor's: every value a kernel reads or writes is a view of the activation arena, the
 persistent region or a caller-bound tensor. A scan is one launch of its scan kernel
-(`codegen.scan`: the iterations loop inside the kernel, grid over the scan's
-independent axes, workspace made once at bind time); a scan that cannot be one kernel keeps the
-arena executor's host loop (carry slots, xs staged per iteration, ys copied into their ITEM
-buffers) over its body's kernels, and its reason is kept in `fallbacks` (`TITANC_DEBUG=2`
-prints it). `launches_per_run()` counts the launches of one run; `count_launches(plan)` gives
-the same figure from the plan alone.
+(`codegen.scan`: the iterations loop inside the kernel, grid over the scan's independent
+axes, workspace made once at bind time, a prologue gather read through); a scan that cannot be
+one kernel keeps the arena executor's host loop (carry slots, xs staged per iteration, ys
+copied into their ITEM buffers) over its body's kernels, after one launch of its prologue
+gathers (`passes.schedule.prologue_kernel`) into their planned storage, and its reason is kept
+in `fallbacks` (`TITANC_DEBUG=2` prints it). `launches_per_run()` counts the launches of one
+run; `count_launches(plan)` gives the same figure from the plan alone.
 No kernel falls back to torch: a kernel no family can express fails at bind time with the
 hooks' `NotImplementedError`.
 
@@ -42,6 +43,7 @@ from titanc.ir import Op
 from titanc.ir.types import TensorType
 from titanc.passes.manager import debug_level
 from titanc.passes.memory_plan import MemoryPlan
+from titanc.passes.schedule import prologue_kernel
 
 from .executor import ArenaExecutor, Tensor, _Builder
 
@@ -127,6 +129,19 @@ class _TritonBuilder(_Builder):
         self.steps.append(lambda: module.launch(*tensors, *sizes))
         self.launches += 1
 
+    def prologue(self, kern: Any, nodes: tuple[int, ...]) -> None:
+        """A host-loop scan's prologue (a gather, casts of it): one launch of its pointwise
+        kernel (`prologue_kernel`), into the planned storage of its results."""
+        pk = prologue_kernel(self.g, kern)
+        code = self.owner.code(self.plan, pk)
+        module = module_for(code)
+        tensors = launch_tensors(code, self.home, self._scratch)
+        sizes = code.sizes
+        self.steps.append(lambda: module.launch(*tensors, *sizes))
+        self.launches += 1
+        for v in pk.outputs:
+            self.val[v] = self.located(v)
+
     def _scratch(self, shape: tuple[int, ...]) -> Tensor:
         """A temporary of a pattern kernel (an unread tuple element, attention's delta rows)."""
         dt = "f64" if self.owner.dtype == "float64" else "f32"
@@ -138,7 +153,8 @@ class _TritonBuilder(_Builder):
         time to the largest kernel's need: scan kernels run one after another)."""
         n = self.g.node(sid)
         dt = {"float64": torch.float64}.get(self.owner.dtype, torch.float32)
-        args = [self.operand(n.inputs[i]) for i in sk.inputs]
+        args = [self.operand(n.inputs[i]) for i in sk.inputs] + [self.operand(v)
+                                                                 for v in sk.extra]
         outs = set(kern.outputs)
         items = {self.g.node(u).attr("index"): u for u in self.g.users(sid) if u in outs}
         for k in sk.outputs:

@@ -89,7 +89,9 @@ def test_every_tiny_kernel_compiles_for_sm80_and_sm90_with_tensor_cores() -> Non
     assert {r["arch"] for r in results} == set(ARCHS)
     assert sum(r["matmul"] for r in results) >= 2 * 5      # the model's projections, fwd + bwd
     scans = [r for r in results if r["scan"]]
-    assert len({r["name"] for r in scans}) >= 3    # layers, MAC segment (serial ones: full tier)
+    # the forward's and the training's layer scans (one name: the embedding gather, their
+    # prologue, is no kernel numbered before them), the MAC segment (serial ones: full tier)
+    assert len(scans) >= 3 * len(ARCHS)
     assert all(r["mma"] for r in scans if r["uses_dot"])
     _check(results, tensor_cores=True)
 

@@ -7,7 +7,8 @@ Figures per step:
 - `kernels`: the distinct kernels the step launches on the triton target: every top-level
   kernel of both schedules that is not a no-op (`MemoryPlan.is_noop`: all its outputs alias
   storage that holds them), a scan that renders to one scan kernel counting once, and a scan
-  that falls back to a host loop counting its body's kernels by the same rule. Repetition is
+  that falls back to a host loop counting its body's kernels by the same rule (and the
+  kernel of its prologue gathers, `passes.schedule.prologue_kernel`, if any). Repetition is
   not counted here (a kernel launched every iteration of a host loop, or once per gradient
   accumulation step, is one kernel); `launches_per_step` counts launches.
 - `kernels_all`: every kernel of the schedules and their scan bodies that is not a no-op (the
@@ -43,6 +44,7 @@ from typing import Any, Callable
 
 from titanc.ir import Graph, Op, OpGroup
 from titanc.passes.memory_plan import STRIDED_TEMPLATES, MemoryPlan
+from titanc.passes.schedule import scan_prologue
 
 from .compiler import Compiled, compile_graphs
 
@@ -83,8 +85,9 @@ def kernel_family(plan: MemoryPlan, kern: Any) -> str:
     if kern.category != "template":
         return kern.category
     g = plan.schedule.graph
+    pro = scan_prologue(g, kern)                     # a scan's gather: the scan's family
     return next(TEMPLATE_FAMILY.get(g.node(n).op, g.node(n).op.name.lower())
-                for n in kern.nodes if g.node(n).op is not Op.ITEM)
+                for n in kern.nodes if g.node(n).op is not Op.ITEM and n not in pro)
 
 
 def _one_kernel_rule() -> Callable[[MemoryPlan, int], bool]:
@@ -130,7 +133,8 @@ def plan_profile(plan: MemoryPlan, runs: int, one_kernel: Callable[[MemoryPlan, 
             inner = dict(acc, kernels=0)
             plan_profile(plan.bodies[sid], runs * length, one_kernel, inner)
             acc.update({key: inner[key] for key in ("kernels_all", "families", "copy_kernels")})
-        else:
+        else:                        # a host loop, after its prologue gathers' launch
+            acc["kernels"] += bool(scan_prologue(g, kern))
             plan_profile(plan.bodies[sid], runs * length, one_kernel, acc)
 
 

@@ -38,7 +38,7 @@ from typing import Collection, Iterator
 from titanc.ir import Graph, Node, Op, OpGroup, format_node
 from titanc.ir.shapes import parse_einsum
 from titanc.passes.memory_plan import MemoryPlan
-from titanc.passes.schedule import Kernel
+from titanc.passes.schedule import Kernel, prologue_kernel
 
 from ..families.fused import MatmulContraction, render_matmul, render_pointwise
 from ..families.scatter import render_scatter_along, render_segment_sum
@@ -61,7 +61,8 @@ def plan_kernels(plan: MemoryPlan, dtype: str | None = None, spec_path: str = ""
     kernel of a plan's schedule and its scan bodies (pre-order). No-op kernels (all outputs
     alias storage that already holds them) are skipped, aliased outputs are not stored. A
     scan is one `ScanKernel` (`codegen.scan`) when `scan_kernels` is set and it renders as
-    one, as the triton target runs it; otherwise its body's kernels (a host loop)."""
+    one, as the triton target runs it; otherwise the kernel of its prologue gathers
+    (`passes.schedule.prologue_kernel`, if any) and its body's kernels (a host loop)."""
     g = plan.schedule.graph
     dt = dtype or graph_dtype(g)
     for k, kern in enumerate(plan.schedule.kernels):
@@ -72,6 +73,11 @@ def plan_kernels(plan: MemoryPlan, dtype: str | None = None, spec_path: str = ""
                 continue
             except ScanFallback:
                 pass
+        pro = prologue_kernel(g, kern)
+        if scan and pro is not None:          # a host loop gathers its carries' rows first
+            yield plan, pro, render_kernel(g, pro, dtype=dt, spec_path=spec_path,
+                                           skip=set(plan.aliases), allow_tf32=allow_tf32,
+                                           strided=plan.strided)
         if scan:
             yield from plan_kernels(plan.bodies[scan[0]], dt, spec_path, allow_tf32, scan_kernels)
         elif not plan.is_noop(k):

@@ -53,8 +53,10 @@ carries are slots of the same workspace). MASK and ROPE tables are computed once
 
 A scan with no independent axes becomes a one-program ("serial") kernel when its workspace is
 at most `MAX_SERIAL` elements and its body nests at most `MAX_SERIAL_NESTING` levels of
-scans. No kernel holds more than `MAX_STAGES` stages. Anything else (TAKE, INDEX_ADD, integer
-casts, a larger scan without independent axes, tiles or a workspace beyond the caps) raises
+scans. No kernel holds more than `MAX_STAGES` stages. A gather in the kernel's prologue (the
+embedding rows a layer scan's carry starts from) is read through: the carry's initial value is
+the table's row at the index. Anything else (a TAKE in a body, INDEX_ADD, integer casts, a
+larger scan without independent axes, tiles or a workspace beyond the caps) raises
 `ScanFallback` with the reason; the executor then keeps the host loop (whose body's scans
 are kernels of their own) and reports the reason.
 
@@ -66,7 +68,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from math import prod
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
@@ -75,7 +77,7 @@ from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.graph import freeze_attrs
 from titanc.passes.flash_attention import expand_attention
 from titanc.passes.memory_plan import MemoryPlan
-from titanc.passes.schedule import Kernel, is_immediate
+from titanc.passes.schedule import Kernel, is_immediate, scan_prologue
 
 from ..lower.code import graph_dtype
 from ..meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
@@ -110,9 +112,11 @@ class _TooLong(ScanFallback):
 class ScanKernel:
     """A rendered scan kernel and how to launch it.
 
-    `launch(ws, *inputs, *outputs, *tables)`: `inputs` are the scan node's operands (in
-    order, immediates excluded: they are inlined), `outputs` the scan's result items listed in
-    `outputs` (item index -> written), `tables` the MASK / ROPE tables (node attrs, host-made).
+    `launch(ws, *inputs, *extra, *outputs, *tables)`: `inputs` are the scan node's operands
+    (in order, immediates excluded: they are inlined, and so are the prologue gathers, read
+    through), `extra` the values those gathers read (value ids), `outputs` the scan's result
+    items listed in `outputs` (item index -> written), `tables` the MASK / ROPE tables (node
+    attrs, host-made).
     """
 
     name: str
@@ -125,6 +129,8 @@ class ScanKernel:
     tables: tuple[tuple[str, dict], ...]     # (op name, attrs) of each host-made table
     stages: int                              # stages emitted (for reports)
     serial: str = ""                         # why the grid is one program (else "")
+    extra: tuple[int, ...] = ()              # value ids the prologue gathers read, passed
+                                             # after the inputs
     # each loop's carries: {"scan": "%id", "carry": k, "shape": local tile, "on_chip": bool,
     # "why": why it stays in the workspace ("" on chip)}
     carries: tuple[dict, ...] = field(default=(), compare=False)
@@ -154,9 +160,13 @@ def _prefixes(g: Graph, n: Node) -> list[tuple[int, ...]]:
 def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int] | None = None,
                 name: str | None = None, spec_path: str = "",
                 immediate: Callable[[int], float | None] = lambda v: None,
-                allow_tf32: bool = False, carry_budget: int | None = None) -> ScanKernel:
+                allow_tf32: bool = False, carry_budget: int | None = None,
+                prologue: Collection[int] = ()) -> ScanKernel:
     """One Triton kernel running scan `scan_id` of `g` (raises `ScanFallback` with the reason
     when it cannot). `used`: the item indices the program reads afterwards (default all);
+    `prologue`: nodes the kernel computes before the scan (`passes.schedule.scan_prologue`:
+    a gather and float casts of it, ending in carry operands): a carry's initial value is
+    loaded through them (a row of the table at the index) instead of from a tensor of its own;
     `immediate(vid)`: the literal of an operand inlined as a constant, else None;
     `allow_tf32`: float32 dots on tensor cores in tf32 (`codegen.meta.dot_precision`);
     `carry_budget`: bytes of registers per program for carries held on chip (default
@@ -176,7 +186,7 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
         for shared in (0, 1, 2):     # operands other than carries taken by shape, or not
             try:
                 return _render(g, n, cd, dtype, prefix, used, name, spec_path, immediate,
-                               shared, allow_tf32, budget)
+                               shared, allow_tf32, budget, prologue)
             except _PaxError as e:
                 why = str(e)
     depth = _nesting(n.attr("body"))
@@ -186,7 +196,7 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                            "scans become kernels of their own")
     try:                             # one program for the whole scan, when that is small
         sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32,
-                     budget)
+                     budget, prologue)
     except _PaxError as e:
         raise ScanFallback(f"no independent leading axes ({why}); serial: {e}") from None
     except _TooLong as e:
@@ -205,16 +215,23 @@ def _nesting(body: Graph) -> int:
 
 def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
             name: str, spec_path: str, immediate: Callable[[int], float | None],
-            shared: int, allow_tf32: bool = False, carry_budget: int = 0) -> ScanKernel:
+            shared: int, allow_tf32: bool = False, carry_budget: int = 0,
+            prologue: Collection[int] = ()) -> ScanKernel:
     """Render with independent axes `prefix`: the carries whose shape starts with it vary
     per program, and so do the xs (`shared` < 2) and the other operands (`shared` < 1) whose
-    shape does; every other operand is shared (read at full coordinates)."""
+    shape does; every other operand is shared (read at full coordinates). Prologue nodes are
+    read through (the table and indices they read are kernel arguments after the operands,
+    read at full coordinates)."""
     em = _ScanGen(g, n, cd, prefix)
     em.precision = dot_precision(allow_tf32)
     em.reg_budget = carry_budget
     p = len(prefix)
     nc, nx = n.attr("n_carry"), n.attr("n_xs")
     sc = Scope(g)
+    for v in prologue:                                # a carry's initial value, gathered
+        shape = g.node(v).type.shape
+        q = tuple(range(p)) if shape[:p] == prefix else None
+        sc.refs[v], sc.pax[v] = Ref("node", shape, q, node=g.node(v), scope=sc), q
     inputs: list[int] = []
     for i, v in enumerate(n.inputs):
         shape = g.node(v).type.shape
@@ -235,6 +252,13 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
         if g.node(v).type.dtype == "bf16":
             em.low_args.add(f"a{len(inputs)}")
         inputs.append(i)
+    extra = list(dict.fromkeys(u for v in prologue for u in g.node(v).inputs
+                               if u not in sc.refs))
+    for k, u in enumerate(extra):                     # what the prologue gathers read
+        arg = f"a{len(inputs) + k}"
+        sc.refs[u], sc.pax[u] = Ref("arg", g.node(u).type.shape, None, name=arg), None
+        if g.node(u).type.dtype == "bf16":
+            em.low_args.add(arg)
     body: Graph = n.attr("body")
     top: dict[int, Ref] = {}
     outputs = []
@@ -249,6 +273,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
     # the workspace stays under MAX_WORKSPACE_TOTAL < 2**31: only the tensors decide
     em.index = "tl.int64" if needs_int64(*(prod(g.node(n.inputs[i]).type.shape)
                                            for i in inputs),
+                                         *(prod(g.node(u).type.shape) for u in extra),
                                          *(prod(top[k].shape) for k in outputs)) else "tl.int32"
     em.scan_loop(sc, n, top)
     if em.shared * 2 > sum(em.sizes) and prod(prefix) > 1:
@@ -262,9 +287,11 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
         raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
                         f"{MAX_WORKSPACE_TOTAL}")
-    tensors = ([f"a{k}" for k in range(len(inputs))] + [f"o{k}" for k in range(len(outputs))]
+    tensors = ([f"a{k}" for k in range(len(inputs) + len(extra))]
+               + [f"o{k}" for k in range(len(outputs))]
                + [f"g{k}" for k in range(len(em.tables))])
     ranks = ([g.node(n.inputs[i]).type.rank for i in inputs]
+             + [g.node(u).type.rank for u in extra]
              + [top[k].shape.__len__() for k in outputs]
              + [len(_table_shape(op, a)) for op, a in em.tables])
     strides = [[f"s_{t}_{d}" for d in range(r)] for t, r in zip(tensors, ranks)]
@@ -278,6 +305,9 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
               f"independent axes {list(prefix)}; {em.stages} stages",
               f"workspace: {em.ws} elements per program, liveness-packed from "
               f"{sum(em.sizes)}"]
+    if prologue:
+        header.append("prologue (carries' initial values read through): " + ", ".join(
+            f"%{v} = {g.node(v).op.name.lower()}" for v in prologue))
     on_chip = [f"{c['scan']}.{c['carry']} {c['shape']}" for c in em.carry_notes if c["on_chip"]]
     if on_chip:                      # (a kernel holding none keeps its source, and AOT cache)
         header.append(f"carries on chip (budget {carry_budget} B of registers per program): "
@@ -289,7 +319,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
                     num_stages=NUM_STAGES)
     return ScanKernel(name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
                       tuple(outputs), tuple(em.tables), em.stages,
-                      carries=tuple(em.carry_notes))
+                      carries=tuple(em.carry_notes), extra=tuple(extra))
 
 
 def host_table(op: str, a: dict, dtype: torch.dtype) -> torch.Tensor:
@@ -330,7 +360,7 @@ def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str,
     return render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
                        immediate=lambda v: (float(g.node(v).attr("value"))
                                             if is_immediate(g, v) else None),
-                       allow_tf32=allow_tf32)
+                       allow_tf32=allow_tf32, prologue=scan_prologue(g, kern))
 
 
 def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: bool = True,

@@ -282,6 +282,10 @@ class _Emitter:
                 out = self.let(f"tl.where({c[ax]} < {hi}, {v}, {out})",
                                tile=v in self.tiles or out in self.tiles)
             return out
+        if op is Op.TAKE:                                # table[idx[i...], j...]
+            r = sc.g.node(n.inputs[1]).type.rank
+            idx = self.value(sec, sc, n.inputs[1], list(c[:r]), conds)
+            return self.value(sec, sc, src, [idx] + list(c[r:]), conds)
         if op is Op.TAKE_ALONG:                          # x[..., idx[...]]
             idx = self.value(sec, sc, n.inputs[1], c, conds)
             return self.value(sec, sc, src, list(c) + [idx], conds)
