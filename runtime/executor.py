@@ -12,7 +12,8 @@ the body's closures, bound to that iteration's xs slices (views of the stacked o
 its carry slots (ping-pong) and its ys slices, so a scan copies nothing at run time. A scan
 kernel's prologue (the embedding gather its carry starts from) first gathers the rows into
 their planned storage, which the scan's first iteration reads.
-Generators (ROPE, MASK) are evaluated once into constant storage at build time.
+Generators (ROPE, MASK) are evaluated once into constant storage at build time, and so is a
+kernel-internal value computed from them alone (a concatenation or cast of rotary tables).
 """
 from __future__ import annotations
 
@@ -137,6 +138,7 @@ class _Builder:
         self.external, self.scratch, self.consts = external, scratch, consts
         self.float_dtype = float_dtype
         self.val: dict[int, Any] = {}
+        self.folded: set[int] = set()                    # values made once, at build time
         self.loc: dict[int, Tensor] = {}
         self.steps: list[Step] = []
         self.groups: list[tuple[str, list[Step]]] = []   # (profile label, a kernel's steps)
@@ -244,6 +246,7 @@ class _Builder:
         if op is Op.FULL:
             if n.type.shape == ():
                 self.val[n.id] = self._const(torch.tensor(a["value"], dtype=_dtype(a["dtype"], self.float_dtype)))
+                self.folded.add(n.id)
             else:
                 o = self.out(n, outputs)
                 self.steps.append(lambda o=o, v=a["value"]: o.fill_(v))
@@ -252,10 +255,12 @@ class _Builder:
         if op is Op.ROPE:
             self.val[n.id] = self._const(rope_table(a["kind"], a["start"], a["count"], a["half"],
                                                     a["base"], _dtype(a["dtype"], self.float_dtype)))
+            self.folded.add(n.id)
             return
         if op is Op.MASK:
             self.val[n.id] = self._const(mask_table(a["n_q"], a["q_start"], a["groups"],
                                                     _dtype(a["dtype"], self.float_dtype)))
+            self.folded.add(n.id)
             return
         if op is Op.SCAN:
             self._scan(n, outputs)
@@ -267,11 +272,17 @@ class _Builder:
         view = _VIEWS.get(op)
         if view is not None and isinstance(xs[0], float):     # a view of an inlined scalar
             xs[0] = self._const(torch.tensor(xs[0], dtype=_dtype(n.type.dtype, self.float_dtype)))
+        constant = all(self._is_constant(i) for i in n.inputs)
         if view is not None:
             v = view(xs[0], a, n)
             if v is not None:
                 self.val[n.id] = v
+                if constant:
+                    self.folded.add(n.id)
                 return
+        if constant and n.id not in outputs and (op in ELEMENTWISE or op in _FOLDABLE):
+            self.val[n.id] = self._fold(n, xs)
+            return
         o = self.out(n, outputs)
         self.steps.extend(_emit(self, n, xs, o))
         self.val[n.id] = o
@@ -286,6 +297,27 @@ class _Builder:
             return self._const(rope_table(a["kind"], a["start"], a["count"], a["half"],
                                           a["base"], dt))
         return self._const(mask_table(a["n_q"], a["q_start"], a["groups"], dt))
+
+    def _is_constant(self, vid: int) -> bool:
+        """Is value `vid` the same at every run (a generator, an immediate, a view of a
+        constant root, or folded here)?"""
+        if vid in self.folded or is_immediate(self.g, vid):
+            return True
+        if self.g.node(vid).op in (Op.ROPE, Op.MASK):
+            return True
+        view = self.plan.views.get(vid)
+        return view is not None and self.plan.is_constant_root(view[0])
+
+    def _fold(self, n: Node, xs: list[Any]) -> Tensor:
+        """A kernel-internal value computed from constants alone (a concatenation of rotary
+        tables, a negated half): computed once, now, instead of at every run."""
+        like = next(x for x in xs if isinstance(x, Tensor))
+        o = torch.empty(n.type.shape, dtype=_dtype(n.type.dtype, self.float_dtype),
+                        device=like.device)
+        for f in _emit(self, n, xs, o):
+            f()
+        self.folded.add(n.id)
+        return self._const(o)
 
     def _const(self, t: Tensor) -> Tensor:
         device = self.arena.data.device
@@ -387,6 +419,8 @@ def _same_view(a: Tensor, b: Tensor) -> bool:
 def _copy(dst: Tensor, src: Tensor) -> Step:
     return lambda: dst.copy_(src)
 
+
+_FOLDABLE = frozenset({Op.CONCAT, Op.CAST, Op.PAD})   # `_emit` needs no scratch for these
 
 # -- views: no work when torch can express them on the operand's storage -------------------------
 
