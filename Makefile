@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 
 demo: $(STAMP)
 	$(BIN)/titanc compile examples/tiny.yaml -o build/tiny
-	$(BIN)/python -m titanc.demo
+	$(BIN)/python -m titanc.tools.demo
 
 # `make test`: every tier but `slow` (CI; under 20 minutes on a 2-core machine), one pytest
 # worker per core (pytest-xdist, a test file per worker: module fixtures and compiled

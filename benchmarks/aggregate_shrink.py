@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 
-from titanc.frontend import lower_forward
+from titanc.model.frontend import lower_forward
 from titanc.ir import Graph, Op
 from titanc.ir.types import type_bytes
 from titanc.passes.aggregate import aggregate
 from titanc.passes.canonicalize import canonicalize
-from titanc.spec import load_spec
+from titanc.model.spec import load_spec
 
 
 def largest(g: Graph, body_prefix: str | None = None) -> int:

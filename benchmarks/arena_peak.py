@@ -18,7 +18,7 @@ import yaml
 from titanc.compiler import compile_graphs
 from titanc.ir import Op
 from titanc.passes.memory_plan import MemoryPlan
-from titanc.spec import load_spec
+from titanc.model.spec import load_spec
 
 
 def describe(plan: MemoryPlan, top: int, depth: int, indent: int = 0) -> list[str]:

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from titanc.compiler import compile_graphs  # noqa: E402
-from titanc.runtime.trainer import read_metrics, run_training  # noqa: E402
-from titanc.spec import load_spec  # noqa: E402
+from titanc.runtime.train.trainer import read_metrics, run_training  # noqa: E402
+from titanc.model.spec import load_spec  # noqa: E402
 
 
 def arena(spec_path: str, dtype: str) -> dict[str, int]:

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from titanc.runtime.corpus import iter_texts
-from titanc.runtime.prepare import prepare
-from titanc.runtime.shards import ShardData
-from titanc.runtime.tokenizer import ByteTokenizer, tokenizer_info, train_bpe
+from titanc.runtime.data.corpus import iter_texts
+from titanc.runtime.data.prepare import prepare
+from titanc.runtime.data.shards import ShardData
+from titanc.runtime.data.tokenizer import ByteTokenizer, tokenizer_info, train_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / d for d in ("docs", "titanc", "ir", "passes", "codegen", "runtime", "examples")]

@@ -30,9 +30,9 @@ def worker(result: str, spec_path: str, sets: dict, warmup: int, steps: int) -> 
     """One rank: train warm-up steps, then time `steps` steps; rank 0 writes `result`."""
     import torch
 
-    from titanc.runtime.distributed import init_from_env, shutdown
-    from titanc.runtime.trainer import Trainer
-    from titanc.spec import load_spec
+    from titanc.runtime.train.distributed import init_from_env, shutdown
+    from titanc.runtime.train.trainer import Trainer
+    from titanc.model.spec import load_spec
 
     torch.set_num_threads(1)
     spec = load_spec(spec_path, {**sets, "train.steps": warmup + steps})
@@ -60,7 +60,7 @@ def worker(result: str, spec_path: str, sets: dict, warmup: int, steps: int) -> 
 
 
 def run(nproc: int, spec: str, sets: dict, warmup: int, steps: int) -> dict:
-    from titanc.runtime.launch import free_port
+    from titanc.runtime.train.launch import free_port
 
     with tempfile.TemporaryDirectory() as d:
         result = Path(d) / "result.json"

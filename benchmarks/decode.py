@@ -69,7 +69,7 @@ def run(block: str, checkpoints: tuple[int, ...], threads: int,
     import torch
 
     import titanc
-    from titanc.runtime.generate import Generator
+    from titanc.runtime.serve.generate import Generator
 
     torch.set_num_threads(threads)
     flushed = torch.set_flush_denormal(flush_denormal) and flush_denormal

@@ -43,8 +43,8 @@ import torch  # noqa: E402
 
 import titanc  # noqa: E402
 import tests.reference as R  # noqa: E402
-from titanc.bench import step_flops  # noqa: E402
-from titanc.runtime.profile import device_name, peak_flops  # noqa: E402
+from titanc.tools.bench import step_flops  # noqa: E402
+from titanc.runtime.diagnostics.timing import device_name, peak_flops  # noqa: E402
 
 SPECS = ("tiny.yaml", "tiny_lmm.yaml", "tiny_attn.yaml")
 QUICK = {"model.d_model": 16, "model.n_layers": 1, "model.seq_len": 16, "model.vocab_size": 32,
@@ -84,7 +84,7 @@ def check_step(spec: str, over: dict[str, Any], tol: float) -> dict[str, Any]:
 
 
 def check_decode(spec: str, over: dict[str, Any], tol: float) -> dict[str, Any]:
-    from titanc.runtime.generate import Generator
+    from titanc.runtime.serve.generate import Generator
 
     prog = _compile(spec, "triton", {**over, "train.batch_size": 1})
     toks = _tokens(prog)

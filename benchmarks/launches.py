@@ -17,8 +17,8 @@ import sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from titanc.compiler import compile_graphs  # noqa: E402
-from titanc.runtime.triton_executor import count_launches  # noqa: E402
-from titanc.spec import load_spec, parse_set_args  # noqa: E402
+from titanc.runtime.targets.triton_executor import count_launches  # noqa: E402
+from titanc.model.spec import load_spec, parse_set_args  # noqa: E402
 
 
 def launches(path: str, overrides: dict[str, object]) -> dict[str, object]:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 import titanc
-from titanc.runtime.data import SyntheticRecall
+from titanc.runtime.data.datasets import SyntheticRecall
 
 # one spec for both models; only model.block differs
 SPEC: dict[str, Any] = {

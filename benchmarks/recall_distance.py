@@ -1,6 +1,6 @@
 """Long-range recall against distance: lmm, mac, mag, mal and the attn baseline.
 
-The task is `SyntheticRecall` (runtime/data.py) with the pair -> query distance controlled:
+The task is `SyntheticRecall` (runtime/data/datasets.py) with the pair -> query distance controlled:
 P key-value pairs, then filler, then Q queries at the end of the sequence; `distance` is the
 number of positions from the last pair's value to the first query key (every pair -> query
 distance is in [distance, distance + 2(P+Q) - 4]). The attention window is 8, so at distance
@@ -47,10 +47,10 @@ import torch
 import yaml
 
 import titanc
-from titanc.params import param_count
-from titanc.runtime.data import SyntheticRecall
-from titanc.runtime.memory_stats import memory_stats
-from titanc.spec import load_spec
+from titanc.model.params import param_count
+from titanc.runtime.data.datasets import SyntheticRecall
+from titanc.runtime.diagnostics.neural_memory import memory_stats
+from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent
 SPEC: dict[str, Any] = {
@@ -247,7 +247,7 @@ def main() -> None:
                     help="add to the rows already in --out (same configuration) instead of "
                          "starting over")
     ap.add_argument("--metrics", default=None,
-                    help=f"append memory diagnostics (runtime/memory_stats.py) every "
+                    help=f"append memory diagnostics (runtime/diagnostics/neural_memory.py) every "
                          f"{METRICS_EVERY} steps to this JSONL file")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()

@@ -7,7 +7,7 @@ and every `--every` steps prints one JSON line:
   acc{d}, qloss{d}  held-out accuracy and cross-entropy at the query positions (128 rows at
                     each distance d of `--dist`; chance 0.125, ln 8 = 2.079)
   grad              gradient norm per parameter group (summed over the group's tensors)
-  mem               memory diagnostics (runtime/memory_stats.py): inner loss before/after
+  mem               memory diagnostics (runtime/diagnostics/neural_memory.py): inner loss before/after
                     the writes, |W|, θ, η
   attn_mass_q       mac only: the attention mass of the query positions on the persistent
                     tokens (P), the memory reads h, the segment tokens u, and on h_i, the
@@ -20,7 +20,7 @@ and every `--every` steps prints one JSON line:
 
 The runs behind benchmarks/results/recall_distance_experiments.md ("MAC") are in
 benchmarks/results/recall_mac_diag.jsonl; the variants there that are not spec options were
-one-line edits of the MAC body in titanc/blocks.py (benchmarks/results/recall_mac_variants.patch,
+one-line edits of the MAC body in titanc/model/blocks.py (benchmarks/results/recall_mac_variants.patch,
 switched by environment variables; not part of titanc). "cpu" includes the probes.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 import recall_distance as rd                              # noqa: E402
 import titanc                                             # noqa: E402
-from titanc.runtime.memory_stats import memory_stats      # noqa: E402
+from titanc.runtime.diagnostics.neural_memory import memory_stats      # noqa: E402
 import tests.reference.mac as refmac                      # noqa: E402
 from tests.reference.model import forward_logits          # noqa: E402
 

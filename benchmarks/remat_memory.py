@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from titanc.compiler import compile_graphs  # noqa: E402
 from titanc.passes.memory_plan import memory_report  # noqa: E402
-from titanc.spec import load_spec  # noqa: E402
+from titanc.model.spec import load_spec  # noqa: E402
 
 TINY = ROOT / "examples" / "tiny.yaml"
 VOCAB = 151_936

@@ -193,7 +193,7 @@ def _reference(torch: Any, spec: dict[str, Any],
                compiled: bool) -> tuple[Callable[[], float], dict]:
     sys.path.insert(0, str(ROOT))
     import tests.reference as R
-    from titanc.spec import load_spec
+    from titanc.model.spec import load_spec
 
     s = load_spec(spec)
     params = {k: v.requires_grad_(True) for k, v in

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .render import cache_dir, load_module
+from titanc.codegen.render import cache_dir, load_module
 
 __all__ = ["Launch", "SHARED_LIMIT", "compile_launch", "record_launches", "compile_all"]
 
@@ -98,7 +98,7 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import native_specialize_impl
 
-    from titanc.runtime.triton_executor import TritonExecutor, interpreting
+    from titanc.runtime.targets.triton_executor import TritonExecutor, interpreting
 
     if not interpreting():
         raise RuntimeError("record_launches runs under TRITON_INTERPRET=1")
@@ -245,9 +245,9 @@ def _main(argv: list[str]) -> int:
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from titanc.compiler import compile_graphs
-    from titanc.spec import load_spec, parse_set_args
+    from titanc.model.spec import load_spec, parse_set_args
 
-    from .emit import GRAPHS
+    from titanc.codegen.emit import GRAPHS
 
     ap = argparse.ArgumentParser(prog="python -m titanc.codegen.aot")
     ap.add_argument("spec")

@@ -43,12 +43,12 @@ from titanc.ir import Graph, Op
 from titanc.ir.types import TensorType
 from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan, ScanHomes
 from titanc.passes.schedule import is_immediate, prologue_kernel
-from titanc.runtime.rundir import write_text_atomic
+from titanc.runtime.train.rundir import write_text_atomic
 
-from .lower.dispatch import KernelCode, graph_dtype, plan_kernels
-from .lower.expr import format_number
-from .render import sanitize_comment, sanitize_identifier
-from .scan.kernel import ScanKernel
+from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, plan_kernels
+from titanc.codegen.lower.expr import format_number
+from titanc.codegen.render import sanitize_comment, sanitize_identifier
+from titanc.codegen.scan.kernel import ScanKernel
 
 __all__ = ["Artifact", "emit_artifact", "GRAPHS"]
 

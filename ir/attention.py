@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .ops import Op
-from .shapes import ShapeError
-from .structural import Structural, register
-from .tables import mask_table
-from .types import TensorType
+from titanc.ir.ops import Op
+from titanc.ir.shapes import ShapeError
+from titanc.ir.structural import Structural, register
+from titanc.ir.tables import mask_table
+from titanc.ir.types import TensorType
 
 
 def n_groups(a: dict) -> int:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from .graph import Graph
-from .ops import ROPE_BASE, SCAN_ROLES, Op
-from .types import TensorType
+from titanc.ir.graph import Graph
+from titanc.ir.ops import ROPE_BASE, SCAN_ROLES, Op
+from titanc.ir.types import TensorType
 
 Number = int | float
 

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 
-from .graph import Graph
-from .ops import Op
-from .printer import format_attrs
-from .types import type_str
+from titanc.ir.graph import Graph
+from titanc.ir.ops import Op
+from titanc.ir.printer import format_attrs
+from titanc.ir.types import type_str
 
 
 def _label(text: str) -> str:

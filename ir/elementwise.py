@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from .ops import Op, OpGroup
+from titanc.ir.ops import Op, OpGroup
 
 __all__ = ["ELEMENTWISE", "Elementwise", "register", "silu_grad", "unregister"]
 

@@ -13,8 +13,8 @@ from typing import Any, Iterable, Iterator
 
 import networkx as nx
 
-from .ops import Op
-from .types import Type
+from titanc.ir.ops import Op
+from titanc.ir.types import Type
 
 
 def freeze_attrs(attrs: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
@@ -74,7 +74,7 @@ class Graph:
     def add(self, op: Op, inputs: Iterable[int] = (), attrs: dict[str, Any] | None = None,
             type: Type | None = None) -> int:
         """Append a node; its type is inferred by the op's shape rule unless given."""
-        from .shapes import infer_type
+        from titanc.ir.shapes import infer_type
 
         inputs = tuple(inputs)
         for i in inputs:
@@ -154,6 +154,6 @@ class Graph:
         return live
 
     def __repr__(self) -> str:
-        from .printer import format_graph
+        from titanc.ir.printer import format_graph
 
         return format_graph(self)

@@ -11,11 +11,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .elementwise import ELEMENTWISE
-from .graph import Graph, Node
-from .ops import Op
-from .structural import STRUCTURAL
-from .types import DTYPES
+from titanc.ir.elementwise import ELEMENTWISE
+from titanc.ir.graph import Graph, Node
+from titanc.ir.ops import Op
+from titanc.ir.structural import STRUCTURAL
+from titanc.ir.types import DTYPES
 
 Tensor = torch.Tensor
 

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .ops import Op
-from .shapes import ShapeError
-from .structural import Structural, register
-from .types import TensorType
+from titanc.ir.ops import Op
+from titanc.ir.shapes import ShapeError
+from titanc.ir.structural import Structural, register
+from titanc.ir.types import TensorType
 
 LAYOUTS = ("vd", "dv")
 

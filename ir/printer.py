@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .graph import Graph, Node
-from .ops import Op
-from .types import type_str
+from titanc.ir.graph import Graph, Node
+from titanc.ir.ops import Op
+from titanc.ir.types import type_str
 
 _BARE = {Op.EINSUM: "spec", Op.INPUT: "name"}
 

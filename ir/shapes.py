@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .ops import Op
-from .types import TensorType, Type
+from titanc.ir.ops import Op
+from titanc.ir.types import TensorType, Type
 
 
 class ShapeError(ValueError):
@@ -48,8 +48,8 @@ def _elementwise(ts: list[TensorType], op: Op) -> TensorType:
 def infer_type(op: Op, input_types: list[Type], attrs: dict[str, Any]) -> Type:
     """The output type of `op` on operands of `input_types`: numpy broadcasting for an
     arithmetic elementwise op, else the op's `structural.py` entry."""
-    from .elementwise import ELEMENTWISE
-    from .structural import STRUCTURAL
+    from titanc.ir.elementwise import ELEMENTWISE
+    from titanc.ir.structural import STRUCTURAL
 
     if op in ELEMENTWISE:
         return _elementwise(list(input_types), op)

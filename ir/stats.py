@@ -1,9 +1,9 @@
 """Size statistics of a graph, computed from static types only (nothing is allocated)."""
 from __future__ import annotations
 
-from .graph import Graph
-from .ops import Op
-from .types import type_bytes
+from titanc.ir.graph import Graph
+from titanc.ir.ops import Op
+from titanc.ir.types import type_bytes
 
 
 def _walk(g: Graph):

@@ -14,7 +14,7 @@ An entry (`Structural`) says, for one op, what the IR and its passes need:
 
 The arithmetic elementwise ops have their entries in `elementwise.py` (same idea, plus their
 `out=` form and Triton expression). How an op runs on a target is that target's code: the cpu
-executor's `out=` closures (`runtime/executor.py`) and the Triton lowering (`codegen/`) dispatch
+executor's `out=` closures (`runtime/targets/executor.py`) and the Triton lowering (`codegen/`) dispatch
 on the op groups of `ops.py`, as JAX keeps a primitive's lowering per platform.
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-from .tables import mask_table, rope_table
-from .ops import SCAN_ROLES, Op
-from .shapes import ShapeError, broadcast_shapes, parse_einsum
-from .types import TensorType, Type
+from titanc.ir.tables import mask_table, rope_table
+from titanc.ir.ops import SCAN_ROLES, Op
+from titanc.ir.shapes import ShapeError, broadcast_shapes, parse_einsum
+from titanc.ir.types import TensorType, Type
 
 __all__ = ["STRUCTURAL", "Structural", "register", "unbroadcast"]
 

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .ops import ROPE_BASE
+from titanc.ir.ops import ROPE_BASE
 
 Tensor = torch.Tensor
 

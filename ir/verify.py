@@ -17,10 +17,10 @@ about ten printed lines of IR around it:
 """
 from __future__ import annotations
 
-from .graph import Graph
-from .ops import Op, OpGroup
-from .printer import format_lines
-from .shapes import ShapeError, infer_type
+from titanc.ir.graph import Graph
+from titanc.ir.ops import Op, OpGroup
+from titanc.ir.printer import format_lines
+from titanc.ir.shapes import ShapeError, infer_type
 
 
 class IRError(Exception):
@@ -89,7 +89,7 @@ def verify(g: Graph) -> Graph:
                 rule = "scan" if node.op is Op.SCAN else "types"
                 raise fail(nid, rule, str(e)) from None
             if want != node.type:
-                from .types import type_str
+                from titanc.ir.types import type_str
                 raise fail(nid, "types", f"declared {type_str(node.type)} but "
                                          f"{node.op.name.lower()} gives {type_str(want)}")
     if sorted(input_nodes) != sorted(g.inputs):

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from titanc.ir import Graph, Node, Op
 
-from .canonicalize import canonicalize
+from titanc.passes.canonicalize import canonicalize
 
 LETTERS = "abcdefghjklmnopqrstuvwxyz"
 

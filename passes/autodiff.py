@@ -24,7 +24,7 @@ from titanc.ir.structural import STRUCTURAL, unbroadcast
 from titanc.ir.types import TensorType
 
 if TYPE_CHECKING:
-    from .remat import Policy
+    from titanc.passes.remat import Policy
 
 Ct = dict[int, "Value | list[Value | None]"]   # scan nodes: one entry per tuple element
 
@@ -257,7 +257,7 @@ def grad_graph(g: Graph, wrt: list[str], loss: str = "loss", name: str = "grad",
                policy: "Policy | None" = None) -> Graph:
     """Forward + backward: outputs `loss` and `grad.<name>` for each input named in `wrt`.
     `policy` says what scans save for their backward (default: carries only)."""
-    from .remat import Policy
+    from titanc.passes.remat import Policy
     b = Builder(name)
     args = [b.op(Op.INPUT, name=g.node(i).attr("name"), type=g.node(i).type) for i in g.inputs]
     d = _Differentiator(b, g, policy or Policy("recompute"))

@@ -86,7 +86,7 @@ def _chunk_loss(g: Graph, chunk: int) -> Graph:
             continue
         env[node.id] = b.like(node, *[env[i] for i in node.inputs])
     b.graph.set_outputs([(name, env[i].id) for name, i in g.outputs])
-    from .canonicalize import canonicalize
+    from titanc.passes.canonicalize import canonicalize
     return canonicalize(b.graph)
 
 

@@ -12,7 +12,7 @@ never materialised (each piece, often a permuted or batch-expanded view, is read
 strides); otherwise a SLICE view of k per group.
 
 The MASK's attrs become the op's attrs, so the visible (query, key) pairs are known statically:
-the flash kernels (`codegen/lower/patterns.py`, `runtime/pattern_kernels.py`) never hold a
+the flash kernels (`codegen/lower/patterns.py`, `runtime/targets/pattern_kernels.py`) never hold a
 [B, H, Tq, Tk] scores or probabilities tensor. The op also returns the log-sum-exp of each
 query row (ITEM 1): its VJP (`passes/autodiff.py`) is one ATTENTION_BWD that recomputes the
 probabilities from it. Run it after canonicalize and before autodiff (so the backward
@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 from titanc.ir import Graph, Node, Op
 from titanc.ir.attention import split, stat_dtype
 
-from .manager import debug_level
+from titanc.passes.manager import debug_level
 
 
 def _einsum_terms(n: Node) -> tuple[str, str, str] | None:

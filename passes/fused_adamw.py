@@ -24,8 +24,8 @@ from typing import Any, Callable, ClassVar
 
 from titanc.ir import Graph, Op, format_graph
 
-from .manager import debug_level
-from .optimizer import EPS, optimizer_graph
+from titanc.passes.manager import debug_level
+from titanc.passes.optimizer import EPS, optimizer_graph
 
 
 @dataclass(frozen=True)

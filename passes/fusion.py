@@ -67,10 +67,10 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.shapes import parse_einsum
 from titanc.ir.types import TensorType
 
-from .manager import debug_level
-from .schedule import (PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, prologue_of,
+from titanc.passes.manager import debug_level
+from titanc.passes.schedule import (PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, prologue_of,
                        value_bytes)
-from .split_casts import splittable
+from titanc.passes.split_casts import splittable
 
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
 REDUCTIONS = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM})

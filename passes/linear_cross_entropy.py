@@ -3,7 +3,7 @@
     loss = mean(lse(h @ head) − take_along(h @ head, targets))           h (B, T, D)
       ->  loss = sum(ITEM 0 of LINEAR_CROSS_ENTROPY(h (B·T, D), head, targets (B, T))) / (B·T)
 
-The op's kernels (`runtime/pattern_kernels.py` on the cpu target, `cross_entropy.py.jinja`
+The op's kernels (`runtime/targets/pattern_kernels.py` on the cpu target, `cross_entropy.py.jinja`
 through `codegen/lower/patterns.py` on triton) compute the logits one [rows, vocab] tile at
 a time with an online log-sum-exp, so no [B·T, V] (nor [chunk, V]) logits value exists in the
 graph or the plan. ITEM 1 is each row's log-sum-exp: the op's VJP (`ir/linear_cross_entropy.py`)
@@ -24,8 +24,8 @@ from typing import ClassVar
 
 from titanc.ir import Builder, Graph, Op, Value
 
-from .chunked_loss import match_loss
-from .manager import debug_level
+from titanc.passes.chunked_loss import match_loss
+from titanc.passes.manager import debug_level
 
 
 def _why_not(g: Graph, m: dict[str, int]) -> str:
@@ -77,5 +77,5 @@ class LinearCrossEntropy:
                 continue
             env[node.id] = b.like(node, *[env[i] for i in node.inputs])
         b.graph.set_outputs([(name, env[i].id) for name, i in g.outputs])
-        from .canonicalize import canonicalize
+        from titanc.passes.canonicalize import canonicalize
         return canonicalize(b.graph)

@@ -80,7 +80,7 @@ import torch
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.types import TensorType
 
-from .schedule import Schedule, liveness, prologue_results, scan_prologue, value_bytes
+from titanc.passes.schedule import Schedule, liveness, prologue_results, scan_prologue, value_bytes
 
 Interval = tuple[int, int, int]          # (size, first, last), last inclusive
 OUTPUT_PREFIX = "out:"                   # external names of scan-body outputs

@@ -2,7 +2,7 @@
 
 Graphs run on the arena executor over their kernel schedule and memory plan (`cpu`
 target), on the same plan with generated Triton kernels (`triton`: on the GPU with CUDA, else
-under Triton's interpreter, see `runtime/triton_executor.py`), or on the reference
+under Triton's interpreter, see `runtime/targets/triton_executor.py`), or on the reference
 interpreter (`target: reference`, for debugging). `auto` is `triton` when CUDA is present.
 Parameters, the gradient accumulator and the AdamW moments are allocated once and bound
 into every executor, so tensors handed out by `parameters()` stay live and a steady-state
@@ -17,9 +17,9 @@ import torch
 from titanc.errors import TitancError
 from titanc.ir import Interpreter
 from titanc.ir.types import DTYPES, dtype_name
-from titanc.params import init_params
+from titanc.model.params import init_params
 
-from .lr_schedule import lr_at
+from titanc.runtime.train.lr_schedule import lr_at
 
 Tensor = torch.Tensor
 
@@ -35,9 +35,9 @@ def _executor_class(target: str) -> Any:
     """The executor of a target (the triton one is imported only when used: importing it
     selects Triton's interpreter when no CUDA device is present)."""
     if target == "triton":
-        from .triton_executor import TritonExecutor
+        from titanc.runtime.targets.triton_executor import TritonExecutor
         return TritonExecutor
-    from .executor import ArenaExecutor
+    from titanc.runtime.targets.executor import ArenaExecutor
     return ArenaExecutor
 
 
@@ -107,7 +107,7 @@ class Program:
                          for k in ("lr", "step", "grad_scale")}
         self._m = _views(self.flat["opt.m"], init)
         self._v = _views(self.flat["opt.v"], init)
-        self.reducer: Any = None        # set by a distributed run (runtime/distributed.py)
+        self.reducer: Any = None        # set by a distributed run (runtime/train/distributed.py)
         self._token_range = torch.zeros(2, dtype=torch.int64)   # check_token_ids' min, max
         self.step = 0
         self.last: dict[str, float] = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from titanc.spec import Spec, load_spec
+from titanc.model.spec import Spec, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

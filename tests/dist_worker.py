@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from titanc.runtime.distributed import init_from_env, shutdown
-from titanc.runtime.trainer import Trainer
-from titanc.spec import load_spec
+from titanc.runtime.train.distributed import init_from_env, shutdown
+from titanc.runtime.train.trainer import Trainer
+from titanc.model.spec import load_spec
 
 
 def main(path: str) -> None:

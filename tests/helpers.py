@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from titanc.ir import Op
-from titanc.spec import Spec, load_spec, spec_to_dict
+from titanc.model.spec import Spec, load_spec, spec_to_dict
 
 TINY: dict[str, Any] = {
     "name": "t",
@@ -42,7 +42,7 @@ def compile_each_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
     depend on (train.steps, eval cadence, data, distribution), compile each model once.
     Programs only read their Compiled graphs, so sharing them is safe; each gets its own spec."""
     import titanc.compiler as compiler
-    from titanc.runtime.checkpoint import RUN_CONTROL
+    from titanc.runtime.train.checkpoint import RUN_CONTROL
     real = compiler.compile_graphs
 
     def cached(spec: Any, batch: int | None = None, **options: bool) -> Any:

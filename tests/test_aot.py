@@ -31,8 +31,8 @@ from titanc.codegen.emit import GRAPHS
 from titanc.codegen.render import load_module
 from titanc.compiler import compile_graphs
 from titanc.errors import TitancError
-from titanc.runtime.triton_executor import interpreting
-from titanc.spec import load_spec
+from titanc.runtime.targets.triton_executor import interpreting
+from titanc.model.spec import load_spec
 
 from .conftest import EXAMPLES
 

@@ -16,20 +16,24 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton fixes its mode at first
 ROOT = Path(__file__).resolve().parents[1]
 
 # what lowers a spec to graphs, compiles them, or drives the command line
-FRONTEND = {"titanc.frontend", "titanc.blocks", "titanc.decode", "titanc.attention",
-            "titanc.memory", "titanc.nn", "titanc.compiler", "titanc.cli", "titanc.bench",
-            "titanc.corpus_cli", "titanc.artifact", "titanc.inspect", "titanc.demo"}
+FRONTEND = {"titanc.model.frontend", "titanc.model.blocks", "titanc.model.decode", "titanc.model.attention",
+            "titanc.model.neural_memory", "titanc.model.nn", "titanc.compiler", "titanc.tools.cli", "titanc.tools.bench",
+            "titanc.tools.corpus_cli", "titanc.tools.artifact", "titanc.tools.inspect", "titanc.tools.demo"}
 # the package facade (`titanc.compile`, `titanc.load`): the public API the trainer, the
 # evaluator and the server call exactly as a user's script does; not followed
 FACADE = "titanc"
+# subpackages of titanc that live in their own top-level folder (pyproject.toml package-dir)
+PACKAGE_DIRS = {"ir", "passes", "codegen", "runtime"}
 
 
 def _module_file(mod: str) -> Path | None:
-    """The source file of a titanc module (titanc.runtime.x lives in runtime/x.py)."""
+    """The source file of a titanc module: titanc.runtime.x lives in runtime/x.py (the
+    package-dir mapping of pyproject.toml), titanc.model.x in titanc/model/x.py."""
     parts = mod.split(".")
     if parts[0] != "titanc":
         return None
-    base = ROOT.joinpath(*parts[1:])
+    top = parts[1:2] if parts[1:2] and parts[1] in PACKAGE_DIRS else ["titanc"] + parts[1:2]
+    base = ROOT.joinpath(*top, *parts[2:])
     for cand in (base.with_suffix(".py"), base / "__init__.py"):
         if cand.is_file():
             return cand
@@ -74,8 +78,9 @@ def _reaches(start: str) -> dict[str, str]:
 
 def test_the_runtime_imports_no_frontend_module() -> None:
     bad = []
-    for path in sorted((ROOT / "runtime").glob("*.py")):
-        mod = f"titanc.runtime.{path.stem}" if path.stem != "__init__" else "titanc.runtime"
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        mod = ".".join(("titanc",) + (parts[:-1] if parts[-1] == "__init__" else parts))
         for dep, via in _reaches(mod).items():
             if dep in FRONTEND:
                 bad.append(f"{mod} reaches {dep} (imported by {via})")
@@ -86,10 +91,11 @@ def test_the_check_sees_a_frontend_import(tmp_path, monkeypatch) -> None:
     """The import walk follows function-level and relative imports (so the test above can fail)."""
     fake = tmp_path / "runtime"
     fake.mkdir()
-    (fake / "leak.py").write_text("def f():\n    from ..decode import lower_step\n")
+    (fake / "leak.py").write_text("def f():\n    from ..model.decode import lower_step\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    (tmp_path / "decode.py").write_text("")
-    assert "titanc.decode" in _reaches("titanc.runtime.leak")
+    (tmp_path / "titanc" / "model").mkdir(parents=True)
+    (tmp_path / "titanc" / "model" / "decode.py").write_text("")
+    assert "titanc.model.decode" in _reaches("titanc.runtime.leak")
 
 
 def test_triton_imported_in_compile_mode_is_refused_in_one_line() -> None:
@@ -112,7 +118,7 @@ def test_triton_imported_in_compile_mode_is_refused_in_one_line() -> None:
     assert "REFUSED" in r.stdout and "TRITON_INTERPRET=1" in r.stdout
 
 
-@pytest.mark.parametrize("module", ["titanc.runtime.triton_executor", "titanc.runtime.generate",
+@pytest.mark.parametrize("module", ["titanc.runtime.targets.triton_executor", "titanc.runtime.serve.generate",
                                     "titanc.runtime.program"])
 def test_importing_changes_no_process_state(module) -> None:
     """No environment variable or torch flag is changed by importing a runtime module."""
@@ -130,7 +136,7 @@ def test_decoding_leaves_the_denormal_mode_as_it_was() -> None:
     import torch
 
     import titanc
-    from titanc.runtime.generate import Generator
+    from titanc.runtime.serve.generate import Generator
 
     from .helpers import tiny_spec
 
@@ -145,11 +151,11 @@ def test_decoding_leaves_the_denormal_mode_as_it_was() -> None:
 def test_every_graph_kind_goes_through_the_pipeline(examples_dir) -> None:
     """report.json lists each graph kind with its pass log; the decode write graph is
     aggregated like the training graphs (no per-token outer product survives)."""
-    from titanc.artifact import build_report
+    from titanc.tools.artifact import build_report
     from titanc.compiler import GRAPH_KINDS, compile_graphs
-    from titanc.decode import lower_write
+    from titanc.model.decode import lower_write
     from titanc.ir import graph_stats
-    from titanc.spec import load_spec
+    from titanc.model.spec import load_spec
 
     spec = load_spec(examples_dir / "tiny.yaml")
     report = build_report(spec, compile_graphs(spec), 0.0)
@@ -171,7 +177,7 @@ def test_scans_carry_their_role(examples_dir) -> None:
     """What a scan is comes from its `role` attribute (body names are only names)."""
     from titanc.compiler import compile_graphs
     from titanc.ir import Op
-    from titanc.spec import load_spec
+    from titanc.model.spec import load_spec
 
     c = compile_graphs(load_spec(examples_dir / "tiny.yaml"))
     roles: dict[str, set[str]] = {}
@@ -256,8 +262,8 @@ def test_a_new_elementwise_op_runs_everywhere(cube, scan: bool) -> None:
     from titanc.passes.canonicalize import canonicalize
     from titanc.passes.fusion import fuse
     from titanc.passes.memory_plan import plan_memory
-    from titanc.runtime.executor import ArenaExecutor
-    from titanc.runtime.triton_executor import TritonExecutor
+    from titanc.runtime.targets.executor import ArenaExecutor
+    from titanc.runtime.targets.triton_executor import TritonExecutor
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -290,14 +296,14 @@ def test_passes_are_typed_objects_and_the_log_calls_back(examples_dir) -> None:
     """Each graph pass of the pipeline is a `Pass` (name, options as fields, a docstring); a
     callback added to the log sees every pass's record and graph."""
     from titanc.compiler import SHARED, Compiled
-    from titanc.params import param_specs
+    from titanc.model.params import param_specs
     from titanc.passes.autodiff import Autodiff
     from titanc.passes.checkpoint_chunks import CheckpointChunks
     from titanc.passes.chunked_loss import ChunkedLoss
     from titanc.passes.constants import ConstantsPerReader
     from titanc.passes.manager import PassLog
     from titanc.passes.split_casts import SplitCasts
-    from titanc.spec import load_spec
+    from titanc.model.spec import load_spec
 
     for p in (*SHARED, ChunkedLoss(64), CheckpointChunks(), Autodiff(("x",)),
               ConstantsPerReader(), SplitCasts()):

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from tests.helpers import TINY
-from titanc.runtime.profile import peak_flops, profile_summary, profile_table
-from titanc.cli import main
-from titanc.runtime.executor import PROFILE_CATEGORIES
+from titanc.runtime.diagnostics.timing import peak_flops, profile_summary, profile_table
+from titanc.tools.cli import main
+from titanc.runtime.targets.executor import PROFILE_CATEGORIES
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 
 import titanc
 from titanc.errors import TitancError
-from titanc.runtime import checkpoint as ckpt_module
-from titanc.runtime.checkpoint import (RNG_KEY, load_checkpoint, restore, save_checkpoint,
+from titanc.runtime.train import checkpoint as ckpt_module
+from titanc.runtime.train.checkpoint import (RNG_KEY, load_checkpoint, restore, save_checkpoint,
                                        spec_differences)
-from titanc.runtime.trainer import Trainer
-from titanc.spec import spec_hash, spec_to_dict
+from titanc.runtime.train.trainer import Trainer
+from titanc.model.spec import spec_hash, spec_to_dict
 
 # one_thread and compile_once are autouse fixtures
 from .test_trainer import compile_once, one_thread, tiny, train  # noqa: F401

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from titanc.cli import main
-from titanc.spec import Spec
+from titanc.tools.cli import main
+from titanc.model.spec import Spec
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -129,7 +129,7 @@ def test_compile_calls_write_artifact(tmp_path: Path, monkeypatch: pytest.Monkey
         assert not force
         return {"graphs": {"forward": {"nodes": 321, "largest_tensor_bytes": 3 * 2**20}}}
 
-    _fake_module(monkeypatch, "titanc.artifact", write_artifact=write_artifact)
+    _fake_module(monkeypatch, "titanc.tools.artifact", write_artifact=write_artifact)
     monkeypatch.chdir(tmp_path)
     assert main(["compile", str(TINY), "--set", "model.n_layers=3"]) == 0
     (spec, out_dir), = calls
@@ -144,7 +144,7 @@ def test_compile_calls_write_artifact(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_train_calls_run_training(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[Spec, dict[str, Any]]] = []
-    _fake_module(monkeypatch, "titanc.runtime.trainer",
+    _fake_module(monkeypatch, "titanc.runtime.train.trainer",
                  run_training=lambda spec, **kwargs: calls.append((spec, kwargs)))
     assert main(["train", str(TINY), "--out", "runs/t", "--steps", "5", "--data", "a.txt",
                  "--resume", "runs/old", "--strict", "--profile", "--set", "train.seed=3",
@@ -160,11 +160,11 @@ def test_train_calls_run_training(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_missing_backend_is_a_clean_error(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, "titanc.artifact", None)  # import raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "titanc.tools.artifact", None)  # import raises ModuleNotFoundError
     assert main(["compile", str(TINY), "-o", "unused"]) == 2
     assert capsys.readouterr().err == (
         "titanc: error: titanc compile is not available in this install "
-        "(titanc.artifact is missing)\n")
+        "(titanc.tools.artifact is missing)\n")
 
 
 def test_generate_from_a_trained_run(tmp_path) -> None:

@@ -43,9 +43,9 @@ from titanc.codegen.render import load_module
 from titanc.codegen.scan.kernel import ScanFallback
 from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter, Op
-from titanc.runtime.executor import ArenaExecutor
-from titanc.runtime.triton_executor import TritonExecutor, launch_tensors, module_for
-from titanc.spec import load_spec
+from titanc.runtime.targets.executor import ArenaExecutor
+from titanc.runtime.targets.triton_executor import TritonExecutor, launch_tensors, module_for
+from titanc.model.spec import load_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning",
@@ -330,7 +330,7 @@ def test_emit_is_deterministic(tmp_path) -> None:
     bytes."""
     path, overrides = str(ROOT / "examples" / "tiny.yaml"), small("tiny")
     emit_artifact(compile_graphs(load_spec(path, overrides)), tmp_path / "a")
-    script = ("from titanc.spec import load_spec; from titanc.compiler import compile_graphs; "
+    script = ("from titanc.model.spec import load_spec; from titanc.compiler import compile_graphs; "
               "from titanc.codegen.emit import emit_artifact; "
               f"emit_artifact(compile_graphs(load_spec({path!r}, {overrides!r})), "
               f"{str(tmp_path / 'b')!r})")
@@ -402,7 +402,7 @@ def test_every_template_is_reached_by_a_compiled_program() -> None:
 
     from titanc.codegen.lower.dispatch import plan_kernels
     from titanc.compiler import compile_graphs
-    from titanc.spec import load_spec
+    from titanc.model.spec import load_spec
 
     root = Path(__file__).resolve().parent.parent
 

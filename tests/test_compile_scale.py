@@ -11,9 +11,9 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import json, resource, sys, time
-    from titanc.artifact import write_artifact
-    from titanc.params import param_count
-    from titanc.spec import load_spec
+    from titanc.tools.artifact import write_artifact
+    from titanc.model.params import param_count
+    from titanc.model.spec import load_spec
     spec = load_spec({"name": "big", "model": {
         "vocab_size": VOCAB, "d_model": 2048, "n_layers": 20, "block": "mac", "seq_len": 8192,
         "ffn_hidden": 5632, "attention": {"heads": 16, "window": 1024, "segment": 1024,

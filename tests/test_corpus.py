@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from titanc.cli import main
+from titanc.tools.cli import main
 from titanc.errors import TitancError
-from titanc.runtime.corpus import plan, read_piece
-from titanc.runtime.evaluate import evaluate
-from titanc.runtime.prepare import prepare
-from titanc.runtime.shards import HEADER, ShardData, dtype_for
-from titanc.runtime.tokenizer import (BPETokenizer, ByteTokenizer, StreamDecoder, check_vocab,
+from titanc.runtime.data.corpus import plan, read_piece
+from titanc.runtime.train.evaluate import evaluate
+from titanc.runtime.data.prepare import prepare
+from titanc.runtime.data.shards import HEADER, ShardData, dtype_for
+from titanc.runtime.data.tokenizer import (BPETokenizer, ByteTokenizer, StreamDecoder, check_vocab,
                                       load_tokenizer, save_tokenizer, train_bpe)
-from titanc.spec import load_spec
+from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -385,7 +385,7 @@ def test_eval_bad_inputs(bpe: BPETokenizer, tmp_path: Path,
 
 def test_eval_recall_accuracy_and_a_split_too_short(tmp_path: Path) -> None:
     """--recall scores the argmax at the query positions: an oracle scores 1, a constant 0."""
-    from titanc.runtime.data import SyntheticRecall
+    from titanc.runtime.data.datasets import SyntheticRecall
 
     spec = load_spec(TINY, {"model.seq_len": 32, "train.batch_size": 2})
     oracle = SimpleNamespace(spec=spec, loss=lambda t: 0.0, logits=lambda t: torch.nn.functional

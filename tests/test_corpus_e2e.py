@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from titanc.cli import main
-from titanc.runtime.tokenizer import ByteTokenizer, tokenizer_info
+from titanc.tools.cli import main
+from titanc.runtime.data.tokenizer import ByteTokenizer, tokenizer_info
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -86,8 +86,8 @@ def test_bpe_prepare_train_eval_generate_from_the_repository(
     bpb = result["loss"] * result["tokens"] / math.log(2) / result["bytes"]
     assert result["bits_per_byte"] == pytest.approx(bpb) and 0 < bpb < 8
 
-    from titanc.runtime.generate import Generator
-    from titanc.runtime.tokenizer import load_tokenizer
+    from titanc.runtime.serve.generate import Generator
+    from titanc.runtime.data.tokenizer import load_tokenizer
 
     seen: list[tuple[list[list[int]], list[int]]] = []
     stream = Generator.stream
@@ -131,8 +131,8 @@ _RSS_SCRIPT = r"""
 import json, resource, sys
 import torch
 torch.set_num_threads(1)
-from titanc.runtime.trainer import Trainer
-from titanc.spec import load_spec
+from titanc.runtime.train.trainer import Trainer
+from titanc.model.spec import load_spec
 spec, data, out = sys.argv[1:4]
 
 def status(key):  # this process image's own numbers, in bytes (VmHWM: peak RSS)

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 import titanc  # noqa: E402
 from titanc.errors import TitancError  # noqa: E402
-from titanc.spec import load_spec  # noqa: E402
+from titanc.model.spec import load_spec  # noqa: E402
 
 SMALL = {"model.n_layers": 1, "model.seq_len": 32, "model.attention.segment": 16,
          "model.attention.window": 16, "model.memory.chunk_size": 8, "train.batch_size": 2}
@@ -31,7 +31,7 @@ def test_no_capture_without_cuda() -> None:
         pytest.skip("checks the CPU fallback")
     from titanc.passes.fusion import fuse
     from titanc.passes.memory_plan import plan_memory
-    from titanc.runtime.triton_executor import TritonExecutor
+    from titanc.runtime.targets.triton_executor import TritonExecutor
     from tests.test_memory_plan import small_scan_graph
 
     gen = torch.Generator().manual_seed(0)

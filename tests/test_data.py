@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from titanc.errors import TitancError
-from titanc.runtime import data as data_module
-from titanc.runtime.data import (UNIGRAM_PSEUDOCOUNT, SyntheticRecall, TextData, decode, encode,
+from titanc.runtime.data import datasets as data_module
+from titanc.runtime.data.datasets import (UNIGRAM_PSEUDOCOUNT, SyntheticRecall, TextData, decode, encode,
                                  make_data, recall_accuracy)
-from titanc.spec import load_spec
+from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ import torch
 import tests.reference as R
 import titanc
 from tests.helpers import BLOCKS, TINY, tokens
-from titanc.runtime.generate import DecodeState, Generator, Sampling, sample
+from titanc.runtime.serve.generate import DecodeState, Generator, Sampling, sample
 
 
 def _program(block: str, **extra):
@@ -80,7 +80,7 @@ def test_stop_sequence_ends_a_sequence() -> None:
 
 @pytest.mark.parametrize("block", ["attn", "mac"])
 def test_logprobs_match_reference_and_never_build_full_logits(block: str) -> None:
-    from titanc.frontend import lower_forward
+    from titanc.model.frontend import lower_forward
     from titanc.ir import Op
 
     prog, params = _program(block, **{"train.loss_chunk": 4, "model.vocab_size": 64})
@@ -97,7 +97,7 @@ def test_logprobs_match_reference_and_never_build_full_logits(block: str) -> Non
 
 @pytest.mark.parametrize("block", ["attn", "lmm", "mac", "mag"])
 def test_decode_step_allocates_nothing(block: str) -> None:
-    from titanc.runtime.probe import allocations_during
+    from titanc.runtime.diagnostics.alloc_probe import allocations_during
 
     prog, _ = _program(block, **{"train.dtype": "float32"})
     gen = Generator(prog)

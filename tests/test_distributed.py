@@ -19,15 +19,15 @@ from typing import Any
 import pytest
 import torch
 
-from titanc.cli import main
+from titanc.tools.cli import main
 from titanc.errors import SpecError
-from titanc.runtime.checkpoint import load_checkpoint
-from titanc.runtime.data import SyntheticRecall, TextData
-from titanc.runtime.launch import free_port
-from titanc.runtime.prepare import prepare
-from titanc.runtime.shards import ShardData
-from titanc.runtime.trainer import Trainer, read_metrics
-from titanc.spec import load_spec
+from titanc.runtime.train.checkpoint import load_checkpoint
+from titanc.runtime.data.datasets import SyntheticRecall, TextData
+from titanc.runtime.train.launch import free_port
+from titanc.runtime.data.prepare import prepare
+from titanc.runtime.data.shards import ShardData
+from titanc.runtime.train.trainer import Trainer, read_metrics
+from titanc.model.spec import load_spec
 
 from tests.helpers import compile_each_model_once, one_thread  # noqa: F401 (autouse)
 

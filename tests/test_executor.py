@@ -9,8 +9,8 @@ import titanc
 from tests.helpers import BLOCKS, TINY, tiny_spec, tokens
 from titanc.compiler import compile_graphs
 from titanc.ir import interpret
-from titanc.runtime.executor import ArenaExecutor
-from titanc.runtime.probe import allocations_during
+from titanc.runtime.targets.executor import ArenaExecutor
+from titanc.runtime.diagnostics.alloc_probe import allocations_during
 
 
 @pytest.mark.parametrize("block", BLOCKS)

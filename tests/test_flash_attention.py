@@ -20,10 +20,10 @@ import torch
 
 import tests.reference as R
 from tests.helpers import graphs_nested as _walk, plans_nested as _plans, tiny_spec, tokens
-from titanc.attention import mac_attention, swa
+from titanc.model.attention import mac_attention, swa
 from titanc.codegen.lower.dispatch import render_kernel
 from titanc.compiler import SHARED, compile_graphs
-from titanc.frontend import lower_forward
+from titanc.model.frontend import lower_forward
 from titanc.ir import Builder, Graph, Op, interpret
 from titanc.ir.types import DTYPES
 from titanc.passes.autodiff import grad_graph
@@ -33,9 +33,9 @@ from titanc.passes.fusion import fuse
 from titanc.passes.memory_plan import MemoryPlan, plan_memory
 from titanc.passes.precision import MixedPrecision
 from titanc.passes.schedule import verify_schedule
-from titanc.runtime.executor import ArenaExecutor
-from titanc.runtime.triton_executor import TritonExecutor
-from titanc.spec import load_spec
+from titanc.runtime.targets.executor import ArenaExecutor
+from titanc.runtime.targets.triton_executor import TritonExecutor
+from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTENTION_BLOCKS = ["attn", "mag", "mal", "mac"]
@@ -161,7 +161,7 @@ def test_attention_targets_match_reference(kind: str, T: int, window: int, P: in
 def test_cpu_attention_skips_key_blocks_outside_the_window() -> None:
     """The blocked loop computes only the key blocks a query block can see: causal blocks
     after its last query and window blocks before its first are never computed."""
-    from titanc.runtime.attention_kernels import BLOCK_K, BLOCK_Q, key_runs
+    from titanc.runtime.targets.attention_kernels import BLOCK_K, BLOCK_Q, key_runs
     T, W, P = 512, 64, 4
     a = {"n_q": T, "q_start": 0, "groups": (("all", P, None), ("causal", T, W))}
     n_k, computed = P + T, 0

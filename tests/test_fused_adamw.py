@@ -21,8 +21,8 @@ from titanc.compiler import SHARED, compile_graphs
 from titanc.ir import Op, interpret
 from titanc.passes.fused_adamw import FusedAdamW
 from titanc.passes.optimizer import optimizer_graph
-from titanc.runtime.executor import ArenaExecutor
-from titanc.runtime.triton_executor import TritonExecutor
+from titanc.runtime.targets.executor import ArenaExecutor
+from titanc.runtime.targets.triton_executor import TritonExecutor
 
 
 def _direct(c):

@@ -12,7 +12,7 @@ from titanc.ir import Builder, Graph, Op, verify
 from titanc.passes.fusion import _fuse_graph, fuse, unfused
 from titanc.passes.schedule import (Schedule, ScheduleError, liveness, peak_live_bytes,
                                     verify_schedule)
-from titanc.spec import load_spec
+from titanc.model.spec import load_spec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY_EXAMPLES = sorted(p.name for p in EXAMPLES.glob("tiny*.yaml"))

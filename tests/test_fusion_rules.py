@@ -24,11 +24,11 @@ from titanc.ir import Builder, Graph, Op, interpret, verify
 from titanc.passes.fusion import fuse
 from titanc.passes.memory_plan import plan_memory
 from titanc.passes.schedule import Schedule, verify_schedule
-from titanc.runtime.executor import ArenaExecutor
+from titanc.runtime.targets.executor import ArenaExecutor
 
 pytest.importorskip("triton")
 
-from titanc.runtime.triton_executor import TritonExecutor  # noqa: E402
+from titanc.runtime.targets.triton_executor import TritonExecutor  # noqa: E402
 
 DT = "f64"                                        # graphs in float64: parity to 1e-12
 

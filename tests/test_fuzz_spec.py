@@ -25,9 +25,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import titanc.artifact as artifact  # noqa: E402
-from titanc.cli import main  # noqa: E402
-from titanc.spec import _leaf_paths, spec_to_dict  # noqa: E402
+import titanc.tools.artifact as artifact  # noqa: E402
+from titanc.tools.cli import main  # noqa: E402
+from titanc.model.spec import _leaf_paths, spec_to_dict  # noqa: E402
 
 BASE: dict[str, Any] = {
     "name": "fuzz",

@@ -24,16 +24,16 @@ import torch
 from safetensors.torch import save_file
 
 import titanc
-from titanc.cli import main
+from titanc.tools.cli import main
 from titanc.errors import TitancError
-from titanc.runtime import checkpoint as ckpt_module
-from titanc.runtime.checkpoint import (CHECKPOINT_NAME, RNG_KEY, load_checkpoint,
+from titanc.runtime.train import checkpoint as ckpt_module
+from titanc.runtime.train.checkpoint import (CHECKPOINT_NAME, RNG_KEY, load_checkpoint,
                                        remove_stale_temps, save_checkpoint)
-from titanc.runtime.generate import Generator, Sampling
-from titanc.runtime.rundir import LOCK_NAME, RunDir
-from titanc.runtime.threads import ENV, free_cores, model_threads, resolve_threads
-from titanc.runtime.trainer import Trainer, read_metrics
-from titanc.spec import spec_to_dict
+from titanc.runtime.serve.generate import Generator, Sampling
+from titanc.runtime.train.rundir import LOCK_NAME, RunDir
+from titanc.runtime.train.threads import ENV, free_cores, model_threads, resolve_threads
+from titanc.runtime.train.trainer import Trainer, read_metrics
+from titanc.model.spec import spec_to_dict
 
 # one_thread and compile_once are autouse fixtures
 from .test_trainer import compile_once, one_thread, tiny, train  # noqa: F401
@@ -202,7 +202,7 @@ def test_an_unwritable_out_is_one_line(tmp_path: Path, where: str,
 def test_a_run_directory_that_refuses_writes_is_one_line(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A read-only or immutable directory (root ignores permission bits, so it is simulated)."""
-    import titanc.runtime.trainer as trainer
+    import titanc.runtime.train.trainer as trainer
 
     run = tmp_path / "run"
 
@@ -260,7 +260,7 @@ def test_a_second_trainer_into_a_locked_run_directory_is_refused(tmp_path: Path)
 
 def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    code = ("import sys, time; from titanc.runtime.rundir import RunDir; "
+    code = ("import sys, time; from titanc.runtime.train.rundir import RunDir; "
             f"RunDir({str(run)!r}).acquire(); print('locked', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -392,8 +392,8 @@ def test_damaged_checkpoint_metadata_and_rng_state(tmp_path: Path) -> None:
 
 
 def test_damaged_manifest_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from titanc.inspect import open_artifact
-    from titanc.runtime.tokenizer import load_tokenizer
+    from titanc.tools.inspect import open_artifact
+    from titanc.runtime.data.tokenizer import load_tokenizer
 
     (tmp_path / "manifest.json").write_text(json.dumps({"spec": [1, 2]}))
     with pytest.raises(TitancError, match="not a titanc manifest"):
@@ -480,8 +480,8 @@ def test_help_of_titanc_compile_documents_it() -> None:
 
 def test_train_threads_flag_env_and_default(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    import titanc.runtime.threads as threads
-    import titanc.runtime.trainer as trainer
+    import titanc.runtime.train.threads as threads
+    import titanc.runtime.train.trainer as trainer
 
     seen: list[int] = []
     monkeypatch.setattr(trainer, "run_training",

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_spec
-from titanc import inspect
-from titanc.artifact import write_artifact
-from titanc.cli import main
+from titanc.tools import inspect
+from titanc.tools.artifact import write_artifact
+from titanc.tools.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,9 @@ from titanc.ir import Builder, Graph, Op, interpret
 from titanc.passes.autodiff import grad_graph
 from titanc.passes.linear_cross_entropy import LinearCrossEntropy
 from titanc.passes.memory_plan import holds_logits
-from titanc.runtime import pattern_kernels
-from titanc.runtime.executor import ArenaExecutor
-from titanc.runtime.triton_executor import TritonExecutor
+from titanc.runtime.targets import pattern_kernels
+from titanc.runtime.targets.executor import ArenaExecutor
+from titanc.runtime.targets.triton_executor import TritonExecutor
 
 LCE = (Op.LINEAR_CROSS_ENTROPY, Op.LINEAR_CROSS_ENTROPY_BWD)
 

@@ -16,12 +16,12 @@ from tests.test_fusion import EXAMPLES, TINY_EXAMPLES, example_graphs, example_s
 from titanc.compiler import compile_graphs
 from titanc.ir import Builder, Graph, Interpreter, Op, verify
 from titanc.ir.types import DTYPES, TensorType
-from titanc.params import init_params
+from titanc.model.params import init_params
 from titanc.passes.fusion import fuse
 from titanc.ir.tables import mask_table, rope_table
 from titanc.passes.memory_plan import (ORDERS, view_of, OUTPUT_PREFIX, MemoryPlan, ScanHomes, lower_bound, memory_report, overlaps,
                                        place, place_in_order, plan_memory)
-from titanc.spec import load_spec
+from titanc.model.spec import load_spec
 
 Tensor = torch.Tensor
 
@@ -371,7 +371,7 @@ def test_a_scan_whose_only_result_takes_its_operand_buffer_still_runs() -> None:
     """2 layers (an even scan): the forward plan's layer result shares the embedding gather's
     buffer (`_carry_in_place`); the scan's kernel, all of whose outputs are then aliased, is
     not a no-op (it was skipped once: the loss was the unembedded gather's)."""
-    from titanc.runtime.executor import ArenaExecutor
+    from titanc.runtime.targets.executor import ArenaExecutor
     import tests.reference as R
     spec = tiny_spec(**{"model.block": "attn", "model.n_layers": 2})
     c = compile_graphs(spec)

@@ -1,6 +1,6 @@
 """Issue 12: no kernel without a computing node, in the plans of every example.
 
-A *computing node* computes values (`titanc.step_profile.is_computing`): an elementwise op or
+A *computing node* computes values (`titanc.tools.cost_model.is_computing`): an elementwise op or
 CAST, a reduction (SUM, AMAX, CUMSUM), a contraction (EINSUM), a scatter-add (INDEX_ADD,
 SCATTER_ALONG), a SCAN or a pattern op (ATTENTION, LINEAR_CROSS_ENTROPY, ADAMW, ...). A view
 (RESHAPE, PERMUTE, EXPAND, SLICE), a PAD or CONCAT, a gather (TAKE, TAKE_ALONG), a constant
@@ -24,8 +24,8 @@ import torch
 from titanc.compiler import compile_graphs
 from titanc.ir import Builder, Op, interpret
 from titanc.passes.constants import constants_per_reader
-from titanc.spec import load_spec
-from titanc.step_profile import is_computing
+from titanc.model.spec import load_spec
+from titanc.tools.cost_model import is_computing
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 
@@ -63,8 +63,8 @@ def test_the_embedding_gather_is_the_layer_scans_prologue(monkeypatch) -> None:
     import tests.reference as R
     from titanc.codegen.scan.kernel import count_launches, scan_kernel_for
     from titanc.passes.schedule import scan_prologue
-    from titanc.runtime.executor import ArenaExecutor
-    from titanc.runtime.triton_executor import TritonExecutor
+    from titanc.runtime.targets.executor import ArenaExecutor
+    from titanc.runtime.targets.triton_executor import TritonExecutor
 
     spec = load_spec(ROOT / "examples" / "tiny_attn.yaml", small("tiny_attn"))
     plan = compile_graphs(spec).plans["forward"]

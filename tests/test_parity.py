@@ -10,7 +10,7 @@ import torch
 
 import tests.reference as R
 from tests.helpers import BLOCKS, tiny_spec, tokens
-from titanc.frontend import lower_forward
+from titanc.model.frontend import lower_forward
 from titanc.ir import interpret
 from titanc.passes.autodiff import grad_graph
 

@@ -20,9 +20,9 @@ from titanc.compiler import compile_graphs  # noqa: E402
 from titanc.errors import SpecError  # noqa: E402
 from titanc.ir import Graph, Op, OpGroup  # noqa: E402
 from titanc.passes.memory_plan import memory_report  # noqa: E402
-from titanc.runtime.checkpoint import load_checkpoint  # noqa: E402
-from titanc.runtime.generate import Generator  # noqa: E402
-from titanc.spec import load_spec  # noqa: E402
+from titanc.runtime.train.checkpoint import load_checkpoint  # noqa: E402
+from titanc.runtime.serve.generate import Generator  # noqa: E402
+from titanc.model.spec import load_spec  # noqa: E402
 
 from .conftest import EXAMPLES  # noqa: E402
 
@@ -300,8 +300,8 @@ def test_emitted_bf16_program_matches_the_cpu_executor(tmp_path: Path, monkeypat
     import titanc.codegen.emit as emit
     import titanc.codegen.lower.dispatch as dispatch
     from titanc.codegen.scan.index import ScanFallback
-    from titanc.params import init_params
-    from titanc.runtime.executor import ArenaExecutor
+    from titanc.model.params import init_params
+    from titanc.runtime.targets.executor import ArenaExecutor
 
     if not scan_kernels:
         def refuse(*args, **kwargs):

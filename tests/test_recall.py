@@ -62,7 +62,7 @@ def test_mac_recalls_better_than_attention_baseline() -> None:
 def test_recall_alphabet_options() -> None:
     """n_keys / n_values / filler_tokens narrow the token alphabets; defaults are unchanged."""
     from titanc.errors import TitancError
-    from titanc.runtime.data import SyntheticRecall
+    from titanc.runtime.data.datasets import SyntheticRecall
 
     task = SyntheticRecall(8, 16, seed=0, n_pairs=2, n_queries=2, n_keys=2, n_values=6,
                            filler_tokens=1)

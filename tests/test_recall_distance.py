@@ -1,5 +1,5 @@
 """Recall against distance: the distance-controlled recall layout, the memory diagnostics
-(runtime/memory_stats.py) checked against the float64 reference, `train.memory_stats_every`
+(runtime/diagnostics/neural_memory.py) checked against the float64 reference, `train.memory_stats_every`
 in metrics.jsonl, and `titanc eval RUN --task recall`. The long-range sweep itself is
 benchmarks/recall_distance.py (minutes); these stay fast."""
 
@@ -17,12 +17,12 @@ import titanc
 from tests.helpers import tiny_spec, tokens
 from tests.reference.memory import gates, initial_state, projections
 from tests.reference.ops import layer_params, rmsnorm
-from titanc.cli import main
+from titanc.tools.cli import main
 from titanc.errors import TitancError
-from titanc.runtime.data import SyntheticRecall
-from titanc.runtime.evaluate import recall_seq_len
-from titanc.runtime.memory_stats import memory_stats
-from titanc.runtime.trainer import read_metrics
+from titanc.runtime.data.datasets import SyntheticRecall
+from titanc.runtime.train.evaluate import recall_seq_len
+from titanc.runtime.diagnostics.neural_memory import memory_stats
+from titanc.runtime.train.trainer import read_metrics
 
 LAYOUT = {"n_pairs": 3, "n_queries": 2, "n_keys": 4, "n_values": 6, "filler_tokens": 3}
 

@@ -10,7 +10,7 @@ from titanc.compiler import compile_graphs
 from titanc.ir import Graph, Op, interpret, largest_tensor_bytes
 from titanc.passes.chunked_loss import ChunkedLoss
 from titanc.passes.remat import Policy, mincut_saves, saved_bytes
-from titanc.frontend import lower_forward
+from titanc.model.frontend import lower_forward
 
 SETTINGS = [
     {"train.remat": "none", "train.loss_chunk": 0},

@@ -31,8 +31,8 @@ from tests.helpers import one_step_on_both_targets, one_thread, tiny_spec, token
 from titanc.compiler import compile_graphs
 from titanc.errors import TitancError
 from titanc.ir import Op, interpret
-from titanc.runtime.executor import ArenaExecutor
-from titanc.spec import load_spec
+from titanc.runtime.targets.executor import ArenaExecutor
+from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"model.seq_len": 32, "model.memory.chunk_size": 2, "model.attention.segment": 8,

@@ -28,8 +28,8 @@ from tests.helpers import (BLOCKS, one_step_on_both_targets, one_thread,  # noqa
 from titanc.compiler import compile_graphs
 from titanc.ir import Op, interpret
 from titanc.passes.memory_plan import MemoryPlan
-from titanc.runtime.executor import ArenaExecutor
-from titanc.spec import load_spec
+from titanc.runtime.targets.executor import ArenaExecutor
+from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"model.seq_len": 32, "model.memory.chunk_size": 2, "model.attention.segment": 8}
@@ -143,7 +143,7 @@ def test_per_segment_shrinks_the_large_like_arena() -> None:
 @pytest.mark.parametrize("example", ["tiny", pytest.param("tiny_mal", marks=pytest.mark.slow)])
 def test_per_segment_triton_matches_cpu_float64(example: str) -> None:
     """The FFN chunk scan and the segmented MAC body on the (interpreted) triton target."""
-    from titanc.runtime.triton_executor import TritonExecutor
+    from titanc.runtime.targets.triton_executor import TritonExecutor
 
     pytest.importorskip("triton")
     over = {"model.d_model": 8, "model.n_layers": 1, "model.seq_len": 8, "model.vocab_size": 16,
@@ -168,7 +168,7 @@ def test_rows_per_group_auto() -> None:
     """Auto (remat_rows 0): large_125m's MAC (S 512, D 768: 1.5 MiB a sequence) runs one
     sequence at a time; the benchmark's (S 64, D 128: 32 KiB) keeps its batch of 4 together;
     an explicit count is rounded down to a divisor of the batch."""
-    from titanc.blocks import Parallel
+    from titanc.model.blocks import Parallel
 
     m = _large_like("per_segment").model
     assert Parallel(None, {}, m, True)._rows_per_group(8, 512, 768) == 1   # type: ignore[arg-type]
@@ -180,7 +180,7 @@ def test_memory_stats_unchanged_by_per_segment() -> None:
     """Only the loss graph (forward, training) is segmented: the logits graph that
     runtime.memory_stats watches keeps one chunk scan per layer over the whole batch."""
     import titanc
-    from titanc.runtime.memory_stats import memory_stats
+    from titanc.runtime.diagnostics.neural_memory import memory_stats
 
     stats = []
     for remat in ("per_layer", "per_segment"):

@@ -49,8 +49,8 @@ from titanc.ir import Interpreter, Op
 from titanc.ir.structural import scan_ref
 from titanc.ir.tables import mask_table, rope_table
 from titanc.passes.schedule import is_immediate
-from titanc.runtime.triton_executor import TritonExecutor, count_launches
-from titanc.spec import load_spec
+from titanc.runtime.targets.triton_executor import TritonExecutor, count_launches
+from titanc.model.spec import load_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning",
@@ -387,7 +387,7 @@ from triton.compiler import ASTSource
 from titanc.codegen.render import load_module
 from titanc.codegen.scan.kernel import render_scan
 from titanc.compiler import compile_graphs
-from titanc.spec import load_spec
+from titanc.model.spec import load_spec
 
 from titanc.ir import Op
 
@@ -426,7 +426,7 @@ def test_scan_kernel_compiles_for_sm90() -> None:
 
 
 def test_report_counts_launches_per_target_and_says_why_a_scan_stays_a_loop(tmp_path) -> None:
-    from titanc.cli import main
+    from titanc.tools.cli import main
 
     assert main(["compile", str(ROOT / "examples" / "tiny.yaml"), "-o", str(tmp_path / "b")]) == 0
     report = json.loads((tmp_path / "b" / "report.json").read_text())

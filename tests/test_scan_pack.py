@@ -13,7 +13,7 @@ from titanc.codegen.scan.kernel import render_scan
 from titanc.codegen.scan.pack import BARRIER, lifetimes, pack, wsoff
 from titanc.compiler import compile_graphs
 from titanc.ir import Op
-from titanc.spec import load_spec
+from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 

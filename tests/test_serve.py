@@ -24,10 +24,10 @@ from typing import Any, Iterator
 import pytest
 
 import titanc
-from titanc.cli import main
-from titanc.runtime.codec import Codec, codec_for
-from titanc.runtime.engine import Engine, Request
-from titanc.runtime.generate import Generator, Sampling
+from titanc.tools.cli import main
+from titanc.runtime.serve.codec import Codec, codec_for
+from titanc.runtime.serve.engine import Engine, Request
+from titanc.runtime.serve.generate import Generator, Sampling
 
 openai = pytest.importorskip("openai")
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-import titanc.spec as spec_module
+import titanc.model.spec as spec_module
 from titanc.errors import SpecError, TitancError
-from titanc.spec import (
+from titanc.model.spec import (
     ModelSpec, Spec, load_spec, parse_set_args, spec_hash, spec_to_dict,
 )
 

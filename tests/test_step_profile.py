@@ -1,4 +1,4 @@
-"""report.json `step` (titanc/step_profile.py): kernels by family, modeled bytes and FLOPs per
+"""report.json `step` (titanc/tools/cost_model.py): kernels by family, modeled bytes and FLOPs per
 training step, before and after the pattern passes; issue 12's kernel-count acceptance."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from titanc.compiler import compile_graphs
-from titanc.spec import load_spec
+from titanc.model.spec import load_spec
 from titanc.ir import Op
-from titanc.step_profile import compiled_profile, is_computing, launched_kernels, step_profile
+from titanc.tools.cost_model import compiled_profile, is_computing, launched_kernels, step_profile
 from tests.helpers import plans_nested as _plans
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

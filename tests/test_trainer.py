@@ -13,12 +13,12 @@ import torch
 import yaml
 
 import titanc
-from titanc.cli import main
+from titanc.tools.cli import main
 from titanc.errors import TitancError
-from titanc.runtime.checkpoint import load_checkpoint
-from titanc.runtime.lr_schedule import lr_at
-from titanc.runtime.trainer import Trainer, read_metrics, run_training
-from titanc.spec import Spec, load_spec, spec_to_dict
+from titanc.runtime.train.checkpoint import load_checkpoint
+from titanc.runtime.train.lr_schedule import lr_at
+from titanc.runtime.train.trainer import Trainer, read_metrics, run_training
+from titanc.model.spec import Spec, load_spec, spec_to_dict
 
 from tests.helpers import compile_each_model_once, one_thread  # noqa: F401 (autouse)
 
@@ -233,7 +233,7 @@ def test_trainer_class_exposes_the_run(tmp_path: Path) -> None:
 
 
 def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from titanc import demo
+    from titanc.tools import demo
 
     assert demo.make_corpus(2000) == demo.make_corpus(2000)
     assert demo.main(["--steps", "2", "--out", str(tmp_path / "demo")]) == 0

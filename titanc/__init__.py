@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import SpecError, TitancError
-from .spec import Spec, load_spec
+from titanc.errors import SpecError, TitancError
+from titanc.model.spec import Spec, load_spec
 
 __version__ = "0.1.0"
 
@@ -23,7 +23,7 @@ def compile(spec: Any, **overrides: Any) -> "Program":
         A `Program` holding freshly initialised parameters: `train_step(tokens)`,
         `loss(tokens)`, `logits(tokens)`, `grads(tokens)`, `parameters()`, `state_dict()`;
         tokens are int64 ids in [0, model.vocab_size) shaped [batch, seq_len + 1]. Generate
-        text with `titanc.runtime.generate.Generator(program)`.
+        text with `titanc.runtime.serve.generate.Generator(program)`.
 
     Raises:
         SpecError: the spec is invalid (the message names the field and the fix).
@@ -48,7 +48,7 @@ def load(path: Any, **overrides: Any) -> "Program":
     import json
     from pathlib import Path
 
-    from titanc.runtime.checkpoint import checkpoint_path, load_checkpoint, restore
+    from titanc.runtime.train.checkpoint import checkpoint_path, load_checkpoint, restore
 
     p = Path(path)
     manifest = p / "manifest.json"

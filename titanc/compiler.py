@@ -43,10 +43,10 @@ from titanc.passes.optimizer import optimizer_graph
 from titanc.passes.precision import MixedPrecision
 from titanc.passes.split_casts import SplitCasts
 
-from .decode import lower_step, lower_write
-from .frontend import lower_forward
-from .params import ParamSpec, param_specs
-from .spec import Spec
+from titanc.model.decode import lower_step, lower_write
+from titanc.model.frontend import lower_forward
+from titanc.model.params import ParamSpec, param_specs
+from titanc.model.spec import Spec
 
 # forward: the loss; training: loss and gradients; optimizer: clip + AdamW; logits / logprobs:
 # the forward with another output; decode_step: n new tokens given each layer's state;
@@ -75,7 +75,7 @@ class Compiled:
     graphs: dict[Any, CompiledGraph] = field(default_factory=dict)
     patterns: bool = True          # the pattern passes (flash attention, fused linear
                                    # cross-entropy, fused AdamW); off only
-                                   # to measure what they save (`titanc.step_profile`)
+                                   # to measure what they save (`titanc.tools.cost_model`)
 
     # the training kinds, as the tests, inspection and codegen read them
     @property
@@ -217,7 +217,7 @@ def compile_graphs(spec: Spec, batch: int | None = None, verify_each: bool = Tru
                    patterns: bool = True, dumps: bool = True) -> Compiled:
     """Lower `spec` and compile its training graphs (forward, training, optimizer); the other
     kinds compile on first use. Allocates no model-sized tensors. `patterns=False` leaves the
-    pattern passes out (flash attention, fused AdamW): the 'before' of `titanc.step_profile`.
+    pattern passes out (flash attention, fused AdamW): the 'before' of `titanc.tools.cost_model`.
     `dumps=False` keeps no graph per pass (`log.dumps` empty: a program that only runs)."""
     c = Compiled(spec, batch or spec.train.batch_size, param_specs(spec.model),
                  PassLog(verify_each=verify_each, keep_dumps=dumps), patterns=patterns)

@@ -29,10 +29,10 @@ def _itemsize(spec: Any) -> int:
 
 
 def decode_state_bytes(spec: Any, batch: int = 1) -> int:
-    """Bytes of a decoding state of `batch` sequences (titanc.decode.state_shapes, L layers)."""
+    """Bytes of a decoding state of `batch` sequences (titanc.model.decode.state_shapes, L layers)."""
     from math import prod
 
-    from titanc.decode import state_shapes
+    from titanc.model.decode import state_shapes
 
     m = spec.model
     elems = sum(prod(s) for s in state_shapes(m, batch).values())
@@ -41,7 +41,7 @@ def decode_state_bytes(spec: Any, batch: int = 1) -> int:
 
 def state_bytes(spec: Any) -> int:
     """What runtime.program.Program holds per parameter: itself, 2 gradient buffers, 2 moments."""
-    from titanc.params import param_count
+    from titanc.model.params import param_count
 
     return 5 * param_count(spec.model) * _itemsize(spec)
 

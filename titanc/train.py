@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from titanc.cli import main
+from titanc.tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main(["train", *sys.argv[1:]]))

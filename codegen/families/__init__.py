@@ -23,16 +23,16 @@ Each renderer returns module source; `render.load_module(source, name)` imports 
 
 from __future__ import annotations
 
-from ..meta import LAUNCH_LOCALS
-from .cumsum import CUMSUM_KERNEL_LOCALS, CumsumScan, render_cumsum
-from .fixed import (
+from titanc.codegen.meta import LAUNCH_LOCALS
+from titanc.codegen.families.cumsum import CUMSUM_KERNEL_LOCALS, CumsumScan, render_cumsum
+from titanc.codegen.families.fixed import (
     ATTENTION_KERNEL_LOCALS,
     KeyGroup,
     render_attention_bwd,
     render_attention_fwd,
     render_cross_entropy,
 )
-from .fused import (
+from titanc.codegen.families.fused import (
     MATMUL_KERNEL_LOCALS,
     POINTWISE_KERNEL_LOCALS,
     REDUCTION_KERNEL_LOCALS,
@@ -41,7 +41,7 @@ from .fused import (
     render_pointwise,
     render_reduction,
 )
-from .scatter import render_scatter_along, render_segment_sum
+from titanc.codegen.families.scatter import render_scatter_along, render_segment_sum
 
 __all__ = [
     "TEMPLATE_LOCALS",

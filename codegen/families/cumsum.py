@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..lower.expr import Scope
-from .fused import indexed_tensors
-from ..meta import LAUNCH_LOCALS, check_block, compute_dtype, pow2
-from ..render import render
+from titanc.codegen.lower.expr import Scope
+from titanc.codegen.families.fused import indexed_tensors
+from titanc.codegen.meta import LAUNCH_LOCALS, check_block, compute_dtype, pow2
+from titanc.codegen.render import render
 
 __all__ = ["CUMSUM_KERNEL_LOCALS", "CumsumScan", "render_cumsum"]
 

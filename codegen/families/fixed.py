@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..meta import LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2
-from ..render import Namer, render, sanitize_comment
+from titanc.codegen.meta import LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2
+from titanc.codegen.render import Namer, render, sanitize_comment
 
 __all__ = [
     "ATTENTION_KERNEL_LOCALS",

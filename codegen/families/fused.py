@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..lower.expr import Scope, slice_statements
-from ..meta import LAUNCH_LOCALS, Tile, check_block, compute_dtype, dot_precision, pow2
-from ..render import render
+from titanc.codegen.lower.expr import Scope, slice_statements
+from titanc.codegen.meta import LAUNCH_LOCALS, Tile, check_block, compute_dtype, dot_precision, pow2
+from titanc.codegen.render import render
 
 __all__ = [
     "MATMUL_KERNEL_LOCALS",

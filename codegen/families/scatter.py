@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..meta import check_block, compute_dtype
-from ..render import render
+from titanc.codegen.meta import check_block, compute_dtype
+from titanc.codegen.render import render
 
 __all__ = ["index_add_work", "render_scatter_along", "render_segment_sum"]
 

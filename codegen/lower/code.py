@@ -13,8 +13,8 @@ from typing import Any
 from titanc.ir import Graph
 from titanc.ir.types import TensorType
 
-from .indexing import Ix, Section
-from .nodes import KernelLowering
+from titanc.codegen.lower.indexing import Ix, Section
+from titanc.codegen.lower.nodes import KernelLowering
 
 __all__ = ["KernelCode", "TensorArg", "code_of", "graph_dtype", "index_tile", "indexed_args",
            "store"]

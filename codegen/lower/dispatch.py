@@ -40,16 +40,16 @@ from titanc.ir.shapes import parse_einsum
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, prologue_kernel
 
-from ..families.fused import MatmulContraction, render_matmul, render_pointwise
-from ..families.scatter import render_scatter_along, render_segment_sum
-from ..meta import compute_dtype, matmul_tiles, needs_int64, pow2, value_dtype
-from ..meta import mma16 as mma16_dtype
-from ..scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
-from .code import KernelCode, TensorArg, code_of, graph_dtype, index_tile, indexed_args, store
-from .indexing import Ix, Names, Section, delinearize, reshape_coords
-from .nodes import KernelLowering, Val
-from .patterns import render_pattern
-from .rows import lower_cumsum, lower_reduction
+from titanc.codegen.families.fused import MatmulContraction, render_matmul, render_pointwise
+from titanc.codegen.families.scatter import render_scatter_along, render_segment_sum
+from titanc.codegen.meta import compute_dtype, matmul_tiles, needs_int64, pow2, value_dtype
+from titanc.codegen.meta import mma16 as mma16_dtype
+from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
+from titanc.codegen.lower.code import KernelCode, TensorArg, code_of, graph_dtype, index_tile, indexed_args, store
+from titanc.codegen.lower.indexing import Ix, Names, Section, delinearize, reshape_coords
+from titanc.codegen.lower.nodes import KernelLowering, Val
+from titanc.codegen.lower.patterns import render_pattern
+from titanc.codegen.lower.rows import lower_cumsum, lower_reduction
 
 __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
 

@@ -21,7 +21,7 @@ import ast
 import math
 from collections.abc import Iterable, Sequence
 
-from ..render import Namer, sanitize_identifier
+from titanc.codegen.render import Namer, sanitize_identifier
 
 __all__ = [
     "POINTWISE_OPS",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Sequence
 
-from .expr import check_statement
+from titanc.codegen.lower.expr import check_statement
 
 __all__ = ["Ix", "Names", "Section", "broadcast_coords", "const", "delinearize", "linearize",
            "reshape_coords", "shift"]

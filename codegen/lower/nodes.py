@@ -36,8 +36,8 @@ from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.types import TensorType
 from titanc.passes.schedule import Kernel, is_immediate
 
-from .expr import format_number
-from .indexing import (Ix, Section, broadcast_coords, const, delinearize, reshape_coords,
+from titanc.codegen.lower.expr import format_number
+from titanc.codegen.lower.indexing import (Ix, Section, broadcast_coords, const, delinearize, reshape_coords,
                        shift)
 
 __all__ = ["KernelLowering", "Val", "GATHERS"]

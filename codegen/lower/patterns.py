@@ -26,11 +26,11 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.attention import split
 from titanc.passes.schedule import Kernel
 
-from ..families.fixed import (KeyGroup, render_attention_bwd, render_attention_fwd,
+from titanc.codegen.families.fixed import (KeyGroup, render_attention_bwd, render_attention_fwd,
                              render_cross_entropy)
-from .code import KernelCode, TensorArg
-from ..meta import compute_dtype, needs_int64
-from ..render import render
+from titanc.codegen.lower.code import KernelCode, TensorArg
+from titanc.codegen.meta import compute_dtype, needs_int64
+from titanc.codegen.render import render
 
 __all__ = ["SCRATCH", "key_groups", "render_pattern"]
 

@@ -12,12 +12,12 @@ from math import prod
 
 from titanc.ir import Op
 
-from ..families.cumsum import CumsumScan, render_cumsum
-from ..families.fused import ReductionStage, render_reduction
-from .indexing import Ix, Names, Section, const, delinearize, reshape_coords
-from .code import KernelCode, TensorArg, code_of, index_tile, indexed_args, store
-from .nodes import KernelLowering, Val
-from ..meta import needs_int64, pow2
+from titanc.codegen.families.cumsum import CumsumScan, render_cumsum
+from titanc.codegen.families.fused import ReductionStage, render_reduction
+from titanc.codegen.lower.indexing import Ix, Names, Section, const, delinearize, reshape_coords
+from titanc.codegen.lower.code import KernelCode, TensorArg, code_of, index_tile, indexed_args, store
+from titanc.codegen.lower.nodes import KernelLowering, Val
+from titanc.codegen.meta import needs_int64, pow2
 
 __all__ = ["MAX_ROW_BLOCK", "lower_cumsum", "lower_reduction"]
 

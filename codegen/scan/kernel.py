@@ -79,11 +79,11 @@ from titanc.passes.flash_attention import expand_attention
 from titanc.passes.memory_plan import MemoryPlan
 from titanc.passes.schedule import Kernel, is_immediate, scan_prologue
 
-from ..lower.code import graph_dtype
-from ..meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
-from ..render import render, sanitize_identifier
-from .index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
-from .stages import _ScanGen
+from titanc.codegen.lower.code import graph_dtype
+from titanc.codegen.meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
+from titanc.codegen.render import render, sanitize_identifier
+from titanc.codegen.scan.index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
+from titanc.codegen.scan.stages import _ScanGen
 
 __all__ = ["MAX_SERIAL", "MAX_SERIAL_NESTING", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
            "render_scan"]

@@ -11,11 +11,11 @@ from typing import Any, Callable, Iterator
 
 from titanc.ir import Graph, Node, Op, OpGroup
 
-from ..meta import mma16, pow2, value_dtype
-from ..render import sanitize_comment
-from .index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
+from titanc.codegen.meta import mma16, pow2, value_dtype
+from titanc.codegen.render import sanitize_comment
+from titanc.codegen.scan.index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
                          _PaxError, _RegMiss, _delin, _local)
-from .values import LOW_CASTS, _Emitter
+from titanc.codegen.scan.values import LOW_CASTS, _Emitter
 
 
 class _Redo(Exception):

@@ -13,10 +13,10 @@ from math import prod
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 
-from ..lower.expr import format_number
-from .index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS,
+from titanc.codegen.lower.expr import format_number
+from titanc.codegen.scan.index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS,
                          _PaxError, _RegMiss, _TooBig, _bcast, _delin, _lin, _local, _sum)
-from .pack import pack, wsoff
+from titanc.codegen.scan.pack import pack, wsoff
 
 def _bare(c: str) -> str:
     """`c` without redundant outer parentheses ("(rm3)" -> "rm3")."""

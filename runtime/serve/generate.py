@@ -1,0 +1,430 @@
+"""Generator: parallel prefill and token-by-token decoding over the compiled step graphs.
+
+The host keeps, per sequence, its position, the ring buffers the step graph reads, and the
+pending items of the memory chunk in progress; when a chunk completes it runs the write
+graph (and, for mac, starts the next segment). Nothing here grows with context length.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from titanc.errors import TitancError
+from titanc.ir.tables import rope_inv_freq
+
+Tensor = torch.Tensor
+NEG_INF = -math.inf
+
+
+@dataclass
+class DecodeState:
+    """Everything a batch of sequences carries between steps (leading L on layer tensors)."""
+    tensors: dict[str, Tensor]                # the decode step graph's state.<name> inputs
+    pending: dict[str, Tensor]                # items of the memory chunk in progress
+    pos: list[int]                            # next position of each sequence
+    slot_pos: Tensor                          # (B, W) position held by each ring slot, -1 empty
+
+    @property
+    def batch(self) -> int:
+        return len(self.pos)
+
+    @staticmethod
+    def cat(states: Sequence["DecodeState"]) -> "DecodeState":
+        def join(key: str, get: Callable[[DecodeState], dict[str, Tensor]]) -> Tensor:
+            return torch.cat([get(s)[key] for s in states], 1)
+        first = states[0]
+        return DecodeState({k: join(k, lambda s: s.tensors) for k in first.tensors},
+                           {k: join(k, lambda s: s.pending) for k in first.pending},
+                           [p for s in states for p in s.pos],
+                           torch.cat([s.slot_pos for s in states]))
+
+    def put(self, b: int, src: "DecodeState", j: int = 0) -> None:
+        """Copy sequence j of `src` into sequence b of this state, in place: a serving engine
+        keeps a fixed batch of slots and moves a prefilled sequence into a free one."""
+        for mine, theirs in ((self.tensors, src.tensors), (self.pending, src.pending)):
+            for k, t in mine.items():
+                t[:, b].copy_(theirs[k][:, j])
+        self.pos[b] = src.pos[j]
+        self.slot_pos[b].copy_(src.slot_pos[j])
+
+
+class _HostInputs:
+    """Preallocated host-side inputs of an n-token step for B sequences, filled in place
+    (so a decode step allocates nothing)."""
+
+    def __init__(self, gen: "Generator", B: int, n: int):
+        m, dt = gen.m, gen.dtype
+        half = m.d_model // m.attention.heads // 2
+        self.cos = torch.zeros(B, n, half, dtype=dt)
+        self.sin = torch.zeros(B, n, half, dtype=dt)
+        self.inv = rope_inv_freq(half)                  # the ROPE nodes' frequencies
+        self.t = torch.arange(n, dtype=torch.float64)
+        self.pos = torch.zeros(n, dtype=torch.float64)
+        self.ang = torch.zeros(n, half, dtype=torch.float64)
+        self.trig = torch.zeros(n, half, dtype=torch.float64)
+        bias = gen.prog.graph("decode_step", B, n).graph.input_types().get("attn_bias")
+        self.bias = torch.zeros(B, n, bias.shape[-1] if bias else 0, dtype=dt)
+        self.mask = torch.zeros(B, dtype=dt)
+        W = m.attention.window
+        t = torch.arange(n)
+        causal = t[None, :] <= t[:, None]
+        if not m.kind.segment:
+            causal = causal & (t[:, None] - t[None, :] < W)
+        self.new_keys = torch.zeros(n, n, dtype=dt).masked_fill(~causal, NEG_INF)
+        self.ti = torch.arange(n)[:, None]                 # (n, 1) int64
+        self.q = torch.zeros(n, 1, dtype=torch.int64)
+        self.diff = torch.zeros(n, W, dtype=torch.int64)
+        self.seen = torch.zeros(W, dtype=torch.bool)
+        self.hide = torch.zeros(n, W, dtype=torch.bool)
+        self.at = torch.zeros(B, dtype=torch.int64)        # per sequence: position, then slot
+        self.slot = torch.zeros(B, dtype=torch.int64)
+
+
+@dataclass
+class Sampling:
+    """How the next token is drawn; every field is checked here, so a bad value is one
+    TitancError, never a torch error (or a NaN temperature silently sampling greedily)."""
+    temperature: float = 1.0                 # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0                            # in [0, 2**64)
+    stop: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise TitancError(f"temperature: {t!r} must be a finite number >= 0 (0 is greedy)")
+        if self.top_k is not None and (isinstance(self.top_k, bool)
+                                       or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise TitancError(f"top_k: {self.top_k!r} must be a positive integer")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                              or not 0 < p <= 1):
+            raise TitancError(f"top_p: {p!r} must be in (0, 1]")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed < 2**64:
+            raise TitancError(f"seed: {str(self.seed)[:30]} must be an integer in [0, 2**64)")
+
+
+def _flushing_denormals() -> bool:
+    """Does the CPU flush subnormal floats to zero now (torch has no getter)?"""
+    return float(torch.tensor(5e-324, dtype=torch.float64) * 2.0) == 0.0
+
+
+@contextmanager
+def _flush_denormals(restore: bool) -> Iterator[None]:
+    """Subnormal floats flushed to zero inside, `restore` (the caller's setting) after. The
+    memory weights decay geometrically; on CPU, once they turn subnormal every op on them
+    slows down ~2x (measured after ~8k decoded tokens)."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(restore)
+
+
+class Generator:
+    def __init__(self, prog: Any, tokenizer: Any = None):
+        """`tokenizer` (runtime/data/tokenizer.py; default bytes) decodes output for stop sequences."""
+        self.prog = prog
+        self.tokenizer = tokenizer
+        self.spec = prog.spec
+        self.m = prog.spec.model
+        self.dtype = prog.dtype
+        self.kind = self.m.kind                           # what the block kind is made of
+        self.has_memory = self.kind.memory
+        self._flush_after = _flushing_denormals()        # the caller's setting, restored
+        self.chunk = self.m.memory.chunk_size if self.has_memory else 16
+        self._graphs: dict[tuple, Any] = {}
+
+    # -- graphs -------------------------------------------------------------------------------
+    def new_state(self, batch: int) -> DecodeState:
+        L = self.m.n_layers
+        tensors = self._zeros("decode_step", batch, "state.")
+        pending: dict[str, Tensor] = {}
+        if self.has_memory:
+            pending = self._zeros("decode_write", batch, "pending.")
+            params = self.prog.parameters()
+            for i in range(1, self.m.memory.depth + 1):
+                w0 = params[f"layers.mem_w{i}"].to(self.dtype)          # (L, Nm, o, i)
+                tensors[f"W{i}"] = w0[:, None].expand(L, batch, *w0.shape[1:]).clone()
+                if self.kind.segment:
+                    tensors[f"Wseg{i}"] = tensors[f"W{i}"].clone()
+        window = self.m.attention.window if self.kind.window else 1
+        return DecodeState(tensors, pending, [0] * batch,
+                           torch.full((batch, window), -1, dtype=torch.int64))
+
+    def _zeros(self, kind: str, batch: int, prefix: str) -> dict[str, Tensor]:
+        """Zeros shaped like the `prefix`-named inputs of a compiled graph, by short name."""
+        types = self.prog.graph(kind, batch).graph.input_types()
+        return {k.removeprefix(prefix): torch.zeros(*t.shape, dtype=self.dtype)
+                for k, t in types.items() if k.startswith(prefix)}
+
+    # -- host inputs --------------------------------------------------------------------------
+    def _host(self, B: int, n: int) -> _HostInputs:
+        key = ("host", B, n)
+        if key not in self._graphs:
+            self._graphs[key] = _HostInputs(self, B, n)
+        return self._graphs[key]
+
+    def _fill_rope(self, h: _HostInputs, b: int, start: int) -> None:
+        torch.add(h.t, float(start), out=h.pos)
+        torch.outer(h.pos, h.inv, out=h.ang)
+        h.cos[b].copy_(torch.cos(h.ang, out=h.trig))
+        h.sin[b].copy_(torch.sin(h.ang, out=h.trig))
+
+    def _fill_bias(self, h: _HostInputs, st: DecodeState, b: int, n: int) -> None:
+        m = self.m
+        P = m.attention.persistent_tokens
+        row = h.bias[b]                                             # (n, keys)
+        row[:, :P].zero_()
+        if m.kind.segment:
+            S = m.attention.segment
+            i0 = st.pos[b] % S                                       # cache slots j < i0 filled
+            for start in (P, P + S + n):
+                row[:, start:start + i0].zero_()
+                row[:, start + i0:start + S].fill_(NEG_INF)
+                row[:, start + S:start + S + n].copy_(h.new_keys)
+            return
+        W = m.attention.window
+        held = st.slot_pos[b]                                        # (W,)
+        torch.add(h.ti, st.pos[b], out=h.q)                          # query positions
+        torch.sub(h.q, held, out=h.diff)
+        torch.ge(held, 0, out=h.seen)
+        torch.lt(h.diff, W, out=h.hide)
+        torch.logical_and(h.hide, h.seen, out=h.hide)
+        torch.logical_not(h.hide, out=h.hide)
+        ring = row[:, P:P + W]
+        ring.zero_()
+        ring.masked_fill_(h.hide, NEG_INF)
+        row[:, P + W:].copy_(h.new_keys)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self, st: DecodeState, tokens: Tensor) -> Tensor:
+        """Run n new tokens (B, n) through every layer; returns logits (B, n, V), a view that
+        the next step overwrites (clone to keep it). Allocates nothing after warm-up.
+
+        The n tokens must lie in one memory chunk (n = 1, or a whole aligned chunk)."""
+        B, n = tokens.shape
+        if n > self.chunk or (n > 1 and any(p % self.chunk for p in st.pos)):
+            raise TitancError(f"a {n}-token step must start a memory chunk of {self.chunk}")
+        inputs: dict[str, Tensor] = {"tokens": tokens}
+        inputs.update({f"state.{k}": v for k, v in st.tensors.items()})
+        if self.kind.attention:
+            h = self._host(B, n)
+            S = self.m.attention.segment
+            for b in range(B):
+                self._fill_rope(h, b, st.pos[b] % S if self.kind.segment else st.pos[b])
+                self._fill_bias(h, st, b, n)
+            inputs.update(rope_cos=h.cos, rope_sin=h.sin, attn_bias=h.bias)
+        with _flush_denormals(self._flush_after):
+            out = self.prog._run(self.prog.graph("decode_step", B, n), inputs)
+        self._absorb(st, out, n)
+        return out["logits"]
+
+    def _absorb(self, st: DecodeState, out: dict[str, Tensor], n: int) -> None:
+        m, B = self.m, st.batch
+        for k in st.tensors:
+            if k.startswith("conv_"):
+                st.tensors[k].copy_(out[f"new.{k}"])
+        ring = ("k", "v") if m.kind.window else ()
+        seg = ("hk", "hv", "uk", "uv") if m.kind.segment else ()
+        items = ("mk", "mv", "theta", "log_eta", "log_keep") if self.has_memory else ()
+        if n == 1 and B > 1:
+            self._absorb_one(st, out, ring, seg, items)
+        else:
+            self._absorb_loop(st, out, n, ring, seg, items)
+        st.pos = [p + n for p in st.pos]
+        if self.has_memory:
+            done = [p % self.chunk == 0 for p in st.pos]
+            if any(done):
+                self._write(st, done)
+
+    def _absorb_one(self, st: DecodeState, out: dict[str, Tensor], ring: tuple[str, ...],
+                    seg: tuple[str, ...], items: tuple[str, ...]) -> None:
+        """One new token per sequence: each output lands at its sequence's own time slot
+        (dim 3), one scatter per tensor for the whole batch instead of one copy per row."""
+        h = self._host(st.batch, 1)
+        for b, p in enumerate(st.pos):
+            h.at[b].fill_(p)
+        for names, period, dst, fmt in ((ring, self.m.attention.window, st.tensors,
+                                         "{}_cache"),
+                                        (seg, self.m.attention.segment, st.tensors, "{}"),
+                                        (items, self.chunk, st.pending, "{}")):
+            if not names:
+                continue
+            torch.remainder(h.at, period, out=h.slot)
+            for name in names:
+                src = out[f"new.{name}_new"] if dst is st.tensors else out[f"new.{name}"]
+                view = [1] * src.dim()
+                view[1] = st.batch
+                dst[fmt.format(name)].scatter_(3, h.slot.view(view).expand(src.shape), src)
+            if names is ring:
+                st.slot_pos.scatter_(1, h.slot[:, None], h.at[:, None])
+
+    def _absorb_loop(self, st: DecodeState, out: dict[str, Tensor], n: int,
+                     ring: tuple[str, ...], seg: tuple[str, ...], items: tuple[str, ...]) -> None:
+        m, B = self.m, st.batch
+        for b in range(B):
+            for t in range(n):
+                p = st.pos[b] + t
+                for name in ring:
+                    slot = p % m.attention.window
+                    st.tensors[f"{name}_cache"][:, b, :, slot].copy_(out[f"new.{name}_new"][:, b, :, t])
+                    st.slot_pos[b, slot].fill_(p)
+                for name in seg:
+                    st.tensors[name][:, b, :, p % m.attention.segment].copy_(
+                        out[f"new.{name}_new"][:, b, :, t])
+                for k in items:
+                    st.pending[k][:, b, :, p % self.chunk].copy_(out[f"new.{k}"][:, b, :, t])
+
+    def _write(self, st: DecodeState, done: list[bool]) -> None:
+        """Write the completed chunks into memory. The write graph costs in proportion to its
+        batch, so when only some sequences completed a chunk (sequences out of phase, as in a
+        serving engine's slots) each of them is written alone through the batch-1 graph."""
+        depth, B = self.m.memory.depth, st.batch
+        keys = [f"{k}{i}" for k in ("W", "S") for i in range(1, depth + 1)]
+        if all(done) or B == 1:
+            self._write_rows(st.tensors, st.pending, keys, done)
+        else:
+            # views into the batch on the cpu target (its executor takes strided inputs and
+            # the step stays allocation-free); contiguous copies for generated kernels
+            own = (lambda t: t) if self.prog.target == "cpu" else (lambda t: t.contiguous())
+            for b in (b for b, d in enumerate(done) if d):
+                row = {k: own(st.tensors[k][:, b:b + 1]) for k in keys}
+                self._write_rows(row, {k: own(v[:, b:b + 1]) for k, v in st.pending.items()},
+                                 keys, [True])
+                for k in keys:
+                    if row[k].data_ptr() != st.tensors[k][:, b:b + 1].data_ptr():
+                        st.tensors[k][:, b:b + 1].copy_(row[k])
+        if self.kind.segment:
+            S = self.m.attention.segment
+            for b in range(B):
+                if done[b] and st.pos[b] % S == 0:                  # a segment ended
+                    for i in range(1, depth + 1):
+                        st.tensors[f"Wseg{i}"][:, b].copy_(st.tensors[f"W{i}"][:, b])
+                    for c in ("q", "k", "v"):                       # ỹ convs are segment-local
+                        if f"conv_{c}" in st.tensors:
+                            st.tensors[f"conv_{c}"][:, b].zero_()
+
+    def _write_rows(self, tensors: dict[str, Tensor], pending: dict[str, Tensor],
+                    keys: list[str], done: list[bool]) -> None:
+        B = len(done)
+        mask = self._host(B, 1).mask
+        for b, d in enumerate(done):
+            mask[b].fill_(1.0 if d else 0.0)
+        inputs = {f"state.{k}": tensors[k] for k in keys}
+        inputs.update({f"pending.{k}": v for k, v in pending.items()})
+        inputs["mask"] = mask
+        with _flush_denormals(self._flush_after):
+            out = self.prog._run(self.prog.graph("decode_write", B), inputs)
+        for k, v in out.items():
+            tensors[k.removeprefix("state.")].copy_(v)
+
+    # -- prefill and generation ----------------------------------------------------------------
+    def prefill(self, prompt: Sequence[int]) -> tuple[DecodeState, Tensor]:
+        """Whole chunks in parallel, then the rest token by token. Returns the state and the
+        logits of every prompt position (1, T, V)."""
+        if len(prompt) == 0:
+            raise TitancError("an empty prompt has nothing to condition on; give at least one token")
+        toks = _prompt_tensor(prompt, self.m.vocab_size)
+        st = self.new_state(1)
+        logits = []
+        full = (len(prompt) // self.chunk) * self.chunk
+        for s in range(0, full, self.chunk):
+            logits.append(self.step(st, toks[:, s:s + self.chunk]).clone())
+        for s in range(full, len(prompt)):
+            logits.append(self.step(st, toks[:, s:s + 1]).clone())
+        return st, torch.cat(logits, 1)
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               sampling: Sampling | None = None) -> Iterator[tuple[int, int]]:
+        """Yield (sequence index, token) as tokens are sampled; stops per sequence."""
+        s = sampling or Sampling()
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise TitancError(f"max_new_tokens: {max_new_tokens!r} must be an integer >= 0")
+        if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+            raise TitancError("prompts: expected a non-empty list of prompts, each a list of "
+                              "token ids")
+        gen = torch.Generator().manual_seed(s.seed)
+        states, last = [], []
+        for p in prompts:
+            st, lg = self.prefill(p)
+            states.append(st)
+            last.append(lg[:, -1])
+        st = DecodeState.cat(states)
+        logits = torch.cat(last)
+        outs: list[list[int]] = [[] for _ in prompts]
+        decode = self.tokenizer.decode if self.tokenizer is not None else _decode_bytes
+        tail = max((len(x.encode("utf-8")) for x in s.stop), default=0) + 4
+        alive = [True] * len(prompts)
+        for _ in range(max_new_tokens):
+            nxt = sample(logits, s, gen)
+            for i, tok in enumerate(nxt.tolist()):
+                if not alive[i]:
+                    continue
+                yield i, tok
+                outs[i].append(tok)
+                if not any(s.stop):
+                    continue
+                text = decode(outs[i][-tail:])   # a stop of n bytes spans <= n tokens
+                if any(text.endswith(x) for x in s.stop if x):
+                    alive[i] = False
+            if not any(alive):
+                return
+            logits = self.step(st, nxt[:, None])[:, -1]
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: Sampling | None = None) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in prompts]
+        for i, tok in self.stream(prompts, max_new_tokens, sampling):
+            out[i].append(tok)
+        return out
+
+
+def _prompt_tensor(prompt: Sequence[int], vocab_size: int) -> Tensor:
+    """A prompt as a (1, T) int64 tensor of ids checked against the vocabulary."""
+    from titanc.runtime.program import check_token_ids
+
+    if isinstance(prompt, Tensor):
+        toks = prompt.reshape(1, -1)
+    else:
+        if isinstance(prompt, (str, bytes)) or any(
+                isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in prompt):
+            raise TitancError("a prompt must be a sequence of integer token ids; encode text "
+                              "with the run's tokenizer first")
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise TitancError(f"prompt: id {str(bad)[:24]} is outside the vocabulary "
+                              f"[0, {vocab_size}) of model.vocab_size={vocab_size}")
+        toks = torch.tensor([list(prompt)], dtype=torch.int64)
+    check_token_ids(toks, vocab_size, "prompt")
+    return toks.to(torch.int64)
+
+
+def _decode_bytes(tokens: Sequence[int]) -> str:
+    return bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
+
+
+def sample(logits: Tensor, s: Sampling, gen: torch.Generator) -> Tensor:
+    """Next token per row of logits (B, V): greedy at temperature 0, else top-k / top-p."""
+    logits = logits.to(torch.float64)
+    if s.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / s.temperature
+    if s.top_k:
+        kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    if s.top_p is not None and s.top_p < 1.0:
+        sorted_l, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_l, -1)
+        drop = probs.cumsum(-1) - probs > s.top_p                  # keep the smallest prefix > p
+        sorted_l = sorted_l.masked_fill(drop, NEG_INF)
+        logits = torch.full_like(logits, NEG_INF).scatter(-1, idx, sorted_l)
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]

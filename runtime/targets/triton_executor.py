@@ -1,0 +1,287 @@
+"""The `triton` target: a schedule's kernels as generated Triton, over the same memory plan.
+
+`TritonExecutor` is an `ArenaExecutor` whose builder launches one rendered kernel per fused
+kernel (`codegen.lower.dispatch.render_kernel`) instead of one torch closure per node. Binding is the
+arena executor's: every value a kernel reads or writes is a view of the activation arena, the
+persistent region or a caller-bound tensor. A scan is one launch of its scan kernel
+(`codegen.scan`: the iterations loop inside the kernel, grid over the scan's independent
+axes, workspace made once at bind time, a prologue gather read through); a scan that cannot be
+one kernel keeps the arena executor's host loop (carry slots, xs staged per iteration, ys
+copied into their ITEM buffers) over its body's kernels, after one launch of its prologue
+gathers (`passes.schedule.prologue_kernel`) into their planned storage, and its reason is kept
+in `fallbacks` (`TITANC_DEBUG=2` prints it). `launches_per_run()` counts the launches of one
+run; `count_launches(plan)` gives the same figure from the plan alone.
+No kernel falls back to torch: a kernel no family can express fails at bind time with the
+hooks' `NotImplementedError`.
+
+Without CUDA the kernels run on CPU under Triton's interpreter (`interpreting()`); a caller
+that wants the interpreter on a CUDA machine sets `TRITON_INTERPRET=1`. The executor sets
+`TRITON_INTERPRET` only while it loads and runs kernels (`render.interpret_mode`), so importing
+or constructing nothing changes the environment. One limit is Triton's own: it fixes the mode of
+its standard library (`tl.sigmoid`, the reductions' combine functions) when `triton.language`
+is first imported, so a process that imported Triton in compile mode before (torch.func and
+torch.compile import it) cannot interpret kernels; the executor then refuses with a one-line
+error saying to set `TRITON_INTERPRET=1` before Python starts. With CUDA (and no interpreter)
+the arena, the scratch region and the caller's bound tensors live on the GPU.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, render_kernel
+from titanc.codegen.lower.patterns import SCRATCH
+from titanc.codegen.render import interpret_mode, load_module
+from titanc.codegen.scan.kernel import (ScanFallback, ScanKernel, count_launches,
+                                        host_table, scan_kernel_for)
+from titanc.errors import TitancError
+from titanc.ir import Op
+from titanc.ir.types import TensorType
+from titanc.passes.manager import debug_level
+from titanc.passes.memory_plan import MemoryPlan
+from titanc.passes.schedule import prologue_kernel
+
+from titanc.runtime.targets.executor import ArenaExecutor, Tensor, _Builder
+
+__all__ = ["TritonExecutor", "count_launches", "interpreting", "launch_tensors", "module_for",
+           "scan_kernel_for"]
+
+
+def check_interpretable() -> None:
+    """Raise unless Triton can interpret kernels in this process (see the module docstring)."""
+    tl = sys.modules.get("triton.language")
+    if tl is None or type(tl.standard.sigmoid).__name__ == "InterpretedFunction":
+        return
+    raise TitancError("the triton target on CPU runs kernels under Triton's interpreter, but "
+                      "Triton was already imported in compile mode in this process (torch.func "
+                      "and torch.compile import it): set TRITON_INTERPRET=1 before starting "
+                      "Python")
+
+
+def interpreting() -> bool:
+    """Do Triton kernels run under the interpreter (on CPU tensors)? Yes without CUDA, or
+    when `TRITON_INTERPRET` asks for it."""
+    return (not torch.cuda.is_available()
+            or os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on"))
+
+
+_MODULES: dict[tuple[str, bool], ModuleType] = {}
+
+
+def module_for(code: KernelCode) -> ModuleType:
+    """The imported module of `code`; kernels whose sources differ only in their header and
+    name (`KernelCode.key`) share the module of the first one loaded."""
+    key = (code.key, interpreting())
+    if key not in _MODULES:
+        _MODULES[key] = load_module(code.source, code.name, interpreting())
+    return _MODULES[key]
+
+
+def launch_tensors(code: KernelCode, tensor_of: Any, scratch: Any = None) -> list[Tensor]:
+    """The tensors of `code`'s launch: `tensor_of(value id)`, viewed as each argument asks;
+    a temporary (`pattern_kernels.SCRATCH`) is `scratch(shape)` (default: a new tensor like
+    the first argument)."""
+    out = []
+    for a in code.args:
+        if a.value == SCRATCH:
+            out.append(scratch(a.view) if scratch is not None else out[0].new_empty(a.view))
+            continue
+        t = tensor_of(a.value)
+        out.append(t.view(a.view) if a.view is not None else t)
+    return out
+
+
+class _TritonBuilder(_Builder):
+    """Binds like `_Builder`; a non-scan kernel becomes one launch of its rendered module, a
+    scan one launch of its scan kernel (`codegen.scan`) or, where the scan cannot be
+    one kernel, the host loop over its body's launches. `launches` counts the kernel launches
+    of one run of the schedule (a host-loop scan: its body's launches times its length)."""
+
+    def __init__(self, owner: "TritonExecutor", *args: Any):
+        super().__init__(*args)
+        self.owner = owner
+        self.launches = 0
+        self._subs: list[_TritonBuilder] = []
+
+    def sub_builder(self, *args: Any) -> _Builder:
+        sub = _TritonBuilder(self.owner, *args)
+        self._subs.append(sub)
+        return sub
+
+    def kernel(self, kern: Any) -> None:
+        scans = [n for n in kern.nodes if self.g.node(n).op is Op.SCAN]
+        if scans:
+            sk = self.owner.scan_code(self.plan, kern, scans[0])
+            if isinstance(sk, ScanKernel):
+                self._scan_kernel(kern, scans[0], sk)
+                return
+            super().kernel(kern)                     # the loop; its body builds through us
+            self.launches += self._subs[-1].launches * self.g.node(scans[0]).attr("length")
+            return
+        code = self.owner.code(self.plan, kern)
+        module = module_for(code)
+        tensors = launch_tensors(code, self.home, self._scratch)
+        sizes = code.sizes
+        self.steps.append(lambda: module.launch(*tensors, *sizes))
+        self.launches += 1
+
+    def prologue(self, kern: Any, nodes: tuple[int, ...]) -> None:
+        """A host-loop scan's prologue (a gather, casts of it): one launch of its pointwise
+        kernel (`prologue_kernel`), into the planned storage of its results."""
+        pk = prologue_kernel(self.g, kern)
+        code = self.owner.code(self.plan, pk)
+        module = module_for(code)
+        tensors = launch_tensors(code, self.home, self._scratch)
+        sizes = code.sizes
+        self.steps.append(lambda: module.launch(*tensors, *sizes))
+        self.launches += 1
+        for v in pk.outputs:
+            self.val[v] = self.located(v)
+
+    def _scratch(self, shape: tuple[int, ...]) -> Tensor:
+        """A temporary of a pattern kernel (an unread tuple element, attention's delta rows)."""
+        dt = "f64" if self.owner.dtype == "float64" else "f32"
+        return self.scratch.alloc(TensorType(tuple(shape), dt))
+
+    def _scan_kernel(self, kern: Any, sid: int, sk: ScanKernel) -> None:
+        """Bind one scan kernel: operands, the ITEM outputs the program reads, tables, and a
+        workspace of GRID x WS elements (the executor's one scan workspace, grown at bind
+        time to the largest kernel's need: scan kernels run one after another)."""
+        n = self.g.node(sid)
+        dt = {"float64": torch.float64}.get(self.owner.dtype, torch.float32)
+        args = [self.operand(n.inputs[i]) for i in sk.inputs] + [self.operand(v)
+                                                                 for v in sk.extra]
+        outs = set(kern.outputs)
+        items = {self.g.node(u).attr("index"): u for u in self.g.users(sid) if u in outs}
+        for k in sk.outputs:
+            self.val[items[k]] = self.located(items[k])
+        tables = [self._const(host_table(op, a, dt)) for op, a in sk.tables]
+        owner = self.owner
+        owner.scan_workspace(sk.grid * sk.ws_per_program, dt, self.arena.data.device)
+        module = owner.scan_module(sk)
+        tensors = [*args, *(self.val[items[k]] for k in sk.outputs), *tables]
+        self.steps.append(lambda: module.launch(owner.scan_ws, *tensors))
+        self.launches += 1
+
+
+class TritonExecutor(ArenaExecutor):
+    """Run a graph's schedule in its memory plan with generated Triton kernels (same
+    interface as `ArenaExecutor`: `run(inputs) -> outputs`, `storages()`).
+
+    With `cuda_graphs` (on a CUDA device only) the first run is eager (Triton compiles its
+    kernels there), the second is captured into a `torch.cuda.CUDAGraph` and every later
+    run copies the inputs into their planned buffers and replays it: the kernels' addresses
+    never change, because every tensor they touch is a fixed view of planned storage."""
+
+    device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+
+    def __init__(self, plan: MemoryPlan, bound: dict[str, Tensor] | None = None,
+                 float_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
+                 allow_tf32: bool = False):
+        self.allow_tf32 = allow_tf32                  # float32 dots in tf32 (compile.allow_tf32)
+        self.dtype = {torch.float64: "float64", torch.float32: "float32"}.get(
+            float_dtype, graph_dtype(plan.schedule.graph))
+        self._codes: dict[tuple[int, str], KernelCode] = {}
+        self.cuda_graphs = self.device == "cuda" and cuda_graphs is not False
+        self._graph: Any = None
+        self._runs = 0
+        self._scans: dict[tuple[int, str], ScanKernel | str] = {}
+        self._scan_modules: dict[str, ModuleType] = {}
+        self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
+        self.serial: list[dict[str, str]] = []        # scan kernels of one program, and why
+        self.scan_kernels = os.environ.get("TITANC_SCAN_KERNELS", "1") != "0"
+        self.scan_ws: Tensor | None = None            # shared by every scan kernel
+        if interpreting():
+            check_interpretable()
+        super().__init__(plan, bound, float_dtype)
+
+    def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        if not self.cuda_graphs:
+            with interpret_mode(interpreting()):
+                return super().run(inputs)
+        if self._graph is None and self._runs >= 1:
+            self._graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(self._graph):
+                super().run(None)                    # captures the launches, not the copies
+        self._runs += 1
+        if self._graph is None:
+            return super().run(inputs)
+        for name, t in (inputs or {}).items():
+            dst = self.inputs[name]
+            if dst.data_ptr() != t.data_ptr():
+                dst.copy_(t)
+        self._graph.replay()
+        return self.outputs
+
+    def make_builder(self, *args: Any) -> _Builder:
+        return _TritonBuilder(self, *args)
+
+    def scan_workspace(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Grow the scan workspace to at least `numel` elements (bind time only)."""
+        if device.type != "meta" and (self.scan_ws is None or self.scan_ws.numel() < numel):
+            self.scan_ws = torch.empty(numel, dtype=dtype, device=device)
+
+    def storages(self) -> list[Tensor]:
+        return super().storages() + ([self.scan_ws] if self.scan_ws is not None else [])
+
+    def code(self, plan: MemoryPlan, kern: Any) -> KernelCode:
+        """The rendered kernel (once per executor: binding runs twice, measure then bind);
+        `TITANC_DEBUG=3` prints each one."""
+        key = (id(plan), kern.name)
+        if key not in self._codes:
+            self._codes[key] = code = render_kernel(plan.schedule.graph, kern, dtype=self.dtype,
+                                                    skip=set(plan.aliases),
+                                                    allow_tf32=self.allow_tf32,
+                                                    strided=plan.strided)
+            if debug_level() >= 3:
+                print(code.source, file=sys.stderr)
+        return self._codes[key]
+
+    def scan_code(self, plan: MemoryPlan, kern: Any, sid: int) -> ScanKernel | str:
+        """The scan kernel of `kern`'s scan, or the reason it runs as a host loop (recorded
+        in `fallbacks`; `TITANC_DEBUG=2` prints it)."""
+        key = (id(plan), kern.name)
+        if key not in self._scans and not self.scan_kernels:
+            self._scans[key] = "scan kernels are off (TITANC_SCAN_KERNELS=0)"
+        if key not in self._scans:
+            g = plan.schedule.graph
+            try:
+                sk: ScanKernel | str = scan_kernel_for(plan, kern, sid, self.dtype,
+                                                       self.allow_tf32)
+                if sk.serial:
+                    self.serial.append({"graph": g.name, "scan": kern.name,
+                                        "reason": sk.serial})
+                    if debug_level() >= 2:
+                        print(f"titanc: scan {kern.name} of graph {g.name} is one program "
+                              f"(serial kernel): {sk.serial}", file=sys.stderr)
+                if debug_level() >= 3:
+                    print(sk.source, file=sys.stderr)
+            except ScanFallback as e:
+                sk = str(e)
+                self.fallbacks.append({"graph": g.name, "scan": kern.name, "reason": sk})
+                if debug_level() >= 2:
+                    print(f"titanc: scan {kern.name} of graph {g.name} runs as a host loop: "
+                          f"{sk}", file=sys.stderr)
+            self._scans[key] = sk
+        return self._scans[key]
+
+    def scan_module(self, sk: ScanKernel) -> ModuleType:
+        key = f"{sk.key}|{interpreting()}"
+        if key not in self._scan_modules:
+            self._scan_modules[key] = load_module(sk.source, sk.name, interpreting())
+        return self._scan_modules[key]
+
+    def launches_per_run(self) -> int:
+        """Kernel launches of one `run` (a host-loop scan counts its body's launches once per
+        iteration)."""
+        return self._b.launches
+
+    def kernels(self) -> list[KernelCode]:
+        """Every kernel rendered for this executor, in first-bind order."""
+        return list(self._codes.values())
+

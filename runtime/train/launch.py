@@ -1,0 +1,115 @@
+"""`titanc train SPEC --nproc N`: N local ranks of `python -m titanc.train`, as torchrun would
+start them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), watched
+until they all finish.
+
+A rank that exits non-zero stops the job: the others normally fail their next collective at
+once (gloo sees the closed connection) and exit with their own one-line error; any still
+running after train.dist_timeout_s are terminated. The launcher then prints one line naming
+the first rank that failed and how, and where the last checkpoint is, and exits 1.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from titanc.errors import DistributedError, TitancError
+
+__all__ = ["launch", "free_port"]
+
+POLL_S = 0.05             # (torch is imported only once a rank failed: the launcher stays light)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _checkpoint_step(run: Path) -> int | None:
+    from titanc.runtime.train.checkpoint import CHECKPOINT_NAME
+    path = run / CHECKPOINT_NAME
+    if not path.exists():
+        return None
+    try:
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            return int((f.metadata() or {}).get("step", -1))
+    except Exception:  # noqa: BLE001 -- an unreadable file is reported as such below
+        return -1
+
+
+def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
+    """Run `python -m titanc.train *argv` as `nproc` local ranks; returns 0 when every rank
+    succeeded, else raises DistributedError with the one-line reason."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    procs = []
+    for rank in range(nproc):
+        procs.append(subprocess.Popen([sys.executable, "-m", "titanc.train", *argv],
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+    first: tuple[int, int] | None = None          # (rank, exit code) of the first failure
+    deadline = None
+    stopped: set[int] = set()                     # ranks the launcher killed itself
+    try:
+        while any(p.poll() is None for p in procs):
+            if first is None:
+                failed = [(r, p.returncode) for r, p in enumerate(procs)
+                          if p.returncode not in (None, 0)]
+                if failed:                        # the others get train.dist_timeout_s to stop
+                    first, deadline = failed[0], time.monotonic() + timeout_s
+            elif deadline is not None and time.monotonic() > deadline:
+                for rank, p in enumerate(procs):
+                    if p.poll() is None:
+                        p.kill()
+                        stopped.add(rank)
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait()
+        raise
+    codes = [p.returncode for p in procs]
+    # status 1 is a rank reporting that a peer failed: name the rank that failed first-hand
+    # (killed, crashed, bad input) when there is one
+    cause = [(r, c) for r, c in enumerate(codes) if c not in (0, 1) and r not in stopped]
+    if cause and (first is None or first[1] == 1):
+        first = cause[0]
+    if first is None:
+        bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+        if not bad:
+            return 0
+        first = bad[0]
+    rank, code = first
+    from titanc.runtime.train.checkpoint import CHECKPOINT_NAME
+    step = _checkpoint_step(Path(out))
+    kept = ("no checkpoint was written" if step is None
+            else f"{Path(out) / CHECKPOINT_NAME} could not be read" if step < 0
+            else f"the last checkpoint (step {step}) is in {Path(out) / CHECKPOINT_NAME}; "
+                 f"continue with --resume {out}")
+    late = (f" (rank {', '.join(map(str, sorted(stopped)))} did not stop within "
+            f"train.dist_timeout_s={timeout_s:g} s and was killed)" if stopped else "")
+    raise DistributedError(f"rank {rank} of {nproc} {_how(code)}, so the job stopped{late}; "
+                           f"{kept}")
+
+
+def check_nproc(nproc: int) -> None:
+    if nproc > 1 and "WORLD_SIZE" in os.environ:
+        raise TitancError("--nproc starts its own ranks; under torchrun leave it out "
+                          "(torchrun's --nproc-per-node sets the ranks)")

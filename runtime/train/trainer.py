@@ -1,0 +1,503 @@
+"""The training loop behind `titanc train`: data, steps, metrics, evals, checkpoints, plot.
+
+    summary = run_training(spec, out="runs/tiny", data="notes.txt", steps=500)
+
+A run directory holds
+    spec.yaml               the spec as trained (with --data / --steps folded in)
+    tokenizer.json          a copy of data.tokenizer when it is a BPE file (not for byte)
+    metrics.jsonl           {step, loss, lr, grad_norm, tokens_per_s} per step and
+                            {step, eval_loss[, eval_accuracy]} every train.eval_every steps
+                            {step, memory: {layers: [...]}} every train.memory_stats_every
+                            steps (memory diagnostics, runtime/diagnostics/neural_memory.py; 0 = off)
+    checkpoint.safetensors  model + optimizer + step + sampler RNG + spec, written atomically
+                            every train.checkpoint_every steps and at the end
+    loss.png                training and held-out loss against steps
+    .lock                   holds the pid of the trainer using the directory (flock)
+
+Distributed (`dist=`, see runtime/train/distributed.py): train.batch_size is per rank; every rank
+draws the same global batch of world·grad_accum·batch_size rows from the shared generator and
+reads only its own contiguous part, so the sequence of global batches (and the checkpoint,
+which rank 0 writes after gathering ZeRO-1 shards) does not depend on the number of ranks.
+Only rank 0 writes the run directory and prints; the logged loss is the mean over ranks and
+tokens/s counts the whole job.
+
+Resuming (`resume=RUN`) restores the parameters, the AdamW moments, the step (which drives the
+learning-rate schedule) and the sampler's generator, so N steps straight and N/2 + resume +
+N/2 give identical parameters. `train.steps` is the total the schedule spans, counted from
+the start of the run, not from the resume point.
+
+A non-finite loss, gradient norm or held-out loss stops the run with a TitancError, and the
+checkpoint on disk is always one a run can continue from: before the state of step k replaces
+it, every parameter and AdamW moment must be finite and step k+1 is tried on it, i.e. the
+loss and gradients of the batch step k+1 will draw (its first micro-batch; the sampler's
+generator is copied, not advanced) must be finite. A state that fails is never written.
+
+The run directory is locked for the whole run (runtime/train/rundir.py): a second trainer into the
+same --out fails with an error naming the process that holds it.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+
+import titanc
+from titanc.errors import TitancError, printable
+from titanc.model.spec import Spec, load_spec, spec_to_dict
+
+from titanc.runtime.train.checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_resumable, checkpoint_path,
+                         first_nonfinite, load_checkpoint, remove_stale_temps, restore,
+                         save_checkpoint)
+from titanc.runtime.data.datasets import SyntheticRecall, TextData, make_data
+from titanc.runtime.diagnostics.timing import peak_rss_bytes, profile_table
+from titanc.runtime.train.rundir import LOCK_NAME, RunDir, write_text_atomic, writing_into
+from titanc.runtime.train.distributed import Dist, DistributedError, GradReducer
+from titanc.runtime.data.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer, save_tokenizer
+
+__all__ = ["Trainer", "run_training", "write_loss_plot", "read_metrics"]
+
+Tensor = torch.Tensor
+EVAL_SEED_OFFSET = 1_000_003   # eval batches come from their own generator, reset every eval
+
+
+class Trainer:
+    """One training run into `out`. Everything that can fail on bad input (the data, the
+    checkpoint, the run directory) is checked in `__init__`, before anything is written.
+
+    `until` stops the run early at that step (checkpointed there) while the learning-rate
+    schedule still spans train.steps: a run cut short, as if interrupted. `log` receives the
+    human-readable lines (default: stdout, without tearing the progress bar)."""
+
+    def __init__(self, spec: Spec | str | os.PathLike, out: str | os.PathLike, *,
+                 data: str | None = None, steps: int | None = None,
+                 resume: str | os.PathLike | None = None, strict: bool = False,
+                 profile: bool = False, until: int | None = None, progress: bool = True,
+                 log: Callable[[str], None] | None = None, dist: Dist | None = None):
+        overrides: dict[str, Any] = {}
+        if data is not None:
+            overrides["data.source"] = data
+        if steps is not None:
+            overrides["train.steps"] = steps
+        if not isinstance(spec, Spec) or overrides:
+            spec = load_spec(spec, overrides)
+        self.spec = spec
+        self.out = Path(out)
+        self.profile = profile
+        self.dist = dist
+        self.main = dist is None or dist.is_main      # writes the run directory, prints
+        self.progress = progress and self.main
+        self.log = (log or _write_line) if self.main else (lambda _: None)
+        self.tokenizer = load_tokenizer(spec)      # data.tokenizer; copied into the run
+        check_vocab(spec, self.tokenizer)
+        self.data = make_data(spec)
+        self.resume_path: Path | None = None
+        self.restored: dict[str, Any] | None = None
+        self.until = spec.train.steps if until is None else min(until, spec.train.steps)
+        start = 0
+        if resume is not None:  # check the checkpoint before paying for a compile
+            self.resume_path = checkpoint_path(resume)
+            tensors, meta = load_checkpoint(self.resume_path)
+            if RNG_KEY not in tensors:
+                raise TitancError(f"{self.resume_path} has no sampler state ({RNG_KEY}); it "
+                                  f"cannot be resumed bit for bit")
+            check_resumable(tensors, meta, spec, strict=strict, path=self.resume_path)
+            check_same_tokenizer(self.tokenizer, meta["extra"].get("tokenizer_hash"),
+                                 self.resume_path)
+            start = meta["step"]
+        if start >= self.until:
+            raise TitancError(
+                f"the checkpoint is at step {start} and train.steps is {spec.train.steps}: "
+                f"nothing to train; pass --steps N with a total N > {start}")
+        self._check_out_dir(probe_lock=self.main)  # rank 0 holds the lock of a distributed run
+        self.prog = titanc.compile(spec)
+        self.gen = torch.Generator().manual_seed(spec.train.seed)
+        if resume is not None:
+            self.restored = restore(self.prog, tensors, meta, strict=strict,
+                                    path=self.resume_path)
+            try:
+                self.gen.set_state(tensors[RNG_KEY])
+            except (RuntimeError, TypeError):   # wrong size or dtype
+                raise TitancError(f"{self.resume_path}: its sampler state {RNG_KEY} is damaged "
+                                  f"({list(tensors[RNG_KEY].shape)}, "
+                                  f"{tensors[RNG_KEY].dtype}); it cannot be resumed bit for "
+                                  f"bit") from None
+        self.rows = spec.train.grad_accum * spec.train.batch_size          # this rank's
+        world = dist.world if dist else 1
+        self.global_rows = world * self.rows
+        self.my_rows = slice(dist.rank * self.rows, (dist.rank + 1) * self.rows) if dist else None
+        self.tokens_per_step = self.global_rows * spec.model.seq_len       # the whole job's
+        self.reducer = GradReducer(self.prog, dist) if dist else None
+        self.prog.reducer = self.reducer
+        self.ckpt = self.out / CHECKPOINT_NAME
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.last_ckpt_step: int | None = start if self._resuming_in_place else None
+        self.times: dict[str, float] = defaultdict(float)
+        self.name = printable(spec.name, 60)       # the spec name as it may reach a terminal
+
+    # -- setup ----------------------------------------------------------------------------------
+    @property
+    def _resuming_in_place(self) -> bool:
+        return (self.resume_path is not None
+                and self.resume_path.resolve() == (self.out / CHECKPOINT_NAME).resolve())
+
+    def _check_out_dir(self, probe_lock: bool = True) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise TitancError(f"--out {self.out} is a file; pass a directory for the run")
+        if probe_lock and self.out.is_dir() and (self.out / LOCK_NAME).exists():
+            RunDir(self.out).acquire().release()   # in use by another trainer: say so now
+        ckpt = self.out / CHECKPOINT_NAME
+        if ckpt.exists() and not self._resuming_in_place:
+            raise TitancError(f"--out {self.out} already holds a run ({ckpt}); continue it with "
+                              f"--resume {self.out} or choose another --out")
+
+    def _start_metrics(self) -> None:
+        """Fresh run: an empty metrics.jsonl. Resume: keep the history up to the restored step
+        (dropping lines a crashed run wrote after its last checkpoint)."""
+        history: list[dict[str, Any]] = []
+        if self.resume_path is not None:
+            history = [m for m in read_metrics(self.resume_path.parent / "metrics.jsonl")
+                       if m["step"] <= self.prog.step]
+        write_text_atomic(self.metrics_path, "".join(json.dumps(m) + "\n" for m in history))
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._metrics is None:                 # not rank 0
+            return
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean held-out loss over train.eval_batches batches (the same batches every time);
+        for synthetic:recall also the recall accuracy, when the program exposes logits."""
+        if hasattr(self.data, "has_split") and not self.data.has_split("val"):
+            return {}
+        gen = torch.Generator().manual_seed(self.spec.train.seed + EVAL_SEED_OFFSET)
+        losses, accs = [], []
+        for _ in range(self.spec.train.eval_batches):
+            tokens = self.data.batch(self.spec.train.batch_size, "val", gen)
+            losses.append(self.prog.loss(tokens))
+            if isinstance(self.data, SyntheticRecall) and hasattr(self.prog, "logits"):
+                accs.append(self.data.accuracy(self.prog, tokens))
+        out = {"eval_loss": sum(losses) / len(losses)}
+        if accs:
+            out["eval_accuracy"] = sum(accs) / len(accs)
+        return out
+
+    def _probe_next_step(self) -> None:
+        """Loss and gradient norm of the batch the next step would draw (its first
+        micro-batch; the sampler's generator is not advanced) must be finite."""
+        gen = torch.Generator()
+        gen.set_state(self.gen.get_state())
+        tokens = self.data.batch(self.rows, "train", gen)[: self.spec.train.batch_size]
+        loss, grads = self.prog._grads(tokens)    # the program's own buffers: no copies
+        norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+        for what, value in (("the next batch's loss", loss), ("its gradient norm", norm)):
+            if not math.isfinite(value):
+                raise self._nonfinite(f"{what} after the update", value)
+
+    def _memory_stats(self) -> None:
+        """One record {step, memory: {layers: [...]}} of memory diagnostics on the first
+        held-out batch (runtime/diagnostics/neural_memory.py)."""
+        from titanc.runtime.diagnostics.neural_memory import memory_stats
+
+        gen = torch.Generator().manual_seed(self.spec.train.seed + EVAL_SEED_OFFSET)
+        split = "val" if not hasattr(self.data, "has_split") or self.data.has_split("val") \
+            else "train"
+        tokens = self.data.batch(self.spec.train.batch_size, split, gen)
+        self._write({"step": self.prog.step, "memory": memory_stats(self.prog, tokens)})
+
+    def _checkpoint(self) -> None:
+        """Write the state of this step once it is proven good (see the module docstring)."""
+        if self.reducer is not None:
+            self.reducer.gather_state()           # ZeRO-1: every shard's moments
+        try:
+            bad = first_nonfinite(self.prog.state_dict())
+            if bad is not None:
+                raise self._nonfinite(f"{bad} after the update", "not finite")
+            self._probe_next_step()
+            if self.main:
+                save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
+                                extra={"data": self.spec.data.source,
+                                       "tokenizer_hash": self.tokenizer.hash,
+                                       "tokens_seen": self.prog.step * self.tokens_per_step})
+        finally:
+            if self.reducer is not None:
+                self.reducer.release_state()
+        self.last_ckpt_step = self.prog.step
+
+    def _nonfinite(self, what: str, value: float) -> TitancError:
+        step, lr = self.prog.step, self.prog.last.get("lr", self.spec.train.lr)
+        if self.last_ckpt_step is None:
+            kept = ("no good checkpoint was written before it (train.checkpoint_every="
+                    f"{self.spec.train.checkpoint_every})")
+            then = "train again"
+        else:
+            kept = f"the last good checkpoint (step {self.last_ckpt_step}) is kept in {self.ckpt}"
+            then = f"continue with --resume {self.out}"
+        return TitancError(f"step {step}: {what} is {value}; {kept}; lower train.lr (the lr "
+                           f"was {lr:.3g}) or raise train.warmup, then {then}")
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        """One optimizer step on the next training batch; logs it and returns prog.last."""
+        t0 = time.perf_counter()
+        tokens = self.data.batch(self.global_rows, "train", self.gen, rows=self.my_rows)
+        t1 = time.perf_counter()
+        comm0 = self.reducer.comm_seconds if self.reducer else 0.0
+        self.prog.train_step(tokens)
+        t2 = time.perf_counter()
+        comm = (self.reducer.comm_seconds - comm0) if self.reducer else 0.0
+        self.times["data"] += t1 - t0
+        self.times["train_step"] += t2 - t1 - comm
+        if self.reducer is not None:
+            self.times["communication"] += comm
+        last = dict(self.prog.last)
+        for what in ("loss", "grad_norm"):  # the loss first: it is what users watch
+            if not math.isfinite(last[what]):
+                raise self._nonfinite(what, last[what])
+        last["tokens_per_s"] = self.tokens_per_step / max(t2 - t0, 1e-9)
+        self._write({"step": self.prog.step,
+                     **{k: last[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}})
+        return last
+
+    def _kept(self) -> str:
+        return (f"the last checkpoint (step {self.last_ckpt_step}) is in {self.ckpt}; continue "
+                f"with --resume {self.out}" if self.last_ckpt_step is not None
+                else "no checkpoint was written yet")
+
+    def _due(self, every: int) -> bool:
+        return bool(every and self.prog.step % every == 0) or self.prog.step == self.until
+
+    def _timed(self, phase: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.times[phase] += time.perf_counter() - t0
+
+    def run(self) -> dict[str, Any]:
+        """Train from the current step to `until`; returns the summary (see run_training)."""
+        if not self.main:                          # rank 0 locks and writes the directory
+            return self._run()
+        with RunDir(self.out), writing_into(self.out):
+            self._check_out_dir(probe_lock=False)  # again, under the lock: another run may
+            #                                        have finished meanwhile
+            remove_stale_temps(self.ckpt, keep_live=False)   # the lock: no one else saves here
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
+        spec, prog = self.spec, self.prog
+        if self.main:
+            write_text_atomic(self.out / "spec.yaml", yaml.safe_dump(
+                spec_to_dict(spec), sort_keys=False, default_flow_style=None))
+            save_tokenizer(self.tokenizer, self.out)
+            self._start_metrics()
+        self._report_start()
+        start_step, t_start = prog.step, time.perf_counter()
+        self._start_step = start_step
+        last: dict[str, float] = {}
+        evals: dict[str, float] = {}
+        bar = _progress(self.until, start_step, self.name, enabled=self.progress)
+        self._metrics = open(self.metrics_path, "a") if self.main else None
+        from titanc.runtime.targets.executor import profiling
+        profiler = profiling() if self.profile else None
+        self._kernel_profile = profiler.__enter__() if profiler else None
+        try:
+            while prog.step < self.until:
+                last = self.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:,.0f}",
+                                threads=torch.get_num_threads(), refresh=False)
+                if self._due(spec.train.eval_every):
+                    evals = self._timed("eval", self.evaluate)
+                    if evals and not math.isfinite(evals["eval_loss"]):
+                        raise self._nonfinite("the held-out loss", evals["eval_loss"])
+                    if evals:
+                        self._write({"step": prog.step, **evals})
+                        self.log(f"step {prog.step}: " + ", ".join(
+                            f"{k} {v:.4f}" for k, v in evals.items()))
+                every = spec.train.memory_stats_every
+                if every and spec.model.has_memory and self._due(every):
+                    self._timed("eval", self._memory_stats)
+                if self._due(spec.train.checkpoint_every):
+                    self._timed("checkpoint", self._checkpoint)
+        except KeyboardInterrupt:
+            bar.close()
+            self.log(f"interrupted after step {prog.step}; {self._kept()}")
+            raise
+        except DistributedError as exc:
+            raise DistributedError(f"{exc}; {self._kept()}") from None
+        finally:
+            if profiler:
+                profiler.__exit__(None, None, None)
+            bar.close()
+            if self._metrics is not None:
+                self._metrics.close()
+                self._timed("plot", self._plot)
+        seconds = time.perf_counter() - t_start
+        steps_run = prog.step - start_step
+        train_seconds = (self.times["train_step"] + self.times["data"]
+                         + self.times.get("communication", 0.0))
+        summary: dict[str, Any] = {
+            "out": str(self.out), "steps": prog.step, "steps_run": steps_run,
+            "loss": last.get("loss"), "eval_loss": evals.get("eval_loss"),
+            "eval_accuracy": evals.get("eval_accuracy"), "seconds": seconds,
+            "tokens_per_s": steps_run * self.tokens_per_step / max(train_seconds, 1e-9),
+            "new_parameters": (self.restored or {}).get("new", []),
+        }
+        if isinstance(self.data, TextData):
+            summary["unigram_loss"] = self.data.unigram_entropy("val")
+        if self.profile:
+            summary["profile"] = self._profile(seconds)
+        self._report_end(summary)
+        return summary
+
+    # -- reporting ------------------------------------------------------------------------------
+    def _report_start(self) -> None:
+        spec, r = self.spec, self.restored
+        if r is not None:
+            self.log(f"resumed {self.resume_path} at step {r['step']}")
+            for field, old, new in r["model_changes"] + r["train_changes"]:
+                self.log(f"  {field}: {old!r} in the checkpoint, {new!r} now")
+            if r["new"]:
+                self.log(f"  new parameters (fresh initialisation): {', '.join(r['new'])}")
+        ranks = (f" on {self.dist.world} ranks ({self.dist.backend}"
+                 f"{', ZeRO-1' if self.reducer.zero else ''})" if self.dist else "")
+        self.log(f"training {self.name} on {printable(self.data.description)}{ranks}: steps "
+                 f"{self.prog.step + 1}..{self.until} of {spec.train.steps}, "
+                 f"{self.global_rows}x{spec.model.seq_len} tokens per step, "
+                 f"{_threads(torch.get_num_threads())} -> {printable(str(self.out))}")
+
+    def _report_end(self, s: dict[str, Any]) -> None:
+        parts = [f"step {s['steps']}", f"loss {s['loss']:.4f}"]
+        if s["eval_loss"] is not None:
+            parts.append(f"held-out loss {s['eval_loss']:.4f}")
+        if "unigram_loss" in s:
+            parts.append(f"unigram baseline {s['unigram_loss']:.4f}")
+        if s["eval_accuracy"] is not None:
+            parts.append(f"recall accuracy {s['eval_accuracy']:.3f}")
+        parts.append(f"{s['tokens_per_s']:,.0f} tokens/s")
+        self.log("done: " + ", ".join(parts) + f" ({s['seconds']:.1f} s)")
+
+    def _profile(self, seconds: float) -> dict[str, Any]:
+        prof: dict[str, Any] = {k: round(v, 4) for k, v in self.times.items()}
+        prof["peak_rss_bytes"] = peak_rss_bytes()
+        if torch.cuda.is_available():
+            prof["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+        steps = max(1, self.prog.step - self._start_step)
+        self.log(profile_table(self._kernel_profile, steps, steps * self.tokens_per_step,
+                               self.times["train_step"], prof["peak_rss_bytes"],
+                               dtype=str(self.spec.train.dtype),
+                               threads=torch.get_num_threads()))
+        self.log("time per phase of the run:")
+        rows = dict(self.times)
+        rows["other"] = max(0.0, seconds - sum(rows.values()))
+        for k, v in rows.items():
+            self.log(f"  {k:<13} {v:8.2f} s  {100 * v / max(seconds, 1e-9):5.1f}%")
+        self.log(f"  peak memory   {prof['peak_rss_bytes'] / 2**20:8.1f} MiB (process RSS)")
+        return prof
+
+    def _plot(self) -> None:
+        baseline = (self.data.unigram_entropy("val") if isinstance(self.data, TextData)
+                    else None)
+        try:
+            write_loss_plot(self.metrics_path, self.out / "loss.png", title=self.name,
+                            baseline=baseline)
+        except Exception as exc:  # a plot must never hide the run's own outcome
+            self.log(f"note: could not write {self.out / 'loss.png'}: {exc}")
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
+def _write_line(msg: str) -> None:
+    """Print to stdout without tearing a progress bar that is on screen."""
+    from tqdm import tqdm
+    tqdm.write(msg, file=sys.stdout)
+
+
+def _progress(total: int, initial: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", disable=not enabled,
+                dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl: JSON objects with an integer `step` ([] when the file
+    does not exist). A torn last line, undecodable bytes and lines that are not such records
+    are skipped; a metrics.jsonl that cannot be read at all is a TitancError."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    try:
+        if not p.is_file():                        # a directory; a FIFO would block
+            raise IsADirectoryError(errno.EISDIR, "not a regular file")
+        text = p.read_bytes().decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise TitancError(f"{p} cannot be read ({exc.strerror or exc}); move it away to start "
+                          f"the metrics afresh") from None
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) \
+                and not isinstance(rec["step"], bool):
+            out.append(rec)
+    return out
+
+
+def write_loss_plot(metrics: str | os.PathLike, png: str | os.PathLike, title: str = "",
+                    baseline: float | None = None) -> bool:
+    """Plot training and held-out loss from `metrics` into `png`. Returns False (and writes
+    nothing) when matplotlib is not installed."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    records = read_metrics(metrics)
+    train = [(m["step"], m["loss"]) for m in records if "loss" in m]
+    evals = [(m["step"], m["eval_loss"]) for m in records if "eval_loss" in m]
+    fig = Figure(figsize=(6, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="held-out loss", ms=3)
+    if baseline is not None:
+        ax.axhline(baseline, color="gray", ls="--", lw=1, label="unigram baseline")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if train or evals or baseline is not None:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.fspath(png))
+    return True
+
+
+def run_training(spec: Spec | str | os.PathLike, out: str | os.PathLike, data: str | None = None,
+                 steps: int | None = None, resume: str | os.PathLike | None = None,
+                 strict: bool = False, profile: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """Train `spec` into the run directory `out` (see the module docstring); returns a summary
+    {out, steps, steps_run, loss, eval_loss, eval_accuracy, seconds, tokens_per_s,
+    new_parameters[, unigram_loss][, profile]}. Extra keyword arguments go to `Trainer`."""
+    return Trainer(spec, out, data=data, steps=steps, resume=resume, strict=strict,
+                   profile=profile, **kwargs).run()

@@ -1,0 +1,213 @@
+"""The five block kinds (docs/semantics.md "Blocks"), defined once for training and decoding.
+
+`block(mixers, x, p, m)` composes a layer from its token mixers (sliding-window attention,
+the long-term memory, memory as context) and the FFN; `Parallel` implements the mixers over a
+training sequence, `decode._Step` over new tokens given a layer's state. `p` holds one layer's
+parameters by short name (`attn_wq`, `mem_w1`, ...).
+"""
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+from titanc.ir import Builder, Value
+from titanc.model.spec import ModelSpec
+
+from titanc.model.attention import mac_attention, swa
+from titanc.model.neural_memory import initial_state, memory_scan, project, retrieve
+from titanc.model.nn import ffn, merge_heads, rmsnorm
+
+Params = dict[str, Value]
+
+# remat per_segment, train.remat_rows 0: the MAC scans run on groups of the fewest sequences
+# whose segment [rows, S, D] reaches this many float32 bytes (1 MiB): splitting the batch
+# shrinks the backward's working set, but below this size the launches of more, smaller
+# groups cost more time than the memory is worth
+ROW_GROUP_BYTES = 2**20
+
+
+class Mixers(Protocol):
+    """The token mixers a block is composed of, on a normalised input u (B, T, D) -> (B, T, D).
+    Training implements them over the whole sequence (`Parallel`), decoding over n new tokens
+    given each layer's state (`decode._Step`); `block` composes them the same way for both."""
+
+    def swa(self, u: Value) -> Value: ...
+
+    def lmm(self, u: Value) -> Value: ...
+
+    def mac(self, u: Value) -> Value: ...
+
+    def mac_residual(self, x: Value) -> Value: ...
+
+    def ffn_residual(self, x: Value) -> Value: ...
+
+
+class Residuals:
+    """The residual steps of a layer over its whole input: x + MAC(rmsnorm(x)) and
+    x + SwiGLU(rmsnorm(x)). `Parallel` under `train.remat: per_segment` overrides them to run
+    one segment at a time."""
+    p: Params
+
+    def mac_residual(self, x: Value) -> Value:
+        return x + self.mac(rmsnorm(x, self.p["mem_norm"]))  # type: ignore[attr-defined]
+
+    def ffn_residual(self, x: Value) -> Value:
+        p = self.p
+        return x + ffn(rmsnorm(x, p["ffn_norm"]), p["ffn_w1"], p["ffn_w3"], p["ffn_w2"])
+
+
+def block(mx: Mixers, x: Value, p: Params, m: ModelSpec) -> Value:
+    """One layer of kind `m.block` (docs/semantics.md "Blocks"): its mixers with their norms,
+    residuals and gates, then the SwiGLU FFN."""
+    kind = m.block
+    if kind == "attn":
+        x = x + mx.swa(rmsnorm(x, p["attn_norm"]))
+    elif kind == "lmm":
+        x = x + mx.lmm(rmsnorm(x, p["mem_norm"]))
+    elif kind == "mag":
+        u = rmsnorm(x, p["mem_norm"])
+        y = rmsnorm(mx.swa(u), p["mag_norm_y"])
+        g = rmsnorm(mx.lmm(u), p["mag_norm_m"]).sigmoid()
+        x = x + (y * g) @ p["mag_wo"]
+    elif kind == "mal":
+        x = x + mx.lmm(rmsnorm(x, p["mem_norm"]))
+        x = x + mx.swa(rmsnorm(x, p["attn_norm"]))
+    else:
+        x = mx.mac_residual(x)
+    return mx.ffn_residual(x)
+
+
+def lmm_output(y: Value, u: Value, p: Params) -> Value:
+    """LMM(u) = (y ⊙ silu(u W_G)) W_O from the retrieved y (B, T, D) (no gate without W_G)."""
+    if "mem_wg" in p:
+        y = y * (u @ p["mem_wg"]).silu()
+    return y @ p["mem_wo"]
+
+
+def mac_output(y: Value, r: Value, p: Params) -> Value:
+    """MAC's output (ỹ ⊙ σ(r)) W_O: attention output ỹ gated by the memory read r."""
+    return (y * r.sigmoid()) @ p["mem_wo"]
+
+
+class Parallel(Residuals):
+    """The mixers over a whole training sequence (B, T, D). `segmented` (`train.remat:
+    per_segment`): the FFN (with its norm and residual) runs as a scan over chunks of B·S
+    token rows, MAC's norm, memory-query projection and residual move into its segment scan,
+    and the MAC runs on groups of `rows` sequences (`train.remat_rows`, 0: auto), so a
+    layer's backward recomputes one segment of one group at a time and no whole-sequence
+    intermediate of them is live across the segment scan."""
+
+    def __init__(self, b: Builder, p: Params, m: ModelSpec, segmented: bool = False,
+                 rows: int = 0):
+        self.b, self.p, self.m, self.segmented, self.rows = b, p, m, segmented, rows
+
+    def _rows_per_group(self, B: int, S: int, D: int) -> int:
+        """Sequences per MAC group: `rows` (train.remat_rows), or the fewest whose segment
+        reaches ROW_GROUP_BYTES; always a divisor of B."""
+        want = self.rows or next((r for r in range(1, B + 1)
+                                  if B % r == 0 and r * S * D * 4 >= ROW_GROUP_BYTES), B)
+        return max(r for r in range(1, min(want, B) + 1) if B % r == 0)
+
+    def _segments(self, T: int) -> int:
+        """Segments per sequence when running segmented, else 1."""
+        S = self.m.attention.segment
+        return T // S if self.segmented and T % S == 0 else 1
+
+    def ffn_residual(self, x: Value) -> Value:
+        B, T, D = x.shape
+        n = self._segments(T)
+        if n == 1:
+            return super().ffn_residual(x)
+        keys = ["ffn_norm", "ffn_w1", "ffn_w2", "ffn_w3"]
+
+        def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+            pp = dict(zip(keys, consts))
+            x_c = xs[0]                                           # (B·T/n, D) token rows
+            return [], [x_c + ffn(rmsnorm(x_c, pp["ffn_norm"]), pp["ffn_w1"], pp["ffn_w3"],
+                                  pp["ffn_w2"])]
+
+        _, (y,) = self.b.scan(body, [], [x.reshape(n, B * T // n, D)],
+                              [self.p[k] for k in keys], length=n, name="ffn_chunk",
+                              names=["x"] + keys, role="loop")
+        return y.reshape(B, T, D)
+
+    def mac_residual(self, x: Value) -> Value:
+        """x + MAC(rmsnorm(x)); segmented: `rows` sequences at a time (a scan over groups of
+        batch rows, each the segment scan of `mac(segmented=True)`), so the segment
+        backward's recomputed values and its saved memory states are one group's."""
+        K, S = self.m.memory.conv_kernel, self.m.attention.segment
+        B, T, D = x.shape
+        if self._segments(T) == 1 or K - 1 > S:
+            return super().mac_residual(x)
+        r = self._rows_per_group(B, S, D)
+        if r == B:
+            return self.mac(x, segmented=True)
+        keys = sorted(k for k in self.p if k.startswith(("attn_", "mem_", "mac_")))
+
+        def rows(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+            sub = Parallel(bb, dict(zip(keys, consts)), self.m, self.segmented, self.rows)
+            return [], [sub.mac(xs[0], segmented=True)]
+
+        _, (y,) = self.b.scan(rows, [], [x.reshape(B // r, r, T, D)], [self.p[k] for k in keys],
+                              length=B // r, name="mac_rows", names=["x"] + keys, role="loop")
+        return y.reshape(B, T, D)
+
+    def swa(self, u: Value) -> Value:
+        return swa(self.b, u, self.p, self.m.attention.heads, self.m.attention.window)
+
+    def lmm(self, u: Value) -> Value:
+        """LMM(u) = (y ⊙ silu(u W_G)) W_O, y retrieved at chunk-start memory states."""
+        b, p, mem = self.b, self.p, self.m.memory
+        st = project(b, u, p, mem)
+        ws, ss = initial_state(b, p, mem.depth, u.shape[0])
+        _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q)
+        return lmm_output(merge_heads(y), u, p)                 # y (B, T, D)
+
+    def mac(self, u: Value, segmented: bool = False) -> Value:
+        """Memory as context: a scan over segments carrying the memory state. `segmented`:
+        u is the raw layer input x; each segment normalises its tokens, projects its memory
+        queries (the causal conv reading the previous segment's last K-1 tokens, passed as a
+        per-segment slice) and returns x_s + MAC, i.e. the layer's residual."""
+        b, p, m = self.b, self.p, self.m
+        mem, att = m.memory, m.attention
+        B, T, D = u.shape
+        S, nm, depth, K = att.segment, mem.heads, mem.depth, mem.conv_kernel
+        n_seg, e = T // S, D // nm
+        ws, ss = initial_state(b, p, depth, B)
+        u_seg = u.reshape(B, n_seg, S, D).permute(1, 0, 2, 3)     # (nS, B, S, D)
+        if segmented:
+            xs = [u_seg]
+            if K > 1:   # the previous segment's last K-1 tokens (zeros before the first): the
+                        # conv history of each segment's memory queries
+                last = u.reshape(B, n_seg, S, D).slice(2, S - K + 1, S)      # (B, nS, K-1, D)
+                xs.append(last.pad(1, 1, 0).slice(1, 0, n_seg).permute(1, 0, 2, 3))
+        else:
+            hq = project(b, u, p, mem, want="q").q                # (B, Nm, T, e), full-seq conv
+            xs = [u_seg, hq.reshape(B, nm, n_seg, S, e).permute(2, 0, 1, 3, 4)]  # (nS,B,Nm,S,e)
+        # loop-invariant weights the segment body reads (W⁽⁰⁾ enters as the carry)
+        keys = sorted(k for k in p if k.startswith(("attn_", "mem_", "mac_"))
+                      and (segmented or k != "mem_norm") and not re.fullmatch(r"mem_w\d+", k))
+
+        def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
+            pp = dict(zip(keys, consts))
+            w, s = carry[:depth], carry[depth:]
+            if segmented:
+                x_s = xs[0]
+                u_s = rmsnorm(x_s, pp["mem_norm"])
+                u_h = bb.concat([rmsnorm(xs[1], pp["mem_norm"]), u_s], 1) if K > 1 else u_s
+                hq_s = project(bb, u_h, pp, mem, want="q").q.slice(2, K - 1, K - 1 + S)
+            else:
+                u_s, hq_s = xs
+            h = merge_heads(retrieve(bb, w, hq_s))                # (B, S, D), read only
+            y = mac_attention(bb, u_s, h, pp, att.heads)          # ỹ (B, S, D)
+            yn = rmsnorm(y, pp["mac_norm"])                       # ŷ: the memory's input
+            st = project(bb, yn, pp, mem)                         # segment-local conv history
+            w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q)
+            out = mac_output(y, merge_heads(r), pp)
+            return w2 + s2, [x_s + out if segmented else out]
+
+        names = [f"W{i}" for i in range(1, depth + 1)] + [f"S{i}" for i in range(1, depth + 1)]
+        xnames = (["x", "x_prev"][:len(xs)]) if segmented else ["u", "hq"]
+        _, (out,) = b.scan(body, ws + ss, xs, [p[k] for k in keys], length=n_seg,
+                           name="mac_segment", names=names + xnames + keys, role="segment")
+        return out.permute(1, 0, 2, 3).reshape(B, T, D)

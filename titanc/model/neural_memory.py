@@ -1,0 +1,175 @@
+"""Neural long-term memory (LMM) lowering, per docs/semantics.md.
+
+Ein notation: b batch, n memory head, u/t token within a chunk, e head width (d),
+o/i out/in axes of a memory weight matrix, c chunk index.
+
+The memory is a scan over chunks carrying (W_1..W_L, S_1..S_L), each (B, Nm, out, in).
+Inside a chunk every inner gradient is taken at the chunk-start weights and the per-token
+momentum/decay recurrences are applied in closed form (log-space cumulative sums). The
+update is emitted in its *direct* form, a weighted sum over the chunk of per-token outer
+products (B, Nm, b, out, in); the `aggregate` pass turns it into one contraction.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from titanc.ir import Builder, Value
+from titanc.ir.elementwise import silu_grad
+
+from titanc.model.nn import dwconv, l2norm, log_sigmoid
+from titanc.model.spec import MemorySpec
+
+
+@dataclass(frozen=True)
+class MemStreams:
+    """Per-token memory inputs, heads split: q/k/v (B, Nm, T, e); gates (B, Nm, T)."""
+    q: Value | None
+    k: Value | None
+    v: Value | None
+    theta: Value | None
+    log_eta: Value | None
+    log_keep: Value | None      # log(1 − α)
+
+
+def _heads(x: Value, nm: int) -> Value:
+    # (B, T, D) -> (B, Nm, T, e)
+    B, T, D = x.shape
+    return x.reshape(B, T, nm, D // nm).permute(0, 2, 1, 3)
+
+
+def project(b: Builder, u: Value, p: dict[str, Value], mem: MemorySpec, want: str = "qkvg",
+            conv: Callable[[Value, Value, str], Value] | None = None) -> MemStreams:
+    """Projections of u (B, T, D): l2norm(silu(dwconv(u W))) for q, k (no silu with
+    `memory.qk_activation: none`); silu(dwconv(u W)) for v;
+    gates θ, log η, log(1 − α). `want` picks which of q, k, v, g(ates) to build; `conv`
+    replaces the zero-history conv (decoding passes one that reads a history)."""
+    nm = mem.heads
+    B, T, D = u.shape
+    conv = conv or (lambda x, w, name: dwconv(x, w))
+
+    def stream(name: str, norm: bool) -> Value:
+        x = conv(u @ p[f"mem_w{name}"], p[f"mem_conv_{name}"], name)  # (B, T, D)
+        if not norm or mem.qk_activation == "silu":   # v always; q, k unless 'none'
+            x = x.silu()
+        if norm:                                  # l2norm over each head's e channels
+            x = l2norm(x.reshape(B, T, nm, D // nm)).reshape(B, T, D)
+        return _heads(x, nm)
+
+    q = stream("q", True) if "q" in want else None
+    k = stream("k", True) if "k" in want else None
+    v = stream("v", False) if "v" in want else None
+    theta = log_eta = log_keep = None
+    if "g" in want:
+        if mem.adaptive:
+            def gate(name: str) -> Value:          # (B, T, Nm) -> (B, Nm, T)
+                return (u @ p[f"mem_{name}_w"] + p[f"mem_{name}_b"]).permute(0, 2, 1)
+            theta = gate("theta").sigmoid() * mem.lr_max
+            log_eta = log_sigmoid(gate("eta"))
+            log_keep = log_sigmoid(-gate("alpha"))
+        else:
+            def const(value: float) -> Value:
+                return b.full(value, (), u.dtype).expand(B, nm, T)
+            theta = const(mem.lr_max)
+            log_eta = const(math.log(mem.momentum))
+            log_keep = const(math.log(1.0 - mem.decay))
+    return MemStreams(q, k, v, theta, log_eta, log_keep)
+
+
+def mlp(b: Builder, ws: list[Value], x: Value) -> tuple[Value, list[Value], list[Value]]:
+    """M(x; W) batched over tokens: x (B, Nm, t, i). Returns output, pre-activations z_i and
+    layer inputs a_{i-1}."""
+    zs, acts = [], []
+    a = x
+    for i, w in enumerate(ws):
+        acts.append(a)
+        z = b.einsum("bnoi,bnti->bnto", w, a)
+        zs.append(z)
+        a = z.silu() if i < len(ws) - 1 else z
+    return a, zs, acts
+
+
+def initial_state(b: Builder, p: dict[str, Value], depth: int, B: int) -> tuple[list[Value], list[Value]]:
+    ws, ss = [], []
+    for i in range(1, depth + 1):
+        w0 = p[f"mem_w{i}"]                                       # (Nm, o, i)
+        shape = (B,) + w0.shape
+        ws.append(w0.reshape(1, *w0.shape).expand(*shape))
+        ss.append(b.full(0.0, shape, w0.dtype))
+    return ws, ss
+
+
+def chunk_update(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value,
+                 theta: Value, log_eta: Value, log_keep: Value) -> tuple[list[Value], list[Value]]:
+    """One chunk's write. k, v (B, Nm, u, e); gates (B, Nm, u). Returns new (W, S)."""
+    B, Nm, U, E = k.shape
+    yhat, zs, acts = mlp(b, ws, k)
+    delta = (yhat - v) * (2.0 / E)                                # ∂ℓ/∂ŷ, (B, Nm, u, e)
+    grads: list[Value] = [None] * len(ws)                         # type: ignore[list-item]
+    for i in range(len(ws) - 1, -1, -1):
+        # direct form: per-token outer product g_u = δ_u ⊗ a_u, (B, Nm, u, o, i)
+        grads[i] = b.einsum("bnuo,bnui->bnuoi", delta, acts[i])
+        if i > 0:
+            delta = b.einsum("bnoi,bnuo->bnui", ws[i], delta) * silu_grad(zs[i - 1])
+    # closed form of the per-token recurrences, in log space (products underflow)
+    lE = log_eta.cumsum(-1)                                       # log E_t, (B, Nm, u)
+    lD = log_keep.cumsum(-1)                                      # log D_t
+    lE_b, lD_b = lE.slice(-1, U - 1, U), lD.slice(-1, U - 1, U)   # (B, Nm, 1)
+    e_t = lD_b - lD + lE                                          # log(D_b E_t / D_t)
+    causal = b.mask(U, 0, [("causal", U, None)], k.dtype)         # [t, u]: 0 if u ≤ t
+    pair = (e_t.reshape(B, Nm, U, 1) - lE.reshape(B, Nm, 1, U) + causal).exp()   # [t, u]
+    w_u = theta * pair.sum((-2,))                                 # weight of g_u in W
+    s_u = theta * (lE_b - lE).exp()                               # weight of g_u in S
+    coef_s = e_t.exp().sum((-1,)).reshape(B, Nm, 1, 1)            # Σ_t D_b E_t / D_t
+    decay_w = lD_b.exp().reshape(B, Nm, 1, 1)                     # D_b
+    keep_s = lE_b.exp().reshape(B, Nm, 1, 1)                      # E_b
+    new_w, new_s = [], []
+    for w, s, g in zip(ws, ss, grads):
+        wsum = (g * w_u.reshape(B, Nm, U, 1, 1)).sum((2,))        # Σ_u w_u g_u
+        ssum = (g * s_u.reshape(B, Nm, U, 1, 1)).sum((2,))        # Σ_u θ_u (E_b/E_u) g_u
+        new_w.append(w * decay_w + s * coef_s - wsum)
+        new_s.append(s * keep_s - ssum)
+    return new_w, new_s
+
+
+def _chunked(x: Value, n_chunks: int) -> Value:
+    # (B, Nm, T, ...) -> (C, B, Nm, b, ...)
+    B, Nm, T = x.shape[:3]
+    rest = x.shape[3:]
+    y = x.reshape(B, Nm, n_chunks, T // n_chunks, *rest)
+    return y.permute(2, 0, 1, *range(3, y.rank))
+
+
+def _unchunked(y: Value) -> Value:
+    # (C, B, Nm, b, e) -> (B, Nm, C·b, e)
+    C, B, Nm, U, E = y.shape
+    return y.permute(1, 2, 0, 3, 4).reshape(B, Nm, C * U, E)
+
+
+def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, chunk: int,
+                read: Value | None) -> tuple[list[Value], list[Value], Value]:
+    """Scan over chunks of `chunk` tokens: retrieve `read` (B, Nm, T, e) at chunk-start state,
+    then write k, v. Returns final W, S and the retrievals (B, Nm, T, e)."""
+    T = st.k.shape[2]
+    n = T // chunk
+    L = len(ws)
+    xs = [_chunked(x, n) for x in (read, st.k, st.v, st.theta, st.log_eta, st.log_keep)]
+
+    def body(bb: Builder, carry: list[Value], x: list[Value], _: list[Value]):
+        w, s = carry[:L], carry[L:]
+        q, k, v, th, le, lk = x
+        y, _, _ = mlp(bb, w, q)                                   # read before this chunk's write
+        w2, s2 = chunk_update(bb, w, s, k, v, th, le, lk)
+        return w2 + s2, [y]
+
+    names = [f"W{i}" for i in range(1, L + 1)] + [f"S{i}" for i in range(1, L + 1)]
+    names += ["q", "k", "v", "theta", "log_eta", "log_keep"]
+    carry, ys = b.scan(body, ws + ss, xs, length=n, name="memory_chunk", names=names,
+                       role="memory")
+    return carry[:L], carry[L:], _unchunked(ys[0])
+
+
+def retrieve(b: Builder, ws: list[Value], q: Value) -> Value:
+    y, _, _ = mlp(b, ws, q)
+    return y

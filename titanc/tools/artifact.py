@@ -1,0 +1,154 @@
+"""`titanc compile` output: IR dumps, report.json and manifest.json in a build directory.
+
+Layout (DESIGN.md §6): `ir/NN_<stage>.txt` after every pipeline stage, `report.json`
+(names are an interface: keep them stable), `manifest.json` (spec hash, versions).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from titanc.errors import TitancError
+from titanc.ir import format_graph, graph_stats
+
+from titanc.passes.manager import debug_level
+from titanc.passes.memory_plan import memory_report
+
+from titanc.runtime.train.rundir import write_text_atomic, writing_into
+
+from titanc.compiler import GRAPH_KINDS, Compiled, compile_graphs, launches_per_step
+from titanc.fit import check_fits, lower_bound_bytes, planned_bytes
+from titanc.model.params import param_count
+from titanc.model.spec import spec_hash, spec_to_dict
+from titanc.tools.cost_model import kernel_rows, launched_kernels, step_profile
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("titanc", "torch", "triton", "networkx", "jinja2"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
+    fallbacks: list[dict[str, str]] = []
+    carries: list[dict] = []
+    launches = {"cpu": launches_per_step(c, "cpu"),
+                "triton": launches_per_step(c, "triton", fallbacks, carries)}
+    return {
+        "name": spec.name,
+        "spec_hash": spec_hash(spec),
+        "block": spec.model.block,
+        "parameters": param_count(spec.model),
+        "compile_seconds": seconds,
+        # every graph kind the runtime runs, each through the same pipeline (its pass log)
+        "graphs": {kind: _graph_row(c, kind) for kind in GRAPH_KINDS
+                   if kind != "decode_write" or spec.model.has_memory},
+        "remat_policy": c.policy.mode + ("" if c.policy.mode != "mincut" or c.policy.ban_matmul
+                                         else "_with_matmuls"),
+        "passes": [r for r in c.passes if "nodes_before" in r],
+        "steps": [r for r in c.passes if "nodes_before" not in r],
+        # the kernels a step runs (no-ops left out: views and constants bound without a kernel)
+        "kernels": [{k: r[k] for k in ("name", "category", "flops", "bytes", "nodes")}
+                    for r in kernel_rows(c)],
+        # kernels per graph that run something, scan bodies included, no-ops (views and
+        # constants bound without a kernel) left out: step.after.kernels_all, per graph
+        "kernel_counts": {name: launched_kernels(p) for name, p in c.plans.items()},
+        "launches_per_step": launches,
+        "scan_fallbacks": {"triton": fallbacks},   # scans that stay host loops, and why
+        # each scan kernel's loops: which carries are held on chip, which stay in the
+        # workspace and why (one row per distinct kernel and carry)
+        "scan_carries": {"triton": _unique(carries)},
+        "memory": memory_report(c.plans["training"], spec.model.vocab_size),
+        "memory_forward": memory_report(c.plans["forward"], spec.model.vocab_size),
+        # per training step: kernels by family, modeled bytes and FLOPs, with and without the
+        # pattern passes (titanc/tools/cost_model.py)
+        "step": step_profile(spec, c),
+    }
+
+
+def _unique(rows: list[dict]) -> list[dict]:
+    """`rows` without repeats (a kernel counted for several graph kinds), in order."""
+    seen: dict[str, dict] = {}
+    for r in rows:
+        seen.setdefault(json.dumps(r, sort_keys=True), r)
+    return list(seen.values())
+
+
+def _graph_row(c: Compiled, kind: str) -> dict[str, Any]:
+    """A graph kind at the compile's batch (decode kinds: one new token)."""
+    cg = c.graph(kind)
+    st = graph_stats(cg.graph)
+    return {"nodes": st["nodes"], "largest_tensor_bytes": st["largest_tensor_bytes"],
+            "kernels": launched_kernels(cg.plan),
+            "arena_bytes": cg.plan.arena_bytes,
+            "passes": [{k: r[k] for k in r if k != "graph"} for r in cg.passes]}
+
+
+def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False) -> dict[str, Any]:
+    """Compile `spec` and write the build directory; returns the report.
+
+    Refuses (TitancError) a spec whose memory plan exceeds the machine's memory unless
+    `force`; every write failure is a one-line TitancError naming the file."""
+    from titanc.runtime.data.tokenizer import check_vocab, load_tokenizer
+
+    tok = load_tokenizer(spec)
+    check_vocab(spec, tok)
+    out = Path(out_dir)
+    if not force:
+        check_fits(lower_bound_bytes(spec), spec, _device(spec), force_hint=True, lower=True)
+    try:
+        (out / "ir").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TitancError(f"cannot create output directory {out}: {e.strerror}; choose a "
+                          f"writable directory with -o") from None
+    t0 = time.perf_counter()
+    c = compile_graphs(spec)
+    seconds = time.perf_counter() - t0
+    if not force:
+        check_fits(planned_bytes(c), spec, _device(spec), force_hint=True)
+    with writing_into(out, "the artifact directory"):
+        return _write_files(spec, c, out, seconds, tok)
+
+
+def _device(spec: Any) -> str:
+    """Where the program of `spec` would hold its memory."""
+    import torch
+
+    from titanc.runtime.program import _resolve_target
+    return "cuda" if _resolve_target(spec.compile.target) == "triton" and \
+        torch.cuda.is_available() else "cpu"
+
+
+def _write_files(spec: Any, c: Compiled, out: Path, seconds: float, tok: Any) -> dict[str, Any]:
+    from titanc.runtime.data.tokenizer import save_tokenizer, tokenizer_info
+
+    for old in (out / "ir").glob("*.txt"):
+        old.unlink()                              # no stale dumps from an earlier compile
+    for k, (stage, g) in enumerate(c.log.dumps):
+        write_text_atomic(out / "ir" / f"{k:02d}_{stage}.txt", format_graph(g))
+    report = build_report(spec, c, seconds)
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
+    from titanc.codegen.emit import emit_artifact
+    emit_artifact(c, out)
+    if debug_level() >= 3:
+        for f in sorted((out / "kernels").glob("*.py")):
+            print(f"# ---- {f.name}\n{f.read_text()}", file=sys.stderr)
+    write_text_atomic(out / "memory_plan.txt", "\n".join(
+        f"== {name} ==\n{c.plans[name].to_text()}" for name in ("training", "forward", "optimizer")))
+    save_tokenizer(tok, out)                      # the tokenizer travels with the artifact
+    manifest = {"name": spec.name, "spec_hash": report["spec_hash"], "spec": spec_to_dict(spec),
+                "spec_path": spec.path, "tokenizer": tokenizer_info(tok),
+                "versions": _versions(), "argv": sys.argv[1:]}
+    write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2, default=str) + "\n")
+    return report

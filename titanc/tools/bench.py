@@ -1,0 +1,82 @@
+"""`titanc bench`: compile a spec, run warm-up and profiled training steps on random tokens and
+print the profile summary (`runtime/diagnostics/timing.py` says what each figure means)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from titanc.runtime.diagnostics.timing import (StepProfiler, device_name, format_summary, peak_rss_bytes,
+                                    profile_summary)
+
+__all__ = ["run_bench", "bench_table", "step_flops"]
+
+
+def step_flops(compiled: Any) -> int:
+    """FLOPs of one optimizer step: the training schedule's top-level kernels (a scan counts
+    its body times its length) per micro-batch, times grad_accum, plus the optimizer's."""
+    accum = int(getattr(compiled.spec.train, "grad_accum", 1))
+    train = sum(k.flops for k in compiled.schedules["training"].kernels)
+    opt = sum(k.flops for k in compiled.schedules["optimizer"].kernels)
+    return accum * train + opt
+
+
+# -- titanc bench ----------------------------------------------------------------------------
+
+def run_bench(spec: Any, steps: int = 5, warmup: int = 1, threads: int | None = None,
+              seed: int = 0) -> dict[str, Any]:
+    """Compile `spec`, run `warmup` unprofiled training steps and `steps` profiled ones on
+    random tokens; returns the `profile_summary` dict plus compile and warm-up times."""
+    import torch
+
+    import titanc
+    from titanc.passes.memory_plan import memory_report
+
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    t0 = time.perf_counter()
+    prog = titanc.compile(spec)
+    compile_s = time.perf_counter() - t0
+    s = prog.spec
+    rows = s.train.grad_accum * s.train.batch_size
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, s.model.vocab_size, (rows, s.model.seq_len + 1), generator=gen)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        prog.train_step(tokens)
+    warmup_s = time.perf_counter() - t0
+    device = device_name(prog.target)
+    if device != "cpu":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    prof = StepProfiler()
+    for _ in range(steps):
+        with prof.step():
+            prog.train_step(tokens)
+            if device != "cpu":
+                torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() if device != "cpu" else peak_rss_bytes()
+    mem = memory_report(prog.compiled.plans["training"], s.model.vocab_size)
+    summary = profile_summary(
+        prof, steps, steps * rows * s.model.seq_len, prof.wall, peak,
+        flops_per_step=step_flops(prog.compiled), device=device,
+        dtype=str(s.train.dtype), planned_bytes=mem["arena_bytes"] + mem["persistent_bytes"],
+        threads=threads if device == "cpu" else None)
+    summary.update(name=s.name, compile_seconds=compile_s, warmup_steps=warmup,
+                   warmup_seconds=warmup_s, loss=prog.last.get("loss"), memory=mem,
+                   cpus=os.cpu_count(), load_average=load)
+    return summary
+
+
+def bench_table(result: dict[str, Any]) -> str:
+    head = (f"{result['name']}: compiled in {result['compile_seconds']:.2f} s, "
+            f"{result['warmup_steps']} warm-up steps in {result['warmup_seconds']:.2f} s, "
+            f"loss {result['loss']:.4f}")
+    text = head + "\n" + format_summary(result)
+    load, cpus, threads = result.get("load_average"), result.get("cpus"), result.get("threads")
+    if load is not None and cpus and threads and threads > 1 and load + threads > cpus:
+        text += (f"\nnote: load average {load:.1f} on {cpus} CPUs before the run: with "
+                 f"{threads} threads every small op can wait at a thread barrier for a busy "
+                 f"core; compare with --threads 1")
+    return text

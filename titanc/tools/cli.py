@@ -1,0 +1,458 @@
+"""The `titanc` command line.
+
+    titanc compile SPEC [-o DIR] [--set KEY=VALUE ...]
+    titanc train SPEC --out RUN [--set KEY=VALUE ...] [--data SRC] [--steps N] [--resume RUN]
+    titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory]
+    titanc bench SPEC [--set KEY=VALUE ...] [--steps N] [--warmup N] [--threads N] [--json]
+    titanc tokenizer train | data prepare | eval     (titanc/tools/corpus_cli.py)
+    titanc serve RUN [--host H] [--port N] [--slots N] [--max-queue N] [--grace S]
+
+`main` returns the exit status: 0 on success, 2 for bad input. A `TitancError` is printed as
+one line, `titanc: error: <message>`, never as a traceback. The heavy modules (artifact writer,
+trainer) are imported inside the commands, so `titanc --help` and spec errors stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from titanc.errors import TitancError, printable
+from titanc.model.spec import Spec, load_spec, parse_set_args
+
+__all__ = ["main", "build_parser"]
+
+_DESCRIPTION = """\
+titanc compiles Titans-style language models (attention plus a neural long-term memory that
+learns at test time) from a YAML spec into an IR, optimises it, and trains the result.
+See examples/ for specs and docs/semantics.md for the exact model they describe."""
+
+_EPILOG = """\
+examples:
+  titanc compile examples/tiny.yaml -o build/tiny
+  titanc compile examples/tiny.yaml --set model.d_model=128 --set train.batch_size=2
+  titanc train examples/tiny.yaml --steps 100 --out runs/tiny
+  titanc inspect build/tiny --memory
+  titanc bench examples/tiny.yaml --steps 3
+
+Run 'titanc COMMAND --help' for the options of a command."""
+
+_SET_HELP = ("override a spec field by its dotted path; VALUE is read as YAML "
+             "(--set model.d_model=128, --set train.betas=[0.9,0.99], "
+             "--set train.remat_budget_mb=null); repeatable, later ones win")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("titanc")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= low, described as `what` in the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def _temperature(text: str) -> float:
+    """An argparse type: a finite float >= 0 (nan, inf and negatives are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 is greedy), "
+                                         f"got {text[:30]!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """An argparse type: an integer in [0, 2**64), what a torch generator takes."""
+    try:
+        value = int(text) if len(text) <= 30 else -1
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text[:30]!r}")
+    return value
+
+
+def _add_spec_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="SPEC", help="path to a YAML model spec (see examples/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help=_SET_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="titanc", description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"titanc {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
+                                     required=True)
+
+    compile_ = commands.add_parser(
+        "compile", help="validate a spec and write the compiled artifact to a directory",
+        description="Validate SPEC, lower it to the IR and write the compiled artifact to DIR:\n"
+                    "report.json (graph sizes, spec hash), manifest.json (spec hash, versions)\n"
+                    "and the IR as text under DIR/ir/.",
+        epilog="example:\n  titanc compile examples/tiny.yaml -o build/tiny --set model.n_layers=4",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_spec_args(compile_)
+    compile_.add_argument("-o", "--out", metavar="DIR", default=None,
+                          help="output directory (default: build/<name>, with the spec name "
+                               "reduced to letters, digits and underscores)")
+    compile_.add_argument("--force", action="store_true",
+                          help="write the artifact even when its memory plan needs more memory "
+                               "than this machine has (to read the plan; it cannot run here)")
+    compile_.set_defaults(run=_cmd_compile)
+
+    train = commands.add_parser(
+        "train", help="train the model a spec describes and write a run directory",
+        description="Compile SPEC and train it, writing metrics, plots and checkpoints to RUN.",
+        epilog="examples:\n"
+               "  titanc train examples/tiny.yaml --out runs/tiny\n"
+               "  titanc train examples/tiny.yaml --data notes.txt --steps 500 --out runs/notes\n"
+               "  titanc train examples/tiny.yaml --resume runs/tiny --steps 400 --out runs/tiny\n"
+               "  titanc train examples/tiny.yaml --nproc 2 --out runs/ddp   (2 local ranks)\n"
+               "  torchrun --nproc-per-node 2 -m titanc.train examples/tiny.yaml --out runs/ddp",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_spec_args(train)
+    train.add_argument("--data", metavar="FILE|DIR|synthetic:recall", default=None,
+                       help="training data, instead of the spec's data.source: a UTF-8 text "
+                            "file (byte-level tokens), a token-shard directory from 'titanc "
+                            "data prepare' or synthetic:recall, an associative-recall "
+                            "task that needs a working memory")
+    train.add_argument("--steps", metavar="N", type=_positive_int, default=None,
+                       help="number of optimizer steps, instead of the spec's train.steps")
+    train.add_argument("--out", metavar="RUN", required=True,
+                       help="run directory for metrics.jsonl, loss.png and checkpoints")
+    train.add_argument("--resume", metavar="RUN", default=None,
+                       help="continue from the last checkpoint in RUN; parameters the spec adds "
+                            "are initialised fresh and listed")
+    train.add_argument("--strict", action="store_true",
+                       help="with --resume: refuse any difference between the checkpoint and "
+                            "the spec instead of loading the tensors that match")
+    train.add_argument("--profile", action="store_true",
+                       help="print time per kernel category, tokens/s and peak memory")
+    train.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                       help="torch CPU threads (default: $TITANC_THREADS, else one per 4 GFLOP "
+                            "of step work, at most the cores not already busy); shown in the "
+                            "progress line")
+    train.add_argument("--until", metavar="STEP", type=_positive_int, default=None,
+                       help="stop (with a checkpoint) at this step while the learning-rate "
+                            "schedule still spans train.steps; continue later with --resume")
+    train.add_argument("--nproc", metavar="N", type=_positive_int, default=1,
+                       help="data-parallel ranks on this machine (torch.distributed, gloo on "
+                            "CPU, NCCL on CUDA); train.batch_size is per rank. For several "
+                            "machines use torchrun ... -m titanc.train")
+    train.set_defaults(run=_cmd_train)
+
+    gen = commands.add_parser(
+        "generate", help="sample text from a trained run (or a compiled artifact)",
+        description="Load RUN (a run directory or checkpoint file) and continue PROMPT.\n"
+                    "Prefill runs whole memory chunks in parallel; decoding is token by token\n"
+                    "with a sliding-window KV cache and the memory state (constant memory).",
+        epilog="example:\n  titanc generate runs/tiny --prompt 'Once upon' --max-new-tokens 64 "
+               "--stream",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen.add_argument("source", metavar="RUN", help="run directory, checkpoint or artifact directory")
+    gen.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                     help="prompt text (encoded with the run's tokenizer); repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
+                     help="tokens to generate per prompt (default 64)")
+    gen.add_argument("--temperature", type=_temperature, default=0.8,
+                     help="sampling temperature; 0 is greedy (default 0.8)")
+    gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+                     help="sample among the K most likely tokens")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="nucleus sampling: the smallest set of tokens with probability > P")
+    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop a sequence once its output ends with TEXT; repeatable")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
+    gen.set_defaults(run=_cmd_generate)
+
+    _add_serve_parser(commands)
+
+    inspect = commands.add_parser(
+        "inspect", help="show the kernels, IR graphs and memory plan of a compiled artifact",
+        description="Read the artifact 'titanc compile' wrote to DIR. Without options: a table of\n"
+                    "kernels (category, FLOPs, bytes, arithmetic intensity, IR nodes), totals\n"
+                    "per category, and the training step by kernel family before and after\n"
+                    "the pattern passes.",
+        epilog="examples:\n"
+               "  titanc inspect build/tiny\n"
+               "  titanc inspect build/tiny --kernel titanc_red_fused_mul_sum_add_rsqrt_73\n"
+               "  titanc inspect build/tiny --graph --pass aggregate\n"
+               "  titanc inspect build/tiny --memory",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    inspect.add_argument("dir", metavar="DIR", help="artifact directory ('titanc compile -o DIR')")
+    what = inspect.add_mutually_exclusive_group()
+    what.add_argument("--kernel", metavar="NAME",
+                      help="print one kernel's source with its header (DIR/kernels/NAME.py)")
+    what.add_argument("--graph", action="store_true",
+                      help="write the IR after a pass as DIR/graph_<pass>.dot (and .png when "
+                           "Graphviz is installed)")
+    what.add_argument("--memory", action="store_true",
+                      help="print the memory plan summary (arena, lower bound, persistent, "
+                           "peak activation, logits) and the head of memory_plan.txt")
+    inspect.add_argument("--pass", dest="pass_name", metavar="NAME", default=None,
+                         help="with --graph: the pass whose output to draw, by pass name "
+                              "(aggregate: its last run) or dump name (02_aggregate_forward); "
+                              "default: the final training graph")
+    inspect.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                         help="list only the first N kernels (totals still cover all)")
+    inspect.set_defaults(run=_cmd_inspect)
+
+    bench = commands.add_parser(
+        "bench", help="time compiled training steps and print a profile per kernel category",
+        description="Compile SPEC, run warm-up steps, then N training steps on random tokens\n"
+                    "under the profiler: time per kernel category, tokens/s, MFU where the\n"
+                    "device peak is known, peak memory.",
+        epilog="example:\n  titanc bench examples/tiny.yaml --steps 3 --threads 2 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_spec_args(bench)
+    bench.add_argument("--steps", type=_positive_int, default=5, metavar="N",
+                       help="profiled training steps (default 5)")
+    bench.add_argument("--warmup", type=_non_negative_int, default=1, metavar="N",
+                       help="unprofiled warm-up steps first (default 1)")
+    bench.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                       help="torch CPU threads (default: torch's default); always reported")
+    bench.add_argument("--json", action="store_true", help="print the result as JSON")
+    bench.set_defaults(run=_cmd_bench)
+
+    from titanc.tools.corpus_cli import add_commands   # tokenizer train, data prepare, eval
+    add_commands(commands)
+    return parser
+
+
+def _add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve a run over HTTP with an OpenAI-compatible API",
+        description="Load RUN (a run directory, checkpoint or artifact directory) and serve\n"
+                    "POST /v1/completions, GET /v1/models, /health and /metrics, decoding a\n"
+                    "fixed pool of SLOTS sequences per batched step (continuous batching).\n"
+                    "SIGTERM stops admission, lets requests finish for --grace seconds, exits 0.",
+        epilog="example:\n  titanc serve runs/tiny --port 8000 --slots 8\n"
+               "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
+               "-d '{\"prompt\": \"Once\", \"max_tokens\": 32}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("source", metavar="RUN", help="run directory, checkpoint or artifact directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=_non_negative_int, default=8000,
+                       help="port (default 8000; 0 picks a free one and prints it)")
+    serve.add_argument("--slots", type=_positive_int, default=8, metavar="N",
+                       help="sequences decoded together in each step (default 8)")
+    serve.add_argument("--max-queue", type=_positive_int, default=64, metavar="N",
+                       help="completions that may wait for a slot; more get 429 (default 64)")
+    serve.add_argument("--max-prompt-tokens", type=_positive_int, default=8192, metavar="N",
+                       help="longest prompt accepted, in tokens (default 8192)")
+    serve.add_argument("--max-tokens", type=_positive_int, default=4096, metavar="N",
+                       help="largest max_tokens accepted (default 4096)")
+    serve.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, metavar="N",
+                       help="largest request body accepted (default 1 MiB)")
+    serve.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, how long running requests may finish (default 30)")
+    serve.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                       help="torch CPU threads (default: torch's default)")
+    serve.add_argument("--model-name", default=None, metavar="NAME",
+                       help="model id in the API (default: the spec's name)")
+    serve.set_defaults(run=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from titanc.runtime.serve.completions import Limits
+
+    try:
+        serve = _import("titanc.runtime.serve.server", "serve", "titanc serve")
+    except ModuleNotFoundError as exc:
+        raise TitancError(f"titanc serve needs {exc.name}: pip install 'titanc[serve]'") from None
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    if not args.grace >= 0:
+        raise TitancError(f"--grace: {args.grace} must be a number of seconds >= 0")
+    limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
+    return serve(args.source, args.host, args.port, args.slots, args.max_queue, limits,
+                 args.grace, args.model_name)
+
+
+def _load(args: argparse.Namespace) -> Spec:
+    return load_spec(args.spec, parse_set_args(args.overrides))
+
+
+def _import(module: str, name: str, what: str) -> Callable[..., Any]:
+    """Import `module.name`, turning "module not built yet" into a one-line error."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
+            raise
+        raise TitancError(
+            f"{what} is not available in this install ({module} is missing)") from None
+    return getattr(mod, name)
+
+
+def _fmt_bytes(n: Any) -> str:
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        return "?"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    spec = _load(args)
+    out = Path(args.out) if args.out else Path("build") / spec.safe_name
+    write_artifact = _import("titanc.tools.artifact", "write_artifact", "titanc compile")
+    report = write_artifact(spec, out, force=args.force)
+    forward = (report or {}).get("graphs", {}).get("forward", {})
+    nodes = forward.get("nodes", "?")
+    nodes = len(nodes) if isinstance(nodes, (list, dict)) else nodes
+    print(f"compiled {printable(spec.name)} -> {printable(str(out))}")
+    print(f"  forward graph: {nodes} nodes, largest tensor "
+          f"{_fmt_bytes(forward.get('largest_tensor_bytes'))}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from titanc.runtime.train.threads import resolve_threads
+
+    spec = _load(args)
+    if args.nproc > 1:                 # N local ranks of `python -m titanc.train` (same flags)
+        from titanc.runtime.train.launch import check_nproc, launch
+        check_nproc(args.nproc)
+        return launch(_train_argv(args), args.nproc, args.out, spec.train.dist_timeout_s)
+    run_training = _import("titanc.runtime.train.trainer", "run_training", "titanc train")
+    torch.set_num_threads(resolve_threads(spec, args.threads)[0])
+    dist = None
+    if "WORLD_SIZE" in os.environ:     # a rank under torchrun or --nproc
+        from titanc.runtime.train.distributed import init_from_env
+        dist = init_from_env(spec)
+    try:
+        run_training(spec, out=args.out, data=args.data, steps=args.steps, resume=args.resume,
+                     strict=args.strict, profile=args.profile, until=args.until, dist=dist)
+    finally:
+        if dist is not None:
+            from titanc.runtime.train.distributed import shutdown
+            shutdown()
+    return 0
+
+
+def _train_argv(args: argparse.Namespace) -> list[str]:
+    """The `titanc train` flags of `args`, less --nproc, for each rank."""
+    argv = [args.spec, "--out", args.out]
+    for kv in args.overrides:
+        argv += ["--set", kv]
+    for flag in ("data", "steps", "resume", "until"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag}", str(getattr(args, flag))]
+    argv += [f for f, on in (("--strict", args.strict), ("--profile", args.profile)) if on]
+    return argv
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import titanc
+    from titanc.runtime.serve.generate import Generator, Sampling
+    from titanc.runtime.data.tokenizer import StreamDecoder, load_tokenizer
+
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
+    prog = titanc.load(args.source)
+    tokenizer = load_tokenizer(args.source)       # the run's / artifact's own tokenizer
+    gen = Generator(prog, tokenizer)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop))
+    prompts = [tokenizer.encode(p) for p in args.prompt]
+    if args.stream and len(prompts) == 1:
+        sys.stdout.write(args.prompt[0])
+        out = StreamDecoder(tokenizer)           # holds back a character split over tokens
+        for _, tok in gen.stream(prompts, args.max_new_tokens, sampling):
+            sys.stdout.write(out.push(tok))
+            sys.stdout.flush()
+        sys.stdout.write(out.flush() + "\n")
+        return 0
+    outs = gen.generate(prompts, args.max_new_tokens, sampling)
+    for prompt, toks in zip(args.prompt, outs):
+        print(prompt + tokenizer.decode(toks))
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from titanc.tools import inspect
+
+    if args.pass_name is not None and not args.graph:
+        raise TitancError("--pass selects the graph to draw; use it with --graph")
+    art = inspect.open_artifact(args.dir)
+    if args.kernel is not None:
+        sys.stdout.write(inspect.kernel_source(art, args.kernel).rstrip("\n") + "\n")
+    elif args.graph:
+        stage, written, note = inspect.write_graph(art, args.pass_name)
+        print(f"{stage}: wrote {', '.join(map(str, written))}")
+        if note:
+            print(note)
+    elif args.memory:
+        print(inspect.memory_summary(art))
+    else:
+        rows, note = inspect.resolved_rows(art)
+        print(inspect.kernel_table(art, args.limit, rows, note))
+        step = inspect.step_table(art)
+        if step:
+            print("\n" + step)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from titanc.tools.bench import bench_table, run_bench
+
+    result = run_bench(_load(args), steps=args.steps, warmup=args.warmup, threads=args.threads)
+    print(json.dumps(result, indent=2) if args.json else bench_table(result))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on `argv` (default: sys.argv[1:]) and return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help / --version exit 0, usage errors exit 2
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    try:
+        return args.run(args)
+    except TitancError as exc:
+        print(f"titanc: error: {exc}", file=sys.stderr)
+        return exc.exit_status
+    except KeyboardInterrupt:
+        print("titanc: interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:  # a write or read the command did not expect to fail (disk full)
+        where = f"{printable(str(exc.filename))}: " if exc.filename is not None else ""
+        print(f"titanc: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2

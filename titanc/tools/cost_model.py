@@ -1,0 +1,200 @@
+"""What one training step runs, modeled from the compiled plans: kernels by family, bytes moved
+and FLOPs, with and without the pattern passes (report.json `step`, `titanc inspect`).
+
+A training step is `grad_accum` runs of the training graph and one of the optimizer graph.
+Figures per step:
+
+- `kernels`: the distinct kernels the step launches on the triton target: every top-level
+  kernel of both schedules that is not a no-op (`MemoryPlan.is_noop`: all its outputs alias
+  storage that holds them), a scan that renders to one scan kernel counting once, and a scan
+  that falls back to a host loop counting its body's kernels by the same rule (and the
+  kernel of its prologue gathers, `passes.schedule.prologue_kernel`, if any). Repetition is
+  not counted here (a kernel launched every iteration of a host loop, or once per gradient
+  accumulation step, is one kernel); `launches_per_step` counts launches.
+- `kernels_all`: every kernel of the schedules and their scan bodies that is not a no-op (the
+  cpu target, where every scan is a host loop over its body's kernels); report.json
+  `kernel_counts` is the same count per graph (`launched_kernels`), so for one gradient
+  accumulation step `kernels_all` = `kernel_counts.training` + `kernel_counts.optimizer`.
+- `families`: per kernel family (pointwise, reduction, matmul, or a template's name:
+  attention_fwd, attention_bwd, adamw_multi, segment_sum, scatter_along, scan) the kernels
+  (counted as in `kernels_all`), launches, bytes and FLOPs;
+- `bytes`: the modeled traffic: each kernel's reads and writes (`Kernel.bytes`) times its
+  launches per step (a body kernel runs once per iteration of its scan); a scan kernel adds
+  only its own operands and results, its body's traffic being its body's kernels';
+- `flops`: the modeled work (`passes.fusion.node_flops`) of every kernel but the scans, times
+  its launches (a scan's FLOPs are its body's kernels');
+- `copy_kernels`: the launched kernels (counted as in `kernels_all`) without a computing node
+  (`is_computing`), by name with why each stays (`copy_reason`).
+
+A computing node computes values: an elementwise op or CAST, a reduction (SUM, AMAX, CUMSUM),
+a contraction (EINSUM), a scatter-add (INDEX_ADD, SCATTER_ALONG), a scan or a pattern op. A
+view (RESHAPE, PERMUTE, EXPAND, SLICE), a constant (FULL, ROPE, MASK), a PAD, a CONCAT or a
+gather (TAKE, TAKE_ALONG) only moves or makes values: a kernel of those alone is a pure copy.
+The memory plan binds views and constants without a kernel (`MemoryPlan.views`); what stays
+is a gather, a pad or concat, or a view some reader needs dense (a segment sum's gradient rows).
+
+`step_profile(spec)` compiles the spec twice: as the pipeline does (`after`) and with the
+pattern passes left out (`before`: attention as its scores/softmax/PV chain, AdamW as
+per-parameter kernels). The embedding gradient is the same INDEX_ADD node both ways (its
+segment-sum kernel is a codegen choice, not a pass), so it shows as segment_sum in both.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from titanc.ir import Graph, Op, OpGroup
+from titanc.passes.memory_plan import STRIDED_TEMPLATES, MemoryPlan
+from titanc.passes.schedule import scan_prologue
+
+from titanc.compiler import Compiled, compile_graphs
+
+TEMPLATE_FAMILY = {Op.SCAN: "scan", Op.ATTENTION: "attention_fwd",
+                   Op.ATTENTION_BWD: "attention_bwd", Op.ADAMW: "adamw_multi",
+                   Op.INDEX_ADD: "segment_sum", Op.SCATTER_ALONG: "scatter_along"}
+FAMILY_ORDER = ("pointwise", "reduction", "matmul", "attention_fwd", "attention_bwd",
+                "adamw_multi", "segment_sum", "scatter_along", "scan")
+
+
+# template readers that need their operands dense (memory_plan.STRIDED_TEMPLATES: the others)
+DENSE_READERS = frozenset({Op.INDEX_ADD, Op.SCATTER_ALONG}) | (OpGroup.PATTERN - STRIDED_TEMPLATES)
+COPIES = OpGroup.INDEXING | OpGroup.GENERATOR | {Op.TAKE, Op.TAKE_ALONG, Op.ITEM}
+
+
+def is_computing(op: Op) -> bool:
+    """Does a node of `op` compute values (module docstring), rather than move or make them?"""
+    return op not in COPIES and op is not Op.INPUT
+
+
+def copy_reason(plan: MemoryPlan, kern: Any) -> str:
+    """Why a launched kernel without a computing node is not a view (module docstring)."""
+    g: Graph = plan.schedule.graph
+    ops = {g.node(n).op for n in kern.nodes}
+    if ops & {Op.TAKE, Op.TAKE_ALONG}:
+        return "gather: a copy through indices, which no strided view expresses"
+    if Op.CONCAT in ops or Op.PAD in ops:
+        return "concat/pad: its pieces are copied into one buffer"
+    dense = sorted({g.node(r).op.name.lower() for v in kern.outputs for r in g.users(v)
+                    if g.node(r).op in DENSE_READERS})
+    if dense:
+        return f"a view read densely by {', '.join(dense)}"
+    return "a view torch cannot express over its source (a reshape of a strided view)"
+
+
+def kernel_family(plan: MemoryPlan, kern: Any) -> str:
+    """pointwise | reduction | matmul, or the template a template kernel runs."""
+    if kern.category != "template":
+        return kern.category
+    g = plan.schedule.graph
+    pro = scan_prologue(g, kern)                     # a scan's gather: the scan's family
+    return next(TEMPLATE_FAMILY.get(g.node(n).op, g.node(n).op.name.lower())
+                for n in kern.nodes if g.node(n).op is not Op.ITEM and n not in pro)
+
+
+def _one_kernel_rule() -> Callable[[MemoryPlan, int], bool]:
+    """Does the triton target run scan `sid` of `plan` as one scan kernel?"""
+    from titanc.codegen.lower.dispatch import graph_dtype
+    from titanc.codegen.scan.kernel import ScanFallback, scan_kernel_for
+
+    def one(p: MemoryPlan, sid: int) -> bool:
+        kern = next(k for k in p.schedule.kernels if sid in k.nodes)
+        try:
+            scan_kernel_for(p, kern, sid, graph_dtype(p.schedule.graph))
+            return True
+        except ScanFallback:
+            return False
+    return one
+
+
+def plan_profile(plan: MemoryPlan, runs: int, one_kernel: Callable[[MemoryPlan, int], bool],
+                 acc: dict[str, Any]) -> None:
+    """Add `runs` runs of `plan` to `acc` (see the module docstring for each figure)."""
+    g = plan.schedule.graph
+    for k, kern in enumerate(plan.schedule.kernels):
+        if plan.is_noop(k):
+            continue
+        fam = kernel_family(plan, kern)
+        row = acc["families"].setdefault(fam, {"kernels": 0, "launches": 0, "bytes": 0,
+                                                "flops": 0})
+        row["kernels"] += 1
+        row["launches"] += runs
+        row["bytes"] += runs * kern.bytes
+        acc["kernels_all"] += 1
+        if not any(is_computing(g.node(n).op) for n in kern.nodes):
+            acc["copy_kernels"][f"{g.name}/{kern.name}"] = copy_reason(plan, kern)
+        scans = [n for n in kern.nodes if n in plan.bodies]
+        if not scans:
+            row["flops"] += runs * kern.flops
+            acc["kernels"] += 1
+            continue
+        sid = scans[0]
+        length = int(g.node(sid).attr("length"))
+        if one_kernel(plan, sid):
+            acc["kernels"] += 1
+            inner = dict(acc, kernels=0)
+            plan_profile(plan.bodies[sid], runs * length, one_kernel, inner)
+            acc.update({key: inner[key] for key in ("kernels_all", "families", "copy_kernels")})
+        else:                        # a host loop, after its prologue gathers' launch
+            acc["kernels"] += bool(scan_prologue(g, kern))
+            plan_profile(plan.bodies[sid], runs * length, one_kernel, acc)
+
+
+def launched_kernels(plan: MemoryPlan) -> int:
+    """Kernels of a plan and its scan bodies that run something (no-ops left out): the
+    count report.json `kernel_counts` and `graphs.<kind>.kernels` give, and per graph what
+    `kernels_all` sums over the step."""
+    own = sum(not plan.is_noop(k) for k in range(len(plan.schedule.kernels)))
+    return own + sum(launched_kernels(b) for b in plan.bodies.values())
+
+
+def compiled_profile(c: Compiled) -> dict[str, Any]:
+    """The per-step figures of one compile (module docstring)."""
+    acc: dict[str, Any] = {"kernels": 0, "kernels_all": 0, "families": {}, "copy_kernels": {}}
+    one = _one_kernel_rule()
+    plan_profile(c.plans["training"], c.spec.train.grad_accum, one, acc)
+    plan_profile(c.plans["optimizer"], 1, one, acc)
+    fams = dict(sorted(acc["families"].items(),
+                       key=lambda kv: (FAMILY_ORDER.index(kv[0]) if kv[0] in FAMILY_ORDER
+                                       else len(FAMILY_ORDER), kv[0])))
+    return {"kernels": acc["kernels"], "kernels_all": acc["kernels_all"], "families": fams,
+            "bytes": sum(f["bytes"] for f in fams.values()),
+            "flops": sum(f["flops"] for f in fams.values()), "copy_kernels": acc["copy_kernels"]}
+
+
+def step_profile(spec: Any, after: Compiled | None = None) -> dict[str, Any]:
+    """report.json `step`: {definition, before, after} (before: the pattern passes off)."""
+    after = after or compile_graphs(spec)
+    before = compile_graphs(spec, after.batch, verify_each=False, patterns=False)
+    return {"definition": "per training step (grad_accum training runs + one optimizer run); "
+                          "kernels: distinct kernels launched on the triton target, a scan "
+                          "kernel once, a host-loop scan's body kernels each once; "
+                          "kernels_all: every kernel, scan bodies included; bytes/flops: "
+                          "modeled per kernel times its launches; before: without the pattern "
+                          "passes (flash attention, fused linear cross-entropy, fused AdamW)",
+            "before": compiled_profile(before), "after": compiled_profile(after)}
+
+
+def kernel_rows(compiled: Any) -> list[dict[str, Any]]:
+    """report.json `kernels` rows with `depth` (scan nesting) and `launches` (runs per step:
+    the product of the enclosing scans' lengths) for the training then optimizer schedule,
+    each scan followed by its body's kernels; no-op kernels (their outputs are views of
+    stored values or constants, `MemoryPlan.is_noop`) run nothing and are left out. The
+    report writer uses these rows."""
+    rows: list[dict[str, Any]] = []
+
+    def walk(plan: Any, depth: int, launches: int) -> None:
+        schedule = plan.schedule
+        for i, k in enumerate(schedule.kernels):
+            if plan.is_noop(i):                      # views and constants: nothing runs
+                continue
+            scan = any(nid in schedule.bodies for nid in k.nodes)
+            rows.append({"name": k.name, "category": k.category, "flops": k.flops,
+                         "bytes": k.bytes, "nodes": len(k.nodes), "depth": depth,
+                         "launches": launches, "scan": scan})
+            for nid in k.nodes:                      # a scan's body right under it
+                if nid in schedule.bodies:
+                    length = int(schedule.graph.node(nid).attr("length"))
+                    walk(plan.bodies[nid], depth + 1, launches * length)
+
+    for name in ("training", "optimizer"):
+        walk(compiled.plans[name], 0, 1)
+    return rows
