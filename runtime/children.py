@@ -1,0 +1,89 @@
+"""Child processes die with the process that started them, whatever signal it gets.
+
+    subprocess.Popen(cmd, preexec_fn=die_with_parent)             # a rank of the launcher
+    ProcessPoolExecutor(..., initializer=worker_init, ...)         # calls die_with_parent()
+
+Two mechanisms, because neither covers every case alone:
+- `die_with_parent` (Linux `prctl(PR_SET_PDEATHSIG, SIGKILL)` through ctypes): the kernel kills
+  the child when its parent dies, even by SIGKILL, which no handler in the parent can see;
+- `forward_signals`: a parent that is asked to stop (SIGTERM, SIGHUP, SIGINT) passes the signal
+  on to its children and reaps them, so they stop as they would themselves (a rank's
+  checkpoint is atomic either way).
+
+On a system without prctl `die_with_parent` does nothing; `forward_signals` still holds.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+__all__ = ["die_with_parent", "forward_signals", "reap", "Stopped"]
+
+_PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux). `parent`: the
+    pid the parent had; when the parent already died before this call (the process was
+    re-parented), exit at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+def reap(procs: Sequence[subprocess.Popen], timeout: float) -> None:
+    """Wait up to `timeout` seconds for `procs`, then SIGKILL and wait for the rest."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+class Stopped(Exception):
+    """The parent was asked to stop by `signum`, and its children have been reaped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def forward_signals(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> Iterator[None]:
+    """While inside: SIGTERM, SIGHUP or SIGINT to this process is sent on to every child still
+    running, the children are reaped (SIGKILLed after `grace` seconds) and `Stopped` is
+    raised. Outside the main thread (where Python cannot set handlers) it does nothing."""
+    def handler(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.send_signal(signum)
+        reap(procs, grace)
+        raise Stopped(signum)
+
+    try:
+        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    except ValueError:                                  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
