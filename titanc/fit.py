@@ -11,7 +11,8 @@ so a spec of absurd size is refused before the compiler spends any time on it. T
 physical memory (or, on the triton target with CUDA, the device's memory): a spec that needs
 more can never run, so `titanc compile` refuses it (`--force` writes the artifact anyway, to
 read the plan), and `titanc.compile`, `titanc train` and `titanc generate` refuse it before
-allocating anything.
+allocating anything. `generation_bytes` does the same for what decoding holds: `titanc serve`
+checks its `--slots` and request limits, `titanc generate` its prompts and --max-new-tokens.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from typing import Any
 from titanc.errors import TitancError
 
 __all__ = ["planned_bytes", "lower_bound_bytes", "state_bytes", "decode_state_bytes",
-           "machine_bytes", "check_fits"]
+           "generation_bytes", "machine_bytes", "check_fits"]
+
+TOKEN_BYTES = 64        # a token held by a running request: its id, its text, list overhead
 
 
 def _itemsize(spec: Any) -> int:
@@ -51,6 +54,16 @@ def lower_bound_bytes(spec: Any) -> int:
     return state_bytes(spec) + decode_state_bytes(spec)
 
 
+def generation_bytes(spec: Any, batch: int, tokens: int, staging: int = 0) -> int:
+    """What generating holds besides the program: decoding states of `batch` sequences (plus
+    `staging` batch-1 states a server prefills into before a slot is ready), the logits of a
+    step, and `tokens` tokens of prompts and outputs. Serving's `--slots` and a generation's
+    length are checked with it, as compile and train check their plan."""
+    logits = batch * spec.model.vocab_size * 4
+    return (lower_bound_bytes(spec) + decode_state_bytes(spec, batch)
+            + staging * decode_state_bytes(spec) + logits + tokens * TOKEN_BYTES)
+
+
 def planned_bytes(compiled: Any) -> int:
     """lower_bound_bytes + every planned graph's arena + the largest persistent region."""
     plans = compiled.plans
@@ -75,14 +88,18 @@ def _gib(n: int) -> str:
 
 
 def check_fits(needed: int, spec: Any, device: str = "cpu", force_hint: bool = False,
-               lower: bool = False) -> None:
+               lower: bool = False, reduce: str | None = None) -> None:
     """Raise TitancError when `needed` bytes (a lower bound when `lower`) exceed the
-    machine's memory."""
+    machine's memory; `reduce` names what to lower (default: the spec's sizes)."""
     have = machine_bytes(device)
     if needed <= have:
         return
     fix = ("; pass --force to write the artifact anyway (it cannot run here)" if force_hint
            else "")
+    if reduce is not None:
+        raise TitancError(f"{spec.safe_name} needs {'at least ' if lower else ''}{needed:,} "
+                          f"bytes ({_gib(needed)}), more than this machine's {have:,} bytes "
+                          f"({_gib(have)}) of memory; reduce {reduce}")
     raise TitancError(f"{spec.safe_name} needs {'at least ' if lower else ''}{needed:,} bytes "
                       f"({_gib(needed)}) by its memory plan, more than this machine's {have:,} bytes ({_gib(have)}) of "
                       f"{'device' if device.startswith('cuda') else 'physical'} memory; reduce "

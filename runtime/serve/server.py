@@ -379,12 +379,15 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     """Load a run or artifact, warm the engine up and serve until SIGTERM; returns 0."""
     import titanc
 
-    from titanc.runtime.serve.codec import codec_for
+    from titanc.runtime.serve.codec import Codec
     from titanc.runtime.serve.generate import Generator
+    from titanc.runtime.train.checkpoint import run_tokenizer
 
     _check_address(host, port)
+    tok = run_tokenizer(source)                  # the run's own, checked against its record
     prog = titanc.load(source)
-    codec = codec_for(prog, source)
+    check_serving_fits(prog.spec, slots, limits, max_queue)
+    codec = Codec(tok, prog.spec.model.vocab_size)
     engine_ref: list[Engine] = []
     metrics = Metrics(engine_ref)
     engine = Engine(Generator(prog), codec, slots, max_queue, prefill_budget,
@@ -402,6 +405,17 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     finally:
         engine.stop()
     return 0
+
+
+def check_serving_fits(spec: Any, slots: int, limits: Limits, max_queue: int = 0) -> None:
+    """The slot pool, the slots' prefill states and the longest requests the limits admit
+    (running and queued) must fit in memory, checked before anything is allocated."""
+    from titanc.fit import check_fits, generation_bytes
+
+    per_request = limits.max_prompt_tokens + limits.max_tokens
+    need = generation_bytes(spec, slots, (slots + max_queue) * per_request, staging=slots)
+    check_fits(need, spec, lower=True,
+               reduce=f"--slots ({slots}), --max-queue, --max-prompt-tokens or --max-tokens")
 
 
 def _check_address(host: str, port: int) -> None:

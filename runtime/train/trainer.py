@@ -113,6 +113,9 @@ class Trainer:
             check_same_tokenizer(self.tokenizer, meta["extra"].get("tokenizer_hash"),
                                  self.resume_path)
             start = meta["step"]
+        if until is not None and start >= self.until and until < spec.train.steps:
+            raise TitancError(f"--until {until}: the checkpoint is already at step {start}; "
+                              f"pass --until N with N > {start}, or leave --until out")
         if start >= self.until:
             raise TitancError(
                 f"the checkpoint is at step {start} and train.steps is {spec.train.steps}: "

@@ -340,16 +340,22 @@ def _train_argv(args: argparse.Namespace) -> list[str]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import titanc
+    from titanc.fit import check_fits, generation_bytes
+    from titanc.runtime.data.tokenizer import StreamDecoder
     from titanc.runtime.serve.generate import Generator, Sampling
-    from titanc.runtime.data.tokenizer import StreamDecoder, load_tokenizer
+    from titanc.runtime.train.checkpoint import run_tokenizer
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
+    tokenizer = run_tokenizer(args.source)        # the run's own, checked against its record
+    prompts = [tokenizer.encode(_text(p, "--prompt")) for p in args.prompt]
+    stops = tuple(_text(s, "--stop") for s in args.stop)
     prog = titanc.load(args.source)
-    tokenizer = load_tokenizer(args.source)       # the run's / artifact's own tokenizer
+    n_tokens = sum(map(len, prompts)) + len(prompts) * args.max_new_tokens
+    check_fits(generation_bytes(prog.spec, len(prompts), n_tokens), prog.spec, lower=True,
+               reduce="--max-new-tokens or the number of --prompt")
     gen = Generator(prog, tokenizer)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop))
-    prompts = [tokenizer.encode(p) for p in args.prompt]
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, stops)
     if args.stream and len(prompts) == 1:
         sys.stdout.write(args.prompt[0])
         out = StreamDecoder(tokenizer)           # holds back a character split over tokens
@@ -362,6 +368,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for prompt, toks in zip(args.prompt, outs):
         print(prompt + tokenizer.decode(toks))
     return 0
+
+
+def _text(arg: str, flag: str) -> str:
+    """A command-line text argument as valid Unicode. Bytes that are not UTF-8 reach Python
+    as lone surrogates (PEP 383), which no encoder takes: refused in one line."""
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TitancError(f"{flag}: the argument is not valid UTF-8 text (byte "
+                          f"0x{ord(arg[exc.start]) & 0xFF:02x} at character {exc.start}); "
+                          f"pass UTF-8 text") from None
+    return arg
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
