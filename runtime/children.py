@@ -10,6 +10,9 @@ Two mechanisms, because neither covers every case alone:
   on to its children and reaps them, so they stop as they would themselves (a rank's
   checkpoint is atomic either way).
 
+A process that can stop cleanly (the trainer, at a step boundary) uses `stop_on_term`: SIGTERM
+sets a flag its loop checks; a second SIGTERM ends the process at once.
+
 On a system without prctl `die_with_parent` does nothing; `forward_signals` still holds.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-__all__ = ["die_with_parent", "forward_signals", "reap", "Stopped"]
+__all__ = ["die_with_parent", "forward_signals", "reap", "Stopped", "StopRequest", "stop_on_term"]
 
 _PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -87,3 +90,35 @@ def forward_signals(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> I
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+class StopRequest:
+    """`signum` is set (to SIGTERM) once a stop was asked for, inside `stop_on_term`."""
+    signum: int | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+
+@contextlib.contextmanager
+def stop_on_term(enabled: bool = True) -> Iterator[StopRequest]:
+    """While inside, the first SIGTERM only sets the request's `signum` (the caller stops at
+    its next boundary); a second one exits with status 143 at once. Disabled (or outside the
+    main thread) the request is never set."""
+    req = StopRequest()
+
+    def handler(signum: int, _frame: object) -> None:
+        if req.signum is not None:
+            os._exit(128 + signum)
+        req.signum = signum
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler) if enabled else None
+    except ValueError:                                  # not the main thread
+        old = None
+    try:
+        yield req
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)

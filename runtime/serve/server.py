@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from titanc.runtime.serve.completions import ApiError, CompletionParams, Limits, check_model, parse_completion
 from titanc.runtime.serve.engine import Draining, Engine, QueueFull, Request, TokenLogprob, Update, random_seed
@@ -152,11 +153,15 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise too_big if length.isdigit() else ApiError(400, "bad Content-Length header")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:                 # the client's fault, not the server's: a 4xx
+        raise ApiError(400, f"the client closed the connection after {size} bytes of the body",
+                       code="incomplete_body") from None
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:
@@ -339,16 +344,29 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's Server with a draining shutdown: the first SIGTERM/SIGINT stops admission
     (new requests get 503), lets running requests finish for up to `grace` seconds, cancels
     what is left (finish_reason "abort"), then stops uvicorn, and the process exits 0. A
-    second signal stops at once. It prints the address it listens on (useful with port 0)."""
+    second signal cancels every request at once (each stream still ends with its "abort"
+    chunk and `[DONE]`) and stops; a third stops without waiting. It prints the address it listens on (useful with port 0)."""
 
     def __init__(self, config: uvicorn.Config, engine: Engine, grace: float):
         super().__init__(config)
-        self.engine, self.grace, self.draining = engine, grace, False
+        self.engine, self.grace, self.draining, self.stopping = engine, grace, False, False
+
+    def _stop_soon(self) -> None:
+        deadline = time.monotonic() + 2.0
+        while not self.engine.idle and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)                       # let the abort chunks reach their clients
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # unlike uvicorn's, this does not re-raise the signal after shutdown: exit status 0
-        if self.draining:
+        if self.stopping:                    # a third signal: now
             self.should_exit = self.force_exit = True
+            return
+        if self.draining:                    # a second: end every request now, as "abort"
+            self.stopping = True             # chunks and [DONE], then stop
+            self.engine.cancel_all()
+            threading.Thread(target=self._stop_soon, name="titanc-stop", daemon=True).start()
             return
         self.draining = True
         self.engine.drain()
