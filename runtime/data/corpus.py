@@ -65,7 +65,9 @@ def find_files(inputs: Iterable[str | os.PathLike], ext: Iterable[str] | None = 
             raise TitancError(f"input {p} does not exist; pass text files, directories, .jsonl "
                               f"or .parquet files")
         if p.is_file():
-            files.append(p)
+            parent = p.parent
+            if not _skipped(parent, os.listdir(parent), skip, say, p):
+                files.append(p)
             continue
         if not p.is_dir():
             raise TitancError(f"input {p} is not a regular file or a directory (a device, FIFO "
@@ -91,13 +93,16 @@ def find_files(inputs: Iterable[str | os.PathLike], ext: Iterable[str] | None = 
     return files
 
 
-def _skipped(root: Path, names: list[str], skip: set[str], say: Callable[[str], None]) -> bool:
-    """Whether a directory of the walk is left out: the output, or a shard set."""
+def _skipped(root: Path, names: list[str], skip: set[str], say: Callable[[str], None],
+             file: Path | None = None) -> bool:
+    """Whether a directory of the walk (or `file` in it) is left out: the output, or a shard
+    set."""
+    what = f"{file}: it is in" if file is not None else f"{root}: it is"
     if os.path.realpath(root) in skip:
-        say(f"titanc: note: skipping {root}: it is the output directory")
+        say(f"titanc: note: skipping {what} the output directory")
         return True
     if HEADER in names and "train.bin" in names:
-        say(f"titanc: note: skipping {root}: it holds a token-shard set, not text")
+        say(f"titanc: note: skipping {what} a token-shard set, not text")
         return True
     return False
 

@@ -440,16 +440,17 @@ def _check_address(host: str, port: int) -> None:
     """Fail early, in one line, when the address cannot be listened on."""
     import socket
 
-    from titanc.errors import TitancError
+    from titanc.errors import TitancError, printable
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(infos[0][4])
-    except OSError as exc:
-        raise TitancError(f"--host/--port: cannot listen on {host}:{port} "
-                          f"({exc.strerror or exc}); pick another port or --port 0") from None
+    except (OSError, UnicodeError, ValueError) as exc:   # a host name idna cannot encode
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise TitancError(f"--host/--port: cannot listen on {printable(host, 60)}:{port} "
+                          f"({reason}); pick another port or --port 0") from None
 
 
 def warm_up(engine: Engine) -> None:
