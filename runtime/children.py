@@ -7,7 +7,7 @@ Two mechanisms, because neither covers every case alone:
 - `die_with_parent` (Linux `prctl(PR_SET_PDEATHSIG, SIGKILL)` through ctypes): the kernel kills
   the child when its parent dies, even by SIGKILL, which no handler in the parent can see;
 - `forward_signals`: a parent that is asked to stop (SIGTERM, SIGHUP, SIGINT) passes the signal
-  on to its children and reaps them, so they stop as they would themselves (a rank's
+  on to its children, then reaps them (`reap`), so they stop as they would themselves (a rank's
   checkpoint is atomic either way).
 
 A process that can stop cleanly (the trainer, at a step boundary) uses `stop_on_term`: SIGTERM
@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-__all__ = ["die_with_parent", "forward_signals", "reap", "Stopped", "StopRequest", "stop_on_term"]
+__all__ = ["die_with_parent", "forward_signals", "reap", "StopRequest", "stop_on_term"]
 
 _PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -59,41 +59,35 @@ def reap(procs: Sequence[subprocess.Popen], timeout: float) -> None:
             p.wait()
 
 
-class Stopped(Exception):
-    """The parent was asked to stop by `signum`, and its children have been reaped."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 @contextlib.contextmanager
-def forward_signals(procs: Sequence[subprocess.Popen], grace: float = 10.0) -> Iterator[None]:
+def forward_signals(procs: Sequence[subprocess.Popen]) -> Iterator["StopRequest"]:
     """While inside: SIGTERM, SIGHUP or SIGINT to this process is sent on to every child still
-    running, the children are reaped (SIGKILLed after `grace` seconds) and `Stopped` is
-    raised. Outside the main thread (where Python cannot set handlers) it does nothing."""
+    running and recorded in the request this yields; the caller's loop sees `signum` set,
+    reaps the children (`reap`) and stops. (The handler raises nothing: an exception raised
+    from a signal handler can land anywhere, even where it is ignored.) Outside the main
+    thread it records nothing."""
+    req = StopRequest()
+
     def handler(signum: int, _frame: object) -> None:
+        req.signum = req.signum or signum
         for p in procs:
             if p.poll() is None:
                 with contextlib.suppress(OSError):
                     p.send_signal(signum)
-        reap(procs, grace)
-        raise Stopped(signum)
 
     try:
         old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     except ValueError:                                  # not the main thread
-        yield
-        return
+        old = {}
     try:
-        yield
+        yield req
     finally:
         for s, h in old.items():
             signal.signal(s, h)
 
 
 class StopRequest:
-    """`signum` is set (to SIGTERM) once a stop was asked for, inside `stop_on_term`."""
+    """`signum` is set once a stop was asked for (inside `stop_on_term`, `forward_signals`)."""
     signum: int | None = None
 
     @property

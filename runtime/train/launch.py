@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from titanc.errors import DistributedError, TitancError
-from titanc.runtime.children import Stopped, die_with_parent, forward_signals
+from titanc.runtime.children import die_with_parent, forward_signals, reap
 
 __all__ = ["launch", "free_port"]
 
@@ -75,29 +75,32 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
     first: tuple[int, int] | None = None          # (rank, exit code) of the first failure
     deadline = None
     stopped: set[int] = set()                     # ranks the launcher killed itself
-    try:
-        with forward_signals(procs, grace=timeout_s):
-            for rank in range(nproc):             # a rank dies with the launcher (even SIGKILL)
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "titanc.train", *argv],
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    preexec_fn=functools.partial(die_with_parent, os.getpid())))
-            while any(p.poll() is None for p in procs):
-                if first is None:
-                    failed = [(r, p.returncode) for r, p in enumerate(procs)
-                              if p.returncode not in (None, 0)]
-                    if failed:                    # the others get train.dist_timeout_s to stop
-                        first, deadline = failed[0], time.monotonic() + timeout_s
-                elif deadline is not None and time.monotonic() > deadline:
-                    for rank, p in enumerate(procs):
-                        if p.poll() is None:
-                            p.kill()
-                            stopped.add(rank)
-                time.sleep(POLL_S)
-    except Stopped as stop:                       # every rank got the signal and is reaped
-        print(f"titanc: stopped by {stop}: the {nproc} ranks were stopped; "
-              f"{_kept(Path(out))}", file=sys.stderr)
-        return 128 + stop.signum
+    with forward_signals(procs) as stop:
+        for rank in range(nproc):                 # a rank dies with the launcher (even SIGKILL)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "titanc.train", *argv],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                preexec_fn=functools.partial(die_with_parent, os.getpid())))
+        while any(p.poll() is None for p in procs) and stop.signum is None:
+            if first is None:
+                failed = [(r, p.returncode) for r, p in enumerate(procs)
+                          if p.returncode not in (None, 0)]
+                if failed:                        # the others get train.dist_timeout_s to stop
+                    first, deadline = failed[0], time.monotonic() + timeout_s
+            elif deadline is not None and time.monotonic() > deadline:
+                for rank, p in enumerate(procs):
+                    if p.poll() is None:
+                        p.kill()
+                        stopped.add(rank)
+            time.sleep(POLL_S)
+        if stop.signum is not None:               # every rank got the signal: reap them
+            for p in procs:                       # (one started after it arrived too)
+                if p.poll() is None:
+                    p.send_signal(stop.signum)
+            reap(procs, timeout_s)
+            print(f"titanc: stopped by {stop.name}: the {nproc} ranks were stopped; "
+                  f"{_kept(Path(out))}", file=sys.stderr)
+            return 128 + stop.signum
     codes = [p.returncode for p in procs]
     # status 1 is a rank reporting that a peer failed: name the rank that failed first-hand
     # (killed, crashed, bad input) when there is one
