@@ -83,7 +83,7 @@ def _alarm(*_: Any) -> None:
     raise AssertionError(f"an example ran longer than {EXAMPLE_S} s")
 
 
-def check_one_line_or_success(args: list[str]) -> None:
+def check_one_line_or_success(args: list[str]) -> int:
     out, err = io.StringIO(), io.StringIO()
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(EXAMPLE_S)
@@ -94,7 +94,6 @@ def check_one_line_or_success(args: list[str]) -> None:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     text = err.getvalue()
-    event(f"exit {code}")
     assert "Traceback" not in text, text
     assert code in (0, 2), (args, code, text)
     if code == 2:
@@ -102,13 +101,14 @@ def check_one_line_or_success(args: list[str]) -> None:
         errors = [x for x in lines if "error:" in x]
         assert len(errors) == 1 and lines[-1] == errors[0], text
         assert len(errors[0]) < 2000, errors[0][:200]      # a bounded message
+    return code
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_every_command_refuses_bad_arguments_in_one_line(data: Any, paths: dict[str, str]) -> None:
-    check_one_line_or_success(data.draw(argv(paths)))
+    event(f"exit {check_one_line_or_success(data.draw(argv(paths)))}")
 
 
 @pytest.mark.parametrize("kind", ["devzero", "devnull", "dir", "empty", "latin1", "missing",
