@@ -106,7 +106,7 @@ def _dumps(obj: Any) -> bytes:
 
 
 BODIES = st.one_of(
-    st.fixed_dictionaries({"prompt": PROMPT}, optional={f: JSON for f in FIELDS}).map(_dumps),
+    st.fixed_dictionaries({"prompt": PROMPT}, optional={f: JSON for f in FIELDS if f != "prompt"}).map(_dumps),
     st.dictionaries(TEXT, JSON, max_size=4).map(_dumps),
     JSON.map(_dumps),
     st.binary(max_size=40),                                      # not JSON, not UTF-8
