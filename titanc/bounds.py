@@ -44,8 +44,7 @@ class Bound:
         if not _is_int(value):
             raise TitancError(f"{field}: expected {self.describe()}, got {_show(value)}")
         if not self.lo <= value <= self.hi:
-            raise TitancError(f"{field}: {_show(value)} is out of range; expected "
-                              f"{self.describe()}")
+            raise TitancError(f"{field}: expected {self.describe()}, got {_show(value)}")
         return value
 
     def parse(self, text: str, field: str) -> int:

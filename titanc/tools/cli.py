@@ -253,6 +253,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
+    if args.model_name is not None:
+        _text(args.model_name, "--model-name")          # it goes out in every JSON reply
     limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
     return serve(args.source, args.host, args.port, args.slots, args.max_queue, limits,
                  args.grace, args.model_name)
@@ -347,10 +349,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
+    prog = titanc.load(args.source)
     tokenizer = run_tokenizer(args.source)        # the run's own, checked against its record
     prompts = [tokenizer.encode(_text(p, "--prompt")) for p in args.prompt]
     stops = tuple(_text(s, "--stop") for s in args.stop)
-    prog = titanc.load(args.source)
     n_tokens = sum(map(len, prompts)) + len(prompts) * args.max_new_tokens
     check_fits(generation_bytes(prog.spec, len(prompts), n_tokens), prog.spec, lower=True,
                reduce="--max-new-tokens or the number of --prompt")
