@@ -1,6 +1,6 @@
 """Program: a compiled model that trains, evaluates and exposes its state.
 
-Graphs run on the arena executor over their kernel schedule and memory plan (`cpu`
+Graphs run on the arena executor over their kernel schedule and buffer plan (`cpu`
 target), on the same plan with generated Triton kernels (`triton`: on the GPU with CUDA, else
 under Triton's interpreter, see `runtime/targets/triton_executor.py`), or on the reference
 interpreter (`target: reference`, for debugging). `auto` is `triton` when CUDA is present.

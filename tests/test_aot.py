@@ -211,7 +211,7 @@ def test_attention_over_2_31_elements_generates_int64_offsets() -> None:
 
 def test_int64_attention_path_matches_when_interpreted() -> None:
     """The wide flash kernels (forced at a small size) give the narrow ones' results."""
-    from titanc.codegen.families.fixed import KeyGroup, render_attention_bwd, render_attention_fwd
+    from titanc.codegen.families.pattern_ops import KeyGroup, render_attention_bwd, render_attention_fwd
 
     torch.manual_seed(0)
     groups, lens, T, D = [KeyGroup("p", False), KeyGroup("seq", True, 8)], (2, 19), 19, 12

@@ -261,7 +261,7 @@ def test_a_new_elementwise_op_runs_everywhere(cube, scan: bool) -> None:
     from titanc.passes.autodiff import grad_graph
     from titanc.passes.canonicalize import canonicalize
     from titanc.passes.fusion import fuse
-    from titanc.passes.memory_plan import plan_memory
+    from titanc.passes.buffer_plan import plan_buffers
     from titanc.runtime.targets.executor import ArenaExecutor
     from titanc.runtime.targets.triton_executor import TritonExecutor
 
@@ -273,7 +273,7 @@ def test_a_new_elementwise_op_runs_everywhere(cube, scan: bool) -> None:
     g = canonicalize(grad_graph(_cube_graph(cube, scan), ["x", "w"]))
     assert any(n.op is cube for n in g) or scan
     inputs = {"x": x.detach(), "w": w.detach()}
-    plan = plan_memory(fuse(g), set())
+    plan = plan_buffers(fuse(g), set())
     for name, run in (("interpreter", lambda: interpret(g, inputs)),
                       ("cpu", lambda: ArenaExecutor(plan).run(inputs)),
                       ("triton", lambda: TritonExecutor(plan).run(inputs))):

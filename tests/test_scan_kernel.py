@@ -48,7 +48,7 @@ from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter, Op
 from titanc.ir.structural import scan_ref
 from titanc.ir.tables import mask_table, rope_table
-from titanc.passes.schedule import is_immediate
+from titanc.ir.schedule import is_immediate
 from titanc.runtime.targets.triton_executor import TritonExecutor, count_launches
 from titanc.model.spec import load_spec
 

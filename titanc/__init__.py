@@ -27,7 +27,7 @@ def compile(spec: Any, **overrides: Any) -> "Program":
 
     Raises:
         SpecError: the spec is invalid (the message names the field and the fix).
-        TitancError: the memory plan needs more memory than this machine has.
+        TitancError: the buffer plan needs more memory than this machine has.
 
     Example:
         >>> prog = titanc.compile("examples/tiny.yaml", **{"train.batch_size": 2})

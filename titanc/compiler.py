@@ -3,7 +3,7 @@
 Every graph kind (`GRAPH_KINDS`) goes through the same steps:
 
     lower (frontend / decode / optimizer) -> graph passes -> fusion -> verify_schedule
-        -> memory plan  =>  `CompiledGraph(kind, graph, schedule, plan, passes)`
+        -> buffer plan  =>  `CompiledGraph(kind, graph, schedule, plan, passes)`
 
 The graph passes are canonicalize and aggregate for every kind; the forward graph adds the
 chunked loss and (unless `remat: none`) the chunk-carry checkpoints, and the training graph is
@@ -30,8 +30,9 @@ from titanc.passes.autodiff import Autodiff
 from titanc.passes.canonicalize import Canonicalize
 from titanc.passes.fusion import fuse
 from titanc.passes.constants import ConstantsPerReader
-from titanc.passes.memory_plan import MemoryPlan, plan_memory
-from titanc.passes.schedule import Schedule, verify_schedule
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.passes.buffer_plan import plan_buffers
+from titanc.ir.schedule import Schedule, verify_schedule
 from titanc.passes.checkpoint_chunks import CheckpointChunks
 from titanc.passes.chunked_loss import ChunkedLoss
 from titanc.passes.flash_attention import FlashAttention
@@ -61,7 +62,7 @@ class CompiledGraph:
     kind: str                      # one of GRAPH_KINDS
     graph: Graph                   # after the graph passes
     schedule: Schedule             # fused kernels, verified
-    plan: MemoryPlan               # arena offsets; persistent names are bound by the caller
+    plan: BufferPlan               # arena offsets; persistent names are bound by the caller
     passes: list[dict[str, Any]]   # this graph's records of the pass log
 
 
@@ -95,7 +96,7 @@ class Compiled:
         return {k: self.graphs[k].schedule for k in ("forward", "training", "optimizer")}
 
     @property
-    def plans(self) -> dict[str, MemoryPlan]:
+    def plans(self) -> dict[str, BufferPlan]:
         return {k: self.graphs[k].plan for k in ("forward", "training", "optimizer")}
 
     @property
@@ -192,7 +193,7 @@ def shared_passes(patterns: bool = True) -> tuple[Pass, ...]:
 def _pipeline(log: PassLog, kind: str, lower: Callable[[], Graph], persistent: set[str],
               extra: tuple[Pass, ...] = (), shared: tuple[Pass, ...] = SHARED) -> CompiledGraph:
     """Lower a graph and run it through the passes every kind shares (plus `extra`), fusion,
-    schedule verification and the memory plan."""
+    schedule verification and the buffer plan."""
     start = len(log.records)
     g = log.run("frontend", lower)
     for p in (*shared, *extra):
@@ -209,7 +210,7 @@ def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int)
     g = log.apply(ConstantsPerReader(), g)
     schedule = _timed(log, f"fusion_{kind}", lambda: verify_schedule(fuse(g)))
     persistent = persistent | {n for n in g.input_names() if n.startswith("state.")}
-    plan = _timed(log, f"memory_plan_{kind}", lambda: plan_memory(schedule, persistent))
+    plan = _timed(log, f"memory_plan_{kind}", lambda: plan_buffers(schedule, persistent))
     return CompiledGraph(kind, g, schedule, plan, log.records[start:])
 
 
@@ -247,10 +248,10 @@ def launches_per_step(c: Compiled, target: str = "cpu",
     if target == "triton":
         from titanc.codegen.scan.kernel import count_launches
 
-        def count(plan: MemoryPlan) -> int:
+        def count(plan: BufferPlan) -> int:
             return count_launches(plan, fallbacks=fallbacks, carries=carries)
     else:
-        count = MemoryPlan.launches  # type: ignore[assignment]
+        count = BufferPlan.launches  # type: ignore[assignment]
     spec = c.spec
     counts = {"training": spec.train.grad_accum * count(c.plans["training"])
               + count(c.plans["optimizer"])}

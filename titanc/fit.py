@@ -84,7 +84,7 @@ def check_fits(needed: int, spec: Any, device: str = "cpu", force_hint: bool = F
     fix = ("; pass --force to write the artifact anyway (it cannot run here)" if force_hint
            else "")
     raise TitancError(f"{spec.safe_name} needs {'at least ' if lower else ''}{needed:,} bytes "
-                      f"({_gib(needed)}) by its memory plan, more than this machine's {have:,} bytes ({_gib(have)}) of "
+                      f"({_gib(needed)}) by its buffer plan, more than this machine's {have:,} bytes ({_gib(have)}) of "
                       f"{'device' if device.startswith('cuda') else 'physical'} memory; reduce "
                       f"model.d_model, model.vocab_size, model.attention.window, "
                       f"train.batch_size or model.seq_len{fix}")

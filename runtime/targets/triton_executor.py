@@ -1,4 +1,4 @@
-"""The `triton` target: a schedule's kernels as generated Triton, over the same memory plan.
+"""The `triton` target: a schedule's kernels as generated Triton, over the same buffer plan.
 
 `TritonExecutor` is an `ArenaExecutor` whose builder launches one rendered kernel per fused
 kernel (`codegen.lower.dispatch.render_kernel`) instead of one torch closure per node. Binding is the
@@ -8,7 +8,7 @@ persistent region or a caller-bound tensor. A scan is one launch of its scan ker
 axes, workspace made once at bind time, a prologue gather read through); a scan that cannot be
 one kernel keeps the arena executor's host loop (carry slots, xs staged per iteration, ys
 copied into their ITEM buffers) over its body's kernels, after one launch of its prologue
-gathers (`passes.schedule.prologue_kernel`) into their planned storage, and its reason is kept
+gathers (`ir.schedule.prologue_kernel`) into their planned storage, and its reason is kept
 in `fallbacks` (`TITANC_DEBUG=2` prints it). `launches_per_run()` counts the launches of one
 run; `count_launches(plan)` gives the same figure from the plan alone.
 No kernel falls back to torch: a kernel no family can express fails at bind time with the
@@ -42,8 +42,8 @@ from titanc.errors import TitancError
 from titanc.ir import Op
 from titanc.ir.types import TensorType
 from titanc.passes.manager import debug_level
-from titanc.passes.memory_plan import MemoryPlan
-from titanc.passes.schedule import prologue_kernel
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.ir.schedule import prologue_kernel
 
 from titanc.runtime.targets.executor import ArenaExecutor, Tensor, _Builder
 
@@ -169,7 +169,7 @@ class _TritonBuilder(_Builder):
 
 
 class TritonExecutor(ArenaExecutor):
-    """Run a graph's schedule in its memory plan with generated Triton kernels (same
+    """Run a graph's schedule in its buffer plan with generated Triton kernels (same
     interface as `ArenaExecutor`: `run(inputs) -> outputs`, `storages()`).
 
     With `cuda_graphs` (on a CUDA device only) the first run is eager (Triton compiles its
@@ -179,7 +179,7 @@ class TritonExecutor(ArenaExecutor):
 
     device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 
-    def __init__(self, plan: MemoryPlan, bound: dict[str, Tensor] | None = None,
+    def __init__(self, plan: BufferPlan, bound: dict[str, Tensor] | None = None,
                  float_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
                  allow_tf32: bool = False):
         self.allow_tf32 = allow_tf32                  # float32 dots in tf32 (compile.allow_tf32)
@@ -229,7 +229,7 @@ class TritonExecutor(ArenaExecutor):
     def storages(self) -> list[Tensor]:
         return super().storages() + ([self.scan_ws] if self.scan_ws is not None else [])
 
-    def code(self, plan: MemoryPlan, kern: Any) -> KernelCode:
+    def code(self, plan: BufferPlan, kern: Any) -> KernelCode:
         """The rendered kernel (once per executor: binding runs twice, measure then bind);
         `TITANC_DEBUG=3` prints each one."""
         key = (id(plan), kern.name)
@@ -242,7 +242,7 @@ class TritonExecutor(ArenaExecutor):
                 print(code.source, file=sys.stderr)
         return self._codes[key]
 
-    def scan_code(self, plan: MemoryPlan, kern: Any, sid: int) -> ScanKernel | str:
+    def scan_code(self, plan: BufferPlan, kern: Any, sid: int) -> ScanKernel | str:
         """The scan kernel of `kern`'s scan, or the reason it runs as a host loop (recorded
         in `fallbacks`; `TITANC_DEBUG=2` prints it)."""
         key = (id(plan), kern.name)

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="output directory (default: build/<name>, with the spec name "
                                "reduced to letters, digits and underscores)")
     compile_.add_argument("--force", action="store_true",
-                          help="write the artifact even when its memory plan needs more memory "
+                          help="write the artifact even when its buffer plan needs more memory "
                                "than this machine has (to read the plan; it cannot run here)")
     compile_.set_defaults(run=_cmd_compile)
 
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(commands)
 
     inspect = commands.add_parser(
-        "inspect", help="show the kernels, IR graphs and memory plan of a compiled artifact",
+        "inspect", help="show the kernels, IR graphs and buffer plan of a compiled artifact",
         description="Read the artifact 'titanc compile' wrote to DIR. Without options: a table of\n"
                     "kernels (category, FLOPs, bytes, arithmetic intensity, IR nodes), totals\n"
                     "per category, and the training step by kernel family before and after\n"
@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write the IR after a pass as DIR/graph_<pass>.dot (and .png when "
                            "Graphviz is installed)")
     what.add_argument("--memory", action="store_true",
-                      help="print the memory plan summary (arena, lower bound, persistent, "
+                      help="print the buffer plan summary (arena, lower bound, persistent, "
                            "peak activation, logits) and the head of memory_plan.txt")
     inspect.add_argument("--pass", dest="pass_name", metavar="NAME", default=None,
                          help="with --graph: the pass whose output to draw, by pass name "
