@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 from titanc.ir import Graph, Node, Op
 from titanc.ir.attention import split, stat_dtype
 
-from titanc.passes.manager import debug_level
+from titanc.config import debug_level
 
 
 def _einsum_terms(n: Node) -> tuple[str, str, str] | None:

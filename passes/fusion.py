@@ -67,7 +67,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.shapes import parse_einsum
 from titanc.ir.types import TensorType
 
-from titanc.passes.manager import debug_level
+from titanc.config import debug_level
 from titanc.ir.schedule import (PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, prologue_of,
                        value_bytes)
 from titanc.passes.split_casts import splittable

@@ -26,6 +26,7 @@ from titanc.ir import Builder, Op, interpret
 from titanc.passes.constants import constants_per_reader
 from titanc.model.spec import load_spec
 from titanc.tools.cost_model import is_computing
+from titanc import config
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 
@@ -81,14 +82,14 @@ def test_the_embedding_gather_is_the_layer_scans_prologue(monkeypatch) -> None:
               **{n: v.float() for n, v in R.init_params(spec.model, seed=1).items()}}
     want = interpret(g, {n: inputs[n] for n in g.input_names()})
     runs = {"cpu": ArenaExecutor(plan).run(inputs), "scan kernel": TritonExecutor(plan).run(inputs)}
-    monkeypatch.setenv("TITANC_SCAN_KERNELS", "0")
-    loop = TritonExecutor(plan)
-    assert loop.launches_per_run() == count_launches(plan, scan_kernels=False)
-    runs["host loop"] = loop.run(inputs)
-    for how, got in runs.items():
-        for name in want:
-            torch.testing.assert_close(got[name], want[name].float(), rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, how=how: f"{how}: {m}")
+    with config.override(scan_kernels=False):
+        loop = TritonExecutor(plan)
+        assert loop.launches_per_run() == count_launches(plan, scan_kernels=False)
+        runs["host loop"] = loop.run(inputs)
+        for how, got in runs.items():
+            for name in want:
+                torch.testing.assert_close(got[name], want[name].float(), rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, how=how: f"{how}: {m}")
 
 
 def test_constants_per_reader_copies_a_concatenated_table_into_each_reader() -> None:

@@ -16,7 +16,7 @@ hooks' `NotImplementedError`.
 
 Without CUDA the kernels run on CPU under Triton's interpreter (`interpreting()`); a caller
 that wants the interpreter on a CUDA machine sets `TRITON_INTERPRET=1`. The executor sets
-`TRITON_INTERPRET` only while it loads and runs kernels (`render.interpret_mode`), so importing
+`TRITON_INTERPRET` only while it loads and runs kernels (`config.triton_interpret_mode`), so importing
 or constructing nothing changes the environment. One limit is Triton's own: it fixes the mode of
 its standard library (`tl.sigmoid`, the reductions' combine functions) when `triton.language`
 is first imported, so a process that imported Triton in compile mode before (torch.func and
@@ -26,7 +26,6 @@ the arena, the scratch region and the caller's bound tensors live on the GPU.
 """
 from __future__ import annotations
 
-import os
 import sys
 from types import ModuleType
 from typing import Any
@@ -35,13 +34,13 @@ import torch
 
 from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, render_kernel
 from titanc.codegen.lower.patterns import SCRATCH
-from titanc.codegen.render import interpret_mode, load_module
+from titanc.codegen.render import load_module
 from titanc.codegen.scan.kernel import (ScanFallback, ScanKernel, count_launches,
                                         host_table, scan_kernel_for)
 from titanc.errors import TitancError
 from titanc.ir import Op
 from titanc.ir.types import TensorType
-from titanc.passes.manager import debug_level
+from titanc.config import current, debug_level, triton_interpret, triton_interpret_mode
 from titanc.ir.buffer_plan import BufferPlan
 from titanc.ir.schedule import prologue_kernel
 
@@ -65,8 +64,7 @@ def check_interpretable() -> None:
 def interpreting() -> bool:
     """Do Triton kernels run under the interpreter (on CPU tensors)? Yes without CUDA, or
     when `TRITON_INTERPRET` asks for it."""
-    return (not torch.cuda.is_available()
-            or os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on"))
+    return not torch.cuda.is_available() or triton_interpret()
 
 
 _MODULES: dict[tuple[str, bool], ModuleType] = {}
@@ -193,7 +191,7 @@ class TritonExecutor(ArenaExecutor):
         self._scan_modules: dict[str, ModuleType] = {}
         self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
         self.serial: list[dict[str, str]] = []        # scan kernels of one program, and why
-        self.scan_kernels = os.environ.get("TITANC_SCAN_KERNELS", "1") != "0"
+        self.scan_kernels = current().scan_kernels
         self.scan_ws: Tensor | None = None            # shared by every scan kernel
         if interpreting():
             check_interpretable()
@@ -201,7 +199,7 @@ class TritonExecutor(ArenaExecutor):
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         if not self.cuda_graphs:
-            with interpret_mode(interpreting()):
+            with triton_interpret_mode(interpreting()):
                 return super().run(inputs)
         if self._graph is None and self._runs >= 1:
             self._graph = torch.cuda.CUDAGraph()

@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from titanc import config
 from titanc.errors import TitancError, printable
 from titanc.model.spec import Spec, load_spec, parse_set_args
 
@@ -352,7 +353,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_training = _import("titanc.runtime.train.trainer", "run_training", "titanc train")
     torch.set_num_threads(resolve_threads(spec, args.threads)[0])
     dist = None
-    if "WORLD_SIZE" in os.environ:     # a rank under torchrun or --nproc
+    if "WORLD_SIZE" in config.current().torchrun:     # a rank under torchrun or --nproc
         from titanc.runtime.train.distributed import init_from_env
         dist = init_from_env(spec)
     try:
@@ -439,6 +440,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on `argv` (default: sys.argv[1:]) and return the exit status."""
+    with config.using(config.Config.from_env(os.environ)):   # the one read of the environment
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
