@@ -43,7 +43,7 @@ from titanc.ir import Graph, Op
 from titanc.ir.types import TensorType
 from titanc.ir.buffer_plan import OUTPUT_PREFIX, BufferPlan, ScanHomes
 from titanc.ir.schedule import is_immediate, prologue_kernel
-from titanc.runtime.train.rundir import write_text_atomic
+from titanc.files import write_text_atomic
 
 from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, plan_kernels
 from titanc.codegen.lower.expr import format_number

@@ -273,10 +273,10 @@ def test_training_step_matches_cpu_target(example: str) -> None:
 
 
 def test_auto_target_is_cpu_without_cuda() -> None:
-    from titanc.runtime.program import _resolve_target
+    from titanc.runtime.program import resolve_target
 
-    assert _resolve_target("auto") == ("triton" if torch.cuda.is_available() else "cpu")
-    assert _resolve_target("triton") == "triton"
+    assert resolve_target("auto") == ("triton" if torch.cuda.is_available() else "cpu")
+    assert resolve_target("triton") == "triton"
 
 
 # --- the artifact ---------------------------------------------------------------------------------

@@ -5,8 +5,7 @@ from typing import Any
 
 from titanc.errors import SpecError, TitancError
 from titanc.model.spec import Spec, load_spec
-
-__version__ = "0.1.0"
+from titanc.version import __version__
 
 
 def compile(spec: Any, **overrides: Any) -> "Program":
@@ -34,7 +33,8 @@ def compile(spec: Any, **overrides: Any) -> "Program":
         >>> loss = prog.train_step(tokens)        # tokens: [2, 129] int64
     """
     from titanc.compiler import compile_graphs
-    from titanc.fit import check_fits, lower_bound_bytes
+    from titanc.fit import lower_bound_bytes
+    from titanc.runtime.capacity import check_fits
     from titanc.runtime.program import Program
 
     spec = load_spec(spec, overrides or None)

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from titanc.fit import planned_bytes
 from titanc.ir import Graph, dtype_name
 from titanc.passes.aggregate import Aggregate
 from titanc.passes.autodiff import Autodiff
@@ -102,6 +103,10 @@ class Compiled:
     @property
     def passes(self) -> list[dict[str, Any]]:
         return self.log.records
+
+    def planned_bytes(self) -> int:
+        """What a Program of this compile allocates (`titanc.fit.planned_bytes`)."""
+        return planned_bytes(self)
 
     def graph(self, kind: str, n: int = 1) -> CompiledGraph:
         """The compiled graph of `kind` at this batch (`n`: new tokens of a decode step),

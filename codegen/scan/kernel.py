@@ -42,7 +42,7 @@ copies of a loop's carries and ys touch disjoint storage and share one barrier.
 GPU fit. Index tiles are int32 unless a tensor reaches 2**31 elements (the workspace never
 does: `MAX_WORKSPACE_TOTAL`); tiles hold at most `MAX_TILE` elements and dots `DOT_BLOCK`^3
 (registers at 4 warps); no software pipelining (`NUM_STAGES = 1`: pipelined loads multiplied
-shared memory past A100's limit). `codegen/aot.py` compiles them for sm_80 and sm_90.
+shared memory past A100's limit). `runtime/targets/aot.py` compiles them for sm_80 and sm_90.
 
 Stages. Elementwise nodes (and copies) are tile expressions over the flat local index;
 einsums are `tl.dot` on [M, K] x [K, N] tiles (padded to powers of two >= 16, masked, letters

@@ -16,13 +16,14 @@ from typing import Any
 from titanc.errors import TitancError
 from titanc.ir import format_graph, graph_stats
 
-from titanc.passes.manager import debug_level
+from titanc.config import debug_level
 from titanc.passes.buffer_plan import buffer_report
 
-from titanc.runtime.train.rundir import write_text_atomic, writing_into
+from titanc.files import write_text_atomic, writing_into
 
 from titanc.compiler import GRAPH_KINDS, Compiled, compile_graphs, launches_per_step
-from titanc.fit import check_fits, lower_bound_bytes, planned_bytes
+from titanc.fit import lower_bound_bytes, planned_bytes
+from titanc.runtime.capacity import check_fits
 from titanc.model.params import param_count
 from titanc.model.spec import spec_hash, spec_to_dict
 from titanc.tools.cost_model import kernel_rows, launched_kernels, step_cost
@@ -125,8 +126,8 @@ def _device(spec: Any) -> str:
     """Where the program of `spec` would hold its memory."""
     import torch
 
-    from titanc.runtime.program import _resolve_target
-    return "cuda" if _resolve_target(spec.compile.target) == "triton" and \
+    from titanc.runtime.program import resolve_target
+    return "cuda" if resolve_target(spec.compile.target) == "triton" and \
         torch.cuda.is_available() else "cpu"
 
 
