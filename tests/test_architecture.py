@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from titanc import config
+from titanc.errors import TitancError
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton fixes its mode at first import
 
@@ -226,6 +227,47 @@ def test_only_the_cli_and_the_config_touch_the_environment() -> None:
 
 def test_the_layer_table_in_the_docs_is_the_checked_one() -> None:
     assert layer_table() in (ROOT / "docs" / "architecture.md").read_text()
+
+
+def test_the_pipeline_is_a_table_and_the_diagram_prints_it(capsys) -> None:
+    """Every graph kind has a row; each step names the pass it makes; the docs' diagram holds
+    `titanc inspect --pipeline`'s text."""
+    from titanc.compiler import GRAPH_KINDS, LOWER, PIPELINE, Compiled, pipeline_text
+    from titanc.model.params import param_specs
+    from titanc.model.spec import load_spec
+    from titanc.tools.cli import main
+
+    assert list(PIPELINE) == list(LOWER) == list(GRAPH_KINDS)
+    spec = load_spec(ROOT / "examples" / "tiny.yaml")
+    c = Compiled(spec, 1, param_specs(spec.model))
+    for kind, steps in PIPELINE.items():
+        for step in steps:
+            assert step.make(c).name == step.name, (kind, step)
+    text = pipeline_text()
+    docs = (ROOT / "docs" / "architecture.md").read_text()
+    assert "\n".join("  " + line for line in text.rstrip("\n").split("\n")) in docs
+    assert main(["inspect", "--pipeline"]) == 0
+    assert capsys.readouterr().out == text
+    assert main(["inspect"]) == 2 and "needs DIR" in capsys.readouterr().err
+
+
+def test_config_overrides_are_scoped_and_the_cli_reads_the_environment(monkeypatch) -> None:
+    from titanc.tools import cli
+
+    base = config.current()
+    with config.override(debug=3, scan_kernels=False) as inner:
+        assert config.current() is inner and config.debug_level() == 3
+        with config.override(debug=1):
+            assert config.current().debug == 1 and not config.current().scan_kernels
+        assert config.debug_level() == 3
+    assert config.current() == base
+    seen = []
+    monkeypatch.setattr(cli, "_main", lambda argv: seen.append(config.current()) or 0)
+    monkeypatch.setenv("TITANC_DEBUG", "2")
+    monkeypatch.setenv("TITANC_THREADS", "many")
+    assert cli.main([]) == 0 and seen[0].debug == 2 and config.current() == base
+    with pytest.raises(TitancError, match="TITANC_THREADS='many'"):
+        seen[0].threads_or_none()
 
 
 def test_the_checks_see_violations(tmp_path) -> None:

@@ -2,7 +2,7 @@
 
     titanc compile SPEC [-o DIR] [--set KEY=VALUE ...]
     titanc train SPEC --out RUN [--set KEY=VALUE ...] [--data SRC] [--steps N] [--resume RUN]
-    titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory]
+    titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory] | --pipeline
     titanc bench SPEC [--set KEY=VALUE ...] [--steps N] [--warmup N] [--threads N] [--json]
     titanc tokenizer train | data prepare | eval     (titanc/tools/corpus_cli.py)
     titanc serve RUN [--host H] [--port N] [--slots N] [--max-queue N] [--grace S]
@@ -205,10 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
                "  titanc inspect build/tiny\n"
                "  titanc inspect build/tiny --kernel titanc_red_fused_mul_sum_add_rsqrt_73\n"
                "  titanc inspect build/tiny --graph --pass aggregate\n"
-               "  titanc inspect build/tiny --memory",
+               "  titanc inspect build/tiny --memory\n"
+               "  titanc inspect --pipeline",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    inspect.add_argument("dir", metavar="DIR", help="artifact directory ('titanc compile -o DIR')")
+    inspect.add_argument("dir", metavar="DIR", nargs="?", default=None,
+                         help="artifact directory ('titanc compile -o DIR')")
     what = inspect.add_mutually_exclusive_group()
+    what.add_argument("--pipeline", action="store_true",
+                      help="print the compile pipeline: each graph kind's lowering and passes "
+                           "(with their conditions), then what every kind goes through; no DIR")
     what.add_argument("--kernel", metavar="NAME",
                       help="print one kernel's source with its header (DIR/kernels/NAME.py)")
     what.add_argument("--graph", action="store_true",
@@ -409,6 +414,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.pass_name is not None and not args.graph:
         raise TitancError("--pass selects the graph to draw; use it with --graph")
+    if args.pipeline:
+        from titanc.compiler import pipeline_text
+        if args.dir is not None:
+            raise TitancError("--pipeline prints the compiler's table and reads no DIR; "
+                              "leave DIR out")
+        sys.stdout.write(pipeline_text())
+        return 0
+    if args.dir is None:
+        raise TitancError("inspect needs DIR, the directory 'titanc compile -o DIR' wrote "
+                          "(or --pipeline)")
     art = inspect.open_artifact(args.dir)
     if args.kernel is not None:
         sys.stdout.write(inspect.kernel_source(art, args.kernel).rstrip("\n") + "\n")
