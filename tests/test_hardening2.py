@@ -338,8 +338,8 @@ def test_02_serve_slots_are_bounded_and_fit_checked(run_dir: Path, capsys: pytes
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     code, _, err = cli(["serve", run_dir, "--slots", "100000", "--port", "0"], capsys)
     assert code == 2 and "--slots" in err and "[1, 4096]" in err
-    import titanc.fit as fit
-    monkeypatch.setattr(fit, "machine_bytes", lambda device="cpu": 64 << 20)
+    import titanc.runtime.capacity as capacity
+    monkeypatch.setattr(capacity, "machine_bytes", lambda device="cpu": 64 << 20)
     code, _, err = cli(["serve", run_dir, "--slots", "4096", "--port", "0"], capsys)
     assert code == 2 and "reduce --slots (4096)" in err
     code, _, err = cli(["generate", run_dir, "--prompt", "hi", "--max-new-tokens", "1048576"],

@@ -1,6 +1,7 @@
-"""Does a compiled spec fit the machine? Refuse it at compile time, not in the allocator.
+"""What a compiled spec allocates, in bytes, so that it can be refused at compile time when it
+cannot fit the machine, not in the allocator:
 
-    check_fits(planned_bytes(compiled), spec)          # TitancError when it cannot fit
+    check_fits(planned_bytes(compiled), spec)          # runtime/capacity.py: TitancError
 
 `planned_bytes` is what a Program allocates when it runs: its own state (parameters, two
 gradient buffers, two AdamW moments: `state_bytes`), every planned graph's activation arena
@@ -11,20 +12,14 @@ so a spec of absurd size is refused before the compiler spends any time on it. T
 physical memory (or, on the triton target with CUDA, the device's memory): a spec that needs
 more can never run, so `titanc compile` refuses it (`--force` writes the artifact anyway, to
 read the plan), and `titanc.compile`, `titanc train` and `titanc generate` refuse it before
-allocating anything. `generation_bytes` does the same for what decoding holds: `titanc serve`
-checks its `--slots` and request limits, `titanc generate` its prompts and --max-new-tokens.
+allocating anything.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from titanc.errors import TitancError
-
 __all__ = ["planned_bytes", "lower_bound_bytes", "state_bytes", "decode_state_bytes",
-           "generation_bytes", "machine_bytes", "check_fits"]
-
-TOKEN_BYTES = 64        # a token held by a running request: its id, its text, list overhead
+           "generation_bytes"]
 
 
 def _itemsize(spec: Any) -> int:
@@ -54,14 +49,12 @@ def lower_bound_bytes(spec: Any) -> int:
     return state_bytes(spec) + decode_state_bytes(spec)
 
 
-def generation_bytes(spec: Any, batch: int, tokens: int, staging: int = 0) -> int:
-    """What generating holds besides the program: decoding states of `batch` sequences (plus
-    `staging` batch-1 states a server prefills into before a slot is ready), the logits of a
-    step, and `tokens` tokens of prompts and outputs. Serving's `--slots` and a generation's
-    length are checked with it, as compile and train check their plan."""
-    logits = batch * spec.model.vocab_size * 4
+def generation_bytes(spec: Any, batch: int) -> int:
+    """What `titanc generate` holds besides its tokens: the program's state, decoding states
+    of `batch` sequences and a step's logits (checked with runtime/capacity.py's check_fits,
+    as compile and train check their plan; `titanc serve` measures its slot pool itself)."""
     return (lower_bound_bytes(spec) + decode_state_bytes(spec, batch)
-            + staging * decode_state_bytes(spec) + logits + tokens * TOKEN_BYTES)
+            + batch * spec.model.vocab_size * 4)
 
 
 def planned_bytes(compiled: Any) -> int:
@@ -70,38 +63,3 @@ def planned_bytes(compiled: Any) -> int:
     arenas = sum(p.arena_bytes for p in plans.values())
     persistent = max((p.persistent_bytes for p in plans.values()), default=0)
     return arenas + persistent + lower_bound_bytes(compiled.spec)
-
-
-def machine_bytes(device: str = "cpu") -> int:
-    """Physical memory of the machine, or of the CUDA device when `device` is cuda."""
-    if device.startswith("cuda"):
-        import torch
-        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # not POSIX: no check
-        return 1 << 62
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.1f} GiB"
-
-
-def check_fits(needed: int, spec: Any, device: str = "cpu", force_hint: bool = False,
-               lower: bool = False, reduce: str | None = None) -> None:
-    """Raise TitancError when `needed` bytes (a lower bound when `lower`) exceed the
-    machine's memory; `reduce` names what to lower (default: the spec's sizes)."""
-    have = machine_bytes(device)
-    if needed <= have:
-        return
-    fix = ("; pass --force to write the artifact anyway (it cannot run here)" if force_hint
-           else "")
-    if reduce is not None:
-        raise TitancError(f"{spec.safe_name} needs {'at least ' if lower else ''}{needed:,} "
-                          f"bytes ({_gib(needed)}), more than this machine's {have:,} bytes "
-                          f"({_gib(have)}) of memory; reduce {reduce}")
-    raise TitancError(f"{spec.safe_name} needs {'at least ' if lower else ''}{needed:,} bytes "
-                      f"({_gib(needed)}) by its memory plan, more than this machine's {have:,} bytes ({_gib(have)}) of "
-                      f"{'device' if device.startswith('cuda') else 'physical'} memory; reduce "
-                      f"model.d_model, model.vocab_size, model.attention.window, "
-                      f"train.batch_size or model.seq_len{fix}")

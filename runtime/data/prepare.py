@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from titanc.config import set_worker_environment
 from titanc.errors import TitancError
 
 from titanc.runtime.children import die_with_parent
@@ -49,7 +50,7 @@ def _init_worker(tokenizer: str, parent: int) -> None:
     global _worker_tok
     die_with_parent(parent)                  # a killed `data prepare` takes its workers along
     # one process per core already: keep the tokenizers library from adding its own threads
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    set_worker_environment(TOKENIZERS_PARALLELISM="false")
     _worker_tok = load_tokenizer(tokenizer)
 
 

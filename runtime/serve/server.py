@@ -404,11 +404,12 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     _check_address(host, port)
     tok = run_tokenizer(source)                  # the run's own, checked against its record
     prog = titanc.load(source)
-    check_serving_fits(prog.spec, slots, limits, max_queue)
     codec = Codec(tok, prog.spec.model.vocab_size)
     engine_ref: list[Engine] = []
     metrics = Metrics(engine_ref)
-    engine = Engine(Generator(prog), codec, slots, max_queue, prefill_budget,
+    gen = Generator(prog)
+    check_serving_fits(gen, slots, limits, max_queue)
+    engine = Engine(gen, codec, slots, max_queue, prefill_budget,
                     observer=_Observer(metrics))
     engine_ref.append(engine)
     warm_up(engine)
@@ -425,13 +426,19 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     return 0
 
 
-def check_serving_fits(spec: Any, slots: int, limits: Limits, max_queue: int = 0) -> None:
-    """The slot pool, the slots' prefill states and the longest requests the limits admit
-    (running and queued) must fit in memory, checked before anything is allocated."""
-    from titanc.fit import check_fits, generation_bytes
+def check_serving_fits(gen: Generator, slots: int, limits: Limits, max_queue: int = 0) -> None:
+    """The slot pool and the slots' prefill states (measured on a batch-1 decoding state of
+    `gen`), a step's logits, and the longest requests the limits admit (running and queued)
+    must fit in memory, checked before the pool is allocated."""
+    from titanc.runtime.capacity import TOKEN_BYTES, check_fits
 
+    st = gen.new_state(1)
+    one = sum(t.numel() * t.element_size()
+              for t in [*st.tensors.values(), *st.pending.values(), st.slot_pos])
+    spec = gen.prog.spec
     per_request = limits.max_prompt_tokens + limits.max_tokens
-    need = generation_bytes(spec, slots, (slots + max_queue) * per_request, staging=slots)
+    need = (2 * slots * one + slots * spec.model.vocab_size * 4
+            + (slots + max_queue) * per_request * TOKEN_BYTES)
     check_fits(need, spec, lower=True,
                reduce=f"--slots ({slots}), --max-queue, --max-prompt-tokens or --max-tokens")
 

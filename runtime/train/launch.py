@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from titanc.config import child_environment, current
 from titanc.errors import DistributedError, TitancError
 from titanc.runtime.children import die_with_parent, forward_signals, reap
 
@@ -69,8 +70,8 @@ def _kept(out: Path) -> str:
 def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
     """Run `python -m titanc.train *argv` as `nproc` local ranks; returns 0 when every rank
     succeeded, else raises DistributedError with the one-line reason."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    env = child_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     procs: list[subprocess.Popen] = []
     first: tuple[int, int] | None = None          # (rank, exit code) of the first failure
     deadline = None
@@ -121,6 +122,6 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
 
 
 def check_nproc(nproc: int) -> None:
-    if nproc > 1 and "WORLD_SIZE" in os.environ:
+    if nproc > 1 and "WORLD_SIZE" in current().torchrun:
         raise TitancError("--nproc starts its own ranks; under torchrun leave it out "
                           "(torchrun's --nproc-per-node sets the ranks)")
