@@ -28,7 +28,8 @@ from titanc.runtime.data import tokenizer as tokenizer_module
 from titanc.runtime.data.prepare import prepare
 from titanc.runtime.data.shards import read_header
 from titanc.runtime.data.tokenizer import ByteTokenizer, train_bpe
-from titanc.runtime.train.checkpoint import CHECKPOINT_NAME, run_tokenizer, save_checkpoint
+from titanc.runtime.train.checkpoint import CHECKPOINT_NAME, save_checkpoint
+from titanc.runtime.train.rundir import run_tokenizer
 from titanc.runtime.train.trainer import Trainer
 from titanc.tools.cli import main
 

@@ -399,7 +399,7 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
 
     from titanc.runtime.serve.codec import Codec
     from titanc.runtime.serve.generate import Generator
-    from titanc.runtime.train.checkpoint import run_tokenizer
+    from titanc.runtime.train.rundir import run_tokenizer
 
     _check_address(host, port)
     tok = run_tokenizer(source)                  # the run's own, checked against its record

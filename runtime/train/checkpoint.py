@@ -42,7 +42,7 @@ from titanc.model.spec import spec_hash, spec_to_dict
 __all__ = [
     "CHECKPOINT_NAME", "RNG_KEY", "RUN_CONTROL", "save_checkpoint", "load_checkpoint",
     "checkpoint_path", "spec_differences", "expected_state", "check_resumable", "restore",
-    "checksum", "first_nonfinite", "remove_stale_temps", "run_tokenizer",
+    "checksum", "first_nonfinite", "remove_stale_temps",
 ]
 
 Tensor = torch.Tensor
@@ -349,69 +349,3 @@ def restore(prog: Any, tensors: dict[str, Tensor], meta: dict[str, Any], *,
     report = check_resumable(tensors, meta, prog.spec, expected, strict=strict, path=path)
     prog.load_state_dict({k: t for k, t in tensors.items() if k != RNG_KEY}, strict=False)
     return report
-
-
-# ---------------------------------------------------------------------------------- identity
-
-
-def run_tokenizer(source: str | os.PathLike) -> Any:
-    """The tokenizer of a run directory, checkpoint file or artifact directory, checked
-    against what the checkpoint (or the artifact's manifest.json) recorded when it was
-    written: its tokenizer hash, and for a run directory the model its spec.yaml describes.
-    A mismatch (a tokenizer.json or spec.yaml replaced by another) is a one-line error naming
-    both files, never wrong text with exit 0."""
-    from titanc.runtime.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
-
-    tok = load_tokenizer(source)
-    p = Path(source)
-    run = p.parent if p.suffix == ".safetensors" else p
-    tok_file = run / TOKENIZER_FILE if (run / TOKENIZER_FILE).exists() else tok.name
-    ckpt = p if p.is_file() else run / CHECKPOINT_NAME
-    if ckpt.is_file():
-        recorded_spec, extra = _recorded(ckpt)
-        recorded, record = extra.get("tokenizer_hash") or ByteTokenizer.hash, ckpt
-    elif (run / "manifest.json").is_file():
-        try:
-            manifest = json.loads((run / "manifest.json").read_text())
-            recorded = manifest["tokenizer"]["hash"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return tok                      # an older manifest records no tokenizer
-        recorded_spec, record = None, run / "manifest.json"
-    else:
-        return tok
-    if recorded != tok.hash:
-        raise TitancError(f"tokenizer {tok_file} (hash {tok.hash[:12]}) is not the one "
-                          f"{record} was made with (hash {str(recorded)[:12]}); put the run's "
-                          f"own tokenizer.json back (none for a byte-level run)")
-    if recorded_spec is not None and (run / "spec.yaml").is_file():
-        _check_spec_yaml(run / "spec.yaml", recorded_spec, ckpt)
-    return tok
-
-
-def _recorded(ckpt: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """The spec and extra a checkpoint's metadata records (read without its tensors); the
-    full check (checksum, finiteness) is load_checkpoint's, when the weights are loaded."""
-    try:
-        with safe_open(str(ckpt), framework="pt") as f:
-            raw = f.metadata() or {}
-        spec, extra = json.loads(raw.get("spec", "null")), json.loads(raw.get("extra", "{}"))
-    except Exception:  # noqa: BLE001 -- load_checkpoint names the damage when it reads it
-        return None, {}
-    return (spec if isinstance(spec, dict) else None), (extra if isinstance(extra, dict) else {})
-
-
-def _check_spec_yaml(path: Path, recorded: dict[str, Any], ckpt: Path) -> None:
-    import yaml
-
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        doc = None
-    if not isinstance(doc, dict):
-        raise TitancError(f"{path} is not a spec mapping; restore the run's spec.yaml (the "
-                          f"spec {ckpt} was trained with)")
-    diffs = [d for d in spec_differences(recorded, doc)
-             if d[0].startswith("model.") or d[0] == "data.tokenizer"]
-    if diffs:
-        raise TitancError(f"{path} does not describe the model {ckpt} holds: "
-                          f"{_describe(diffs, 2)}; restore the run's spec.yaml")

@@ -31,7 +31,7 @@ from titanc.errors import TitancError
 from titanc.runtime.data.datasets import SYNTHETIC_RECALL, SyntheticRecall, TextData
 from titanc.runtime.data.shards import ShardData
 from titanc.runtime.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from titanc.runtime.train.checkpoint import run_tokenizer
+from titanc.runtime.train.rundir import run_tokenizer
 
 __all__ = ["evaluate", "evaluate_run", "evaluate_recall", "open_eval_data", "recall_seq_len"]
 

@@ -352,7 +352,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from titanc.runtime.capacity import TOKEN_BYTES, check_fits
     from titanc.runtime.data.tokenizer import StreamDecoder
     from titanc.runtime.serve.generate import Generator, Sampling
-    from titanc.runtime.train.checkpoint import run_tokenizer
+    from titanc.runtime.train.rundir import run_tokenizer
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
