@@ -397,14 +397,14 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     """Load a run or artifact, warm the engine up and serve until SIGTERM; returns 0."""
     import titanc
 
-    from titanc.runtime.serve.codec import Codec
+    from titanc.runtime.serve.codec import TokenizerCodec
     from titanc.runtime.serve.generate import Generator
     from titanc.runtime.train.rundir import run_tokenizer
 
     _check_address(host, port)
     tok = run_tokenizer(source)                  # the run's own, checked against its record
     prog = titanc.load(source)
-    codec = Codec(tok, prog.spec.model.vocab_size)
+    codec = TokenizerCodec(tok, prog.spec.model.vocab_size)
     engine_ref: list[Engine] = []
     metrics = Metrics(engine_ref)
     gen = Generator(prog)
