@@ -14,6 +14,7 @@ path and the OS's reason (`titanc.files.writing_into`), never a traceback.
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 from types import TracebackType
@@ -133,8 +134,6 @@ def run_tokenizer(source: str | os.PathLike) -> Any:
 def _recorded(ckpt: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The spec and extra a checkpoint's metadata records (read without its tensors); the
     full check (checksum, finiteness) is load_checkpoint's, when the weights are loaded."""
-    import json
-
     from safetensors import safe_open
 
     try:
