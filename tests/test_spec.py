@@ -173,7 +173,8 @@ BAD_SPECS = [
      "unknown key 'model.chunk_size'; did you mean 'model.memory.chunk_size'?"),
     (edited(model__memory={"zzz": 1}),
      "unknown key 'model.memory.zzz'; known keys in model.memory: heads, depth, expansion, "
-     "chunk_size, adaptive, lr_max, momentum, decay, output_gate, conv_kernel, qk_activation"),
+     "chunk_size, adaptive, lr_max, momentum, decay, output_gate, conv_kernel, qk_activation, "
+     "mac_write, mac_read"),
     (edited(memory={}), "unknown key 'memory'; did you mean 'model.memory'?"),
     (edited(train={"heads": 2}),
      "unknown key 'train.heads'; did you mean 'model.attention.heads'?"),
