@@ -114,6 +114,12 @@ class MemorySpec:
     conv_kernel: int = _field(4, ge=1)
     # activation of the q/k streams before l2norm: silu (the paper) or none (zero-mean keys)
     qk_activation: str = _field("silu", choices=("silu", "none"))
+    # block mac only (docs/semantics.md, "mac"): what the memory is written with, the attention
+    # output ŷ = rmsnorm(ỹ) (the paper) or the segment's normalised input u_s; and where the
+    # segment-start read h goes, only into the attention as context (the paper) or also onto
+    # the block's output (residual)
+    mac_write: str = _field("attention", choices=("attention", "input"))
+    mac_read: str = _field("context", choices=("context", "residual"))
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -189,6 +195,10 @@ class ModelSpec:
         elif self.has_memory and t % mem.chunk_size:
             raise SpecError(
                 f"model.memory.chunk_size: {mem.chunk_size} must divide model.seq_len={t}")
+        for key, paper in (("mac_write", "attention"), ("mac_read", "context")):
+            if self.block != "mac" and getattr(mem, key) != paper:
+                raise SpecError(f"model.memory.{key}: {getattr(mem, key)} applies to block mac "
+                                f"only (this model's block is {self.block}); remove it")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
