@@ -172,7 +172,8 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
                metrics: Metrics, sessions: SessionStore | None = None) -> FastAPI:
     """The ASGI app of one engine (sessions: memory only, 64 at most, unless given)."""
     app = FastAPI(title="titanc", docs_url=None, redoc_url=None, openapi_url=None)
-    sessions = sessions or SessionStore(engine.gen, 64)
+    if sessions is None:
+        sessions = SessionStore(engine.gen, 64)
     add_routes(app, sessions, lambda request: _read_json(request, limits.max_body_bytes))
     created = int(time.time())
 
