@@ -10,7 +10,9 @@ out of cache. One thread, the engine loop, owns the compiled decode program. Eac
 3. prefills admitted requests by whole memory chunks in parallel (batch 1, the graph
    `Generator.prefill` uses), at most `prefill_budget` prompt tokens per iteration, so a long
    prompt does not stall the others; the prompt's last partial chunk is then copied into
-   its slot (`DecodeState.put`) and fed through the batched decode steps, one token a step;
+   its slot (`DecodeState.put`) and fed through the batched decode steps, one token a step.
+   A request that continues a conversation (`Request.start`, runtime/serve/sessions.py)
+   prefills from a copy of its state, one token at a time up to the next chunk boundary;
 4. runs one batched decode step over all N slots (free slots decode a dummy token and are reset
    when reused) and samples the next token of every request whose prompt is in.
 
