@@ -387,11 +387,12 @@ def run_script(name: str, path: str) -> None:
 
 def _site(tmp: Path) -> dict[str, str]:
     """PYTHONPATH entries for the jobs: titanc laid out from the checkout (package-dir) unless
-    it imports already; titans-pytorch installed from .gpu/whl (once)."""
+    it imports already (GPU_CHECK_LAYOUT=1 lays it out anyway); titans-pytorch installed from
+    .gpu/whl (once)."""
     paths = [str(ROOT)]
     probe = subprocess.run([sys.executable, "-c", "import titanc"], capture_output=True,
                            cwd="/")
-    if probe.returncode:
+    if probe.returncode or os.environ.get("GPU_CHECK_LAYOUT"):
         site = tmp / "site"
         shutil.rmtree(site, ignore_errors=True)
         shutil.copytree(ROOT / "titanc", site / "titanc")
@@ -522,6 +523,11 @@ def table(report: dict[str, Any]) -> str:
         else:
             lines.append(f"{name:34s} {r.get('tokens_per_step', '-'):>11} {'-':>9s} {'-':>10s} "
                          f"{'-':>6s} {'-':>9s}  {', '.join(notes)}")
+    silent = [n for n in report.get("processes", {}) if n not in jobs
+               and not any(j.startswith(n + "_") for j in jobs)]
+    if silent:
+        lines += ["", "no record (killed before its first phase, or crashed):"]
+        lines += [f"  {n}: {report['processes'][n]}" for n in silent]
     return "\n".join(lines) + "\n"
 
 
