@@ -67,15 +67,17 @@ def _recording() -> tuple[Any, list[int]]:
     return restore, count
 
 
-def _time(fn: Any, steps: int, rounds: int = 5) -> float:
-    """Median over rounds of the mean seconds per call."""
-    per = []
+def _time(fn: Any, steps: int, rounds: int = 5) -> tuple[float, float]:
+    """Median over rounds of the mean seconds per call: wall time and this process's CPU
+    time (what a shared machine's load inflates less)."""
+    wall, cpu = [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             fn()
-        per.append((time.perf_counter() - t0) / steps)
-    return statistics.median(per)
+        wall.append((time.perf_counter() - t0) / steps)
+        cpu.append((time.process_time() - c0) / steps)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def measure(spec: str, seq: int | None, steps: int) -> dict[str, Any]:
@@ -93,17 +95,19 @@ def measure(spec: str, seq: int | None, steps: int) -> dict[str, Any]:
         count[0] = 0
         prog.advance(toks)
         launches = count[0]
-        launches_s = _time(lambda: prog.advance(toks), max(1, steps // 10))
+        launches_s, launches_cpu = _time(lambda: prog.advance(toks), max(1, steps // 10))
         prog._step_graph = graph = _Replay()        # as after the capture on CUDA
-        graphs_s = _time(lambda: prog.advance(toks), steps)
+        graphs_s, graphs_cpu = _time(lambda: prog.advance(toks), steps)
         assert graph.replays > 0 and count[0] == launches * (1 + 5 * max(1, steps // 10))
     finally:
         restore()
     return {"spec": spec, "seq_len": s.model.seq_len, "batch": s.train.batch_size,
             "grad_accum": s.train.grad_accum, "launches_per_step": launches,
             "us_per_step_graphs": round(1e6 * graphs_s, 1),
+            "cpu_us_per_step_graphs": round(1e6 * graphs_cpu, 1),
             "us_per_step_launches": round(1e6 * launches_s, 1),
-            "us_per_launch": round(1e6 * launches_s / max(launches, 1), 2)}
+            "us_per_launch": round(1e6 * launches_s / max(launches, 1), 2),
+            "cpu_us_per_launch": round(1e6 * launches_cpu / max(launches, 1), 2)}
 
 
 def main() -> None:
@@ -119,12 +123,13 @@ def main() -> None:
             for q in (args.seq.split(",") if args.seq else [""])]
     print(json.dumps({"rows": rows, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
                       "threads": torch.get_num_threads()}))
-    print(f"\n{'spec':14s} {'seq':>5s} {'launches':>9s} {'µs/step graphs':>15s} "
-          f"{'µs/step launches':>17s} {'µs/launch':>10s}")
+    print(f"\n{'spec':14s} {'seq':>5s} {'launches':>9s} {'µs/step graphs (cpu)':>21s} "
+          f"{'µs/step launches':>17s} {'µs/launch (cpu)':>16s}")
     for r in rows:
         print(f"{r['spec']:14s} {r['seq_len']:5d} {r['launches_per_step']:9d} "
-              f"{r['us_per_step_graphs']:15.1f} {r['us_per_step_launches']:17.1f} "
-              f"{r['us_per_launch']:10.2f}")
+              f"{r['us_per_step_graphs']:12.1f} ({r['cpu_us_per_step_graphs']:6.1f}) "
+              f"{r['us_per_step_launches']:17.1f} {r['us_per_launch']:8.2f} "
+              f"({r['cpu_us_per_launch']:6.2f})")
 
 
 if __name__ == "__main__":

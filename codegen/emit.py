@@ -11,16 +11,17 @@
     kernels/index.json    graph -> kernel name -> module file (the deduplication mapping; a
                           kernel of a scan body that runs as one scan kernel maps to that
                           scan kernel's module);
-    program.py            one straight-line function per graph that creates the planned views
-                          of its arena and persistent region and launches the kernels in
-                          schedule order. A scan is what the triton target runs: one launch
-                          of its scan kernel (`codegen.scan`, written to kernels/ like
-                          the others), or, where the scan cannot be one kernel, a launch of
-                          its prologue gathers (`passes.schedule.prologue_kernel`, if any)
-                          and a `for` loop over a function running one step of its body in
-                          the scan's workspace, copying nothing: where each iteration reads
-                          and writes is `passes.memory_plan.ScanHomes`, the same object the
-                          executors bind, so the loop is stated once.
+    program.py            a printout of each graph's lowered program (`codegen.lowered`, the
+                          list of steps the cpu and triton targets walk too): one
+                          straight-line function per graph that creates the planned views of
+                          its arena and persistent region and runs the steps in order. A
+                          `ScanLaunch` is one launch of its scan kernel (`codegen.scan`,
+                          written to kernels/ like the others); a `ScanLoop` a launch of its
+                          prologue gathers (if any) and a `for` loop over a function running
+                          one step of its body in the scan's workspace, copying nothing:
+                          where each iteration reads and writes is
+                          `passes.memory_plan.ScanHomes`, the same object the executors
+                          bind, so the loop is stated once.
 
 Nothing from the spec reaches the output unsanitised: comments go through `sanitize_comment`,
 identifiers are built from node ids and sanitised kernel and graph names, and persistent

@@ -19,10 +19,11 @@ Steps:
                                       gathered rows, if any); where iteration i reads and
                                       writes is `MemoryPlan.scan_homes` (`ScanHomes`)
 
-No-op kernels (every output aliases storage that already holds it) are not steps. `values()`
-lists every value a step, a scan or a graph output uses, in first-use order: what a consumer
-binds once, to planned storage (`MemoryPlan.location`) or as a view of a root
-(`MemoryPlan.views`); none is bound per step.
+No-op kernels (every output aliases storage that already holds them) are not steps. A consumer
+binds every value a step uses once, before the first run: to planned storage
+(`MemoryPlan.location`) or as a view of a root (`MemoryPlan.views`); what a `Launch` reads and
+writes is its kernel's (the target's), what a scan step touches at its own level is
+`scan_operands`. Nothing is bound per run.
 
 Which scans are one kernel is the target's choice, passed in as `scan_kernel(plan, kernel,
 scan node) -> code or None` (the cpu target has none: every scan is a loop). The module lives in

@@ -185,6 +185,7 @@ class Program:
         own = [*(t for t in self.flat.values() if t is not None), self._grad_flat_tmp,
                *self._scalars.values(), self._token_range, self._lr_table, self._step_index,
                self._step_clamped, self._loss]
+        own += [self._tokens_dev] if self._tokens_dev is not None else []
         return own + [t for ex in self._executors.values() for t in ex.storages()]
 
     # -- running --------------------------------------------------------------------------------

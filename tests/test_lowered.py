@@ -80,7 +80,7 @@ def test_each_target_walks_its_lowered_program(cls: type) -> None:
     class Dropping(cls):  # type: ignore[misc, valid-type]
         def lower(self, plan: Any) -> Lowered:
             low = super().lower(plan)
-            low.steps = [s for s in low.steps if s is not last]
+            low.steps = [s for s in low.steps if s.index != last.index]
             return low
 
     last = cls(plan).program.steps[-1]
