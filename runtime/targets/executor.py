@@ -131,7 +131,9 @@ class Scratch:
 class _Binder:
     """Binds one lowered program (a graph's or a scan body's, `codegen.lowered`) to storage
     and emits its steps: what every target shares (planned storage, constants, the host loop
-    of a scan). A target's builder says how a `Launch` runs (`step`)."""
+    of a scan). A target's builder says how a `Launch` runs (`step`). `node` is the cpu
+    target's per-node lowering (its `_Builder` calls it; it stays here, where the per-target
+    lowering tables will take it over)."""
 
     def __init__(self, plan: MemoryPlan, arena: Storage, persistent: Storage,
                  bound: dict[str, Tensor], external: dict[str, Tensor], scratch: Scratch,
@@ -235,6 +237,54 @@ class _Binder:
         """The builder of a scan body (the target's own builder)."""
         raise NotImplementedError
 
+    def node(self, n: Node, outputs: set[int]) -> None:
+        op, a = n.op, n.attr_dict
+        if op is Op.ITEM:
+            return                                   # the scan writes its ITEM buffers
+        if op is Op.FULL:
+            if n.type.shape == ():
+                self.val[n.id] = self._const(torch.tensor(a["value"], dtype=_dtype(a["dtype"], self.float_dtype)))
+                self.folded.add(n.id)
+            else:
+                o = self.out(n, outputs)
+                self.steps.append(lambda o=o, v=a["value"]: o.fill_(v))
+                self.val[n.id] = o
+            return
+        if op is Op.ROPE:
+            self.val[n.id] = self._const(rope_table(a["kind"], a["start"], a["count"], a["half"],
+                                                    a["base"], _dtype(a["dtype"], self.float_dtype)))
+            self.folded.add(n.id)
+            return
+        if op is Op.MASK:
+            self.val[n.id] = self._const(mask_table(a["n_q"], a["q_start"], a["groups"],
+                                                    _dtype(a["dtype"], self.float_dtype)))
+            self.folded.add(n.id)
+            return
+        if op is Op.SCAN:
+            self._scan(n, outputs)
+            return
+        if op in OpGroup.PATTERN:                    # one fused ATen call (pattern_kernels)
+            self.steps.extend(pattern_steps(self, n, outputs))
+            return
+        xs = [self.operand(i) for i in n.inputs]
+        view = _VIEWS.get(op)
+        if view is not None and isinstance(xs[0], float):     # a view of an inlined scalar
+            xs[0] = self._const(torch.tensor(xs[0], dtype=_dtype(n.type.dtype, self.float_dtype)))
+        constant = all(self._is_constant(i) for i in n.inputs)
+        if view is not None:
+            v = view(xs[0], a, n)
+            if v is not None:
+                self.val[n.id] = v
+                if constant:
+                    self.folded.add(n.id)
+                return
+        if constant and n.id not in outputs and (op in ELEMENTWISE or op in _FOLDABLE):
+            self.val[n.id] = self._fold(n, xs)
+            return
+        o = self.out(n, outputs)
+        self.steps.extend(_emit(self, n, xs, o))
+        self.val[n.id] = o
+
     def _constant(self, n: Node) -> Tensor:
         """A generator's value, made once at bind time (a FULL as a 0-d tensor expanded)."""
         a = n.attr_dict
@@ -255,6 +305,17 @@ class _Binder:
             return True
         view = self.plan.views.get(vid)
         return view is not None and self.plan.is_constant_root(view[0])
+
+    def _fold(self, n: Node, xs: list[Any]) -> Tensor:
+        """A kernel-internal value computed from constants alone (a concatenation of rotary
+        tables, a negated half): computed once, now, instead of at every run."""
+        like = next(x for x in xs if isinstance(x, Tensor))
+        o = torch.empty(n.type.shape, dtype=_dtype(n.type.dtype, self.float_dtype),
+                        device=like.device)
+        for f in _emit(self, n, xs, o):
+            f()
+        self.folded.add(n.id)
+        return self._const(o)
 
     def _const(self, t: Tensor) -> Tensor:
         device = self.arena.data.device
@@ -367,65 +428,6 @@ class _Builder(_Binder):
 
     def sub_builder(self, *args: Any) -> "_Builder":
         return _Builder(*args)
-
-    def node(self, n: Node, outputs: set[int]) -> None:
-        op, a = n.op, n.attr_dict
-        if op is Op.ITEM:
-            return                                   # the scan writes its ITEM buffers
-        if op is Op.FULL:
-            if n.type.shape == ():
-                self.val[n.id] = self._const(torch.tensor(a["value"], dtype=_dtype(a["dtype"], self.float_dtype)))
-                self.folded.add(n.id)
-            else:
-                o = self.out(n, outputs)
-                self.steps.append(lambda o=o, v=a["value"]: o.fill_(v))
-                self.val[n.id] = o
-            return
-        if op is Op.ROPE:
-            self.val[n.id] = self._const(rope_table(a["kind"], a["start"], a["count"], a["half"],
-                                                    a["base"], _dtype(a["dtype"], self.float_dtype)))
-            self.folded.add(n.id)
-            return
-        if op is Op.MASK:
-            self.val[n.id] = self._const(mask_table(a["n_q"], a["q_start"], a["groups"],
-                                                    _dtype(a["dtype"], self.float_dtype)))
-            self.folded.add(n.id)
-            return
-        if op is Op.SCAN:
-            self._scan(n, outputs)
-            return
-        if op in OpGroup.PATTERN:                    # one fused ATen call (pattern_kernels)
-            self.steps.extend(pattern_steps(self, n, outputs))
-            return
-        xs = [self.operand(i) for i in n.inputs]
-        view = _VIEWS.get(op)
-        if view is not None and isinstance(xs[0], float):     # a view of an inlined scalar
-            xs[0] = self._const(torch.tensor(xs[0], dtype=_dtype(n.type.dtype, self.float_dtype)))
-        constant = all(self._is_constant(i) for i in n.inputs)
-        if view is not None:
-            v = view(xs[0], a, n)
-            if v is not None:
-                self.val[n.id] = v
-                if constant:
-                    self.folded.add(n.id)
-                return
-        if constant and n.id not in outputs and (op in ELEMENTWISE or op in _FOLDABLE):
-            self.val[n.id] = self._fold(n, xs)
-            return
-        o = self.out(n, outputs)
-        self.steps.extend(_emit(self, n, xs, o))
-        self.val[n.id] = o
-
-    def _fold(self, n: Node, xs: list[Any]) -> Tensor:
-        """A kernel-internal value computed from constants alone (a concatenation of rotary
-        tables, a negated half): computed once, now, instead of at every run."""
-        like = next(x for x in xs if isinstance(x, Tensor))
-        o = torch.empty(n.type.shape, dtype=_dtype(n.type.dtype, self.float_dtype),
-                        device=like.device)
-        for f in _emit(self, n, xs, o):
-            f()
-        self.folded.add(n.id)
-        return self._const(o)
 
 
 def _region(storage: Storage, offset: int, size: int) -> Storage:
