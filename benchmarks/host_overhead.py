@@ -5,7 +5,7 @@
 
 The triton target's host path runs for real (`Program.advance`: token check, micro-batch
 loop, executors, scalar updates) with every kernel launch *recorded instead of executed*: Triton's
-`InterpretedFunction.run` is replaced by a counter, as `codegen/aot.py`'s `record_launches`
+`InterpretedFunction.run` is replaced by a counter, as `runtime/targets/aot.py`'s `record_launches`
 replaces it, so what is timed is titanc's own Python per step and per launch, up to the call
 into Triton. Two modes:
 

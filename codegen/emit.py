@@ -20,7 +20,7 @@
                           prologue gathers (if any) and a `for` loop over a function running
                           one step of its body in the scan's workspace, copying nothing:
                           where each iteration reads and writes is
-                          `passes.memory_plan.ScanHomes`, the same object the executors
+                          `ir.buffer_plan.ScanHomes`, the same object the executors
                           bind, so the loop is stated once.
 
 Nothing from the spec reaches the output unsanitised: comments go through `sanitize_comment`,
@@ -42,9 +42,9 @@ from typing import Any, Iterator
 
 from titanc.ir import Graph, Op
 from titanc.ir.types import TensorType
-from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan, ScanHomes
-from titanc.passes.schedule import is_immediate
-from titanc.runtime.train.rundir import write_text_atomic
+from titanc.ir.buffer_plan import OUTPUT_PREFIX, BufferPlan, ScanHomes
+from titanc.ir.schedule import is_immediate
+from titanc.files import write_text_atomic
 
 from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, plan_kernels
 from titanc.codegen.lowered import Launch, Lowered, ScanLaunch, ScanLoop, lower, scan_operands
@@ -142,7 +142,7 @@ def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
     return art
 
 
-def _body_kernels(plan: MemoryPlan) -> list[str]:
+def _body_kernels(plan: BufferPlan) -> list[str]:
     """Every kernel name of a scan body's schedule, nested bodies included."""
     names = []
     for kern in plan.schedule.kernels:
@@ -165,7 +165,7 @@ def _shared_source(first: Any, users: list[tuple[str, Any]]) -> str:
 # -- program.py ------------------------------------------------------------------------------------
 
 _PRELUDE = '''\
-"""Launch the kernels of kernels/ in schedule order over a static memory plan.
+"""Launch the kernels of kernels/ in schedule order over a static buffer plan.
 
 Each graph function takes `arena` and `persistent`, uint8 tensors of at least ARENA_BYTES[graph]
 and PERSISTENT_BYTES[graph] bytes (`allocate(graph)` makes them), copies `inputs` (by graph
@@ -185,7 +185,7 @@ from pathlib import Path
 import torch
 
 from titanc.codegen.scan.kernel import host_table
-from titanc.passes.memory_plan import ScanHomes
+from titanc.ir.buffer_plan import ScanHomes
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 _LOADED = {}
@@ -266,10 +266,10 @@ def program_source(compiled: Any, modules: dict[str, dict[str, str]],
     return buf.text()
 
 
-def lowered_program(plan: MemoryPlan, rendered: dict[tuple[int, str], Any]) -> Lowered:
+def lowered_program(plan: BufferPlan, rendered: dict[tuple[int, str], Any]) -> Lowered:
     """The lowered program program.py prints: a scan is one launch where `rendered` holds its
     scan kernel (as the triton target lowers it), else a loop."""
-    def scan_kernel(p: MemoryPlan, kern: Any, sid: int) -> ScanKernel | None:
+    def scan_kernel(p: BufferPlan, kern: Any, sid: int) -> ScanKernel | None:
         code = rendered.get((id(p), kern.name))
         return code if isinstance(code, ScanKernel) else None
     return lower(plan, scan_kernel)
@@ -285,7 +285,7 @@ def _constant(n: Any) -> str:
 
 
 def _view_text(n: Any) -> str:
-    """The torch view method call of view node `n` (as `memory_plan.view_of` applies it)."""
+    """The torch view method call of view node `n` (as `buffer_plan.view_of` applies it)."""
     a = n.attr_dict
     if n.op is Op.RESHAPE:
         return f".view({tuple(a['shape'])!r})"
@@ -384,7 +384,7 @@ class _Emitter:
             bound.add(vid)
             b(f"v{vid} = {self._storage(plan, vid)}")
 
-    def _storage(self, plan: MemoryPlan, vid: int) -> str:
+    def _storage(self, plan: BufferPlan, vid: int) -> str:
         g = plan.schedule.graph
         t = g.node(vid).type
         assert isinstance(t, TensorType)
@@ -405,7 +405,7 @@ class _Emitter:
             return f"v{src}.view({shape!r}){note}"
         return f"view(arena, {at}, {shape!r}, {dt}){note}"
 
-    def _code(self, plan: MemoryPlan, kern: Any) -> KernelCode:
+    def _code(self, plan: BufferPlan, kern: Any) -> KernelCode:
         return self.rendered[(id(plan), kern.name)]
 
     # -- launches ----------------------------------------------------------------------------------
@@ -430,7 +430,7 @@ class _Emitter:
             else:
                 self._launch(plan, kern)
 
-    def _launch(self, plan: MemoryPlan, kern: Any) -> None:
+    def _launch(self, plan: BufferPlan, kern: Any) -> None:
         """One launch of a rendered (non-scan) kernel."""
         code = self._code(plan, kern)
         args = ["None" if a.value < 0 else f"v{a.value}" if a.view is None
@@ -442,7 +442,7 @@ class _Emitter:
         """Output index -> ITEM value, for the scan's results the program reads."""
         return {g.node(u).attr("index"): u for u in g.users(node.id) if u in kern.outputs}
 
-    def _scan_launch(self, plan: MemoryPlan, kern: Any, node: Any, sk: ScanKernel) -> None:
+    def _scan_launch(self, plan: BufferPlan, kern: Any, node: Any, sk: ScanKernel) -> None:
         """One launch of the scan kernel (as the triton target runs it)."""
         g = plan.schedule.graph
         dt = "torch.float64" if graph_dtype(g) == "float64" else "torch.float32"
@@ -456,13 +456,13 @@ class _Emitter:
                  f"{dt}, arena.device)")
         self.buf(f"{ident}.launch(ws, {', '.join(args)})")
 
-    def _scan(self, plan: MemoryPlan, kern: Any, node: Any) -> None:
+    def _scan(self, plan: BufferPlan, kern: Any, node: Any) -> None:
         """The host loop of a scan, copying nothing: `ScanHomes` (the executors' own statement
         of the loop) says where iteration i reads its carries and writes its outputs; the
         body function writes its direct outputs in place, the rest are copied."""
         g = plan.schedule.graph
         a = node.attr_dict
-        body: MemoryPlan = plan.bodies[node.id]
+        body: BufferPlan = plan.bodies[node.id]
         bg: Graph = a["body"]
         nc, nx = a["n_carry"], a["n_xs"]
         b = self.buf

@@ -17,11 +17,11 @@ Steps:
                                       a scan run as a host loop over `body` (the body plan's
                                       own `Lowered`), after its prologue kernel (the carries'
                                       gathered rows, if any); where iteration i reads and
-                                      writes is `MemoryPlan.scan_homes` (`ScanHomes`)
+                                      writes is `BufferPlan.scan_homes` (`ScanHomes`)
 
 No-op kernels (every output aliases storage that already holds them) are not steps. A consumer
 binds every value a step uses once, before the first run: to planned storage
-(`MemoryPlan.location`) or as a view of a root (`MemoryPlan.views`); what a `Launch` reads and
+(`BufferPlan.location`) or as a view of a root (`BufferPlan.views`); what a `Launch` reads and
 writes is its kernel's (the target's), what a scan step touches at its own level is
 `scan_operands`. Nothing is bound per run.
 
@@ -29,7 +29,8 @@ Which scans are one kernel is the target's choice, passed in as `scan_kernel(pla
 scan node) -> code or None` (the cpu target has none: every scan is a loop). The module lives in
 codegen/ because it is the last stage of compiling (after the memory plan, before a target's
 kernels), and both the runtime and the emitter may import codegen (docs/architecture.md); it
-imports only `ir` and `passes`, so the cpu target pulls in no kernel renderer.
+imports only `ir` (the buffer plan and the schedule live there), so the cpu target pulls in no
+kernel renderer.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from titanc.ir import Graph
-from titanc.passes.memory_plan import MemoryPlan
-from titanc.passes.schedule import Kernel, is_immediate, prologue_kernel
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.ir.schedule import Kernel, is_immediate, prologue_kernel
 
 __all__ = ["Launch", "Lowered", "ScanLaunch", "ScanLoop", "Step", "lower"]
 
@@ -73,7 +74,7 @@ Step = Union[Launch, ScanLaunch, ScanLoop]
 class Lowered:
     """One graph's (or scan body's) steps over its memory plan."""
 
-    plan: MemoryPlan
+    plan: BufferPlan
     steps: list[Step] = field(default_factory=list)
 
     @property
@@ -104,8 +105,8 @@ class Lowered:
         return out
 
 
-def lower(plan: MemoryPlan,
-          scan_kernel: Callable[[MemoryPlan, Kernel, int], Any] | None = None) -> Lowered:
+def lower(plan: BufferPlan,
+          scan_kernel: Callable[[BufferPlan, Kernel, int], Any] | None = None) -> Lowered:
     """The lowered program of `plan`: its schedule's kernels in order, no-ops dropped, each
     scan one launch where `scan_kernel` gives its code, else a loop over its body's own
     lowered program."""

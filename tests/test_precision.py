@@ -19,7 +19,7 @@ from tests.helpers import BLOCKS, TINY, one_thread, tokens  # noqa: E402,F401 (a
 from titanc.compiler import compile_graphs  # noqa: E402
 from titanc.errors import SpecError  # noqa: E402
 from titanc.ir import Graph, Op, OpGroup  # noqa: E402
-from titanc.passes.memory_plan import memory_report  # noqa: E402
+from titanc.passes.buffer_plan import buffer_report  # noqa: E402
 from titanc.runtime.train.checkpoint import load_checkpoint  # noqa: E402
 from titanc.runtime.serve.generate import Generator  # noqa: E402
 from titanc.model.spec import load_spec  # noqa: E402
@@ -116,7 +116,7 @@ def test_unsupported_dtype_is_a_one_line_error() -> None:
 
 def _arena(path: Path, dtype: str) -> int:
     c = compile_graphs(load_spec(path, {"train.dtype": dtype}), verify_each=False)
-    return memory_report(c.plans["training"], c.spec.model.vocab_size)["arena_bytes"]
+    return buffer_report(c.plans["training"], c.spec.model.vocab_size)["arena_bytes"]
 
 
 @pytest.mark.parametrize("example, bound", [("tiny_attn.yaml", 0.52), ("tiny.yaml", 0.615),
@@ -127,7 +127,7 @@ def test_bf16_activation_arena_is_smaller(example: str, bound: float) -> None:
     tiny_attn 0.512 (the residual stream, its per-layer checkpoints and its cotangent are bf16
     activations; what stays float32 at the peak is 90 KB: the tied embedding's gradient and
     norm statistics), tiny_mal 0.576, tiny_mag 0.596, tiny_lmm 0.609, tiny.yaml (MAC) 0.604
-    (the fusion rules of tests/test_fusion_rules.py and the carry slot a scan's result lends
+    (the fusion rules of tests/unit/passes/test_fusion_rules.py and the carry slot a scan's result lends
     shrink float32 and bf16 arenas by different amounts, so these move with them):
     in the memory models the memory state's carries (W1, W2, S1, S2, and their cotangents in
     the backward: ping-pong slots at each nesting level) stay float32 by policy, about 3 MB of

@@ -1,4 +1,4 @@
-"""The torch executor: runs a kernel schedule inside its static memory plan.
+"""The torch executor: runs a kernel schedule inside its static buffer plan.
 
 At build time every value of the schedule is bound to a view of planned storage (the
 activation arena, the persistent region or tensors the caller binds), every kernel-internal
@@ -28,8 +28,8 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType, dtype_name
-from titanc.passes.memory_plan import OUTPUT_PREFIX, Home, MemoryPlan, ScanHomes, view_of
-from titanc.passes.schedule import is_immediate, prologue_results, scan_prologue
+from titanc.ir.buffer_plan import OUTPUT_PREFIX, Home, BufferPlan, ScanHomes, view_of
+from titanc.ir.schedule import is_immediate, prologue_results, scan_prologue
 
 from titanc.runtime.targets.pattern_kernels import pattern_steps
 
@@ -135,7 +135,7 @@ class _Binder:
     target's per-node lowering (its `_Builder` calls it; it stays here, where the per-target
     lowering tables will take it over)."""
 
-    def __init__(self, plan: MemoryPlan, arena: Storage, persistent: Storage,
+    def __init__(self, plan: BufferPlan, arena: Storage, persistent: Storage,
                  bound: dict[str, Tensor], external: dict[str, Tensor], scratch: Scratch,
                  consts: list[Tensor], float_dtype: torch.dtype | None):
         self.plan, self.g = plan, plan.schedule.graph
@@ -332,7 +332,7 @@ class _Binder:
         stacked operands, and writes its carries into the other slot set (on the last
         iteration straight into the carries' ITEM buffers) and its ys into their slice of the
         stacked ITEM buffers (`ScanHomes`, shared with the emitted program.py). Only outputs
-        the body plan cannot write in place (see `MemoryPlan.direct_output`) are copied."""
+        the body plan cannot write in place (see `BufferPlan.direct_output`) are copied."""
         a = n.attr_dict
         body: Graph = a["body"]
         body_plan = self.plan.bodies[n.id]
@@ -643,7 +643,7 @@ class PlanExecutor:
 
     device = "cpu"                                   # where the arena and scratch live
 
-    def __init__(self, plan: MemoryPlan, bound: dict[str, Tensor] | None = None,
+    def __init__(self, plan: BufferPlan, bound: dict[str, Tensor] | None = None,
                  float_dtype: torch.dtype | None = None):
         self.plan = plan
         self.g = plan.schedule.graph
@@ -656,7 +656,7 @@ class PlanExecutor:
         self.scratch = Scratch(Storage(probe.high, device=self.device), float_dtype)
         self._bind(self.scratch, measure=False)
 
-    def lower(self, plan: MemoryPlan) -> Lowered:
+    def lower(self, plan: BufferPlan) -> Lowered:
         return lower(plan)
 
     def make_builder(self, *args: Any) -> _Binder:

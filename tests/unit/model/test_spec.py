@@ -20,7 +20,7 @@ from titanc.model.spec import (
     ModelSpec, Spec, load_spec, parse_set_args, spec_hash, spec_to_dict,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 TINY = ROOT / "examples" / "tiny.yaml"
 
