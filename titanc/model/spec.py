@@ -226,6 +226,8 @@ class TrainSpec:
     eval_every: int = _field(50, ge=0)           # steps between evaluations; 0 = never
     eval_batches: int = _field(4, ge=1)
     checkpoint_every: int = _field(100, ge=0)    # steps between checkpoints; 0 = only at the end
+    # steps between metrics lines (loss, grad norm: the only reads from the device)
+    log_every: int = _field(1, ge=1)
     bucket_mb: float = _field(25.0, gt=0)        # gradient all-reduce bucket size (distributed)
     zero: int = _field(0, ge=0)                  # 1 = ZeRO-1: shard AdamW state over ranks
     dist_timeout_s: float = _field(300.0, gt=0)  # a collective waiting longer fails the job
