@@ -251,7 +251,7 @@ def _add_serve_parser(commands: Any) -> None:
                        help="torch CPU threads (default: torch's default)")
     serve.add_argument("--model-name", default=None, metavar="NAME",
                        help="model id in the API (default: the spec's name)")
-    serve.add_argument("--max-sessions", type=_positive_int, default=64, metavar="N",
+    serve.add_argument("--max-sessions", type=B.QUEUE.arg, default=64, metavar="N",
                        help="sessions held in memory (default 64); when full, the least "
                             "recently used idle one is evicted to --sessions-dir, or without "
                             "it a new session gets 429")
