@@ -15,7 +15,9 @@ interpreted, so one process cannot do both):
                             target=GPUTarget("cuda", arch, 32))`; returns shared memory, the
                             registers and spill bytes ptxas reports (`-v`), and whether the PTX
                             holds tensor-core instructions (`mma` / `wgmma`), and the
-                            seconds the compile took (`compile_s`).
+                            seconds the compile took (`compile_s`, wall; `compile_cpu_s`,
+                            CPU seconds of the compiling process and its ptxas: the figure
+                            a loaded machine does not inflate).
 
 Results are cached on disk (`codegen.render.cache_dir() / "aot"`, keyed by the launch, the
 architecture and the Triton version), so a second run compiles nothing.
@@ -30,6 +32,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -78,27 +81,25 @@ class Launch:
         return "scan kernel of graph" in self.source
 
     @property
-    def is_serial(self) -> bool:
-        """A one-program scan kernel (no independent axes)."""
-        return self.is_scan and re.search(r"^GRID = 1\b", self.source, re.M) is not None
-
-    @property
     def is_matmul(self) -> bool:
         """The matmul family (per-architecture tiles, `tl.dot` at the graph's precision)."""
         return "def tiles_for(" in self.source
 
 
-def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
-                    ) -> list[Launch]:
+def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False,
+                    grids: dict[str, int] | None = None,
+                    aliases: dict[str, str] | None = None) -> list[Launch]:
     """Every distinct launch of one run of `plan` on the triton target (interpreter process),
-    rendered as `TritonExecutor(plan, allow_tf32=...)` renders it."""
+    rendered as `TritonExecutor(plan, allow_tf32=...)` renders it; `grids` gets each kernel's
+    largest grid (programs per launch) by kernel name, `aliases` each schedule kernel's name
+    -> the name of the kernel whose module it launches (equal sources share one module)."""
     import inspect
 
     from triton.backends.compiler import BaseBackend
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import native_specialize_impl
 
-    from titanc.runtime.targets.triton_executor import TritonExecutor, interpreting
+    from titanc.runtime.targets.triton_executor import TritonExecutor, interpreting, module_for
 
     if not interpreting():
         raise RuntimeError("record_launches runs under TRITON_INTERPRET=1")
@@ -125,14 +126,25 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
                         tuple(sig), tuple(const), tuple(div), int(kwargs.get("num_warps", 4)),
                         int(kwargs.get("num_stages", 3)))
         seen.setdefault(launch.key(), launch)
+        if grids is not None:
+            shape = grid(bound) if callable(grid) else grid
+            programs = math.prod(int(x) for x in (shape if isinstance(shape, tuple) else
+                                                  (shape,)))
+            grids[launch.name] = max(grids.get(launch.name, 0), programs)
 
     saved = InterpretedFunction.run
     InterpretedFunction.run = record
     try:
-        TritonExecutor(plan, float_dtype=float_dtype, cuda_graphs=False,
-                       allow_tf32=allow_tf32).run()
+        ex = TritonExecutor(plan, float_dtype=float_dtype, cuda_graphs=False,
+                            allow_tf32=allow_tf32)
+        ex.run()
     finally:
         InterpretedFunction.run = saved
+    if aliases is not None:          # a module is named titanc_kernel_<first name>_<digest>
+        modules = [(c.name, module_for(c)) for c in ex.kernels()] + [
+            (sk.name, ex.scan_module(sk)) for sk in ex._scans.values() if not isinstance(sk, str)]
+        for name, module in modules:
+            aliases[name] = module.__name__.removeprefix("titanc_kernel_").rsplit("_", 1)[0]
     return list(seen.values())
 
 
@@ -155,6 +167,15 @@ def _ptxas_log(ptx: str, arch: int) -> str:
         r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={name}", str(src), "-o",
                             str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
     return r.stdout + r.stderr
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and its finished children (ptxas): what a
+    compile costs, whatever else the machine runs."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ru.ru_utime + ru.ru_stime
 
 
 def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
@@ -184,7 +205,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     attrs = {(index[n],): [["tt.divisibility", 16]] for n in launch.divisible}
     log = io.StringIO()
     knobs.nvidia.dump_ptxas_log = True
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     try:
         with contextlib.redirect_stdout(log):
             k = triton.compile(ASTSource(fn, sig, constexprs, attrs),
@@ -198,6 +219,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
             text = _ptxas_log(ptx, arch)
         regs, spill, stack = _PTXAS.search(text), _SPILL.search(text), _STACK.search(text)
         result |= {"ok": True, "compile_s": round(time.perf_counter() - t0, 2),
+                   "compile_cpu_s": round(_cpu_seconds() - c0, 2),
                    "shared": int(k.metadata.shared),
                    "registers": int(regs.group(1)) if regs else None,
                    "spill_bytes": int(spill.group(1)) if spill else 0,
@@ -236,7 +258,7 @@ def compile_all(launches: Iterable[Launch], archs: Iterable[int], jobs: int = 1
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
-    more = [{"serial": l.is_serial, "dot16": l.uses_dot16} for l in launches for _ in archs]
+    more = [{"dot16": l.uses_dot16} for l in launches for _ in archs]
     return [r | m for r, m in zip(results, more)]
 
 
@@ -254,16 +276,13 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     ap.add_argument("--set", action="append", default=[], help="spec override key=value")
     ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--skip-scan", action="store_true",
-                    help="leave out scan kernels (the slowest to compile)")
     args = ap.parse_args(argv)
     spec = load_spec(args.spec, parse_set_args(args.set))
     compiled = compile_graphs(spec)
     launches: dict[str, Launch] = {}
     for g in GRAPHS:
         for l in record_launches(compiled.plans[g], allow_tf32=spec.compile.allow_tf32):
-            if not (args.skip_scan and l.is_scan):
-                launches.setdefault(l.key(), l)
+            launches.setdefault(l.key(), l)
     results = compile_all(launches.values(), args.arch, args.jobs)
     for r in results:
         print(json.dumps(r))

@@ -192,11 +192,13 @@ class TritonExecutor(ArenaExecutor):
         self._scans: dict[tuple[int, str], ScanKernel | str] = {}
         self._scan_modules: dict[str, ModuleType] = {}
         self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
-        self.serial: list[dict[str, str]] = []        # scan kernels of one program, and why
         self.scan_kernels = os.environ.get("TITANC_SCAN_KERNELS", "1") != "0"
         self.scan_ws: Tensor | None = None            # shared by every scan kernel
         if interpreting():
             check_interpretable()
+        elif self.device == "cuda":      # every kernel compiled in parallel, before binding
+            from titanc.codegen.precompile import precompile_for_device
+            precompile_for_device(plan, allow_tf32, float_dtype)
         super().__init__(plan, bound, float_dtype)
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
@@ -253,12 +255,6 @@ class TritonExecutor(ArenaExecutor):
             try:
                 sk: ScanKernel | str = scan_kernel_for(plan, kern, sid, self.dtype,
                                                        self.allow_tf32)
-                if sk.serial:
-                    self.serial.append({"graph": g.name, "scan": kern.name,
-                                        "reason": sk.serial})
-                    if debug_level() >= 2:
-                        print(f"titanc: scan {kern.name} of graph {g.name} is one program "
-                              f"(serial kernel): {sk.serial}", file=sys.stderr)
                 if debug_level() >= 3:
                     print(sk.source, file=sys.stderr)
             except ScanFallback as e:

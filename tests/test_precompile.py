@@ -1,0 +1,71 @@
+"""Every kernel compiled in parallel before the first step (`codegen/precompile.py`).
+
+- the stand-in arguments a compile worker passes to `JITFunction.warmup` on the GPU specialise
+  exactly as the recorded launch's real arguments did (Triton's own `native_specialize_impl`:
+  pointer dtype and 16-byte alignment, integer width and divisibility, constexprs), so the
+  warmup computes the cache key the launch will;
+- `precompile` records a plan's launches in a subprocess, compiles them in worker processes
+  (ahead of time here: sm_90, no GPU) with their grids, and a second call compiles nothing;
+- `titanc compile --arch` refuses an architecture it has no tables for.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorated: set first
+
+import pytest
+
+from titanc.codegen import aot
+from titanc.codegen.precompile import precompile, standins
+from titanc.codegen.render import load_module
+from titanc.compiler import compile_graphs
+from titanc.model.spec import load_spec
+
+from .conftest import EXAMPLES
+
+SMALL = {"model.d_model": 8, "model.n_layers": 1, "model.seq_len": 8, "model.vocab_size": 16,
+         "model.ffn_hidden": 8, "train.batch_size": 1, "model.memory.heads": 2,
+         "model.memory.chunk_size": 2}
+
+
+def test_standins_specialise_as_the_recorded_arguments() -> None:
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    c = compile_graphs(load_spec(EXAMPLES / "tiny_lmm.yaml", SMALL))
+    launches = aot.record_launches(c.plans["training"])
+    assert any(l.is_scan for l in launches) and any(l.is_matmul for l in launches)
+    for launch in launches:
+        module = load_module(launch.source, launch.name)
+        args, _, _ = standins(launch, module, 90)
+        for (name, ty), arg in zip(launch.signature, args):
+            if ty == "constexpr":
+                continue
+            got_ty, attr = native_specialize_impl(BaseBackend, arg, False, True, True)
+            assert got_ty == ty, (launch.name, name, got_ty, ty)
+            assert (attr == "D") == (name in launch.divisible), (launch.name, name, attr)
+
+
+def test_precompile_compiles_every_kernel_once(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TITANC_CACHE_DIR", str(tmp_path / "titanc"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    plan = compile_graphs(load_spec(EXAMPLES / "tiny_lmm.yaml", SMALL)).plans["optimizer"]
+    first = precompile(plan, 90, jit=False, jobs=2, progress=False)
+    if any("ptxas" in r.get("error", "") for r in first["results"]):
+        pytest.skip("this triton build has no ptxas")
+    assert first["kernels"] == first["compiled"] >= 1 and not first["failed"]
+    assert not first["cached"] and all(r["ok"] and r["registers"] for r in first["results"])
+    assert set(first["grids"]) == {r["name"] for r in first["results"]}
+    assert all(p >= 1 for p in first["grids"].values())
+    assert set(first["aliases"].values()) <= set(first["grids"])
+    again = precompile(plan, 90, jit=False, jobs=2, progress=False)
+    assert again["cached"] and again["kernels"] == first["kernels"]
+
+
+def test_compile_arch_is_validated(tmp_path, capsys) -> None:
+    from titanc.tools.cli import main
+
+    assert main(["compile", str(EXAMPLES / "tiny.yaml"), "-o", str(tmp_path / "b"),
+                 "--arch", "75"]) == 2
+    assert "--arch 75: one of 80, 86, 89, 90" in capsys.readouterr().err
