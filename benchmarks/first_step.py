@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    sets = args.set + ([] if cuda else ["compile.target=triton"])
+    sets = args.set
     result: dict[str, Any] = {"spec": args.spec, "set": sets, "cuda": cuda,
                               "device": torch.cuda.get_device_name() if cuda else "cpu",
                               "load_average": os.getloadavg()}

@@ -62,6 +62,12 @@ class Launch:
     num_warps: int
     num_stages: int
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Launch":
+        """The launch `asdict` (through JSON) gave."""
+        return cls(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                      if isinstance(v, list) else v for k, v in d.items()})
+
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str)
                               .encode()).hexdigest()[:24]
@@ -238,9 +244,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
 
 def _compile_one(item: tuple[dict[str, Any], int]) -> dict[str, Any]:
     data, arch = item
-    launch = Launch(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
-                       if isinstance(v, list) else v for k, v in data.items()})
-    return compile_launch(launch, arch)
+    return compile_launch(Launch.from_dict(data), arch)
 
 
 def compile_all(launches: Iterable[Launch], archs: Iterable[int], jobs: int = 1

@@ -80,12 +80,7 @@ def recorded_launches(plan: Any, allow_tf32: bool = False, float_dtype: Any = No
         if r.returncode != 0:
             raise RuntimeError(f"recording the launches failed: {r.stderr[-1500:]}")
         data = json.loads(out.read_text())
-    return [_launch(d) for d in data["launches"]], {k: data[k] for k in ("grids", "aliases")}
-
-
-def _launch(d: dict[str, Any]) -> Launch:
-    return Launch(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
-                     if isinstance(v, list) else v for k, v in d.items()})
+    return [Launch.from_dict(d) for d in data["launches"]], {k: data[k] for k in ("grids", "aliases")}
 
 
 def _marker(plan: Any, arch: int, allow_tf32: bool, jit: bool) -> Path:
@@ -209,7 +204,7 @@ def _worker_main(arch: int, jit: bool) -> int:
 
 def _compile_one(item: tuple[dict[str, Any], int, bool]) -> dict[str, Any]:
     data, arch, jit = item
-    launch = _launch(data)
+    launch = Launch.from_dict(data)
     if not jit:
         return compile_launch(launch, arch)
     t0 = time.perf_counter()
