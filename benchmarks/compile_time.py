@@ -90,13 +90,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="benchmarks/results/compile_time.json")
     args = ap.parse_args(argv)
     results = []
-    for spec in args.specs:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for spec in args.specs:                # the JSON after each spec: a cut-off run keeps some
         res = measure(spec, args.arch, args.jobs, args.set)
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "kernels"}), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+        out.write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
     over = [(Path(r["spec"]).name, arch) for r in results for arch, a in r["archs"].items()
             if a["over_10s"] or a["spilling_over_256"] or a["failed"]]

@@ -69,3 +69,30 @@ def test_compile_arch_is_validated(tmp_path, capsys) -> None:
     assert main(["compile", str(EXAMPLES / "tiny.yaml"), "-o", str(tmp_path / "b"),
                  "--arch", "75"]) == 2
     assert "--arch 75: one of 80, 86, 89, 90" in capsys.readouterr().err
+
+
+def test_occupancy_rows_name_why_a_big_kernel_has_few_programs(monkeypatch) -> None:
+    """report.json `occupancy` (`cost_model.occupancy`): every launched kernel of a training
+    step with its recorded grid and FLOPs share (the shares of the launched kernels, scan
+    kernels holding their bodies', sum to 1), and `why_under` exactly where a kernel holds
+    more than 1% of the FLOPs on fewer than 132 programs (compiles faked: only the grids)."""
+    import titanc.codegen.precompile as pre
+    from titanc.tools.cost_model import SMS, occupancy
+
+    def recorded(plan, arch, **kw):
+        grids, aliases = {}, {}
+        aot.record_launches(plan, grids=grids, aliases=aliases)
+        return {"grids": grids, "aliases": aliases, "results": []}
+
+    monkeypatch.setattr(pre, "precompile", recorded)
+    c = compile_graphs(load_spec(EXAMPLES / "tiny_lmm.yaml", SMALL))
+    occ = occupancy(c, 90)
+    rows = occ["kernels"]
+    assert rows and all(r["programs"] >= 1 for r in rows)
+    assert abs(sum(r["flops_share"] for r in rows) - 1) < 0.01
+    assert any("scan_memory_chunk" in r["name"] for r in rows)
+    for r in rows:
+        assert ("why_under" in r) == (r["flops_share"] > 0.01 and r["programs"] < SMS), r
+    scan = next(r for r in rows if "scan_memory_chunk" in r["name"] and "why_under" in r)
+    assert scan["programs"] == 1 * 2 and "chunk recurrence" in scan["why_under"]
+    assert occ["under"] == sum("why_under" in r for r in rows)

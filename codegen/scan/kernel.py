@@ -41,8 +41,9 @@ copies of a loop's carries and ys touch disjoint storage and share one barrier.
 
 GPU fit. Index tiles are int32 unless a tensor reaches 2**31 elements (the workspace never
 does: `MAX_WORKSPACE_TOTAL`); tiles hold at most `MAX_TILE` elements and dots `DOT_BLOCK`^3
-(registers; `NUM_WARPS` 8 spreads the on-chip carries over 256 threads); no software pipelining (`NUM_STAGES = 1`: pipelined loads multiplied
-shared memory past A100's limit). `codegen/aot.py` compiles them for sm_80 and sm_90.
+(registers; `NUM_WARPS` = 8 spreads the on-chip carries over 256 threads); no software
+pipelining (`NUM_STAGES = 1`: pipelined loads multiplied shared memory past A100's limit).
+`codegen/aot.py` compiles them for sm_80 and sm_90.
 
 Stages. Elementwise nodes (and copies) are tile expressions over the flat local index;
 einsums are `tl.dot` on [M, K] x [K, N] tiles (padded to powers of two >= 16, masked, letters
@@ -65,7 +66,7 @@ this one (the kernel and its launch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from math import prod
 from typing import Callable, Collection
 

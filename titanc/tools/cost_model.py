@@ -206,7 +206,8 @@ SMS = 132      # streaming multiprocessors of an H100 SXM: a grid below this lea
 def occupancy(compiled: Any, arch: int, jit: bool = False) -> dict[str, Any]:
     """report.json `occupancy` (`titanc compile --arch`): every kernel a training step
     launches (training and optimizer programs at the compiled shapes) with its grid
-    (`programs`, the largest of its launches, recorded), its share of the step's modeled
+    (`programs`, the largest of its launches, recorded; a template of several kernels, such as
+    attention's backward, the largest of theirs), its share of the step's modeled
     FLOPs (a scan kernel: its body's), and, compiled ahead of time for sm_`arch`
     (`codegen.precompile`; not when `jit`: compiled through the device's JIT instead), its
     registers, spill bytes and shared memory. `why_under` says, for a kernel holding more
@@ -232,10 +233,14 @@ def occupancy(compiled: Any, arch: int, jit: bool = False) -> dict[str, Any]:
     for r in rows:
         if r["name"] not in aliases:          # inside a scan kernel: no launch of its own
             continue
-        module = aliases[r["name"]]
+        module = aliases[r["name"]]     # its module's kernels: <module>, or <module>_<part>
+        parts = [k for k in grids if k == module or k.startswith(module + "_")]
         share = r["flops"] * r["launches"] / total
-        row = {"name": r["name"], "programs": grids.get(module), "launches": r["launches"],
-               "flops_share": round(share, 4), **built.get(module, {})}
+        row = {"name": r["name"], "programs": max((grids[k] for k in parts), default=None),
+               "launches": r["launches"], "flops_share": round(share, 4)}
+        for k in parts:
+            for key, v in built.get(k, {}).items():
+                row[key] = max(row.get(key, 0), v)
         if share > 0.01 and (row["programs"] or 0) < SMS:
             row["why_under"] = (
                 f"a chunk recurrence: one program per independent (batch, memory head) pair, "
