@@ -128,7 +128,7 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
                                  prologue=tuple(prologue) if k == 0 else (),
                                  epilogue=tuple(epi.stmts) if k == len(stages) - 1 else ())
                   for k, (op, operand, result) in enumerate(stages)]
-    block_r, block_c = _row_blocks(n_rows, n_cols, len(stages))
+    block_r, block_c = _row_blocks(n_rows, n_cols)
     source = render_reduction(
         kernel.name, inputs=[], stages=stage_objs, n_cols=n_cols, row_epilogue=pre.stmts,
         reduced_outputs=reduced, indexed=low.indexed(), row_stores=row_stores, dtype=dtype,
@@ -145,14 +145,11 @@ def _wide(low: KernelLowering) -> bool:
                          if not isinstance(t, tuple)))
 
 
-def _row_blocks(n_rows: int, n_cols: int, stages: int = 1) -> tuple[int, int]:
+def _row_blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_C) of a [rows, cols] kernel: a row in one block up to `MAX_ROW_BLOCK`
-    columns (else a loop over column blocks), rows batched up to ~4096 elements a program,
-    ~2048 where more than two reductions keep their tiles alive together (four row sums over
-    16 x 256 tiles spilled 276 B per thread on sm_90)."""
+    columns (else a loop over column blocks), rows batched up to ~4096 elements a program."""
     block_c = pow2(n_cols, 16) if n_cols <= MAX_ROW_BLOCK else min(1024, MAX_ROW_BLOCK)
-    elements = 4096 if stages <= 2 else 2048
-    return max(1, min(pow2(n_rows), elements // block_c, 64)), block_c
+    return max(1, min(pow2(n_rows), 4096 // block_c, 64)), block_c
 
 
 def lower_cumsum(low: KernelLowering, outs: list[int], header: list[str],
