@@ -3,7 +3,7 @@
     python benchmarks/compile_time.py examples/tiny.yaml [examples/...] [--arch 90 80]
         [--jobs 2] [--set key=value ...] [--out benchmarks/results/compile_time.json]
 
-For each spec, a fresh process runs `python -m titanc.codegen.aot SPEC --arch ...` with an
+For each spec, a fresh process runs `python -m titanc.tools.aot SPEC --arch ...` with an
 empty `TITANC_CACHE_DIR` and `TRITON_CACHE_DIR` (cold: nothing cached), which records every
 distinct launch of the training, optimizer and forward programs under the interpreter and
 compiles each with Triton for the architectures (ptxas from the wheel, no driver). Per spec
@@ -37,7 +37,7 @@ def measure(spec: str, archs: list[int], jobs: int, sets: list[str]) -> dict[str
         env = os.environ | {"TITANC_CACHE_DIR": str(Path(tmp) / "titanc"),
                             "TRITON_CACHE_DIR": str(Path(tmp) / "triton"),
                             "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "titanc.codegen.aot", spec, "--jobs", str(jobs),
+        cmd = [sys.executable, "-m", "titanc.tools.aot", spec, "--jobs", str(jobs),
                "--arch", *map(str, archs)] + [a for s in sets for a in ("--set", s)]
         t0 = time.perf_counter()
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -5,7 +5,7 @@
 
 Each run is a fresh `titanc train SPEC --steps 1` process with `TITANC_CACHE_DIR` and
 `TRITON_CACHE_DIR` pointing into one temporary directory: the first run starts from empty
-caches (cold: every kernel compiles, in parallel before the step on CUDA, `codegen.precompile`),
+caches (cold: every kernel compiles, in parallel before the step on CUDA, `runtime.targets.precompile`),
 the second keeps them (warm: nothing compiles). The time is from the process start to the
 moment the first step's record lands in the run's metrics.jsonl (written and flushed right
 after the step), read by polling; the process is then stopped (its evaluation and plots are

@@ -1,4 +1,4 @@
-"""Every kernel compiled in parallel before the first step (`codegen/precompile.py`).
+"""Every kernel compiled in parallel before the first step (`runtime/targets/precompile.py`).
 
 - the stand-in arguments a compile worker passes to `JITFunction.warmup` on the GPU specialise
   exactly as the recorded launch's real arguments did (Triton's own `native_specialize_impl`:
@@ -16,8 +16,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorate
 
 import pytest
 
-from titanc.codegen import aot
-from titanc.codegen.precompile import precompile, standins
+from titanc.runtime.targets import aot
+from titanc.runtime.targets.precompile import precompile
+from titanc.runtime.targets.precompile_worker import standins
 from titanc.codegen.render import load_module
 from titanc.compiler import compile_graphs
 from titanc.model.spec import load_spec
@@ -48,10 +49,13 @@ def test_standins_specialise_as_the_recorded_arguments() -> None:
 
 
 def test_precompile_compiles_every_kernel_once(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("TITANC_CACHE_DIR", str(tmp_path / "titanc"))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    from titanc import config
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))    # Triton reads it
     plan = compile_graphs(load_spec(EXAMPLES / "tiny_lmm.yaml", SMALL)).plans["optimizer"]
-    first = precompile(plan, 90, jit=False, jobs=2, progress=False)
+    with config.override(cache_dir=tmp_path / "titanc"):
+        first = precompile(plan, 90, jit=False, jobs=2, progress=False)
+        again = precompile(plan, 90, jit=False, jobs=2, progress=False)
     if any("ptxas" in r.get("error", "") for r in first["results"]):
         pytest.skip("this triton build has no ptxas")
     assert first["kernels"] == first["compiled"] >= 1 and not first["failed"]
@@ -59,7 +63,6 @@ def test_precompile_compiles_every_kernel_once(tmp_path, monkeypatch) -> None:
     assert set(first["grids"]) == {r["name"] for r in first["results"]}
     assert all(p >= 1 for p in first["grids"].values())
     assert set(first["aliases"].values()) <= set(first["grids"])
-    again = precompile(plan, 90, jit=False, jobs=2, progress=False)
     assert again["cached"] and again["kernels"] == first["kernels"]
 
 
@@ -76,7 +79,7 @@ def test_occupancy_rows_name_why_a_big_kernel_has_few_programs(monkeypatch) -> N
     step with its recorded grid and FLOPs share (the shares of the launched kernels, scan
     kernels holding their bodies', sum to 1), and `why_under` exactly where a kernel holds
     more than 1% of the FLOPs on fewer than 132 programs (compiles faked: only the grids)."""
-    import titanc.codegen.precompile as pre
+    import titanc.runtime.targets.precompile as pre
     from titanc.tools.cost_model import SMS, occupancy
 
     def recorded(plan, arch, **kw):

@@ -49,9 +49,10 @@ from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter, Op
 from titanc.ir.structural import scan_ref
 from titanc.ir.tables import mask_table, rope_table
-from titanc.passes.schedule import is_immediate
+from titanc.ir.schedule import is_immediate
 from titanc.runtime.targets.triton_executor import TritonExecutor, count_launches
 from titanc.model.spec import load_spec
+from titanc import config
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning",
@@ -371,13 +372,13 @@ def test_scan_form_rule_and_reasons(monkeypatch, capsys) -> None:
     with pytest.raises(ScanFallback, match=r"no independent leading axes \(%\d+ \(einsum\) "
                                            r"contracts the independent axes \[8\]\)"):
         render_scan(g, n.id)
-    monkeypatch.setenv("TITANC_DEBUG", "2")
-    ex = TritonExecutor(c.plans["training"])
-    reasons = [f["reason"] for f in ex.fallbacks if "layer_bwd" in f["scan"]]
-    assert len(reasons) == 1 and "big parallel work" in reasons[0]
-    assert f"runs as a host loop: {reasons[0]}" in capsys.readouterr().err
-    assert ex.launches_per_run() == count_launches(c.plans["training"])
-    assert not any("memory_chunk" in f["scan"] for f in ex.fallbacks)
+    with config.override(debug=2):
+        ex = TritonExecutor(c.plans["training"])
+        reasons = [f["reason"] for f in ex.fallbacks if "layer_bwd" in f["scan"]]
+        assert len(reasons) == 1 and "big parallel work" in reasons[0]
+        assert f"runs as a host loop: {reasons[0]}" in capsys.readouterr().err
+        assert ex.launches_per_run() == count_launches(c.plans["training"])
+        assert not any("memory_chunk" in f["scan"] for f in ex.fallbacks)
 
 
 # --- validity on a GPU target -------------------------------------------------------------------------
