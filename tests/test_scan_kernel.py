@@ -99,7 +99,7 @@ def check_scan(g, n, dt: torch.dtype, seed: int = 0, carry_budget: int | None = 
     reference interpreter's scan."""
     imm = lambda v: float(g.node(v).attr("value")) if is_immediate(g, v) else None
     sk = render_scan(g, n.id, dtype=str(dt).removeprefix("torch."), immediate=imm,
-                     carry_budget=carry_budget)
+                     carry_budget=carry_budget, serial=True)
     gen = torch.Generator().manual_seed(seed)
     args = {}
     for v in n.inputs:                     # a value passed twice is one tensor

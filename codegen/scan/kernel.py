@@ -152,7 +152,7 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                 name: str | None = None, spec_path: str = "",
                 immediate: Callable[[int], float | None] = lambda v: None,
                 allow_tf32: bool = False, carry_budget: int | None = None,
-                prologue: Collection[int] = ()) -> ScanKernel:
+                prologue: Collection[int] = (), serial: bool = False) -> ScanKernel:
     """One Triton kernel running scan `scan_id` of `g` (raises `ScanFallback` with the reason
     when it cannot). `used`: the item indices the program reads afterwards (default all);
     `prologue`: nodes the kernel computes before the scan (`ir.schedule.scan_prologue`:
@@ -161,7 +161,9 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
     `immediate(vid)`: the literal of an operand inlined as a constant, else None;
     `allow_tf32`: float32 dots on tensor cores in tf32 (`codegen.meta.dot_precision`);
     `carry_budget`: bytes of registers per program for carries held on chip (default
-    `codegen.meta.carry_register_bytes()`; 0 keeps every carry in the workspace)."""
+    `codegen.meta.carry_register_bytes()`; 0 keeps every carry in the workspace);
+    `serial`: a scan without independent axes renders as one program instead of raising
+    (the generator's tests on hand-built loops; `scan_form` never asks for it)."""
     budget = carry_register_bytes() if carry_budget is None else carry_budget
     n = g.node(scan_id)
     if n.op is not Op.SCAN:
@@ -180,6 +182,9 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                                shared, allow_tf32, budget, prologue)
             except _PaxError as e:
                 why = str(e)
+    if serial:                       # one program (the generator's own tests)
+        return _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32,
+                       budget, prologue)
     raise ScanFallback(f"no independent leading axes ({why}): one program would run the "
                        "whole scan on one SM")
 
