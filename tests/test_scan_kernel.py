@@ -450,8 +450,9 @@ def test_report_counts_launches_per_target_and_says_why_a_scan_stays_a_loop(tmp_
     assert all(f["grid"] == 8 * 2 for f in forms if f["form"] == "kernel")  # batch x heads
     (loop,) = [f for f in forms if f["role"] == "memory" and f["form"] == "host_loop"]
     assert loop["graph"] == "write" and "no independent leading axes" in loop["why"]
-    assert {(f["graph"], f["scan"]) for f in forms if f["form"] == "host_loop"} == {
-        (f["graph"], f["scan"]) for f in report["scan_fallbacks"]["triton"]}
+    # scan_forms covers the forward graph too; scan_fallbacks the step's and decoding's
+    assert {(f["graph"], f["scan"]) for f in report["scan_fallbacks"]["triton"]} <= {
+        (f["graph"], f["scan"]) for f in forms if f["form"] == "host_loop"}
     rows = report["scan_carries"]["triton"]
     assert rows and all({"graph", "kernel", "scan", "carry", "shape", "on_chip", "why"} <= set(r)
                         for r in rows)
