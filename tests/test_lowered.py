@@ -110,7 +110,7 @@ def test_program_py_prints_the_lowered_program(tmp_path: Path) -> None:
         assert [type(s) for s in low.steps] == [type(s) for s in ex.program.steps]
         assert _names(low) == _names(ex.program)
         body = source.split(f"\ndef {graph}(arena")[1].split("\ndef ")[0]
-        launched = re.findall(r"^ {4}(?:out = )?(\w+)(?:\.launch|\(ws\[)", body, re.M)
+        launched = re.findall(r"^ {4,8}(?:out = )?(\w+)(?:\.launch|\(ws\[)", body, re.M)
         want = []
         for s in low.steps:
             if isinstance(s, ScanLoop):

@@ -55,14 +55,15 @@ def test_every_launched_kernel_computes(path: Path) -> None:
         assert not copies, (kind, copies)
 
 
-def test_the_embedding_gather_is_the_layer_scans_prologue(monkeypatch) -> None:
+def test_the_embedding_gather_is_the_layer_scans_prologue() -> None:
     """The gather is in the layer scan's kernel and keeps its buffer (the carry's operand, so
     the plan is what it was: lent and updated in place in the forward); every way to run it
-    agrees with the interpreter: the cpu target gathers into that buffer, the scan kernel
-    reads the initial value through the gather, a host loop launches the gather first."""
+    agrees with the interpreter: the cpu target gathers into that buffer, the triton target's
+    host loop (a layer scan is never one kernel, `scan_form`) launches the gather first; the
+    scan-kernel generator can read the initial value through the gather instead."""
     from tests.test_codegen import ROOT, small
     import tests.reference as R
-    from titanc.codegen.scan.kernel import count_launches, scan_kernel_for
+    from titanc.codegen.scan.kernel import count_launches, render_scan, scan_form
     from titanc.ir.schedule import scan_prologue
     from titanc.runtime.targets.executor import ArenaExecutor
     from titanc.runtime.targets.triton_executor import TritonExecutor
@@ -76,20 +77,19 @@ def test_the_embedding_gather_is_the_layer_scans_prologue(monkeypatch) -> None:
     sid = next(n for n in kern.nodes if g.node(n).op is Op.SCAN)
     assert g.node(take).op is Op.TAKE and g.node(sid).inputs[0] == take
     assert plan.location(take)[0] == "arena" and 0 in plan.in_place[sid]
-    sk = scan_kernel_for(plan, kern, sid, "float32")
+    assert "big parallel work" in scan_form(g, sid)
+    sk = render_scan(g, sid, prologue=scan_prologue(g, kern))
     assert 0 not in sk.inputs and set(sk.extra) == set(g.node(take).inputs)
     inputs = {"tokens": torch.randint(0, 16, (1, 9), generator=torch.Generator().manual_seed(3)),
               **{n: v.float() for n, v in R.init_params(spec.model, seed=1).items()}}
     want = interpret(g, {n: inputs[n] for n in g.input_names()})
-    runs = {"cpu": ArenaExecutor(plan).run(inputs), "scan kernel": TritonExecutor(plan).run(inputs)}
-    with config.override(scan_kernels=False):
-        loop = TritonExecutor(plan)
-        assert loop.launches_per_run() == count_launches(plan, scan_kernels=False)
-        runs["host loop"] = loop.run(inputs)
-        for how, got in runs.items():
-            for name in want:
-                torch.testing.assert_close(got[name], want[name].float(), rtol=1e-5, atol=1e-5,
-                                           msg=lambda m, how=how: f"{how}: {m}")
+    loop = TritonExecutor(plan)
+    assert loop.launches_per_run() == count_launches(plan, scan_kernels=False)
+    runs = {"cpu": ArenaExecutor(plan).run(inputs), "host loop": loop.run(inputs)}
+    for how, got in runs.items():
+        for name in want:
+            torch.testing.assert_close(got[name], want[name].float(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, how=how: f"{how}: {m}")
 
 
 def test_constants_per_reader_copies_a_concatenated_table_into_each_reader() -> None:

@@ -16,7 +16,9 @@
   (whole-tile einsum operands, plain and transposed, pointwise, reductions, a scalar carry,
   and a reshape that cannot read the tile) matches the interpreter with the register budget
   and without it, and says which carry stays in the workspace and why;
-- the fallback's reason is reported (executor `fallbacks`, TITANC_DEBUG=2);
+- the form rule (`scan_form`): chunk recurrences are kernels, layer and segment scans host
+  loops; the reason is reported (executor `fallbacks`, TITANC_DEBUG=2, report.json
+  `scan_forms`);
 - validity: a scan kernel compiles for sm_90 without a GPU.
 
 The float32 training step of every block kind on the triton target (which now runs these
@@ -41,7 +43,6 @@ import torch
 pytest.importorskip("triton")
 
 from tests.helpers import one_step_on_both_targets
-from titanc.codegen.scan import kernel as scan_kernel
 from titanc.codegen.render import load_module
 from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, render_scan
 from titanc.compiler import compile_graphs
@@ -98,7 +99,7 @@ def check_scan(g, n, dt: torch.dtype, seed: int = 0, carry_budget: int | None = 
     reference interpreter's scan."""
     imm = lambda v: float(g.node(v).attr("value")) if is_immediate(g, v) else None
     sk = render_scan(g, n.id, dtype=str(dt).removeprefix("torch."), immediate=imm,
-                     carry_budget=carry_budget)
+                     carry_budget=carry_budget, serial=True)
     gen = torch.Generator().manual_seed(seed)
     args = {}
     for v in n.inputs:                     # a value passed twice is one tensor
@@ -314,7 +315,7 @@ def test_memory_chunk_scan_is_one_kernel() -> None:
     c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml"))
     for g, n in _scans(c.plans["training"], "memory_chunk"):
         sk = render_scan(g, n.id)
-        assert (sk.grid, sk.prefix, sk.serial) == (16, (8, 2), "")
+        assert (sk.grid, sk.prefix) == (16, (8, 2))
         assert sk.source.count("@triton.jit") == 1
         assert f"for it1 in range(0, {n.attr('length')}):" in sk.source
         assert "tl.dot(" in sk.source and "tl.cumsum(" in sk.source
@@ -329,11 +330,12 @@ def _step_launches(example: str, seq_len: int) -> tuple[int, int]:
                      for g in ("training", "optimizer")) for on in (True, False))
 
 
-@pytest.mark.parametrize("example", ["tiny_lmm", "tiny"])
-def test_launches_per_step_independent_of_seq_len(example: str) -> None:
-    """At the examples' own sizes (batch 8); the layer backward stays a host loop of
-    n_layers iterations either way (a serial kernel would nest two levels of scans)."""
-    (k128, loops128), (k512, loops512) = _step_launches(example, 128), _step_launches(example, 512)
+def test_launches_per_step_independent_of_seq_len() -> None:
+    """tiny_lmm at its own sizes (batch 8): the only loop over the sequence is the memory's
+    chunk recurrence, one kernel at every length; the layer scans are host loops of n_layers
+    iterations either way."""
+    (k128, loops128), (k512, loops512) = _step_launches("tiny_lmm", 128), \
+        _step_launches("tiny_lmm", 512)
     assert k128 == k512
     assert loops128 < loops512                                   # host loops grow
     assert 5 * k128 <= loops128
@@ -350,32 +352,33 @@ def test_executor_counts_launches_like_the_plan() -> None:
 
 # --- fallback ---------------------------------------------------------------------------------------
 
-def test_fallback_reason_is_reported(monkeypatch, capsys) -> None:
-    """The layer backward sums weight gradients over the batch (no independent axes) and
-    holds two levels of scans (chunk-carry groups of memory chunks): it stays a host loop
-    whose inner scans are kernels, and says why; with no room for a serial kernel, a
-    one-level scan says that instead (tiny_lmm at its own sizes)."""
+def test_scan_form_rule_and_reasons(monkeypatch, capsys) -> None:
+    """`scan_form` (tiny_lmm at its own sizes): the memory's chunk recurrences (forward,
+    backward, the checkpoint groups around them) are kernels with a batch x memory heads
+    grid; the layer scan and its backward are host loops of ordinary kernels, and say why
+    (executor `fallbacks`, TITANC_DEBUG=2); the generator refuses a scan with no independent
+    axes (the layer backward sums weight gradients over the batch) instead of running it on
+    one program."""
     c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml"))
+    forms: list[dict] = []
+    assert count_launches(c.plans["training"], forms=forms) > 0
+    by_role = {}
+    for f in forms:
+        by_role.setdefault(f["role"], set()).add(f["form"])
+    assert by_role == {"layer": {"host_loop"}, "memory_group": {"kernel"}}, forms
+    assert all(f["grid"] == 16 for f in forms if f["form"] == "kernel")
+    assert all("big parallel work" in f["why"] for f in forms if f["form"] == "host_loop")
     g, n = next(iter(_scans(c.plans["training"], "layer_bwd")))
-    why = (r"no independent leading axes \(%\d+ \(einsum\) contracts the independent axes.*"
-           r"would nest 2 levels of scans \(> 1\)")
-    with pytest.raises(ScanFallback, match=why):
+    with pytest.raises(ScanFallback, match=r"no independent leading axes \(%\d+ \(einsum\) "
+                                           r"contracts the independent axes \[8\]\)"):
         render_scan(g, n.id)
     with config.override(debug=2):
         ex = TritonExecutor(c.plans["training"])
         reasons = [f["reason"] for f in ex.fallbacks if "layer_bwd" in f["scan"]]
-        assert len(reasons) == 1 and "would nest 2 levels" in reasons[0]
+        assert len(reasons) == 1 and "big parallel work" in reasons[0]
         assert f"runs as a host loop: {reasons[0]}" in capsys.readouterr().err
         assert ex.launches_per_run() == count_launches(c.plans["training"])
         assert not any("memory_chunk" in f["scan"] for f in ex.fallbacks)
-        monkeypatch.setattr(scan_kernel, "MAX_SERIAL", 0)
-        c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
-                                     {"compile.fused_loss": False}))       # the chunked loss's scan
-        chunked = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
-                                           {"compile.fused_loss": False}))
-        g, n = next(iter(_scans(chunked.plans["training"], "loss_chunk_bwd")))
-        with pytest.raises(ScanFallback, match="a serial kernel would need"):
-            render_scan(g, n.id)
 
 
 # --- validity on a GPU target -------------------------------------------------------------------------
@@ -437,14 +440,23 @@ def test_report_counts_launches_per_target_and_says_why_a_scan_stays_a_loop(tmp_
     # the loss and the segment sum read the token slices in place, 2,594 before reductions
     # took their row epilogues, matmul kernels several einsums of one tile, and cousin
     # pointwise kernels merged)
-    assert cpu["training"] == 1878 and tri["training"] * 5 <= cpu["training"]
-    assert tri["decode"] < cpu["decode"] and tri["decode_write_per_chunk"] == 1
-    (fb,) = report["scan_fallbacks"]["triton"]           # the layer backward (see above)
-    assert fb["graph"] == "grad" and "independent" in fb["reason"]
+    assert cpu["training"] == 1878 and tri["training"] < cpu["training"]
+    assert tri["decode"] <= cpu["decode"]
+    # the layer, segment and decode-write scans are host loops, the memory chunks kernels
+    forms = report["scan_forms"]["triton"]
+    assert {(f["role"], f["form"]) for f in forms} == {
+        ("layer", "host_loop"), ("segment", "host_loop"), ("memory", "kernel"),
+        ("memory", "host_loop")}
+    assert all(f["grid"] == 8 * 2 for f in forms if f["form"] == "kernel")  # batch x heads
+    (loop,) = [f for f in forms if f["role"] == "memory" and f["form"] == "host_loop"]
+    assert loop["graph"] == "write" and "no independent leading axes" in loop["why"]
+    # scan_forms covers the forward graph too; scan_fallbacks the step's and decoding's
+    assert {(f["graph"], f["scan"]) for f in report["scan_fallbacks"]["triton"]} <= {
+        (f["graph"], f["scan"]) for f in forms if f["form"] == "host_loop"}
     rows = report["scan_carries"]["triton"]
     assert rows and all({"graph", "kernel", "scan", "carry", "shape", "on_chip", "why"} <= set(r)
                         for r in rows)
     assert all(r["on_chip"] == (r["why"] == "") for r in rows)
-    # the decode step's layer scan holds its [1, d_model] residual on chip
-    assert any(r["on_chip"] and r["graph"] == "step" and r["shape"] == [1, 64] for r in rows)
-    assert any("rank 3" in r["why"] for r in rows)        # MAC: memory heads inside a program
+    # the memory chunk loop holds W1, W2 and their momenta on chip
+    assert any(r["on_chip"] and "memory_chunk" in r["kernel"] and r["shape"] == [64, 32]
+               for r in rows)

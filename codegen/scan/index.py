@@ -14,7 +14,7 @@ from titanc.ir import Graph, Node, Op
 __all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_UNPACKED", "MAX_WORKSPACE", "Ref",
            "ScanFallback", "BodyRefs", "StageTile"]
 
-# Tile caps sized for registers on sm_80 / sm_90 at 4 warps (tiny.yaml's layer scan at
+# Tile caps sized for registers on sm_80 / sm_90 (at 4 warps: tiny.yaml's layer scan at
 # 4096-element tiles and 64^3 dots: 255 registers and 1.6 KB of spills per thread; at these
 # caps a third of that)
 MAX_TILE = 1024                 # elements of one register tile (pointwise, reduction)

@@ -41,8 +41,9 @@ copies of a loop's carries and ys touch disjoint storage and share one barrier.
 
 GPU fit. Index tiles are int32 unless a tensor reaches 2**31 elements (the workspace never
 does: `MAX_WORKSPACE_TOTAL`); tiles hold at most `MAX_TILE` elements and dots `DOT_BLOCK`^3
-(registers at 4 warps); no software pipelining (`NUM_STAGES = 1`: pipelined loads multiplied
-shared memory past A100's limit). `runtime/targets/aot.py` compiles them for sm_80 and sm_90.
+(registers; `NUM_WARPS` = 8 spreads the on-chip carries over 256 threads); no software
+pipelining (`NUM_STAGES = 1`: pipelined loads multiplied shared memory past A100's limit).
+`runtime/targets/aot.py` compiles them for sm_80 and sm_90.
 
 Stages. Elementwise nodes (and copies) are tile expressions over the flat local index;
 einsums are `tl.dot` on [M, K] x [K, N] tiles (padded to powers of two >= 16, masked, letters
@@ -51,12 +52,11 @@ tile; CUMSUM is `tl.cumsum` along the columns; a nested SCAN becomes a nested lo
 carries are slots of the same workspace). MASK and ROPE tables are computed once on the host
 (`tables`) and passed in.
 
-A scan with no independent axes becomes a one-program ("serial") kernel when its workspace is
-at most `MAX_SERIAL` elements and its body nests at most `MAX_SERIAL_NESTING` levels of
-scans. No kernel holds more than `MAX_STAGES` stages. A gather in the kernel's prologue (the
-embedding rows a layer scan's carry starts from) is read through: the carry's initial value is
-the table's row at the index. Anything else (a TAKE in a body, INDEX_ADD, integer casts, a
-larger scan without independent axes, tiles or a workspace beyond the caps) raises
+Which scans are one kernel is `scan_form`'s rule (a chunk recurrence with independent axes);
+every other scan runs as its host loop. No kernel holds more than `MAX_STAGES` stages. A
+gather in the kernel's prologue (the embedding rows a carry starts from) is read through: the
+carry's initial value is the table's row at the index. Anything else (a TAKE in a body,
+INDEX_ADD, integer casts, no independent axes, tiles or a workspace beyond the caps) raises
 `ScanFallback` with the reason; the executor then keeps the host loop (whose body's scans
 are kernels of their own) and reports the reason.
 
@@ -66,7 +66,7 @@ this one (the kernel and its launch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from math import prod
 from typing import Callable, Collection
 
@@ -85,27 +85,19 @@ from titanc.codegen.render import render, sanitize_identifier
 from titanc.codegen.scan.index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, BodyRefs, _PaxError
 from titanc.codegen.scan.stages import _ScanGen
 
-__all__ = ["MAX_SERIAL", "MAX_SERIAL_NESTING", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
-           "render_scan"]
+__all__ = ["KERNEL_ROLES", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
+           "render_scan", "scan_form"]
 
 MAX_WORKSPACE_TOTAL = 1 << 27   # workspace elements of all programs (one workspace per executor)
-MAX_SERIAL = 1 << 22            # workspace elements of a one-program (serial) scan kernel
-# A serial kernel runs on one SM: it may hold one level of nested scans (a MAC segment's
-# backward and its memory chunks), not a layer's worth (whose inner scans have grids of their
-# own). Decided from the body's structure, so it does not change with seq_len.
-MAX_SERIAL_NESTING = 1
-MAX_STAGES = 288                # stages of one scan kernel (compile time and registers grow);
-                                # tiny.yaml's bf16 MAC segment backward has 264 (255 before
-                                # RoPE over the whole width added a stage per rotation's VJP)
-NUM_WARPS = 4
+MAX_STAGES = 128                # stages of one scan kernel (compile time and registers grow);
+                                # a memory-chunk group's backward has 95
+# scan roles (`ir.SCAN_ROLES`) whose body is one chunk of a recurrence (`scan_form`)
+KERNEL_ROLES = frozenset({"memory", "memory_group"})
+NUM_WARPS = 8
 # No software pipelining: every loop of a scan kernel is short or reads the workspace its
 # previous stage wrote, and pipelined loads multiply shared memory (tiny.yaml's layer scan:
 # 174 KiB at 3 stages, above A100's 163 KiB; 32 KiB at 1).
 NUM_STAGES = 1
-
-
-class _TooLong(ScanFallback):
-    """More stages than one kernel should hold (compile time and registers grow with them)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +120,6 @@ class ScanKernel:
     outputs: tuple[int, ...]                 # item indices written
     tables: tuple[tuple[str, dict], ...]     # (op name, attrs) of each host-made table
     stages: int                              # stages emitted (for reports)
-    serial: str = ""                         # why the grid is one program (else "")
     extra: tuple[int, ...] = ()              # value ids the prologue gathers read, passed
                                              # after the inputs
     # each loop's carries: {"scan": "%id", "carry": k, "shape": local tile, "on_chip": bool,
@@ -161,7 +152,7 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                 name: str | None = None, spec_path: str = "",
                 immediate: Callable[[int], float | None] = lambda v: None,
                 allow_tf32: bool = False, carry_budget: int | None = None,
-                prologue: Collection[int] = ()) -> ScanKernel:
+                prologue: Collection[int] = (), serial: bool = False) -> ScanKernel:
     """One Triton kernel running scan `scan_id` of `g` (raises `ScanFallback` with the reason
     when it cannot). `used`: the item indices the program reads afterwards (default all);
     `prologue`: nodes the kernel computes before the scan (`ir.schedule.scan_prologue`:
@@ -170,7 +161,9 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
     `immediate(vid)`: the literal of an operand inlined as a constant, else None;
     `allow_tf32`: float32 dots on tensor cores in tf32 (`codegen.meta.dot_precision`);
     `carry_budget`: bytes of registers per program for carries held on chip (default
-    `codegen.meta.carry_register_bytes()`; 0 keeps every carry in the workspace)."""
+    `codegen.meta.carry_register_bytes()`; 0 keeps every carry in the workspace);
+    `serial`: a scan without independent axes renders as one program instead of raising
+    (the generator's tests on hand-built loops; `scan_form` never asks for it)."""
     budget = carry_register_bytes() if carry_budget is None else carry_budget
     n = g.node(scan_id)
     if n.op is not Op.SCAN:
@@ -189,28 +182,11 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                                shared, allow_tf32, budget, prologue)
             except _PaxError as e:
                 why = str(e)
-    depth = _nesting(n.attr("body"))
-    if depth > MAX_SERIAL_NESTING:
-        raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel would "
-                           f"nest {depth} levels of scans (> {MAX_SERIAL_NESTING}): its inner "
-                           "scans become kernels of their own")
-    try:                             # one program for the whole scan, when that is small
-        sk = _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32,
-                     budget, prologue)
-    except _PaxError as e:
-        raise ScanFallback(f"no independent leading axes ({why}); serial: {e}") from None
-    except _TooLong as e:
-        raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel would "
-                           f"have {e}") from None
-    if sk.ws_per_program > MAX_SERIAL:
-        raise ScanFallback(f"no independent leading axes ({why}), and a serial kernel "
-                           f"would need {sk.ws_per_program} > {MAX_SERIAL} workspace elements")
-    return replace(sk, serial=f"no independent leading axes ({why})")
-
-
-def _nesting(body: Graph) -> int:
-    """Levels of scans nested in `body` (0: none)."""
-    return max((1 + _nesting(m.attr("body")) for m in body if m.op is Op.SCAN), default=0)
+    if serial:                       # one program (the generator's own tests)
+        return _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32,
+                       budget, prologue)
+    raise ScanFallback(f"no independent leading axes ({why}): one program would run the "
+                       "whole scan on one SM")
 
 
 def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
@@ -281,8 +257,8 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
                         f"({em.shared} of {sum(em.sizes)} workspace elements) would be "
                         "repeated by every program")
     if em.stages > MAX_STAGES:
-        raise _TooLong(f"{em.stages} > {MAX_STAGES} stages (its inner scans become kernels "
-                       "of their own)")
+        raise ScanFallback(f"{em.stages} > {MAX_STAGES} stages in one kernel (compile time "
+                           "and registers grow with them)")
     em.pack()
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
         raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
@@ -351,10 +327,44 @@ def _pattern_op(body: Graph) -> str | None:
     return None
 
 
+def scan_form(g: Graph, scan_id: int) -> str:
+    """Why scan `scan_id` of `g` runs as its host loop, or "" where it may be one kernel.
+
+    The rule (DESIGN.md §7, the third wave), from the body and the shapes:
+
+    (a) One kernel, with a grid over the independent axes: a *chunk recurrence*, a scan whose
+        role is in `KERNEL_ROLES` (`memory`: the neural memory's chunk loop, forward, backward
+        and decode write; `memory_group`: the chunk-carry checkpoint groups around it). Its
+        carries (W, S, momentum) are the state, each iteration one chunk's token-parallel
+        work (projections, the inner gradient, the aggregated update) on tiles, and its
+        batch x memory heads axes are independent: the shape of flash-linear-attention's
+        chunk_h kernels. `render_scan` then finds the independent axes, or raises
+        `ScanFallback` (none: one program would hold the chip's work on one SM; more than
+        `MAX_STAGES` stages; a workspace beyond the caps), and the scan takes form (b).
+    (b) A sequence of ordinary parallel kernels per iteration (the host loop over the body's
+        schedule, each body kernel an ordinary grid kernel over tokens x features): every
+        other role. A layer, a MAC segment and their backward (and a loss chunk, a loop of
+        row groups) are big parallel work whose only independent axis is the batch, or none
+        (the backward sums weight gradients over it): as one kernel they ran on 8 programs, or
+        one, of a 132-SM chip, with 50 to 230 stages that took minutes to compile and spilled.
+        Inside the step's CUDA graph a launch costs a few microseconds.
+    """
+    n = g.node(scan_id)
+    role = n.attr("role")
+    if role in KERNEL_ROLES:
+        return ""
+    return (f"a {role} scan is big parallel work, not a chunk recurrence: each iteration "
+            "runs its body's kernels, each with a grid of its own")
+
+
 def scan_kernel_for(plan: BufferPlan, kern: Kernel, sid: int, dtype: str,
                     allow_tf32: bool = False) -> ScanKernel:
-    """The scan kernel of schedule kernel `kern` (scan node `sid`), or `ScanFallback`."""
+    """The scan kernel of schedule kernel `kern` (scan node `sid`), or `ScanFallback` where
+    `scan_form` or the generator gives it a host loop."""
     g = plan.schedule.graph
+    why = scan_form(g, sid)
+    if why:
+        raise ScanFallback(why)
     outs = set(kern.outputs)
     used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
     return render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
@@ -365,16 +375,20 @@ def scan_kernel_for(plan: BufferPlan, kern: Kernel, sid: int, dtype: str,
 
 def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: bool = True,
                    fallbacks: list[dict[str, str]] | None = None,
-                   carries: list[dict] | None = None) -> int:
+                   carries: list[dict] | None = None, forms: list[dict] | None = None) -> int:
     """Kernel launches of one run of `plan` on the triton target, from the plan alone
     (`BufferPlan.launches`): a scan that renders to a scan kernel is one launch, one that
     runs as a host loop launches its body's kernels once per iteration (its reason appended
     to `fallbacks`). `carries` gets, per scan kernel, where each loop's carries live
-    (`ScanKernel.carries`, with the graph and kernel names)."""
+    (`ScanKernel.carries`, with the graph and kernel names); `forms` gets, per scan, the
+    form `scan_form` and the generator gave it (report.json `scan_forms`: graph, scan, role,
+    form "kernel" with its grid or "host_loop", and why)."""
     dt = dtype or graph_dtype(plan.schedule.graph)
 
     def one_kernel(p: BufferPlan, sid: int) -> bool:
         kern = next(k for k in p.schedule.kernels if sid in k.nodes)
+        row = {"graph": p.schedule.graph.name, "scan": kern.name,
+               "role": p.schedule.graph.node(sid).attr("role")}
         try:
             if not scan_kernels:
                 raise ScanFallback("scan kernels are off")
@@ -382,11 +396,18 @@ def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: boo
             if carries is not None:
                 carries.extend({"graph": p.schedule.graph.name, "kernel": kern.name, **c}
                                for c in sk.carries)
+            if forms is not None:
+                forms.append(row | {"form": "kernel", "grid": sk.grid,
+                                    "why": f"a chunk recurrence: one program per independent "
+                                           f"index {list(sk.prefix)}, its state on chip "
+                                           f"across iterations"})
             return True
         except ScanFallback as e:
             if fallbacks is not None:
                 fallbacks.append({"graph": p.schedule.graph.name, "scan": kern.name,
                                   "reason": str(e)})
+            if forms is not None:
+                forms.append(row | {"form": "host_loop", "why": str(e)})
             return False
 
     return plan.launches(one_kernel)

@@ -15,7 +15,9 @@ interpreted, so one process cannot do both):
                             target=GPUTarget("cuda", arch, 32))`; returns shared memory, the
                             registers and spill bytes ptxas reports (`-v`), and whether the PTX
                             holds tensor-core instructions (`mma` / `wgmma`), and the
-                            seconds the compile took (`compile_s`).
+                            seconds the compile took (`compile_s`, wall; `compile_cpu_s`,
+                            CPU seconds of the compiling process and its ptxas: the figure
+                            a loaded machine does not inflate).
 
 Results are cached on disk (`codegen.render.cache_dir() / "aot"`, keyed by the launch, the
 architecture and the Triton version), so a second run compiles nothing.
@@ -30,6 +32,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import time
@@ -59,6 +62,12 @@ class Launch:
     num_warps: int
     num_stages: int
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Launch":
+        """The launch `asdict` (through JSON) gave."""
+        return cls(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                      if isinstance(v, list) else v for k, v in d.items()})
+
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str)
                               .encode()).hexdigest()[:24]
@@ -78,27 +87,25 @@ class Launch:
         return "scan kernel of graph" in self.source
 
     @property
-    def is_serial(self) -> bool:
-        """A one-program scan kernel (no independent axes)."""
-        return self.is_scan and re.search(r"^GRID = 1\b", self.source, re.M) is not None
-
-    @property
     def is_matmul(self) -> bool:
         """The matmul family (per-architecture tiles, `tl.dot` at the graph's precision)."""
         return "def tiles_for(" in self.source
 
 
-def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
-                    ) -> list[Launch]:
+def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False,
+                    grids: dict[str, int] | None = None,
+                    aliases: dict[str, str] | None = None) -> list[Launch]:
     """Every distinct launch of one run of `plan` on the triton target (interpreter process),
-    rendered as `TritonExecutor(plan, allow_tf32=...)` renders it."""
+    rendered as `TritonExecutor(plan, allow_tf32=...)` renders it; `grids` gets each kernel's
+    largest grid (programs per launch) by kernel name, `aliases` each schedule kernel's name
+    -> the name of the kernel whose module it launches (equal sources share one module)."""
     import inspect
 
     from triton.backends.compiler import BaseBackend
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import native_specialize_impl
 
-    from titanc.runtime.targets.triton_executor import TritonExecutor, interpreting
+    from titanc.runtime.targets.triton_executor import TritonExecutor, interpreting, module_for
 
     if not interpreting():
         raise RuntimeError("record_launches runs under TRITON_INTERPRET=1")
@@ -125,14 +132,25 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
                         tuple(sig), tuple(const), tuple(div), int(kwargs.get("num_warps", 4)),
                         int(kwargs.get("num_stages", 3)))
         seen.setdefault(launch.key(), launch)
+        if grids is not None:
+            shape = grid(bound) if callable(grid) else grid
+            programs = math.prod(int(x) for x in (shape if isinstance(shape, tuple) else
+                                                  (shape,)))
+            grids[launch.name] = max(grids.get(launch.name, 0), programs)
 
     saved = InterpretedFunction.run
     InterpretedFunction.run = record
     try:
-        TritonExecutor(plan, float_dtype=float_dtype, cuda_graphs=False,
-                       allow_tf32=allow_tf32).run()
+        ex = TritonExecutor(plan, float_dtype=float_dtype, cuda_graphs=False,
+                            allow_tf32=allow_tf32)
+        ex.run()
     finally:
         InterpretedFunction.run = saved
+    if aliases is not None:          # a module is named titanc_kernel_<first name>_<digest>
+        modules = [(c.name, module_for(c)) for c in ex.kernels()] + [
+            (sk.name, ex.scan_module(sk)) for sk in ex._scans.values() if not isinstance(sk, str)]
+        for name, module in modules:
+            aliases[name] = module.__name__.removeprefix("titanc_kernel_").rsplit("_", 1)[0]
     return list(seen.values())
 
 
@@ -155,6 +173,15 @@ def _ptxas_log(ptx: str, arch: int) -> str:
         r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={name}", str(src), "-o",
                             str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
     return r.stdout + r.stderr
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and its finished children (ptxas): what a
+    compile costs, whatever else the machine runs."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ru.ru_utime + ru.ru_stime
 
 
 def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
@@ -183,7 +210,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     attrs = {(index[n],): [["tt.divisibility", 16]] for n in launch.divisible}
     log = io.StringIO()
     knobs.nvidia.dump_ptxas_log = True
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     try:
         with contextlib.redirect_stdout(log):
             k = triton.compile(ASTSource(fn, sig, constexprs, attrs),
@@ -197,6 +224,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
             text = _ptxas_log(ptx, arch)
         regs, spill, stack = _PTXAS.search(text), _SPILL.search(text), _STACK.search(text)
         result |= {"ok": True, "compile_s": round(time.perf_counter() - t0, 2),
+                   "compile_cpu_s": round(_cpu_seconds() - c0, 2),
                    "shared": int(k.metadata.shared),
                    "registers": int(regs.group(1)) if regs else None,
                    "spill_bytes": int(spill.group(1)) if spill else 0,
@@ -215,9 +243,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
 
 def _compile_one(item: tuple[dict[str, Any], int]) -> dict[str, Any]:
     data, arch = item
-    launch = Launch(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
-                       if isinstance(v, list) else v for k, v in data.items()})
-    return compile_launch(launch, arch)
+    return compile_launch(Launch.from_dict(data), arch)
 
 
 def compile_all(launches: Iterable[Launch], archs: Iterable[int], jobs: int = 1
@@ -230,5 +256,5 @@ def compile_all(launches: Iterable[Launch], archs: Iterable[int], jobs: int = 1
     items = [(asdict(l), a) for l in launches for a in archs]
     with triton_interpret_mode(None), mp.get_context("spawn").Pool(max(1, jobs)) as pool:
         results = pool.map(_compile_one, items, chunksize=1)
-    more = [{"serial": l.is_serial, "dot16": l.uses_dot16} for l in launches for _ in archs]
+    more = [{"dot16": l.uses_dot16} for l in launches for _ in archs]
     return [r | m for r, m in zip(results, more)]

@@ -187,11 +187,13 @@ class TritonExecutor(PlanExecutor):
         self._scans: dict[tuple[int, str], ScanKernel | str] = {}
         self._scan_modules: dict[str, ModuleType] = {}
         self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
-        self.serial: list[dict[str, str]] = []        # scan kernels of one program, and why
         self.scan_kernels = current().scan_kernels
         self.scan_ws: Tensor | None = None            # shared by every scan kernel
         if interpreting():
             check_interpretable()
+        elif self.device == "cuda":      # every kernel compiled in parallel, before binding
+            from titanc.runtime.targets.precompile import precompile_for_device
+            precompile_for_device(plan, allow_tf32, float_dtype)
         super().__init__(plan, bound, float_dtype)
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
@@ -256,12 +258,6 @@ class TritonExecutor(PlanExecutor):
             try:
                 sk: ScanKernel | str = scan_kernel_for(plan, kern, sid, self.dtype,
                                                        self.allow_tf32)
-                if sk.serial:
-                    self.serial.append({"graph": g.name, "scan": kern.name,
-                                        "reason": sk.serial})
-                    if debug_level() >= 2:
-                        print(f"titanc: scan {kern.name} of graph {g.name} is one program "
-                              f"(serial kernel): {sk.serial}", file=sys.stderr)
                 if debug_level() >= 3:
                     print(sk.source, file=sys.stderr)
             except ScanFallback as e:

@@ -1,4 +1,4 @@
-"""`python -m titanc.tools.aot SPEC --arch 80 90 [--set K=V] [--jobs N] [--skip-scan]`: compile
+"""`python -m titanc.tools.aot SPEC --arch 80 90 [--set K=V] [--jobs N]`: compile
 every kernel the spec's programs launch for the given CUDA architectures, without a GPU
 (`runtime/targets/aot.py`), and print one JSON line per (launch, arch) and a summary.
 """
@@ -22,16 +22,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     ap.add_argument("--set", action="append", default=[], help="spec override key=value")
     ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--skip-scan", action="store_true",
-                    help="leave out scan kernels (the slowest to compile)")
     args = ap.parse_args(argv)
     spec = load_spec(args.spec, parse_set_args(args.set))
     compiled = compile_graphs(spec)
     launches: dict[str, Launch] = {}
     for g in GRAPHS:
         for l in record_launches(compiled.plans[g], allow_tf32=spec.compile.allow_tf32):
-            if not (args.skip_scan and l.is_scan):
-                launches.setdefault(l.key(), l)
+            launches.setdefault(l.key(), l)
     results = compile_all(launches.values(), args.arch, args.jobs)
     for r in results:
         print(json.dumps(r))

@@ -26,7 +26,7 @@ from titanc.fit import lower_bound_bytes, planned_bytes
 from titanc.runtime.capacity import check_fits
 from titanc.model.params import param_count
 from titanc.model.spec import spec_hash, spec_to_dict
-from titanc.tools.cost_model import kernel_rows, launched_kernels, step_cost
+from titanc.tools.cost_model import kernel_rows, launched_kernels, occupancy, step_cost
 
 
 def _versions() -> dict[str, str]:
@@ -67,6 +67,9 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         "kernel_counts": {name: launched_kernels(p) for name, p in c.plans.items()},
         "launches_per_step": launches,
         "scan_fallbacks": {"triton": fallbacks},   # scans that stay host loops, and why
+        # per scan of every graph the step and decoding run: one kernel (a chunk recurrence,
+        # its grid) or a host loop of ordinary kernels, and why (`codegen.scan.kernel.scan_form`)
+        "scan_forms": {"triton": scan_forms(c)},
         # each scan kernel's loops: which carries are held on chip, which stay in the
         # workspace and why (one row per distinct kernel and carry)
         "scan_carries": {"triton": _unique(carries)},
@@ -76,6 +79,20 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         # pattern passes (titanc/tools/cost_model.py)
         "step": step_cost(spec, c),
     }
+
+
+def scan_forms(c: Compiled) -> list[dict]:
+    """report.json `scan_forms`: each scan's form on the triton target, and why."""
+    from titanc.codegen.scan.kernel import count_launches
+
+    forms: list[dict] = []
+    one = c if c.batch == 1 else c.for_batch(1)
+    plans = [c.plans[k] for k in ("training", "optimizer", "forward")]
+    plans += [one.graph(k).plan for k in ("decode_step", "decode_write")
+              if k != "decode_write" or c.spec.model.has_memory]
+    for plan in plans:
+        count_launches(plan, forms=forms)
+    return _unique(forms)
 
 
 def _unique(rows: list[dict]) -> list[dict]:
@@ -96,13 +113,21 @@ def _graph_row(c: Compiled, kind: str) -> dict[str, Any]:
             "passes": [{k: r[k] for k in r if k != "graph"} for r in cg.passes]}
 
 
-def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False) -> dict[str, Any]:
-    """Compile `spec` and write the build directory; returns the report.
+def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False,
+                   arch: int | None = None) -> dict[str, Any]:
+    """Compile `spec` and write the build directory; returns the report. With `arch`, also
+    compile every kernel for sm_`arch` (`runtime.targets.precompile`: in parallel, into the caches a
+    later run loads) and add report.json `occupancy` (`cost_model.occupancy`).
 
     Refuses (TitancError) a spec whose buffer plan exceeds the machine's memory unless
     `force`; every write failure is a one-line TitancError naming the file."""
     from titanc.runtime.data.tokenizer import check_vocab, load_tokenizer
 
+    from titanc.runtime.targets.aot import SHARED_LIMIT
+
+    if arch is not None and arch not in SHARED_LIMIT:
+        raise TitancError(f"--arch {arch}: one of {', '.join(map(str, SHARED_LIMIT))} (the "
+                          "CUDA compute capabilities titanc has tables for)")
     tok = load_tokenizer(spec)
     check_vocab(spec, tok)
     out = Path(out_dir)
@@ -119,7 +144,17 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False) -
     if not force:
         check_fits(planned_bytes(c), spec, _device(spec), force_hint=True)
     with writing_into(out, "the artifact directory"):
-        return _write_files(spec, c, out, seconds, tok)
+        return _write_files(spec, c, out, seconds, tok, arch)
+
+
+def _on_device(arch: int) -> bool:
+    """Is this process's CUDA device of compute capability `arch` (compile through its JIT)?"""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor == arch
 
 
 def _device(spec: Any) -> str:
@@ -131,7 +166,8 @@ def _device(spec: Any) -> str:
         torch.cuda.is_available() else "cpu"
 
 
-def _write_files(spec: Any, c: Compiled, out: Path, seconds: float, tok: Any) -> dict[str, Any]:
+def _write_files(spec: Any, c: Compiled, out: Path, seconds: float, tok: Any,
+                 arch: int | None = None) -> dict[str, Any]:
     from titanc.runtime.data.tokenizer import save_tokenizer, tokenizer_info
 
     for old in (out / "ir").glob("*.txt"):
@@ -139,6 +175,8 @@ def _write_files(spec: Any, c: Compiled, out: Path, seconds: float, tok: Any) ->
     for k, (stage, g) in enumerate(c.log.dumps):
         write_text_atomic(out / "ir" / f"{k:02d}_{stage}.txt", format_graph(g))
     report = build_report(spec, c, seconds)
+    if arch is not None:
+        report["occupancy"] = occupancy(c, arch, jit=_on_device(arch))
     write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     from titanc.codegen.emit import emit_artifact
     emit_artifact(c, out)

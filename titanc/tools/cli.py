@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--force", action="store_true",
                           help="write the artifact even when its buffer plan needs more memory "
                                "than this machine has (to read the plan; it cannot run here)")
+    compile_.add_argument("--arch", type=int, default=None, metavar="CC",
+                          help="also compile every kernel for this CUDA compute capability "
+                               "(90: H100, 80: A100), in parallel, into the kernel caches a "
+                               "run then loads, and add report.json `occupancy` (grids, "
+                               "registers, spills); no GPU needed")
     compile_.set_defaults(run=_cmd_compile)
 
     train = commands.add_parser(
@@ -311,7 +316,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     spec = _load(args)
     out = Path(args.out) if args.out else Path("build") / spec.safe_name
     write_artifact = _import("titanc.tools.artifact", "write_artifact", "titanc compile")
-    report = write_artifact(spec, out, force=args.force)
+    report = write_artifact(spec, out, force=args.force, arch=args.arch)
     forward = (report or {}).get("graphs", {}).get("forward", {})
     nodes = forward.get("nodes", "?")
     nodes = len(nodes) if isinstance(nodes, (list, dict)) else nodes

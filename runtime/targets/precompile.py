@@ -1,0 +1,183 @@
+"""Compile every kernel of a program before its first launch, in parallel, into the caches.
+
+Triton compiles a kernel at its first launch, one after another in the launching process:
+tiny.yaml's first training step on an H100 waited minutes for it. `precompile(plan)` instead
+
+1. records the plan's distinct launches (`runtime.targets.aot.record_launches`) in a subprocess under
+   Triton's interpreter (a process picks compile or interpreter mode once; nothing runs);
+2. compiles them in a process pool (`jobs`, default one per CPU core) with a progress bar
+   (`compiling 84 kernels for sm_90`), each worker one kernel at a time:
+   - `jit=True` (on the GPU, before the first step): the worker calls the kernel's own
+     `JITFunction.warmup` with stand-ins that specialise as the recorded arguments did
+     (pointer dtypes and 16-byte alignment, integer widths and divisibility, the constexpr
+     values the CUDA launcher passes), so Triton computes the very cache key the launch will
+     and writes the compiled kernel into its persistent cache (`TRITON_CACHE_DIR`); the first
+     launch then loads it;
+   - `jit=False` (ahead of time, no GPU needed): `runtime.targets.aot.compile_launch` for the
+     architecture (ptxas from the wheel), which also reports registers, spills and shared
+     memory (report.json `occupancy`);
+3. writes a marker keyed by the plan, the architecture, the Triton version and titanc's
+   code generator, so a second run records and compiles nothing.
+
+A kernel that fails to precompile is left to its first launch (and named); the program runs
+the same either way.
+
+The recording subprocess and the compile workers are `runtime/targets/precompile_worker.py`
+(this module imports no compiler, so the triton target can call it).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from titanc.codegen.render import cache_dir
+from titanc.config import child_environment
+
+__all__ = ["precompile", "precompile_for_device", "recorded_launches"]
+
+_CODEGEN = Path(__file__).resolve().parents[2] / "codegen"
+
+# torch dtype of each pointer type a recorded signature names
+def _code_hash() -> str:
+    """A hash of the code that renders kernels (codegen/ and the ops' Triton lowerings)."""
+    h = hashlib.sha256()
+    for root in (_CODEGEN, _CODEGEN.parent / "ir"):
+        for f in sorted(root.rglob("*")):
+            if f.suffix in (".py", ".jinja"):
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def recorded_launches(plan: Any, allow_tf32: bool = False, float_dtype: Any = None
+                      ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The distinct launches of one run of `plan` (`aot.Launch` as dicts), and {"grids": each
+    kernel's largest grid
+    (programs), "aliases": each schedule kernel -> the kernel whose module it launches},
+    recorded in a subprocess under Triton's interpreter (this process may have Triton in
+    compile mode)."""
+    with tempfile.TemporaryDirectory(prefix="titanc-record-") as tmp:
+        src, out = Path(tmp) / "plan.pickle", Path(tmp) / "launches.json"
+        src.write_bytes(pickle.dumps((plan, float_dtype)))
+        env = child_environment(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+                                TITANC_CACHE_DIR=str(cache_dir()))
+        cmd = [sys.executable, "-m", "titanc.runtime.targets.precompile_worker", "--record", str(src),
+               str(out)] + (["--allow-tf32"] if allow_tf32 else [])
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"recording the launches failed: {r.stderr[-1500:]}")
+        data = json.loads(out.read_text())
+    return data["launches"], {k: data[k] for k in ("grids", "aliases")}
+
+
+def _marker(plan: Any, arch: int, allow_tf32: bool, jit: bool) -> Path:
+    import triton
+
+    key = hashlib.sha256(pickle.dumps(plan) + f"{arch}|{allow_tf32}|{jit}|{triton.__version__}|"
+                         f"{_code_hash()}".encode()).hexdigest()[:24]
+    return cache_dir() / "precompiled" / f"{key}.json"
+
+
+def precompile(plan: Any, arch: int, *, allow_tf32: bool = False, float_dtype: Any = None,
+               jit: bool = True, jobs: int | None = None, progress: bool = True
+               ) -> dict[str, Any]:
+    """Compile every kernel `plan` launches for sm_`arch` (module docstring); returns
+    {"kernels", "compiled", "failed": [{"name", "error"}], "seconds", "cached", "grids",
+    "aliases", "results"} (`results`: `compile_launch`'s rows when `jit` is False)."""
+    marker = _marker(plan, arch, allow_tf32, jit)
+    if marker.exists():
+        return json.loads(marker.read_text()) | {"cached": True}
+    t0 = time.perf_counter()
+    launches, shape = recorded_launches(plan, allow_tf32, float_dtype)
+    results = _pool(launches, arch, jit, jobs or os.cpu_count() or 1, progress)
+    failed = [{"name": r["name"], "error": r["error"]} for r in results if not r["ok"]]
+    summary = {"kernels": len(launches), "compiled": len(launches) - len(failed),
+               "failed": failed, "seconds": round(time.perf_counter() - t0, 1),
+               "arch": arch, **shape, "results": [] if jit else results}
+    if not failed:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(summary))
+        os.replace(tmp, marker)
+    return summary | {"cached": False}
+
+
+def precompile_for_device(plan: Any, allow_tf32: bool = False, float_dtype: Any = None
+                          ) -> None:
+    """`precompile(plan)` for this process's CUDA device, through the JIT (the triton
+    target's hook, before it binds a plan). Kernels that fail are named and left to their
+    first launch."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        s = precompile(plan, 10 * major + minor, allow_tf32=allow_tf32,
+                       float_dtype=float_dtype, jit=True)
+    except RuntimeError as e:          # recording failed: every kernel compiles at launch
+        print(f"titanc: precompile skipped ({e})", file=sys.stderr)
+        return
+    if s["failed"]:
+        print(f"titanc: {len(s['failed'])} of {s['kernels']} kernels left to their first "
+              f"launch: " + "; ".join(f"{f['name']}: {f['error'][:200]}"
+                                      for f in s["failed"][:3]), file=sys.stderr)
+
+
+def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progress: bool
+          ) -> list[dict[str, Any]]:
+    """Compile `launches` in `jobs` worker processes (`python -m titanc.runtime.targets.precompile
+    --worker`, without the interpreter: subprocesses, not multiprocessing, so a user's
+    script is never re-imported), fed one kernel at a time by a thread each."""
+    import queue
+    import threading
+
+    from tqdm import tqdm
+
+    todo: "queue.Queue[dict[str, Any]]" = queue.Queue()
+    for launch in launches:
+        todo.put(launch)
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    env = child_environment(TRITON_INTERPRET="0", TITANC_CACHE_DIR=str(cache_dir()))
+    bar = tqdm(total=len(launches), desc=f"compiling {len(launches)} kernels for sm_{arch}",
+               disable=not progress, file=sys.stderr)
+
+    def serve() -> None:
+        worker = subprocess.Popen([sys.executable, "-m", "titanc.runtime.targets.precompile_worker",
+                                   "--worker", str(arch), "jit" if jit else "aot"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env=env)
+        assert worker.stdin is not None and worker.stdout is not None
+        try:
+            while True:
+                try:
+                    launch = todo.get_nowait()
+                except queue.Empty:
+                    return
+                worker.stdin.write(json.dumps(launch, default=str) + "\n")
+                worker.stdin.flush()
+                line = worker.stdout.readline()
+                r = json.loads(line) if line else {"name": launch["name"], "ok": False,
+                                                   "error": "the worker process died"}
+                with lock:
+                    results.append(r)
+                    bar.update(1)
+                if not line:
+                    return
+        finally:
+            worker.stdin.close()
+            worker.wait()
+
+    threads = [threading.Thread(target=serve) for _ in range(max(1, min(jobs, len(launches))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bar.close()
+    return results

@@ -1,0 +1,101 @@
+"""Every kernel compiled in parallel before the first step (`runtime/targets/precompile.py`).
+
+- the stand-in arguments a compile worker passes to `JITFunction.warmup` on the GPU specialise
+  exactly as the recorded launch's real arguments did (Triton's own `native_specialize_impl`:
+  pointer dtype and 16-byte alignment, integer width and divisibility, constexprs), so the
+  warmup computes the cache key the launch will;
+- `precompile` records a plan's launches in a subprocess, compiles them in worker processes
+  (ahead of time here: sm_90, no GPU) with their grids, and a second call compiles nothing;
+- `titanc compile --arch` refuses an architecture it has no tables for.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorated: set first
+
+import pytest
+
+from titanc.runtime.targets import aot
+from titanc.runtime.targets.precompile import precompile
+from titanc.runtime.targets.precompile_worker import standins
+from titanc.codegen.render import load_module
+from titanc.compiler import compile_graphs
+from titanc.model.spec import load_spec
+
+from .conftest import EXAMPLES
+
+SMALL = {"model.d_model": 8, "model.n_layers": 1, "model.seq_len": 8, "model.vocab_size": 16,
+         "model.ffn_hidden": 8, "train.batch_size": 1, "model.memory.heads": 2,
+         "model.memory.chunk_size": 2}
+
+
+def test_standins_specialise_as_the_recorded_arguments() -> None:
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    c = compile_graphs(load_spec(EXAMPLES / "tiny_lmm.yaml", SMALL))
+    launches = aot.record_launches(c.plans["training"])
+    assert any(l.is_scan for l in launches) and any(l.is_matmul for l in launches)
+    for launch in launches:
+        module = load_module(launch.source, launch.name)
+        args, _, _ = standins(launch, module, 90)
+        for (name, ty), arg in zip(launch.signature, args):
+            if ty == "constexpr":
+                continue
+            got_ty, attr = native_specialize_impl(BaseBackend, arg, False, True, True)
+            assert got_ty == ty, (launch.name, name, got_ty, ty)
+            assert (attr == "D") == (name in launch.divisible), (launch.name, name, attr)
+
+
+def test_precompile_compiles_every_kernel_once(tmp_path, monkeypatch) -> None:
+    from titanc import config
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))    # Triton reads it
+    plan = compile_graphs(load_spec(EXAMPLES / "tiny_lmm.yaml", SMALL)).plans["optimizer"]
+    with config.override(cache_dir=tmp_path / "titanc"):
+        first = precompile(plan, 90, jit=False, jobs=2, progress=False)
+        again = precompile(plan, 90, jit=False, jobs=2, progress=False)
+    if any("ptxas" in r.get("error", "") for r in first["results"]):
+        pytest.skip("this triton build has no ptxas")
+    assert first["kernels"] == first["compiled"] >= 1 and not first["failed"]
+    assert not first["cached"] and all(r["ok"] and r["registers"] for r in first["results"])
+    assert set(first["grids"]) == {r["name"] for r in first["results"]}
+    assert all(p >= 1 for p in first["grids"].values())
+    assert set(first["aliases"].values()) <= set(first["grids"])
+    assert again["cached"] and again["kernels"] == first["kernels"]
+
+
+def test_compile_arch_is_validated(tmp_path, capsys) -> None:
+    from titanc.tools.cli import main
+
+    assert main(["compile", str(EXAMPLES / "tiny.yaml"), "-o", str(tmp_path / "b"),
+                 "--arch", "75"]) == 2
+    assert "--arch 75: one of 80, 86, 89, 90" in capsys.readouterr().err
+
+
+def test_occupancy_rows_name_why_a_big_kernel_has_few_programs(monkeypatch) -> None:
+    """report.json `occupancy` (`cost_model.occupancy`): every launched kernel of a training
+    step with its recorded grid and FLOPs share (the shares of the launched kernels, scan
+    kernels holding their bodies', sum to 1), and `why_under` exactly where a kernel holds
+    more than 1% of the FLOPs on fewer than 132 programs (compiles faked: only the grids)."""
+    import titanc.runtime.targets.precompile as pre
+    from titanc.tools.cost_model import SMS, occupancy
+
+    def recorded(plan, arch, **kw):
+        grids, aliases = {}, {}
+        aot.record_launches(plan, grids=grids, aliases=aliases)
+        return {"grids": grids, "aliases": aliases, "results": []}
+
+    monkeypatch.setattr(pre, "precompile", recorded)
+    c = compile_graphs(load_spec(EXAMPLES / "tiny_lmm.yaml", SMALL))
+    occ = occupancy(c, 90)
+    rows = occ["kernels"]
+    assert rows and all(r["programs"] >= 1 for r in rows)
+    assert abs(sum(r["flops_share"] for r in rows) - 1) < 0.01
+    assert any("scan_memory_chunk" in r["name"] for r in rows)
+    for r in rows:
+        assert ("why_under" in r) == (r["flops_share"] > 0.01 and r["programs"] < SMS), r
+    scan = next(r for r in rows if "scan_memory_chunk" in r["name"] and "why_under" in r)
+    assert scan["programs"] == 1 * 2 and "chunk recurrence" in scan["why_under"]
+    assert occ["under"] == sum("why_under" in r for r in rows)
