@@ -9,7 +9,9 @@ from typing import Any
 
 from titanc.errors import TitancError
 
-__all__ = ["check_fits", "machine_bytes"]
+__all__ = ["check_fits", "machine_bytes", "TOKEN_BYTES"]
+
+TOKEN_BYTES = 64        # a token a running request holds: its id, its text, list overhead
 
 
 def machine_bytes(device: str = "cpu") -> int:
@@ -28,12 +30,16 @@ def _gib(n: int) -> str:
 
 
 def check_fits(needed: int, spec: Any, device: str = "cpu", force_hint: bool = False,
-               lower: bool = False) -> None:
+               lower: bool = False, reduce: str | None = None) -> None:
     """Raise TitancError when `needed` bytes (a lower bound when `lower`) exceed the
-    machine's memory."""
+    machine's memory; `reduce` names what to lower (default: the spec's sizes)."""
     have = machine_bytes(device)
     if needed <= have:
         return
+    if reduce is not None:
+        raise TitancError(f"{spec.safe_name} needs {'at least ' if lower else ''}{needed:,} "
+                          f"bytes ({_gib(needed)}), more than this machine's {have:,} bytes "
+                          f"({_gib(have)}) of memory; reduce {reduce}")
     fix = ("; pass --force to write the artifact anyway (it cannot run here)" if force_hint
            else "")
     raise TitancError(f"{spec.safe_name} needs {'at least ' if lower else ''}{needed:,} bytes "

@@ -96,7 +96,7 @@ def test_help(tmp_path: Path, argv: list[str]) -> None:
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["compile"], "the following arguments are required: SPEC"),
     (["train", str(TINY)], "the following arguments are required: --out"),
-    (["train", str(TINY), "--out", "r", "--steps", "0"], "expected a positive integer, got 0"),
+    (["train", str(TINY), "--out", "r", "--steps", "0"], "expected a number of steps: an integer in [1, 1000000000000], got 0"),
     (["compile", str(TINY), "--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_usage_errors_exit_2(argv: list[str], complaint: str,

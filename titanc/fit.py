@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["planned_bytes", "lower_bound_bytes", "state_bytes", "decode_state_bytes"]
+__all__ = ["planned_bytes", "lower_bound_bytes", "state_bytes", "decode_state_bytes",
+           "generation_bytes"]
 
 
 def _itemsize(spec: Any) -> int:
@@ -46,6 +47,14 @@ def state_bytes(spec: Any) -> int:
 def lower_bound_bytes(spec: Any) -> int:
     """Bytes any program of `spec` needs, known before compiling."""
     return state_bytes(spec) + decode_state_bytes(spec)
+
+
+def generation_bytes(spec: Any, batch: int) -> int:
+    """What `titanc generate` holds besides its tokens: the program's state, decoding states
+    of `batch` sequences and a step's logits (checked with runtime/capacity.py's check_fits,
+    as compile and train check their plan; `titanc serve` measures its slot pool itself)."""
+    return (lower_bound_bytes(spec) + decode_state_bytes(spec, batch)
+            + batch * spec.model.vocab_size * 4)
 
 
 def planned_bytes(compiled: Any) -> int:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from titanc.errors import TitancError
+from titanc.runtime.data.shards import HEADER
 
 __all__ = ["Piece", "PIECE_BYTES", "find_files", "plan", "read_piece", "iter_texts"]
 
@@ -47,9 +49,15 @@ def _kind(path: Path) -> str:
     return {".jsonl": "jsonl", ".parquet": "parquet"}.get(suffix, "text")
 
 
-def find_files(inputs: Iterable[str | os.PathLike], ext: Iterable[str] | None = None) -> list[Path]:
-    """The files `inputs` name, directories expanded in sorted order (see the module doc)."""
+def find_files(inputs: Iterable[str | os.PathLike], ext: Iterable[str] | None = None,
+               exclude: Iterable[str | os.PathLike] = (),
+               notice: Callable[[str], None] | None = None) -> list[Path]:
+    """The files `inputs` name, directories expanded in sorted order (see the module doc).
+    Directories that hold a token-shard set (a header.json beside train.bin) and those in
+    `exclude` (the output being written) are skipped, with one line to `notice` (stderr)."""
     exts = {e.lower().lstrip(".") for e in ext} if ext else None
+    skip = {os.path.realpath(e) for e in exclude}
+    say = notice or (lambda line: print(line, file=sys.stderr))
     files: list[Path] = []
     for item in inputs:
         p = Path(item)
@@ -57,10 +65,19 @@ def find_files(inputs: Iterable[str | os.PathLike], ext: Iterable[str] | None = 
             raise TitancError(f"input {p} does not exist; pass text files, directories, .jsonl "
                               f"or .parquet files")
         if p.is_file():
-            files.append(p)
+            parent = p.parent
+            if not _skipped(parent, os.listdir(parent), skip, say, p):
+                files.append(p)
             continue
+        if not p.is_dir():
+            raise TitancError(f"input {p} is not a regular file or a directory (a device, FIFO "
+                              f"or socket); pass text files, directories, .jsonl or .parquet "
+                              f"files")
         found = []
         for root, dirs, names in os.walk(p):
+            if _skipped(Path(root), names, skip, say):
+                dirs[:] = []
+                continue
             dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
             for name in sorted(names):
                 f = Path(root) / name
@@ -70,10 +87,24 @@ def find_files(inputs: Iterable[str | os.PathLike], ext: Iterable[str] | None = 
                     found.append(f)
         if not found:
             only = f" with suffixes {','.join(sorted(exts))}" if exts else ""
-            raise TitancError(f"input directory {p} holds no files{only}; pass a directory "
-                              f"with text in it")
+            raise TitancError(f"input directory {p} holds no files{only} (shard sets and the "
+                              f"output are skipped); pass a directory with text in it")
         files.extend(found)
     return files
+
+
+def _skipped(root: Path, names: list[str], skip: set[str], say: Callable[[str], None],
+             file: Path | None = None) -> bool:
+    """Whether a directory of the walk (or `file` in it) is left out: the output, or a shard
+    set."""
+    what = f"{file}: it is in" if file is not None else f"{root}: it is"
+    if os.path.realpath(root) in skip:
+        say(f"titanc: note: skipping {what} the output directory")
+        return True
+    if HEADER in names and "train.bin" in names:
+        say(f"titanc: note: skipping {what} a token-shard set, not text")
+        return True
+    return False
 
 
 def _cut(block: bytes, kind: str) -> int:
@@ -128,10 +159,10 @@ def _parquet_file(path: Path):  # noqa: ANN202 - pyarrow type
 
 
 def plan(inputs: Iterable[str | os.PathLike], ext: Iterable[str] | None = None,
-         piece_bytes: int = PIECE_BYTES) -> list[Piece]:
-    """Every piece of every input, in order."""
+         piece_bytes: int = PIECE_BYTES, exclude: Iterable[str | os.PathLike] = ()) -> list[Piece]:
+    """Every piece of every input, in order (`exclude`: see find_files)."""
     pieces: list[Piece] = []
-    for path in find_files(inputs, ext):
+    for path in find_files(inputs, ext, exclude):
         kind = _kind(path)
         if kind == "parquet":
             pf = _parquet_file(path)

@@ -5,18 +5,25 @@
 The corpus is cut into pieces (runtime/data/corpus.py); worker processes (`workers`; by default
 the CPU count, fewer for a small corpus) each load the tokenizer once and tokenize pieces; the
 parent writes their token arrays in input order, so the output does not depend on the number
-of workers. The tokenizer's end-of-text id (BPE) follows every document. Tokens go to
-`train.bin` as they arrive; at the end the last `val_fraction` of the stream moves to `val.bin`
-and `header.json` is written last, atomically, so a directory with a header is complete.
-Memory stays bounded: at most `2 x workers` pieces are in flight.
+of workers. The tokenizer's end-of-text id (BPE) follows every document. Memory stays bounded:
+at most `2 x workers` pieces are in flight; the workers die with the parent, whatever kills it.
+
+Nothing is destroyed before its replacement exists: the new shard set is built in a directory
+beside DIR (`.DIR.partial-PID`): tokens go to its `train.bin` as they arrive, the last
+`val_fraction` of the stream moves to `val.bin`, `header.json` is written last; only then is
+it renamed into place (`--overwrite`: the old DIR renamed aside first, deleted after). A failed
+or killed run leaves DIR as it was. Input directories that hold a shard set, and DIR itself,
+are skipped with a notice (corpus.find_files), so shards are never read back as text.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,6 +33,7 @@ import numpy as np
 from titanc.config import set_worker_environment
 from titanc.errors import TitancError
 
+from titanc.runtime.children import die_with_parent
 from titanc.runtime.data.corpus import PIECE_BYTES, Piece, plan, read_piece
 from titanc.runtime.data.shards import FORMAT, HEADER, VERSION, dtype_for
 from titanc.runtime.data.tokenizer import BYTE, ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_info
@@ -38,8 +46,9 @@ _COPY_TOKENS = 1 << 22          # tokens per block when moving the held-out tail
 _worker_tok: Tokenizer | None = None
 
 
-def _init_worker(tokenizer: str) -> None:
+def _init_worker(tokenizer: str, parent: int) -> None:
     global _worker_tok
+    die_with_parent(parent)                  # a killed `data prepare` takes its workers along
     # one process per core already: keep the tokenizers library from adding its own threads
     set_worker_environment(TOKENIZERS_PARALLELISM="false")
     _worker_tok = load_tokenizer(tokenizer)
@@ -77,6 +86,48 @@ def _check_out(out: Path, overwrite: bool) -> None:
                           f"another directory or pass --overwrite")
 
 
+def _staging(out: Path) -> Path:
+    """The directory the new shard set is built in, beside `out` (same filesystem, so the
+    swap is a rename); those of runs that no longer exist are removed."""
+    out = Path(os.path.abspath(out))
+    for old in out.parent.glob(f".{out.name}.partial-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return out.parent / f".{out.name}.partial-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_shard_file(name: str) -> bool:
+    return name == HEADER or name.startswith(("train.", "val."))
+
+
+def _swap_in(new: Path, out: Path) -> None:
+    """Make the complete shard set in `new` the one in `out`. The old set stays whole until
+    the new one is: `out` is renamed aside, `new` renamed into place, then the old one is
+    deleted; other files the old directory held (not shards) move into the new one."""
+    out = Path(os.path.abspath(out))
+    if not out.exists():
+        os.replace(new, out)
+        return
+    for entry in out.iterdir():
+        if not _is_shard_file(entry.name) and not (new / entry.name).exists():
+            os.replace(entry, new / entry.name)
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.replace(out, old)
+    os.replace(new, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _results(pieces: list[Piece], tok: Tokenizer, tok_name: str, text_field: str, dtype: str,
              workers: int):
     """(piece, tokens, bytes) in input order; at most 2·workers pieces in flight."""
@@ -88,7 +139,7 @@ def _results(pieces: list[Piece], tok: Tokenizer, tok_name: str, text_field: str
 
     ctx = mp.get_context("spawn")          # no forked copy of torch / tokenizers threads
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(tok_name,)) as pool:
+                             initargs=(tok_name, os.getpid())) as pool:
         pending: deque[tuple[Piece, Future]] = deque()
         it = iter(pieces)
         for p in it:
@@ -129,14 +180,14 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     _check_out(out, overwrite)
     tok = load_tokenizer(tokenizer)
     dtype = dtype_for(tok.vocab_size)
-    pieces = plan(inputs, ext)
+    pieces = plan(inputs, ext, exclude=[out])
     if workers is None:  # a worker costs ~0.3 s to start: give each at least two pieces
         total = sum(p.size for p in pieces)
         workers = min(os.cpu_count() or 1, max(1, total // (2 * PIECE_BYTES)))
-    out.mkdir(parents=True, exist_ok=True)
-    if overwrite:
-        (out / HEADER).unlink(missing_ok=True)        # the old shards are invalid from now on
-    train_tmp, val_tmp = out / "train.bin.tmp", out / "val.bin.tmp"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = _staging(out)                   # the old shards stay valid until the swap
+    stage.mkdir()
+    train_tmp, val_tmp = stage / "train.bin", stage / "val.bin"
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -145,7 +196,7 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     bar = tqdm(total=sum(p.size for p in pieces), unit="B", unit_scale=True, desc="prepare",
                disable=not progress or None, dynamic_ncols=True, mininterval=0.5)
     try:
-        with open(train_tmp, "wb") as f:
+        with _writing(train_tmp), open(train_tmp, "wb") as f:
             for piece, ids, n_bytes in _results(pieces, tok, tokenizer, text_field, dtype,
                                                 workers):
                 f.write(ids.tobytes())
@@ -157,24 +208,32 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
             raise TitancError(f"the inputs ({', '.join(map(str, inputs))}) hold no text; pass "
                               f"files with text in them")
         n_val = int(n_tokens * val_fraction)
-        _move_tail(train_tmp, val_tmp, n_tokens - n_val, n_val, np.dtype(dtype))
-        os.replace(train_tmp, out / "train.bin")
-        os.replace(val_tmp, out / "val.bin")
+        with _writing(val_tmp):
+            _move_tail(train_tmp, val_tmp, n_tokens - n_val, n_val, np.dtype(dtype))
+        header = {
+            "format": FORMAT, "version": VERSION, "dtype": dtype,
+            "tokenizer": tokenizer_info(tok),
+            "splits": {"train": {"file": "train.bin", "tokens": n_tokens - n_val},
+                       "val": {"file": "val.bin", "tokens": n_val}},
+            "val_fraction": val_fraction, "text_bytes": total_bytes,
+            "sources": [{"path": p, "bytes": b} for p, b in sources.items()],
+        }
+        with _writing(stage / HEADER):
+            (stage / HEADER).write_text(json.dumps(header, indent=2) + "\n")
+        with _writing(out):
+            _swap_in(stage, out)
     finally:
         bar.close()
-        for tmp in (train_tmp, val_tmp):
-            tmp.unlink(missing_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)
     seconds = time.perf_counter() - t0
-    header = {
-        "format": FORMAT, "version": VERSION, "dtype": dtype,
-        "tokenizer": tokenizer_info(tok),
-        "splits": {"train": {"file": "train.bin", "tokens": n_tokens - n_val},
-                   "val": {"file": "val.bin", "tokens": n_val}},
-        "val_fraction": val_fraction, "text_bytes": total_bytes,
-        "sources": [{"path": p, "bytes": b} for p, b in sources.items()],
-    }
-    tmp = out / (HEADER + ".tmp")
-    tmp.write_text(json.dumps(header, indent=2) + "\n")
-    os.replace(tmp, out / HEADER)
     return {**header, "seconds": seconds, "workers": workers}
 
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """An OSError while writing `path` (a full disk) as a one-line error naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise TitancError(f"could not write {exc.filename or path}: {exc.strerror or exc}; "
+                          f"shards already in -o are unchanged") from None

@@ -19,6 +19,7 @@ Where a tokenizer lives:
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -314,28 +315,43 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | os.PathLike,
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257:
-        raise TitancError(f"--vocab-size: {vocab_size} must be at least 257 (the 256 byte "
-                          f"symbols and {EOT_TOKEN})")
+    from titanc.bounds import VOCAB_SIZE
+
+    VOCAB_SIZE.check(vocab_size, "--vocab-size")
+    out = Path(out)
+    if out.is_dir():
+        raise TitancError(f"-o {out} is a directory; pass a file name such as "
+                          f"{out / TOKENIZER_FILE}")
+    if out.exists() and not out.is_file():
+        raise TitancError(f"-o {out} is not a regular file (a device, FIFO or socket); pass "
+                          f"a file name such as {TOKENIZER_FILE}")
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOT_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_nonempty(texts), trainer)
-    out = Path(out)
-    if out.is_dir():
-        raise TitancError(f"-o {out} is a directory; pass a file name such as "
-                          f"{out / TOKENIZER_FILE}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    seen = [0]
+    tok.train_from_iterator(_nonempty(texts, seen), trainer)
+    if not seen[0]:
+        raise TitancError("the corpus holds no text, so there is nothing to learn merges from; "
+                          "pass files with text in them")
     tmp = out.with_name(out.name + ".tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tok.save(str(tmp))
+        os.replace(tmp, out)
+    except Exception as exc:  # OSError, or the library's own error for a failed write
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())[:120]
+        raise TitancError(f"could not write tokenizer {out}: {reason}; pick a writable path "
+                          f"with space for it") from None
     return BPETokenizer(out)
 
 
-def _nonempty(texts: Iterable[str]) -> Iterator[str]:
+def _nonempty(texts: Iterable[str], seen: list[int]) -> Iterator[str]:
     for t in texts:
         if t:
+            seen[0] += 1
             yield t

@@ -5,12 +5,17 @@ answered as HTTP 4xx with OpenAI's error body
 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`. Validation is
 strict about types (a JSON `true` is not an integer, a string is not a number) and refuses
 fields it does not know, so a misspelt option is an error rather than silently ignored.
+Text policy: every string field (prompt, stop, model) must be valid Unicode; JSON can carry
+lone surrogates (`"\\ud800"`), which are refused with a 400 naming the field, never passed to
+an encoder. Integer ranges come from titanc/bounds.py (seed) or the server's limits.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from titanc.bounds import SEED
 
 # fields accepted and ignored (they change nothing for this server)
 _IGNORED = {"user"}
@@ -30,6 +35,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, kind: str = "invalid_request_error",
                  headers: dict[str, str] | None = None):
+        message, param = _clean(message), None if param is None else _clean(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = \
             status, message, param, code, kind
@@ -38,6 +44,24 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
+
+
+def _clean(text: str) -> str:
+    """Text that can be sent as UTF-8: lone surrogates (invalid Unicode a JSON body may
+    carry as \\udXXX escapes) shown as escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _text(value: str, param: str) -> str:
+    """The text policy: a string field must be valid Unicode (no lone surrogates), else a
+    400 naming the field; nothing invalid reaches an encoder."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(param, f"is not valid Unicode text (a lone surrogate "
+                          f"U+{ord(value[exc.start]):04X} at character {exc.start}); send "
+                          f"UTF-8 text") from None
+    return value
 
 
 @dataclass(frozen=True)
@@ -128,7 +152,7 @@ def _prompts(body: dict, codec: Any, limits: Limits) -> tuple[list[list[int]], l
     ids, texts = [], []
     for x in items:
         if isinstance(x, str):
-            toks = codec.encode(x)
+            toks = codec.encode(_text(x, "prompt"))
             text = x
         else:
             if not x or not all(_is_int(t) for t in x):
@@ -160,7 +184,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise _bad("stop", f"{len(stops)} stop sequences; at most {MAX_STOPS}")
     if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise _bad("stop", f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
@@ -196,13 +220,15 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"expected a string, got {_show(model)}")
+    if model is not None:
+        _text(model, "model")
     return CompletionParams(
         prompts=prompts, prompt_texts=texts,
         max_tokens=_int(body, "max_tokens", 16, 0, limits.max_tokens),
         temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_float(body, "top_p", None, 0.0, 1.0, open_lo=True),
         top_k=top_k if top_k and top_k > 0 else None,
-        seed=_int(body, "seed", None, -(1 << 63), (1 << 64) - 1),
+        seed=_int(body, "seed", None, -(1 << 63), SEED.hi),
         stop=_stop(body), n=n, stream=stream,
         include_usage=bool(opts and opts.get("include_usage")),
         logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),

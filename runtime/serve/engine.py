@@ -16,6 +16,13 @@ out of cache. One thread, the engine loop, owns the compiled decode program. Eac
 4. runs one batched decode step over all N slots (free slots decode a dummy token and are reset
    when reused) and samples the next token of every request whose prompt is in.
 
+Scheduling is first come, first served with a fair share: before admitting, while requests
+wait and every slot is busy, each request that has held its slot for `quantum` (64) decode
+steps is swapped out to the back of the queue; a Titans sequence's state is constant-size, so
+this is a copy of one batch row, and its sampler goes with it, so its tokens are the same. One
+large request (n=16, max_tokens=4096) therefore delays a small one by at most about
+`quantum x ceil(waiting / slots)` decode steps, never by its whole length.
+
 Each request samples with its own `torch.Generator` seeded by its seed, and a row of the batched
 step does not depend on the other rows (same batch shape every step), so a request's tokens do
 not depend on what else is in the batch. Text (stop sequences, UTF-8 completion) is handled here
@@ -39,6 +46,7 @@ from titanc.runtime.serve.generate import DecodeState, Generator, Sampling, samp
 
 Tensor = torch.Tensor
 REPLACEMENT = "\ufffd"
+QUANTUM = 64                    # decode steps a request keeps its slot while others wait
 
 
 class Codec(Protocol):
@@ -96,6 +104,9 @@ class Request:
     finish_reason: str | None = None
     cancelled: bool = False
     slot: int | None = None
+    ran: int = 0                              # decode steps since last admitted to a slot
+    saved: DecodeState | None = None          # its sequence while swapped out (batch 1)
+    sampler: torch.Generator | None = None    # its generator while swapped out
     t_submit: float = 0.0
     t_last: float = 0.0
 
@@ -121,11 +132,14 @@ class Observer(Protocol):
 
 class Engine:
     def __init__(self, gen: Generator, codec: Codec, slots: int, max_queue: int = 64,
-                 prefill_budget: int | None = None, observer: Observer | None = None):
+                 prefill_budget: int | None = None, observer: Observer | None = None,
+                 quantum: int = QUANTUM):
         if slots < 1:
             raise TitancError(f"--slots: {slots} must be at least 1")
         self.gen, self.codec, self.n_slots, self.max_queue = gen, codec, slots, max_queue
         self.prefill_budget = prefill_budget or 4 * gen.chunk
+        self.quantum = quantum                              # decode steps of a fair share
+        self.preempted = 0                                  # swaps out, for /metrics, tests
         self.observer = observer
         self.state = gen.new_state(slots)
         self._fresh = gen.new_state(1)
@@ -253,16 +267,42 @@ class Engine:
 
     def _admit(self) -> None:
         with self._cv:
+            self._preempt()
             for s in range(self.n_slots):
                 if self.slots[s] is None and self.waiting:
                     r = self.waiting.popleft()
-                    r.slot = s
+                    r.slot, r.ran = s, 0
                     self.slots[s] = r
+                    if r.saved is not None:                 # swapped out earlier: back in
+                        self.state.put(s, r.saved)
+                        self._samplers[s], r.saved, r.sampler = r.sampler, None, None
+                        continue
                     self._prefills[s] = _Prefill(r, self._start_state(r))
                     if r.echo and r.logprobs is not None:
                         r.prompt_lp = [TokenLogprob(r.prompt[0], None, None)]
                     seed = r.sampling.seed
                     self._samplers[s] = torch.Generator().manual_seed(seed)
+
+    def _preempt(self) -> None:
+        """Fair share: while requests wait and no slot is free, a request that has had its
+        slot for `quantum` decode steps is swapped out to the back of the queue (its
+        sequence copied aside: the state is constant-size, its sampler kept, so its tokens
+        do not change), longest-running first, one per waiting request."""
+        free = sum(r is None for r in self.slots)
+        due = sorted((s for s, r in enumerate(self.slots)
+                      if r is not None and s not in self._prefills and not r.done
+                      and not r.cancelled and r.ran >= self.quantum),
+                     key=lambda s: -self.slots[s].ran)           # type: ignore[union-attr]
+        for s in due[:max(0, len(self.waiting) - free)]:
+            r = self.slots[s]
+            assert r is not None
+            r.saved = self.gen.new_state(1)
+            r.saved.put(0, self.state, s)
+            r.sampler = self._samplers.pop(s)
+            r.slot, self.slots[s] = None, None
+            self.state.put(s, self._fresh)
+            self.waiting.append(r)
+            self.preempted += 1
 
     def _start_state(self, r: Request) -> DecodeState:
         """Where a request's prefill starts: a fresh sequence, or a copy of its conversation,
@@ -341,6 +381,7 @@ class Engine:
         for s, r in enumerate(self.slots):
             if r is None or s in self._prefills or r.cancelled:
                 continue
+            r.ran += 1
             if not r.feed:
                 self._emit(s, logits[s:s + 1])
                 continue

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from titanc.runtime.serve.completions import ApiError, CompletionParams, Limits, check_model, parse_completion
 from titanc.runtime.serve.engine import Draining, Engine, QueueFull, Request, TokenLogprob, Update, random_seed
@@ -155,11 +156,15 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise too_big if length.isdigit() else ApiError(400, "bad Content-Length header")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:                 # the client's fault, not the server's: a 4xx
+        raise ApiError(400, f"the client closed the connection after {size} bytes of the body",
+                       code="incomplete_body") from None
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:
@@ -349,16 +354,29 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's Server with a draining shutdown: the first SIGTERM/SIGINT stops admission
     (new requests get 503), lets running requests finish for up to `grace` seconds, cancels
     what is left (finish_reason "abort"), then stops uvicorn, and the process exits 0. A
-    second signal stops at once. It prints the address it listens on (useful with port 0)."""
+    second signal cancels every request at once (each stream still ends with its "abort"
+    chunk and `[DONE]`) and stops; a third stops without waiting. It prints the address it listens on (useful with port 0)."""
 
     def __init__(self, config: uvicorn.Config, engine: Engine, grace: float):
         super().__init__(config)
-        self.engine, self.grace, self.draining = engine, grace, False
+        self.engine, self.grace, self.draining, self.stopping = engine, grace, False, False
+
+    def _stop_soon(self) -> None:
+        deadline = time.monotonic() + 2.0
+        while not self.engine.idle and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)                       # let the abort chunks reach their clients
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # unlike uvicorn's, this does not re-raise the signal after shutdown: exit status 0
-        if self.draining:
+        if self.stopping:                    # a third signal: now
             self.should_exit = self.force_exit = True
+            return
+        if self.draining:                    # a second: end every request now, as "abort"
+            self.stopping = True             # chunks and [DONE], then stop
+            self.engine.cancel_all()
+            threading.Thread(target=self._stop_soon, name="titanc-stop", daemon=True).start()
             return
         self.draining = True
         self.engine.drain()
@@ -390,15 +408,18 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     """Load a run or artifact, warm the engine up and serve until SIGTERM; returns 0."""
     import titanc
 
-    from titanc.runtime.serve.codec import codec_for
+    from titanc.runtime.serve.codec import TokenizerCodec
     from titanc.runtime.serve.generate import Generator
+    from titanc.runtime.train.rundir import run_tokenizer
 
     _check_address(host, port)
+    tok = run_tokenizer(source)                  # the run's own, checked against its record
     prog = titanc.load(source)
-    codec = codec_for(prog, source)
+    codec = TokenizerCodec(tok, prog.spec.model.vocab_size)
     engine_ref: list[Engine] = []
     metrics = Metrics(engine_ref)
     gen = Generator(prog, codec.tok)
+    check_serving_fits(gen, slots, limits, max_queue)
     sessions = SessionStore(gen, max_sessions, sessions_dir)
     engine = Engine(gen, codec, slots, max_queue, prefill_budget, observer=_Observer(metrics))
     engine_ref.append(engine)
@@ -416,20 +437,38 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     return 0
 
 
+def check_serving_fits(gen: Generator, slots: int, limits: Limits, max_queue: int = 0) -> None:
+    """The slot pool and the slots' prefill states (measured on a batch-1 decoding state of
+    `gen`), a step's logits, and the longest requests the limits admit (running and queued)
+    must fit in memory, checked before the pool is allocated."""
+    from titanc.runtime.capacity import TOKEN_BYTES, check_fits
+
+    st = gen.new_state(1)
+    one = sum(t.numel() * t.element_size()
+              for t in [*st.tensors.values(), *st.pending.values(), st.slot_pos])
+    spec = gen.prog.spec
+    per_request = limits.max_prompt_tokens + limits.max_tokens
+    need = (2 * slots * one + slots * spec.model.vocab_size * 4
+            + (slots + max_queue) * per_request * TOKEN_BYTES)
+    check_fits(need, spec, lower=True,
+               reduce=f"--slots ({slots}), --max-queue, --max-prompt-tokens or --max-tokens")
+
+
 def _check_address(host: str, port: int) -> None:
     """Fail early, in one line, when the address cannot be listened on."""
     import socket
 
-    from titanc.errors import TitancError
+    from titanc.errors import TitancError, printable
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(infos[0][4])
-    except OSError as exc:
-        raise TitancError(f"--host/--port: cannot listen on {host}:{port} "
-                          f"({exc.strerror or exc}); pick another port or --port 0") from None
+    except (OSError, UnicodeError, ValueError) as exc:   # a host name idna cannot encode
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise TitancError(f"--host/--port: cannot listen on {printable(host, 60)}:{port} "
+                          f"({reason}); pick another port or --port 0") from None
 
 
 def warm_up(engine: Engine) -> None:

@@ -31,6 +31,7 @@ from titanc.errors import TitancError
 from titanc.runtime.data.datasets import SYNTHETIC_RECALL, SyntheticRecall, TextData
 from titanc.runtime.data.shards import ShardData
 from titanc.runtime.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from titanc.runtime.train.rundir import run_tokenizer
 
 __all__ = ["evaluate", "evaluate_run", "evaluate_recall", "open_eval_data", "recall_seq_len"]
 
@@ -125,7 +126,7 @@ def evaluate_run(run: str | os.PathLike, data: str, *, batches: int = 8, split: 
     """Load RUN (run directory, checkpoint or artifact) and its tokenizer; evaluate on `data`."""
     import titanc
 
-    tok = load_tokenizer(run)
+    tok = run_tokenizer(run)                       # checked against the checkpoint's record
     _check_text_source(os.fspath(data), tok)       # before paying for a compile
     prog = titanc.load(run)
     dataset = open_eval_data(os.fspath(data), prog.spec, tok)
@@ -154,6 +155,7 @@ def evaluate_recall(run: str | os.PathLike, distances: list[int], *, batches: in
     import titanc
 
     task = dict(task or {})
+    run_tokenizer(run)                             # the run's files belong together
     prog = titanc.load(run)
     spec = prog.spec
     V, B = spec.model.vocab_size, spec.train.batch_size

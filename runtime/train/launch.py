@@ -1,6 +1,8 @@
 """`titanc train SPEC --nproc N`: N local ranks of `python -m titanc.train`, as torchrun would
 start them (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), watched
-until they all finish.
+until they all finish. The ranks die with the launcher: SIGTERM, SIGHUP or SIGINT to it is
+forwarded to them and they are reaped; a SIGKILLed launcher takes them along
+(PR_SET_PDEATHSIG, runtime/children.py).
 
 A rank that exits non-zero stops the job: the others normally fail their next collective at
 once (gloo sees the closed connection) and exit with their own one-line error; any still
@@ -9,6 +11,8 @@ the first rank that failed and how, and where the last checkpoint is, and exits 
 """
 from __future__ import annotations
 
+import functools
+import os
 import signal
 import socket
 import subprocess
@@ -19,6 +23,7 @@ from typing import Sequence
 
 from titanc.config import child_environment, current
 from titanc.errors import DistributedError, TitancError
+from titanc.runtime.children import die_with_parent, forward_signals, reap
 
 __all__ = ["launch", "free_port"]
 
@@ -53,20 +58,31 @@ def _checkpoint_step(run: Path) -> int | None:
         return -1
 
 
+def _kept(out: Path) -> str:
+    from titanc.runtime.train.checkpoint import CHECKPOINT_NAME
+    step = _checkpoint_step(out)
+    return ("no checkpoint was written" if step is None
+            else f"{out / CHECKPOINT_NAME} could not be read" if step < 0
+            else f"the last checkpoint (step {step}) is in {out / CHECKPOINT_NAME}; "
+                 f"continue with --resume {out}")
+
+
 def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
     """Run `python -m titanc.train *argv` as `nproc` local ranks; returns 0 when every rank
     succeeded, else raises DistributedError with the one-line reason."""
     env = child_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    procs = []
-    for rank in range(nproc):
-        procs.append(subprocess.Popen([sys.executable, "-m", "titanc.train", *argv],
-                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+    procs: list[subprocess.Popen] = []
     first: tuple[int, int] | None = None          # (rank, exit code) of the first failure
     deadline = None
     stopped: set[int] = set()                     # ranks the launcher killed itself
-    try:
-        while any(p.poll() is None for p in procs):
+    with forward_signals(procs) as stop:
+        for rank in range(nproc):                 # a rank dies with the launcher (even SIGKILL)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "titanc.train", *argv],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                preexec_fn=functools.partial(die_with_parent, os.getpid())))
+        while any(p.poll() is None for p in procs) and stop.signum is None:
             if first is None:
                 failed = [(r, p.returncode) for r, p in enumerate(procs)
                           if p.returncode not in (None, 0)]
@@ -78,13 +94,14 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
                         p.kill()
                         stopped.add(rank)
             time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            p.wait()
-        raise
+        if stop.signum is not None:               # every rank got the signal: reap them
+            for p in procs:                       # (one started after it arrived too)
+                if p.poll() is None:
+                    p.send_signal(stop.signum)
+            reap(procs, timeout_s)
+            print(f"titanc: stopped by {stop.name}: the {nproc} ranks were stopped; "
+                  f"{_kept(Path(out))}", file=sys.stderr)
+            return 128 + stop.signum
     codes = [p.returncode for p in procs]
     # status 1 is a rank reporting that a peer failed: name the rank that failed first-hand
     # (killed, crashed, bad input) when there is one
@@ -97,12 +114,7 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
             return 0
         first = bad[0]
     rank, code = first
-    from titanc.runtime.train.checkpoint import CHECKPOINT_NAME
-    step = _checkpoint_step(Path(out))
-    kept = ("no checkpoint was written" if step is None
-            else f"{Path(out) / CHECKPOINT_NAME} could not be read" if step < 0
-            else f"the last checkpoint (step {step}) is in {Path(out) / CHECKPOINT_NAME}; "
-                 f"continue with --resume {out}")
+    kept = _kept(Path(out))
     late = (f" (rank {', '.join(map(str, sorted(stopped)))} did not stop within "
             f"train.dist_timeout_s={timeout_s:g} s and was killed)" if stopped else "")
     raise DistributedError(f"rank {rank} of {nproc} {_how(code)}, so the job stopped{late}; "

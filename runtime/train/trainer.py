@@ -54,6 +54,7 @@ import titanc
 from titanc.errors import TitancError, printable
 from titanc.model.spec import Spec, load_spec, spec_to_dict
 
+from titanc.runtime.children import StopRequest, stop_on_term
 from titanc.runtime.train.checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_resumable, checkpoint_path,
                          first_nonfinite, load_checkpoint, remove_stale_temps, restore,
                          save_checkpoint)
@@ -114,6 +115,12 @@ class Trainer:
             check_same_tokenizer(self.tokenizer, meta["extra"].get("tokenizer_hash"),
                                  self.resume_path)
             start = meta["step"]
+        if until is not None and start >= self.until and until < spec.train.steps:
+            raise TitancError(f"--until {until}: the checkpoint is already at step {start}; "
+                              f"pass --until N with N > {start}, or leave --until out")
+        if until is not None and start >= self.until and until < spec.train.steps:
+            raise TitancError(f"--until {until}: the checkpoint is already at step {start}; "
+                              f"pass --until N with N > {start}, or leave --until out")
         if start >= self.until:
             raise TitancError(
                 f"the checkpoint is at step {start} and train.steps is {spec.train.steps}: "
@@ -143,6 +150,7 @@ class Trainer:
         self.last_ckpt_step: int | None = start if self._resuming_in_place else None
         self.times: dict[str, float] = defaultdict(float)
         self.name = printable(spec.name, 60)       # the spec name as it may reach a terminal
+        self._stop = StopRequest()                 # set by SIGTERM while run() runs
 
     # -- setup ----------------------------------------------------------------------------------
     @property
@@ -304,7 +312,10 @@ class Trainer:
         """Train from the current step to `until`; returns the summary (see run_training)."""
         if not self.main:                          # rank 0 locks and writes the directory
             return self._run()
-        with RunDir(self.out), writing_into(self.out):
+        # SIGTERM (a scheduler, `kill`) to a single process: the step in flight finishes, is
+        # checkpointed, and the run stops with one line (exit 0); ranks stop with their job
+        with RunDir(self.out), writing_into(self.out), \
+                stop_on_term(enabled=self.dist is None) as self._stop:
             self._check_out_dir(probe_lock=False)  # again, under the lock: another run may
             #                                        have finished meanwhile
             remove_stale_temps(self.ckpt, keep_live=False)   # the lock: no one else saves here
@@ -350,6 +361,13 @@ class Trainer:
                     self._timed("eval", self._memory_stats)
                 if self._due(spec.train.checkpoint_every):
                     self._timed("checkpoint", self._checkpoint)
+                if self._stop.signum is not None:     # SIGTERM: stop here, checkpointed
+                    if self.last_ckpt_step != prog.step:
+                        self._timed("checkpoint", self._checkpoint)
+                    bar.close()
+                    self.log(f"stopped by {self._stop.name} after step {prog.step}; "
+                             f"{self._kept()}")
+                    break
         except KeyboardInterrupt:
             bar.close()
             self.log(f"interrupted after step {prog.step}; {self._kept()}")
@@ -378,7 +396,8 @@ class Trainer:
             summary["unigram_loss"] = self.data.unigram_entropy("val")
         if self.profile:
             summary["profile"] = self._profile(seconds)
-        self._report_end(summary)
+        if self._stop.signum is None:              # stopped: its one line is printed
+            self._report_end(summary)
         return summary
 
     # -- reporting ------------------------------------------------------------------------------

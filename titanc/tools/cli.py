@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from titanc import bounds as B
 from titanc import config
 from titanc.errors import TitancError, printable
 from titanc.model.spec import Spec, load_spec, parse_set_args
@@ -59,44 +59,7 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _int_at_least(low: int, what: str) -> Callable[[str], int]:
-    """An argparse type: an integer >= low, described as `what` in the error."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
-    return parse
-
-
-_positive_int = _int_at_least(1, "a positive integer")
-_non_negative_int = _int_at_least(0, "an integer >= 0")
-
-
-def _temperature(text: str) -> float:
-    """An argparse type: a finite float >= 0 (nan, inf and negatives are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 is greedy), "
-                                         f"got {text[:30]!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    """An argparse type: an integer in [0, 2**64), what a torch generator takes."""
-    try:
-        value = int(text) if len(text) <= 30 else -1
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**64:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text[:30]!r}")
-    return value
+_temperature = B.finite_float(0.0, 1e6, "a finite temperature (0 is greedy)")
 
 
 def _add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "file (byte-level tokens), a token-shard directory from 'titanc "
                             "data prepare' or synthetic:recall, an associative-recall "
                             "task that needs a working memory")
-    train.add_argument("--steps", metavar="N", type=_positive_int, default=None,
+    train.add_argument("--steps", metavar="N", type=B.STEPS.arg, default=None,
                        help="number of optimizer steps, instead of the spec's train.steps")
     train.add_argument("--out", metavar="RUN", required=True,
                        help="run directory for metrics.jsonl, loss.png and checkpoints")
@@ -162,14 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "the spec instead of loading the tensors that match")
     train.add_argument("--profile", action="store_true",
                        help="print time per kernel category, tokens/s and peak memory")
-    train.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    train.add_argument("--threads", type=B.THREADS.arg, default=None, metavar="N",
                        help="torch CPU threads (default: $TITANC_THREADS, else one per 4 GFLOP "
                             "of step work, at most the cores not already busy); shown in the "
                             "progress line")
-    train.add_argument("--until", metavar="STEP", type=_positive_int, default=None,
+    train.add_argument("--until", metavar="STEP", type=B.STEPS.arg, default=None,
                        help="stop (with a checkpoint) at this step while the learning-rate "
                             "schedule still spans train.steps; continue later with --resume")
-    train.add_argument("--nproc", metavar="N", type=_positive_int, default=1,
+    train.add_argument("--nproc", metavar="N", type=B.NPROC.arg, default=1,
                        help="data-parallel ranks on this machine (torch.distributed, gloo on "
                             "CPU, NCCL on CUDA); train.batch_size is per rank. For several "
                             "machines use torchrun ... -m titanc.train")
@@ -186,15 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("source", metavar="RUN", help="run directory, checkpoint or artifact directory")
     gen.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                      help="prompt text (encoded with the run's tokenizer); repeat for a batch")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
+    gen.add_argument("--max-new-tokens", type=B.TOKENS.arg, default=64, metavar="N",
                      help="tokens to generate per prompt (default 64)")
     gen.add_argument("--temperature", type=_temperature, default=0.8,
                      help="sampling temperature; 0 is greedy (default 0.8)")
-    gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+    gen.add_argument("--top-k", type=B.TOP_K.arg, default=None, metavar="K",
                      help="sample among the K most likely tokens")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+    gen.add_argument("--top-p", type=B.finite_float(0.0, 1.0, "a probability"), default=None, metavar="P",
                      help="nucleus sampling: the smallest set of tokens with probability > P")
-    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--seed", type=B.SEED.arg, default=0, help="sampling seed (default 0)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop a sequence once its output ends with TEXT; repeatable")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
@@ -236,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --graph: the pass whose output to draw, by pass name "
                               "(aggregate: its last run) or dump name (02_aggregate_forward); "
                               "default: the final training graph")
-    inspect.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+    inspect.add_argument("--limit", type=B.LIMIT.arg, default=None, metavar="N",
                          help="list only the first N kernels (totals still cover all)")
     inspect.set_defaults(run=_cmd_inspect)
 
@@ -248,11 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  titanc bench examples/tiny.yaml --steps 3 --threads 2 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_spec_args(bench)
-    bench.add_argument("--steps", type=_positive_int, default=5, metavar="N",
+    bench.add_argument("--steps", type=B.STEPS.arg, default=5, metavar="N",
                        help="profiled training steps (default 5)")
-    bench.add_argument("--warmup", type=_non_negative_int, default=1, metavar="N",
+    bench.add_argument("--warmup", type=B.Bound(0, 1 << 20, "a number of steps").arg, default=1, metavar="N",
                        help="unprofiled warm-up steps first (default 1)")
-    bench.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    bench.add_argument("--threads", type=B.THREADS.arg, default=None, metavar="N",
                        help="torch CPU threads (default: torch's default); always reported")
     bench.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.set_defaults(run=_cmd_bench)
@@ -275,25 +238,25 @@ def _add_serve_parser(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("source", metavar="RUN", help="run directory, checkpoint or artifact directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=_non_negative_int, default=8000,
+    serve.add_argument("--port", type=B.PORT.arg, default=8000,
                        help="port (default 8000; 0 picks a free one and prints it)")
-    serve.add_argument("--slots", type=_positive_int, default=8, metavar="N",
+    serve.add_argument("--slots", type=B.SLOTS.arg, default=8, metavar="N",
                        help="sequences decoded together in each step (default 8)")
-    serve.add_argument("--max-queue", type=_positive_int, default=64, metavar="N",
+    serve.add_argument("--max-queue", type=B.QUEUE.arg, default=64, metavar="N",
                        help="completions that may wait for a slot; more get 429 (default 64)")
-    serve.add_argument("--max-prompt-tokens", type=_positive_int, default=8192, metavar="N",
+    serve.add_argument("--max-prompt-tokens", type=B.PROMPT_TOKENS.arg, default=8192, metavar="N",
                        help="longest prompt accepted, in tokens (default 8192)")
-    serve.add_argument("--max-tokens", type=_positive_int, default=4096, metavar="N",
+    serve.add_argument("--max-tokens", type=B.TOKENS.arg, default=4096, metavar="N",
                        help="largest max_tokens accepted (default 4096)")
-    serve.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, metavar="N",
+    serve.add_argument("--max-body-bytes", type=B.BODY_BYTES.arg, default=1 << 20, metavar="N",
                        help="largest request body accepted (default 1 MiB)")
-    serve.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+    serve.add_argument("--grace", type=B.finite_float(0.0, 86400.0, "seconds"), default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long running requests may finish (default 30)")
-    serve.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    serve.add_argument("--threads", type=B.THREADS.arg, default=None, metavar="N",
                        help="torch CPU threads (default: torch's default)")
     serve.add_argument("--model-name", default=None, metavar="NAME",
                        help="model id in the API (default: the spec's name)")
-    serve.add_argument("--max-sessions", type=_positive_int, default=64, metavar="N",
+    serve.add_argument("--max-sessions", type=B.QUEUE.arg, default=64, metavar="N",
                        help="sessions held in memory (default 64); when full, the least "
                             "recently used idle one is evicted to --sessions-dir, or without "
                             "it a new session gets 429")
@@ -313,8 +276,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
-    if not args.grace >= 0:
-        raise TitancError(f"--grace: {args.grace} must be a number of seconds >= 0")
+    if args.model_name is not None:
+        _text(args.model_name, "--model-name")          # it goes out in every JSON reply
     limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
     return serve(args.source, args.host, args.port, args.slots, args.max_queue, limits,
                  args.grace, args.model_name, max_sessions=args.max_sessions,
@@ -403,8 +366,11 @@ def _train_argv(args: argparse.Namespace) -> list[str]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import titanc
+    from titanc.fit import generation_bytes
+    from titanc.runtime.capacity import TOKEN_BYTES, check_fits
+    from titanc.runtime.data.tokenizer import StreamDecoder
     from titanc.runtime.serve.generate import Generator, Sampling, load_session, save_session
-    from titanc.runtime.data.tokenizer import StreamDecoder, load_tokenizer
+    from titanc.runtime.train.rundir import run_tokenizer
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
@@ -412,10 +378,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise TitancError(f"--session continues one conversation: give one --prompt, not "
                           f"{len(args.prompt)}")
     prog = titanc.load(args.source)
-    tokenizer = load_tokenizer(args.source)       # the run's / artifact's own tokenizer
+    tokenizer = run_tokenizer(args.source)        # the run's own, checked against its record
+    prompts = [tokenizer.encode(_text(p, "--prompt")) for p in args.prompt]
+    stops = tuple(_text(s, "--stop") for s in args.stop)
+    n_tokens = sum(map(len, prompts)) + len(prompts) * args.max_new_tokens
+    check_fits(generation_bytes(prog.spec, len(prompts)) + n_tokens * TOKEN_BYTES, prog.spec,
+               lower=True, reduce="--max-new-tokens or the number of --prompt")
     gen = Generator(prog, tokenizer)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop))
-    prompts = [tokenizer.encode(p) for p in args.prompt]
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, stops)
     state = None
     if args.session is not None:
         state = (load_session(args.session, gen) if os.path.exists(args.session)
@@ -434,6 +404,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if state is not None:
         save_session(args.session, gen, state)
     return 0
+
+
+def _text(arg: str, flag: str) -> str:
+    """A command-line text argument as valid Unicode. Bytes that are not UTF-8 reach Python
+    as lone surrogates (PEP 383), which no encoder takes: refused in one line."""
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TitancError(f"{flag}: the argument is not valid UTF-8 text (byte "
+                          f"0x{ord(arg[exc.start]) & 0xFF:02x} at character {exc.start}); "
+                          f"pass UTF-8 text") from None
+    return arg
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

@@ -14,21 +14,12 @@ import argparse
 import json
 from typing import Any
 
+from titanc import bounds as B
 from titanc.errors import TitancError
 
 __all__ = ["add_commands"]
 
 _RAW = argparse.RawDescriptionHelpFormatter
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _exts(text: str) -> list[str]:
@@ -60,11 +51,11 @@ def add_commands(commands: Any) -> None:
                "-o tok.json",
         formatter_class=_RAW)
     train.add_argument("inputs", nargs="+", metavar="CORPUS")
-    train.add_argument("--vocab-size", type=_positive, required=True, metavar="N",
+    train.add_argument("--vocab-size", type=B.VOCAB_SIZE.arg, required=True, metavar="N",
                        help="vocabulary size, including the 256 byte symbols and <|endoftext|>")
     train.add_argument("-o", "--out", required=True, metavar="FILE",
                        help="where to write tokenizer.json")
-    train.add_argument("--min-frequency", type=_positive, default=2, metavar="N",
+    train.add_argument("--min-frequency", type=B.MIN_FREQUENCY.arg, default=2, metavar="N",
                        help="merge only pairs seen at least N times (default 2)")
     _add_corpus_args(train)
     train.set_defaults(run=_cmd_tokenizer_train)
@@ -84,9 +75,9 @@ def add_commands(commands: Any) -> None:
     prep.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
     prep.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
                       help="byte (default) or a tokenizer.json from 'titanc tokenizer train'")
-    prep.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
+    prep.add_argument("--val-fraction", type=B.finite_float(0.0, 0.99, "a fraction"), default=0.1, metavar="F",
                       help="the last F of the token stream is held out as val.bin (default 0.1)")
-    prep.add_argument("--workers", type=_positive, default=None, metavar="N",
+    prep.add_argument("--workers", type=B.WORKERS.arg, default=None, metavar="N",
                       help="worker processes (default: the number of CPUs)")
     prep.add_argument("--overwrite", action="store_true",
                       help="replace shards already in DIR")
@@ -105,7 +96,7 @@ def add_commands(commands: Any) -> None:
     ev.add_argument("--data", metavar="DIR|FILE|synthetic:recall",
                     help="a token-shard directory, a text file (byte tokenizer) or "
                          "synthetic:recall")
-    ev.add_argument("--batches", type=_positive, default=8, metavar="N",
+    ev.add_argument("--batches", type=B.BATCHES.arg, default=8, metavar="N",
                     help="batches of train.batch_size windows (default 8)")
     ev.add_argument("--split", choices=("val", "train"), default="val")
     ev.add_argument("--recall", action="store_true",
@@ -154,21 +145,24 @@ RECALL_OPTIONS = ("n_pairs", "n_queries", "n_keys", "n_values", "filler_tokens")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise TitancError(f"{flag}: {text!r} is not a comma-separated list of integers, "
-                          f"e.g. 8,64,256") from None
+    items = [x for x in text.split(",") if x.strip()]
+    if not items:
+        raise TitancError(f"{flag}: {text[:40]!r} is not a comma-separated list of integers, "
+                          f"e.g. 8,64,256")
+    return [B.DISTANCE.parse(x, flag) for x in items]
+
+
+_LAYOUT = B.Bound(0, 1 << 16, "a count")
 
 
 def _recall_layout(text: str) -> dict[str, int]:
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = item.partition("=")
-        if not eq or key not in RECALL_OPTIONS or not value.isdigit():
-            raise TitancError(f"--recall-layout: {item!r} must be KEY=N with KEY one of "
+        if not eq or key not in RECALL_OPTIONS:
+            raise TitancError(f"--recall-layout: {item[:40]!r} must be KEY=N with KEY one of "
                               f"{', '.join(RECALL_OPTIONS)}")
-        out[key] = int(value)
+        out[key] = _LAYOUT.parse(value, f"--recall-layout {key}")
     return out
 
 

@@ -1,0 +1,102 @@
+"""Every numeric input's range, in one table: CLI flags and HTTP request fields check here.
+
+    parser.add_argument("--port", type=PORT.arg)            # argparse: exit 2, one line
+    seed = SEED.check(body["seed"], "seed")                  # TitancError naming the field
+
+A `Bound` is a closed integer range [lo, hi] with a name for messages. The upper ends are what
+the code downstream accepts (a torch generator's 64-bit seed, a TCP port, the `tokenizers`
+trainer's u32 frequencies) or a cap that keeps one input from asking for unbounded memory or
+time (a vocabulary of 2**21 tokens, 2**20 tokens generated per sequence); memory beyond the
+range is the fit check's job (titanc/fit.py). Text is parsed with at most `MAX_DIGITS` digits,
+so a flag of a million digits costs nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from titanc.errors import TitancError
+
+__all__ = ["Bound", "SEED", "PORT", "VOCAB_SIZE", "MIN_FREQUENCY", "SLOTS", "QUEUE",
+           "TOKENS", "PROMPT_TOKENS", "BODY_BYTES", "WORKERS", "THREADS", "STEPS", "BATCHES",
+           "NPROC", "TOP_K", "DISTANCE", "LIMIT", "finite_float"]
+
+MAX_DIGITS = 24
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    lo: int
+    hi: int
+    what: str                      # "a seed", shown in messages
+
+    def describe(self) -> str:
+        return f"{self.what}: an integer in [{self.lo}, {self.hi}]"
+
+    def check(self, value: Any, field: str) -> int:
+        """`value` when it is an integer in range, else TitancError naming `field`."""
+        if not _is_int(value):
+            raise TitancError(f"{field}: expected {self.describe()}, got {_show(value)}")
+        if not self.lo <= value <= self.hi:
+            raise TitancError(f"{field}: expected {self.describe()}, got {_show(value)}")
+        return value
+
+    def parse(self, text: str, field: str) -> int:
+        """An integer from text (a flag value), checked."""
+        digits = text.strip().lstrip("+-")
+        if not digits.isdigit() or len(digits) > MAX_DIGITS or not digits.isascii():
+            raise TitancError(f"{field}: expected {self.describe()}, got {_show(text)}")
+        return self.check(int(text), field)
+
+    def arg(self, text: str) -> int:
+        """An argparse `type`: the error becomes argparse's one-line usage error."""
+        try:
+            return self.parse(text, "value")
+        except TitancError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if not text.isascii() or not text.isprintable():
+        text = ascii(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def finite_float(lo: float, hi: float, what: str):  # noqa: ANN201 - an argparse type
+    """An argparse type: a finite float in [lo, hi] (nan, inf refused)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text) if len(text) <= 64 else math.nan
+        except ValueError:
+            value = math.nan
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what} in [{lo:g}, {hi:g}], "
+                                             f"got {_show(text)}")
+        return value
+    return parse
+
+
+SEED = Bound(0, 2**64 - 1, "a seed")                          # torch.Generator.manual_seed
+PORT = Bound(0, 65535, "a TCP port (0 picks a free one)")
+VOCAB_SIZE = Bound(257, 1 << 21, "a vocabulary size")         # 256 bytes + end-of-text, ...
+MIN_FREQUENCY = Bound(1, 2**32 - 1, "a pair count")          # tokenizers' trainer: u32..u64
+SLOTS = Bound(1, 4096, "a number of slots")                   # then fit.check_fits
+QUEUE = Bound(1, 1 << 16, "a queue length")
+TOKENS = Bound(1, 1 << 20, "a number of tokens")              # generated per sequence
+PROMPT_TOKENS = Bound(1, 1 << 20, "a number of prompt tokens")
+BODY_BYTES = Bound(1, 1 << 30, "a number of bytes")
+WORKERS = Bound(1, 256, "a number of worker processes")
+THREADS = Bound(1, 1024, "a number of threads")
+STEPS = Bound(1, 10**12, "a number of steps")
+BATCHES = Bound(1, 1 << 20, "a number of batches")
+NPROC = Bound(1, 1024, "a number of ranks")
+TOP_K = Bound(1, 1 << 30, "a number of tokens")
+DISTANCE = Bound(1, 1 << 20, "a distance in tokens")
+LIMIT = Bound(1, 1 << 30, "a count")
