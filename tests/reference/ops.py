@@ -28,14 +28,20 @@ def silu(z: Tensor) -> Tensor:
     return z * torch.sigmoid(z)
 
 
-def dwconv(u: Tensor, w: Tensor) -> Tensor:
-    """Causal depthwise conv with zero history: out[b,t,c] = sum_j w[c,j] u[b, t-(K-1)+j, c]."""
+def dwconv(u: Tensor, w: Tensor, doc: Tensor | None = None) -> Tensor:
+    """Causal depthwise conv with zero history: out[b,t,c] = sum_j w[c,j] u[b, t-(K-1)+j, c].
+    `doc` (B, T) int, each token's document start in u's positions: a tap reading a position
+    before it reads 0 (the conv history resets at a document start)."""
     # u (B, T, D), w (D, K)
     T, K = u.shape[1], w.shape[1]
     padded = F.pad(u, (0, 0, K - 1, 0))  # (B, K-1+T, D); padded[:, s] = u[:, s-(K-1)]
     out = torch.zeros_like(u)
     for j in range(K):
-        out = out + w[:, j] * padded[:, j : j + T]  # (B, T, D)
+        term = w[:, j] * padded[:, j : j + T]  # (B, T, D)
+        if doc is not None:
+            src = torch.arange(T) - (K - 1) + j  # (T,) the position tap j reads
+            term = term * (src[None, :] >= doc)[..., None].to(u.dtype)
+        out = out + term
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from titanc.ir import Builder, Value
 
+from titanc.model.documents import attention_bias
 from titanc.model.nn import merge_heads, rope, softmax_last, split_heads
 
 Rotate = Callable[[Value], Value]          # RoPE of (B, H, T, e) at the tokens' positions
@@ -66,19 +67,32 @@ def _groups(P: int, groups: list[tuple[str, int, int | None]]) -> list[tuple[str
     return ([("all", P, None)] if P else []) + groups
 
 
-def swa(b: Builder, u: Value, p: dict[str, Value], heads: int, window: int) -> Value:
-    """SWA(u): every query sees all persistent keys and the last `window` positions."""
+def _masked(b: Builder, n_q: int, groups: list[tuple[str, int, int | None]], dtype: str,
+            doc: Value | None) -> Callable[[int], Value]:
+    """The visibility bias for P persistent keys: the static MASK, plus, with `doc` (B, n_q)
+    (each query's document start in the keys' positions), −BIG on earlier documents' keys."""
+    def bias(P: int) -> Value:
+        mask = b.mask(n_q, 0, _groups(P, groups), dtype)
+        return mask if doc is None else mask + attention_bias(doc, P, len(groups))
+    return bias
+
+
+def swa(b: Builder, u: Value, p: dict[str, Value], heads: int, window: int,
+        doc: Value | None = None) -> Value:
+    """SWA(u): every query sees all persistent keys and the last `window` positions (of its
+    own document, with `doc`)."""
     T = u.shape[1]
-    out, _ = attention(b, u, p, heads, [u],
-                       lambda P: b.mask(T, 0, _groups(P, [("causal", T, window)]), u.dtype),
+    out, _ = attention(b, u, p, heads, [u], _masked(b, T, [("causal", T, window)], u.dtype, doc),
                        lambda x: rope(b, x))
     return out                                                    # (B, T, D)
 
 
-def mac_attention(b: Builder, u: Value, h: Value, p: dict[str, Value], heads: int) -> Value:
-    """Causal attention of segment u over [persistent ‖ h ‖ u]; h_j, u_j visible for j ≤ i."""
+def mac_attention(b: Builder, u: Value, h: Value, p: dict[str, Value], heads: int,
+                  doc: Value | None = None) -> Value:
+    """Causal attention of segment u over [persistent ‖ h ‖ u]; h_j, u_j visible for j ≤ i
+    (and j ≥ doc[i], `doc` (B, S) each query's document start in segment positions)."""
     S = u.shape[1]
     out, _ = attention(b, u, p, heads, [h, u],
-                       lambda P: b.mask(S, 0, _groups(P, [("causal", S, None)] * 2), u.dtype),
+                       _masked(b, S, [("causal", S, None)] * 2, u.dtype, doc),
                        lambda x: rope(b, x))
     return out                                                    # (B, S, D)

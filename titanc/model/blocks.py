@@ -14,8 +14,9 @@ from titanc.ir import Builder, Value
 from titanc.model.spec import ModelSpec
 
 from titanc.model.attention import mac_attention, swa
+from titanc.model.documents import gt, local
 from titanc.model.neural_memory import initial_state, memory_scan, project, retrieve
-from titanc.model.nn import ffn, merge_heads, rmsnorm
+from titanc.model.nn import dwconv, ffn, merge_heads, rmsnorm
 
 Params = dict[str, Value]
 
@@ -95,11 +96,13 @@ class Parallel(Residuals):
     token rows, MAC's norm, memory-query projection and residual move into its segment scan,
     and the MAC runs on groups of `rows` sequences (`train.remat_rows`, 0: auto), so a
     layer's backward recomputes one segment of one group at a time and no whole-sequence
-    intermediate of them is live across the segment scan."""
+    intermediate of them is live across the segment scan. `doc` (B, T): each token's
+    document start (`data.documents`, titanc/model/documents.py); MAC then runs unsegmented."""
 
     def __init__(self, b: Builder, p: Params, m: ModelSpec, segmented: bool = False,
-                 rows: int = 0):
+                 rows: int = 0, doc: Value | None = None):
         self.b, self.p, self.m, self.segmented, self.rows = b, p, m, segmented, rows
+        self.doc = doc
 
     def _rows_per_group(self, B: int, S: int, D: int) -> int:
         """Sequences per MAC group: `rows` (train.remat_rows), or the fewest whose segment
@@ -137,7 +140,7 @@ class Parallel(Residuals):
         backward's recomputed values and its saved memory states are one group's."""
         K, S = self.m.memory.conv_kernel, self.m.attention.segment
         B, T, D = x.shape
-        if self._segments(T) == 1 or K - 1 > S:
+        if self._segments(T) == 1 or K - 1 > S or self.doc is not None:
             return super().mac_residual(x)
         r = self._rows_per_group(B, S, D)
         if r == B:
@@ -153,14 +156,22 @@ class Parallel(Residuals):
         return y.reshape(B, T, D)
 
     def swa(self, u: Value) -> Value:
-        return swa(self.b, u, self.p, self.m.attention.heads, self.m.attention.window)
+        return swa(self.b, u, self.p, self.m.attention.heads, self.m.attention.window, self.doc)
+
+    def _w0(self, p: Params) -> list[Value]:
+        return [p[f"mem_w{i}"] for i in range(1, self.m.memory.depth + 1)]
 
     def lmm(self, u: Value) -> Value:
         """LMM(u) = (y ⊙ silu(u W_G)) W_O, y retrieved at chunk-start memory states."""
-        b, p, mem = self.b, self.p, self.m.memory
-        st = project(b, u, p, mem)
+        b, p, mem, doc = self.b, self.p, self.m.memory, self.doc
+        if doc is None:
+            st = project(b, u, p, mem)
+            docs = None
+        else:
+            st = project(b, u, p, mem, conv=lambda x, w, _: dwconv(x, w, doc))
+            docs = (local(doc, mem.chunk_size), self._w0(p))
         ws, ss = initial_state(b, p, mem.depth, u.shape[0])
-        _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q)
+        _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q, docs)
         return lmm_output(merge_heads(y), u, p)                 # y (B, T, D)
 
     def mac(self, u: Value, segmented: bool = False) -> Value:
@@ -182,11 +193,18 @@ class Parallel(Residuals):
                 last = u.reshape(B, n_seg, S, D).slice(2, S - K + 1, S)      # (B, nS, K-1, D)
                 xs.append(last.pad(1, 1, 0).slice(1, 0, n_seg).permute(1, 0, 2, 3))
         else:
-            hq = project(b, u, p, mem, want="q").q                # (B, Nm, T, e), full-seq conv
+            doc = self.doc
+            conv = None if doc is None else (lambda x, w, _: dwconv(x, w, doc))
+            hq = project(b, u, p, mem, want="q", conv=conv).q     # (B, Nm, T, e), full-seq conv
             xs = [u_seg, hq.reshape(B, nm, n_seg, S, e).permute(2, 0, 1, 3, 4)]  # (nS,B,Nm,S,e)
-        # loop-invariant weights the segment body reads (W⁽⁰⁾ enters as the carry)
+            if doc is not None:   # document starts relative to the segment and to the chunk
+                xs += [local(doc, S).reshape(B, n_seg, S).permute(1, 0, 2),
+                       local(doc, mem.chunk_size).reshape(B, n_seg, S).permute(1, 0, 2)]
+        # loop-invariant weights the segment body reads (W⁽⁰⁾ enters as the carry, and with
+        # documents as constants too: a document's start state)
         keys = sorted(k for k in p if k.startswith(("attn_", "mem_", "mac_"))
-                      and (segmented or k != "mem_norm") and not re.fullmatch(r"mem_w\d+", k))
+                      and (segmented or k != "mem_norm")
+                      and (self.doc is not None or not re.fullmatch(r"mem_w\d+", k)))
 
         def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
             pp = dict(zip(keys, consts))
@@ -197,17 +215,32 @@ class Parallel(Residuals):
                 u_h = bb.concat([rmsnorm(xs[1], pp["mem_norm"]), u_s], 1) if K > 1 else u_s
                 hq_s = project(bb, u_h, pp, mem, want="q").q.slice(2, K - 1, K - 1 + S)
             else:
-                u_s, hq_s = xs
-            h = merge_heads(retrieve(bb, w, hq_s))                # (B, S, D), read only
-            y = mac_attention(bb, u_s, h, pp, att.heads)          # ỹ (B, S, D)
-            yn = rmsnorm(y, pp["mac_norm"])                       # ŷ: the memory's input
-            st = project(bb, yn, pp, mem)                         # segment-local conv history
-            w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q)
+                u_s, hq_s = xs[:2]
+            if self.doc is None:
+                h = merge_heads(retrieve(bb, w, hq_s))            # (B, S, D), read only
+                y = mac_attention(bb, u_s, h, pp, att.heads)      # ỹ (B, S, D)
+                yn = rmsnorm(y, pp["mac_norm"])                   # ŷ: the memory's input
+                st = project(bb, yn, pp, mem)                     # segment-local conv history
+                w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q)
+            else:         # a token whose document began in the segment reads W⁽⁰⁾
+                seg_lo, chunk_lo = xs[2:]
+                w0 = self._w0(pp)
+                hr = retrieve(bb, w, hq_s)
+                B_ = hr.shape[0]
+                hw0 = retrieve(bb, [x.reshape(1, *x.shape).expand(B_, *x.shape) for x in w0],
+                               hq_s)
+                hr = hr + (hw0 - hr) * gt(seg_lo, -0.5).reshape(B_, 1, S, 1)
+                h = merge_heads(hr)
+                y = mac_attention(bb, u_s, h, pp, att.heads, seg_lo)
+                yn = rmsnorm(y, pp["mac_norm"])
+                st = project(bb, yn, pp, mem, conv=lambda x, wc, _: dwconv(x, wc, seg_lo))
+                w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q, (chunk_lo, w0))
             out = mac_output(y, merge_heads(r), pp)
             return w2 + s2, [x_s + out if segmented else out]
 
         names = [f"W{i}" for i in range(1, depth + 1)] + [f"S{i}" for i in range(1, depth + 1)]
-        xnames = (["x", "x_prev"][:len(xs)]) if segmented else ["u", "hq"]
+        xnames = (["x", "x_prev"][:len(xs)]) if segmented else \
+            ["u", "hq", "doc_segment", "doc_chunk"][:len(xs)]
         _, (out,) = b.scan(body, ws + ss, xs, [p[k] for k in keys], length=n_seg,
                            name="mac_segment", names=names + xnames + keys, role="segment")
         return out.permute(1, 0, 2, 3).reshape(B, T, D)

@@ -55,19 +55,22 @@ def lm_logprobs(b: Builder, x: Value, params: dict[str, Value], targets: Value, 
 
 
 def layer_stack(b: Builder, x: Value, params: dict[str, Value], m: ModelSpec,
-                segmented: bool = False, rows: int = 0) -> Value:
+                segmented: bool = False, rows: int = 0, doc: Value | None = None) -> Value:
     """The layers as one scan over stacked weights; `segmented` (`train.remat: per_segment`):
     each layer's per-token work runs a segment at a time, MAC `rows` sequences at a time
-    (`blocks.Parallel`)."""
+    (`blocks.Parallel`). `doc` (B, T): each token's document start, a constant of the scan."""
     names = sorted(k for k in params if k.startswith("layers."))
     short = [k.removeprefix("layers.") for k in names]
+    consts = [] if doc is None else [doc]
 
-    def body(bb: Builder, carry: list[Value], xs: list[Value], _: list[Value]):
+    def body(bb: Builder, carry: list[Value], xs: list[Value], k: list[Value]):
         p = dict(zip(short, xs))
-        return [block(Parallel(bb, p, m, segmented, rows), carry[0], p, m)], []
+        mixers = Parallel(bb, p, m, segmented, rows, k[0] if k else None)
+        return [block(mixers, carry[0], p, m)], []
 
-    (x,), _ = b.scan(body, [x], [params[k] for k in names], length=m.n_layers,
-                     name="layer", names=["x"] + short, role="layer")
+    (x,), _ = b.scan(body, [x], [params[k] for k in names], consts, length=m.n_layers,
+                     name="layer", names=["x"] + short + ["doc_start"] * len(consts),
+                     role="layer")
     return x
 
 
@@ -82,11 +85,13 @@ def lower_forward(spec: Spec, batch: int | None = None, dtype: str | None = None
     b = Builder("forward")
     tokens = b.input("tokens", (B, T + 1), "i64")
     params = {ps.name: b.input(ps.name, ps.shape, dt) for ps in param_specs(m)}
+    # data.documents: each token's document start in its row (titanc/model/documents.py)
+    doc = b.input("doc_start", (B, T), dt) if spec.data.documents else None
     x = b.take(params["embed"], tokens.slice(1, 0, T))            # (B, T, D)
     # remat per_segment shapes the program the training graph differentiates (the loss);
     # logits / logprobs keep the whole-sequence layers (memory_stats reads their chunk scans)
     segmented = spec.train.remat == "per_segment" and output == "loss"
-    x = layer_stack(b, x, params, m, segmented, spec.train.remat_rows)
+    x = layer_stack(b, x, params, m, segmented, spec.train.remat_rows, doc)
     if output == "logits":
         out = lm_logits(b, x, params, m.tie_embeddings)
     elif output == "logprobs":
