@@ -208,38 +208,75 @@ class Program:
                 bound[f"opt.m.{n}"], bound[f"opt.v.{n}"] = self._m[n], self._v[n]
         return self._executor_cls(cg.plan, bound, **self._executor_options)
 
-    def loss(self, tokens: Tensor) -> float:
+    def _documents(self, tokens: Tensor, docs: dict[str, Tensor] | None,
+                   loss: bool = True) -> dict[str, Tensor]:
+        """The graph inputs of `data.documents` for a batch: `docs` may hold `doc_start` and
+        `loss_mask` [B, T] (the loader's, runtime/data/datasets.py); absent ones default to
+        one document per row and every target counted."""
+        if not self.spec.data.documents:
+            if docs:
+                raise TitancError(f"{', '.join(sorted(docs))} given, but the program has no "
+                                  f"document inputs; set data.documents=true")
+            return {}
+        docs = dict(docs or {})
+        unknown = set(docs) - {"doc_start", "loss_mask"}
+        if unknown:
+            raise TitancError(f"unknown document inputs {sorted(unknown)}; "
+                              f"pass doc_start and loss_mask")
+        shape = (tokens.shape[0], self.seq_len)
+        out = {}
+        names = (["doc_start"] if self.spec.data.pack else []) + (["loss_mask"] if loss else [])
+        for name, fill in (("doc_start", 0.0), ("loss_mask", 1.0)):
+            if name not in names:
+                continue
+            t = docs.get(name)
+            if t is None:
+                t = torch.full(shape, fill, dtype=self.dtype)
+            elif tuple(t.shape) != shape:
+                raise TitancError(f"{name} must be [batch, seq_len] = {list(shape)}, "
+                                  f"got {list(t.shape)}")
+            out[name] = t.to(self.dtype)
+        return out
+
+    def loss(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
         tokens = self._check_tokens(tokens)
         cg = self.graph("forward", tokens.shape[0])
-        return float(self._run(cg, {"tokens": tokens, **self._params})["loss"])
+        extra = self._documents(tokens, docs)
+        return float(self._run(cg, {"tokens": tokens, **extra, **self._params})["loss"])
 
-    def _forward_output(self, tokens: Tensor, output: str) -> Tensor:
+    def _forward_output(self, tokens: Tensor, output: str,
+                        docs: dict[str, Tensor] | None = None) -> Tensor:
         tokens = self._check_tokens(tokens)
         cg = self.graph(output, tokens.shape[0])
-        return self._run(cg, {"tokens": tokens, **self._params})[output]
+        extra = self._documents(tokens, docs, loss=False)
+        return self._run(cg, {"tokens": tokens, **extra, **self._params})[output]
 
-    def logits(self, tokens: Tensor) -> Tensor:
+    def logits(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> Tensor:
         """Next-token logits [B, T, V] for tokens [B, T+1] (the last column is ignored)."""
-        return self._forward_output(tokens, "logits")
+        return self._forward_output(tokens, "logits", docs)
 
-    def logprobs(self, tokens: Tensor) -> Tensor:
+    def logprobs(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) as [B, T], through the chunked LM head."""
-        return self._forward_output(tokens, "logprobs")
+        return self._forward_output(tokens, "logprobs", docs)
 
-    def grads(self, tokens: Tensor) -> tuple[float, dict[str, Tensor]]:
+    def grads(self, tokens: Tensor, docs: dict[str, Tensor] | None = None
+              ) -> tuple[float, dict[str, Tensor]]:
         """Loss and gradients of one batch (copies: the program's buffers stay private)."""
-        loss, g = self._grads(tokens)
+        loss, g = self._grads(tokens, docs)
         return loss, {n: t.clone() for n, t in g.items()}
 
-    def _grads(self, tokens: Tensor) -> tuple[float, dict[str, Tensor]]:
+    def _grads(self, tokens: Tensor, docs: dict[str, Tensor] | None = None
+               ) -> tuple[float, dict[str, Tensor]]:
         tokens = self._check_tokens(tokens)
         cg = self.graph("training", tokens.shape[0])
-        out = self._run(cg, {"tokens": tokens, **self._params})
+        extra = self._documents(tokens, docs)
+        out = self._run(cg, {"tokens": tokens, **extra, **self._params})
         return float(out["loss"]), {n: out[f"grad.{n}"] for n in self._params}
 
-    def train_step(self, tokens: Tensor) -> float:
+    def train_step(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
         """One optimizer step on `grad_accum` micro-batches of `batch_size` rows each
-        (tokens: [grad_accum·batch_size, seq_len+1]). Returns the mean micro-batch loss."""
+        (tokens: [grad_accum·batch_size, seq_len+1]; `docs`: `data.documents`' doc_start and
+        loss_mask rows, as `loss`). Returns the mean micro-batch loss."""
         tokens = self._check_tokens(tokens)
         accum = self.spec.train.grad_accum
         if tokens.shape[0] != accum * self.batch_size:
@@ -250,9 +287,11 @@ class Program:
         if reducer is not None:
             reducer.start()
         micros = tokens.split(self.batch_size)
+        micro_docs = [{k: v.split(self.batch_size)[i] for k, v in docs.items()}
+                      for i in range(len(micros))] if docs else [None] * len(micros)
         losses = []
         for i, micro in enumerate(micros):
-            loss, g = self._grads(micro)
+            loss, g = self._grads(micro, micro_docs[i])
             losses.append(loss)
             final = reducer is not None and i == len(micros) - 1
             for n in reversed(g):                    # last layers first, as a backward emits

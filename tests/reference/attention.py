@@ -45,14 +45,15 @@ def same_document(visible: Tensor, doc: Tensor | None, start: int = 0) -> Tensor
 
 def swa(p: dict[str, Tensor], u: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
     """Query i sees every persistent key and sequence keys j with i - W < j <= i (and, with
-    `doc` (B, T) each token's document start, j >= doc[i])."""
+    `doc` (B, T) each token's document start, j >= doc[i]; RoPE then at i - doc[i])."""
     # u (B, T, D)
     B, T, D = u.shape
     H = cfg.attention.heads
     W = cfg.attention.window
     pos = torch.arange(T)
-    q = rope(split_heads(u @ p["attn_wq"], H), pos)  # (B, H, T, C)
-    k = rope(split_heads(u @ p["attn_wk"], H), pos)  # (B, H, T, C)
+    rel = pos if doc is None else pos - doc  # RoPE at positions in the document
+    q = rope(split_heads(u @ p["attn_wq"], H), rel)  # (B, H, T, C)
+    k = rope(split_heads(u @ p["attn_wk"], H), rel)  # (B, H, T, C)
     v = split_heads(u @ p["attn_wv"], H)  # (B, H, T, C)
 
     i, j = pos[:, None], pos[None, :]

@@ -28,9 +28,11 @@ def mac_attention(p: dict[str, Tensor], us: Tensor, h: Tensor, cfg, doc: Tensor 
     B, S, D = us.shape
     H = cfg.attention.heads
     pos = torch.arange(S)  # local positions
-    q = rope(split_heads(us @ p["attn_wq"], H), pos)  # (B, H, S, C)
+    # with documents: positions from the later of the segment's and the document's start
+    rel = pos if doc is None else pos - doc.clamp(min=0)
+    q = rope(split_heads(us @ p["attn_wq"], H), rel)  # (B, H, S, C)
     k = torch.cat(
-        [rope(split_heads(h @ p["attn_wk"], H), pos), rope(split_heads(us @ p["attn_wk"], H), pos)], dim=2
+        [rope(split_heads(h @ p["attn_wk"], H), rel), rope(split_heads(us @ p["attn_wk"], H), rel)], dim=2
     )  # (B, H, 2S, C)
     v = torch.cat([split_heads(h @ p["attn_wv"], H), split_heads(us @ p["attn_wv"], H)], dim=2)
     causal = pos[None, :] <= pos[:, None]  # (S, S)

@@ -47,11 +47,13 @@ def dwconv(u: Tensor, w: Tensor, doc: Tensor | None = None) -> Tensor:
 
 def rope(x: Tensor, pos: Tensor) -> Tensor:
     """Rotate halves: [x1 cos a - x2 sin a, x1 sin a + x2 cos a], a = p * 10000^(-2j/C)."""
-    # x (..., T, C), pos (T,)
+    # x (..., T, C), pos (T,) or, per batch element, (B, T) with x (B, H, T, C)
     C = x.shape[-1]
     half = C // 2
     inv = 10000.0 ** (-2.0 * torch.arange(half, dtype=x.dtype) / C)  # (C/2,)
-    a = pos.to(x.dtype)[:, None] * inv  # (T, C/2)
+    a = pos.to(x.dtype)[..., None] * inv  # (T, C/2) or (B, T, C/2)
+    if a.dim() == 3:
+        a = a[:, None]  # (B, 1, T, C/2)
     cos, sin = torch.cos(a), torch.sin(a)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

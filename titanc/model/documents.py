@@ -5,7 +5,8 @@ which its document starts (0 for tokens of a document that began before the row)
 reset is built from it with ordinary elementwise ops (GT against position vectors made by a
 CUMSUM of ones), so every pass, both targets and remat see them as any other value:
 
-    attention      key j hidden from query i unless j >= doc_start[i] (an additive −BIG)
+    attention      key j hidden from query i unless j >= doc_start[i] (an additive −BIG);
+                   RoPE at each token's position in its document (t − doc_start[t])
     causal conv    a tap reading a position before doc_start[t] reads 0
     memory         a token whose document starts inside its chunk reads, and takes its inner
                    gradient at, (W⁽⁰⁾, 0); the chunk's closed-form update keeps only the chunk's
@@ -61,6 +62,19 @@ def attention_bias(doc: Value, P: int, groups: int) -> Value:
     if P:
         bias = bias.pad(2, P, 0)
     return bias.reshape(B, 1, T, P + groups * T)
+
+
+def rope_tables(rel: Value, half: int) -> tuple[Value, Value]:
+    """RoPE cos/sin tables (B, 1, T, half) at each token's position in its document `rel`
+    (B, T): rows of the static ROPE tables picked by a one-hot contraction, so a document's
+    tokens rotate by exactly the values the same tokens get at the start of a row."""
+    b = rel.b
+    B, T = rel.shape
+    p = positions(rel, T).reshape(1, 1, T)
+    r = rel.reshape(B, T, 1)
+    onehot = gt(p + 0.5, r) - gt(p - 0.5, r)                      # (B, T, T): rel == p
+    return tuple(b.einsum("btp,ph->bth", onehot, b.rope(kind, 0, T, half, rel.dtype))
+                 .reshape(B, 1, T, half) for kind in ("cos", "sin"))  # type: ignore[return-value]
 
 
 def conv_tap(doc: Value, back: int) -> Value:
