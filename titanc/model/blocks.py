@@ -14,8 +14,9 @@ from titanc.ir import Builder, Value
 from titanc.model.spec import ModelSpec
 
 from titanc.model.attention import mac_attention, swa
-from titanc.model.documents import gt, local
-from titanc.model.neural_memory import initial_state, memory_scan, project, retrieve
+from titanc.model.documents import local
+from titanc.model.neural_memory import (batched, initial_state, memory_scan, project,
+                                        read_initial, retrieve)
 from titanc.model.nn import dwconv, ffn, merge_heads, rmsnorm
 
 Params = dict[str, Value]
@@ -76,6 +77,12 @@ def block(mx: Mixers, x: Value, p: Params, m: ModelSpec) -> Value:
     else:
         x = mx.mac_residual(x)
     return mx.ffn_residual(x)
+
+
+def doc_conv(doc: Value | None):
+    """The causal conv for `project`: None (zero history) without documents, else one whose
+    history resets at each token's document start `doc` (B, T) in the input's positions."""
+    return None if doc is None else (lambda x, w, _: dwconv(x, w, doc))
 
 
 def lmm_output(y: Value, u: Value, p: Params) -> Value:
@@ -164,12 +171,8 @@ class Parallel(Residuals):
     def lmm(self, u: Value) -> Value:
         """LMM(u) = (y ⊙ silu(u W_G)) W_O, y retrieved at chunk-start memory states."""
         b, p, mem, doc = self.b, self.p, self.m.memory, self.doc
-        if doc is None:
-            st = project(b, u, p, mem)
-            docs = None
-        else:
-            st = project(b, u, p, mem, conv=lambda x, w, _: dwconv(x, w, doc))
-            docs = (local(doc, mem.chunk_size), self._w0(p))
+        st = project(b, u, p, mem, conv=doc_conv(doc))
+        docs = None if doc is None else (local(doc, mem.chunk_size), self._w0(p))
         ws, ss = initial_state(b, p, mem.depth, u.shape[0])
         _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q, docs)
         return lmm_output(merge_heads(y), u, p)                 # y (B, T, D)
@@ -194,8 +197,7 @@ class Parallel(Residuals):
                 xs.append(last.pad(1, 1, 0).slice(1, 0, n_seg).permute(1, 0, 2, 3))
         else:
             doc = self.doc
-            conv = None if doc is None else (lambda x, w, _: dwconv(x, w, doc))
-            hq = project(b, u, p, mem, want="q", conv=conv).q     # (B, Nm, T, e), full-seq conv
+            hq = project(b, u, p, mem, want="q", conv=doc_conv(doc)).q   # (B, Nm, T, e)
             xs = [u_seg, hq.reshape(B, nm, n_seg, S, e).permute(2, 0, 1, 3, 4)]  # (nS,B,Nm,S,e)
             if doc is not None:   # document starts relative to the segment and to the chunk
                 xs += [local(doc, S).reshape(B, n_seg, S).permute(1, 0, 2),
@@ -216,25 +218,18 @@ class Parallel(Residuals):
                 hq_s = project(bb, u_h, pp, mem, want="q").q.slice(2, K - 1, K - 1 + S)
             else:
                 u_s, hq_s = xs[:2]
-            if self.doc is None:
-                h = merge_heads(retrieve(bb, w, hq_s))            # (B, S, D), read only
-                y = mac_attention(bb, u_s, h, pp, att.heads)      # ỹ (B, S, D)
-                yn = rmsnorm(y, pp["mac_norm"])                   # ŷ: the memory's input
-                st = project(bb, yn, pp, mem)                     # segment-local conv history
-                w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q)
-            else:         # a token whose document began in the segment reads W⁽⁰⁾
-                seg_lo, chunk_lo = xs[2:]
-                w0 = self._w0(pp)
-                hr = retrieve(bb, w, hq_s)
-                B_ = hr.shape[0]
-                hw0 = retrieve(bb, [x.reshape(1, *x.shape).expand(B_, *x.shape) for x in w0],
-                               hq_s)
-                hr = hr + (hw0 - hr) * gt(seg_lo, -0.5).reshape(B_, 1, S, 1)
-                h = merge_heads(hr)
-                y = mac_attention(bb, u_s, h, pp, att.heads, seg_lo)
-                yn = rmsnorm(y, pp["mac_norm"])
-                st = project(bb, yn, pp, mem, conv=lambda x, wc, _: dwconv(x, wc, seg_lo))
-                w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q, (chunk_lo, w0))
+            # documents: starts relative to the segment and to the chunk (else None)
+            seg_lo, chunk_lo = xs[2:] if self.doc is not None else (None, None)
+            hr = retrieve(bb, w, hq_s)                            # read only
+            if seg_lo is not None:  # a token whose document began in the segment reads W⁽⁰⁾
+                w0 = batched(self._w0(pp), hq_s.shape[0])
+                hr = read_initial(bb, hr, w0, hq_s, seg_lo)
+            h = merge_heads(hr)                                   # (B, S, D)
+            y = mac_attention(bb, u_s, h, pp, att.heads, seg_lo)  # ỹ (B, S, D)
+            yn = rmsnorm(y, pp["mac_norm"])                       # ŷ: the memory's input
+            st = project(bb, yn, pp, mem, conv=doc_conv(seg_lo))  # segment-local conv history
+            docs = None if seg_lo is None else (chunk_lo, self._w0(pp))
+            w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q, docs)
             out = mac_output(y, merge_heads(r), pp)
             return w2 + s2, [x_s + out if segmented else out]
 

@@ -233,16 +233,27 @@ def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, ch
         if docs is None:
             w2, s2 = chunk_update(bb, w, s, k, v, th, le, lk)
             return w2 + s2, [y]
-        B, Nm, U, _ = q.shape
-        w0 = [p.reshape(1, *p.shape).expand(B, *p.shape) for p in k0]
-        fresh = gt(x[6], -0.5).reshape(B, Nm, U, 1)               # document began in the chunk
-        y = y + (mlp(bb, w0, q)[0] - y) * fresh
+        w0 = batched(k0, q.shape[0])
+        y = read_initial(bb, y, w0, q, x[6])
         w2, s2 = chunk_update_docs(bb, w, s, w0, k, v, th, le, lk, x[6])
         return w2 + s2, [y]
 
     carry, ys = b.scan(body, ws + ss, xs, consts, length=n, name="memory_chunk", names=names,
                        role="memory")
     return carry[:L], carry[L:], _unchunked(ys[0])
+
+
+def batched(w0s: list[Value], B: int) -> list[Value]:
+    """Initial weights W⁽⁰⁾ (Nm, o, i) broadcast to the state's (B, Nm, o, i)."""
+    return [w.reshape(1, *w.shape).expand(B, *w.shape) for w in w0s]
+
+
+def read_initial(b: Builder, y: Value, w0s: list[Value], q: Value, lo: Value) -> Value:
+    """The read y (B, Nm, t, e), replaced by M(q; W⁽⁰⁾) at the tokens whose document began
+    inside their chunk or segment (lo (B, Nm or 1, t) >= 0, `documents.local`)."""
+    B, Nm, U, _ = q.shape
+    fresh = gt(lo, -0.5).reshape(B, lo.shape[1] if lo.rank == 3 else 1, U, 1)
+    return y + (retrieve(b, w0s, q) - y) * fresh
 
 
 def retrieve(b: Builder, ws: list[Value], q: Value) -> Value:
