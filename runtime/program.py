@@ -208,7 +208,7 @@ class Program:
                 bound[f"opt.m.{n}"], bound[f"opt.v.{n}"] = self._m[n], self._v[n]
         return self._executor_cls(cg.plan, bound, **self._executor_options)
 
-    def _documents(self, tokens: Tensor, docs: dict[str, Tensor] | None,
+    def document_inputs(self, tokens: Tensor, docs: dict[str, Tensor] | None,
                    loss: bool = True) -> dict[str, Tensor]:
         """The graph inputs of `data.documents` for a batch: `docs` may hold `doc_start` and
         `loss_mask` [B, T] (the loader's, runtime/data/datasets.py); absent ones default to
@@ -241,14 +241,14 @@ class Program:
     def loss(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
         tokens = self._check_tokens(tokens)
         cg = self.graph("forward", tokens.shape[0])
-        extra = self._documents(tokens, docs)
+        extra = self.document_inputs(tokens, docs)
         return float(self._run(cg, {"tokens": tokens, **extra, **self._params})["loss"])
 
     def _forward_output(self, tokens: Tensor, output: str,
                         docs: dict[str, Tensor] | None = None) -> Tensor:
         tokens = self._check_tokens(tokens)
         cg = self.graph(output, tokens.shape[0])
-        extra = self._documents(tokens, docs, loss=False)
+        extra = self.document_inputs(tokens, docs, loss=False)
         return self._run(cg, {"tokens": tokens, **extra, **self._params})[output]
 
     def logits(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> Tensor:
@@ -269,7 +269,7 @@ class Program:
                ) -> tuple[float, dict[str, Tensor]]:
         tokens = self._check_tokens(tokens)
         cg = self.graph("training", tokens.shape[0])
-        extra = self._documents(tokens, docs)
+        extra = self.document_inputs(tokens, docs)
         out = self._run(cg, {"tokens": tokens, **extra, **self._params})
         return float(out["loss"]), {n: out[f"grad.{n}"] for n in self._params}
 

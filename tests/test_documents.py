@@ -279,3 +279,21 @@ def test_documents_need_shards_with_starts(shards, tmp_path) -> None:
     with pytest.raises(TitancError, match="train.docs"):
         make_data(tiny_spec(**{"data.documents": True, "data.source": str(shards),
                                "model.vocab_size": 256}))
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_training_on_documents(shards, tmp_path, pack: bool) -> None:
+    """The trainer draws document batches and passes them: two steps, an evaluation and
+    the memory diagnostics run on the cpu target, the loss finite and falling."""
+    from titanc.runtime.train.trainer import read_metrics, run_training
+
+    spec = tiny_spec(**{"data.documents": True, "data.pack": pack, "data.source": str(shards),
+                        "model.vocab_size": 256, "data.val_fraction": 0.0,
+                        "compile.target": "cpu", "train.eval_every": 0,
+                        "train.memory_stats_every": 2, "train.lr": 1e-2})
+    summary = run_training(spec, tmp_path / "run", steps=4, progress=False, log=lambda _: None)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    assert any("memory" in r for r in rows) and summary["steps_run"] == 4

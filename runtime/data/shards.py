@@ -218,6 +218,22 @@ class ShardData:
             self._docs[split] = arr
         return self._docs[split]
 
+    def window_documents(self, split: str, starts: np.ndarray) -> dict[str, "torch.Tensor"]:
+        """doc_start and loss_mask float64 [len(starts), seq_len] of the windows at `starts`
+        (as `windows`): each input token's document start in its row (0 when the document
+        began before the row), and 0 in the mask where the target begins a document."""
+        import torch
+
+        docs = self.doc_starts(split)
+        starts = np.asarray(starts, dtype=np.int64)
+        pos = starts[:, None] + np.arange(self.seq_len)        # each input token's offset
+        first = docs[np.searchsorted(docs, pos, side="right") - 1]
+        doc_start = np.maximum(first - starts[:, None], 0)
+        nxt = np.searchsorted(docs, pos + 1, side="left")
+        begins = docs[np.minimum(nxt, len(docs) - 1)] == pos + 1
+        return {"doc_start": torch.from_numpy(doc_start.astype(np.float64)),
+                "loss_mask": torch.from_numpy((~begins).astype(np.float64))}
+
     def batch_documents(self, n: int, split: str = "train",
                         generator: "torch.Generator | None" = None, rows: slice | None = None,
                         pack: bool = True) -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
@@ -228,34 +244,25 @@ class ShardData:
         row or padded with id 0, every target past its end masked (doc_start all 0)."""
         import torch
 
+        if pack:
+            starts = self._window_starts(n, split, generator, rows)
+            return self.windows(split, starts), self.window_documents(split, starts)
         docs = self.doc_starts(split)
         arr = self.split_array(split)
         T = self.seq_len
-        if pack:
-            starts = self._window_starts(n, split, generator, rows)
-            tokens = self.windows(split, starts)
-        else:
-            gen = generator if generator is not None else self._gens[split]
-            pick = torch.randint(0, len(docs), (n,), generator=gen)
-            if rows is not None:
-                pick = pick[rows]
-            k = pick.numpy()
-            starts = docs[k]
-            ends = np.where(k + 1 < len(docs), docs[np.minimum(k + 1, len(docs) - 1)], len(arr))
-            idx = starts[:, None] + np.arange(T + 1)
-            inside = idx < ends[:, None]
-            ids = np.where(inside, arr[np.minimum(idx, len(arr) - 1)], 0)
-            self._check_range(ids, self._path(split), None)
-            tokens = torch.from_numpy(ids.astype(np.int64))
+        gen = generator if generator is not None else self._gens[split]
+        pick = torch.randint(0, len(docs), (n,), generator=gen)
+        if rows is not None:
+            pick = pick[rows]
+        k = pick.numpy()
+        starts = docs[k]
+        ends = np.where(k + 1 < len(docs), docs[np.minimum(k + 1, len(docs) - 1)], len(arr))
+        idx = starts[:, None] + np.arange(T + 1)
+        ids = np.where(idx < ends[:, None], arr[np.minimum(idx, len(arr) - 1)], 0)
+        self._check_range(ids, self._path(split), None)
+        tokens = torch.from_numpy(ids.astype(np.int64))
         pos = starts[:, None] + np.arange(T)                   # each input token's offset
-        if pack:
-            first = docs[np.searchsorted(docs, pos, side="right") - 1]
-            doc_start = np.maximum(first - starts[:, None], 0)
-            nxt = np.searchsorted(docs, pos + 1, side="left")
-            begins = docs[np.minimum(nxt, len(docs) - 1)] == pos + 1   # target starts a doc
-            mask = ~begins
-        else:
-            doc_start = np.zeros_like(pos)
-            mask = pos + 1 < ends[:, None]
+        doc_start = np.zeros_like(pos)
+        mask = pos + 1 < ends[:, None]
         return tokens, {"doc_start": torch.from_numpy(doc_start.astype(np.float64)),
                         "loss_mask": torch.from_numpy(mask.astype(np.float64))}
