@@ -209,7 +209,7 @@ class Program:
         return self._executor_cls(cg.plan, bound, **self._executor_options)
 
     def document_inputs(self, tokens: Tensor, docs: dict[str, Tensor] | None,
-                   loss: bool = True) -> dict[str, Tensor]:
+                        loss: bool = True) -> dict[str, Tensor]:
         """The graph inputs of `data.documents` for a batch: `docs` may hold `doc_start` and
         `loss_mask` [B, T] (the loader's, runtime/data/datasets.py); absent ones default to
         one document per row and every target counted."""

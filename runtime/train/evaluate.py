@@ -99,7 +99,7 @@ def evaluate(prog: Any, data: EvalData, tok: Tokenizer, *,
                     docs = data.window_documents(split, idx)
             else:
                 rows = torch.from_numpy(tokens[idx[:, None] + np.arange(T + 1)].astype(np.int64))
-            loss_sum += prog.loss(rows, docs) * B * T
+            loss_sum += (prog.loss(rows) if docs is None else prog.loss(rows, docs)) * B * T
             targets = rows[:, 1:].numpy()
             n_bytes += int(nbytes[np.clip(targets, 0, len(nbytes) - 1)].sum())
         n_tok = batches * B * T
