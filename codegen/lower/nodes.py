@@ -34,7 +34,7 @@ import torch
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.types import TensorType
-from titanc.passes.schedule import Kernel, is_immediate
+from titanc.ir.schedule import Kernel, is_immediate
 
 from titanc.codegen.lower.expr import format_number
 from titanc.codegen.lower.indexing import (Ix, Section, broadcast_coords, const, delinearize, reshape_coords,

@@ -1,5 +1,5 @@
 """Hooks of the pattern kernels: a kernel holding one `OpGroup.PATTERN` op (and its ITEMs)
-rendered from its fixed template family (`codegen/families/fixed.py`).
+rendered from its fixed template family (`codegen/families/pattern_ops.py`).
 
     ATTENTION      attention_fwd.py.jinja: flash attention forward over the MASK's key groups,
                    a key and a value tensor per group, each through its own strides
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.attention import split
-from titanc.passes.schedule import Kernel
+from titanc.ir.schedule import Kernel
 
-from titanc.codegen.families.fixed import (KeyGroup, render_attention_bwd, render_attention_fwd,
+from titanc.codegen.families.pattern_ops import (KeyGroup, render_attention_bwd, render_attention_fwd,
                              render_cross_entropy)
 from titanc.codegen.lower.code import KernelCode, TensorArg
 from titanc.codegen.meta import compute_dtype, needs_int64
