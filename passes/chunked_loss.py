@@ -35,7 +35,10 @@ def match_loss(g: Graph) -> dict[str, int] | None:
     if loss.op is not Op.MUL:
         return None
     total = one(loss.inputs[0], Op.SUM)
-    diff = total and one(total.inputs[0], Op.SUB)
+    # the masked loss of `data.documents`: sum((lse − tgt) · mask) · scale
+    weighted = total and one(total.inputs[0], Op.MUL)
+    weight = weighted.inputs[1] if weighted else None
+    diff = total and one(weighted.inputs[0] if weighted else total.inputs[0], Op.SUB)
     lse = diff and one(diff.inputs[0], Op.ADD)
     tgt = diff and one(diff.inputs[1], Op.TAKE_ALONG)
     log = lse and one(lse.inputs[0], Op.LOG)
@@ -45,7 +48,8 @@ def match_loss(g: Graph) -> dict[str, int] | None:
     if logits.op is not Op.EINSUM or logits.attr("spec") not in ("btd,vd->btv", "btd,dv->btv"):
         return None
     return {"logits": logits.id, "h": logits.inputs[0], "head": logits.inputs[1],
-            "targets": tgt.inputs[1], "loss": loss.id}
+            "targets": tgt.inputs[1], "loss": loss.id, "weight": weight,
+            "scale": loss.inputs[1]}
 
 
 def loss_chunk_size(n_tokens: int, want: int) -> int:
@@ -80,9 +84,15 @@ def _chunk_loss(g: Graph, chunk: int) -> Graph:
     env: dict[int, Value] = {}
     for node in g:                 # every node is rebuilt (outputs after the loss included);
         if node.id == m["loss"]:   # the loss is the chunked scan, the old head path dies
-            env[node.id] = _chunked(b, env[m["h"]].reshape(n, c, D),
-                                    env[m["targets"]].reshape(n, c), env[m["head"]],
-                                    head_spec, B * T)
+            if m["weight"] is None:
+                env[node.id] = _chunked(b, env[m["h"]].reshape(n, c, D),
+                                        env[m["targets"]].reshape(n, c), env[m["head"]],
+                                        head_spec, B * T)
+            else:
+                env[node.id] = _chunked(b, env[m["h"]].reshape(n, c, D),
+                                        env[m["targets"]].reshape(n, c), env[m["head"]],
+                                        head_spec, 1, env[m["weight"]].reshape(n, c)) \
+                    * env[m["scale"]]
             continue
         env[node.id] = b.like(node, *[env[i] for i in node.inputs])
     b.graph.set_outputs([(name, env[i].id) for name, i in g.outputs])
@@ -91,18 +101,22 @@ def _chunk_loss(g: Graph, chunk: int) -> Graph:
 
 
 def _chunked(b: Builder, h: Value, targets: Value, head: Value, head_spec: str,
-             tokens: int) -> Value:
-    """The mean cross-entropy as a scan over chunks h (n, c, D), targets (n, c)."""
+             tokens: int, weight: Value | None = None) -> Value:
+    """The mean cross-entropy as a scan over chunks h (n, c, D), targets (n, c); with
+    `weight` (n, c) the weighted sum (the caller scales it)."""
     n, c, _ = h.shape
 
     def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
-        hc, tc = xs
+        hc, tc = xs[:2]
         logits = bb.einsum(head_spec, hc, consts[0])             # (c, V): one chunk only
         mx = logits.amax((-1,), keepdim=True)
         lse = (logits - mx).exp().sum((-1,)).log() + mx.reshape(c)
-        return [carry[0] + (lse - bb.take_along(logits, tc)).sum((0,))], []
+        ce = lse - bb.take_along(logits, tc)
+        return [carry[0] + (ce * xs[2] if weight is not None else ce).sum((0,))], []
 
-    (acc,), _ = b.scan(body, [b.full(0.0, (), head.dtype)], [h, targets], [head], length=n,
-                       name="loss_chunk", names=["acc", "h", "targets", "head"],
-                       role="loss")
+    xs, names = [h, targets], ["acc", "h", "targets", "head"]
+    if weight is not None:
+        xs, names = xs + [weight], names[:3] + ["weight", "head"]
+    (acc,), _ = b.scan(body, [b.full(0.0, (), head.dtype)], xs, [head], length=n,
+                       name="loss_chunk", names=names, role="loss")
     return acc * (1.0 / tokens)

@@ -73,7 +73,11 @@ class LinearCrossEntropy:
                 lce = b.op(Op.LINEAR_CROSS_ENTROPY, env[m["h"]].reshape(B * T, D),
                            env[m["head"]], env[m["targets"]],     # [B, T]: read strided
                            layout=layout, chunk=self.chunk if self.chunk > 0 else B * T)
-                env[node.id] = b.item(lce, 0).sum((0,)) * (1.0 / (B * T))
+                if m["weight"] is None:
+                    env[node.id] = b.item(lce, 0).sum((0,)) * (1.0 / (B * T))
+                else:     # data.documents: the masked loss, sum(ce · mask) · scale
+                    env[node.id] = (b.item(lce, 0) * env[m["weight"]].reshape(B * T)) \
+                        .sum((0,)) * env[m["scale"]]
                 continue
             env[node.id] = b.like(node, *[env[i] for i in node.inputs])
         b.graph.set_outputs([(name, env[i].id) for name, i in g.outputs])

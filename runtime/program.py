@@ -128,6 +128,7 @@ class Program:
         self._grad_norm: Tensor | float = 0.0
         self._lr = 0.0
         self._tokens_dev: Tensor | None = None     # the step's tokens, where the graph reads them
+        self._extra_dev: dict[str, Tensor] = {}    # its document inputs, likewise
         self._step_graph: Any = None               # the captured optimizer step (CUDA)
         self._steps_eager = 0
         self._m = _views(self.flat["opt.m"], init)
@@ -186,6 +187,7 @@ class Program:
                *self._scalars.values(), self._token_range, self._lr_table, self._step_index,
                self._step_clamped, self._loss]
         own += [self._tokens_dev] if self._tokens_dev is not None else []
+        own += list(self._extra_dev.values())
         return own + [t for ex in self._executors.values() for t in ex.storages()]
 
     # -- running --------------------------------------------------------------------------------
@@ -243,40 +245,77 @@ class Program:
             options["cuda_graphs"] = False           # inside the step's own graph
         return self._executor_cls(cg.plan, bound, **options)
 
-    def loss(self, tokens: Tensor) -> float:
+    def document_inputs(self, tokens: Tensor, docs: dict[str, Tensor] | None,
+                        loss: bool = True) -> dict[str, Tensor]:
+        """The graph inputs of `data.documents` for a batch: `docs` may hold `doc_start` and
+        `loss_mask` [B, T] (the loader's, runtime/data/datasets.py); absent ones default to
+        one document per row and every target counted."""
+        if not self.spec.data.documents:
+            if docs:
+                raise TitancError(f"{', '.join(sorted(docs))} given, but the program has no "
+                                  f"document inputs; set data.documents=true")
+            return {}
+        docs = dict(docs or {})
+        unknown = set(docs) - {"doc_start", "loss_mask"}
+        if unknown:
+            raise TitancError(f"unknown document inputs {sorted(unknown)}; "
+                              f"pass doc_start and loss_mask")
+        shape = (tokens.shape[0], self.seq_len)
+        out = {}
+        names = (["doc_start"] if self.spec.data.pack else []) + (["loss_mask"] if loss else [])
+        for name, fill in (("doc_start", 0.0), ("loss_mask", 1.0)):
+            if name not in names:
+                continue
+            t = docs.get(name)
+            if t is None:
+                t = torch.full(shape, fill, dtype=self.dtype)
+            elif tuple(t.shape) != shape:
+                raise TitancError(f"{name} must be [batch, seq_len] = {list(shape)}, "
+                                  f"got {list(t.shape)}")
+            out[name] = t.to(self.dtype)
+        return out
+
+    def loss(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
         tokens = self._check_tokens(tokens)
         cg = self.graph("forward", tokens.shape[0])
-        return float(self._run(cg, {"tokens": tokens, **self._params})["loss"])
+        extra = self.document_inputs(tokens, docs)
+        return float(self._run(cg, {"tokens": tokens, **extra, **self._params})["loss"])
 
-    def _forward_output(self, tokens: Tensor, output: str) -> Tensor:
+    def _forward_output(self, tokens: Tensor, output: str,
+                        docs: dict[str, Tensor] | None = None) -> Tensor:
         tokens = self._check_tokens(tokens)
         cg = self.graph(output, tokens.shape[0])
-        return self._run(cg, {"tokens": tokens, **self._params})[output]
+        extra = self.document_inputs(tokens, docs, loss=False)
+        return self._run(cg, {"tokens": tokens, **extra, **self._params})[output]
 
-    def logits(self, tokens: Tensor) -> Tensor:
+    def logits(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> Tensor:
         """Next-token logits [B, T, V] for tokens [B, T+1] (the last column is ignored)."""
-        return self._forward_output(tokens, "logits")
+        return self._forward_output(tokens, "logits", docs)
 
-    def logprobs(self, tokens: Tensor) -> Tensor:
+    def logprobs(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> Tensor:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) as [B, T], through the chunked LM head."""
-        return self._forward_output(tokens, "logprobs")
+        return self._forward_output(tokens, "logprobs", docs)
 
-    def grads(self, tokens: Tensor) -> tuple[float, dict[str, Tensor]]:
+    def grads(self, tokens: Tensor, docs: dict[str, Tensor] | None = None
+              ) -> tuple[float, dict[str, Tensor]]:
         """Loss and gradients of one batch (copies: the program's buffers stay private)."""
-        loss, g = self._grads(tokens)
+        loss, g = self._grads(tokens, docs)
         return loss, {n: t.clone() for n, t in g.items()}
 
-    def _grads(self, tokens: Tensor) -> tuple[float, dict[str, Tensor]]:
+    def _grads(self, tokens: Tensor, docs: dict[str, Tensor] | None = None
+               ) -> tuple[float, dict[str, Tensor]]:
         tokens = self._check_tokens(tokens)
         cg = self.graph("training", tokens.shape[0])
-        out = self._run(cg, {"tokens": tokens, **self._params})
+        extra = self.document_inputs(tokens, docs)
+        out = self._run(cg, {"tokens": tokens, **extra, **self._params})
         return float(out["loss"]), {n: out[f"grad.{n}"] for n in self._params}
 
-    def train_step(self, tokens: Tensor) -> float:
+    def train_step(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
         """One optimizer step on `grad_accum` micro-batches of `batch_size` rows each
-        (tokens: [grad_accum·batch_size, seq_len+1]). Returns the mean micro-batch loss, which
-        reads it back from the device; `advance` is the same step reading nothing back."""
-        self.advance(tokens)
+        (tokens: [grad_accum·batch_size, seq_len+1]; `docs`: `data.documents`' doc_start and
+        loss_mask rows, as `loss`). Returns the mean micro-batch loss, which reads it back from
+        the device; `advance` is the same step reading nothing back."""
+        self.advance(tokens, docs)
         return self.last["loss"]
 
     @property
@@ -284,7 +323,7 @@ class Program:
         """The last step's {loss, lr, grad_norm} as floats (reads the device: a sync)."""
         return {k: float(v) for k, v in self._last.items()}
 
-    def advance(self, tokens: Tensor) -> None:
+    def advance(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> None:
         """One optimizer step that reads nothing back to the host: every micro-batch, the
         gradient accumulation, the clip and AdamW, with lr and step updated on the device;
         the loss and the gradient norm stay there (`last` reads them). On CUDA with
@@ -294,8 +333,9 @@ class Program:
         if tokens.shape[0] != self.accum * self.batch_size:
             raise TitancError(f"train_step needs {self.accum}·{self.batch_size} rows "
                               f"(train.grad_accum·train.batch_size), got {tokens.shape[0]}")
+        extra = self.document_inputs(tokens, docs)
         if self.reducer is not None:
-            self._distributed_step(tokens)
+            self._distributed_step(tokens, extra)
             return
         if self.step != self._step_synced:           # set from outside (a checkpoint)
             self._step_index.fill_(self.step)
@@ -305,6 +345,7 @@ class Program:
                                                                       device=self.device), None
             self._tokens_dev.copy_(tokens, non_blocking=True)
             tokens = self._tokens_dev
+            extra = self._inputs_on_device(extra)
         with torch.no_grad():
             if self._step_graph is not None:
                 self._step_graph.replay()
@@ -312,30 +353,41 @@ class Program:
                 self._step_graph = torch.cuda.CUDAGraph()
                 torch.cuda.synchronize()             # once, at capture
                 with torch.cuda.graph(self._step_graph):
-                    self._device_step(tokens)
+                    self._device_step(tokens, extra)
                 self._step_graph.replay()
             else:
-                self._device_step(tokens)
+                self._device_step(tokens, extra)
                 self._steps_eager += 1
         self._lr = lr_at(self.step, self.spec.train)
         self.step += 1
         self._step_synced = self.step
         self._last = {"loss": self._loss, "lr": self._lr, "grad_norm": self._grad_norm}
 
-    def _device_step(self, tokens: Tensor) -> None:
+    def _inputs_on_device(self, extra: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The document inputs copied into fixed device buffers (what a captured step reads);
+        a new shape drops the captured graph."""
+        for k, v in extra.items():
+            buf = self._extra_dev.get(k)
+            if buf is None or buf.shape != v.shape:
+                self._extra_dev[k], self._step_graph = torch.empty_like(v, device=self.device), None
+            self._extra_dev[k].copy_(v, non_blocking=True)
+        return {k: self._extra_dev[k] for k in extra}
+
+    def _device_step(self, tokens: Tensor, extra: dict[str, Tensor]) -> None:
         """The device work of one optimizer step (what the CUDA graph captures): the
         micro-batches' gradients summed into the accumulator, the mean loss into `_loss`, the
         scalars, the optimizer graph, the step counter."""
         B = self.batch_size
         cg = self.graph("training", B)
         for i in range(self.accum):
-            micro = tokens[i * B:(i + 1) * B]
+            micro = {"tokens": tokens[i * B:(i + 1) * B],
+                     **{k: v[i * B:(i + 1) * B] for k, v in extra.items()}}
             if self.target == "reference":           # the interpreter returns new tensors
-                out = self._run(cg, {"tokens": micro, **self._params})
+                out = self._run(cg, {**micro, **self._params})
                 for n, t in self._grad_tmp.items():
                     t.copy_(out[f"grad.{n}"])
             else:
-                out = self._executor(cg).run({"tokens": micro})
+                out = self._executor(cg).run(micro)
             if self.accum == 1:
                 self._loss.copy_(out["loss"])
             elif i == 0:
@@ -370,7 +422,7 @@ class Program:
                     dst.copy_(out[key])
         return out["grad_norm"]
 
-    def _distributed_step(self, tokens: Tensor) -> None:
+    def _distributed_step(self, tokens: Tensor, extra: dict[str, Tensor]) -> None:
         """A step under data parallelism (runtime/train/distributed.py): the gradient buckets
         are launched as the last micro-batch's gradients land, reduced over ranks, and the
         loss is averaged over ranks (host values: the collectives synchronise anyway)."""
@@ -378,7 +430,8 @@ class Program:
         reducer.start()
         losses = []
         for i in range(accum):
-            loss, _ = self._grads(tokens[i * B:(i + 1) * B])
+            loss, _ = self._grads(tokens[i * B:(i + 1) * B],
+                                  {k: v[i * B:(i + 1) * B] for k, v in extra.items()})
             losses.append(loss)
             if accum > 1:
                 (self.flat["grad"].copy_ if i == 0 else self.flat["grad"].add_)(

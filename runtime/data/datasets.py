@@ -39,7 +39,7 @@ from titanc.errors import TitancError
 
 __all__ = [
     "VOCAB_SIZE", "encode", "decode", "Dataset", "TextData", "SyntheticRecall",
-    "recall_accuracy", "make_data", "SYNTHETIC_RECALL",
+    "recall_accuracy", "make_data", "draw", "SYNTHETIC_RECALL",
 ]
 
 Tensor = torch.Tensor
@@ -328,6 +328,15 @@ def recall_accuracy(prog: Any, tokens: Tensor, data: SyntheticRecall | None = No
 # ---------------------------------------------------------------------------------- choosing
 
 
+def draw(data: Any, spec: Any, n: int, split: str, generator: torch.Generator | None,
+         rows: slice | None = None) -> tuple[Tensor, dict[str, Tensor] | None]:
+    """A batch as the program takes it: tokens, and with `data.documents` the rows'
+    doc_start / loss_mask (`ShardData.batch_documents`, packed or not per `data.pack`)."""
+    if not spec.data.documents:
+        return data.batch(n, split, generator, rows=rows), None
+    return data.batch_documents(n, split, generator, rows=rows, pack=spec.data.pack)
+
+
 def make_data(spec_or_source: Any, seq_len: int | None = None, vocab_size: int | None = None,
               seed: int = 0, val_fraction: float = 0.1) -> Dataset:
     """The dataset a spec (or a source string with the sizes given) asks for:
@@ -353,7 +362,15 @@ def make_data(spec_or_source: Any, seq_len: int | None = None, vocab_size: int |
     tok = None if isinstance(spec_or_source, (str, os.PathLike)) else load_tokenizer(spec)
     if os.path.isdir(source):                    # token shards from 'titanc data prepare'
         from titanc.runtime.data.shards import ShardData
-        return ShardData(source, seq_len, vocab_size, tokenizer=tok, seed=seed)
+        shards = ShardData(source, seq_len, vocab_size, tokenizer=tok, seed=seed)
+        if not isinstance(spec_or_source, (str, os.PathLike)) and spec.data.documents:
+            shards.doc_starts("train")           # fail now, not at the first step
+        return shards
+    if not isinstance(spec_or_source, (str, os.PathLike)) and spec.data.documents:
+        raise TitancError(f"data.documents: true needs document starts, which only token "
+                          f"shards record; prepare {source} with 'titanc data prepare "
+                          f"{source} -o DIR', set data.source to DIR, or set "
+                          f"data.documents=false")
     if tok is not None and tok.name != BYTE:
         raise TitancError(f"data.source {source} is a text file, read as bytes, but "
                           f"data.tokenizer is {tok.name}; prepare shards with 'titanc data "

@@ -5,15 +5,18 @@
 The corpus is cut into pieces (runtime/data/corpus.py); worker processes (`workers`; by default
 the CPU count, fewer for a small corpus) each load the tokenizer once and tokenize pieces; the
 parent writes their token arrays in input order, so the output does not depend on the number
-of workers. The tokenizer's end-of-text id (BPE) follows every document. Memory stays bounded:
-at most `2 x workers` pieces are in flight; the workers die with the parent, whatever kills it.
+of workers. The tokenizer's end-of-text id (BPE) follows every document, and each split's
+document starts go to `train.docs` / `val.docs` (int64 offsets, docs/data.md). Memory stays
+bounded: at most `2 x workers` pieces are in flight; the workers die with the parent, whatever
+kills it.
 
 Nothing is destroyed before its replacement exists: the new shard set is built in a directory
 beside DIR (`.DIR.partial-PID`): tokens go to its `train.bin` as they arrive, the last
-`val_fraction` of the stream moves to `val.bin`, `header.json` is written last; only then is
-it renamed into place (`--overwrite`: the old DIR renamed aside first, deleted after). A failed
-or killed run leaves DIR as it was. Input directories that hold a shard set, and DIR itself,
-are skipped with a notice (corpus.find_files), so shards are never read back as text.
+`val_fraction` of the stream moves to `val.bin`, the document offsets follow, `header.json` is
+written last; only then is it renamed into place (`--overwrite`: the old DIR renamed aside
+first, deleted after). A failed or killed run leaves DIR as it was. Input directories that hold
+a shard set, and DIR itself, are skipped with a notice (corpus.find_files), so shards are never
+read back as text.
 """
 from __future__ import annotations
 
@@ -55,8 +58,9 @@ def _init_worker(tokenizer: str, parent: int) -> None:
 
 
 def _tokenize(piece: Piece, text_field: str, dtype: str,
-              tok: Tokenizer | None = None) -> tuple[np.ndarray, int]:
-    """Token ids of one piece (eot after each document end) and its UTF-8 byte count."""
+              tok: Tokenizer | None = None) -> tuple[np.ndarray, int, np.ndarray]:
+    """Token ids of one piece (eot after each document end), its UTF-8 byte count and the
+    offsets in the ids just past each document end (eot included)."""
     tok = tok or _worker_tok
     assert tok is not None, "worker not initialised"
     texts, ends = [], []
@@ -73,7 +77,10 @@ def _tokenize(piece: Piece, text_field: str, dtype: str,
     eot = np.asarray([] if tok.eot is None else [tok.eot], dtype=dtype)
     parts = [p for ids, end in zip(encoded, ends) for p in ((ids, eot) if end else (ids,))]
     out = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
-    return out, sum(len(r) for r in raw)
+    sizes = np.cumsum([len(ids) + (len(eot) if end else 0) for ids, end in zip(encoded, ends)],
+                      dtype=np.int64)
+    doc_ends = sizes[np.asarray(ends, dtype=bool)] if len(ends) else np.zeros(0, np.int64)
+    return out, sum(len(r) for r in raw), doc_ends
 
 
 # -- parent side -------------------------------------------------------------------------------
@@ -169,6 +176,22 @@ def _move_tail(train: Path, val: Path, n_train: int, n_val: int, dtype: np.dtype
     os.truncate(train, n_train * dtype.itemsize)
 
 
+def _write_docs(out: Path, starts: np.ndarray, n_train: int, n_val: int) -> dict[str, dict]:
+    """`train.docs` / `val.docs`: each split's document starts (int64 token offsets, the
+    first 0: a split's first token starts a document); the header's `docs` entries."""
+    entries = {}
+    for split, lo, hi in (("train", 0, n_train), ("val", n_train, n_train + n_val)):
+        if hi == lo:
+            continue
+        mine = starts[(starts > lo) & (starts < hi)] - lo
+        arr = np.concatenate([np.zeros(1, np.int64), mine]).astype("<i8")
+        tmp = out / f"{split}.docs.tmp"
+        arr.tofile(tmp)
+        os.replace(tmp, out / f"{split}.docs")
+        entries[split] = {"file": f"{split}.docs", "count": int(len(arr))}
+    return entries
+
+
 def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
             tokenizer: str = BYTE, val_fraction: float = 0.1, text_field: str = "text",
             ext: Sequence[str] | None = None, workers: int | None = None,
@@ -193,13 +216,15 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     t0 = time.perf_counter()
     total_bytes, n_tokens = 0, 0
     sources: dict[str, int] = {}
+    doc_ends: list[np.ndarray] = []            # token offsets just past each document
     bar = tqdm(total=sum(p.size for p in pieces), unit="B", unit_scale=True, desc="prepare",
                disable=not progress or None, dynamic_ncols=True, mininterval=0.5)
     try:
         with _writing(train_tmp), open(train_tmp, "wb") as f:
-            for piece, ids, n_bytes in _results(pieces, tok, tokenizer, text_field, dtype,
-                                                workers):
+            for piece, ids, n_bytes, ends in _results(pieces, tok, tokenizer, text_field,
+                                                      dtype, workers):
                 f.write(ids.tobytes())
+                doc_ends.append(ends + n_tokens)
                 n_tokens += len(ids)
                 total_bytes += n_bytes
                 sources[piece.path] = sources.get(piece.path, 0) + n_bytes
@@ -210,11 +235,16 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
         n_val = int(n_tokens * val_fraction)
         with _writing(val_tmp):
             _move_tail(train_tmp, val_tmp, n_tokens - n_val, n_val, np.dtype(dtype))
+        ends = np.concatenate(doc_ends) if doc_ends else np.zeros(0, np.int64)
+        with _writing(stage / "train.docs"):
+            docs = _write_docs(stage, ends, n_tokens - n_val, n_val)
         header = {
             "format": FORMAT, "version": VERSION, "dtype": dtype,
             "tokenizer": tokenizer_info(tok),
             "splits": {"train": {"file": "train.bin", "tokens": n_tokens - n_val},
                        "val": {"file": "val.bin", "tokens": n_val}},
+            # document starts per split (data.documents; runtime/data/shards.py)
+            "docs": docs,
             "val_fraction": val_fraction, "text_bytes": total_bytes,
             "sources": [{"path": p, "bytes": b} for p, b in sources.items()],
         }

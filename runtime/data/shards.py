@@ -6,12 +6,15 @@
                        "sources": [{path, bytes}], "text_bytes": ..., "val_fraction": ...}
     DIR/train.bin     the token ids, raw little-endian uint16 (uint32 when the vocabulary
     DIR/val.bin       does not fit in 16 bits), documents separated by the tokenizer's eot id
+    DIR/train.docs    each split's document starts, little-endian int64 token offsets, the
+    DIR/val.docs      first 0 (header "docs": {split: {file, count}}; `data.documents`)
 
 `titanc data prepare` writes them (runtime/data/prepare.py); `ShardData` reads them by
 `numpy.memmap`, so a corpus of any size costs only the pages the sampled windows touch.
 A batch is `n` random windows of seq_len + 1 tokens drawn from the `torch.Generator` it is
 handed (the trainer's, saved in checkpoints), so batches are a function of the seed and the
-step and a resumed run continues the exact stream.
+step and a resumed run continues the exact stream. `batch_documents` also returns each
+token's document start and the loss mask (docs/data.md "Documents").
 
 Opening checks, each a one-line `TitancError` naming the file and the fix: the header exists
 and parses; each shard exists, is non-empty and has exactly `tokens x itemsize` bytes (a
@@ -98,6 +101,7 @@ class ShardData:
                               f"{vocab_size}; set model.vocab_size={info['vocab_size']}")
         self.dtype = np.dtype(DTYPES[header["dtype"]])
         self._arrays: dict[str, np.memmap | None] = {s: self._open(s) for s in SPLITS}
+        self._docs: dict[str, np.ndarray] = {}
         if self._arrays["train"] is None or len(self._arrays["train"]) < seq_len + 1:
             n = 0 if self._arrays["train"] is None else len(self._arrays["train"])
             raise TitancError(
@@ -172,10 +176,8 @@ class ShardData:
 
         return torch.from_numpy(rows.astype(np.int64))
 
-    def batch(self, n: int, split: str = "train", generator: "torch.Generator | None" = None,
-              rows: slice | None = None) -> "torch.Tensor":
-        """`n` random windows of seq_len+1 tokens from `split`: int64 [n, seq_len+1] (only
-        `rows` of them, when given: a rank reads only its part of a global batch)."""
+    def _window_starts(self, n: int, split: str, generator: "torch.Generator | None",
+                       rows: slice | None) -> np.ndarray:
         if not self.has_split(split):
             raise TitancError(f"{self._path(split)} has fewer than model.seq_len+1 = "
                               f"{self.seq_len + 1} tokens, so there is no {split} split; "
@@ -187,4 +189,80 @@ class ShardData:
         starts = torch.randint(0, high, (n,), generator=gen)
         if rows is not None:
             starts = starts[rows]
-        return self.windows(split, starts.numpy())
+        return starts.numpy()
+
+    def batch(self, n: int, split: str = "train", generator: "torch.Generator | None" = None,
+              rows: slice | None = None) -> "torch.Tensor":
+        """`n` random windows of seq_len+1 tokens from `split`: int64 [n, seq_len+1] (only
+        `rows` of them, when given: a rank reads only its part of a global batch)."""
+        return self.windows(split, self._window_starts(n, split, generator, rows))
+
+    def doc_starts(self, split: str) -> np.ndarray:
+        """The split's document starts (int64, sorted, the first 0), from `<split>.docs`."""
+        if split not in self._docs:
+            entry = (self.header.get("docs") or {}).get(split)
+            if not isinstance(entry, dict):
+                raise TitancError(
+                    f"{self.directory / HEADER} records no document starts for {split} "
+                    f"(shards prepared before titanc wrote them); prepare them again with "
+                    f"'titanc data prepare INPUT... -o {self.directory} --overwrite', or set "
+                    f"data.documents=false")
+            path, count = self.directory / str(entry.get("file")), int(entry.get("count", 0))
+            if not path.exists() or path.stat().st_size != count * 8 or count == 0:
+                raise TitancError(f"document starts {path} are missing or not {count} int64 "
+                                  f"offsets; {_PREPARE.format(d=self.directory)}")
+            arr = np.fromfile(path, dtype="<i8")
+            if arr[0] != 0 or np.any(np.diff(arr) <= 0) or arr[-1] >= len(self.split_array(split)):
+                raise TitancError(f"document starts {path} are not increasing offsets from 0 "
+                                  f"inside the split; {_PREPARE.format(d=self.directory)}")
+            self._docs[split] = arr
+        return self._docs[split]
+
+    def window_documents(self, split: str, starts: np.ndarray) -> dict[str, "torch.Tensor"]:
+        """doc_start and loss_mask float64 [len(starts), seq_len] of the windows at `starts`
+        (as `windows`): each input token's document start in its row (0 when the document
+        began before the row), and 0 in the mask where the target begins a document."""
+        import torch
+
+        docs = self.doc_starts(split)
+        starts = np.asarray(starts, dtype=np.int64)
+        pos = starts[:, None] + np.arange(self.seq_len)        # each input token's offset
+        first = docs[np.searchsorted(docs, pos, side="right") - 1]
+        doc_start = np.maximum(first - starts[:, None], 0)
+        nxt = np.searchsorted(docs, pos + 1, side="left")
+        begins = docs[np.minimum(nxt, len(docs) - 1)] == pos + 1
+        return {"doc_start": torch.from_numpy(doc_start.astype(np.float64)),
+                "loss_mask": torch.from_numpy((~begins).astype(np.float64))}
+
+    def batch_documents(self, n: int, split: str = "train",
+                        generator: "torch.Generator | None" = None, rows: slice | None = None,
+                        pack: bool = True) -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
+        """`n` rows with their documents: tokens int64 [n, seq_len+1] and {"doc_start",
+        "loss_mask"} float64 [n, seq_len] (docs/data.md "Documents"). `pack`: random windows
+        of the stream, doc_start each token's document start in its row, the targets that
+        begin a document masked; else one document per row from its start, truncated to the
+        row or padded with id 0, every target past its end masked (doc_start all 0)."""
+        import torch
+
+        if pack:
+            starts = self._window_starts(n, split, generator, rows)
+            return self.windows(split, starts), self.window_documents(split, starts)
+        docs = self.doc_starts(split)
+        arr = self.split_array(split)
+        T = self.seq_len
+        gen = generator if generator is not None else self._gens[split]
+        pick = torch.randint(0, len(docs), (n,), generator=gen)
+        if rows is not None:
+            pick = pick[rows]
+        k = pick.numpy()
+        starts = docs[k]
+        ends = np.where(k + 1 < len(docs), docs[np.minimum(k + 1, len(docs) - 1)], len(arr))
+        idx = starts[:, None] + np.arange(T + 1)
+        ids = np.where(idx < ends[:, None], arr[np.minimum(idx, len(arr) - 1)], 0)
+        self._check_range(ids, self._path(split), None)
+        tokens = torch.from_numpy(ids.astype(np.int64))
+        pos = starts[:, None] + np.arange(T)                   # each input token's offset
+        doc_start = np.zeros_like(pos)
+        mask = pos + 1 < ends[:, None]
+        return tokens, {"doc_start": torch.from_numpy(doc_start.astype(np.float64)),
+                        "loss_mask": torch.from_numpy(mask.astype(np.float64))}

@@ -76,7 +76,7 @@ class _Watcher(Interpreter):
 
     def _record(self, before: list[Tensor], x: list[Tensor], after: list[Tensor]) -> None:
         depth = len(before) // 2
-        _, k, v, theta, log_eta, log_keep = x
+        _, k, v, theta, log_eta, log_keep = x[:6]     # (data.documents adds the starts)
         w0, w1, s1 = before[:depth], after[:depth], after[depth:]
         self.chunks.append((self.layer, {
             "loss_before": float((_mlp(w0, k) - v).pow(2).mean()),
@@ -94,6 +94,7 @@ def memory_stats(prog: Any, tokens: Tensor) -> dict[str, Any]:
     g = prog.graph("logits", tokens.shape[0]).graph     # the compiled forward, logits out
     watcher = _Watcher()
     inputs = {"tokens": tokens.to(torch.int64).cpu(),
+              **prog.document_inputs(tokens, None, loss=False),   # data.documents: one per row
               **{n: t.detach().cpu() for n, t in prog.parameters().items()}}
     with torch.no_grad():
         watcher(g, inputs)

@@ -93,11 +93,14 @@ def evaluate(prog: Any, data: EvalData, tok: Tokenizer, *,
         loss_sum, n_bytes = 0.0, 0
         for b in range(batches):
             idx = starts[b * B:(b + 1) * B]
+            docs = None
             if isinstance(data, ShardData):
                 rows = data.windows(split, idx)
+                if spec.data.documents:        # the windows' document starts and loss mask
+                    docs = data.window_documents(split, idx)
             else:
                 rows = torch.from_numpy(tokens[idx[:, None] + np.arange(T + 1)].astype(np.int64))
-            loss_sum += prog.loss(rows) * B * T
+            loss_sum += (prog.loss(rows) if docs is None else prog.loss(rows, docs)) * B * T
             targets = rows[:, 1:].numpy()
             n_bytes += int(nbytes[np.clip(targets, 0, len(nbytes) - 1)].sum())
         n_tok = batches * B * T

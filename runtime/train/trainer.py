@@ -58,7 +58,7 @@ from titanc.runtime.children import StopRequest, stop_on_term
 from titanc.runtime.train.checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_resumable, checkpoint_path,
                          first_nonfinite, load_checkpoint, remove_stale_temps, restore,
                          save_checkpoint)
-from titanc.runtime.data.datasets import SyntheticRecall, TextData, make_data
+from titanc.runtime.data.datasets import SyntheticRecall, TextData, draw, make_data
 from titanc.runtime.diagnostics.timing import peak_rss_bytes, profile_table
 from titanc.files import write_text_atomic, writing_into
 from titanc.runtime.train.rundir import LOCK_NAME, RunDir
@@ -192,8 +192,8 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.spec.train.seed + EVAL_SEED_OFFSET)
         losses, accs = [], []
         for _ in range(self.spec.train.eval_batches):
-            tokens = self.data.batch(self.spec.train.batch_size, "val", gen)
-            losses.append(self.prog.loss(tokens))
+            tokens, docs = draw(self.data, self.spec, self.spec.train.batch_size, "val", gen)
+            losses.append(self.prog.loss(tokens, docs))
             if isinstance(self.data, SyntheticRecall) and hasattr(self.prog, "logits"):
                 accs.append(self.data.accuracy(self.prog, tokens))
         out = {"eval_loss": sum(losses) / len(losses)}
@@ -206,8 +206,10 @@ class Trainer:
         micro-batch; the sampler's generator is not advanced) must be finite."""
         gen = torch.Generator()
         gen.set_state(self.gen.get_state())
-        tokens = self.data.batch(self.rows, "train", gen)[: self.spec.train.batch_size]
-        loss, grads = self.prog._grads(tokens)    # the program's own buffers: no copies
+        tokens, docs = draw(self.data, self.spec, self.rows, "train", gen)
+        first = slice(0, self.spec.train.batch_size)
+        docs = {k: v[first] for k, v in docs.items()} if docs else None
+        loss, grads = self.prog._grads(tokens[first], docs)   # its own buffers: no copies
         norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
         for what, value in (("the next batch's loss", loss), ("its gradient norm", norm)):
             if not math.isfinite(value):
@@ -264,10 +266,11 @@ class Trainer:
         the loss and the gradient norm are checked, written to metrics.jsonl and returned
         (prog.last, with tokens/s over the steps since the previous log); else None."""
         t0 = time.perf_counter()
-        tokens = self.data.batch(self.global_rows, "train", self.gen, rows=self.my_rows)
+        tokens, docs = draw(self.data, self.spec, self.global_rows, "train", self.gen,
+                            rows=self.my_rows)
         t1 = time.perf_counter()
         comm0 = self.reducer.comm_seconds if self.reducer else 0.0
-        self.prog.advance(tokens)
+        self.prog.advance(tokens, docs)
         t2 = time.perf_counter()
         comm = (self.reducer.comm_seconds - comm0) if self.reducer else 0.0
         self.times["data"] += t1 - t0

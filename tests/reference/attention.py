@@ -34,24 +34,37 @@ def persistent_kv(p: dict[str, Tensor], B: int, heads: int) -> tuple[Tensor, Ten
     return pk, pv
 
 
-def swa(p: dict[str, Tensor], u: Tensor, cfg) -> Tensor:
-    """Query i sees every persistent key and sequence keys j with i - W < j <= i."""
+def same_document(visible: Tensor, doc: Tensor | None, start: int = 0) -> Tensor:
+    """`visible` (T, S) restricted to keys in the query's document: (B, 1, T, S) with `doc`
+    (B, T) each query's document start; key j sits at position start + j."""
+    if doc is None:
+        return visible
+    j = start + torch.arange(visible.shape[1])
+    return visible & (j[None, None, :] >= doc[:, :, None])[:, None]
+
+
+def swa(p: dict[str, Tensor], u: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
+    """Query i sees every persistent key and sequence keys j with i - W < j <= i (and, with
+    `doc` (B, T) each token's document start, j >= doc[i]; RoPE then at i - doc[i])."""
     # u (B, T, D)
     B, T, D = u.shape
     H = cfg.attention.heads
     W = cfg.attention.window
     pos = torch.arange(T)
-    q = rope(split_heads(u @ p["attn_wq"], H), pos)  # (B, H, T, C)
-    k = rope(split_heads(u @ p["attn_wk"], H), pos)  # (B, H, T, C)
+    rel = pos if doc is None else pos - doc  # RoPE at positions in the document
+    q = rope(split_heads(u @ p["attn_wq"], H), rel)  # (B, H, T, C)
+    k = rope(split_heads(u @ p["attn_wk"], H), rel)  # (B, H, T, C)
     v = split_heads(u @ p["attn_wv"], H)  # (B, H, T, C)
 
     i, j = pos[:, None], pos[None, :]
     visible = j <= i  # (T, T)
     if W is not None and W > 0:
         visible = visible & (j > i - W)
+    visible = same_document(visible, doc)
     pkv = persistent_kv(p, B, H)
     if pkv is not None:
         k = torch.cat([pkv[0], k], dim=2)  # (B, H, P+T, C)
         v = torch.cat([pkv[1], v], dim=2)
-        visible = torch.cat([torch.ones(T, pkv[0].shape[2], dtype=torch.bool), visible], dim=1)
+        ones = torch.ones(*visible.shape[:-1], pkv[0].shape[2], dtype=torch.bool)
+        visible = torch.cat([ones, visible], dim=-1)
     return merge_heads(attend(q, k, v, visible)) @ p["attn_wo"]  # (B, T, D)

@@ -1,7 +1,8 @@
 """The attn, lmm, mag and mal blocks of docs/semantics.md (mac is in mac.py).
 
 Each block takes one layer's parameters (the `layers.` prefix stripped, layer axis sliced)
-and the residual stream x (B, T, D), and returns the updated stream. Every block ends with
+and the residual stream x (B, T, D), and returns the updated stream; `doc` (B, T) int, when
+given, is each token's document start (docs/semantics.md "Documents"). Every block ends with
 x += FFN(rmsnorm(x, ffn_norm)).
 
 Ein notation: B batch, T time, D model width.
@@ -17,27 +18,27 @@ from .memory import lmm
 from .ops import ffn, rmsnorm
 
 
-def attn_block(p: dict[str, Tensor], x: Tensor, cfg) -> Tensor:
-    x = x + swa(p, rmsnorm(x, p["attn_norm"]), cfg)  # (B, T, D)
+def attn_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
+    x = x + swa(p, rmsnorm(x, p["attn_norm"]), cfg, doc)  # (B, T, D)
     return x + ffn(p, rmsnorm(x, p["ffn_norm"]))
 
 
-def lmm_block(p: dict[str, Tensor], x: Tensor, cfg) -> Tensor:
-    x = x + lmm(p, rmsnorm(x, p["mem_norm"]), cfg)  # (B, T, D)
+def lmm_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
+    x = x + lmm(p, rmsnorm(x, p["mem_norm"]), cfg, doc)  # (B, T, D)
     return x + ffn(p, rmsnorm(x, p["ffn_norm"]))
 
 
-def mag_block(p: dict[str, Tensor], x: Tensor, cfg) -> Tensor:
+def mag_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
     """Memory as gate: attention and memory read the same normed input, memory gates attention."""
     u = rmsnorm(x, p["mem_norm"])  # (B, T, D)
-    y = swa(p, u, cfg)  # (B, T, D)
-    m = lmm(p, u, cfg)  # (B, T, D)
+    y = swa(p, u, cfg, doc)  # (B, T, D)
+    m = lmm(p, u, cfg, doc)  # (B, T, D)
     x = x + (rmsnorm(y, p["mag_norm_y"]) * torch.sigmoid(rmsnorm(m, p["mag_norm_m"]))) @ p["mag_wo"]
     return x + ffn(p, rmsnorm(x, p["ffn_norm"]))
 
 
-def mal_block(p: dict[str, Tensor], x: Tensor, cfg) -> Tensor:
+def mal_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
     """Memory as layer: memory, then attention, each with its own residual."""
-    x = x + lmm(p, rmsnorm(x, p["mem_norm"]), cfg)  # (B, T, D)
-    x = x + swa(p, rmsnorm(x, p["attn_norm"]), cfg)  # (B, T, D)
+    x = x + lmm(p, rmsnorm(x, p["mem_norm"]), cfg, doc)  # (B, T, D)
+    x = x + swa(p, rmsnorm(x, p["attn_norm"]), cfg, doc)  # (B, T, D)
     return x + ffn(p, rmsnorm(x, p["ffn_norm"]))

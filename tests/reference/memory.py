@@ -72,18 +72,39 @@ def chunk_token_loop(
 
 
 def memory_scan(
-    state: State, q: Tensor, k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, chunk: int
+    state: State, q: Tensor, k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, chunk: int,
+    doc: Tensor | None = None, init: State | None = None,
 ) -> tuple[Tensor, State]:
-    """Read then write, chunk by chunk. Returns y_t = M(q_t; W at t's chunk start) and the end state."""
+    """Read then write, chunk by chunk. Returns y_t = M(q_t; W at t's chunk start) and the end state.
+
+    `doc` (B, T) int: each token's document start in q's positions (negative: before it).
+    A token whose document starts inside its chunk (doc >= the chunk start) reads, and takes
+    its inner gradient at, `init` (W^(0), 0) instead of the chunk-start state; the token loop
+    resets the state to `init` before each document's first token."""
     # q/k/v (B, N, T, C); theta/eta/alpha (B, N, T)
     W, S = state
     T = q.shape[2]
     ys = []
     for c0 in range(0, T, chunk):
         sl = slice(c0, c0 + chunk)
-        ys.append(mem_apply(W, q[:, :, sl]))  # (B, N, b, C)  read at chunk start
+        y = mem_apply(W, q[:, :, sl])  # (B, N, b, C)  read at chunk start
         g = inner_grads(W, k[:, :, sl], v[:, :, sl])  # (B, N, b, O, I) per layer
-        W, S = chunk_token_loop(W, S, g, theta[:, :, sl], eta[:, :, sl], alpha[:, :, sl])
+        if doc is None:
+            W, S = chunk_token_loop(W, S, g, theta[:, :, sl], eta[:, :, sl], alpha[:, :, sl])
+        else:
+            W0 = init[0]
+            fresh = (doc[:, sl] >= c0)[:, None, :]  # (B, 1, b): the document began in this chunk
+            y = torch.where(fresh[..., None], mem_apply(W0, q[:, :, sl]), y)
+            g0 = inner_grads(W0, k[:, :, sl], v[:, :, sl])
+            g = [torch.where(fresh[..., None, None], a, b) for a, b in zip(g0, g)]
+            for t in range(c0, min(c0 + chunk, T)):
+                reset = (doc[:, t] == t)[:, None, None, None]  # (B, 1, 1, 1): a document's first token
+                W = [torch.where(reset, w0, w) for w0, w in zip(W0, W)]
+                S = [torch.where(reset, torch.zeros_like(s), s) for s in S]
+                u = slice(t, t + 1)
+                W, S = chunk_token_loop(W, S, [gi[:, :, u.start - c0 : u.start - c0 + 1] for gi in g],
+                                        theta[:, :, u], eta[:, :, u], alpha[:, :, u])
+        ys.append(y)
     return torch.cat(ys, dim=2), (W, S)  # (B, N, T, C)
 
 
@@ -95,21 +116,23 @@ def initial_state(p: dict[str, Tensor], B: int, cfg) -> State:
 
 
 def project(u: Tensor, w: Tensor, conv: Tensor, heads: int, normalize: bool,
-            activate: bool = True) -> Tensor:
-    """[l2norm]([silu](dwconv(u w, conv))) split into heads."""
+            activate: bool = True, doc: Tensor | None = None) -> Tensor:
+    """[l2norm]([silu](dwconv(u w, conv))) split into heads (`doc`: as `dwconv`'s)."""
     # u (B, T, D) -> (B, N, T, C)
-    x = dwconv(u @ w, conv)
+    x = dwconv(u @ w, conv, doc)
     x = split_heads(silu(x) if activate else x, heads)
     return l2norm(x) if normalize else x
 
 
-def projections(p: dict[str, Tensor], u: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
-    """q(u), k(u), v(u), each (B, N, T, C); conv history is zero before u's first position."""
+def projections(p: dict[str, Tensor], u: Tensor, cfg,
+                doc: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q(u), k(u), v(u), each (B, N, T, C); conv history is zero before u's first position
+    (and before each token's document start `doc`)."""
     N = cfg.memory.heads
     act = cfg.memory.qk_activation == "silu"  # 'none': q, k are l2norm(dwconv(u w)) alone
-    q = project(u, p["mem_wq"], p["mem_conv_q"], N, normalize=True, activate=act)
-    k = project(u, p["mem_wk"], p["mem_conv_k"], N, normalize=True, activate=act)
-    v = project(u, p["mem_wv"], p["mem_conv_v"], N, normalize=False)
+    q = project(u, p["mem_wq"], p["mem_conv_q"], N, normalize=True, activate=act, doc=doc)
+    k = project(u, p["mem_wk"], p["mem_conv_k"], N, normalize=True, activate=act, doc=doc)
+    v = project(u, p["mem_wv"], p["mem_conv_v"], N, normalize=False, doc=doc)
     return q, k, v
 
 
@@ -130,12 +153,14 @@ def gates(p: dict[str, Tensor], u: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]
     return theta.transpose(1, 2), eta.transpose(1, 2), alpha.transpose(1, 2)
 
 
-def lmm(p: dict[str, Tensor], u: Tensor, cfg) -> Tensor:
-    """LMM(u) = (y * silu(u W_G)) W_O (output gate) or y W_O, memory written from u itself."""
+def lmm(p: dict[str, Tensor], u: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
+    """LMM(u) = (y * silu(u W_G)) W_O (output gate) or y W_O, memory written from u itself
+    (`doc` (B, T): each token's document start; the state resets at each)."""
     # u (B, T, D)
-    q, k, v = projections(p, u, cfg)  # (B, N, T, C)
+    q, k, v = projections(p, u, cfg, doc)  # (B, N, T, C)
     theta, eta, alpha = gates(p, u, cfg)  # (B, N, T)
-    y, _ = memory_scan(initial_state(p, u.shape[0], cfg), q, k, v, theta, eta, alpha, cfg.memory.chunk_size)
+    init = initial_state(p, u.shape[0], cfg)
+    y, _ = memory_scan(init, q, k, v, theta, eta, alpha, cfg.memory.chunk_size, doc, init)
     y = merge_heads(y)  # (B, T, D)
     if cfg.memory.output_gate:
         y = y * silu(u @ p["mem_wg"])

@@ -14,7 +14,7 @@ from .mac import mac_block
 from .ops import layer_params, rmsnorm
 from .params import MEMORY_BLOCKS
 
-BLOCK_FNS: dict[str, Callable[[dict[str, Tensor], Tensor, object], Tensor]] = {
+BLOCK_FNS: dict[str, Callable[..., Tensor]] = {
     "attn": attn_block,
     "lmm": lmm_block,
     "mag": mag_block,
@@ -44,20 +44,22 @@ def check_config(cfg, T: int) -> None:
             raise ValueError(f"model.memory.chunk_size: {b} must divide seq_len={T}")
 
 
-def forward_logits(params: dict[str, Tensor], tokens_in: Tensor, cfg) -> Tensor:
+def forward_logits(params: dict[str, Tensor], tokens_in: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
+    """`doc` (B, T) int, when given: each token's document start in its row (docs/semantics.md
+    "Documents"): memory, convs and attention reset there."""
     # tokens_in (B, T) int64 -> logits (B, T, V)
     check_config(cfg, tokens_in.shape[1])
     x = params["embed"][tokens_in]  # (B, T, D)
     for l in range(cfg.n_layers):
-        x = BLOCK_FNS[cfg.block](layer_params(params, l), x, cfg)  # (B, T, D)
+        x = BLOCK_FNS[cfg.block](layer_params(params, l), x, cfg, doc)  # (B, T, D)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]  # (D, V)
     return rmsnorm(x, params["norm_f"]) @ head  # (B, T, V)
 
 
-def forward_loss(params: dict[str, Tensor], tokens: Tensor, cfg) -> Tensor:
+def forward_loss(params: dict[str, Tensor], tokens: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
     """Mean over all B*T positions of logsumexp(logits) - logits[target]."""
     # tokens (B, T+1) int64
-    logits = forward_logits(params, tokens[:, :-1], cfg)  # (B, T, V)
+    logits = forward_logits(params, tokens[:, :-1], cfg, doc)  # (B, T, V)
     target = tokens[:, 1:]  # (B, T)
     picked = logits.gather(-1, target[..., None])[..., 0]  # (B, T)
     return (logits.logsumexp(-1) - picked).mean()

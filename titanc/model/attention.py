@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 from titanc.ir import Builder, Value
 
-from titanc.model.nn import merge_heads, rope, softmax_last, split_heads
+from titanc.model.documents import attention_bias, positions, rope_tables
+from titanc.model.nn import merge_heads, rope, rotate, softmax_last, split_heads
 
 Rotate = Callable[[Value], Value]          # RoPE of (B, H, T, e) at the tokens' positions
 KV = tuple[Value, Value]
@@ -66,19 +67,49 @@ def _groups(P: int, groups: list[tuple[str, int, int | None]]) -> list[tuple[str
     return ([("all", P, None)] if P else []) + groups
 
 
-def swa(b: Builder, u: Value, p: dict[str, Value], heads: int, window: int) -> Value:
-    """SWA(u): every query sees all persistent keys and the last `window` positions."""
+def _masked(b: Builder, n_q: int, groups: list[tuple[str, int, int | None]], dtype: str,
+            doc: Value | None) -> Callable[[int], Value]:
+    """The visibility bias for P persistent keys: the static MASK, plus, with `doc` (B, n_q)
+    (each query's document start in the keys' positions), −BIG on earlier documents' keys."""
+    def bias(P: int) -> Value:
+        mask = b.mask(n_q, 0, _groups(P, groups), dtype)
+        return mask if doc is None else mask + attention_bias(doc, P, len(groups))
+    return bias
+
+
+def _rotation(b: Builder, doc: Value | None, start: Value | None = None) -> Rotate:
+    """RoPE at positions 0.. of the sequence, or, with `doc` (B, T), at each token's position
+    in its document, t − `start` (default: doc)."""
+    if doc is None:
+        return lambda x: rope(b, x)
+    rel = positions(doc, doc.shape[1]).reshape(1, doc.shape[1]) - (doc if start is None
+                                                                    else start)
+    tables: list[tuple[Value, Value]] = []
+
+    def rot(x: Value) -> Value:
+        if not tables:
+            tables.append(rope_tables(rel, x.shape[-1] // 2))
+        return rotate(b, x, *tables[0])
+    return rot
+
+
+def swa(b: Builder, u: Value, p: dict[str, Value], heads: int, window: int,
+        doc: Value | None = None) -> Value:
+    """SWA(u): every query sees all persistent keys and the last `window` positions (of its
+    own document, with `doc`, and RoPE at positions in the document)."""
     T = u.shape[1]
-    out, _ = attention(b, u, p, heads, [u],
-                       lambda P: b.mask(T, 0, _groups(P, [("causal", T, window)]), u.dtype),
-                       lambda x: rope(b, x))
+    out, _ = attention(b, u, p, heads, [u], _masked(b, T, [("causal", T, window)], u.dtype, doc),
+                       _rotation(b, doc))
     return out                                                    # (B, T, D)
 
 
-def mac_attention(b: Builder, u: Value, h: Value, p: dict[str, Value], heads: int) -> Value:
-    """Causal attention of segment u over [persistent ‖ h ‖ u]; h_j, u_j visible for j ≤ i."""
+def mac_attention(b: Builder, u: Value, h: Value, p: dict[str, Value], heads: int,
+                  doc: Value | None = None) -> Value:
+    """Causal attention of segment u over [persistent ‖ h ‖ u]; h_j, u_j visible for j ≤ i
+    (and j ≥ doc[i], `doc` (B, S) each query's document start in segment positions)."""
     S = u.shape[1]
+    start = None if doc is None else b.maximum(doc, 0.0)   # the segment's or the document's
     out, _ = attention(b, u, p, heads, [h, u],
-                       lambda P: b.mask(S, 0, _groups(P, [("causal", S, None)] * 2), u.dtype),
-                       lambda x: rope(b, x))
+                       _masked(b, S, [("causal", S, None)] * 2, u.dtype, doc),
+                       _rotation(b, doc, start))
     return out                                                    # (B, S, D)

@@ -14,8 +14,10 @@ from titanc.ir import Builder, Value
 from titanc.model.spec import ModelSpec
 
 from titanc.model.attention import mac_attention, swa
-from titanc.model.neural_memory import initial_state, memory_scan, project, retrieve
-from titanc.model.nn import ffn, merge_heads, rmsnorm
+from titanc.model.documents import local
+from titanc.model.neural_memory import (batched, initial_state, memory_scan, project,
+                                        read_initial, retrieve)
+from titanc.model.nn import dwconv, ffn, merge_heads, rmsnorm
 
 Params = dict[str, Value]
 
@@ -77,6 +79,12 @@ def block(mx: Mixers, x: Value, p: Params, m: ModelSpec) -> Value:
     return mx.ffn_residual(x)
 
 
+def doc_conv(doc: Value | None):
+    """The causal conv for `project`: None (zero history) without documents, else one whose
+    history resets at each token's document start `doc` (B, T) in the input's positions."""
+    return None if doc is None else (lambda x, w, _: dwconv(x, w, doc))
+
+
 def lmm_output(y: Value, u: Value, p: Params) -> Value:
     """LMM(u) = (y ⊙ silu(u W_G)) W_O from the retrieved y (B, T, D) (no gate without W_G)."""
     if "mem_wg" in p:
@@ -103,11 +111,13 @@ class Parallel(Residuals):
     token rows, MAC's norm, memory-query projection and residual move into its segment scan,
     and the MAC runs on groups of `rows` sequences (`train.remat_rows`, 0: auto), so a
     layer's backward recomputes one segment of one group at a time and no whole-sequence
-    intermediate of them is live across the segment scan."""
+    intermediate of them is live across the segment scan. `doc` (B, T): each token's
+    document start (`data.documents`, titanc/model/documents.py); MAC then runs unsegmented."""
 
     def __init__(self, b: Builder, p: Params, m: ModelSpec, segmented: bool = False,
-                 rows: int = 0):
+                 rows: int = 0, doc: Value | None = None):
         self.b, self.p, self.m, self.segmented, self.rows = b, p, m, segmented, rows
+        self.doc = doc
 
     def _rows_per_group(self, B: int, S: int, D: int) -> int:
         """Sequences per MAC group: `rows` (train.remat_rows), or the fewest whose segment
@@ -145,7 +155,7 @@ class Parallel(Residuals):
         backward's recomputed values and its saved memory states are one group's."""
         K, S = self.m.memory.conv_kernel, self.m.attention.segment
         B, T, D = x.shape
-        if self._segments(T) == 1 or K - 1 > S:
+        if self._segments(T) == 1 or K - 1 > S or self.doc is not None:
             return super().mac_residual(x)
         r = self._rows_per_group(B, S, D)
         if r == B:
@@ -161,14 +171,18 @@ class Parallel(Residuals):
         return y.reshape(B, T, D)
 
     def swa(self, u: Value) -> Value:
-        return swa(self.b, u, self.p, self.m.attention.heads, self.m.attention.window)
+        return swa(self.b, u, self.p, self.m.attention.heads, self.m.attention.window, self.doc)
+
+    def _w0(self, p: Params) -> list[Value]:
+        return [p[f"mem_w{i}"] for i in range(1, self.m.memory.depth + 1)]
 
     def lmm(self, u: Value) -> Value:
         """LMM(u) = (y ⊙ silu(u W_G)) W_O, y retrieved at chunk-start memory states."""
-        b, p, mem = self.b, self.p, self.m.memory
-        st = project(b, u, p, mem)
+        b, p, mem, doc = self.b, self.p, self.m.memory, self.doc
+        st = project(b, u, p, mem, conv=doc_conv(doc))
+        docs = None if doc is None else (local(doc, mem.chunk_size), self._w0(p))
         ws, ss = initial_state(b, p, mem.depth, u.shape[0])
-        _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q)
+        _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q, docs)
         return lmm_output(merge_heads(y), u, p)                 # y (B, T, D)
 
     def mac(self, u: Value, segmented: bool = False) -> Value:
@@ -190,11 +204,17 @@ class Parallel(Residuals):
                 last = u.reshape(B, n_seg, S, D).slice(2, S - K + 1, S)      # (B, nS, K-1, D)
                 xs.append(last.pad(1, 1, 0).slice(1, 0, n_seg).permute(1, 0, 2, 3))
         else:
-            hq = project(b, u, p, mem, want="q").q                # (B, Nm, T, e), full-seq conv
+            doc = self.doc
+            hq = project(b, u, p, mem, want="q", conv=doc_conv(doc)).q   # (B, Nm, T, e)
             xs = [u_seg, hq.reshape(B, nm, n_seg, S, e).permute(2, 0, 1, 3, 4)]  # (nS,B,Nm,S,e)
-        # loop-invariant weights the segment body reads (W⁽⁰⁾ enters as the carry)
+            if doc is not None:   # document starts relative to the segment and to the chunk
+                xs += [local(doc, S).reshape(B, n_seg, S).permute(1, 0, 2),
+                       local(doc, mem.chunk_size).reshape(B, n_seg, S).permute(1, 0, 2)]
+        # loop-invariant weights the segment body reads (W⁽⁰⁾ enters as the carry, and with
+        # documents as constants too: a document's start state)
         keys = sorted(k for k in p if k.startswith(("attn_", "mem_", "mac_"))
-                      and (segmented or k != "mem_norm") and not re.fullmatch(r"mem_w\d+", k))
+                      and (segmented or k != "mem_norm")
+                      and (self.doc is not None or not re.fullmatch(r"mem_w\d+", k)))
 
         def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
             pp = dict(zip(keys, consts))
@@ -205,16 +225,25 @@ class Parallel(Residuals):
                 u_h = bb.concat([rmsnorm(xs[1], pp["mem_norm"]), u_s], 1) if K > 1 else u_s
                 hq_s = project(bb, u_h, pp, mem, want="q").q.slice(2, K - 1, K - 1 + S)
             else:
-                u_s, hq_s = xs
-            h = merge_heads(retrieve(bb, w, hq_s))                # (B, S, D), read only
-            y = mac_attention(bb, u_s, h, pp, att.heads)          # ỹ (B, S, D)
-            st = project(bb, mac_input(y, u_s, pp, m), pp, mem)  # segment-local conv history
-            w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q)
+                u_s, hq_s = xs[:2]
+            # documents: starts relative to the segment and to the chunk (else None)
+            seg_lo, chunk_lo = xs[2:] if self.doc is not None else (None, None)
+            hr = retrieve(bb, w, hq_s)                            # read only
+            if seg_lo is not None:  # a token whose document began in the segment reads W⁽⁰⁾
+                w0 = batched(self._w0(pp), hq_s.shape[0])
+                hr = read_initial(bb, hr, w0, hq_s, seg_lo)
+            h = merge_heads(hr)                                   # (B, S, D)
+            y = mac_attention(bb, u_s, h, pp, att.heads, seg_lo)  # ỹ (B, S, D)
+            yn = mac_input(y, u_s, pp, m)                         # what the memory writes
+            st = project(bb, yn, pp, mem, conv=doc_conv(seg_lo))  # segment-local conv history
+            docs = None if seg_lo is None else (chunk_lo, self._w0(pp))
+            w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q, docs)
             out = mac_output(y, merge_heads(r), h, pp, m)
             return w2 + s2, [x_s + out if segmented else out]
 
         names = [f"W{i}" for i in range(1, depth + 1)] + [f"S{i}" for i in range(1, depth + 1)]
-        xnames = (["x", "x_prev"][:len(xs)]) if segmented else ["u", "hq"]
+        xnames = (["x", "x_prev"][:len(xs)]) if segmented else \
+            ["u", "hq", "doc_segment", "doc_chunk"][:len(xs)]
         _, (out,) = b.scan(body, ws + ss, xs, [p[k] for k in keys], length=n_seg,
                            name="mac_segment", names=names + xnames + keys, role="segment")
         return out.permute(1, 0, 2, 3).reshape(B, T, D)

@@ -18,6 +18,7 @@ from typing import Callable
 from titanc.ir import Builder, Value
 from titanc.ir.elementwise import silu_grad
 
+from titanc.model.documents import gt, positions
 from titanc.model.nn import dwconv, l2norm, log_sigmoid
 from titanc.model.spec import MemorySpec
 
@@ -100,18 +101,25 @@ def initial_state(b: Builder, p: dict[str, Value], depth: int, B: int) -> tuple[
     return ws, ss
 
 
-def chunk_update(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value,
-                 theta: Value, log_eta: Value, log_keep: Value) -> tuple[list[Value], list[Value]]:
-    """One chunk's write. k, v (B, Nm, u, e); gates (B, Nm, u). Returns new (W, S)."""
+def _inner_grads(b: Builder, ws: list[Value], k: Value, v: Value) -> list[Value]:
+    """Per-token inner gradients at the weights ws, direct form: g_u = δ_u ⊗ a_u per layer,
+    (B, Nm, u, o, i)."""
     B, Nm, U, E = k.shape
     yhat, zs, acts = mlp(b, ws, k)
     delta = (yhat - v) * (2.0 / E)                                # ∂ℓ/∂ŷ, (B, Nm, u, e)
     grads: list[Value] = [None] * len(ws)                         # type: ignore[list-item]
     for i in range(len(ws) - 1, -1, -1):
-        # direct form: per-token outer product g_u = δ_u ⊗ a_u, (B, Nm, u, o, i)
         grads[i] = b.einsum("bnuo,bnui->bnuoi", delta, acts[i])
         if i > 0:
             delta = b.einsum("bnoi,bnuo->bnui", ws[i], delta) * silu_grad(zs[i - 1])
+    return grads
+
+
+def chunk_update(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value,
+                 theta: Value, log_eta: Value, log_keep: Value) -> tuple[list[Value], list[Value]]:
+    """One chunk's write. k, v (B, Nm, u, e); gates (B, Nm, u). Returns new (W, S)."""
+    B, Nm, U, E = k.shape
+    grads = _inner_grads(b, ws, k, v)
     # closed form of the per-token recurrences, in log space (products underflow)
     lE = log_eta.cumsum(-1)                                       # log E_t, (B, Nm, u)
     lD = log_keep.cumsum(-1)                                      # log D_t
@@ -133,6 +141,55 @@ def chunk_update(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Valu
     return new_w, new_s
 
 
+def chunk_update_docs(b: Builder, ws: list[Value], ss: list[Value], w0s: list[Value],
+                      k: Value, v: Value, theta: Value, log_eta: Value, log_keep: Value,
+                      lo: Value) -> tuple[list[Value], list[Value]]:
+    """`chunk_update` with documents: lo (B, Nm, u) is each token's document start relative to
+    the chunk start (< 0: the document began before the chunk). Token by token the state
+    resets to (W⁽⁰⁾, 0) before each document's first token; a token whose document began in
+    the chunk takes its gradient at W⁽⁰⁾. In closed form, only the chunk's last document
+    reaches the end state:
+
+        W' = c·(D_b W + Σ_t D_b E_t/D_t S) + (D_b/D_{s−1}) [s in chunk] W⁽⁰⁾ − Σ_{u≥s} w_u g_u
+        S' = c·E_b S − Σ_{u≥s} θ_u (E_b/E_u) g_u
+
+    with s the last document's first token, c = 1 if it began before the chunk (else 0), and
+    w_u summing over t ≥ u in the same document only. Every masked factor is ≤ 1 before the
+    mask, so the masks multiply (0/1) and nothing overflows."""
+    B, Nm, U, E = k.shape
+    fresh = gt(lo, -0.5)                                          # (B, Nm, u) began in chunk
+    g_c = _inner_grads(b, ws, k, v)                               # at the chunk-start state
+    g_0 = _inner_grads(b, w0s, k, v)                              # at W⁽⁰⁾
+    lE = log_eta.cumsum(-1)
+    lD = log_keep.cumsum(-1)
+    lE_b, lD_b = lE.slice(-1, U - 1, U), lD.slice(-1, U - 1, U)
+    e_t = lD_b - lD + lE
+    idx = positions(lo, U)                                        # local token index (u,)
+    lo_b = lo.slice(-1, U - 1, U)                                 # (B, Nm, 1) last document
+    last = gt(idx.reshape(1, 1, U) + 0.5, lo_b)                   # (B, Nm, u) in it
+    first = gt(lo, idx.reshape(1, 1, U) - 0.5)                    # a document's first token
+    carry = (1.0 - gt(lo_b, -0.5)).reshape(B, Nm, 1, 1)           # c
+    same = gt(idx.reshape(1, 1, 1, U) + 0.5, lo.reshape(B, Nm, U, 1))   # [t, u]: u ≥ start_t
+    causal = b.mask(U, 0, [("causal", U, None)], k.dtype)
+    pair = (e_t.reshape(B, Nm, U, 1) - lE.reshape(B, Nm, 1, U) + causal).exp() * same \
+        * last.reshape(B, Nm, U, 1)
+    w_u = theta * pair.sum((-2,))
+    s_u = theta * (lE_b - lE).exp() * last
+    coef_s = e_t.exp().sum((-1,)).reshape(B, Nm, 1, 1) * carry
+    decay_w = lD_b.exp().reshape(B, Nm, 1, 1) * carry
+    keep_s = lE_b.exp().reshape(B, Nm, 1, 1) * carry
+    coef_0 = ((lD_b - lD + log_keep).exp() * first * last).sum((-1,)).reshape(B, Nm, 1, 1)
+    new_w, new_s = [], []
+    for w, s, w0, gc, g0 in zip(ws, ss, w0s, g_c, g_0):
+        def weighted(weight: Value) -> Value:                     # Σ_u weight_u g_u
+            wc = (weight * (1.0 - fresh)).reshape(B, Nm, U, 1, 1)
+            w_0 = (weight * fresh).reshape(B, Nm, U, 1, 1)
+            return (gc * wc).sum((2,)) + (g0 * w_0).sum((2,))
+        new_w.append(w * decay_w + s * coef_s + w0 * coef_0 - weighted(w_u))
+        new_s.append(s * keep_s - weighted(s_u))
+    return new_w, new_s
+
+
 def _chunked(x: Value, n_chunks: int) -> Value:
     # (B, Nm, T, ...) -> (C, B, Nm, b, ...)
     B, Nm, T = x.shape[:3]
@@ -148,26 +205,55 @@ def _unchunked(y: Value) -> Value:
 
 
 def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, chunk: int,
-                read: Value | None) -> tuple[list[Value], list[Value], Value]:
+                read: Value | None, docs: tuple[Value, list[Value]] | None = None
+                ) -> tuple[list[Value], list[Value], Value]:
     """Scan over chunks of `chunk` tokens: retrieve `read` (B, Nm, T, e) at chunk-start state,
-    then write k, v. Returns final W, S and the retrievals (B, Nm, T, e)."""
+    then write k, v. Returns final W, S and the retrievals (B, Nm, T, e). `docs` (lo, W⁽⁰⁾):
+    lo (B, T) each token's document start relative to its chunk's start (`documents.local`),
+    W⁽⁰⁾ the memory's initial weights (Nm, o, i); the state resets at each document start
+    (`chunk_update_docs`) and a token whose document began in its chunk reads W⁽⁰⁾."""
     T = st.k.shape[2]
     n = T // chunk
     L = len(ws)
     xs = [_chunked(x, n) for x in (read, st.k, st.v, st.theta, st.log_eta, st.log_keep)]
-
-    def body(bb: Builder, carry: list[Value], x: list[Value], _: list[Value]):
-        w, s = carry[:L], carry[L:]
-        q, k, v, th, le, lk = x
-        y, _, _ = mlp(bb, w, q)                                   # read before this chunk's write
-        w2, s2 = chunk_update(bb, w, s, k, v, th, le, lk)
-        return w2 + s2, [y]
-
     names = [f"W{i}" for i in range(1, L + 1)] + [f"S{i}" for i in range(1, L + 1)]
     names += ["q", "k", "v", "theta", "log_eta", "log_keep"]
-    carry, ys = b.scan(body, ws + ss, xs, length=n, name="memory_chunk", names=names,
+    consts: list[Value] = []
+    if docs is not None:
+        lo, w0s = docs
+        B, Nm = st.k.shape[:2]
+        xs.append(_chunked(lo.reshape(B, 1, T).expand(B, Nm, T), n))
+        consts = list(w0s)
+        names += ["doc_start"] + [f"W0_{i}" for i in range(1, L + 1)]
+
+    def body(bb: Builder, carry: list[Value], x: list[Value], k0: list[Value]):
+        w, s = carry[:L], carry[L:]
+        q, k, v, th, le, lk = x[:6]
+        y, _, _ = mlp(bb, w, q)                                   # read before this chunk's write
+        if docs is None:
+            w2, s2 = chunk_update(bb, w, s, k, v, th, le, lk)
+            return w2 + s2, [y]
+        w0 = batched(k0, q.shape[0])
+        y = read_initial(bb, y, w0, q, x[6])
+        w2, s2 = chunk_update_docs(bb, w, s, w0, k, v, th, le, lk, x[6])
+        return w2 + s2, [y]
+
+    carry, ys = b.scan(body, ws + ss, xs, consts, length=n, name="memory_chunk", names=names,
                        role="memory")
     return carry[:L], carry[L:], _unchunked(ys[0])
+
+
+def batched(w0s: list[Value], B: int) -> list[Value]:
+    """Initial weights W⁽⁰⁾ (Nm, o, i) broadcast to the state's (B, Nm, o, i)."""
+    return [w.reshape(1, *w.shape).expand(B, *w.shape) for w in w0s]
+
+
+def read_initial(b: Builder, y: Value, w0s: list[Value], q: Value, lo: Value) -> Value:
+    """The read y (B, Nm, t, e), replaced by M(q; W⁽⁰⁾) at the tokens whose document began
+    inside their chunk or segment (lo (B, Nm or 1, t) >= 0, `documents.local`)."""
+    B, Nm, U, _ = q.shape
+    fresh = gt(lo, -0.5).reshape(B, lo.shape[1] if lo.rank == 3 else 1, U, 1)
+    return y + (retrieve(b, w0s, q) - y) * fresh
 
 
 def retrieve(b: Builder, ws: list[Value], q: Value) -> Value:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from titanc.ir import Builder, Value
 
+from titanc.model.documents import conv_tap
+
 EPS = 1e-6
 
 
@@ -21,14 +23,18 @@ def l2norm(x: Value) -> Value:
     return x * ((x * x).sum((-1,), keepdim=True) + EPS).rsqrt()
 
 
-def dwconv(x: Value, w: Value) -> Value:
-    """Causal depthwise conv, zero history: out[:, t, c] = Σ_j w[c, j] x[:, t-(K-1)+j, c]."""
+def dwconv(x: Value, w: Value, doc: Value | None = None) -> Value:
+    """Causal depthwise conv, zero history: out[:, t, c] = Σ_j w[c, j] x[:, t-(K-1)+j, c].
+    `doc` (B, T): each token's document start in x's positions; a tap reading a position
+    before it reads 0 (`documents.conv_tap`)."""
     B, T, C = x.shape
     K = w.shape[1]
     xp = x.pad(1, K - 1, 0)                                       # (B, T+K-1, C)
     out = None
     for j in range(K):
         term = xp.slice(1, j, j + T) * w.slice(1, j, j + 1).reshape(C)
+        if doc is not None and j < K - 1:
+            term = term * conv_tap(doc, K - 1 - j)
         out = term if out is None else out + term
     return out
 

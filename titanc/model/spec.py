@@ -270,9 +270,18 @@ class DataSpec:
     source: str = "synthetic:recall"             # a UTF-8 text file or a token-shard directory
     val_fraction: float = _field(0.1, ge=0, lt=1)
     tokenizer: str = "byte"                      # or a tokenizer.json ('titanc tokenizer train')
+    # honour document boundaries (docs/data.md "Documents"): the loader yields each token's
+    # document start and the compiled program resets memory, conv history and attention there
+    documents: bool = False
+    # with documents: true, rows are windows of the packed stream (a row spans documents);
+    # false: one document per row from its start, padded, the padding masked out of the loss
+    pack: bool = True
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if not self.pack and not self.documents:
+            raise SpecError("data.pack: false puts one document per row and needs document "
+                            "boundaries; set data.documents=true or data.pack=true")
         if not self.source.strip():
             raise SpecError(
                 "data.source: must not be empty; use synthetic:recall or a path to a text file")
