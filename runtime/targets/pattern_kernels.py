@@ -24,9 +24,11 @@ import torch
 from torch import Tensor
 
 from titanc.ir import Node, Op
+from titanc.ir.lowering import register_lowering
 from titanc.ir.types import TensorType
 
-from titanc.runtime.targets.attention_kernels import attention, attention_bwd, blocks, tmp
+from titanc.runtime.targets.attention_kernels import blocks, tmp
+from titanc.runtime.targets.lowerings import CPU
 
 if TYPE_CHECKING:
     from titanc.runtime.targets.executor import _Builder
@@ -36,7 +38,8 @@ VOCAB_TILE = 4096      # vocabulary entries per logits tile of the cross-entropy
 
 
 def pattern_steps(b: "_Builder", n: Node, outputs: set[int]) -> list[Step]:
-    """The steps of pattern op `n`; binds the ITEMs later kernels read to their buffers."""
+    """The steps of pattern op `n` (its rule in the cpu table, `lowerings.CPU`); binds the
+    ITEMs later kernels read to their buffers."""
     xs = [b.operand(i) for i in n.inputs]
     for j, i in enumerate(n.inputs):                 # an inlined scalar (a constant dloss)
         if isinstance(xs[j], float):
@@ -48,17 +51,7 @@ def pattern_steps(b: "_Builder", n: Node, outputs: set[int]) -> list[Step]:
         outs.append(b.located(items[k]) if k in items else b.scratch.alloc(t))
     for k, u in items.items():
         b.val[u] = outs[k]
-    if n.op is Op.ATTENTION:
-        return attention(b, n, xs, outs)
-    if n.op is Op.ATTENTION_BWD:
-        return attention_bwd(b, n, xs, outs)
-    if n.op is Op.ADAMW:
-        return _adamw(b, n, xs, outs)
-    if n.op is Op.LINEAR_CROSS_ENTROPY:
-        return _lce(b, n, xs, outs)
-    if n.op is Op.LINEAR_CROSS_ENTROPY_BWD:
-        return _lce_bwd(b, n, xs, outs)
-    raise NotImplementedError(f"the cpu target has no kernel for pattern op {n.op.name}")
+    return CPU[n.op](b, n, xs, outs)
 
 
 _TORCH = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16}
@@ -88,6 +81,7 @@ def _rows_of(b: "_Builder", tg: Tensor, steps: list[Step]) -> Tensor:
     return t
 
 
+@register_lowering(Op.LINEAR_CROSS_ENTROPY, CPU)
 def _lce(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     h, head, tg = xs
     loss, lse = outs
@@ -123,6 +117,7 @@ def _lce(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[S
     return steps
 
 
+@register_lowering(Op.LINEAR_CROSS_ENTROPY_BWD, CPU)
 def _lce_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     h, head, tg, lse, dloss = xs
     dh, dhead = outs
@@ -166,6 +161,7 @@ def flat_region(ts: list[Tensor]) -> Tensor | None:
     return first.as_strided((at - first.storage_offset(),), (1,))
 
 
+@register_lowering(Op.ADAMW, CPU)
 def _adamw(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     """The optimizer step in place over the flat regions (per tensor where the layout is not
     flat): the same arithmetic as the optimizer graph, in a dozen ATen calls."""
