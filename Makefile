@@ -7,13 +7,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all venv gpu-check clean distclean
+.PHONY: demo test test-fast test-all venv gpu-check clean distclean
 
 demo: $(STAMP)
 	$(BIN)/titanc compile examples/tiny.yaml -o build/tiny
 	$(BIN)/python -m titanc.tools.demo
 
-# `make test`: every tier but `slow` (CI; under 20 minutes on a 2-core machine), one pytest
+# `make test-fast`: tests/unit/ alone, by layer, under a minute (no whole-example compiles).
+# `make test`: every tier but `slow` (CI; under 12 minutes on a 2-core machine), one pytest
 # worker per core (pytest-xdist, a test file per worker: module fixtures and compiled
 # programs stay in one process; the kernel cache is shared safely).
 # `make test-all`: the slow tier too (other block kinds of the parity sweeps, the recall run,
@@ -22,6 +23,9 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -m "not slow" -n $(TEST_WORKERS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile

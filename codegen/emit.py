@@ -67,7 +67,7 @@ class Artifact:
 
 
 class _Lines:
-    """An indented text buffer (STYLE.md 7: glue code is not built with `+=`)."""
+    """An indented text buffer (docs/conventions.md §7: glue code is not built with `+=`)."""
 
     def __init__(self) -> None:
         self.lines: list[str] = []

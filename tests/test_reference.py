@@ -323,7 +323,7 @@ def test_outer_gradient_flows_through_the_inner_gradient() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
 
-# --- the chunk recurrence against DESIGN.md §2's closed form ----------------------------------------
+# --- the chunk recurrence against docs/semantics.md's closed form ----------------------------------------
 
 
 def test_chunk_token_loop_matches_closed_form() -> None:

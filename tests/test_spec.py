@@ -1,5 +1,5 @@
 """Spec schema: the examples load, overrides and hashing work, every bad spec gets its exact
-one-line message (STYLE.md tier d), and a hostile `name` is plain data."""
+one-line message (docs/conventions.md §10 tier d), and a hostile `name` is plain data."""
 
 from __future__ import annotations
 

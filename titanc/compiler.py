@@ -1,4 +1,4 @@
-"""The compile pipeline: the only way a graph reaches an executor (STYLE.md 6).
+"""The compile pipeline: the only way a graph reaches an executor (docs/conventions.md §6).
 
 Every graph kind (`GRAPH_KINDS`) goes through the same steps:
 

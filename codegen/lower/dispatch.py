@@ -1,6 +1,6 @@
 """Hooks from the IR to the template families: Triton source for every kernel of a schedule.
 
-`render_kernel(g, kernel)` maps one fused kernel onto a family (STYLE.md 7: hooks read the IR,
+`render_kernel(g, kernel)` maps one fused kernel onto a family (docs/conventions.md §7: hooks read the IR,
 templates hold plain Triton) and returns a `KernelCode`: the module source and how to launch
 it (which values, viewed how, and the trailing size arguments of its `launch`).
 

@@ -9,7 +9,7 @@ The default is the smaller of what the model can use and what the machine has fr
 - the machine: the cores this process may run on minus the 1-minute load average (at least 1),
   so a run never oversubscribes cores other processes are using.
 
-The CLI sets the count (STYLE.md §17: no thread counts set by a constructor) and the trainer
+The CLI sets the count (docs/conventions.md §16: no thread counts set by a constructor) and the trainer
 shows it in its start line and progress bar.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`titanc compile` output: IR dumps, report.json and manifest.json in a build directory.
 
-Layout (DESIGN.md §6): `ir/NN_<stage>.txt` after every pipeline stage, `report.json`
+Layout: `ir/NN_<stage>.txt` after every pipeline stage, `report.json`
 (names are an interface: keep them stable), `manifest.json` (spec hash, versions).
 """
 from __future__ import annotations
