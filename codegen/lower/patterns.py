@@ -24,7 +24,7 @@ passes scratch of that shape, a generated program passes None (the launcher make
 """
 from __future__ import annotations
 
-from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.ir import Graph, Node, Op
 from titanc.ir.attention import split
 from titanc.ir.lowering import register_lowering
 from titanc.passes.schedule import Kernel
@@ -36,7 +36,7 @@ from titanc.codegen.lower.lowerings import TRITON_KERNEL
 from titanc.codegen.meta import compute_dtype, needs_int64
 from titanc.codegen.render import render
 
-__all__ = ["SCRATCH", "element_args", "key_groups", "render_pattern"]
+__all__ = ["SCRATCH", "element_args", "key_groups", "render_template"]
 
 SCRATCH = -1          # TensorArg.value of a temporary (its shape is the arg's `view`)
 
@@ -59,10 +59,11 @@ def element_args(g: Graph, n: Node, kernel: Kernel) -> list[TensorArg]:
             for k, t in enumerate(n.type)]
 
 
-def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
+def render_template(g: Graph, kernel: Kernel, header: list[str], dtype: str,
                    allow_tf32: bool) -> KernelCode:
-    """The KernelCode of a pattern kernel: its op's rule in `TRITON_KERNEL`."""
-    n = next(g.node(i) for i in kernel.nodes if g.node(i).op in OpGroup.PATTERN)
+    """The KernelCode of a template kernel (a pattern op with its ITEMs, a scatter-add): its
+    op's rule in `TRITON_KERNEL`."""
+    n = next(g.node(i) for i in kernel.nodes if g.node(i).op is not Op.ITEM)
     return TRITON_KERNEL[n.op](g, n, kernel, header, dtype, allow_tf32)
 
 
