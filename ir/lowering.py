@@ -7,7 +7,7 @@ platform="cuda")`), each target owns a `Lowerings` table and fills it next to it
     codegen/lower/lowerings.py     TRITON_INDEX     (lowering, section, node, coords, valid)
                                                     -> the value of a free node at coords
                                    TRITON_KERNEL    (graph, node, kernel, header, dtype,
-                                                    allow_tf32) -> the KernelCode of a
+                                                    allow_tf32) -> the KernelCode of the
                                                     template kernel holding the node
 
 The table class holds no target's facts (the IR imports no target); a rule's signature is

@@ -6,10 +6,11 @@
                    fails; the rule reads its operands with `low.read` at the coordinates it
                    maps `coords` to (`nodes.py` holds the built-in rules)
     TRITON_KERNEL  rule(g, node, kernel, header, dtype, allow_tf32) -> KernelCode: the whole
-                   template kernel of a pattern op (`patterns.py`: its template rendered)
+                   template kernel of the node (a pattern op: `patterns.py` renders its
+                   template; the scatter-adds INDEX_ADD, SCATTER_ALONG: `dispatch.py`)
 
 Arithmetic elementwise ops need no rule (their registry entry's `triton` expression); the
-reductions, contractions and scatter-adds are families of their own (`dispatch.py`).
+pointwise, reduction and contraction kernels are families of their own (`dispatch.py`).
 """
 from __future__ import annotations
 
