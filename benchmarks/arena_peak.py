@@ -4,7 +4,7 @@
         [--kind training] [--top 12] [--depth 4]
 
 For the plan of the graph kind and, inside it, every scan workspace that is at least 5% of
-its level's peak: the kernel where the most bytes are live (`MemoryPlan.peak`) and the
+its level's peak: the kernel where the most bytes are live (`BufferPlan.peak`) and the
 largest buffers live there (size, live kernel range, producing kernel, op, type).
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ import yaml
 
 from titanc.compiler import compile_graphs
 from titanc.ir import Op
-from titanc.passes.memory_plan import MemoryPlan
+from titanc.ir.buffer_plan import BufferPlan
 from titanc.model.spec import load_spec
 
 
-def describe(plan: MemoryPlan, top: int, depth: int, indent: int = 0) -> list[str]:
+def describe(plan: BufferPlan, top: int, depth: int, indent: int = 0) -> list[str]:
     g = plan.schedule.graph
     at, live = plan.peak()
     total = sum(b.size for b in live)

@@ -1,4 +1,4 @@
-"""What rematerialisation and the chunked LM head save, from the static memory plan alone.
+"""What rematerialisation and the chunked LM head save, from the static buffer plan alone.
 
     .venv/bin/python benchmarks/remat_memory.py            # 8 layers; vocab 151,936 at 8k tokens
     .venv/bin/python benchmarks/remat_memory.py --quick    # 4 layers; vocab 151,936 at 2k tokens
@@ -13,7 +13,7 @@
    the fused linear cross-entropy (0: its tiles never leave the kernel), and
    the compile time (`compile_graphs`: static types only, nothing model-sized allocated).
 
-Numbers come from `passes.memory_plan.memory_report` on `compile_graphs(spec).plans['training']`.
+Numbers come from `passes.buffer_plan.buffer_report` on `compile_graphs(spec).plans['training']`.
 Prints JSON, then a table.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from titanc.compiler import compile_graphs  # noqa: E402
-from titanc.passes.memory_plan import memory_report  # noqa: E402
+from titanc.passes.buffer_plan import buffer_report  # noqa: E402
 from titanc.model.spec import load_spec  # noqa: E402
 
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -46,7 +46,7 @@ def plan(overrides: dict[str, Any], base: Base = TINY) -> tuple[dict[str, int], 
     t0 = time.perf_counter()
     c = compile_graphs(spec)
     seconds = time.perf_counter() - t0
-    return memory_report(c.plans["training"], spec.model.vocab_size), seconds
+    return buffer_report(c.plans["training"], spec.model.vocab_size), seconds
 
 
 def remat(layers: int, base: Base = TINY) -> dict[str, Any]:

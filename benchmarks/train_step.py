@@ -51,7 +51,7 @@ FRAMEWORKS = ("titanc", "eager", "torch_compile", "titans_pytorch", "titans_pyto
 
 NOTES = {
     "titanc": "cpu target: the fused kernel schedule on the arena executor (torch ops over a "
-              "static memory plan)",
+              "static buffer plan)",
     "eager": "tests/reference: token-by-token memory recurrence in Python, inner gradients by "
              "torch.func.vmap(grad), autograd backward",
     "torch_compile": "torch.compile(tests.reference.forward_loss), default inductor backend; "
@@ -177,11 +177,11 @@ def _adamw_step(torch: Any, params: list[Any], opt: Any, loss_fn: Callable[[], A
 
 def _make_titanc(torch: Any, spec: dict[str, Any]) -> tuple[Callable[[], float], dict]:
     import titanc
-    from titanc.passes.memory_plan import memory_report
+    from titanc.passes.buffer_plan import buffer_report
 
     prog = titanc.compile(spec)
     toks = _tokens(torch, spec)
-    mem = memory_report(prog.compiled.plans["training"], spec["model"]["vocab_size"])
+    mem = buffer_report(prog.compiled.plans["training"], spec["model"]["vocab_size"])
     n = sum(t.numel() for t in prog.parameters().values())
     return (lambda: prog.train_step(toks)), {
         "parameters": n, "planned_bytes": mem["arena_bytes"] + mem["persistent_bytes"],

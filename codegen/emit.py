@@ -16,10 +16,10 @@
                           schedule order. A scan is what the triton target runs: one launch
                           of its scan kernel (`codegen.scan`, written to kernels/ like
                           the others), or, where the scan cannot be one kernel, a launch of
-                          its prologue gathers (`passes.schedule.prologue_kernel`, if any)
+                          its prologue gathers (`ir.schedule.prologue_kernel`, if any)
                           and a `for` loop over a function running one step of its body in
                           the scan's workspace, copying nothing: where each iteration reads
-                          and writes is `passes.memory_plan.ScanHomes`, the same object the
+                          and writes is `ir.buffer_plan.ScanHomes`, the same object the
                           executors bind, so the loop is stated once.
 
 Nothing from the spec reaches the output unsanitised: comments go through `sanitize_comment`,
@@ -41,9 +41,9 @@ from typing import Any, Iterator
 
 from titanc.ir import Graph, Op
 from titanc.ir.types import TensorType
-from titanc.passes.memory_plan import OUTPUT_PREFIX, MemoryPlan, ScanHomes
-from titanc.passes.schedule import is_immediate, prologue_kernel
-from titanc.runtime.train.rundir import write_text_atomic
+from titanc.ir.buffer_plan import OUTPUT_PREFIX, BufferPlan, ScanHomes
+from titanc.ir.schedule import is_immediate, prologue_kernel
+from titanc.files import write_text_atomic
 
 from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, plan_kernels
 from titanc.codegen.lower.expr import format_number
@@ -140,7 +140,7 @@ def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
     return art
 
 
-def _body_kernels(plan: MemoryPlan) -> list[str]:
+def _body_kernels(plan: BufferPlan) -> list[str]:
     """Every kernel name of a scan body's schedule, nested bodies included."""
     names = []
     for kern in plan.schedule.kernels:
@@ -163,7 +163,7 @@ def _shared_source(first: Any, users: list[tuple[str, Any]]) -> str:
 # -- program.py ------------------------------------------------------------------------------------
 
 _PRELUDE = '''\
-"""Launch the kernels of kernels/ in schedule order over a static memory plan.
+"""Launch the kernels of kernels/ in schedule order over a static buffer plan.
 
 Each graph function takes `arena` and `persistent`, uint8 tensors of at least ARENA_BYTES[graph]
 and PERSISTENT_BYTES[graph] bytes (`allocate(graph)` makes them), copies `inputs` (by graph
@@ -183,7 +183,7 @@ from pathlib import Path
 import torch
 
 from titanc.codegen.scan.kernel import host_table
-from titanc.passes.memory_plan import ScanHomes
+from titanc.ir.buffer_plan import ScanHomes
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 _LOADED = {}
@@ -274,7 +274,7 @@ def _constant(n: Any) -> str:
 
 
 def _view_text(n: Any) -> str:
-    """The torch view method call of view node `n` (as `memory_plan.view_of` applies it)."""
+    """The torch view method call of view node `n` (as `buffer_plan.view_of` applies it)."""
     a = n.attr_dict
     if n.op is Op.RESHAPE:
         return f".view({tuple(a['shape'])!r})"
@@ -293,7 +293,7 @@ class _Emitter:
         self.buf, self.name, self.modules = buf, sanitize_identifier(graph), modules
         self.rendered = rendered
 
-    def graph(self, plan: MemoryPlan) -> None:
+    def graph(self, plan: BufferPlan) -> None:
         g = plan.schedule.graph
         self._bodies(plan)
         b = self.buf
@@ -312,7 +312,7 @@ class _Emitter:
             self._launches(plan)
             b("return {" + ", ".join(f"{n!r}: v{v}" for n, v in g.outputs) + "}")
 
-    def _bodies(self, plan: MemoryPlan) -> None:
+    def _bodies(self, plan: BufferPlan) -> None:
         """Functions running one step of each scan body (nested bodies first)."""
         g = plan.schedule.graph
         for kern in plan.schedule.kernels:
@@ -336,14 +336,14 @@ class _Emitter:
                     self._launches(body)
                     b("return [" + ", ".join(f"v{v}" for _, v in bg.outputs) + "]")
 
-    def _scan_kernel_of(self, plan: MemoryPlan, kern: Any) -> ScanKernel | None:
+    def _scan_kernel_of(self, plan: BufferPlan, kern: Any) -> ScanKernel | None:
         code = self.rendered.get((id(plan), kern.name))
         return code if isinstance(code, ScanKernel) else None
 
     def _body_name(self, kernel: str) -> str:
         return sanitize_identifier(f"{self.name}_{kernel}_body")
 
-    def _kernel_imports(self, plan: MemoryPlan) -> None:
+    def _kernel_imports(self, plan: BufferPlan) -> None:
         seen: list[str] = []
         g = plan.schedule.graph
         for k, kern in enumerate(plan.schedule.kernels):
@@ -357,7 +357,7 @@ class _Emitter:
             self.buf(f"{sanitize_identifier(name)} = load_kernel({self.modules[name]!r})")
 
     # -- values ------------------------------------------------------------------------------------
-    def _views(self, plan: MemoryPlan, inputs: set[int], external: bool = False) -> None:
+    def _views(self, plan: BufferPlan, inputs: set[int], external: bool = False) -> None:
         """Bind `v<id>` for every value a launch, a scan or the return statement uses."""
         g = plan.schedule.graph
         used: list[int] = [] if external else list(g.inputs)
@@ -388,7 +388,7 @@ class _Emitter:
             bound.add(vid)
             b(f"v{vid} = {self._storage(plan, vid)}")
 
-    def _storage(self, plan: MemoryPlan, vid: int) -> str:
+    def _storage(self, plan: BufferPlan, vid: int) -> str:
         g = plan.schedule.graph
         t = g.node(vid).type
         assert isinstance(t, TensorType)
@@ -409,11 +409,11 @@ class _Emitter:
             return f"v{src}.view({shape!r}){note}"
         return f"view(arena, {at}, {shape!r}, {dt}){note}"
 
-    def _code(self, plan: MemoryPlan, kern: Any) -> KernelCode:
+    def _code(self, plan: BufferPlan, kern: Any) -> KernelCode:
         return self.rendered[(id(plan), kern.name)]
 
     # -- launches ----------------------------------------------------------------------------------
-    def _launches(self, plan: MemoryPlan) -> None:
+    def _launches(self, plan: BufferPlan) -> None:
         g = plan.schedule.graph
         b = self.buf
         for k, kern in enumerate(plan.schedule.kernels):
@@ -435,7 +435,7 @@ class _Emitter:
                 continue
             self._launch(plan, kern)
 
-    def _launch(self, plan: MemoryPlan, kern: Any) -> None:
+    def _launch(self, plan: BufferPlan, kern: Any) -> None:
         """One launch of a rendered (non-scan) kernel."""
         code = self._code(plan, kern)
         args = ["None" if a.value < 0 else f"v{a.value}" if a.view is None
@@ -447,7 +447,7 @@ class _Emitter:
         """Output index -> ITEM value, for the scan's results the program reads."""
         return {g.node(u).attr("index"): u for u in g.users(node.id) if u in kern.outputs}
 
-    def _scan_launch(self, plan: MemoryPlan, kern: Any, node: Any, sk: ScanKernel) -> None:
+    def _scan_launch(self, plan: BufferPlan, kern: Any, node: Any, sk: ScanKernel) -> None:
         """One launch of the scan kernel (as the triton target runs it)."""
         g = plan.schedule.graph
         dt = "torch.float64" if graph_dtype(g) == "float64" else "torch.float32"
@@ -461,13 +461,13 @@ class _Emitter:
                  f"{dt}, arena.device)")
         self.buf(f"{ident}.launch(ws, {', '.join(args)})")
 
-    def _scan(self, plan: MemoryPlan, kern: Any, node: Any) -> None:
+    def _scan(self, plan: BufferPlan, kern: Any, node: Any) -> None:
         """The host loop of a scan, copying nothing: `ScanHomes` (the executors' own statement
         of the loop) says where iteration i reads its carries and writes its outputs; the
         body function writes its direct outputs in place, the rest are copied."""
         g = plan.schedule.graph
         a = node.attr_dict
-        body: MemoryPlan = plan.bodies[node.id]
+        body: BufferPlan = plan.bodies[node.id]
         bg: Graph = a["body"]
         nc, nx = a["n_carry"], a["n_xs"]
         b = self.buf

@@ -24,13 +24,14 @@ import keyword
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+from titanc.config import current, triton_interpret, triton_interpret_mode
 
 __all__ = [
     "TEMPLATE_DIR",
@@ -149,13 +150,9 @@ def render(template: str, **context: Any) -> str:
 
 
 def cache_dir() -> Path:
-    """Where `load_module` writes kernel files: `$TITANC_CACHE_DIR`, else a per-user temp dir."""
-    env = os.environ.get("TITANC_CACHE_DIR")
-    if env:
-        path = Path(env)
-    else:
-        user = _INVALID_CHARS.sub("_", os.environ.get("USER", "") or str(os.getuid()))
-        path = Path(tempfile.gettempdir()) / f"titanc-kernels-{user}"
+    """Where `load_module` writes kernel files: `config.current().cache_dir`
+    (`TITANC_CACHE_DIR`, else a per-user temp dir), created if missing."""
+    path = current().cache_dir
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -172,12 +169,11 @@ def load_module(source: str, name: str, interpret: bool | None = None) -> Module
 
     Triton decides when a kernel is decorated whether it runs under its interpreter, from
     `TRITON_INTERPRET`: `interpret` (True / False) sets that variable for the import only and
-    restores it after (`interpret_mode`); None leaves the environment as the caller set it.
+    restores it after (`config.triton_interpret_mode`); None leaves it as the caller set it.
     """
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     mod_name = f"titanc_kernel_{sanitize_identifier(name, prefix='k_')}_{digest}"
-    interpreted = (os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
-                   if interpret is None else interpret)
+    interpreted = triton_interpret() if interpret is None else interpret
     # never hand a module loaded in one mode to a caller in the other
     key = f"{mod_name}:{'interpret' if interpreted else 'compile'}"
     if key in _LOADED:
@@ -191,23 +187,7 @@ def load_module(source: str, name: str, interpret: bool | None = None) -> Module
     spec = importlib.util.spec_from_file_location(mod_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    with interpret_mode(interpreted):
+    with triton_interpret_mode(interpreted):
         spec.loader.exec_module(module)
     _LOADED[key] = module
     return module
-
-
-@contextmanager
-def interpret_mode(on: bool) -> Iterator[None]:
-    """`TRITON_INTERPRET` set to `on` inside, restored after. Triton reads it when a kernel is
-    decorated and again while launching (its interpreter imports modules lazily), so a caller
-    loads and runs interpreted kernels inside this; nothing outside sees it."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old

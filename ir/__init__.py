@@ -4,10 +4,9 @@ from titanc.ir import attention  # registers the attention pattern ops' shape an
 from titanc.ir import adamw  # registers the multi-tensor AdamW pattern op's rules
 from titanc.ir import linear_cross_entropy  # registers the fused LM-head cross-entropy pattern ops' rules
 from titanc.ir.builder import Builder, Value
-from titanc.ir.graph import Graph, Node
 from titanc.ir.interpret import Interpreter, interpret
 from titanc.ir.ops import SCAN_ROLES, Op, OpGroup
-from titanc.ir.printer import format_graph, format_node
+from titanc.ir.graph import Graph, Node, format_graph, format_node
 from titanc.ir.stats import graph_stats, largest_tensor_bytes
 from titanc.ir.types import TensorType, dtype_name
 from titanc.ir.verify import IRError, verify

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 
-from titanc.ir.graph import Graph
 from titanc.ir.ops import Op
-from titanc.ir.printer import format_attrs
+from titanc.ir.graph import Graph, format_attrs
 from titanc.ir.types import type_str
 
 

@@ -5,6 +5,11 @@ nodes and keeps their edges in a `networkx.DiGraph`; no code outside `ir/` touch
 Graph arguments are INPUT nodes (`graph.inputs`, in order); results are named
 (`graph.outputs`, an ordered list of `(name, node id)`). Order is deterministic:
 `lexicographical_topological_sort` keyed on node id.
+
+The one textual form of the IR (`format_graph`, which `repr(graph)` prints) is a line per
+node, in that order; scan bodies print indented under their scan, between braces:
+
+    %7:f32[2,128,64] = einsum[btd,de->bte] %3 %5
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Any, Iterable, Iterator
 import networkx as nx
 
 from titanc.ir.ops import Op
-from titanc.ir.types import Type
+from titanc.ir.types import Type, type_str
 
 
 def freeze_attrs(attrs: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
@@ -74,7 +79,7 @@ class Graph:
     def add(self, op: Op, inputs: Iterable[int] = (), attrs: dict[str, Any] | None = None,
             type: Type | None = None) -> int:
         """Append a node; its type is inferred by the op's shape rule unless given."""
-        from titanc.ir.shapes import infer_type
+        from titanc.ir.infer import infer_type
 
         inputs = tuple(inputs)
         for i in inputs:
@@ -154,6 +159,54 @@ class Graph:
         return live
 
     def __repr__(self) -> str:
-        from titanc.ir.printer import format_graph
-
         return format_graph(self)
+
+
+# -- the textual form ----------------------------------------------------------------------------
+
+_BARE = {Op.EINSUM: "spec", Op.INPUT: "name"}
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, Graph):
+        return f"<{v.name}>"
+    if isinstance(v, (tuple, list)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def format_attrs(node: Node) -> str:
+    if not node.attrs:
+        return ""
+    bare = _BARE.get(node.op)
+    if bare is not None:
+        return f"[{node.attr(bare)}]"
+    parts = [f"{k}={_value(v)}" for k, v in node.attrs if not isinstance(v, Graph)]
+    return "[" + ", ".join(parts) + "]"
+
+
+def format_node(node: Node) -> str:
+    args = "".join(f" %{i}" for i in node.inputs)
+    return f"%{node.id}:{type_str(node.type)} = {node.op.name.lower()}{format_attrs(node)}{args}"
+
+
+def format_lines(g: Graph, indent: int = 0) -> list[tuple[int | None, str]]:
+    """(node id or None, text) per line, so callers can show context around a node."""
+    pad = "  " * indent
+    lines: list[tuple[int | None, str]] = []
+    for node in g:
+        body = node.attr("body", None) if node.op is Op.SCAN else None
+        lines.append((node.id, pad + format_node(node) + (" {" if body is not None else "")))
+        if body is not None:
+            lines += [(None, text) for _, text in format_lines(body, indent + 1)]
+            lines.append((None, pad + "}"))
+    outs = ", ".join(f"{name}=%{nid}" for name, nid in g.outputs)
+    lines.append((None, f"{pad}return {outs}"))
+    return lines
+
+
+def format_graph(g: Graph) -> str:
+    header = f"graph {g.name} ({len(g)} nodes)"
+    return "\n".join([header] + [text for _, text in format_lines(g, 1)]) + "\n"

@@ -17,10 +17,10 @@ about ten printed lines of IR around it:
 """
 from __future__ import annotations
 
-from titanc.ir.graph import Graph
 from titanc.ir.ops import Op, OpGroup
-from titanc.ir.printer import format_lines
-from titanc.ir.shapes import ShapeError, infer_type
+from titanc.ir.graph import Graph, format_lines
+from titanc.ir.infer import infer_type
+from titanc.ir.shapes import ShapeError
 
 
 class IRError(Exception):

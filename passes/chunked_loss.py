@@ -48,7 +48,7 @@ def match_loss(g: Graph) -> dict[str, int] | None:
             "targets": tgt.inputs[1], "loss": loss.id}
 
 
-def _chunk_size(n_tokens: int, want: int) -> int:
+def loss_chunk_size(n_tokens: int, want: int) -> int:
     """The largest divisor of n_tokens that is at most `want`."""
     for c in range(min(want, n_tokens), 0, -1):
         if n_tokens % c == 0:
@@ -73,7 +73,7 @@ def _chunk_loss(g: Graph, chunk: int) -> Graph:
         return g
     spec = g.node(m["logits"]).attr("spec")
     B, T, D = g.node(m["h"]).type.shape
-    c = _chunk_size(B * T, chunk)
+    c = loss_chunk_size(B * T, chunk)
     n = B * T // c
     head_spec = "cd,vd->cv" if spec.startswith("btd,vd") else "cd,dv->cv"
     b = Builder(g.name)

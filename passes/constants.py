@@ -6,7 +6,7 @@ under mixed precision their casts). A kernel
 computes one from its coordinates at no cost (`codegen/lower/nodes.py`), but fusion puts each
 node in one kernel: a constant read by two kernels (the recomputed forward and the backward of
 a scan body) would be stored by a kernel of its own that only makes values. A generator or a
-view chain over one already costs nothing (the memory plan binds it as a view of a constant
+view chain over one already costs nothing (the buffer plan binds it as a view of a constant
 made at bind time); a constant holding a CONCAT or PAD is what this pass copies, once per
 elementwise reader, so each copy joins its reader's kernel.
 

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 from titanc.ir import Graph, Node, Op
 from titanc.ir.attention import split, stat_dtype
 
-from titanc.passes.manager import debug_level
+from titanc.config import debug_level
 
 
 def _einsum_terms(n: Node) -> tuple[str, str, str] | None:
@@ -256,7 +256,7 @@ def expand_attention(g: Graph) -> Graph:
     """`g` with every ATTENTION / ATTENTION_BWD (scan bodies too) written back as the
     primitive chain it stands for (the reference semantics of `ir/attention.py`): for a kernel
     that computes the chain itself, a scan kernel, whose body's values live in its own
-    workspace rather than in the memory plan."""
+    workspace rather than in the buffer plan."""
     if not any(n.op in (Op.ATTENTION, Op.ATTENTION_BWD) or n.op is Op.SCAN for n in g):
         return g
     out = Graph(g.name)

@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar
 
 from titanc.ir import Graph, Op, format_graph
 
-from titanc.passes.manager import debug_level
+from titanc.config import debug_level
 from titanc.passes.optimizer import EPS, optimizer_graph
 
 

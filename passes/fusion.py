@@ -11,7 +11,7 @@ Kernel families, with what a kernel may contain:
 - pointwise: elementwise ops, CAST, gathers (TAKE, TAKE_ALONG), views (RESHAPE, PERMUTE,
   EXPAND, SLICE, PAD, CONCAT) and generators (FULL, MASK); every computing node has the
   kernel's element count (its domain) and is evaluated once per element. A ROPE table is a
-  kernel of its own, which the memory plan binds once as a constant (`MemoryPlan.views`):
+  kernel of its own, which the buffer plan binds once as a constant (`BufferPlan.views`):
   its readers load cos/sin values instead of evaluating them per element.
 - reduction: SUM/AMAX sharing one input shape and axes, or CUMSUMs sharing shape, axis and
   direction, with a pointwise prologue on the reduction's input domain, a pointwise epilogue
@@ -68,8 +68,8 @@ from titanc.ir.shapes import parse_einsum
 from titanc.ir.structural import STRUCTURAL
 from titanc.ir.types import TensorType
 
-from titanc.passes.manager import debug_level
-from titanc.passes.schedule import (PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, prologue_of,
+from titanc.config import debug_level
+from titanc.ir.schedule import (PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, prologue_of,
                        value_bytes)
 from titanc.passes.split_casts import splittable
 

@@ -25,7 +25,7 @@ from typing import ClassVar
 from titanc.ir import Builder, Graph, Op, Value
 
 from titanc.passes.chunked_loss import match_loss
-from titanc.passes.manager import debug_level
+from titanc.config import debug_level
 
 
 def _why_not(g: Graph, m: dict[str, int]) -> str:

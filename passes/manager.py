@@ -11,20 +11,13 @@ the IR after each pass); add your own to `PassLog.callbacks`.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Protocol
 
+from titanc.config import debug_level
 from titanc.ir import Graph, format_graph, graph_stats, verify
-
-
-def debug_level() -> int:
-    try:
-        return int(os.environ.get("TITANC_DEBUG", "0"))
-    except ValueError:
-        return 0
 
 
 class Pass(Protocol):

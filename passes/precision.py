@@ -43,7 +43,7 @@ and leaves with a dtype on every tensor and explicit CASTs where dtypes change:
     graph outputs   their original dtype (the loss, logits and decode states stay float32)
 
 So activations written between kernels (matmul results and the elementwise chains on them,
-the operands saved for the backward) are half the bytes, and the memory plan sizes them so.
+the operands saved for the backward) are half the bytes, and the buffer plan sizes them so.
 Autodiff differentiates the CASTs like any op (a cast's VJP casts the cotangent back), so the
 gradients of float32 parameters arrive in float32.
 

@@ -1,6 +1,6 @@
 """Program: a compiled model that trains, evaluates and exposes its state.
 
-Graphs run on the arena executor over their kernel schedule and memory plan (`cpu`
+Graphs run on the arena executor over their kernel schedule and buffer plan (`cpu`
 target), on the same plan with generated Triton kernels (`triton`: on the GPU with CUDA, else
 under Triton's interpreter, see `runtime/targets/triton_executor.py`), or on the reference
 interpreter (`target: reference`, for debugging). `auto` is `triton` when CUDA is present.
@@ -24,7 +24,7 @@ from titanc.runtime.train.lr_schedule import lr_at
 Tensor = torch.Tensor
 
 
-def _resolve_target(target: str) -> str:
+def resolve_target(target: str) -> str:
     """auto -> triton with CUDA, else the torch executor ('cpu')."""
     if target == "auto":
         return "triton" if torch.cuda.is_available() else "cpu"
@@ -74,7 +74,7 @@ def _views(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
 
 class Program:
     def __init__(self, compiled: Any):
-        from titanc.fit import check_fits, planned_bytes
+        from titanc.runtime.capacity import check_fits
 
         self.compiled = compiled
         self.spec = compiled.spec
@@ -83,14 +83,14 @@ class Program:
         self.batch_size = self.spec.train.batch_size
         self.seq_len = self.spec.model.seq_len
         self._interp = Interpreter()
-        self.target = _resolve_target(self.spec.compile.target)
+        self.target = resolve_target(self.spec.compile.target)
         self._executor_cls = None if self.target == "reference" else _executor_class(self.target)
         self.device = getattr(self._executor_cls, "device", "cpu")   # where state lives
         self._executor_options = ({"cuda_graphs": self.spec.compile.cuda_graphs,
                                    "allow_tf32": self.spec.compile.allow_tf32}
                                   if self.target == "triton" else {})
         self._executors: dict[Any, Any] = {}
-        check_fits(planned_bytes(compiled), self.spec, str(self.device))
+        check_fits(compiled.planned_bytes(), self.spec, str(self.device))
         init = init_params(self.spec.model, self.spec.train.seed, self.dtype)
         # parameters, the gradient accumulator and the AdamW moments each live in one flat
         # buffer, in parameter order (`flat`): data parallelism reduces the gradients as one

@@ -77,7 +77,7 @@ def graphs_nested(g: Any) -> Iterator[Any]:
 
 
 def plans_nested(plan: Any) -> Iterator[Any]:
-    """A memory plan and the plans of every scan body inside it, depth first."""
+    """A buffer plan and the plans of every scan body inside it, depth first."""
     yield plan
     for sub in plan.bodies.values():
         yield from plans_nested(sub)

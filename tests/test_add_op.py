@@ -174,7 +174,7 @@ def _runs_everywhere(g: Graph, inputs: dict[str, torch.Tensor], want: Any) -> Gr
     from titanc.passes.autodiff import grad_graph
     from titanc.passes.canonicalize import canonicalize
     from titanc.passes.fusion import fuse
-    from titanc.passes.memory_plan import plan_memory
+    from titanc.passes.buffer_plan import plan_buffers
     from titanc.runtime.targets.executor import ArenaExecutor
     from titanc.runtime.targets.triton_executor import TritonExecutor
 
@@ -182,7 +182,7 @@ def _runs_everywhere(g: Graph, inputs: dict[str, torch.Tensor], want: Any) -> Gr
     loss = want(**leaves)
     loss.backward()
     gg = canonicalize(grad_graph(g, list(inputs)))
-    plan = plan_memory(fuse(gg), set())
+    plan = plan_buffers(fuse(gg), set())
     for name, run in (("interpreter", lambda: interpret(gg, inputs)),
                       ("cpu", lambda: ArenaExecutor(plan).run(inputs)),
                       ("triton", lambda: TritonExecutor(plan).run(inputs))):
@@ -229,12 +229,12 @@ def test_a_missing_lowering_names_the_op_and_the_target(add_sub) -> None:
         TRITON_INDEX[add_sub]
     CPU.remove(add_sub)
     from titanc.passes.fusion import fuse
-    from titanc.passes.memory_plan import plan_memory
+    from titanc.passes.buffer_plan import plan_buffers
     from titanc.runtime.targets.executor import ArenaExecutor
 
     g = _add_sub_graph(add_sub)
     with pytest.raises(LoweringError, match="the cpu target has no lowering rule for ADD_SUB"):
-        ArenaExecutor(plan_memory(fuse(g), set()))
+        ArenaExecutor(plan_buffers(fuse(g), set()))
 
 
 def test_each_target_has_a_rule_for_every_op_it_lowers_by_rule() -> None:

@@ -1,5 +1,5 @@
 """GPU-readiness without a GPU: every kernel the program launches compiles for sm_80 and sm_90
-(`codegen.aot`: launches recorded under the interpreter, compiled by Triton with the ptxas in
+(`runtime.targets.aot`: launches recorded under the interpreter, compiled by Triton with the ptxas in
 its wheel), and offsets turn int64 where a tensor reaches 2**31 elements.
 
 Budgets asserted on every compiled kernel: shared memory within the architecture's
@@ -12,7 +12,7 @@ values). The fast tier (tiny.yaml in float32 + tf32, scan kernels included, and 
 without them; one small bf16 scan kernel) runs in `make test`;
 TITANC_AOT_FULL=1 adds every tiny example, in float32 and bfloat16 (the numbers are in the
 README's "targets" section).
-Compiled results are cached on disk by `codegen.aot`, so a second run compiles nothing.
+Compiled results are cached on disk by `runtime.targets.aot`, so a second run compiles nothing.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorate
 import pytest
 import torch
 
-from titanc.codegen import aot
+from titanc.runtime.targets import aot
 from titanc.codegen.families.scatter import render_scatter_along
 from titanc.codegen.lower.dispatch import plan_kernels
 from titanc.codegen.meta import MATMUL_TILES, needs_int64
@@ -33,6 +33,7 @@ from titanc.compiler import compile_graphs
 from titanc.errors import TitancError
 from titanc.runtime.targets.triton_executor import interpreting
 from titanc.model.spec import load_spec
+from titanc import config
 
 from .conftest import EXAMPLES
 
@@ -211,7 +212,7 @@ def test_attention_over_2_31_elements_generates_int64_offsets() -> None:
 
 def test_int64_attention_path_matches_when_interpreted() -> None:
     """The wide flash kernels (forced at a small size) give the narrow ones' results."""
-    from titanc.codegen.families.fixed import KeyGroup, render_attention_bwd, render_attention_fwd
+    from titanc.codegen.families.pattern_ops import KeyGroup, render_attention_bwd, render_attention_fwd
 
     torch.manual_seed(0)
     groups, lens, T, D = [KeyGroup("p", False), KeyGroup("seq", True, 8)], (2, 19), 19, 12
@@ -288,11 +289,11 @@ def test_int64_reduction_and_cumsum_path_matches_when_interpreted(monkeypatch) -
     want = titanc.compile(TINY, **over, **{"compile.target": "cpu"}).loss(toks)
     monkeypatch.setattr(hooks_rows, "needs_int64", lambda *numels: True)
     # host loops: the body's reductions and cumsums run as the forced-wide kernels themselves
-    monkeypatch.setenv("TITANC_SCAN_KERNELS", "0")
-    tri = titanc.compile(TINY, **over, **{"compile.target": "triton"})
-    plan = tri.compiled.plans["forward"]
-    sources = [code.source for _, _, code in plan_kernels(plan)
-               if code.family in ("reduction", "cumsum")]
-    assert sources and all("pid.to(tl.int64)" in _kernel_body(s) for s in sources)
-    assert any("tl.cumsum" in s for s in sources)
-    assert abs(tri.loss(toks) - want) <= 1e-5 * abs(want)
+    with config.override(scan_kernels=False):
+        tri = titanc.compile(TINY, **over, **{"compile.target": "triton"})
+        plan = tri.compiled.plans["forward"]
+        sources = [code.source for _, _, code in plan_kernels(plan)
+                   if code.family in ("reduction", "cumsum")]
+        assert sources and all("pid.to(tl.int64)" in _kernel_body(s) for s in sources)
+        assert any("tl.cumsum" in s for s in sources)
+        assert abs(tri.loss(toks) - want) <= 1e-5 * abs(want)

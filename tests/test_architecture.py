@@ -11,42 +11,110 @@ from pathlib import Path
 
 import pytest
 
+from titanc import config
+from titanc.errors import TitancError
+
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton fixes its mode at first import
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# what lowers a spec to graphs, compiles them, or drives the command line
-FRONTEND = {"titanc.model.frontend", "titanc.model.blocks", "titanc.model.decode", "titanc.model.attention",
-            "titanc.model.neural_memory", "titanc.model.nn", "titanc.compiler", "titanc.tools.cli", "titanc.tools.bench",
-            "titanc.tools.corpus_cli", "titanc.tools.artifact", "titanc.tools.inspect", "titanc.tools.demo"}
-# the package facade (`titanc.compile`, `titanc.load`): the public API the trainer, the
-# evaluator and the server call exactly as a user's script does; not followed
-FACADE = "titanc"
 # subpackages of titanc that live in their own top-level folder (pyproject.toml package-dir)
 PACKAGE_DIRS = {"ir", "passes", "codegen", "runtime"}
 
+# docs/architecture.md, "Layers": each layer and the layers its modules may import
+# (the table there is generated from these two dicts: `layer_table`)
+LAYER_OF = {                       # module prefix -> layer; the longest prefix wins
+    "titanc": "facade", "titanc.errors": "base", "titanc.config": "base",
+    "titanc.files": "base", "titanc.version": "base",
+    "titanc.ir": "ir", "titanc.passes": "passes", "titanc.codegen": "codegen",
+    "titanc.model": "model", "titanc.model.spec": "model.spec", "titanc.model.params": "model.spec",
+    "titanc.compiler": "compiler", "titanc.fit": "compiler",
+    "titanc.runtime": "runtime", "titanc.tools": "tools", "titanc.train": "tools",
+    "titanc.__main__": "tools",
+}
+MAY_IMPORT = {
+    "base": {"base"},
+    "ir": {"base", "ir"},
+    "passes": {"base", "ir", "passes"},
+    "codegen": {"base", "ir", "passes", "codegen"},
+    "model.spec": {"base", "ir", "model.spec"},
+    "model": {"base", "ir", "passes", "model.spec", "model"},
+    "compiler": {"base", "ir", "passes", "codegen", "model.spec", "model", "compiler"},
+    "runtime": {"base", "ir", "codegen", "model.spec", "runtime", "facade"},
+    "facade": {"base", "ir", "passes", "codegen", "model.spec", "model", "compiler", "runtime",
+               "facade"},
+    "tools": {"base", "ir", "passes", "codegen", "model.spec", "model", "compiler", "runtime",
+              "facade", "tools"},
+}
+WHAT = {
+    "base": "errors, config (settings from the environment), files (atomic writes), version",
+    "ir": "graph, ops and their registry, builder, printer, verifier, interpreter; the plan "
+          "types the backends consume: `ir/schedule.py` (Schedule, Kernel), "
+          "`ir/buffer_plan.py` (BufferPlan, ScanHomes, views)",
+    "passes": "graph passes, fusion, the buffer planner (`passes/buffer_plan.py`)",
+    "codegen": "Triton kernels rendered from a schedule and its plan; program.py",
+    "model.spec": "the model's description: `model.spec`, `model.params`",
+    "model": "the frontend: lowers a spec to graphs (`frontend`, `decode`, blocks, attention, "
+             "neural memory)",
+    "compiler": "`compiler.py`, the one pipeline for every graph kind; `fit.py`",
+    "runtime": "targets (cpu, triton), train, data, serve, diagnostics, program.py",
+    "facade": "`titanc/__init__.py`: `titanc.compile`, `titanc.load` (the public API)",
+    "tools": "the CLI, inspect, bench, demo, artifact, cost model",
+}
+# the only modules that read or write os.environ: the CLI entry points and titanc.config
+ENVIRONMENT = {"titanc.config", "titanc.tools.cli", "titanc.tools.aot"}
 
-def _module_file(mod: str) -> Path | None:
+
+def layer_of(mod: str) -> str:
+    best = max((p for p in LAYER_OF if mod == p or mod.startswith(p + ".")), key=len)
+    return LAYER_OF[best]
+
+
+def layer_table() -> str:
+    """The markdown table of docs/architecture.md's "Layers" section."""
+    rows = ["| layer | holds | may import |", "|---|---|---|"]
+    for layer, allowed in MAY_IMPORT.items():
+        others = [l for l in MAY_IMPORT if l in allowed and l != layer]
+        rows.append(f"| {layer} | {WHAT[layer]} | {', '.join(others) or '(nothing)'} |")
+    return "\n".join(rows) + "\n"
+
+
+def _module_file(mod: str, root: Path | None = None) -> Path | None:
     """The source file of a titanc module: titanc.runtime.x lives in runtime/x.py (the
     package-dir mapping of pyproject.toml), titanc.model.x in titanc/model/x.py."""
+    root = root or ROOT
     parts = mod.split(".")
     if parts[0] != "titanc":
         return None
     top = parts[1:2] if parts[1:2] and parts[1] in PACKAGE_DIRS else ["titanc"] + parts[1:2]
-    base = ROOT.joinpath(*top, *parts[2:])
+    base = root.joinpath(*top, *parts[2:])
     for cand in (base.with_suffix(".py"), base / "__init__.py"):
         if cand.is_file():
             return cand
     return None
 
 
-def _imports(mod: str, path: Path) -> set[str]:
-    """Every titanc module `path` imports, at module level or inside functions."""
+def all_modules(root: Path | None = None) -> dict[str, Path]:
+    """Every titanc module of the source tree: name -> file."""
+    root = root or ROOT
+    out = {}
+    for folder in ["titanc", *sorted(PACKAGE_DIRS)]:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("").parts
+            parts = rel[1:] if folder == "titanc" else rel
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            out[".".join(("titanc",) + tuple(parts))] = path
+    return out
+
+
+def imports(mod: str, path: Path, root: Path | None = None) -> list[tuple[str, str, int]]:
+    """(module, imported name or "", line) for every titanc import in `path`, at module level
+    or inside functions; `from m import x` where x is a submodule imports titanc module m.x."""
     package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
-    out: set[str] = set()
+    out: list[tuple[str, str, int]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
+            out += [(a.name, "", node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -54,48 +122,170 @@ def _imports(mod: str, path: Path) -> set[str]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            out.add(name)
-            out |= {f"{name}.{a.name}" for a in node.names
-                    if _module_file(f"{name}.{a.name}") is not None}
-    return {m for m in out if m.split(".")[0] == "titanc"}
+            for a in node.names:
+                sub = f"{name}.{a.name}"
+                out.append((sub, "", node.lineno) if _module_file(sub, root) is not None
+                           else (name, a.name, node.lineno))
+    return [i for i in out if i[0].split(".")[0] == "titanc"]
 
 
-def _reaches(start: str) -> dict[str, str]:
-    """Each titanc module reachable from `start`, with the module that imports it."""
-    seen: dict[str, str] = {start: ""}
-    todo = [start]
-    while todo:
-        mod = todo.pop()
-        path = _module_file(mod)
-        if path is None or mod == FACADE:
-            continue
-        for dep in _imports(mod, path):
-            if dep not in seen:
-                seen[dep] = mod
-                todo.append(dep)
-    return seen
+def import_graph(root: Path | None = None) -> dict[str, set[str]]:
+    mods = all_modules(root)
+    return {m: {d for d, _, _ in imports(m, p, root) if d != m} for m, p in mods.items()}
 
 
-def test_the_runtime_imports_no_frontend_module() -> None:
+def layer_violations(root: Path | None = None) -> list[str]:
+    bad: list[str] = []
+    for mod, path in all_modules(root).items():
+        for dep, _, line in imports(mod, path, root):
+            if layer_of(dep) not in MAY_IMPORT[layer_of(mod)]:
+                bad.append(f"{path.relative_to(root or ROOT)}:{line}: {mod} ({layer_of(mod)}) "
+                           f"imports {dep} ({layer_of(dep)})")
+    return list(dict.fromkeys(bad))
+
+
+def cycles(root: Path | None = None) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def private_imports(root: Path | None = None) -> list[str]:
+    """`from a.b import _x` where the importer is not in package a (nor a test)."""
     bad = []
-    for path in sorted((ROOT / "runtime").rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        mod = ".".join(("titanc",) + (parts[:-1] if parts[-1] == "__init__" else parts))
-        for dep, via in _reaches(mod).items():
-            if dep in FRONTEND:
-                bad.append(f"{mod} reaches {dep} (imported by {via})")
-    assert bad == []
+    for mod, path in all_modules(root).items():
+        for dep, name, line in imports(mod, path, root):
+            owner = dep.rsplit(".", 1)[0] if _module_file(dep, root) and \
+                not str(_module_file(dep, root)).endswith("__init__.py") else dep
+            here = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+            if name.startswith("_") and not name.startswith("__") and owner != here:
+                bad.append(f"{path.relative_to(root or ROOT)}:{line}: {mod} imports {dep}.{name}")
+    return bad
 
 
-def test_the_check_sees_a_frontend_import(tmp_path, monkeypatch) -> None:
-    """The import walk follows function-level and relative imports (so the test above can fail)."""
-    fake = tmp_path / "runtime"
-    fake.mkdir()
-    (fake / "leak.py").write_text("def f():\n    from ..model.decode import lower_step\n")
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    (tmp_path / "titanc" / "model").mkdir(parents=True)
-    (tmp_path / "titanc" / "model" / "decode.py").write_text("")
-    assert "titanc.model.decode" in _reaches("titanc.runtime.leak")
+def environment_uses(root: Path | None = None) -> list[str]:
+    """Reads and writes of os.environ / os.getenv / os.putenv outside `ENVIRONMENT`."""
+    bad = []
+    for mod, path in all_modules(root).items():
+        if mod in ENVIRONMENT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv",
+                                                                 "unsetenv") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "os":
+                bad.append(f"{path.relative_to(root or ROOT)}:{node.lineno}: {mod}: os.{node.attr}")
+    return bad
+
+
+def test_every_import_follows_the_layer_table() -> None:
+    assert layer_violations() == []
+
+
+def test_no_import_cycles_even_through_function_level_imports() -> None:
+    assert cycles() == []
+
+
+def test_no_private_name_is_imported_across_packages() -> None:
+    assert private_imports() == []
+
+
+def test_only_the_cli_and_the_config_touch_the_environment() -> None:
+    assert environment_uses() == []
+
+
+def test_the_layer_table_in_the_docs_is_the_checked_one() -> None:
+    assert layer_table() in (ROOT / "docs" / "architecture.md").read_text()
+
+
+def test_the_pipeline_is_a_table_and_the_diagram_prints_it(capsys) -> None:
+    """Every graph kind has a row; each step names the pass it makes; the docs' diagram holds
+    `titanc inspect --pipeline`'s text."""
+    from titanc.compiler import GRAPH_KINDS, LOWER, PIPELINE, Compiled, pipeline_text
+    from titanc.model.params import param_specs
+    from titanc.model.spec import load_spec
+    from titanc.tools.cli import main
+
+    assert list(PIPELINE) == list(LOWER) == list(GRAPH_KINDS)
+    spec = load_spec(ROOT / "examples" / "tiny.yaml")
+    c = Compiled(spec, 1, param_specs(spec.model))
+    for kind, steps in PIPELINE.items():
+        for step in steps:
+            assert step.make(c).name == step.name, (kind, step)
+    text = pipeline_text()
+    docs = (ROOT / "docs" / "architecture.md").read_text()
+    assert "\n".join("  " + line for line in text.rstrip("\n").split("\n")) in docs
+    assert main(["inspect", "--pipeline"]) == 0
+    assert capsys.readouterr().out == text
+    assert main(["inspect"]) == 2 and "needs DIR" in capsys.readouterr().err
+
+
+def test_config_overrides_are_scoped_and_the_cli_reads_the_environment(monkeypatch) -> None:
+    from titanc.tools import cli
+
+    base = config.current()
+    with config.override(debug=3, scan_kernels=False) as inner:
+        assert config.current() is inner and config.debug_level() == 3
+        with config.override(debug=1):
+            assert config.current().debug == 1 and not config.current().scan_kernels
+        assert config.debug_level() == 3
+    assert config.current() == base
+    seen = []
+    monkeypatch.setattr(cli, "_main", lambda argv: seen.append(config.current()) or 0)
+    monkeypatch.setenv("TITANC_DEBUG", "2")
+    monkeypatch.setenv("TITANC_THREADS", "many")
+    assert cli.main([]) == 0 and seen[0].debug == 2 and config.current() == base
+    with pytest.raises(TitancError, match="TITANC_THREADS='many'"):
+        seen[0].threads_or_none()
+
+
+def test_the_checks_see_violations(tmp_path) -> None:
+    """Each check fails on a tree that breaks its rule (function-level and relative imports
+    included), so the tests above can fail."""
+    for folder in ("runtime", "codegen", "titanc/model", "passes"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "runtime" / "leak.py").write_text("def f():\n    from ..model.decode import lower_step\n")
+    (tmp_path / "titanc" / "model" / "decode.py").write_text("from titanc.passes.x import _helper\n")
+    (tmp_path / "passes" / "x.py").write_text("import os\nos.environ['A'] = '1'\n")
+    (tmp_path / "codegen" / "a.py").write_text("def g():\n    import titanc.codegen.b\n")
+    (tmp_path / "codegen" / "b.py").write_text("from titanc.codegen import a\n")
+    assert any("titanc.runtime.leak (runtime) imports titanc.model.decode (model)" in v
+               for v in layer_violations(tmp_path))
+    assert private_imports(tmp_path) == ["titanc/model/decode.py:1: titanc.model.decode imports "
+                                         "titanc.passes.x._helper"]
+    assert cycles(tmp_path) == [["titanc.codegen.a", "titanc.codegen.b"]]
+    assert environment_uses(tmp_path) == ["passes/x.py:2: titanc.passes.x: os.environ"]
 
 
 def test_triton_imported_in_compile_mode_is_refused_in_one_line() -> None:
@@ -204,10 +394,10 @@ def test_debug_2_prints_fusion_refusals(monkeypatch, capsys) -> None:
     x = b.input("x", (4, 4), "f32")
     y = (x.exp() @ x).sum((0,))          # the einsum reads a computed operand: refused
     b.graph.set_outputs([("y", y.id)])
-    monkeypatch.setenv("TITANC_DEBUG", "2")
-    fuse(b.graph)
-    err = capsys.readouterr().err
-    assert "refused: " in err and "reads a computed operand" in err
+    with config.override(debug=2):
+        fuse(b.graph)
+        err = capsys.readouterr().err
+        assert "refused: " in err and "reads a computed operand" in err
 
 
 @pytest.fixture
@@ -261,7 +451,7 @@ def test_a_new_elementwise_op_runs_everywhere(cube, scan: bool) -> None:
     from titanc.passes.autodiff import grad_graph
     from titanc.passes.canonicalize import canonicalize
     from titanc.passes.fusion import fuse
-    from titanc.passes.memory_plan import plan_memory
+    from titanc.passes.buffer_plan import plan_buffers
     from titanc.runtime.targets.executor import ArenaExecutor
     from titanc.runtime.targets.triton_executor import TritonExecutor
 
@@ -273,7 +463,7 @@ def test_a_new_elementwise_op_runs_everywhere(cube, scan: bool) -> None:
     g = canonicalize(grad_graph(_cube_graph(cube, scan), ["x", "w"]))
     assert any(n.op is cube for n in g) or scan
     inputs = {"x": x.detach(), "w": w.detach()}
-    plan = plan_memory(fuse(g), set())
+    plan = plan_buffers(fuse(g), set())
     for name, run in (("interpreter", lambda: interpret(g, inputs)),
                       ("cpu", lambda: ArenaExecutor(plan).run(inputs)),
                       ("triton", lambda: TritonExecutor(plan).run(inputs))):

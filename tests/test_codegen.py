@@ -273,10 +273,10 @@ def test_training_step_matches_cpu_target(example: str) -> None:
 
 
 def test_auto_target_is_cpu_without_cuda() -> None:
-    from titanc.runtime.program import _resolve_target
+    from titanc.runtime.program import resolve_target
 
-    assert _resolve_target("auto") == ("triton" if torch.cuda.is_available() else "cpu")
-    assert _resolve_target("triton") == "triton"
+    assert resolve_target("auto") == ("triton" if torch.cuda.is_available() else "cpu")
+    assert resolve_target("triton") == "triton"
 
 
 # --- the artifact ---------------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def test_hostile_spec_compiles_to_import_safe_python(tmp_path, monkeypatch) -> N
     emit_artifact(compile_graphs(spec), out)
     allowed = {"__future__", "importlib.util", "math", "pathlib", "torch", "triton",
                "triton.language",
-               "titanc.codegen.scan.kernel", "titanc.passes.memory_plan"}  # the scan loop's two
+               "titanc.codegen.scan.kernel", "titanc.ir.buffer_plan"}  # the scan loop's two
     files = sorted(out.rglob("*.py"))
     assert len(files) > 10          # kernels, program.py (views and fills run no kernel)
     for path in files:
@@ -423,7 +423,7 @@ def test_every_template_is_reached_by_a_compiled_program() -> None:
 @pytest.mark.parametrize("example", ["tiny", "tiny_attn", "tiny_lmm", "tiny_mag", "tiny_mal"])
 def test_no_kernel_computes_rotary_tables_per_element(example: str) -> None:
     """Rotary cos/sin come from a table made once at bind time (a ROPE node is a kernel of
-    its own that the memory plan binds as a constant; scan kernels get it from the host), so
+    its own that the buffer plan binds as a constant; scan kernels get it from the host), so
     no generated kernel evaluates tl.cos / tl.sin: every scan run as a host loop (its body's
     kernels rendered) and as scan kernels, float32 and (tiny) bf16."""
     import re

@@ -30,14 +30,14 @@ def test_no_capture_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU fallback")
     from titanc.passes.fusion import fuse
-    from titanc.passes.memory_plan import plan_memory
+    from titanc.passes.buffer_plan import plan_buffers
     from titanc.runtime.targets.triton_executor import TritonExecutor
     from tests.test_memory_plan import small_scan_graph
 
     gen = torch.Generator().manual_seed(0)
     inputs = {"tokens": torch.randint(0, 10, (2, 5), generator=gen),
               "embed": torch.randn(10, 8, generator=gen), "w": torch.randn(8, 8, generator=gen)}
-    ex = TritonExecutor(plan_memory(fuse(small_scan_graph())), cuda_graphs=True)
+    ex = TritonExecutor(plan_buffers(fuse(small_scan_graph())), cuda_graphs=True)
     assert not ex.cuda_graphs                       # interpreted kernels on CPU tensors
     first = {k: v.clone() for k, v in ex.run(inputs).items()}
     again = ex.run(inputs)                          # the run that would capture on CUDA

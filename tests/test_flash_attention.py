@@ -30,9 +30,10 @@ from titanc.passes.autodiff import grad_graph
 from titanc.passes.canonicalize import Canonicalize
 from titanc.passes.flash_attention import FlashAttention
 from titanc.passes.fusion import fuse
-from titanc.passes.memory_plan import MemoryPlan, plan_memory
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.passes.buffer_plan import plan_buffers
 from titanc.passes.precision import MixedPrecision
-from titanc.passes.schedule import verify_schedule
+from titanc.ir.schedule import verify_schedule
 from titanc.runtime.targets.executor import ArenaExecutor
 from titanc.runtime.targets.triton_executor import TritonExecutor
 from titanc.model.spec import load_spec
@@ -127,7 +128,7 @@ def _attention_graph(kind: str, T: int, window: int, P: int, B: int = 2, D: int 
     return b.graph, inputs
 
 
-def _compiled(g: Graph, wrt: list[str], bf16: bool = False) -> MemoryPlan:
+def _compiled(g: Graph, wrt: list[str], bf16: bool = False) -> BufferPlan:
     g = FlashAttention()(Canonicalize()(g))
     if bf16:
         g = MixedPrecision()(g)
@@ -137,7 +138,7 @@ def _compiled(g: Graph, wrt: list[str], bf16: bool = False) -> MemoryPlan:
         gg = p(gg)
     assert [n.op for n in gg].count(Op.ATTENTION_BWD) == 1
     assert not any(_is_scores(n) for n in gg)
-    return plan_memory(verify_schedule(fuse(gg)), set())
+    return plan_buffers(verify_schedule(fuse(gg)), set())
 
 
 CASES = [("swa", 16, 4, 0), ("swa", 16, 4, 4), ("swa", 16, 16, 4), ("swa", 16, 24, 0),

@@ -10,7 +10,7 @@ import pytest
 from titanc.compiler import compile_graphs
 from titanc.ir import Builder, Graph, Op, verify
 from titanc.passes.fusion import _fuse_graph, fuse, unfused
-from titanc.passes.schedule import (Schedule, ScheduleError, liveness, peak_live_bytes,
+from titanc.ir.schedule import (Schedule, ScheduleError, liveness, peak_live_bytes,
                                     verify_schedule)
 from titanc.model.spec import load_spec
 

@@ -22,8 +22,8 @@ import torch
 from titanc.codegen.lower import rows as hooks_rows
 from titanc.ir import Builder, Graph, Op, interpret, verify
 from titanc.passes.fusion import fuse
-from titanc.passes.memory_plan import plan_memory
-from titanc.passes.schedule import Schedule, verify_schedule
+from titanc.passes.buffer_plan import plan_buffers
+from titanc.ir.schedule import Schedule, verify_schedule
 from titanc.runtime.targets.executor import ArenaExecutor
 
 pytest.importorskip("triton")
@@ -50,7 +50,7 @@ def check_parity(g: Graph, seed: int = 0) -> Schedule:
               for i in g.inputs}
     want = interpret(g, inputs)
     for cls in (ArenaExecutor, TritonExecutor):
-        got = cls(plan_memory(s)).run(inputs)
+        got = cls(plan_buffers(s)).run(inputs)
         for name, v in want.items():
             torch.testing.assert_close(got[name], v, rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"{cls.__name__} {name}: {m}")

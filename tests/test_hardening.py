@@ -31,6 +31,7 @@ from titanc.runtime.train.checkpoint import (CHECKPOINT_NAME, RNG_KEY, load_chec
                                        remove_stale_temps, save_checkpoint)
 from titanc.runtime.serve.generate import Generator, Sampling
 from titanc.runtime.train.rundir import LOCK_NAME, RunDir
+from titanc import config
 from titanc.runtime.train.threads import ENV, free_cores, model_threads, resolve_threads
 from titanc.runtime.train.trainer import Trainer, read_metrics
 from titanc.model.spec import spec_to_dict
@@ -495,13 +496,14 @@ def test_train_threads_flag_env_and_default(monkeypatch: pytest.MonkeyPatch,
     assert code == 2 and "TITANC_THREADS='many': expected a positive integer" in err
 
     spec = tiny("lmm")
-    assert resolve_threads(spec, 3, env={ENV: "2"}) == (3, "--threads")
-    assert resolve_threads(spec, None, env={ENV: "2"}) == (2, ENV)
+    with config.override(threads=2):
+        assert resolve_threads(spec, 3) == (3, "--threads")
+        assert resolve_threads(spec, None) == (2, ENV)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(os, "getloadavg", lambda: (12.2, 0.0, 0.0))
     assert free_cores() == 4
-    assert model_threads(spec) == 1 and resolve_threads(spec, None, env={})[0] == 1
+    assert model_threads(spec) == 1 and resolve_threads(spec, None)[0] == 1
     big = tiny("lmm", model__d_model=512, model__seq_len=512, train__batch_size=16)
-    assert model_threads(big) > 4 and resolve_threads(big, None, env={})[0] == 4
+    assert model_threads(big) > 4 and resolve_threads(big, None)[0] == 4
     monkeypatch.setattr(threads, "free_cores", lambda: 1)
-    assert resolve_threads(big, None, env={})[0] == 1
+    assert resolve_threads(big, None)[0] == 1

@@ -239,7 +239,7 @@ def test_memory_summary(art: Path, capsys: pytest.CaptureFixture[str]) -> None:
                 "largest logits buffer", "total planned (arena + persistent)"):
         assert key in out
     n = len((art / "memory_plan.txt").read_text().splitlines())
-    assert f"memory_plan.txt (first 40 of {n} lines):\n== training ==\nmemory plan grad:" in out
+    assert f"memory_plan.txt (first 40 of {n} lines):\n== training ==\nbuffer plan grad:" in out
 
 
 @pytest.mark.parametrize("case", ["missing", "file", "no report", "bad json", "pass alone"])

@@ -26,7 +26,7 @@ from titanc.compiler import compile_graphs
 from titanc.ir import Builder, Graph, Op, interpret
 from titanc.passes.autodiff import grad_graph
 from titanc.passes.linear_cross_entropy import LinearCrossEntropy
-from titanc.passes.memory_plan import holds_logits
+from titanc.passes.buffer_plan import holds_logits
 from titanc.runtime.targets import pattern_kernels
 from titanc.runtime.targets.executor import ArenaExecutor
 from titanc.runtime.targets.triton_executor import TritonExecutor

@@ -1,4 +1,4 @@
-"""Tier (c) for the static memory plan: the placement unit on synthetic buffer lists (greedy's
+"""Tier (c) for the static buffer plan: the placement unit on synthetic buffer lists (greedy's
 worst case included), the plan's invariants and ratios on every example graph, a golden map,
 and an executor that runs a schedule inside its planned arena (filled with NaN garbage) and
 must reproduce the reference interpreter."""
@@ -19,8 +19,9 @@ from titanc.ir.types import DTYPES, TensorType
 from titanc.model.params import init_params
 from titanc.passes.fusion import fuse
 from titanc.ir.tables import mask_table, rope_table
-from titanc.passes.memory_plan import (ORDERS, view_of, OUTPUT_PREFIX, MemoryPlan, ScanHomes, lower_bound, memory_report, overlaps,
-                                       place, place_in_order, plan_memory)
+from titanc.ir.buffer_plan import view_of, OUTPUT_PREFIX, BufferPlan, ScanHomes
+from titanc.passes.buffer_plan import (ORDERS, lower_bound, buffer_report, overlaps, place, place_in_order,
+                                       plan_buffers)
 from titanc.model.spec import load_spec
 
 Tensor = torch.Tensor
@@ -99,7 +100,7 @@ def small_scan_graph() -> Graph:
 
 
 GOLDEN = """\
-memory plan small: 8 kernels, arena 448 B, lower bound 448 B (ratio 1.000)
+buffer plan small: 8 kernels, arena 448 B, lower bound 448 B (ratio 1.000)
   peak activation 448 B, persistent 576 B, alignment 64
   persistent region:
           offset         size  name
@@ -111,7 +112,7 @@ memory plan small: 8 kernels, arena 448 B, lower bound 448 B (ratio 1.000)
     %0                  256          128  [0,0]       input:tokens  i64[2,5]
     ws %7               256           64  [3,3]       titanc_tem_fused_scan_rnn_3
       carry state: +0:64, +64:0
-      memory plan rnn: 2 kernels, arena 0 B, lower bound 0 B (ratio 1.000)
+      buffer plan rnn: 2 kernels, arena 0 B, lower bound 0 B (ratio 1.000)
         peak activation 0 B, persistent 0 B, alignment 64
         bound by the scan (inputs; outputs as out:NAME): %0=c0, %1=x1, %2=k2, %5=out:carry0, %6=out:y0
         activation arena:
@@ -129,7 +130,7 @@ memory plan small: 8 kernels, arena 448 B, lower bound 448 B (ratio 1.000)
 
 
 def test_memory_map_golden() -> None:
-    plan = plan_memory(fuse(small_scan_graph()), {"embed", "w"})
+    plan = plan_buffers(fuse(small_scan_graph()), {"embed", "w"})
     assert plan.to_text() == GOLDEN
     assert plan.is_noop(7) and not plan.is_noop(6)        # the lone reshape writes nothing
     # the constant fill (a scan carry) and the permute (its xs) are views: no kernel runs
@@ -139,7 +140,7 @@ def test_memory_map_golden() -> None:
     # the carry's ITEM %8 is one of its two slots (the last iteration's parity): one slot left
     assert [size for _, size in plan.carry_state[7]] == [64, 0]
     assert plan.location(2) == ("persistent", 320)
-    assert memory_report(plan, 10) == {
+    assert buffer_report(plan, 10) == {
         "arena_bytes": 448, "lower_bound_bytes": 448, "persistent_bytes": 576,
         "peak_activation_bytes": 448, "logits_bytes": 80}   # the flattened [2, 10] logits
 
@@ -160,7 +161,7 @@ def _constant(n) -> Tensor:  # type: ignore[no-untyped-def]
     return mask_table(a["n_q"], a["q_start"], a["groups"], dt)
 
 
-def _locator(plan: MemoryPlan, mem: Tensor, pers: Tensor,
+def _locator(plan: BufferPlan, mem: Tensor, pers: Tensor,
              ext: dict[str, Tensor]) -> Callable[[int], Tensor]:
     g = plan.schedule.graph
 
@@ -182,7 +183,7 @@ def _locator(plan: MemoryPlan, mem: Tensor, pers: Tensor,
     return where
 
 
-def _execute(plan: MemoryPlan, mem: Tensor, pers: Tensor, ext: dict[str, Tensor],
+def _execute(plan: BufferPlan, mem: Tensor, pers: Tensor, ext: dict[str, Tensor],
              interp: Interpreter) -> Callable[[int], Tensor]:
     """Run the schedule kernel by kernel: each reads only its inputs' storage (or inlines an
     immediate) and writes only its outputs'; scans loop over their body's plan inside their
@@ -213,7 +214,7 @@ def _execute(plan: MemoryPlan, mem: Tensor, pers: Tensor, ext: dict[str, Tensor]
     return where
 
 
-def _scan(plan: MemoryPlan, node, args: list[Tensor], region: Tensor,
+def _scan(plan: BufferPlan, node, args: list[Tensor], region: Tensor,
           items: dict[int, Tensor], interp: Interpreter) -> None:
     """Two carry slot sets at the start of the workspace, the body's arena after them.
     Iteration i reads the operands (i = 0) or the set iteration i-1 wrote, and writes its
@@ -246,7 +247,7 @@ def _scan(plan: MemoryPlan, node, args: list[Tensor], region: Tensor,
         carry = homes[:nc]
 
 
-def run_planned(plan: MemoryPlan, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+def run_planned(plan: BufferPlan, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
     g = plan.schedule.graph
     mem = torch.full((plan.arena_bytes,), 0xFF, dtype=torch.uint8)     # f32/f64 NaN garbage
     pers = torch.full((plan.persistent_bytes,), 0xFF, dtype=torch.uint8)
@@ -262,7 +263,7 @@ def test_executor_in_the_arena_matches_the_interpreter_small() -> None:
     gen = torch.Generator().manual_seed(0)
     inputs = {"tokens": torch.randint(0, 10, (2, 5), generator=gen),
               "embed": torch.randn(10, 8, generator=gen), "w": torch.randn(8, 8, generator=gen)}
-    got = run_planned(plan_memory(fuse(g), {"embed", "w"}), inputs)
+    got = run_planned(plan_buffers(fuse(g), {"embed", "w"}), inputs)
     want = Interpreter()(g, inputs)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
@@ -275,7 +276,7 @@ def test_executor_in_the_arena_matches_the_interpreter() -> None:
     c = compile_graphs(spec, verify_each=False)
     names = [p.name for p in c.params]
     inputs = {"tokens": tokens(spec), **init_params(spec.model, 0, torch.float64)}
-    plan = plan_memory(fuse(c.grad), set(names) | {f"grad.{n}" for n in names})
+    plan = plan_buffers(fuse(c.grad), set(names) | {f"grad.{n}" for n in names})
     got = run_planned(plan, inputs)
     want = Interpreter()(c.grad, inputs)
     assert set(got) == set(want)
@@ -285,7 +286,7 @@ def test_executor_in_the_arena_matches_the_interpreter() -> None:
 
 # -- the example graphs --------------------------------------------------------------------------
 
-def _check_plan(plan: MemoryPlan) -> None:
+def _check_plan(plan: BufferPlan) -> None:
     bufs = [(b.size, b.first, b.last) for b in plan.buffers]
     assert not overlaps(bufs, [b.offset for b in plan.buffers])        # all pairs
     assert all(b.offset % plan.alignment == 0 == b.size % plan.alignment for b in plan.buffers)
@@ -300,9 +301,9 @@ def test_example_plans_are_valid_and_tight(name: str) -> None:
     spec = load_spec(EXAMPLES / name)
     for g, s in zip(example_graphs(name), example_schedules(name)):
         params = [n for n in g.input_names() if n != "tokens"]
-        plan = plan_memory(s, set(params) | {f"grad.{p}" for p in params})
+        plan = plan_buffers(s, set(params) | {f"grad.{p}" for p in params})
         _check_plan(plan)
-        report = memory_report(plan, spec.model.vocab_size)
+        report = buffer_report(plan, spec.model.vocab_size)
         ratio = report["arena_bytes"] / report["lower_bound_bytes"]
         print(f"{name} {g.name}: kernels {len(s.all_kernels())} arena/lower_bound {ratio:.4f} "
               f"{report}")
@@ -319,10 +320,10 @@ def test_large_example_plans_in_seconds() -> None:
     t0 = time.perf_counter()
     s = fuse(c.grad)
     t1 = time.perf_counter()
-    plan = plan_memory(s, {p.name for p in c.params} | {f"grad.{p.name}" for p in c.params})
+    plan = plan_buffers(s, {p.name for p in c.params} | {f"grad.{p.name}" for p in c.params})
     t2 = time.perf_counter()
     print(f"large_125m grad: fuse {t1 - t0:.2f}s plan {t2 - t1:.3f}s ratio {plan.ratio:.4f} "
-          f"{memory_report(plan, 256)}")
+          f"{buffer_report(plan, 256)}")
     assert t2 - t1 < 5.0 and t1 - t0 < 30.0
     _check_plan(plan)
 
@@ -358,7 +359,7 @@ def test_a_carry_read_before_its_next_value_is_written_is_updated_in_place() -> 
               "w": torch.randn(8, 8, generator=gen, dtype=torch.float64) / 3}
     for fn, in_place in ((late, True), (same, False)):
         g, sid = _carry_scan(fn)
-        plan = plan_memory(fuse(g), {"w"})
+        plan = plan_buffers(fuse(g), {"w"})
         assert 0 in plan.lent[sid]
         assert (0 in plan.in_place[sid]) is in_place, fn.__name__
         if in_place:

@@ -5,12 +5,12 @@ CAST, a reduction (SUM, AMAX, CUMSUM), a contraction (EINSUM), a scatter-add (IN
 SCATTER_ALONG), a SCAN or a pattern op (ATTENTION, LINEAR_CROSS_ENTROPY, ADAMW, ...). A view
 (RESHAPE, PERMUTE, EXPAND, SLICE), a PAD or CONCAT, a gather (TAKE, TAKE_ALONG), a constant
 (FULL, ROPE, MASK), an ITEM or an INPUT only moves or makes values. A kernel that launches
-(not `MemoryPlan.is_noop`) and holds no computing node is a pure copy.
+(not `BufferPlan.is_noop`) and holds no computing node is a pure copy.
 
 None stays, in any graph of any example: no concat of RoPE halves or of attention key groups
 in any scan body, no copy of the token slices (the fused loss and the segment sum read them
 through their strides), and no embedding gather of its own: its one reader is the layer scan,
-whose kernel computes it as its prologue (`passes.schedule.scan_prologue`; a scan kernel
+whose kernel computes it as its prologue (`ir.schedule.scan_prologue`; a scan kernel
 reads its carry's initial value through the gather, a host loop gathers the rows into the
 carry's storage first).
 """
@@ -26,6 +26,7 @@ from titanc.ir import Builder, Op, interpret
 from titanc.passes.constants import constants_per_reader
 from titanc.model.spec import load_spec
 from titanc.tools.cost_model import is_computing
+from titanc import config
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
 
@@ -62,7 +63,7 @@ def test_the_embedding_gather_is_the_layer_scans_prologue(monkeypatch) -> None:
     from tests.test_codegen import ROOT, small
     import tests.reference as R
     from titanc.codegen.scan.kernel import count_launches, scan_kernel_for
-    from titanc.passes.schedule import scan_prologue
+    from titanc.ir.schedule import scan_prologue
     from titanc.runtime.targets.executor import ArenaExecutor
     from titanc.runtime.targets.triton_executor import TritonExecutor
 
@@ -81,14 +82,14 @@ def test_the_embedding_gather_is_the_layer_scans_prologue(monkeypatch) -> None:
               **{n: v.float() for n, v in R.init_params(spec.model, seed=1).items()}}
     want = interpret(g, {n: inputs[n] for n in g.input_names()})
     runs = {"cpu": ArenaExecutor(plan).run(inputs), "scan kernel": TritonExecutor(plan).run(inputs)}
-    monkeypatch.setenv("TITANC_SCAN_KERNELS", "0")
-    loop = TritonExecutor(plan)
-    assert loop.launches_per_run() == count_launches(plan, scan_kernels=False)
-    runs["host loop"] = loop.run(inputs)
-    for how, got in runs.items():
-        for name in want:
-            torch.testing.assert_close(got[name], want[name].float(), rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, how=how: f"{how}: {m}")
+    with config.override(scan_kernels=False):
+        loop = TritonExecutor(plan)
+        assert loop.launches_per_run() == count_launches(plan, scan_kernels=False)
+        runs["host loop"] = loop.run(inputs)
+        for how, got in runs.items():
+            for name in want:
+                torch.testing.assert_close(got[name], want[name].float(), rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, how=how: f"{how}: {m}")
 
 
 def test_constants_per_reader_copies_a_concatenated_table_into_each_reader() -> None:

@@ -19,7 +19,7 @@ from tests.helpers import BLOCKS, TINY, one_thread, tokens  # noqa: E402,F401 (a
 from titanc.compiler import compile_graphs  # noqa: E402
 from titanc.errors import SpecError  # noqa: E402
 from titanc.ir import Graph, Op, OpGroup  # noqa: E402
-from titanc.passes.memory_plan import memory_report  # noqa: E402
+from titanc.passes.buffer_plan import buffer_report  # noqa: E402
 from titanc.runtime.train.checkpoint import load_checkpoint  # noqa: E402
 from titanc.runtime.serve.generate import Generator  # noqa: E402
 from titanc.model.spec import load_spec  # noqa: E402
@@ -116,7 +116,7 @@ def test_unsupported_dtype_is_a_one_line_error() -> None:
 
 def _arena(path: Path, dtype: str) -> int:
     c = compile_graphs(load_spec(path, {"train.dtype": dtype}), verify_each=False)
-    return memory_report(c.plans["training"], c.spec.model.vocab_size)["arena_bytes"]
+    return buffer_report(c.plans["training"], c.spec.model.vocab_size)["arena_bytes"]
 
 
 @pytest.mark.parametrize("example, bound", [("tiny_attn.yaml", 0.52), ("tiny.yaml", 0.615),

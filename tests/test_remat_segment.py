@@ -27,7 +27,7 @@ from tests.helpers import (BLOCKS, one_step_on_both_targets, one_thread,  # noqa
                            plans_nested, tiny_spec, tokens)
 from titanc.compiler import compile_graphs
 from titanc.ir import Op, interpret
-from titanc.passes.memory_plan import MemoryPlan
+from titanc.ir.buffer_plan import BufferPlan
 from titanc.runtime.targets.executor import ArenaExecutor
 from titanc.model.spec import load_spec
 
@@ -99,10 +99,10 @@ def _large_like(remat: str):
 MAC_BWD = ("mac_rows_bwd", "mac_segment_bwd")       # the MAC backward scan, outermost first
 
 
-def _whole_sequence_live_at_mac_bwd(plan: MemoryPlan, row_bytes: int) -> int:
+def _whole_sequence_live_at_mac_bwd(plan: BufferPlan, row_bytes: int) -> int:
     """Buffers of at least B·T·D floats live while the layer backward runs its MAC backward
     scan (per_segment: over the batch rows, per_layer: over the segments)."""
-    def mac_bwd(p: MemoryPlan) -> list[int]:
+    def mac_bwd(p: BufferPlan) -> list[int]:
         g = p.schedule.graph
         return [b.first for b in p.buffers if b.kind == "workspace"
                 and g.node(b.value).attr("body").name in MAC_BWD]

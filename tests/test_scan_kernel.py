@@ -48,9 +48,10 @@ from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter, Op
 from titanc.ir.structural import scan_ref
 from titanc.ir.tables import mask_table, rope_table
-from titanc.passes.schedule import is_immediate
+from titanc.ir.schedule import is_immediate
 from titanc.runtime.targets.triton_executor import TritonExecutor, count_launches
 from titanc.model.spec import load_spec
+from titanc import config
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning",
@@ -360,21 +361,21 @@ def test_fallback_reason_is_reported(monkeypatch, capsys) -> None:
            r"would nest 2 levels of scans \(> 1\)")
     with pytest.raises(ScanFallback, match=why):
         render_scan(g, n.id)
-    monkeypatch.setenv("TITANC_DEBUG", "2")
-    ex = TritonExecutor(c.plans["training"])
-    reasons = [f["reason"] for f in ex.fallbacks if "layer_bwd" in f["scan"]]
-    assert len(reasons) == 1 and "would nest 2 levels" in reasons[0]
-    assert f"runs as a host loop: {reasons[0]}" in capsys.readouterr().err
-    assert ex.launches_per_run() == count_launches(c.plans["training"])
-    assert not any("memory_chunk" in f["scan"] for f in ex.fallbacks)
-    monkeypatch.setattr(scan_kernel, "MAX_SERIAL", 0)
-    c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
-                                 {"compile.fused_loss": False}))       # the chunked loss's scan
-    chunked = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
-                                       {"compile.fused_loss": False}))
-    g, n = next(iter(_scans(chunked.plans["training"], "loss_chunk_bwd")))
-    with pytest.raises(ScanFallback, match="a serial kernel would need"):
-        render_scan(g, n.id)
+    with config.override(debug=2):
+        ex = TritonExecutor(c.plans["training"])
+        reasons = [f["reason"] for f in ex.fallbacks if "layer_bwd" in f["scan"]]
+        assert len(reasons) == 1 and "would nest 2 levels" in reasons[0]
+        assert f"runs as a host loop: {reasons[0]}" in capsys.readouterr().err
+        assert ex.launches_per_run() == count_launches(c.plans["training"])
+        assert not any("memory_chunk" in f["scan"] for f in ex.fallbacks)
+        monkeypatch.setattr(scan_kernel, "MAX_SERIAL", 0)
+        c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
+                                     {"compile.fused_loss": False}))       # the chunked loss's scan
+        chunked = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml",
+                                           {"compile.fused_loss": False}))
+        g, n = next(iter(_scans(chunked.plans["training"], "loss_chunk_bwd")))
+        with pytest.raises(ScanFallback, match="a serial kernel would need"):
+            render_scan(g, n.id)
 
 
 # --- validity on a GPU target -------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import torch
 
 from tests.helpers import tiny_spec
 from titanc.codegen.lower.dispatch import render_kernel
-from titanc.codegen.render import interpret_mode, load_module
+from titanc.codegen.render import load_module
+from titanc.config import triton_interpret_mode
 from titanc.codegen.families.scatter import index_add_work, render_segment_sum
 from titanc.compiler import compile_graphs
 from titanc.ir import Op
@@ -32,7 +33,7 @@ def test_segment_sum_template_matches_index_add(dtype: torch.dtype) -> None:
     idx[:7] = 5                                   # a long segment
     grad = torch.randn(n, C, generator=gen, dtype=dtype)
     out = torch.full((R, C), float("nan"), dtype=dtype)
-    with interpret_mode(True):
+    with triton_interpret_mode(True):
         load_module(src, name, True).launch(grad, idx, out)
     want = torch.zeros(R, C, dtype=dtype).index_add_(0, idx, grad)
     torch.testing.assert_close(out, want, rtol=0, atol=0)   # same order of additions

@@ -25,7 +25,7 @@ import pytest
 
 import titanc
 from titanc.tools.cli import main
-from titanc.runtime.serve.codec import Codec, codec_for
+from titanc.runtime.serve.codec import TokenizerCodec, codec_for
 from titanc.runtime.serve.engine import Engine, Request
 from titanc.runtime.serve.generate import Generator, Sampling
 
@@ -344,7 +344,7 @@ def test_malformed_and_hostile_requests_get_4xx_json(server: Server) -> None:
 # -- the engine, driven step by step ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def engine_parts(artifact: Path) -> tuple[Generator, Codec]:
+def engine_parts(artifact: Path) -> tuple[Generator, TokenizerCodec]:
     prog = titanc.load(artifact)
     return Generator(prog), codec_for(prog, artifact)
 

@@ -9,7 +9,7 @@ import pytest
 from titanc.compiler import compile_graphs
 from titanc.model.spec import load_spec
 from titanc.ir import Op
-from titanc.tools.cost_model import compiled_profile, is_computing, launched_kernels, step_profile
+from titanc.tools.cost_model import compiled_cost, is_computing, launched_kernels, step_cost
 from tests.helpers import plans_nested as _plans
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -20,7 +20,7 @@ ISSUE_12_KERNELS = 357 + 69
 
 @pytest.fixture(scope="module")
 def tiny() -> dict:
-    return step_profile(load_spec(EXAMPLES / "tiny.yaml"))
+    return step_cost(load_spec(EXAMPLES / "tiny.yaml"))
 
 
 def _consistent(p: dict) -> None:
@@ -52,7 +52,7 @@ def test_structure_and_consistency(tiny: dict) -> None:
 
 def test_tiny_kernels_per_step_halved(tiny: dict) -> None:
     """Issue 12: at least 2x fewer kernels per training step than 357 + 69. Counted as the
-    step launches them on the triton target (step_profile: a scan kernel once, a host-loop
+    step launches them on the triton target (step_cost: a scan kernel once, a host-loop
     scan's body kernels each once, no-ops not at all); the same count without the pattern
     passes is the 'before' of today's pipeline."""
     after = tiny["after"]["kernels"]
@@ -69,7 +69,7 @@ def test_kernel_counts_are_kernels_all_per_graph() -> None:
     spec = load_spec(EXAMPLES / "tiny_attn.yaml")
     c = compile_graphs(spec, verify_each=False)
     counts = {name: launched_kernels(p) for name, p in c.plans.items()}
-    assert counts["training"] + counts["optimizer"] == compiled_profile(c)["kernels_all"]
+    assert counts["training"] + counts["optimizer"] == compiled_cost(c)["kernels_all"]
     for name, plan in c.plans.items():
         noops = sum(p.is_noop(k) for p in _plans(plan) for k in range(len(p.schedule.kernels)))
         assert counts[name] == len(c.schedules[name].all_kernels()) - noops
@@ -77,7 +77,7 @@ def test_kernel_counts_are_kernels_all_per_graph() -> None:
 
 def test_tiny_attn_moves_fewer_bytes() -> None:
     spec = load_spec(EXAMPLES / "tiny_attn.yaml")
-    p = step_profile(spec)
+    p = step_cost(spec)
     _consistent(p["before"])
     _consistent(p["after"])
     assert p["after"]["bytes"] < p["before"]["bytes"]
@@ -90,7 +90,7 @@ def test_profile_follows_the_plans() -> None:
     their scan lengths (grad_accum runs of the training graph)."""
     spec = load_spec(EXAMPLES / "tiny_attn.yaml")
     c = compile_graphs(spec, verify_each=False)
-    p = compiled_profile(c)
+    p = compiled_cost(c)
     total = 0
     for name in ("training", "optimizer"):
         for _, s in c.schedules[name].walk():
@@ -131,6 +131,6 @@ def test_tiny_launches_no_copy_kernel(tiny: dict) -> None:
 @pytest.mark.parametrize("example", ["tiny_lmm", "tiny_attn"])
 def test_examples_launch_no_view_or_fill_kernel(example: str) -> None:
     c = compile_graphs(load_spec(EXAMPLES / f"{example}.yaml"), verify_each=False)
-    copies = compiled_profile(c)["copy_kernels"]
+    copies = compiled_cost(c)["copy_kernels"]
     # none, not even the embedding gather (tests/test_no_copy_kernels.py walks every example)
     assert copies == {}

@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorated: set first
 
 import pytest
+from pathlib import Path
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +43,7 @@ from titanc.codegen.render import (
     sanitize_comment,
     sanitize_identifier,
 )
+from titanc import config
 
 # Masked-off lanes load 0 and may compute rsqrt(0) or log(0): numpy warns, but those lanes are
 # never stored.
@@ -254,55 +256,55 @@ def test_rendering_is_identical_across_processes() -> None:
 
 
 def test_hostile_names_render_import_safe_source(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("TITANC_CACHE_DIR", str(tmp_path))
-    evil = "__import__('os').system('touch PWNED')"
-    evil_var = "t'\n__import__('os')"
-    nodes = [(evil_var, "exp", (evil,)), ("out\"", "mul", (evil_var, "mask"))]
-    body = pointwise_statements(nodes, inputs=[evil, "mask"])
-    src = render_pointwise(evil, inputs=[evil, "mask"], outputs=[('y"""\nimport os', "out\"")],
-                           body=body, rank=1, block=16,
-                           header_lines=[evil, "line\nimport os", '"""', "\u2028x"])
-    tree = ast.parse(src)
-    imports = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-               for a in n.names}
-    assert imports <= {"math", "triton", "triton.language"}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            assert not node.id.startswith("__") and node.id not in ("eval", "exec", "os"), node.id
-        if isinstance(node, ast.Attribute):
-            assert node.attr != "system"
-    header = src.split("\nimport math", 1)[0].splitlines()
-    assert all(line.startswith("#") for line in header)
-    module = load_module(src, evil)
-    x, m = torch.randn(20), torch.randn(20)
-    y = torch.empty(20)
-    module.launch(x, m, y, shape=(20,))
-    close(y, torch.exp(x) * m, torch.float32)
-    assert not (tmp_path / "PWNED").exists() and not os.path.exists("PWNED")
+    with config.override(cache_dir=Path(str(tmp_path))):
+        evil = "__import__('os').system('touch PWNED')"
+        evil_var = "t'\n__import__('os')"
+        nodes = [(evil_var, "exp", (evil,)), ("out\"", "mul", (evil_var, "mask"))]
+        body = pointwise_statements(nodes, inputs=[evil, "mask"])
+        src = render_pointwise(evil, inputs=[evil, "mask"], outputs=[('y"""\nimport os', "out\"")],
+                               body=body, rank=1, block=16,
+                               header_lines=[evil, "line\nimport os", '"""', "\u2028x"])
+        tree = ast.parse(src)
+        imports = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                   for a in n.names}
+        assert imports <= {"math", "triton", "triton.language"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                assert not node.id.startswith("__") and node.id not in ("eval", "exec", "os"), node.id
+            if isinstance(node, ast.Attribute):
+                assert node.attr != "system"
+        header = src.split("\nimport math", 1)[0].splitlines()
+        assert all(line.startswith("#") for line in header)
+        module = load_module(src, evil)
+        x, m = torch.randn(20), torch.randn(20)
+        y = torch.empty(20)
+        module.launch(x, m, y, shape=(20,))
+        close(y, torch.exp(x) * m, torch.float32)
+        assert not (tmp_path / "PWNED").exists() and not os.path.exists("PWNED")
 
 
 def test_user_names_equal_to_template_locals(tmp_path, monkeypatch) -> None:
     """Inputs named like the kernel's own variables are renamed, and results stay right."""
-    monkeypatch.setenv("TITANC_CACHE_DIR", str(tmp_path))
-    names = ["mask", "offs", "pid", "BLOCK"]
-    body = pointwise_statements(
-        [("s0", "add", ("mask", "offs")), ("s1", "mul", ("s0", "pid")),
-         ("numel_", "sub", ("s1", "BLOCK"))], inputs=names)
-    src = render_pointwise("titanc_poi_fused_clash_0", inputs=names,
-                           outputs=[("idx_0", "numel_")], body=body, rank=2, block=16)
-    module = load_module(src, "clash")
-    a, b, c, d = (torch.randn(3, 5, generator=gen(i)) for i in range(4))
-    out = torch.empty(3, 5)
-    module.launch(a, b, c, d, out, shape=(3, 5))
-    close(out, (a + b) * c - d, torch.float32)
+    with config.override(cache_dir=Path(str(tmp_path))):
+        names = ["mask", "offs", "pid", "BLOCK"]
+        body = pointwise_statements(
+            [("s0", "add", ("mask", "offs")), ("s1", "mul", ("s0", "pid")),
+             ("numel_", "sub", ("s1", "BLOCK"))], inputs=names)
+        src = render_pointwise("titanc_poi_fused_clash_0", inputs=names,
+                               outputs=[("idx_0", "numel_")], body=body, rank=2, block=16)
+        module = load_module(src, "clash")
+        a, b, c, d = (torch.randn(3, 5, generator=gen(i)) for i in range(4))
+        out = torch.empty(3, 5)
+        module.launch(a, b, c, d, out, shape=(3, 5))
+        close(out, (a + b) * c - d, torch.float32)
 
 
 def test_load_module_caches_by_content(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("TITANC_CACHE_DIR", str(tmp_path))
-    src = render_cross_entropy("titanc_tem_fused_ce_0", d_model=8)
-    assert load_module(src, "g") is load_module(src, "g")
-    files = list(tmp_path.glob("*.py"))
-    assert len(files) == 1 and files[0].read_text() == src
+    with config.override(cache_dir=Path(str(tmp_path))):
+        src = render_cross_entropy("titanc_tem_fused_ce_0", d_model=8)
+        assert load_module(src, "g") is load_module(src, "g")
+        files = list(tmp_path.glob("*.py"))
+        assert len(files) == 1 and files[0].read_text() == src
 
 
 # --- 1. pointwise -----------------------------------------------------------------------------

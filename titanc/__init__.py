@@ -5,8 +5,7 @@ from typing import Any
 
 from titanc.errors import SpecError, TitancError
 from titanc.model.spec import Spec, load_spec
-
-__version__ = "0.1.0"
+from titanc.version import __version__
 
 
 def compile(spec: Any, **overrides: Any) -> "Program":
@@ -27,14 +26,15 @@ def compile(spec: Any, **overrides: Any) -> "Program":
 
     Raises:
         SpecError: the spec is invalid (the message names the field and the fix).
-        TitancError: the memory plan needs more memory than this machine has.
+        TitancError: the buffer plan needs more memory than this machine has.
 
     Example:
         >>> prog = titanc.compile("examples/tiny.yaml", **{"train.batch_size": 2})
         >>> loss = prog.train_step(tokens)        # tokens: [2, 129] int64
     """
     from titanc.compiler import compile_graphs
-    from titanc.fit import check_fits, lower_bound_bytes
+    from titanc.fit import lower_bound_bytes
+    from titanc.runtime.capacity import check_fits
     from titanc.runtime.program import Program
 
     spec = load_spec(spec, overrides or None)

@@ -1,9 +1,11 @@
 """The compile pipeline: the only way a graph reaches an executor (docs/conventions.md §6).
 
-Every graph kind (`GRAPH_KINDS`) goes through the same steps:
+Every graph kind (`GRAPH_KINDS`) goes through the same steps, declared as a table (`LOWER`,
+`PIPELINE`, `BACKEND`; `titanc inspect --pipeline` prints it, `pipeline_text`):
 
-    lower (frontend / decode / optimizer) -> graph passes -> fusion -> verify_schedule
-        -> memory plan  =>  `CompiledGraph(kind, graph, schedule, plan, passes)`
+    lower (frontend / decode / optimizer) -> its row of graph passes -> split_casts
+        -> constants_per_reader -> fusion -> verify_schedule -> buffer plan
+        =>  `CompiledGraph(kind, graph, schedule, plan, passes)`
 
 The graph passes are canonicalize and aggregate for every kind; the forward graph adds the
 chunked loss and (unless `remat: none`) the chunk-carry checkpoints, and the training graph is
@@ -24,14 +26,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from titanc.fit import planned_bytes
 from titanc.ir import Graph, dtype_name
 from titanc.passes.aggregate import Aggregate
 from titanc.passes.autodiff import Autodiff
 from titanc.passes.canonicalize import Canonicalize
 from titanc.passes.fusion import fuse
 from titanc.passes.constants import ConstantsPerReader
-from titanc.passes.memory_plan import MemoryPlan, plan_memory
-from titanc.passes.schedule import Schedule, verify_schedule
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.passes.buffer_plan import plan_buffers
+from titanc.ir.schedule import Schedule, verify_schedule
 from titanc.passes.checkpoint_chunks import CheckpointChunks
 from titanc.passes.chunked_loss import ChunkedLoss
 from titanc.passes.flash_attention import FlashAttention
@@ -61,7 +65,7 @@ class CompiledGraph:
     kind: str                      # one of GRAPH_KINDS
     graph: Graph                   # after the graph passes
     schedule: Schedule             # fused kernels, verified
-    plan: MemoryPlan               # arena offsets; persistent names are bound by the caller
+    plan: BufferPlan               # arena offsets; persistent names are bound by the caller
     passes: list[dict[str, Any]]   # this graph's records of the pass log
 
 
@@ -95,12 +99,16 @@ class Compiled:
         return {k: self.graphs[k].schedule for k in ("forward", "training", "optimizer")}
 
     @property
-    def plans(self) -> dict[str, MemoryPlan]:
+    def plans(self) -> dict[str, BufferPlan]:
         return {k: self.graphs[k].plan for k in ("forward", "training", "optimizer")}
 
     @property
     def passes(self) -> list[dict[str, Any]]:
         return self.log.records
+
+    def planned_bytes(self) -> int:
+        """What a Program of this compile allocates (`titanc.fit.planned_bytes`)."""
+        return planned_bytes(self)
 
     def graph(self, kind: str, n: int = 1) -> CompiledGraph:
         """The compiled graph of `kind` at this batch (`n`: new tokens of a decode step),
@@ -111,58 +119,22 @@ class Compiled:
         return self.graphs[key]
 
     def _compile(self, kind: str, n: int) -> CompiledGraph:
-        spec, log, B, persistent = self.spec, self.log, self.batch, self._persistent()
-        shared = shared_passes(self.patterns)
-        # train.dtype bfloat16: every lowered graph but the optimizer's gets the precision
-        # policy (last, after the passes that match float32 patterns), then a cleanup; the
-        # training graph differentiates the forward's casts
-        mp: tuple[Pass, ...] = (MixedPrecision(), Canonicalize()) if spec.train.mixed_precision \
-            else ()
-        if kind == "forward":
-            # the direct program: per-token outer products, layers and memory chunks as
-            # scans; then the shared passes: fold constants, simplify, CSE, DCE, and weighted
-            # sums of per-token outer products -> contractions (before autodiff, so the
-            # backward differentiates the contraction and never builds the per-token tensor);
-            # then LM head + cross-entropy as one fused pattern op whose kernels compute the
-            # logits a tile at a time (the [B·T, V] logits never exist; the chunked-loss scan
-            # is the fallback where the pattern refuses) and the memory state saved every
-            # k ≈ sqrt(n) chunks (the residual stream every train.remat_group layers),
-            # recomputed between
-            extra: tuple[Pass, ...] = (ChunkedLoss(spec.train.loss_chunk),)
-            if spec.compile.fused_loss and self.patterns:
-                extra = (LinearCrossEntropy(spec.train.loss_chunk),) + extra
-            if spec.train.remat != "none":
-                extra += (CheckpointChunks(spec.train.remat_group),)
-            return _pipeline(log, kind, lambda: lower_forward(spec, B), persistent, extra + mp,
-                             shared)
+        """Run `kind`'s row of `PIPELINE`: lower (the training graph starts from the compiled
+        forward), the row's graph passes whose condition holds, then `_finish`."""
+        if kind not in PIPELINE:
+            raise ValueError(f"unknown graph kind {kind!r}; one of {GRAPH_KINDS}")
+        log, start = self.log, len(self.log.records)
         if kind == "training":
-            fwd = self.graph("forward").graph
+            g = self.graph("forward").graph
             # what scans save for the backward: carries only, everything, or a budgeted min-cut
-            self.policy = choose_policy(fwd, spec.train)
-            # forward + backward (scans recompute what the policy does not save), then the
-            # shared passes again: aggregate catches any weighted outer-product sum the
-            # backward exposes
-            start = len(log.records)
-            g = fwd
-            for step in (Autodiff(tuple(p.name for p in self.params), self.policy), *shared):
-                g = log.apply(step, g)
-            return _finish(log, kind, g, persistent, start)
-        if kind == "optimizer":
-            # clipping + AdamW over the flat parameter set, then recognised as one
-            # multi-tensor ADAMW op (one launch, plus one for the norm)
-            fused = FusedAdamW(tuple(p.decay for p in self.params), tuple(spec.train.betas),
-                               spec.train.weight_decay, spec.train.grad_clip, SHARED)
-            return _pipeline(log, kind, lambda: optimizer_graph(
-                self.params, spec.train, dtype_name(spec.train.master_dtype)), persistent,
-                (fused,) if self.patterns else (), shared)
-        if kind in ("logits", "logprobs"):
-            return _pipeline(log, kind, lambda: lower_forward(spec, B, output=kind), persistent,
-                             mp, shared)
-        if kind == "decode_step":
-            return _pipeline(log, kind, lambda: lower_step(spec, B, n), persistent, mp, shared)
-        if kind == "decode_write":
-            return _pipeline(log, kind, lambda: lower_write(spec, B), persistent, mp, shared)
-        raise ValueError(f"unknown graph kind {kind!r}; one of {GRAPH_KINDS}")
+            self.policy = choose_policy(g, self.spec.train)
+        else:
+            g = log.run("frontend", lambda: LOWER[kind][1](self, n))
+        for step in PIPELINE[kind]:
+            if step.test(self):
+                g = log.apply(step.make(self), g)
+        persistent = self._persistent()
+        return _finish(log, kind, g, persistent, start)
 
     def for_batch(self, batch: int) -> "Compiled":
         """The same spec at another batch size; its graphs compile on first use."""
@@ -184,20 +156,96 @@ class Compiled:
 SHARED: tuple[Pass, ...] = (Canonicalize(), Aggregate(), FlashAttention())
 
 
-def shared_passes(patterns: bool = True) -> tuple[Pass, ...]:
-    """`SHARED`, or without its pattern pass (flash attention) when `patterns` is off."""
-    return SHARED if patterns else tuple(p for p in SHARED if not isinstance(p, FlashAttention))
+@dataclass(frozen=True)
+class Step:
+    """One graph pass of a row of `PIPELINE`: `make` builds it from the `Compiled` (its
+    options come from the spec), run where `test` holds (`when` says so in words)."""
+    name: str                                   # the pass's `name` (its pass-log record)
+    make: Callable[["Compiled"], Pass]
+    when: str = ""
+    test: Callable[["Compiled"], bool] = lambda c: True
 
 
-def _pipeline(log: PassLog, kind: str, lower: Callable[[], Graph], persistent: set[str],
-              extra: tuple[Pass, ...] = (), shared: tuple[Pass, ...] = SHARED) -> CompiledGraph:
-    """Lower a graph and run it through the passes every kind shares (plus `extra`), fusion,
-    schedule verification and the memory plan."""
-    start = len(log.records)
-    g = log.run("frontend", lower)
-    for p in (*shared, *extra):
-        g = log.apply(p, g)
-    return _finish(log, kind, g, persistent, start)
+def _mixed(c: "Compiled") -> bool:
+    return c.spec.train.mixed_precision
+
+
+# fold and simplify, weighted outer-product sums -> contractions, attention chains -> the
+# flash-attention pattern op (before autodiff: the backward is the op's VJP)
+_SHARED = (Step("canonicalize", lambda c: Canonicalize()),
+           Step("aggregate", lambda c: Aggregate()),
+           Step("flash_attention", lambda c: FlashAttention(), "patterns", lambda c: c.patterns))
+# train.dtype bfloat16: the precision policy last (after the passes that match float32
+# patterns), then a cleanup; not the optimizer; the training graph inherits the forward's casts
+_MIXED = (Step("mixed_precision", lambda c: MixedPrecision(), "train.dtype bfloat16", _mixed),
+          Step("canonicalize", lambda c: Canonicalize(), "train.dtype bfloat16", _mixed))
+
+# how each kind's graph is made: the frontend's lowering (or the optimizer's graph)
+LOWER: dict[str, tuple[str, Callable[["Compiled", int], Graph]]] = {
+    "forward": ("model.frontend.lower_forward", lambda c, n: lower_forward(c.spec, c.batch)),
+    "training": ("autodiff of the compiled forward", lambda c, n: c.graph("forward").graph),
+    "optimizer": ("passes.optimizer.optimizer_graph", lambda c, n: optimizer_graph(
+        c.params, c.spec.train, dtype_name(c.spec.train.master_dtype))),
+    "logits": ("model.frontend.lower_forward(output=logits)",
+               lambda c, n: lower_forward(c.spec, c.batch, output="logits")),
+    "logprobs": ("model.frontend.lower_forward(output=logprobs)",
+                 lambda c, n: lower_forward(c.spec, c.batch, output="logprobs")),
+    "decode_step": ("model.decode.lower_step", lambda c, n: lower_step(c.spec, c.batch, n)),
+    "decode_write": ("model.decode.lower_write", lambda c, n: lower_write(c.spec, c.batch)),
+}
+
+# The graph passes of each kind, in order (`titanc inspect --pipeline` prints this table, and
+# docs/architecture.md's diagram is that print). After them every kind goes through `BACKEND`.
+PIPELINE: dict[str, tuple[Step, ...]] = {
+    # the direct program (per-token outer products, layers and memory chunks as scans), the
+    # shared passes, then LM head + cross-entropy as one fused pattern op (the [B·T, V] logits
+    # never exist; the chunked-loss scan where the pattern refuses) and the memory state saved
+    # every k ≈ sqrt(n) chunks (the residual stream every train.remat_group layers)
+    "forward": (*_SHARED,
+                Step("linear_cross_entropy", lambda c: LinearCrossEntropy(c.spec.train.loss_chunk),
+                     "compile.fused_loss and patterns",
+                     lambda c: c.spec.compile.fused_loss and c.patterns),
+                Step("chunked_loss", lambda c: ChunkedLoss(c.spec.train.loss_chunk)),
+                Step("checkpoint_chunks", lambda c: CheckpointChunks(c.spec.train.remat_group),
+                     "train.remat != none", lambda c: c.spec.train.remat != "none"),
+                *_MIXED),
+    # forward + backward (scans recompute what the policy does not save), then the shared
+    # passes again: aggregate catches any weighted outer-product sum the backward exposes
+    "training": (Step("autodiff", lambda c: Autodiff(tuple(p.name for p in c.params), c.policy)),
+                 *_SHARED),
+    # clipping + AdamW over the flat parameter set, recognised as one multi-tensor ADAMW op
+    "optimizer": (*_SHARED,
+                  Step("fused_adamw", lambda c: FusedAdamW(
+                      tuple(p.decay for p in c.params), tuple(c.spec.train.betas),
+                      c.spec.train.weight_decay, c.spec.train.grad_clip, SHARED),
+                       "patterns", lambda c: c.patterns)),
+    "logits": (*_SHARED, *_MIXED),
+    "logprobs": (*_SHARED, *_MIXED),
+    "decode_step": (*_SHARED, *_MIXED),
+    "decode_write": (*_SHARED, *_MIXED),
+}
+# what every kind's graph goes through after its row: a cast of an input read by several
+# kernels copied per reader, composed constants (RoPE's [cos ‖ cos]) copied per reader, then
+# fusion into kernels, the schedule's verifier and the buffer plan
+BACKEND = ("split_casts", "constants_per_reader", "fusion", "verify_schedule", "buffer plan")
+
+
+def pipeline_text() -> str:
+    """The pipeline as text: per kind, its lowering and its passes ([condition])."""
+    lines = []
+    for kind, steps in PIPELINE.items():
+        lines.append(f"{kind}: {LOWER[kind][0]}")
+        row = "   "
+        for s in steps:
+            piece = f" → {s.name}" + (f" [{s.when}]" if s.when else "")
+            if len(row) + len(piece) > 92:
+                lines.append(row)
+                row = "   "
+            row += piece
+        lines.append(row)
+    lines.append("every kind, after its row:")
+    lines.append("    → " + " → ".join(BACKEND))
+    return "\n".join(lines) + "\n"
 
 
 def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int) -> CompiledGraph:
@@ -209,7 +257,7 @@ def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int)
     g = log.apply(ConstantsPerReader(), g)
     schedule = _timed(log, f"fusion_{kind}", lambda: verify_schedule(fuse(g)))
     persistent = persistent | {n for n in g.input_names() if n.startswith("state.")}
-    plan = _timed(log, f"memory_plan_{kind}", lambda: plan_memory(schedule, persistent))
+    plan = _timed(log, f"memory_plan_{kind}", lambda: plan_buffers(schedule, persistent))
     return CompiledGraph(kind, g, schedule, plan, log.records[start:])
 
 
@@ -247,10 +295,10 @@ def launches_per_step(c: Compiled, target: str = "cpu",
     if target == "triton":
         from titanc.codegen.scan.kernel import count_launches
 
-        def count(plan: MemoryPlan) -> int:
+        def count(plan: BufferPlan) -> int:
             return count_launches(plan, fallbacks=fallbacks, carries=carries)
     else:
-        count = MemoryPlan.launches  # type: ignore[assignment]
+        count = BufferPlan.launches  # type: ignore[assignment]
     spec = c.spec
     counts = {"training": spec.train.grad_accum * count(c.plans["training"])
               + count(c.plans["optimizer"])}

@@ -1,6 +1,7 @@
-"""Does a compiled spec fit the machine? Refuse it at compile time, not in the allocator.
+"""What a compiled spec allocates, in bytes, so that it can be refused at compile time when it
+cannot fit the machine, not in the allocator:
 
-    check_fits(planned_bytes(compiled), spec)          # TitancError when it cannot fit
+    check_fits(planned_bytes(compiled), spec)          # runtime/capacity.py: TitancError
 
 `planned_bytes` is what a Program allocates when it runs: its own state (parameters, two
 gradient buffers, two AdamW moments: `state_bytes`), every planned graph's activation arena
@@ -15,13 +16,9 @@ allocating anything.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from titanc.errors import TitancError
-
-__all__ = ["planned_bytes", "lower_bound_bytes", "state_bytes", "decode_state_bytes",
-           "machine_bytes", "check_fits"]
+__all__ = ["planned_bytes", "lower_bound_bytes", "state_bytes", "decode_state_bytes"]
 
 
 def _itemsize(spec: Any) -> int:
@@ -57,34 +54,3 @@ def planned_bytes(compiled: Any) -> int:
     arenas = sum(p.arena_bytes for p in plans.values())
     persistent = max((p.persistent_bytes for p in plans.values()), default=0)
     return arenas + persistent + lower_bound_bytes(compiled.spec)
-
-
-def machine_bytes(device: str = "cpu") -> int:
-    """Physical memory of the machine, or of the CUDA device when `device` is cuda."""
-    if device.startswith("cuda"):
-        import torch
-        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # not POSIX: no check
-        return 1 << 62
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.1f} GiB"
-
-
-def check_fits(needed: int, spec: Any, device: str = "cpu", force_hint: bool = False,
-               lower: bool = False) -> None:
-    """Raise TitancError when `needed` bytes (a lower bound when `lower`) exceed the
-    machine's memory."""
-    have = machine_bytes(device)
-    if needed <= have:
-        return
-    fix = ("; pass --force to write the artifact anyway (it cannot run here)" if force_hint
-           else "")
-    raise TitancError(f"{spec.safe_name} needs {'at least ' if lower else ''}{needed:,} bytes "
-                      f"({_gib(needed)}) by its memory plan, more than this machine's {have:,} bytes ({_gib(have)}) of "
-                      f"{'device' if device.startswith('cuda') else 'physical'} memory; reduce "
-                      f"model.d_model, model.vocab_size, model.attention.window, "
-                      f"train.batch_size or model.seq_len{fix}")

@@ -7,7 +7,7 @@ Fused families (`fused.py`, hook-made statements inside):
     render_reduction      red  launch(*inputs, *row_outputs, *reduced_outputs, n_rows, n_cols)
     render_matmul         mm   launch(a, b, c[, scale], *epilogue_inputs, *scalars)
     render_cumsum         red  launch(*indexed, n_rows, n_cols)            (`cumsum.py`)
-Fixed-structure families (`fixed.py`, rendered for the pattern ops by `lower/patterns.py`):
+Fixed-structure families (`pattern_ops.py`, rendered for the pattern ops by `lower/patterns.py`):
     render_attention_fwd  tem  launch(q, *ks, *vs, o, lse, *group_lengths, sm_scale)
     render_attention_bwd  tem  launch(q, *ks, *vs, o, lse, do, dq, *dks, *dvs, delta,
                                       *group_lengths, sm_scale)   (a k, v, dk, dv per group)
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from titanc.codegen.meta import LAUNCH_LOCALS
 from titanc.codegen.families.cumsum import CUMSUM_KERNEL_LOCALS, CumsumScan, render_cumsum
-from titanc.codegen.families.fixed import (
+from titanc.codegen.families.pattern_ops import (
     ATTENTION_KERNEL_LOCALS,
     KeyGroup,
     render_attention_bwd,

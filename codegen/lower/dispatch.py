@@ -39,8 +39,8 @@ from typing import Collection, Iterator
 from titanc.ir import Graph, Node, Op, format_node
 from titanc.ir.lowering import register_lowering
 from titanc.ir.shapes import parse_einsum
-from titanc.passes.memory_plan import MemoryPlan
-from titanc.passes.schedule import Kernel, prologue_kernel
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.ir.schedule import Kernel, prologue_kernel
 
 from titanc.codegen.families.fused import MatmulContraction, render_matmul, render_pointwise
 from titanc.codegen.families.scatter import render_scatter_along, render_segment_sum
@@ -57,15 +57,15 @@ from titanc.codegen.lower.rows import lower_cumsum, lower_reduction
 __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
 
 
-def plan_kernels(plan: MemoryPlan, dtype: str | None = None, spec_path: str = "",
+def plan_kernels(plan: BufferPlan, dtype: str | None = None, spec_path: str = "",
                  allow_tf32: bool = False, scan_kernels: bool = False
-                 ) -> Iterator[tuple[MemoryPlan, Kernel, KernelCode | ScanKernel]]:
+                 ) -> Iterator[tuple[BufferPlan, Kernel, KernelCode | ScanKernel]]:
     """The one dispatch from schedule kernels to families: (plan, kernel, code) for every
     kernel of a plan's schedule and its scan bodies (pre-order). No-op kernels (all outputs
     alias storage that already holds them) are skipped, aliased outputs are not stored. A
     scan is one `ScanKernel` (`codegen.scan`) when `scan_kernels` is set and it renders as
     one, as the triton target runs it; otherwise the kernel of its prologue gathers
-    (`passes.schedule.prologue_kernel`, if any) and its body's kernels (a host loop)."""
+    (`ir.schedule.prologue_kernel`, if any) and its body's kernels (a host loop)."""
     g = plan.schedule.graph
     dt = dtype or graph_dtype(g)
     for k, kern in enumerate(plan.schedule.kernels):
@@ -94,7 +94,7 @@ def render_kernel(g: Graph, kernel: Kernel, *, dtype: str = "float32", spec_path
                   strided: Collection[int] = ()) -> KernelCode:
     """Triton source of one kernel; `skip` are outputs not to store (aliases of storage that
     already holds them); `allow_tf32`: float32 dots in tf32 on tensor cores (GPU only);
-    `strided`: inputs the plan may bind as strided views (`MemoryPlan.strided`), always
+    `strided`: inputs the plan may bind as strided views (`BufferPlan.strided`), always
     loaded through their strides."""
     low = KernelLowering(g, kernel, compute_dtype(dtype), strided)
     outs = [v for v in kernel.outputs if v not in skip]

@@ -37,7 +37,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.lowering import register_lowering
 from titanc.ir.types import TensorType
-from titanc.passes.schedule import Kernel, is_immediate
+from titanc.ir.schedule import Kernel, is_immediate
 
 from titanc.codegen.lower.expr import format_number
 from titanc.codegen.lower.lowerings import TRITON_INDEX

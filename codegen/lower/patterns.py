@@ -1,7 +1,7 @@
 """Hooks of the pattern kernels: a kernel holding one `OpGroup.PATTERN` op (and its ITEMs)
 rendered from its template by the op's rule in the triton target's template-kernel table
 (`lowerings.TRITON_KERNEL`; the attention and cross-entropy renderers are in
-`codegen/families/fixed.py`).
+`codegen/families/pattern_ops.py`).
 
     ATTENTION      attention_fwd.py.jinja: flash attention forward over the MASK's key groups,
                    a key and a value tensor per group, each through its own strides
@@ -27,9 +27,9 @@ from __future__ import annotations
 from titanc.ir import Graph, Node, Op
 from titanc.ir.attention import split
 from titanc.ir.lowering import register_lowering
-from titanc.passes.schedule import Kernel
+from titanc.ir.schedule import Kernel
 
-from titanc.codegen.families.fixed import (KeyGroup, render_attention_bwd, render_attention_fwd,
+from titanc.codegen.families.pattern_ops import (KeyGroup, render_attention_bwd, render_attention_fwd,
                              render_cross_entropy)
 from titanc.codegen.lower.code import KernelCode, TensorArg
 from titanc.codegen.lower.lowerings import TRITON_KERNEL

@@ -2,7 +2,7 @@
 
 Coordinates are Triton expressions (strings); a `Ref` says where a body value lives (the
 program's workspace region, a kernel tensor, a literal, or a view / inlined node evaluated
-from its operands); a `Tile` is one stage's tile (mask, zero offsets, load cache).
+from its operands); a `StageTile` is one stage's tile (mask, zero offsets, load cache).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from math import prod
 from titanc.ir import Graph, Node, Op
 
 __all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_UNPACKED", "MAX_WORKSPACE", "Ref",
-           "ScanFallback", "Scope", "Tile"]
+           "ScanFallback", "BodyRefs", "StageTile"]
 
 # Tile caps sized for registers on sm_80 / sm_90 at 4 warps (tiny.yaml's layer scan at
 # 4096-element tiles and 64^3 dots: 255 registers and 1.6 KB of spills per thread; at these
@@ -65,7 +65,7 @@ class Ref:
     'at': value `node` of the enclosing `scope` at leading coordinates `lead` (an xs slice,
     or a value a nested scan closes over); 'reg': a carry held on chip, the loop-carried
     tile `name` of padded shape `dims` over its local shape (zero off the shape), readable
-    only by a tile whose axes are exactly the carry's (`Tile.axes`), else `_RegMiss`.
+    only by a tile whose axes are exactly the carry's (`StageTile.axes`), else `_RegMiss`.
     """
 
     kind: str
@@ -76,14 +76,14 @@ class Ref:
     lead: tuple[str, ...] = ()
     value: float = 0.0
     node: Node | None = None
-    scope: "Scope | None" = None
+    scope: "BodyRefs | None" = None
     dims: tuple[int, ...] = ()
     scan: int = -1                 # 'reg': the scan and carry index it belongs to
     carry: int = -1
 
 
 @dataclass
-class Scope:
+class BodyRefs:
     """The references of one body graph's values during emission."""
 
     g: Graph
@@ -137,7 +137,7 @@ def _bcast(coords: list[str], out_shape: tuple[int, ...], shape: tuple[int, ...]
 
 
 @dataclass
-class Tile:
+class StageTile:
     """One stage's tile: its mask, a zero offset tile (so every pointer is a tile), load cache."""
 
     mask: str

@@ -42,7 +42,7 @@ copies of a loop's carries and ys touch disjoint storage and share one barrier.
 GPU fit. Index tiles are int32 unless a tensor reaches 2**31 elements (the workspace never
 does: `MAX_WORKSPACE_TOTAL`); tiles hold at most `MAX_TILE` elements and dots `DOT_BLOCK`^3
 (registers at 4 warps); no software pipelining (`NUM_STAGES = 1`: pipelined loads multiplied
-shared memory past A100's limit). `codegen/aot.py` compiles them for sm_80 and sm_90.
+shared memory past A100's limit). `runtime/targets/aot.py` compiles them for sm_80 and sm_90.
 
 Stages. Elementwise nodes (and copies) are tile expressions over the flat local index;
 einsums are `tl.dot` on [M, K] x [K, N] tiles (padded to powers of two >= 16, masked, letters
@@ -76,13 +76,13 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.graph import freeze_attrs
 from titanc.passes.flash_attention import expand_attention
-from titanc.passes.memory_plan import MemoryPlan
-from titanc.passes.schedule import Kernel, is_immediate, scan_prologue
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.ir.schedule import Kernel, is_immediate, scan_prologue
 
 from titanc.codegen.lower.code import graph_dtype
 from titanc.codegen.meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
 from titanc.codegen.render import render, sanitize_identifier
-from titanc.codegen.scan.index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, Scope, _PaxError
+from titanc.codegen.scan.index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, BodyRefs, _PaxError
 from titanc.codegen.scan.stages import _ScanGen
 
 __all__ = ["MAX_SERIAL", "MAX_SERIAL_NESTING", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
@@ -164,7 +164,7 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                 prologue: Collection[int] = ()) -> ScanKernel:
     """One Triton kernel running scan `scan_id` of `g` (raises `ScanFallback` with the reason
     when it cannot). `used`: the item indices the program reads afterwards (default all);
-    `prologue`: nodes the kernel computes before the scan (`passes.schedule.scan_prologue`:
+    `prologue`: nodes the kernel computes before the scan (`ir.schedule.scan_prologue`:
     a gather and float casts of it, ending in carry operands): a carry's initial value is
     loaded through them (a row of the table at the index) instead of from a tensor of its own;
     `immediate(vid)`: the literal of an operand inlined as a constant, else None;
@@ -227,7 +227,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
     em.reg_budget = carry_budget
     p = len(prefix)
     nc, nx = n.attr("n_carry"), n.attr("n_xs")
-    sc = Scope(g)
+    sc = BodyRefs(g)
     for v in prologue:                                # a carry's initial value, gathered
         shape = g.node(v).type.shape
         q = tuple(range(p)) if shape[:p] == prefix else None
@@ -351,7 +351,7 @@ def _pattern_op(body: Graph) -> str | None:
     return None
 
 
-def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str,
+def scan_kernel_for(plan: BufferPlan, kern: Kernel, sid: int, dtype: str,
                     allow_tf32: bool = False) -> ScanKernel:
     """The scan kernel of schedule kernel `kern` (scan node `sid`), or `ScanFallback`."""
     g = plan.schedule.graph
@@ -363,17 +363,17 @@ def scan_kernel_for(plan: MemoryPlan, kern: Kernel, sid: int, dtype: str,
                        allow_tf32=allow_tf32, prologue=scan_prologue(g, kern))
 
 
-def count_launches(plan: MemoryPlan, dtype: str | None = None, scan_kernels: bool = True,
+def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: bool = True,
                    fallbacks: list[dict[str, str]] | None = None,
                    carries: list[dict] | None = None) -> int:
     """Kernel launches of one run of `plan` on the triton target, from the plan alone
-    (`MemoryPlan.launches`): a scan that renders to a scan kernel is one launch, one that
+    (`BufferPlan.launches`): a scan that renders to a scan kernel is one launch, one that
     runs as a host loop launches its body's kernels once per iteration (its reason appended
     to `fallbacks`). `carries` gets, per scan kernel, where each loop's carries live
     (`ScanKernel.carries`, with the graph and kernel names)."""
     dt = dtype or graph_dtype(plan.schedule.graph)
 
-    def one_kernel(p: MemoryPlan, sid: int) -> bool:
+    def one_kernel(p: BufferPlan, sid: int) -> bool:
         kern = next(k for k in p.schedule.kernels if sid in k.nodes)
         try:
             if not scan_kernels:

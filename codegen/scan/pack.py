@@ -14,7 +14,7 @@ and read after the loop, such as the stacked ys of a nested scan, must not be ov
 a later iteration). Carry slots are made before their loop, so they live through it.
 
 Offsets: greedy by size (largest first, the lowest offset that overlaps no placed buffer
-whose lifetime intersects), the strategy of the activation arena (`passes/memory_plan.py`),
+whose lifetime intersects), the strategy of the activation arena (`passes/buffer_plan.py`),
 every buffer aligned to 16 elements.
 """
 from __future__ import annotations

@@ -13,9 +13,9 @@ from titanc.ir import Graph, Node, Op, OpGroup
 
 from titanc.codegen.meta import mma16, pow2, value_dtype
 from titanc.codegen.render import sanitize_comment
-from titanc.codegen.scan.index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, Scope, Tile,
+from titanc.codegen.scan.index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, BodyRefs, StageTile,
                          _PaxError, _RegMiss, _delin, _local)
-from titanc.codegen.scan.values import LOW_CASTS, _Emitter
+from titanc.codegen.scan.values import LOW_CASTS, _ScanEmitter
 
 
 class _Redo(Exception):
@@ -26,7 +26,7 @@ class _Redo(Exception):
         self.scan, self.k, self.pax = scan, k, pax
 
 
-class _ScanGen(_Emitter):
+class _ScanGen(_ScanEmitter):
     """Stages (elementwise, einsum, reductions, cumsums) and the scan loops."""
 
     def __init__(self, *args: Any, **kw: Any):
@@ -82,7 +82,7 @@ class _ScanGen(_Emitter):
     # -- stages -----------------------------------------------------------------------------------
     def pointwise_stage(self, label: str, shape: tuple[int, ...], pax: tuple[int, ...] | None,
                         dest: Ref, lead: tuple[str, ...],
-                        expr: Callable[[Tile, list[str]], str], guard: bool = False) -> None:
+                        expr: Callable[[StageTile, list[str]], str], guard: bool = False) -> None:
         """dest[lead + c] = expr(c) for every c of `shape` local to the program: flat tiles,
         or, where that reads a carry held on chip, one tile of the local shape (its axes the
         carry's)."""
@@ -105,7 +105,7 @@ class _ScanGen(_Emitter):
 
     def _flat_stage(self, shape: tuple[int, ...], pax: tuple[int, ...] | None,
                     L: tuple[int, ...], dest: Ref, lead: tuple[str, ...],
-                    expr: Callable[[Tile, list[str]], str], guard: bool) -> None:
+                    expr: Callable[[StageTile, list[str]], str], guard: bool) -> None:
         N = prod(L)
         B = min(pow2(N, 16), MAX_TILE)
         o = self._open_loop(self.fresh("o"), N, B)
@@ -114,7 +114,7 @@ class _ScanGen(_Emitter):
         z = self.let(self.zero_tile(f"[{B}]"), "z")
         m = self.let(f"({ix} < {N})" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
         local = _delin(ix, L)
-        sec = Tile(m, z, vars=(ix,), flat=(ix, L, tuple(local)),
+        sec = StageTile(m, z, vars=(ix,), flat=(ix, L, tuple(local)),
                    axes=((ix, B),) if len(L) == 1 and o == "0" else ())
         c = self.full_coords(local, shape, pax)
         r = expr(sec, c)
@@ -128,16 +128,16 @@ class _ScanGen(_Emitter):
         return 8 if self.cd == "tl.float64" else 4
 
     def whole_tile(self, shape: tuple[int, ...], pax: tuple[int, ...] | None,
-                   dims: tuple[int, ...], guard: bool = False) -> tuple[Tile, list[str], str]:
+                   dims: tuple[int, ...], guard: bool = False) -> tuple[StageTile, list[str], str]:
         """One tile over the local shape of `shape`, padded to `dims` (a carry's tile): the
-        Tile, the full coordinates of its elements and its shape literal (rank 0: one element
+        StageTile, the full coordinates of its elements and its shape literal (rank 0: one element
         of a 16-wide tile)."""
         L = _local(shape, pax)
         if not L:
             ix = self.let(f"tl.arange(0, 16).to({self.index})", "i")
             z = self.let(self.zero_tile("[16]"), "z")
             m = self.let(f"({ix} < 1)" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
-            return Tile(m, z, vars=(ix,)), self.full_coords([], shape, pax), "[16]"
+            return StageTile(m, z, vars=(ix,)), self.full_coords([], shape, pax), "[16]"
         axes = []
         for j, P in enumerate(dims):
             sfx = "" if len(dims) == 1 else "[:, None]" if j == 0 else "[None, :]"
@@ -146,10 +146,10 @@ class _ScanGen(_Emitter):
         z = self.let(self.zero_tile(tshape), "z")
         m = self.let(" & ".join(f"({a} < {d})" for a, d in zip(axes, L))
                      + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
-        return (Tile(m, z, vars=tuple(axes), axes=tuple(zip(axes, dims))),
+        return (StageTile(m, z, vars=tuple(axes), axes=tuple(zip(axes, dims))),
                 self.full_coords(axes, shape, pax), tshape)
 
-    def reg_value(self, sc: Scope, vid: int, shape: tuple[int, ...],
+    def reg_value(self, sc: BodyRefs, vid: int, shape: tuple[int, ...],
                   pax: tuple[int, ...] | None, dims: tuple[int, ...]) -> str:
         """A register tile (a carry's) holding value `vid` of `sc`, zero off its shape."""
         sec, c, tshape = self.whole_tile(shape, pax, dims)
@@ -183,13 +183,13 @@ class _ScanGen(_Emitter):
                     f"program for carries ({self.reg_bytes} B taken)")
         return None
 
-    def _is_reg(self, sc: Scope, v: int) -> bool:
+    def _is_reg(self, sc: BodyRefs, v: int) -> bool:
         ref = sc.refs[v]
         while ref.kind == "at" and not ref.lead and ref.scope is not None:
             ref = ref.scope.refs[ref.node.id]
         return ref.kind == "reg"
 
-    def einsum_stage(self, sc: Scope, n: Node, dest: Ref) -> None:
+    def einsum_stage(self, sc: BodyRefs, n: Node, dest: Ref) -> None:
         terms, out = n.attr("spec").split("->")
         tt = terms.split(",")
         if len(tt) != 2 or any(len(set(t)) != len(t) for t in tt + [out]):
@@ -239,7 +239,7 @@ class _ScanGen(_Emitter):
             lmap = {**base, **letters(rdim, rows), **letters(cdim, cols)}
             mask = self.let(f"({rows} < {rsz}) & ({cols} < {csz})", "m")
             shape = f"[{BM if t == ta else BK}, {BK if t == ta else BN}]"
-            sec = Tile(mask, self.let(self.zero_tile(shape), "z"), vars=(rows, cols),
+            sec = StageTile(mask, self.let(self.zero_tile(shape), "z"), vars=(rows, cols),
                        axes=tuple((a, e) for a, e, w in axes if w))
             x = self.value(sec, sc, v, [lmap[ch] for ch in t])
             tiles.append(self.masked(x, mask, shape))
@@ -258,7 +258,7 @@ class _ScanGen(_Emitter):
         self._close(k0)
         lmap = {**base, **letters(ms, rm), **letters(ns, rn)}
         mask = self.let(f"({rm} < {M}) & ({rn} < {N})", "m")
-        sec = Tile(mask, self.let(self.zero_tile(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
+        sec = StageTile(mask, self.let(self.zero_tile(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
         self.line(f"tl.store({self.ptr(sec, dest, [lmap[ch] for ch in out])}, "
                   f"{self.rounded(n, acc)}, mask={mask})")
         self._close(n0)
@@ -267,7 +267,7 @@ class _ScanGen(_Emitter):
             self.depth -= 1
         self.barrier()
 
-    def reduce_stage(self, sc: Scope, n: Node, dest: Ref) -> None:
+    def reduce_stage(self, sc: BodyRefs, n: Node, dest: Ref) -> None:
         """SUM / AMAX over axes, or CUMSUM along one: a [rows, cols] tile per step; where
         that reads a carry held on chip, a SUM / AMAX over one tile of the local shape."""
         mark = (len(self.lines), self.depth)
@@ -287,7 +287,7 @@ class _ScanGen(_Emitter):
             self._reduce_whole(sc, n, dest, dims)
             self.barrier()
 
-    def _reduce_whole(self, sc: Scope, n: Node, dest: Ref, dims: tuple[int, ...]) -> None:
+    def _reduce_whole(self, sc: BodyRefs, n: Node, dest: Ref, dims: tuple[int, ...]) -> None:
         x = n.inputs[0]
         xs, qx = sc.g.node(x).type.shape, sc.pax.get(x)
         axes = sorted(a % len(xs) for a in n.attr("axes"))
@@ -308,9 +308,9 @@ class _ScanGen(_Emitter):
         oc = [self.pc[qx.index(i)] if qx is not None and i in qx else "0" if i in axes
               else var[i] for i in range(len(xs))]
         out_c = oc if n.attr("keepdim") else [oc[i] for i in range(len(xs)) if i not in axes]
-        self.line(f"tl.store({self.ptr(Tile(mo, zo, vars=()), dest, out_c)}, {y}, mask={mo})")
+        self.line(f"tl.store({self.ptr(StageTile(mo, zo, vars=()), dest, out_c)}, {y}, mask={mo})")
 
-    def _reduce_rows(self, sc: Scope, n: Node, dest: Ref) -> None:
+    def _reduce_rows(self, sc: BodyRefs, n: Node, dest: Ref) -> None:
         x = n.inputs[0]
         xs = sc.g.node(x).type.shape
         qx = sc.pax.get(x)
@@ -343,7 +343,7 @@ class _ScanGen(_Emitter):
         if n.op is Op.CUMSUM:
             jx = self.let(f"tl.arange(0, {BR}).to({self.index})[None, :]", "j")
             mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
-            sec = Tile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
+            sec = StageTile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))
             y = self.let(f"tl.cumsum({self.masked(v, mask, f'[{BO}, {BR}]')}, axis=1)", "y")
             self.line(f"tl.store({self.ptr(sec, dest, in_coords(jx))}, {y}, mask={mask})")
@@ -354,7 +354,7 @@ class _ScanGen(_Emitter):
             r0 = self._open_loop(self.fresh("c"), Rn, BR)
             jx = self.let(f"({r0} + tl.arange(0, {BR}).to({self.index}))[None, :]", jx_)
             mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
-            sec = Tile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
+            sec = StageTile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))
             v = self.masked(v, mask, f"[{BO}, {BR}]", fill)
             self.line(f"{acc} = tl.maximum({acc}, {v})" if is_max else f"{acc} += {v}")
@@ -364,7 +364,7 @@ class _ScanGen(_Emitter):
             oc = in_coords("0")
             out_c = ([oc[i] for i in range(len(xs))] if n.attr("keepdim")
                      else [oc[i] for i in kept])
-            sec = Tile(rmask, self.let(self.zero_tile(f"[{BO}, 1]"), "z"), vars=(ix,))
+            sec = StageTile(rmask, self.let(self.zero_tile(f"[{BO}, 1]"), "z"), vars=(ix,))
             self.line(f"tl.store({self.ptr(sec, dest, out_c)}, {red}, mask={rmask})")
         self._close(o)
 
@@ -377,7 +377,7 @@ class _ScanGen(_Emitter):
             self.shared += prod(shape)
         return Ref("ws", shape, pax, base=self.alloc(prod(_local(shape, pax))))
 
-    def body(self, sc: Scope) -> None:
+    def body(self, sc: BodyRefs) -> None:
         """Emit every node of `sc.g` (its inputs are already in `sc.refs`)."""
         g = sc.g
         for vid in g.order():
@@ -424,13 +424,13 @@ class _ScanGen(_Emitter):
             else:
                 raise ScanFallback(f"%{vid}: no scan-kernel rule for {op.name}")
 
-    def copy(self, label: str, sc: Scope, vid: int, shape: tuple[int, ...],
+    def copy(self, label: str, sc: BodyRefs, vid: int, shape: tuple[int, ...],
              pax: tuple[int, ...] | None, dest: Ref, lead: tuple[str, ...] = (),
              guard: bool = False) -> None:
         self.pointwise_stage(label, shape, pax, dest, lead,
                              lambda sec, c: self.value(sec, sc, vid, c), guard)
 
-    def scan_loop(self, sc: Scope, n: Node, top: dict | None = None) -> None:
+    def scan_loop(self, sc: BodyRefs, n: Node, top: dict | None = None) -> None:
         """Emit scan `n` of scope `sc` as a loop; bind its ITEMs (nested) or write the
         kernel's outputs (`top`: item index -> output Ref)."""
         while True:
@@ -455,14 +455,14 @@ class _ScanGen(_Emitter):
                 else:
                     self.carry_pax[(n.id, r.k)] = r.pax
 
-    def _scan_loop(self, sc: Scope, n: Node, top: dict | None) -> None:
+    def _scan_loop(self, sc: BodyRefs, n: Node, top: dict | None) -> None:
         a = n.attr_dict
         body: Graph = a["body"]
         nc, nx, L = a["n_carry"], a["n_xs"], a["length"]
         self.loop_depth += 1
         d = self.loop_depth
         it, t = f"it{d}", f"t{d}"
-        bsc = Scope(body)
+        bsc = BodyRefs(body)
         ins = body.inputs
         slots = []
         self.line(f"# scan %{n.id}: {L} iterations{', reversed' if a['reverse'] else ''}, "
@@ -577,7 +577,7 @@ class _ScanGen(_Emitter):
                     sc.refs[u] = r
                     sc.pax[u] = r.pax
 
-    def _ref_value(self, sec: Tile, ref: Ref, c: list[str]) -> str:
+    def _ref_value(self, sec: StageTile, ref: Ref, c: list[str]) -> str:
         key = ("ref", ref.base, tuple(c))
         if key not in sec.cache:
             sec.cache[key] = self.let(

@@ -1,6 +1,6 @@
 """Scan kernels, part 1: which axes are independent, and the value of a body node at coordinates.
 
-`_Emitter` holds the generated lines and workspace offsets of one scan kernel. `pax_of` is the
+`_ScanEmitter` holds the generated lines and workspace offsets of one scan kernel. `pax_of` is the
 independence analysis (per op: where the independent axes sit in the output, or why they are
 mixed); `value` is a Triton expression for a body value at coordinates (a masked load, a
 literal, or a view / inlined elementwise node composed down to loads).
@@ -14,7 +14,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 
 from titanc.codegen.lower.expr import format_number
-from titanc.codegen.scan.index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, Scope, Tile, _FORMATS,
+from titanc.codegen.scan.index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, BodyRefs, StageTile, _FORMATS,
                          _PaxError, _RegMiss, _TooBig, _bcast, _delin, _lin, _local, _sum)
 from titanc.codegen.scan.pack import pack, wsoff
 
@@ -36,7 +36,7 @@ def _bare(c: str) -> str:
 LOW_CASTS = ("f32", "f64", "bf16")
 
 
-class _Emitter:
+class _ScanEmitter:
     """Emits the kernel body: lines with indentation, fresh names, workspace offsets."""
 
     def __init__(self, g: Graph, scan: Node, cd: str, prefix: tuple[int, ...]):
@@ -93,7 +93,7 @@ class _Emitter:
                           "per program")
 
     # -- pax analysis -------------------------------------------------------------------------------
-    def pax_of(self, sc: Scope, n: Node) -> tuple[int, ...] | None:
+    def pax_of(self, sc: BodyRefs, n: Node) -> tuple[int, ...] | None:
         """Where the independent axes sit in `n`'s value, from its operands' (or raise)."""
         ins = [sc.pax.get(i) for i in n.inputs]
         op, a, shape = n.op, n.attr_dict, n.type.shape
@@ -163,7 +163,7 @@ class _Emitter:
             return q
         raise ScanFallback(f"%{n.id}: no scan-kernel rule for {op.name}")
 
-    def ptr(self, sec: "Tile", ref: Ref, coords: list[str]) -> str:
+    def ptr(self, sec: "StageTile", ref: Ref, coords: list[str]) -> str:
         """A pointer tile: `addr`, broadcast by the zero tile when it has no tile index."""
         a = self.addr(ref, coords, sec)
         if not sec.vars or not all(re.search(rf"\b{v}\b", a) for v in sec.vars):
@@ -181,7 +181,7 @@ class _Emitter:
         return self.let(f"tl.where({mask}, {self.full(x, shape)}, {fill})", "op", tile=True)
 
     # -- addresses and values -----------------------------------------------------------------------
-    def addr(self, ref: Ref, coords: list[str], sec: "Tile | None" = None) -> str:
+    def addr(self, ref: Ref, coords: list[str], sec: "StageTile | None" = None) -> str:
         if ref.kind == "ws":
             local = [c for i, c in enumerate(coords) if ref.pax is None or i not in ref.pax]
             shape = _local(ref.shape, ref.pax)
@@ -193,7 +193,7 @@ class _Emitter:
                  else f"({c}) * s_{ref.name}_{j}" for j, c in enumerate(full)]
         return f"{ref.name}_ptr + {_sum(terms)}"
 
-    def value(self, sec: "Tile", sc: Scope, vid: int, coords: list[str],
+    def value(self, sec: "StageTile", sc: BodyRefs, vid: int, coords: list[str],
               conds: tuple[str, ...] = ()) -> str:
         """An expression for value `vid` of scope `sc` at `coords` (0 where `conds` fail)."""
         ref = sc.refs[vid]
@@ -221,7 +221,7 @@ class _Emitter:
             return self.value(sec, ref.scope, ref.node.id, list(ref.lead) + coords, conds)
         return self._node_value(sec, ref.scope, ref.node, coords, conds)
 
-    def _reg_value(self, sec: "Tile", ref: Ref, coords: list[str]) -> str:
+    def _reg_value(self, sec: "StageTile", ref: Ref, coords: list[str]) -> str:
         """A carry held on chip at `coords`: its tile itself where the coordinates are the
         tile's whole axes in the carry's order (or, 2-D, transposed), else `_RegMiss`."""
         local = [_bare(c) for i, c in enumerate(coords) if ref.pax is None or i not in ref.pax]
@@ -240,7 +240,7 @@ class _Emitter:
         raise _RegMiss(ref.scan, ref.carry, "read at coordinates other than its tile's "
                        f"({', '.join(coords)}) by a tile of axes {axes or 'none'}")
 
-    def _node_value(self, sec: "Tile", sc: Scope, n: Node, c: list[str],
+    def _node_value(self, sec: "StageTile", sc: BodyRefs, n: Node, c: list[str],
                     conds: tuple[str, ...]) -> str:
         op, a = n.op, n.attr_dict
         src = n.inputs[0] if n.inputs else None

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from titanc.config import set_worker_environment
 from titanc.errors import TitancError
 
 from titanc.runtime.data.corpus import PIECE_BYTES, Piece, plan, read_piece
@@ -40,7 +41,7 @@ _worker_tok: Tokenizer | None = None
 def _init_worker(tokenizer: str) -> None:
     global _worker_tok
     # one process per core already: keep the tokenizers library from adding its own threads
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    set_worker_environment(TOKENIZERS_PARALLELISM="false")
     _worker_tok = load_tokenizer(tokenizer)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from titanc.runtime.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
-class Codec:
+class TokenizerCodec:
     """A tokenizer as the server uses it; `vocab_size` is the model's (ids a prompt may use)."""
 
     def __init__(self, tok: Tokenizer, vocab_size: int):
@@ -38,8 +38,8 @@ class Codec:
         return self.tok.decode([token])
 
 
-def codec_for(prog: Any, source: str | Path | None = None) -> Codec:
+def codec_for(prog: Any, source: str | Path | None = None) -> TokenizerCodec:
     """The tokenizer of a loaded program: the one its run / artifact directory carries or
     names, else the one its spec names."""
     tok = load_tokenizer(source if source is not None else prog.spec)
-    return Codec(tok, prog.spec.model.vocab_size)
+    return TokenizerCodec(tok, prog.spec.model.vocab_size)

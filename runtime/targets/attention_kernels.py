@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
 
-from titanc.ir import Node, Op
+from titanc.ir import Graph, Node, Op
 from titanc.ir.attention import split
 from titanc.ir.lowering import register_lowering
 from titanc.ir.tables import mask_table
@@ -47,10 +47,19 @@ from titanc.ir.types import TensorType
 
 from titanc.runtime.targets.lowerings import CPU
 
-if TYPE_CHECKING:
-    from titanc.runtime.targets.executor import _Builder
-
 Step = Callable[[], Any]
+
+
+class StepBuilder(Protocol):
+    """What the pattern kernels use of the cpu target's step builder (`executor._Builder`,
+    which passes itself): the graph, its bound values and planned storage, scratch."""
+    g: Graph
+    val: dict[int, Any]
+    scratch: Any                   # executor.Scratch: `alloc(type)`, `top` (a stack mark)
+
+    def located(self, vid: int) -> Tensor: ...
+    def operand(self, vid: int) -> Any: ...
+    def _const(self, t: Tensor) -> Tensor: ...
 BLOCK_Q = 64           # queries per block: scratch is O(BLOCK_Q · keys), not O(queries · keys)
 BLOCK_K = 64           # keys per block: the unit of skipping invisible keys
 LOG2E = 1.0 / math.log(2.0)     # exp(x) = exp2(x · log2 e): exp2 is the cheaper ATen call
@@ -61,7 +70,7 @@ def blocks(n: int, size: int = BLOCK_Q) -> list[tuple[int, int]]:
     return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def tmp(b: "_Builder", like: Tensor, *shape: int) -> Tensor:
+def tmp(b: "StepBuilder", like: Tensor, *shape: int) -> Tensor:
     """Scratch in the compute dtype beside `like` (float32 for bf16 operands)."""
     dtype = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "f32"}[like.dtype]
     return b.scratch.alloc(TensorType(tuple(shape), dtype))
@@ -135,7 +144,7 @@ def _cols(runs: list[Run]) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _block_bias(b: "_Builder", n: Node, i0: int, i1: int, runs: list[Run],
+def _block_bias(b: "StepBuilder", n: Node, i0: int, i1: int, runs: list[Run],
                 dtype: torch.dtype) -> Tensor | None:
     """The additive mask of queries i0..i1 over the keys of `runs` [bq, visible keys], or None
     when the block sees all of them."""
@@ -166,7 +175,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.dtype == torch.bfloat16 else x.dtype
 
 
-def _rows(b: "_Builder", x: Tensor, steps: list[Step]) -> Tensor:
+def _rows(b: "StepBuilder", x: Tensor, steps: list[Step]) -> Tensor:
     """x [B, H, r, c] as a [B·H, r, c] view in the compute dtype, or (no such view, or bf16)
     a dense scratch copy that `steps` fill."""
     v = _bh(x) if x.dtype == _compute_dtype(x) else None
@@ -177,7 +186,7 @@ def _rows(b: "_Builder", x: Tensor, steps: list[Step]) -> Tensor:
     return t.view(-1, *x.shape[2:])
 
 
-def _pack(b: "_Builder", xs: list[Tensor], steps: list[Step]) -> Tensor:
+def _pack(b: "StepBuilder", xs: list[Tensor], steps: list[Step]) -> Tensor:
     """The key (or value) groups as one [B·H, keys, e] tensor: one group as `_rows` gives it,
     several packed into dense scratch by the kernel's first steps (a block's visible keys
     are then one run across groups)."""
@@ -195,7 +204,7 @@ def _pack(b: "_Builder", xs: list[Tensor], steps: list[Step]) -> Tensor:
     return t.view(B * H, -1, e)
 
 
-def _result(b: "_Builder", out: Tensor, like: Tensor) -> tuple[Tensor, bool]:
+def _result(b: "StepBuilder", out: Tensor, like: Tensor) -> tuple[Tensor, bool]:
     """Where a [B, H, r, c] result block is computed, and whether that is `out` itself: its
     [B·H, r, c] view when it has one in the compute dtype, else scratch that the caller
     copies into `out`."""
@@ -205,7 +214,7 @@ def _result(b: "_Builder", out: Tensor, like: Tensor) -> tuple[Tensor, bool]:
     return tmp(b, like, out.shape[0] * out.shape[1], *out.shape[2:]), False
 
 
-def _scores(b: "_Builder", n: Node, qb: Tensor, k: Tensor, i0: int, i1: int,
+def _scores(b: "StepBuilder", n: Node, qb: Tensor, k: Tensor, i0: int, i1: int,
             runs: list[Run], s: Tensor, steps: list[Step]) -> None:
     """s <- scale · qb kᵀ + bias over the keys of `runs` (the block's masked, scaled scores):
     one baddbmm when the keys are one run, else a bmm per run, then scaled and masked."""
@@ -238,7 +247,7 @@ def _key_group_slices(packed: Tensor, sizes: list[int]) -> list[Tensor]:
 # -- the kernels ---------------------------------------------------------------------------------
 
 @register_lowering(Op.ATTENTION, CPU)
-def attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
+def attention(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     q, ks, vs, _ = split(xs, n.attr_dict)
     o, lse = outs
     B, H, _, _ = q.shape
@@ -272,7 +281,7 @@ def attention(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> l
 
 
 @register_lowering(Op.ATTENTION_BWD, CPU)
-def attention_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
+def attention_bwd(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     a = n.attr_dict
     q, ks, vs, (o, lse, do) = split(xs, a)
     dq, dk_outs, dv_outs, _ = split(outs, a)

@@ -1,4 +1,4 @@
-"""The torch executor: runs a kernel schedule inside its static memory plan.
+"""The torch executor: runs a kernel schedule inside its static buffer plan.
 
 At build time every value of the schedule is bound to a view of planned storage (the
 activation arena, the persistent region or tensors the caller binds), every kernel-internal
@@ -28,8 +28,8 @@ from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.lowering import register_lowering
 from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType, dtype_name
-from titanc.passes.memory_plan import OUTPUT_PREFIX, Home, MemoryPlan, ScanHomes, view_of
-from titanc.passes.schedule import is_immediate, prologue_results, scan_prologue
+from titanc.ir.buffer_plan import OUTPUT_PREFIX, Home, BufferPlan, ScanHomes, view_of
+from titanc.ir.schedule import is_immediate, prologue_results, scan_prologue
 
 from titanc.runtime.targets.lowerings import CPU
 from titanc.runtime.targets.pattern_kernels import pattern_steps
@@ -132,7 +132,7 @@ class Scratch:
 class _Builder:
     """Binds one schedule (a graph or a scan body) to storage and emits its steps."""
 
-    def __init__(self, plan: MemoryPlan, arena: Storage, persistent: Storage,
+    def __init__(self, plan: BufferPlan, arena: Storage, persistent: Storage,
                  bound: dict[str, Tensor], external: dict[str, Tensor], scratch: Scratch,
                  consts: list[Tensor], float_dtype: torch.dtype | None):
         self.plan, self.g = plan, plan.schedule.graph
@@ -336,7 +336,7 @@ class _Builder:
         stacked operands, and writes its carries into the other slot set (on the last
         iteration straight into the carries' ITEM buffers) and its ys into their slice of the
         stacked ITEM buffers (`ScanHomes`, shared with the emitted program.py). Only outputs
-        the body plan cannot write in place (see `MemoryPlan.direct_output`) are copied."""
+        the body plan cannot write in place (see `BufferPlan.direct_output`) are copied."""
         a = n.attr_dict
         body: Graph = a["body"]
         body_plan = self.plan.bodies[n.id]
@@ -632,12 +632,12 @@ def _scatter_along(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[St
 
 
 class ArenaExecutor:
-    """Run a graph's schedule in its memory plan. `bound` maps persistent names to tensors
+    """Run a graph's schedule in its buffer plan. `bound` maps persistent names to tensors
     the caller owns (parameters, gradient buffers): they are used in place."""
 
     device = "cpu"                                   # where the arena and scratch live
 
-    def __init__(self, plan: MemoryPlan, bound: dict[str, Tensor] | None = None,
+    def __init__(self, plan: BufferPlan, bound: dict[str, Tensor] | None = None,
                  float_dtype: torch.dtype | None = None):
         self.plan = plan
         self.g = plan.schedule.graph

@@ -18,7 +18,7 @@ kernel reads (the forward graph's log-sum-exp) goes to scratch.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -27,17 +27,14 @@ from titanc.ir import Node, Op
 from titanc.ir.lowering import register_lowering
 from titanc.ir.types import TensorType
 
-from titanc.runtime.targets.attention_kernels import blocks, tmp
+from titanc.runtime.targets.attention_kernels import StepBuilder, blocks, tmp
 from titanc.runtime.targets.lowerings import CPU
-
-if TYPE_CHECKING:
-    from titanc.runtime.targets.executor import _Builder
 
 Step = Callable[[], Any]
 VOCAB_TILE = 4096      # vocabulary entries per logits tile of the cross-entropy kernels
 
 
-def pattern_steps(b: "_Builder", n: Node, outputs: set[int]) -> list[Step]:
+def pattern_steps(b: "StepBuilder", n: Node, outputs: set[int]) -> list[Step]:
     """The steps of pattern op `n` (its rule in the cpu table, `lowerings.CPU`); binds the
     ITEMs later kernels read to their buffers."""
     xs = [b.operand(i) for i in n.inputs]
@@ -62,14 +59,14 @@ def _vocab_major(head: Tensor, layout: str) -> Tensor:
     return head if layout == "vd" else head.t()
 
 
-def _tiles(b: "_Builder", like: Tensor, rows: int, vocab: int) -> tuple[list[tuple[int, int]],
+def _tiles(b: "StepBuilder", like: Tensor, rows: int, vocab: int) -> tuple[list[tuple[int, int]],
                                                                          dict[int, Tensor]]:
     """The vocabulary tiles and one logits scratch per distinct tile width."""
     tiles = blocks(vocab, VOCAB_TILE)
     return tiles, {w: tmp(b, like, rows, w) for w in {hi - lo for lo, hi in tiles}}
 
 
-def _rows_of(b: "_Builder", tg: Tensor, steps: list[Step]) -> Tensor:
+def _rows_of(b: "StepBuilder", tg: Tensor, steps: list[Step]) -> Tensor:
     """The targets as [rows]: a view of [rows] or dense [batch, T] ones; a [batch, T] slice of
     the token windows (strided) is gathered into int64 scratch by the kernel's first step."""
     if tg.dim() == 1:
@@ -82,7 +79,7 @@ def _rows_of(b: "_Builder", tg: Tensor, steps: list[Step]) -> Tensor:
 
 
 @register_lowering(Op.LINEAR_CROSS_ENTROPY, CPU)
-def _lce(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
+def _lce(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     h, head, tg = xs
     loss, lse = outs
     w = _vocab_major(head, n.attr("layout"))            # (V, D)
@@ -118,7 +115,7 @@ def _lce(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[S
 
 
 @register_lowering(Op.LINEAR_CROSS_ENTROPY_BWD, CPU)
-def _lce_bwd(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
+def _lce_bwd(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     h, head, tg, lse, dloss = xs
     dh, dhead = outs
     w = _vocab_major(head, n.attr("layout"))            # (V, D)
@@ -162,7 +159,7 @@ def flat_region(ts: list[Tensor]) -> Tensor | None:
 
 
 @register_lowering(Op.ADAMW, CPU)
-def _adamw(b: "_Builder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
+def _adamw(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     """The optimizer step in place over the flat regions (per tensor where the layout is not
     flat): the same arithmetic as the optimizer graph, in a dozen ATen calls."""
     a = n.attr_dict

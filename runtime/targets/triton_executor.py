@@ -1,4 +1,4 @@
-"""The `triton` target: a schedule's kernels as generated Triton, over the same memory plan.
+"""The `triton` target: a schedule's kernels as generated Triton, over the same buffer plan.
 
 `TritonExecutor` is an `ArenaExecutor` whose builder launches one rendered kernel per fused
 kernel (`codegen.lower.dispatch.render_kernel`) instead of one torch closure per node. Binding is the
@@ -8,7 +8,7 @@ persistent region or a caller-bound tensor. A scan is one launch of its scan ker
 axes, workspace made once at bind time, a prologue gather read through); a scan that cannot be
 one kernel keeps the arena executor's host loop (carry slots, xs staged per iteration, ys
 copied into their ITEM buffers) over its body's kernels, after one launch of its prologue
-gathers (`passes.schedule.prologue_kernel`) into their planned storage, and its reason is kept
+gathers (`ir.schedule.prologue_kernel`) into their planned storage, and its reason is kept
 in `fallbacks` (`TITANC_DEBUG=2` prints it). `launches_per_run()` counts the launches of one
 run; `count_launches(plan)` gives the same figure from the plan alone.
 No kernel falls back to torch: a kernel no family can express fails at bind time with the
@@ -16,7 +16,7 @@ hooks' `NotImplementedError`.
 
 Without CUDA the kernels run on CPU under Triton's interpreter (`interpreting()`); a caller
 that wants the interpreter on a CUDA machine sets `TRITON_INTERPRET=1`. The executor sets
-`TRITON_INTERPRET` only while it loads and runs kernels (`render.interpret_mode`), so importing
+`TRITON_INTERPRET` only while it loads and runs kernels (`config.triton_interpret_mode`), so importing
 or constructing nothing changes the environment. One limit is Triton's own: it fixes the mode of
 its standard library (`tl.sigmoid`, the reductions' combine functions) when `triton.language`
 is first imported, so a process that imported Triton in compile mode before (torch.func and
@@ -26,7 +26,6 @@ the arena, the scratch region and the caller's bound tensors live on the GPU.
 """
 from __future__ import annotations
 
-import os
 import sys
 from types import ModuleType
 from typing import Any
@@ -35,15 +34,15 @@ import torch
 
 from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, render_kernel
 from titanc.codegen.lower.patterns import SCRATCH
-from titanc.codegen.render import interpret_mode, load_module
+from titanc.codegen.render import load_module
 from titanc.codegen.scan.kernel import (ScanFallback, ScanKernel, count_launches,
                                         host_table, scan_kernel_for)
 from titanc.errors import TitancError
 from titanc.ir import Op
 from titanc.ir.types import TensorType
-from titanc.passes.manager import debug_level
-from titanc.passes.memory_plan import MemoryPlan
-from titanc.passes.schedule import prologue_kernel
+from titanc.config import current, debug_level, triton_interpret, triton_interpret_mode
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.ir.schedule import prologue_kernel
 
 from titanc.runtime.targets.executor import ArenaExecutor, Tensor, _Builder
 
@@ -65,8 +64,7 @@ def check_interpretable() -> None:
 def interpreting() -> bool:
     """Do Triton kernels run under the interpreter (on CPU tensors)? Yes without CUDA, or
     when `TRITON_INTERPRET` asks for it."""
-    return (not torch.cuda.is_available()
-            or os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on"))
+    return not torch.cuda.is_available() or triton_interpret()
 
 
 _MODULES: dict[tuple[str, bool], ModuleType] = {}
@@ -169,7 +167,7 @@ class _TritonBuilder(_Builder):
 
 
 class TritonExecutor(ArenaExecutor):
-    """Run a graph's schedule in its memory plan with generated Triton kernels (same
+    """Run a graph's schedule in its buffer plan with generated Triton kernels (same
     interface as `ArenaExecutor`: `run(inputs) -> outputs`, `storages()`).
 
     With `cuda_graphs` (on a CUDA device only) the first run is eager (Triton compiles its
@@ -179,7 +177,7 @@ class TritonExecutor(ArenaExecutor):
 
     device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 
-    def __init__(self, plan: MemoryPlan, bound: dict[str, Tensor] | None = None,
+    def __init__(self, plan: BufferPlan, bound: dict[str, Tensor] | None = None,
                  float_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
                  allow_tf32: bool = False):
         self.allow_tf32 = allow_tf32                  # float32 dots in tf32 (compile.allow_tf32)
@@ -193,7 +191,7 @@ class TritonExecutor(ArenaExecutor):
         self._scan_modules: dict[str, ModuleType] = {}
         self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
         self.serial: list[dict[str, str]] = []        # scan kernels of one program, and why
-        self.scan_kernels = os.environ.get("TITANC_SCAN_KERNELS", "1") != "0"
+        self.scan_kernels = current().scan_kernels
         self.scan_ws: Tensor | None = None            # shared by every scan kernel
         if interpreting():
             check_interpretable()
@@ -201,7 +199,7 @@ class TritonExecutor(ArenaExecutor):
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         if not self.cuda_graphs:
-            with interpret_mode(interpreting()):
+            with triton_interpret_mode(interpreting()):
                 return super().run(inputs)
         if self._graph is None and self._runs >= 1:
             self._graph = torch.cuda.CUDAGraph()
@@ -229,7 +227,7 @@ class TritonExecutor(ArenaExecutor):
     def storages(self) -> list[Tensor]:
         return super().storages() + ([self.scan_ws] if self.scan_ws is not None else [])
 
-    def code(self, plan: MemoryPlan, kern: Any) -> KernelCode:
+    def code(self, plan: BufferPlan, kern: Any) -> KernelCode:
         """The rendered kernel (once per executor: binding runs twice, measure then bind);
         `TITANC_DEBUG=3` prints each one."""
         key = (id(plan), kern.name)
@@ -242,7 +240,7 @@ class TritonExecutor(ArenaExecutor):
                 print(code.source, file=sys.stderr)
         return self._codes[key]
 
-    def scan_code(self, plan: MemoryPlan, kern: Any, sid: int) -> ScanKernel | str:
+    def scan_code(self, plan: BufferPlan, kern: Any, sid: int) -> ScanKernel | str:
         """The scan kernel of `kern`'s scan, or the reason it runs as a host loop (recorded
         in `fallbacks`; `TITANC_DEBUG=2` prints it)."""
         key = (id(plan), kern.name)

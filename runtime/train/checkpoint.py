@@ -172,7 +172,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _titanc_version() -> str:
-    from titanc import __version__
+    from titanc.version import __version__
     return __version__
 
 

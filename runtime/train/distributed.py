@@ -31,7 +31,6 @@ the mean loss over the global batch of W·B rows, as one rank with batch W·B wo
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from titanc.config import current
 from titanc.errors import DistributedError, TitancError
 from titanc.model.params import param_specs
 
@@ -66,8 +66,8 @@ class Dist:
 
 def backend_for(spec: Any) -> str:
     """nccl when the program runs on CUDA, else gloo."""
-    from titanc.runtime.program import _resolve_target
-    return "nccl" if _resolve_target(spec.compile.target) == "triton" \
+    from titanc.runtime.program import resolve_target
+    return "nccl" if resolve_target(spec.compile.target) == "triton" \
         and torch.cuda.is_available() else "gloo"
 
 
@@ -75,13 +75,13 @@ def init_from_env(spec: Any) -> Dist:
     """Join the process group torchrun (or `titanc train --nproc`) describes in the environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); collectives time out after
     train.dist_timeout_s."""
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-               if k not in os.environ]
+    env = current().torchrun
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
         raise TitancError(f"distributed training needs {', '.join(missing)} in the environment; "
                           f"launch with torchrun or titanc train --nproc N")
     backend = backend_for(spec)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(env.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     timeout = spec.train.dist_timeout_s
@@ -89,9 +89,9 @@ def init_from_env(spec: Any) -> Dist:
         try:
             tdist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         except Exception as exc:  # noqa: BLE001 -- rendezvous failures come in many types
-            raise DistributedError(f"rank {os.environ['RANK']}: could not join the process "
-                                   f"group at {os.environ['MASTER_ADDR']}:"
-                                   f"{os.environ['MASTER_PORT']}: {_first_line(exc)}") from None
+            raise DistributedError(f"rank {env['RANK']}: could not join the process "
+                                   f"group at {env['MASTER_ADDR']}:"
+                                   f"{env['MASTER_PORT']}: {_first_line(exc)}") from None
     return Dist(tdist.get_rank(), tdist.get_world_size(), local_rank, backend, timeout)
 
 

@@ -9,7 +9,6 @@ the first rank that failed and how, and where the last checkpoint is, and exits 
 """
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from titanc.config import child_environment, current
 from titanc.errors import DistributedError, TitancError
 
 __all__ = ["launch", "free_port"]
@@ -56,8 +56,8 @@ def _checkpoint_step(run: Path) -> int | None:
 def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
     """Run `python -m titanc.train *argv` as `nproc` local ranks; returns 0 when every rank
     succeeded, else raises DistributedError with the one-line reason."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    env = child_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     procs = []
     for rank in range(nproc):
         procs.append(subprocess.Popen([sys.executable, "-m", "titanc.train", *argv],
@@ -110,6 +110,6 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
 
 
 def check_nproc(nproc: int) -> None:
-    if nproc > 1 and "WORLD_SIZE" in os.environ:
+    if nproc > 1 and "WORLD_SIZE" in current().torchrun:
         raise TitancError("--nproc starts its own ranks; under torchrun leave it out "
                           "(torchrun's --nproc-per-node sets the ranks)")

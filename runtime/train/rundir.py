@@ -9,55 +9,21 @@ with `kill -9` never leaves the directory locked; the lock file itself stays (re
 would let a third process lock a fresh inode while a second still holds the old one).
 
 Creating the directory and every later write failure is a one-line `TitancError` naming the
-path and the OS's reason (`writing_into`), never a traceback; `write_text_atomic` is the one
-text writer of run and artifact directories (a failed write leaves no `.tmp` behind).
+path and the OS's reason (`titanc.files.writing_into`), never a traceback.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Iterator
 
 from titanc.errors import TitancError
+from titanc.files import os_reason
 
-__all__ = ["LOCK_NAME", "RunDir", "os_reason", "writing_into", "write_text_atomic"]
+__all__ = ["LOCK_NAME", "RunDir"]
 
 LOCK_NAME = ".lock"
-
-
-def os_reason(exc: OSError) -> str:
-    """The OS's words for an error ('No space left on device'), not the errno tuple."""
-    return exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc)) or type(exc).__name__
-
-
-@contextlib.contextmanager
-def writing_into(directory: str | os.PathLike, what: str = "the run directory") -> Iterator[None]:
-    """Turn an OSError raised inside the block into a one-line TitancError naming the file."""
-    try:
-        yield
-    except OSError as exc:
-        where = exc.filename if exc.filename is not None else directory
-        fix = ("free some space" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-               else "choose a writable directory")
-        raise TitancError(f"cannot write {what} {directory}: {where}: {os_reason(exc)}; "
-                          f"{fix}") from None
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` through `PATH.tmp` and a rename; on any failure (a full disk)
-    the temporary file is removed and the old `path`, if any, is unchanged."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 class RunDir:

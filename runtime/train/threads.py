@@ -15,10 +15,9 @@ shows it in its start line and progress bar.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
-from titanc.errors import TitancError
+from titanc.config import current
 
 __all__ = ["ENV", "FLOPS_PER_THREAD", "free_cores", "model_threads", "resolve_threads"]
 
@@ -48,18 +47,13 @@ def model_threads(spec: Any) -> int:
     return max(1, int(flops // FLOPS_PER_THREAD))
 
 
-def resolve_threads(spec: Any, requested: int | None = None,
-                    env: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """(threads, where the number came from): `requested` (--threads), else $TITANC_THREADS,
-    else min(model_threads, free_cores). Raises TitancError for a bad TITANC_THREADS."""
+def resolve_threads(spec: Any, requested: int | None = None) -> tuple[int, str]:
+    """(threads, where the number came from): `requested` (--threads), else $TITANC_THREADS
+    (`config.current().threads`), else min(model_threads, free_cores)."""
     if requested is not None:
         return requested, "--threads"
-    env = os.environ if env is None else env
-    text = env.get(ENV, "").strip()
-    if text:
-        if not text.isdigit() or len(text) > 4 or int(text) < 1:
-            raise TitancError(f"{ENV}={text[:20]!r}: expected a positive integer; unset it for "
-                              f"the default")
-        return int(text), ENV
+    threads = current().threads_or_none()
+    if threads is not None:
+        return threads, ENV
     free = free_cores()
     return min(model_threads(spec), free), f"auto: model {model_threads(spec)}, free cores {free}"

@@ -59,7 +59,8 @@ from titanc.runtime.train.checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_res
                          save_checkpoint)
 from titanc.runtime.data.datasets import SyntheticRecall, TextData, make_data
 from titanc.runtime.diagnostics.timing import peak_rss_bytes, profile_table
-from titanc.runtime.train.rundir import LOCK_NAME, RunDir, write_text_atomic, writing_into
+from titanc.files import write_text_atomic, writing_into
+from titanc.runtime.train.rundir import LOCK_NAME, RunDir
 from titanc.runtime.train.distributed import Dist, DistributedError, GradReducer
 from titanc.runtime.data.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer, save_tokenizer
 

@@ -34,10 +34,10 @@ def lm_logprobs(b: Builder, x: Value, params: dict[str, Value], targets: Value, 
                 chunk: int) -> Value:
     """log p(target) per position (B, T), the head applied `chunk` tokens at a time so the
     [B·T, V] logits never exist."""
-    from titanc.passes.chunked_loss import _chunk_size
+    from titanc.passes.chunked_loss import loss_chunk_size
 
     B, T, D = x.shape
-    c = _chunk_size(B * T, chunk if chunk > 0 else B * T)
+    c = loss_chunk_size(B * T, chunk if chunk > 0 else B * T)
     n = B * T // c
     h = rmsnorm(x, params["norm_f"]).reshape(n, c, D)
     head = params["embed"] if tied else params["lm_head"]

@@ -273,7 +273,7 @@ class DataSpec:
 class CompileSpec:
     target: str = _field("auto", choices=TARGETS)
     # capture each graph's run into a CUDA graph and replay it (every address is fixed by
-    # the memory plan); None: on whenever the triton target runs on a CUDA device
+    # the buffer plan); None: on whenever the triton target runs on a CUDA device
     cuda_graphs: bool | None = None
     # float32 matmuls on tensor cores in tf32 (10-bit mantissa, ~1e-3 relative error per
     # product) on a GPU; off by default so float32 stays exact against the cpu target

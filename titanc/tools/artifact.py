@@ -16,16 +16,17 @@ from typing import Any
 from titanc.errors import TitancError
 from titanc.ir import format_graph, graph_stats
 
-from titanc.passes.manager import debug_level
-from titanc.passes.memory_plan import memory_report
+from titanc.config import debug_level
+from titanc.passes.buffer_plan import buffer_report
 
-from titanc.runtime.train.rundir import write_text_atomic, writing_into
+from titanc.files import write_text_atomic, writing_into
 
 from titanc.compiler import GRAPH_KINDS, Compiled, compile_graphs, launches_per_step
-from titanc.fit import check_fits, lower_bound_bytes, planned_bytes
+from titanc.fit import lower_bound_bytes, planned_bytes
+from titanc.runtime.capacity import check_fits
 from titanc.model.params import param_count
 from titanc.model.spec import spec_hash, spec_to_dict
-from titanc.tools.cost_model import kernel_rows, launched_kernels, step_profile
+from titanc.tools.cost_model import kernel_rows, launched_kernels, step_cost
 
 
 def _versions() -> dict[str, str]:
@@ -69,11 +70,11 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         # each scan kernel's loops: which carries are held on chip, which stay in the
         # workspace and why (one row per distinct kernel and carry)
         "scan_carries": {"triton": _unique(carries)},
-        "memory": memory_report(c.plans["training"], spec.model.vocab_size),
-        "memory_forward": memory_report(c.plans["forward"], spec.model.vocab_size),
+        "memory": buffer_report(c.plans["training"], spec.model.vocab_size),
+        "memory_forward": buffer_report(c.plans["forward"], spec.model.vocab_size),
         # per training step: kernels by family, modeled bytes and FLOPs, with and without the
         # pattern passes (titanc/tools/cost_model.py)
-        "step": step_profile(spec, c),
+        "step": step_cost(spec, c),
     }
 
 
@@ -98,7 +99,7 @@ def _graph_row(c: Compiled, kind: str) -> dict[str, Any]:
 def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False) -> dict[str, Any]:
     """Compile `spec` and write the build directory; returns the report.
 
-    Refuses (TitancError) a spec whose memory plan exceeds the machine's memory unless
+    Refuses (TitancError) a spec whose buffer plan exceeds the machine's memory unless
     `force`; every write failure is a one-line TitancError naming the file."""
     from titanc.runtime.data.tokenizer import check_vocab, load_tokenizer
 
@@ -125,8 +126,8 @@ def _device(spec: Any) -> str:
     """Where the program of `spec` would hold its memory."""
     import torch
 
-    from titanc.runtime.program import _resolve_target
-    return "cuda" if _resolve_target(spec.compile.target) == "triton" and \
+    from titanc.runtime.program import resolve_target
+    return "cuda" if resolve_target(spec.compile.target) == "triton" and \
         torch.cuda.is_available() else "cpu"
 
 

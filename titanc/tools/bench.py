@@ -30,7 +30,7 @@ def run_bench(spec: Any, steps: int = 5, warmup: int = 1, threads: int | None = 
     import torch
 
     import titanc
-    from titanc.passes.memory_plan import memory_report
+    from titanc.passes.buffer_plan import buffer_report
 
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -57,7 +57,7 @@ def run_bench(spec: Any, steps: int = 5, warmup: int = 1, threads: int | None = 
             if device != "cpu":
                 torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() if device != "cpu" else peak_rss_bytes()
-    mem = memory_report(prog.compiled.plans["training"], s.model.vocab_size)
+    mem = buffer_report(prog.compiled.plans["training"], s.model.vocab_size)
     summary = profile_summary(
         prof, steps, steps * rows * s.model.seq_len, prof.wall, peak,
         flops_per_step=step_flops(prog.compiled), device=device,

@@ -2,7 +2,7 @@
 
     titanc compile SPEC [-o DIR] [--set KEY=VALUE ...]
     titanc train SPEC --out RUN [--set KEY=VALUE ...] [--data SRC] [--steps N] [--resume RUN]
-    titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory]
+    titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory] | --pipeline
     titanc bench SPEC [--set KEY=VALUE ...] [--steps N] [--warmup N] [--threads N] [--json]
     titanc tokenizer train | data prepare | eval     (titanc/tools/corpus_cli.py)
     titanc serve RUN [--host H] [--port N] [--slots N] [--max-queue N] [--grace S]
@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from titanc import config
 from titanc.errors import TitancError, printable
 from titanc.model.spec import Spec, load_spec, parse_set_args
 
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="output directory (default: build/<name>, with the spec name "
                                "reduced to letters, digits and underscores)")
     compile_.add_argument("--force", action="store_true",
-                          help="write the artifact even when its memory plan needs more memory "
+                          help="write the artifact even when its buffer plan needs more memory "
                                "than this machine has (to read the plan; it cannot run here)")
     compile_.set_defaults(run=_cmd_compile)
 
@@ -195,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(commands)
 
     inspect = commands.add_parser(
-        "inspect", help="show the kernels, IR graphs and memory plan of a compiled artifact",
+        "inspect", help="show the kernels, IR graphs and buffer plan of a compiled artifact",
         description="Read the artifact 'titanc compile' wrote to DIR. Without options: a table of\n"
                     "kernels (category, FLOPs, bytes, arithmetic intensity, IR nodes), totals\n"
                     "per category, and the training step by kernel family before and after\n"
@@ -204,17 +205,22 @@ def build_parser() -> argparse.ArgumentParser:
                "  titanc inspect build/tiny\n"
                "  titanc inspect build/tiny --kernel titanc_red_fused_mul_sum_add_rsqrt_73\n"
                "  titanc inspect build/tiny --graph --pass aggregate\n"
-               "  titanc inspect build/tiny --memory",
+               "  titanc inspect build/tiny --memory\n"
+               "  titanc inspect --pipeline",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    inspect.add_argument("dir", metavar="DIR", help="artifact directory ('titanc compile -o DIR')")
+    inspect.add_argument("dir", metavar="DIR", nargs="?", default=None,
+                         help="artifact directory ('titanc compile -o DIR')")
     what = inspect.add_mutually_exclusive_group()
+    what.add_argument("--pipeline", action="store_true",
+                      help="print the compile pipeline: each graph kind's lowering and passes "
+                           "(with their conditions), then what every kind goes through; no DIR")
     what.add_argument("--kernel", metavar="NAME",
                       help="print one kernel's source with its header (DIR/kernels/NAME.py)")
     what.add_argument("--graph", action="store_true",
                       help="write the IR after a pass as DIR/graph_<pass>.dot (and .png when "
                            "Graphviz is installed)")
     what.add_argument("--memory", action="store_true",
-                      help="print the memory plan summary (arena, lower bound, persistent, "
+                      help="print the buffer plan summary (arena, lower bound, persistent, "
                            "peak activation, logits) and the head of memory_plan.txt")
     inspect.add_argument("--pass", dest="pass_name", metavar="NAME", default=None,
                          help="with --graph: the pass whose output to draw, by pass name "
@@ -352,7 +358,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_training = _import("titanc.runtime.train.trainer", "run_training", "titanc train")
     torch.set_num_threads(resolve_threads(spec, args.threads)[0])
     dist = None
-    if "WORLD_SIZE" in os.environ:     # a rank under torchrun or --nproc
+    if "WORLD_SIZE" in config.current().torchrun:     # a rank under torchrun or --nproc
         from titanc.runtime.train.distributed import init_from_env
         dist = init_from_env(spec)
     try:
@@ -408,6 +414,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.pass_name is not None and not args.graph:
         raise TitancError("--pass selects the graph to draw; use it with --graph")
+    if args.pipeline:
+        from titanc.compiler import pipeline_text
+        if args.dir is not None:
+            raise TitancError("--pipeline prints the compiler's table and reads no DIR; "
+                              "leave DIR out")
+        sys.stdout.write(pipeline_text())
+        return 0
+    if args.dir is None:
+        raise TitancError("inspect needs DIR, the directory 'titanc compile -o DIR' wrote "
+                          "(or --pipeline)")
     art = inspect.open_artifact(args.dir)
     if args.kernel is not None:
         sys.stdout.write(inspect.kernel_source(art, args.kernel).rstrip("\n") + "\n")
@@ -439,6 +455,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on `argv` (default: sys.argv[1:]) and return the exit status."""
+    with config.using(config.Config.from_env(os.environ)):   # the one read of the environment
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -5,10 +5,10 @@ A training step is `grad_accum` runs of the training graph and one of the optimi
 Figures per step:
 
 - `kernels`: the distinct kernels the step launches on the triton target: every top-level
-  kernel of both schedules that is not a no-op (`MemoryPlan.is_noop`: all its outputs alias
+  kernel of both schedules that is not a no-op (`BufferPlan.is_noop`: all its outputs alias
   storage that holds them), a scan that renders to one scan kernel counting once, and a scan
   that falls back to a host loop counting its body's kernels by the same rule (and the
-  kernel of its prologue gathers, `passes.schedule.prologue_kernel`, if any). Repetition is
+  kernel of its prologue gathers, `ir.schedule.prologue_kernel`, if any). Repetition is
   not counted here (a kernel launched every iteration of a host loop, or once per gradient
   accumulation step, is one kernel); `launches_per_step` counts launches.
 - `kernels_all`: every kernel of the schedules and their scan bodies that is not a no-op (the
@@ -30,10 +30,10 @@ A computing node computes values: an elementwise op or CAST, a reduction (SUM, A
 a contraction (EINSUM), a scatter-add (INDEX_ADD, SCATTER_ALONG), a scan or a pattern op. A
 view (RESHAPE, PERMUTE, EXPAND, SLICE), a constant (FULL, ROPE, MASK), a PAD, a CONCAT or a
 gather (TAKE, TAKE_ALONG) only moves or makes values: a kernel of those alone is a pure copy.
-The memory plan binds views and constants without a kernel (`MemoryPlan.views`); what stays
+The buffer plan binds views and constants without a kernel (`BufferPlan.views`); what stays
 is a gather, a pad or concat, or a view some reader needs dense (a segment sum's gradient rows).
 
-`step_profile(spec)` compiles the spec twice: as the pipeline does (`after`) and with the
+`step_cost(spec)` compiles the spec twice: as the pipeline does (`after`) and with the
 pattern passes left out (`before`: attention as its scores/softmax/PV chain, AdamW as
 per-parameter kernels). The embedding gradient is the same INDEX_ADD node both ways (its
 segment-sum kernel is a codegen choice, not a pass), so it shows as segment_sum in both.
@@ -43,16 +43,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from titanc.ir import Graph, Op, OpGroup
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.ir.schedule import scan_prologue
 from titanc.ir.structural import STRUCTURAL
-from titanc.passes.memory_plan import MemoryPlan
-from titanc.passes.schedule import scan_prologue
 
 from titanc.compiler import Compiled, compile_graphs
 
 FAMILY_ORDER = ("pointwise", "reduction", "matmul", "attention_fwd", "attention_bwd",
                 "adamw_multi", "segment_sum", "scatter_along", "scan")
-
-
 
 
 def _dense_reader(op: Op) -> bool:
@@ -67,7 +65,7 @@ def is_computing(op: Op) -> bool:
                 or op in (Op.TAKE, Op.TAKE_ALONG, Op.ITEM, Op.INPUT))
 
 
-def copy_reason(plan: MemoryPlan, kern: Any) -> str:
+def copy_reason(plan: BufferPlan, kern: Any) -> str:
     """Why a launched kernel without a computing node is not a view (module docstring)."""
     g: Graph = plan.schedule.graph
     ops = {g.node(n).op for n in kern.nodes}
@@ -82,7 +80,7 @@ def copy_reason(plan: MemoryPlan, kern: Any) -> str:
     return "a view torch cannot express over its source (a reshape of a strided view)"
 
 
-def kernel_family(plan: MemoryPlan, kern: Any) -> str:
+def kernel_family(plan: BufferPlan, kern: Any) -> str:
     """pointwise | reduction | matmul, or the template a template kernel runs."""
     if kern.category != "template":
         return kern.category
@@ -92,12 +90,12 @@ def kernel_family(plan: MemoryPlan, kern: Any) -> str:
                 for n in kern.nodes if g.node(n).op is not Op.ITEM and n not in pro)
 
 
-def _one_kernel_rule() -> Callable[[MemoryPlan, int], bool]:
+def _one_kernel_rule() -> Callable[[BufferPlan, int], bool]:
     """Does the triton target run scan `sid` of `plan` as one scan kernel?"""
     from titanc.codegen.lower.dispatch import graph_dtype
     from titanc.codegen.scan.kernel import ScanFallback, scan_kernel_for
 
-    def one(p: MemoryPlan, sid: int) -> bool:
+    def one(p: BufferPlan, sid: int) -> bool:
         kern = next(k for k in p.schedule.kernels if sid in k.nodes)
         try:
             scan_kernel_for(p, kern, sid, graph_dtype(p.schedule.graph))
@@ -107,7 +105,7 @@ def _one_kernel_rule() -> Callable[[MemoryPlan, int], bool]:
     return one
 
 
-def plan_profile(plan: MemoryPlan, runs: int, one_kernel: Callable[[MemoryPlan, int], bool],
+def plan_cost(plan: BufferPlan, runs: int, one_kernel: Callable[[BufferPlan, int], bool],
                  acc: dict[str, Any]) -> None:
     """Add `runs` runs of `plan` to `acc` (see the module docstring for each figure)."""
     g = plan.schedule.graph
@@ -133,14 +131,14 @@ def plan_profile(plan: MemoryPlan, runs: int, one_kernel: Callable[[MemoryPlan, 
         if one_kernel(plan, sid):
             acc["kernels"] += 1
             inner = dict(acc, kernels=0)
-            plan_profile(plan.bodies[sid], runs * length, one_kernel, inner)
+            plan_cost(plan.bodies[sid], runs * length, one_kernel, inner)
             acc.update({key: inner[key] for key in ("kernels_all", "families", "copy_kernels")})
         else:                        # a host loop, after its prologue gathers' launch
             acc["kernels"] += bool(scan_prologue(g, kern))
-            plan_profile(plan.bodies[sid], runs * length, one_kernel, acc)
+            plan_cost(plan.bodies[sid], runs * length, one_kernel, acc)
 
 
-def launched_kernels(plan: MemoryPlan) -> int:
+def launched_kernels(plan: BufferPlan) -> int:
     """Kernels of a plan and its scan bodies that run something (no-ops left out): the
     count report.json `kernel_counts` and `graphs.<kind>.kernels` give, and per graph what
     `kernels_all` sums over the step."""
@@ -148,12 +146,12 @@ def launched_kernels(plan: MemoryPlan) -> int:
     return own + sum(launched_kernels(b) for b in plan.bodies.values())
 
 
-def compiled_profile(c: Compiled) -> dict[str, Any]:
+def compiled_cost(c: Compiled) -> dict[str, Any]:
     """The per-step figures of one compile (module docstring)."""
     acc: dict[str, Any] = {"kernels": 0, "kernels_all": 0, "families": {}, "copy_kernels": {}}
     one = _one_kernel_rule()
-    plan_profile(c.plans["training"], c.spec.train.grad_accum, one, acc)
-    plan_profile(c.plans["optimizer"], 1, one, acc)
+    plan_cost(c.plans["training"], c.spec.train.grad_accum, one, acc)
+    plan_cost(c.plans["optimizer"], 1, one, acc)
     fams = dict(sorted(acc["families"].items(),
                        key=lambda kv: (FAMILY_ORDER.index(kv[0]) if kv[0] in FAMILY_ORDER
                                        else len(FAMILY_ORDER), kv[0])))
@@ -162,7 +160,7 @@ def compiled_profile(c: Compiled) -> dict[str, Any]:
             "flops": sum(f["flops"] for f in fams.values()), "copy_kernels": acc["copy_kernels"]}
 
 
-def step_profile(spec: Any, after: Compiled | None = None) -> dict[str, Any]:
+def step_cost(spec: Any, after: Compiled | None = None) -> dict[str, Any]:
     """report.json `step`: {definition, before, after} (before: the pattern passes off)."""
     after = after or compile_graphs(spec)
     before = compile_graphs(spec, after.batch, verify_each=False, patterns=False)
@@ -172,14 +170,14 @@ def step_profile(spec: Any, after: Compiled | None = None) -> dict[str, Any]:
                           "kernels_all: every kernel, scan bodies included; bytes/flops: "
                           "modeled per kernel times its launches; before: without the pattern "
                           "passes (flash attention, fused linear cross-entropy, fused AdamW)",
-            "before": compiled_profile(before), "after": compiled_profile(after)}
+            "before": compiled_cost(before), "after": compiled_cost(after)}
 
 
 def kernel_rows(compiled: Any) -> list[dict[str, Any]]:
     """report.json `kernels` rows with `depth` (scan nesting) and `launches` (runs per step:
     the product of the enclosing scans' lengths) for the training then optimizer schedule,
     each scan followed by its body's kernels; no-op kernels (their outputs are views of
-    stored values or constants, `MemoryPlan.is_noop`) run nothing and are left out. The
+    stored values or constants, `BufferPlan.is_noop`) run nothing and are left out. The
     report writer uses these rows."""
     rows: list[dict[str, Any]] = []
 

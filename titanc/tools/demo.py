@@ -153,16 +153,16 @@ def _sample(prog: Any, prompt: str, n: int = 60) -> str:
 
 
 def kernel_memory_summary(compiled: Any, vocab_size: int) -> list[str]:
-    from titanc.passes.memory_plan import memory_report
-    from titanc.tools.cost_model import compiled_profile
+    from titanc.passes.buffer_plan import buffer_report
+    from titanc.tools.cost_model import compiled_cost
 
-    prof = compiled_profile(compiled)
-    mem = memory_report(compiled.plans["training"], vocab_size)
+    prof = compiled_cost(compiled)
+    mem = buffer_report(compiled.plans["training"], vocab_size)
     ratio = mem["arena_bytes"] / max(1, mem["lower_bound_bytes"])
     return [f"kernels per training step: {prof['kernels']} launched on triton (a scan kernel "
             f"once), {prof['kernels_all']} counting scan bodies — " + ", ".join(
                 f"{f['kernels']} {name}" for name, f in prof["families"].items()),
-            f"memory plan: arena {_mib(mem['arena_bytes'])} (lower bound "
+            f"buffer plan: arena {_mib(mem['arena_bytes'])} (lower bound "
             f"{_mib(mem['lower_bound_bytes'])}, ratio {ratio:.3f}), persistent "
             f"{_mib(mem['persistent_bytes'])}, largest logits buffer {_mib(mem['logits_bytes'])}"]
 

@@ -3,11 +3,11 @@
     titanc inspect build/tiny                    kernel table + totals per category
     titanc inspect build/tiny --kernel NAME      one kernel's source (DIR/kernels/NAME.py)
     titanc inspect build/tiny --graph [--pass P] the IR after pass P as DOT (+ PNG with Graphviz)
-    titanc inspect build/tiny --memory           the memory plan summary
+    titanc inspect build/tiny --memory           the buffer plan summary
 
 The table reads report.json `kernels` ({name, category, flops, bytes, nodes}, plus
 `launches` and `depth` when the compiler wrote them). A scan kernel's FLOPs are its body's
-times its length (passes/schedule.py), and its body's kernels are listed too, so totals
+times its length (ir/schedule.py), and its body's kernels are listed too, so totals
 never add a scan's FLOPs to its body's: per-category totals count every other kernel once
 per launch (`launches`, the product of the enclosing scan lengths; 1 when unknown) and a
 scan contributes only its own traffic (carries, stacked results). When report.json has no
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 from titanc.errors import TitancError
 from titanc.runtime.diagnostics.timing import format_bytes, format_count
 
-__all__ = ["Artifact", "open_artifact", "kernel_rows", "resolved_rows", "category_totals",
+__all__ = ["BuildDir", "open_artifact", "kernel_rows", "resolved_rows", "category_totals",
            "is_scan", "kernel_table", "kernel_source", "pass_dumps", "pick_dump", "write_graph",
            "memory_summary", "step_table", "format_count", "format_bytes"]
 
@@ -40,7 +40,7 @@ _NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 @dataclass(frozen=True)
-class Artifact:
+class BuildDir:
     """A compiled artifact directory and its parsed report.json."""
     path: Path
     report: dict[str, Any]
@@ -53,7 +53,7 @@ class Artifact:
         return list(self.report.get("kernels", []))
 
 
-def open_artifact(path: str | Path) -> Artifact:
+def open_artifact(path: str | Path) -> BuildDir:
     """Check that `path` is a `titanc compile` output directory and parse its report."""
     p = Path(path)
     fix = f"create one with 'titanc compile SPEC -o {p}'"
@@ -76,7 +76,7 @@ def open_artifact(path: str | Path) -> Artifact:
             raise TitancError(f"{report}: kernels[{i}] is malformed (name and category must be "
                               f"strings, flops, bytes and nodes numbers); recompile with "
                               f"'titanc compile'")
-    return Artifact(p, data)
+    return BuildDir(p, data)
 
 
 def _kernel_row_ok(k: Any) -> bool:
@@ -102,7 +102,7 @@ def kernel_rows(compiled: Any) -> list[dict[str, Any]]:
     return rows(compiled)
 
 
-def resolved_rows(art: Artifact) -> tuple[list[dict[str, Any]], str]:
+def resolved_rows(art: BuildDir) -> tuple[list[dict[str, Any]], str]:
     """The kernel rows with `depth` and `launches`: from report.json when it has them, else
     by re-lowering manifest.json's spec (a compile, seconds) when that reproduces the
     report's kernel names. Returns (rows, note); the note says why counts are missing."""
@@ -148,7 +148,7 @@ def _category_key(c: str) -> tuple[int, str]:
     return (CATEGORY_ORDER.index(c) if c in CATEGORY_ORDER else len(CATEGORY_ORDER), c)
 
 
-def kernel_table(art: Artifact, limit: int | None = None,
+def kernel_table(art: BuildDir, limit: int | None = None,
                  rows: Sequence[dict[str, Any]] | None = None, note: str = "") -> str:
     """The kernel table (name, category, launches per step, FLOPs and bytes per launch,
     FLOPs/byte, IR nodes) and per-category totals. `rows` default to report.json's (see
@@ -206,7 +206,7 @@ def kernel_table(art: Artifact, limit: int | None = None,
 GRAPH_ORDER = ("training", "optimizer", "forward")   # report.json lists training + optimizer
 
 
-def kernel_source(art: Artifact, name: str) -> str:
+def kernel_source(art: BuildDir, name: str) -> str:
     """One kernel's source, header included. `name` is a kernel name, optionally qualified by
     its graph (`forward/NAME`: names repeat across the training, optimizer and forward
     schedules; unqualified, training wins). kernels/index.json (graph -> kernel -> module)
@@ -271,7 +271,7 @@ def _kernel_index(kdir: Path) -> dict[str, dict[str, str]]:
             for g, m in data.items() if isinstance(m, dict)}
 
 
-def _scan_body(art: Artifact, graphs: Sequence[str], name: str) -> str | None:
+def _scan_body(art: BuildDir, graphs: Sequence[str], name: str) -> str | None:
     """The loop-body function `def <graph>_<name>_body(...)` of program.py, if any."""
     program = art.file("program.py")
     if not program.exists():
@@ -304,7 +304,7 @@ def _choices(name: str, names: Sequence[str], where: str) -> str:
 
 # -- the IR as DOT ----------------------------------------------------------------------------
 
-def _manifest_spec(art: Artifact) -> Any:
+def _manifest_spec(art: BuildDir) -> Any:
     from titanc.model.spec import load_spec
 
     manifest = art.file("manifest.json")
@@ -318,7 +318,7 @@ def _manifest_spec(art: Artifact) -> Any:
     return load_spec({**spec, "name": spec.get("name") or art.report.get("name", "spec")})
 
 
-def pass_dumps(art: Artifact) -> list[tuple[str, Any]]:
+def pass_dumps(art: BuildDir) -> list[tuple[str, Any]]:
     """(NN_<pass>_<graph>, Graph) for every dump of the pipeline, re-lowered from the spec."""
     from titanc.compiler import compile_graphs
 
@@ -347,7 +347,7 @@ def pick_dump(dumps: Sequence[tuple[str, Any]], name: str | None) -> tuple[str, 
                       f"or a dump {', '.join(stages)}")
 
 
-def write_graph(art: Artifact, pass_name: str | None = None) -> tuple[str, list[Path], str]:
+def write_graph(art: BuildDir, pass_name: str | None = None) -> tuple[str, list[Path], str]:
     """Write DIR/graph_<pass>_<graph>.dot (and .png when Graphviz's `dot` is on PATH).
     Returns (dump name, files written, a note: '' or why there is no PNG / a mismatch)."""
     from titanc.ir import format_graph, to_dot
@@ -379,7 +379,7 @@ def write_graph(art: Artifact, pass_name: str | None = None) -> tuple[str, list[
 
 # -- the step before and after the pattern passes --------------------------------------------
 
-def step_table(art: Artifact) -> str:
+def step_table(art: BuildDir) -> str:
     """report.json `step` (titanc/tools/cost_model.py) as a table: per kernel family, kernels,
     launches, bytes and FLOPs per training step before -> after the pattern passes; '' when
     the report has no `step` section."""
@@ -411,9 +411,9 @@ def step_table(art: Artifact) -> str:
     return "\n".join(lines)
 
 
-# -- the memory plan --------------------------------------------------------------------------
+# -- the buffer plan --------------------------------------------------------------------------
 
-def memory_summary(art: Artifact, head: int = 40) -> str:
+def memory_summary(art: BuildDir, head: int = 40) -> str:
     """report.json `memory` (and `memory_forward`) plus the first `head` lines of
     memory_plan.txt."""
     lines = []

@@ -20,9 +20,9 @@ interpreted, so one process cannot do both):
 Results are cached on disk (`codegen.render.cache_dir() / "aot"`, keyed by the launch, the
 architecture and the Triton version), so a second run compiles nothing.
 
-    python -m titanc.codegen.aot examples/tiny.yaml --arch 80 90 [--allow-tf32] [--jobs 2]
+    python -m titanc.tools.aot examples/tiny.yaml --arch 80 90 [--allow-tf32] [--jobs 2]
 
-prints one JSON line per (launch, arch) and a summary table.
+prints one JSON line per (launch, arch) and a summary table (`titanc/tools/aot.py`).
 """
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ import io
 import json
 import os
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from titanc.codegen.render import cache_dir, load_module
+from titanc.config import triton_interpret_mode
 
 __all__ = ["Launch", "SHARED_LIMIT", "compile_launch", "record_launches", "compile_all"]
 
@@ -169,8 +169,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
         return json.loads(path.read_text())
     result: dict[str, Any] = {"name": launch.name, "arch": arch, "uses_dot": launch.uses_dot,
                               "scan": launch.is_scan, "matmul": launch.is_matmul}
-    os.environ.pop("TRITON_INTERPRET", None)
-    module = load_module(launch.source, launch.name)
+    module = load_module(launch.source, launch.name, interpret=False)
     fn = getattr(module, launch.name)
     index = {n: i for i, (n, _) in enumerate(launch.signature)}
     sig = dict(launch.signature)
@@ -229,55 +228,7 @@ def compile_all(launches: Iterable[Launch], archs: Iterable[int], jobs: int = 1
 
     launches = list(launches)
     items = [(asdict(l), a) for l in launches for a in archs]
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        with mp.get_context("spawn").Pool(max(1, jobs)) as pool:
-            results = pool.map(_compile_one, items, chunksize=1)
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
+    with triton_interpret_mode(None), mp.get_context("spawn").Pool(max(1, jobs)) as pool:
+        results = pool.map(_compile_one, items, chunksize=1)
     more = [{"serial": l.is_serial, "dot16": l.uses_dot16} for l in launches for _ in archs]
     return [r | m for r, m in zip(results, more)]
-
-
-def _main(argv: list[str]) -> int:
-    import argparse
-
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    from titanc.compiler import compile_graphs
-    from titanc.model.spec import load_spec, parse_set_args
-
-    from titanc.codegen.emit import GRAPHS
-
-    ap = argparse.ArgumentParser(prog="python -m titanc.codegen.aot")
-    ap.add_argument("spec")
-    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
-    ap.add_argument("--set", action="append", default=[], help="spec override key=value")
-    ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--skip-scan", action="store_true",
-                    help="leave out scan kernels (the slowest to compile)")
-    args = ap.parse_args(argv)
-    spec = load_spec(args.spec, parse_set_args(args.set))
-    compiled = compile_graphs(spec)
-    launches: dict[str, Launch] = {}
-    for g in GRAPHS:
-        for l in record_launches(compiled.plans[g], allow_tf32=spec.compile.allow_tf32):
-            if not (args.skip_scan and l.is_scan):
-                launches.setdefault(l.key(), l)
-    results = compile_all(launches.values(), args.arch, args.jobs)
-    for r in results:
-        print(json.dumps(r))
-    for arch in args.arch:
-        rs = [r for r in results if r["arch"] == arch]
-        ok = [r for r in rs if r["ok"]]
-        print(f"sm_{arch}: {len(ok)}/{len(rs)} compiled, max shared "
-              f"{max((r['shared'] for r in ok), default=0)} B (limit {SHARED_LIMIT[arch]}), "
-              f"max registers {max((r['registers'] or 0 for r in ok), default=0)}, "
-              f"spilling {sum(r['spill_bytes'] > 0 for r in ok)}, "
-              f"dot kernels with mma {sum(r['mma'] for r in ok if r['uses_dot'])}"
-              f"/{sum(r['uses_dot'] for r in ok)}", file=sys.stderr)
-    return 0 if all(r["ok"] for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""Kernel schedules: what fusion produces and codegen, the memory planner and the runtime consume.
+"""Kernel schedules: what fusion produces and codegen, the buffer planner and the runtime consume.
 
 A `Schedule` is a graph cut into `Kernel`s listed in execution order. Every non-INPUT node of
 the graph belongs to exactly one kernel; the ITEMs of a SCAN belong to the SCAN's kernel, and

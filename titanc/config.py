@@ -1,0 +1,158 @@
+"""The settings titanc reads from its environment, as one typed object with a scoped override.
+
+No other module reads or writes `os.environ` (tests/test_architecture.py checks it): the CLI
+entry point reads the environment once and runs its command in those settings (`using`); a
+program that never runs the CLI gets the same settings, read the first time it asks
+(`current`); code that wants other settings for a while says so in a scope:
+
+    with config.override(debug=2):          # fusion refusals printed, for this block only
+        fuse(g)
+
+| field          | variable              | meaning                                                   |
+|----------------|-----------------------|-----------------------------------------------------------|
+| `debug`        | `TITANC_DEBUG`        | 1: each pass and its time; 2: the IR after each pass and every refusal with its reason; 3: the generated kernels |
+| `scan_kernels` | `TITANC_SCAN_KERNELS` | 0: the triton target runs every scan as a host loop        |
+| `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules are written (default: a per-user temp dir) |
+| `threads`      | `TITANC_THREADS`      | torch CPU threads of `titanc train` (a positive integer)  |
+| `torchrun`     | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | the process group torchrun (or `titanc train --nproc`) describes |
+
+Two variables belong to libraries that read only their environment, so this module is also
+the one place that writes it: Triton's `TRITON_INTERPRET` (`triton_interpret`,
+`triton_interpret_mode`: Triton reads it when a kernel is decorated and launched) and the
+tokenizers library's `TOKENIZERS_PARALLELISM` (`set_worker_environment`, in a pool worker).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import contextlib
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from titanc.errors import TitancError
+
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Config:
+    debug: int = 0
+    scan_kernels: bool = True
+    cache_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir())
+                            / f"titanc-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    threads: int | None = None
+    torchrun: Mapping[str, str] = field(default_factory=dict)
+    invalid: Mapping[str, str] = field(default_factory=dict)   # variable -> its bad value
+
+    def threads_or_none(self) -> int | None:
+        """`threads`; TitancError naming TITANC_THREADS when it was set to something else
+        than a positive integer (raised where the count is used, so no other command fails)."""
+        if "TITANC_THREADS" in self.invalid:
+            raise TitancError(f"TITANC_THREADS={self.invalid['TITANC_THREADS'][:20]!r}: "
+                              f"expected a positive integer; unset it for the default")
+        return self.threads
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Config":
+        """The settings `env` names (a missing variable keeps its default; a malformed
+        TITANC_THREADS is kept in `invalid`, the others fall back to their default)."""
+        try:
+            debug = int(env.get("TITANC_DEBUG", "0") or 0)
+        except ValueError:
+            debug = 0
+        threads, invalid = None, {}
+        text = env.get("TITANC_THREADS", "").strip()
+        if text:
+            if not text.isdigit() or len(text) > 4 or int(text) < 1:
+                invalid["TITANC_THREADS"] = text
+            else:
+                threads = int(text)
+        more: dict[str, Any] = {}
+        if env.get("TITANC_CACHE_DIR"):
+            more["cache_dir"] = Path(env["TITANC_CACHE_DIR"])
+        return cls(debug=debug, scan_kernels=env.get("TITANC_SCAN_KERNELS", "1") != "0",
+                   threads=threads, torchrun={k: env[k] for k in TORCHRUN if k in env},
+                   invalid=invalid, **more)
+
+
+_DEFAULT: list[Config] = []                       # the process default, once loaded
+_SCOPED: ContextVar[Config | None] = ContextVar("titanc_config", default=None)
+
+
+def load_environment(env: Mapping[str, str] | None = None) -> Config:
+    """Read the environment (or `env`) into the process default (`current` does it on first
+    use)."""
+    cfg = Config.from_env(os.environ if env is None else env)
+    _DEFAULT[:] = [cfg]
+    return cfg
+
+
+@contextmanager
+def using(cfg: Config) -> Iterator[Config]:
+    """`cfg` in force inside the block (the CLI runs each command in the environment's)."""
+    token = _SCOPED.set(cfg)
+    try:
+        yield cfg
+    finally:
+        _SCOPED.reset(token)
+
+
+def current() -> Config:
+    """The settings in force: the innermost `override`, else the process default."""
+    scoped = _SCOPED.get()
+    if scoped is not None:
+        return scoped
+    if not _DEFAULT:
+        load_environment()
+    return _DEFAULT[0]
+
+
+def override(**changes: Any) -> "contextlib.AbstractContextManager[Config]":
+    """The current settings with `changes` (field names of `Config`) inside the block only."""
+    return using(replace(current(), **changes))
+
+
+def debug_level() -> int:
+    return current().debug
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """This process's environment plus `extra`, for a subprocess titanc starts."""
+    return {**os.environ, **extra}
+
+
+# -- variables other libraries read from the environment -----------------------------------------
+
+def triton_interpret() -> bool:
+    """Does Triton run kernels under its interpreter (`TRITON_INTERPRET`, as Triton sees it now)?"""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
+
+
+@contextmanager
+def triton_interpret_mode(on: bool | None) -> Iterator[None]:
+    """`TRITON_INTERPRET` set to `on` inside (unset for None), restored after. Triton reads it
+    when a kernel is decorated and again while launching (its interpreter imports modules
+    lazily), so a caller loads and runs interpreted kernels inside this; nothing outside sees
+    it."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if on is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def set_worker_environment(**values: str) -> None:
+    """Set variables a library reads, in a pool worker process that titanc started (e.g.
+    TOKENIZERS_PARALLELISM=false: one process per core already)."""
+    os.environ.update(values)

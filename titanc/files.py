@@ -1,0 +1,47 @@
+"""Writing files: `write_text_atomic` is the one text writer of run and artifact directories (a
+failed write leaves no `.tmp` behind and the old file unchanged), and every write failure is a
+one-line `TitancError` naming the path and the OS's reason (`writing_into`), never a traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from pathlib import Path
+from typing import Iterator
+
+from titanc.errors import TitancError
+
+__all__ = ["os_reason", "writing_into", "write_text_atomic"]
+
+
+def os_reason(exc: OSError) -> str:
+    """The OS's words for an error ('No space left on device'), not the errno tuple."""
+    return exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc)) or type(exc).__name__
+
+
+@contextlib.contextmanager
+def writing_into(directory: str | os.PathLike, what: str = "the run directory") -> Iterator[None]:
+    """Turn an OSError raised inside the block into a one-line TitancError naming the file."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else directory
+        fix = ("free some space" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+               else "choose a writable directory")
+        raise TitancError(f"cannot write {what} {directory}: {where}: {os_reason(exc)}; "
+                          f"{fix}") from None
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` through `PATH.tmp` and a rename; on any failure (a full disk)
+    the temporary file is removed and the old `path`, if any, is unchanged."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
