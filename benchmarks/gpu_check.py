@@ -1,79 +1,204 @@
-"""The first run on a GPU: does the triton target agree with the cpu target, and how fast is it?
+"""The GPU check: correctness of the triton target, and training-step throughput of titanc
+against titans-pytorch and torch.compile of the reference, on one fresh, offline GPU machine.
 
-    make venv && make gpu-check                 # or: .venv/bin/python benchmarks/gpu_check.py
-    .venv/bin/python benchmarks/gpu_check.py --quick          # small sizes, no throughput table
+    python3 benchmarks/gpu_check.py                       # everything, under a 480 s deadline
+    python3 benchmarks/gpu_check.py --deadline 300 --only checks,tiny_bf16,peer_tiny
+    python3 benchmarks/gpu_check.py --script first_step=benchmarks/first_step.py
+    DEV=cpu TRITON_INTERPRET=1 python3 benchmarks/gpu_check.py --toy   # the same paths, here
+    python3 benchmarks/gpu_check.py job KIND NAME         # one job (what the run starts)
+    python3 benchmarks/gpu_check.py summary               # the table of $OUT/results.jsonl
 
-Runs unattended, nothing downloaded. Checks, each printed PASS/FAIL (exit status 1 if any fail):
+Run from the checkout's root. Nothing is downloaded: titanc is laid out from the checkout as
+pyproject.toml's package-dir says (unless `import titanc` already works), titans-pytorch is
+installed from the wheels in .gpu/whl (`pip download` them beforehand, docs/gpu.md).
 
-  step/float32        one training step of each spec, triton vs cpu target (same initial weights,
-                      same tokens), float32 with exact dots: loss and every parameter after the
-                      AdamW update within 1e-4 relative (float32 reduction order differs)
-  step/float32+tf32   the same with compile.allow_tf32 (tensor cores): within 2e-2
-  step/bfloat16       the same with train.dtype bfloat16 (mixed precision, float32 masters):
-                      within 2e-2
-  decode              the triton program's token-by-token decode equals its own parallel
-                      forward (every position's logits), within 1e-3
-  decode/bfloat16     the same for a bfloat16 program, within 5e-2 of the largest logit
-  throughput          (without --quick) tokens/s, MFU and peak CUDA memory of a training step:
-                      titanc (triton, float32, tf32 and bfloat16) vs the eager reference and
-                      torch.compile of it (tests/reference), at the benchmark sizes
+Every check and every throughput job is its own process, all started at once, so Triton's
+one-kernel-at-a-time compiles overlap across the machine's cores; a timed loop takes a file lock,
+so one job times on the GPU at a time; at the deadline every job still running is killed, and
+each reports how far it got: its `compiled`, `first_step`, `warm` and `result` records in
+$OUT/results.jsonl ({"job", "phase", ...} per line). At the end one JSON ($OUT/results.json:
+device, jobs, what finished) and a table ($OUT/summary.txt, printed).
 
-Each check prints a `# name: {json}` line as it finishes; the throughput table runs after the
-first spec's checks; `--budget S` starts nothing past S seconds (reported NOT RUN), so a run
-under a time limit still reports what it finished.
-
-Without a CUDA device the same code runs on CPU (triton interpreted) at --quick sizes, which is
-how it is exercised in this repository; the throughput table needs CUDA and is skipped.
-Prints one JSON object (checks, throughput, device, load average) then a readable table.
+Checks (quick sizes; triton vs cpu target, same weights and tokens): a training step (loss and
+every parameter after AdamW) in float32 (1e-4), tf32 and bfloat16 (2e-2); decoding token by
+token against the parallel forward (1e-3; bfloat16 5e-2). Throughput: tokens/s, MFU, peak
+CUDA memory of one optimizer step, titanc (one CUDA graph per step) in float32, tf32 and
+bfloat16, titans-pytorch's MemoryAsContextTransformer (its default chunking and titanc's
+memory semantics, "matched"; float32 and bf16 autocast) and torch.compile of tests/reference,
+at tiny.yaml, the CPU benchmark's larger size (benchmarks/train_step.py --size large) and, for
+titanc, large_125m.yaml (grad_accum 1: one micro-batch per step; the peer is not run there). `--script NAME=PATH` adds a job that
+runs PATH with $GPU_CHECK_RESULTS (append records there) and $GPU_CHECK_DEADLINE (epoch s).
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
+import shutil
+import statistics
+import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+OUT = Path(os.environ.get("OUT", "/tmp/gpu-out"))
+RESULTS = OUT / "results.jsonl"
+DEV = os.environ.get("DEV", "cuda")
+TOY = json.loads(os.environ.get("GPU_CHECK_TOY", "{}"))   # --toy: every size shrunk
 
-import torch  # noqa: E402
-
-import titanc  # noqa: E402
-import tests.reference as R  # noqa: E402
-from titanc.tools.bench import step_flops  # noqa: E402
-from titanc.runtime.diagnostics.timing import device_name, peak_flops  # noqa: E402
-
-SPECS = ("tiny.yaml", "tiny_lmm.yaml", "tiny_attn.yaml")
 QUICK = {"model.d_model": 16, "model.n_layers": 1, "model.seq_len": 16, "model.vocab_size": 32,
          "model.ffn_hidden": 32, "train.batch_size": 1, "model.memory.chunk_size": 4,
          "model.attention.segment": 8, "model.attention.window": 8, "train.loss_chunk": 0}
+TOY_SIZES = {**QUICK, "model.n_layers": 1, "train.batch_size": 1, "train.grad_accum": 1,
+             "model.attention.heads": 2, "model.attention.persistent_tokens": 2,
+             "model.memory.heads": 2}
+BF16 = {"train.dtype": "bfloat16"}
+TF32 = {"compile.allow_tf32": True}
+LARGE = {"train.grad_accum": 1}        # large_125m: one micro-batch of 8 x 4096 per step
 
+# name: (spec, overrides, kind, tolerance)
+CHECKS = {
+    "chk_mac_f32": ("tiny.yaml", QUICK, "step", 1e-4),
+    "chk_mac_decode": ("tiny.yaml", QUICK, "decode", 1e-3),
+    "chk_mac_bf16": ("tiny.yaml", {**QUICK, **BF16}, "step", 2e-2),
+    "chk_mac_tf32": ("tiny.yaml", {**QUICK, **TF32}, "step", 2e-2),
+    "chk_mac_decode_bf16": ("tiny.yaml", {**QUICK, **BF16}, "decode", 5e-2),
+    "chk_lmm_f32": ("tiny_lmm.yaml", QUICK, "step", 1e-4),
+    "chk_lmm_bf16": ("tiny_lmm.yaml", {**QUICK, **BF16}, "step", 2e-2),
+    "chk_attn_bf16": ("tiny_attn.yaml", {**QUICK, **BF16}, "step", 2e-2),
+    "chk_mal_f32": ("tiny_mal.yaml", QUICK, "step", 1e-4),
+}
+# sizes: a spec file of examples/, or "bench_large" (benchmarks/train_step.py's large config)
+SIZE_OF = {"tiny": "tiny.yaml", "medium": "bench_large", "large": "large_125m.yaml"}
+SIZE_NOTE = {"tiny": "tiny.yaml", "medium": "train_step.py --size large",
+             "large": "large_125m.yaml, grad_accum 1"}
+# name: (size, overrides)
+TITANC = {
+    "tiny_f32": ("tiny", {}),
+    "tiny_tf32": ("tiny", TF32),
+    "tiny_bf16": ("tiny", BF16),
+    "attn_f32": ("tiny_attn.yaml", {}),
+    "attn_bf16": ("tiny_attn.yaml", BF16),
+    "medium_f32": ("medium", {}),
+    "medium_bf16": ("medium", BF16),
+    "large_bf16": ("large", {**LARGE, **BF16}),
+}
+# name: (size, [(matched, autocast bf16)])
+PEER = {
+    "peer_tiny": ("tiny", [(False, False), (False, True), (True, False), (True, True)]),
+    "peer_medium": ("medium", [(False, False), (False, True), (True, True)]),
+}
+# name: (size, torch.compile?)
+REF = {"ref_tiny_compile": ("tiny", True), "ref_medium_compile": ("medium", True)}
+GROUPS = {"checks": list(CHECKS), "titanc": list(TITANC), "peer": list(PEER), "ref": list(REF)}
+
+
+# -- records ---------------------------------------------------------------------------------------
+
+def emit(job: str, phase: str, **kv: Any) -> None:
+    """Append one record {job, phase, t, ...} to results.jsonl (and print it)."""
+    line = json.dumps({"job": job, "phase": phase, "t": round(time.time(), 2), **kv},
+                      default=str)
+    with open(RESULTS, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(line + "\n")
+    print(line, flush=True)
+
+
+class GpuLock:
+    """One timed loop on the GPU at a time (a file lock shared by every job)."""
+
+    def __enter__(self) -> "GpuLock":
+        self.f = open(OUT / "gpu.lock", "w")
+        t0 = time.perf_counter()
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        self.waited = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, *a: Any) -> None:
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
+
+
+def sync() -> None:
+    import torch
+    if torch.cuda.is_available() and DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(step: Callable[[], Any], rounds: int, per_round: int) -> tuple[list[float], float]:
+    """Seconds per step of `rounds` rounds of `per_round` steps (one sync per round: steps
+    queue as in training), under the GPU lock; and the seconds waited for the lock."""
+    out = []
+    with GpuLock() as lk:
+        for _ in range(rounds):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                step()
+            sync()
+            out.append((time.perf_counter() - t0) / per_round)
+    return out, lk.waited
+
+
+def peak_mib() -> float | None:
+    import torch
+    return (round(torch.cuda.max_memory_allocated() / 2**20, 1)
+            if torch.cuda.is_available() and DEV == "cuda" else None)
+
+
+def reset_peak() -> None:
+    import torch
+    if torch.cuda.is_available() and DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def spec_of(size: str, over: dict[str, Any]) -> Any:
+    """The validated spec of a size (or an example file), overrides and --toy applied."""
+    from titanc.model.spec import load_spec
+
+    name = SIZE_OF.get(size, size)
+    if name == "bench_large":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from train_step import config
+        return load_spec(config("large"), {**over, **TOY} or None)
+    return load_spec(ROOT / "examples" / name, {**over, **TOY} or None)
+
+
+def _rel(a: Any, b: Any) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-12))
+
+
+# -- checks ----------------------------------------------------------------------------------------
 
 def _compile(spec: str, target: str, over: dict[str, Any]) -> Any:
+    import torch
+    import titanc
+    import tests.reference as R
+
     prog = titanc.compile(ROOT / "examples" / spec, **{**over, "compile.target": target})
     params = R.init_params(prog.spec.model, seed=3, dtype=torch.float32)
     prog.load_state_dict({f"param.{k}": v for k, v in params.items()}, strict=False)
     return prog
 
 
-def _tokens(prog: Any, seed: int = 2) -> torch.Tensor:
+def _tokens(spec: Any, rows: int | None = None, seed: int = 2) -> Any:
+    import torch
     gen = torch.Generator().manual_seed(seed)
-    s = prog.spec
-    return torch.randint(0, s.model.vocab_size, (s.train.batch_size, s.model.seq_len + 1),
-                         generator=gen)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-12))
+    rows = rows or spec.train.batch_size * spec.train.grad_accum
+    return torch.randint(0, spec.model.vocab_size, (rows, spec.model.seq_len + 1), generator=gen)
 
 
 def check_step(spec: str, over: dict[str, Any], tol: float) -> dict[str, Any]:
+    """One training step on the triton and the cpu target from the same weights and tokens:
+    the loss and every parameter after the update within `tol` relative."""
     progs = {t: _compile(spec, t, over) for t in ("cpu", "triton")}
-    toks = _tokens(progs["cpu"])
+    toks = _tokens(progs["cpu"].spec)
     loss = {t: p.train_step(toks) for t, p in progs.items()}
     worst = max(_rel(progs["triton"].parameters()[n], p)
                 for n, p in progs["cpu"].parameters().items())
@@ -84,10 +209,12 @@ def check_step(spec: str, over: dict[str, Any], tol: float) -> dict[str, Any]:
 
 
 def check_decode(spec: str, over: dict[str, Any], tol: float) -> dict[str, Any]:
+    """Token-by-token decoding of the triton program equals its own parallel forward."""
+    import torch
     from titanc.runtime.serve.generate import Generator
 
     prog = _compile(spec, "triton", {**over, "train.batch_size": 1})
-    toks = _tokens(prog)
+    toks = _tokens(prog.spec, rows=1)
     n = prog.spec.model.seq_len
     want = prog.logits(toks)                         # [1, n, V]
     gen = Generator(prog)
@@ -98,132 +225,347 @@ def check_decode(spec: str, over: dict[str, Any], tol: float) -> dict[str, Any]:
     return {"ok": err <= tol, "logits_max_rel_err": err, "tolerance": tol}
 
 
-def _time(step: Callable[[], Any], steps: int, warmup: int) -> tuple[float, int]:
-    cuda = torch.cuda.is_available()
-    for _ in range(warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+def run_check(name: str) -> None:
+    spec, over, kind, tol = CHECKS[name]
     t0 = time.perf_counter()
-    for _ in range(steps):
+    r = check_step(spec, over, tol) if kind == "step" else check_decode(spec, over, tol)
+    emit(name, "result", seconds=round(time.perf_counter() - t0, 1), **r)
+
+
+# -- throughput ------------------------------------------------------------------------------------
+
+def _rounds() -> tuple[int, int]:
+    return (2, 1) if TOY else (5, 10)
+
+
+def run_titanc(name: str) -> None:
+    """titanc on the triton target: compile, first step (cold kernels), warm-up (the second
+    step captures the CUDA graph), then timed steps; each phase reported as it ends."""
+    import torch
+    import titanc
+    from titanc.tools.bench import step_flops
+    from titanc.runtime.diagnostics.timing import device_name, peak_flops
+
+    size, over = TITANC[name]
+    spec = spec_of(size, {**over, "compile.target": "triton"})
+    t0 = time.perf_counter()
+    prog = titanc.compile(spec)
+    toks = _tokens(prog.spec)
+    ntok = prog.spec.train.grad_accum * prog.spec.train.batch_size * prog.spec.model.seq_len
+    emit(name, "compiled", compile_s=round(time.perf_counter() - t0, 1), tokens_per_step=ntok,
+         size=SIZE_NOTE.get(size, size), layers=prog.spec.model.n_layers,
+         dtype=prog.spec.train.dtype, tf32=bool(prog.spec.compile.allow_tf32))
+    t0 = time.perf_counter()
+    prog.advance(toks)
+    loss0 = prog.last["loss"]
+    emit(name, "first_step", first_step_s=round(time.perf_counter() - t0, 1), loss=loss0)
+    t0 = time.perf_counter()
+    for _ in range(2):
+        prog.advance(toks)
+    sync()
+    emit(name, "warm", warm2_s=round(time.perf_counter() - t0, 3),
+         cuda_graph=prog._step_graph is not None)
+    t0 = time.perf_counter()
+    n_host = 3 if TOY else 20
+    for _ in range(n_host):                          # what the host spends per step (queued)
+        prog.advance(toks)
+    host_us = 1e6 * (time.perf_counter() - t0) / n_host
+    reset_peak()
+    rounds, per = _rounds()
+    times, waited = timed(lambda: prog.advance(toks), rounds, per)
+    med = statistics.median(times)
+    torch.backends.cuda.matmul.allow_tf32 = bool(prog.spec.compile.allow_tf32)
+    fl = peak_flops(device_name("triton"), str(prog.spec.train.dtype))
+    flops = step_flops(prog.compiled)
+    launches = sum(getattr(ex, "launches_per_run", lambda: 0)()
+                   for ex in prog._executors.values())
+    emit(name, "result", ms_median=round(1e3 * med, 4), ms_min=round(1e3 * min(times), 4),
+         tokens_per_s=round(ntok / med), step_gflop=round(flops / 1e9, 3),
+         mfu=(flops / med / fl) if fl else None, peak_cuda_mib=peak_mib(),
+         loss_first=loss0, loss_after=prog.last["loss"], host_us_per_step=round(host_us, 1),
+         lock_wait_s=round(waited, 1), launches_per_step=launches)
+
+
+def _titans_model(torch: Any, s: Any, matched: bool) -> Any:
+    from titans_pytorch import MemoryAsContextTransformer
+    m = s.model
+    att, mem = m.attention, m.memory
+    D = m.d_model
+    model = MemoryAsContextTransformer(
+        num_tokens=m.vocab_size, dim=D, depth=m.n_layers, segment_len=att.segment,
+        num_persist_mem_tokens=att.persistent_tokens, num_longterm_mem_tokens=0,
+        neural_memory_segment_len=1 if matched else mem.chunk_size,
+        neural_memory_batch_size=mem.chunk_size if matched else None,
+        dim_head=D // att.heads, heads=att.heads, ff_mult=4, num_residual_streams=1,
+        neural_memory_kwargs=dict(
+            heads=mem.heads, dim_head=D // mem.heads, momentum=True,
+            mem_model_norm_add_residual=False, default_step_transform_max_lr=mem.lr_max,
+            activation=torch.nn.SiLU(),
+            default_model_kwargs=dict(depth=mem.depth, expansion_factor=float(mem.expansion))))
+    for p in model.parameters():
+        p.data = p.data.clone()
+    return model.to(DEV)
+
+
+def _adamw_loop(torch: Any, params: list[Any], s: Any, loss_fn: Callable[[], Any],
+                bf16: bool) -> Callable[[], Any]:
+    opt = torch.optim.AdamW(params, lr=s.train.lr, betas=tuple(s.train.betas),
+                            weight_decay=s.train.weight_decay)
+
+    def step() -> Any:
+        with torch.autocast("cuda" if DEV == "cuda" else "cpu", dtype=torch.bfloat16,
+                            enabled=bf16):
+            loss = loss_fn()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, s.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def _time_torch(job: str, step: Callable[[], Any], ntok: int, **extra: Any) -> None:
+    t0 = time.perf_counter()
+    loss0 = float(step().detach())
+    emit(job, "first_step", first_step_s=round(time.perf_counter() - t0, 1), loss=loss0)
+    for _ in range(2):
         step()
-    if cuda:
-        torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
-    return (time.perf_counter() - t0) / steps, peak
+    reset_peak()
+    rounds, per = _rounds()
+    times, waited = timed(step, rounds, per)
+    med = statistics.median(times)
+    emit(job, "result", ms_median=round(1e3 * med, 4), ms_min=round(1e3 * min(times), 4),
+         tokens_per_s=round(ntok / med), peak_cuda_mib=peak_mib(), loss_first=loss0,
+         lock_wait_s=round(waited, 1), tokens_per_step=ntok, **extra)
 
 
-def throughput(spec: str, steps: int, warmup: int) -> list[dict[str, Any]]:
-    rows = []
-    for label, tf32, dtype in (("titanc triton float32", False, "float32"),
-                               ("titanc triton tf32", True, "float32"),
-                               ("titanc triton bfloat16", False, "bfloat16")):
-        prog = _compile(spec, "triton", {"compile.allow_tf32": tf32, "train.dtype": dtype})
-        toks = _tokens(prog)
-        sec, peak = _time(lambda: prog.train_step(toks), steps, warmup)
-        torch.backends.cuda.matmul.allow_tf32 = tf32   # what peak_flops reads
-        fl = peak_flops(device_name("triton"), dtype)
-        rows.append({"name": label, "sec_per_step": sec, "tokens_per_s": toks[:, 1:].numel() / sec,
-                     "mfu": step_flops(prog.compiled) / sec / fl if fl else None,
-                     "peak_cuda_bytes": peak})
-    torch.backends.cuda.matmul.allow_tf32 = False
-    prog = _compile(spec, "cpu", {})
-    s, toks = prog.spec, _tokens(prog)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for label, compiled in (("eager reference", False), ("torch.compile(reference)", True)):
-        params = {k: v.to(dev).requires_grad_(True)
-                  for k, v in R.init_params(s.model, 0, torch.float32).items()}
-        opt = torch.optim.AdamW(params.values(), lr=s.train.lr, betas=s.train.betas,
-                                weight_decay=s.train.weight_decay)
-        fn = torch.compile(R.forward_loss) if compiled else R.forward_loss
-        t = toks.to(dev)
-
-        def step() -> None:
-            loss = fn(params, t, s.model)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(params.values()), s.train.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        sec, peak = _time(step, steps, warmup)
-        fl = peak_flops(device_name("triton"), "float32")
-        rows.append({"name": label, "sec_per_step": sec, "tokens_per_s": t[:, 1:].numel() / sec,
-                     "mfu": step_flops(prog.compiled) / sec / fl if fl else None,
-                     "peak_cuda_bytes": peak})
-    return rows
+def run_peer(name: str) -> None:
+    """titans-pytorch 0.5.5 at the size's config, each variant in turn (one process)."""
+    import torch
+    size, variants = PEER[name]
+    s = spec_of(size, {})
+    ntok = s.train.batch_size * s.model.seq_len
+    for matched, bf16 in variants:
+        job = f"{name}_{'matched' if matched else 'default'}_{'bf16' if bf16 else 'f32'}"
+        try:
+            torch.manual_seed(0)
+            model = _titans_model(torch, s, matched)
+            toks = _tokens(s, rows=s.train.batch_size).to(DEV)
+            step = _adamw_loop(torch, list(model.parameters()), s,
+                               lambda: model(toks, return_loss=True), bf16)
+            _time_torch(job, step, ntok, size=SIZE_NOTE[size], layers=s.model.n_layers,
+                        parameters=sum(p.numel() for p in model.parameters()))
+            del model, step
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:
+            emit(job, "error", error=f"{type(e).__name__}: {e}"[:600])
 
 
-def _throughput_rows(spec: str, steps: int, warmup: int) -> list[dict[str, Any]]:
-    """`throughput`, a crash reported as a row (the checks still get printed)."""
+def run_ref(name: str) -> None:
+    """tests/reference (the eager float32 model), under torch.compile or not."""
+    import torch
+    import tests.reference as R
+    size, compiled = REF[name]
+    s = spec_of(size, {})
+    params = {k: v.to(DEV).requires_grad_(True)
+              for k, v in R.init_params(s.model, 0, torch.float32).items()}
+    fn = torch.compile(R.forward_loss) if compiled else R.forward_loss
+    toks = _tokens(s, rows=s.train.batch_size).to(DEV)
+    step = _adamw_loop(torch, list(params.values()), s, lambda: fn(params, toks, s.model), False)
+    _time_torch(name, step, s.train.batch_size * s.model.seq_len, size=SIZE_NOTE[size])
+
+
+def run_script(name: str, path: str) -> None:
+    """An added job: `path` run with the results file and the deadline in its environment."""
+    r = subprocess.run([sys.executable, str(ROOT / path)], cwd=ROOT)
+    if r.returncode:
+        emit(name, "error", error=f"{path} exited with {r.returncode}")
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def _site(tmp: Path) -> dict[str, str]:
+    """PYTHONPATH entries for the jobs: titanc laid out from the checkout (package-dir) unless
+    it imports already (GPU_CHECK_LAYOUT=1 lays it out anyway); titans-pytorch installed from
+    .gpu/whl (once)."""
+    paths = [str(ROOT)]
+    probe = subprocess.run([sys.executable, "-c", "import titanc"], capture_output=True,
+                           cwd="/")
+    if probe.returncode or os.environ.get("GPU_CHECK_LAYOUT"):
+        site = tmp / "site"
+        shutil.rmtree(site, ignore_errors=True)
+        shutil.copytree(ROOT / "titanc", site / "titanc")
+        for p in ("ir", "passes", "codegen", "runtime"):
+            shutil.copytree(ROOT / p, site / "titanc" / p)
+        paths.insert(0, str(site))
+    peer = tmp / "peer"
+    wheels = sorted((ROOT / ".gpu" / "whl").glob("*.whl"))
+    if wheels and not peer.exists():
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
+                            "--no-deps", "--no-compile", "--target", str(peer),
+                            *map(str, wheels)], capture_output=True, text=True)
+        if r.returncode:
+            print(f"peer wheels failed: {r.stderr[-300:]}", flush=True)
+    return {"titanc": os.pathsep.join(paths),
+            "peer": os.pathsep.join([str(peer), *paths]) if peer.exists() else ""}
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    t_start = time.time()
+    OUT.mkdir(parents=True, exist_ok=True)
+    RESULTS.unlink(missing_ok=True)
+    logs = OUT / "logs"
+    logs.mkdir(exist_ok=True)
+    names: list[str] = []
+    for item in (args.only.split(",") if args.only else list(GROUPS)):
+        names += GROUPS.get(item, [item])
+    scripts = dict(s.split("=", 1) for s in args.script)
+    names += list(scripts)
+    paths = _site(Path(os.environ.get("GPU_CHECK_TMP", "/tmp/gpu-check")))   # not under $OUT
+    env = {**os.environ, "OUT": str(OUT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "GPU_CHECK_RESULTS": str(RESULTS), "GPU_CHECK_DEADLINE": str(t_start + args.deadline)}
+    if args.toy:
+        env.update(GPU_CHECK_TOY=json.dumps(TOY_SIZES), DEV="cpu", TRITON_INTERPRET="1")
+    procs: dict[str, tuple[subprocess.Popen, Any]] = {}
+    for name in names:
+        kind = next((k for k, v in GROUPS.items() if name in v), "script" if name in scripts
+                    else None)
+        if kind is None:
+            print(f"gpu_check: unknown job {name} (jobs: {', '.join(sum(GROUPS.values(), []))})")
+            return 2
+        if kind == "peer" and not paths["peer"]:
+            emit(name, "error", error="no titans-pytorch wheels in .gpu/whl (docs/gpu.md)")
+            continue
+        cmd = [sys.executable, str(Path(__file__).resolve()), "job", kind, name]
+        if kind == "script":
+            cmd.append(scripts[name])
+        log = open(logs / f"{name}.log", "w")
+        job_env = {**env, "PYTHONPATH": paths["peer" if kind == "peer" else "titanc"]}
+        if kind == "ref":                    # inductor's compile workers would take every core
+            job_env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        procs[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                        env=job_env), log)
+    ended: dict[str, Any] = {}
+    while len(ended) < len(procs) and time.time() - t_start < args.deadline:
+        for name, (p, _) in procs.items():
+            if name not in ended and p.poll() is not None:
+                ended[name] = {"rc": p.returncode, "at_s": round(time.time() - t_start, 1)}
+                print(f"# {name} rc={p.returncode} at {ended[name]['at_s']} s", flush=True)
+        time.sleep(1)
+    for name, (p, log) in procs.items():
+        if name not in ended:
+            p.kill()
+            p.wait()
+            ended[name] = {"rc": "killed at the deadline", "at_s": round(time.time() - t_start)}
+        log.close()
+    report = summary_json(ended, time.time() - t_start, args.deadline)
+    (OUT / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    text = table(report)
+    (OUT / "summary.txt").write_text(text)
+    print(json.dumps({k: report[k] for k in ("device", "seconds", "deadline_s")}))
+    print(text)
+    return 0 if all(r.get("ok") is not False for r in report["jobs"].values()) else 1
+
+
+def _records() -> dict[str, dict[str, Any]]:
+    last: dict[str, dict[str, Any]] = {}
+    if RESULTS.exists():
+        for line in RESULTS.read_text().splitlines():
+            r = json.loads(line)
+            last.setdefault(r["job"], {}).update(r)
+    return last
+
+
+def summary_json(ended: dict[str, Any], seconds: float, deadline: float) -> dict[str, Any]:
+    import platform
+    device = "cpu"
     try:
-        rows = throughput(spec, steps, warmup)
+        import torch
+        if torch.cuda.is_available() and DEV == "cuda":
+            device = torch.cuda.get_device_name()
+    except Exception:
+        pass
+    return {"device": device, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "seconds": round(seconds, 1), "deadline_s": deadline, "toy": bool(TOY) or None,
+            "processes": ended, "jobs": _records(), "loadavg": os.getloadavg()}
+
+
+def table(report: dict[str, Any]) -> str:
+    """The readable table: checks, then throughput rows with their progress."""
+    lines = [f"{report['device']}, {report['date']}, {report['seconds']} s "
+             f"(deadline {report['deadline_s']} s)", ""]
+    jobs = report["jobs"]
+    for name, r in sorted(jobs.items()):
+        if "ok" in r:
+            status = "PASS" if r["ok"] else "FAIL"
+            lines.append(f"{status:5s} {name:28s} " + ", ".join(
+                f"{k}={v:.3g}" for k, v in r.items() if isinstance(v, float) and k != "t"))
+    lines += ["", f"{'job':34s} {'tokens/step':>11s} {'ms/step':>9s} {'tokens/s':>10s} "
+                  f"{'MFU':>6s} {'peak MiB':>9s}  notes"]
+    for name, r in sorted(jobs.items()):
+        if "ok" in r:
+            continue
+        notes = [str(r[k]) for k in ("size",) if k in r]
+        if "layers" in r:
+            notes.append(f"{r['layers']} layers")
+        for k, unit in (("compile_s", "s compile"), ("first_step_s", "s first step"),
+                        ("host_us_per_step", "us host/step"), ("launches_per_step", "launches")):
+            if r.get(k) is not None:
+                notes.append(f"{r[k]} {unit}")
+        if r["phase"] == "error":
+            notes.append("ERROR " + str(r.get("error"))[:160])
+        elif r["phase"] != "result":
+            notes.append(f"reached {r['phase']} only")
+        if "ms_median" in r:
+            mfu = f"{100 * r['mfu']:.2f}%" if r.get("mfu") else "-"
+            lines.append(f"{name:34s} {r.get('tokens_per_step', '-'):>11} "
+                         f"{r['ms_median']:9.3f} {r['tokens_per_s']:10,} {mfu:>6s} "
+                         f"{r.get('peak_cuda_mib') or '-':>9}  {', '.join(notes)}")
+        else:
+            lines.append(f"{name:34s} {r.get('tokens_per_step', '-'):>11} {'-':>9s} {'-':>10s} "
+                         f"{'-':>6s} {'-':>9s}  {', '.join(notes)}")
+    silent = [n for n in report.get("processes", {}) if n not in jobs
+               and not any(j.startswith(n + "_") for j in jobs)]
+    if silent:
+        lines += ["", "no record (killed before its first phase, or crashed):"]
+        lines += [f"  {n}: {report['processes'][n]}" for n in silent]
+    return "\n".join(lines) + "\n"
+
+
+def run_job(kind: str, name: str, extra: list[str]) -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT))
+    try:
+        if kind == "script":
+            run_script(name, extra[0])
+        else:
+            {"checks": run_check, "titanc": run_titanc, "peer": run_peer,
+             "ref": run_ref}[kind](name)
     except Exception as e:
-        rows = [{"name": "throughput", "error": f"{type(e).__name__}: {e}"[:500]}]
-    print(f"# throughput: {json.dumps(rows, default=str)}", flush=True)
-    return rows
+        emit(name, "error", error=f"{type(e).__name__}: {e}"[:800],
+             trace=traceback.format_exc()[-1500:])
+        return 1
+    return 0
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["job"]:
+        return run_job(argv[1], argv[2], argv[3:])
+    if argv[:1] == ["summary"]:
+        print(table(summary_json({}, 0.0, 0.0)))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes, no throughput table")
-    ap.add_argument("--specs", default=",".join(SPECS))
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--budget", type=float, default=0.0,
-                    help="seconds: start no check or throughput run past this (0: no limit); "
-                         "what is skipped is reported NOT RUN")
-    args = ap.parse_args()
-    t_start = time.perf_counter()
-
-    def over_budget() -> bool:
-        return bool(args.budget) and time.perf_counter() - t_start > args.budget
-
-    cuda = torch.cuda.is_available()
-    over = QUICK if args.quick or not cuda else {}
-    checks: dict[str, dict[str, Any]] = {}
-    rows: list[dict[str, Any]] = []
-    for i, spec in enumerate(args.specs.split(",")):
-        if i == 1 and cuda and not args.quick and not over_budget():
-            rows = _throughput_rows(SPECS[0], args.steps, args.warmup)
-        for name, fn in ((f"{spec} step/float32", lambda: check_step(spec, over, 1e-4)),
-                         (f"{spec} decode", lambda: check_decode(spec, over, 1e-3)),
-                         (f"{spec} step/bfloat16",
-                          lambda: check_step(spec, {**over, "train.dtype": "bfloat16"}, 2e-2)),
-                         (f"{spec} step/float32+tf32",
-                          lambda: check_step(spec, {**over, "compile.allow_tf32": True}, 2e-2)),
-                         (f"{spec} decode/bfloat16",
-                          lambda: check_decode(spec, {**over, "train.dtype": "bfloat16"}, 5e-2))):
-            if over_budget():
-                checks[name] = {"ok": None, "error": "not run: past --budget"}
-                continue
-            t0 = time.perf_counter()
-            try:
-                checks[name] = fn()
-            except Exception as e:  # a crash is a failed check, reported with the others
-                checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
-            checks[name]["seconds"] = time.perf_counter() - t0
-            print(f"# {name}: {json.dumps(checks[name], default=str)}", flush=True)
-    if not rows and cuda and not args.quick and not over_budget():
-        rows = _throughput_rows(SPECS[0], args.steps, args.warmup)
-    print(json.dumps({"device": device_name("triton"), "cuda": cuda, "checks": checks,
-                      "throughput": rows, "loadavg": os.getloadavg()}, default=str))
-    for name, c in checks.items():
-        status = {True: "PASS", False: "FAIL", None: "NOT RUN"}[c["ok"]]
-        detail = c.get("error") or ", ".join(f"{k}={v:.3g}" for k, v in c.items()
-                                             if isinstance(v, float))
-        print(f"{status:8s} {name:32s} {detail}")
-    if rows:
-        print(f"\n{'':26s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>7s} {'peak MiB':>9s}")
-        for r in rows:
-            if "error" in r:
-                print(f"{r['name']:26s} FAILED: {r['error']}")
-                continue
-            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-            print(f"{r['name']:26s} {1e3 * r['sec_per_step']:9.2f} {r['tokens_per_s']:10.0f} "
-                  f"{mfu:>7s} {r['peak_cuda_bytes'] / 2**20:9.1f}")
-    return 0 if all(c["ok"] is not False for c in checks.values()) else 1
+    ap.add_argument("--deadline", type=float, default=480.0,
+                    help="seconds after which every job still running is killed")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated groups (checks, titanc, peer, ref) or job names")
+    ap.add_argument("--script", action="append", default=[], metavar="NAME=PATH",
+                    help="an added job: run PATH (records appended to $GPU_CHECK_RESULTS)")
+    ap.add_argument("--toy", action="store_true",
+                    help="every size shrunk, on CPU with Triton's interpreter (a dry run)")
+    return orchestrate(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ import yaml
 
 import titanc
 from titanc.model.params import param_count
-from titanc.runtime.data.datasets import SyntheticRecall
+from titanc.runtime.data.datasets import RecallLayout, SyntheticRecall
 from titanc.runtime.diagnostics.neural_memory import memory_stats
 from titanc.model.spec import load_spec
 
@@ -69,8 +70,9 @@ SPEC: dict[str, Any] = {
     "data": {"source": "synthetic:recall"},
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
+NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8}
 CURRICULUM = "32:1500,128:600,272:400"
-DISTANCES = "8,16,32,64,128,256,512"
+DISTANCES = "8,16,32,64,128,256,512,1024"
 BLOCKS = "lmm,mac,mag,mal,attn"
 EVAL_ROWS = 256                # held-out sequences per distance (4 queries each)
 EVAL_SEED = 12345
@@ -119,8 +121,75 @@ def eval_seq_len(distance: int) -> int:
     return ALIGN * math.ceil(need / ALIGN)
 
 
-def task_for(seq_len: int, seed: int) -> SyntheticRecall:
-    return SyntheticRecall(seq_len, SPEC["model"]["vocab_size"], seed=seed, **TASK)
+# the needle-in-a-haystack filler: the repository's own prose (code spans and blocks dropped,
+# lower-cased, letters only), each character mapped to one of the filler tokens (space and the
+# 14 commonest letters get their own token, the other letters share the last)
+HAYSTACK_FILES = ("README.md", "docs/architecture.md", "docs/semantics.md")
+HAYSTACK_CHARS = " etasnroilcdhpm"
+
+
+class NeedleRecall:
+    """S-NIAH: one key-value needle (a key token, then a value token) somewhere in a stream of
+    natural-text filler, the key again as the last input token: the model must predict the
+    value. Same vocabulary split as the pairs task (keys, values, then filler tokens for the
+    text); `distance` puts the needle's value `distance` positions before the query key.
+    Training windows come from the first 90 % of the text, held-out ones from the rest."""
+
+    def __init__(self, seq_len: int, vocab_size: int, seed: int = 0, n_keys: int = 8,
+                 n_values: int = 8, **_: Any):
+        length = seq_len + 1
+        f_lo = n_keys + n_values
+        if vocab_size - f_lo < len(HAYSTACK_CHARS) + 1:
+            raise SystemExit(f"--task niah needs model.vocab_size >= "
+                             f"{f_lo + len(HAYSTACK_CHARS) + 1}")
+        self.seq_len = seq_len
+        self.layout = RecallLayout(length, 1, 1, (0, n_keys), (n_keys, f_lo),
+                                   (f_lo, f_lo + len(HAYSTACK_CHARS) + 1))
+        text = "\n".join((ROOT.parent / f).read_text() for f in HAYSTACK_FILES).lower()
+        text = re.sub(r"```.*?```|`[^`]*`", " ", text, flags=re.S)     # prose, not code
+        words = re.sub(r"[^a-z]+", " ", text).split()
+        table = {c: f_lo + i for i, c in enumerate(HAYSTACK_CHARS)}
+        other = f_lo + len(HAYSTACK_CHARS)
+        ids = torch.tensor([table.get(c, other) for c in " ".join(words)])
+        cut = int(0.9 * len(ids))
+        self.text = {"train": ids[:cut], "val": ids[cut:]}
+        if len(self.text["val"]) <= length:
+            raise SystemExit(f"--task niah: the held-out text ({len(self.text['val'])} "
+                             f"characters) is shorter than a sequence ({length})")
+
+    @property
+    def chance(self) -> float:
+        lo, hi = self.layout.value_range
+        return 1.0 / (hi - lo)
+
+    @property
+    def max_distance(self) -> int:
+        return self.layout.length - 3          # needle at positions 0, 1; query key last
+
+    def batch(self, n: int, split: str = "train", generator: torch.Generator | None = None,
+              distance: int | None = None) -> torch.Tensor:
+        L, lay = self.layout.length, self.layout
+        text = self.text["val" if split == "val" else "train"]
+        d = self.max_distance if distance is None else distance
+        start = torch.randint(0, len(text) - L, (n,), generator=generator)
+        out = text[start[:, None] + torch.arange(L)]
+        keys = torch.randint(*lay.key_range, (n,), generator=generator)
+        values = torch.randint(*lay.value_range, (n,), generator=generator)
+        p0 = L - 2 - d - 1                      # needle key; its value sits d before the query
+        out[:, p0], out[:, p0 + 1] = keys, values
+        out[:, L - 2], out[:, L - 1] = keys, values
+        return out
+
+    def accuracy(self, prog: Any, tokens: torch.Tensor) -> float:
+        pos = self.layout.query_positions
+        pred = prog.logits(tokens)[:, pos].argmax(dim=-1)
+        return float((pred == tokens[:, pos + 1]).double().mean())
+
+
+def task_for(seq_len: int, seed: int) -> SyntheticRecall | NeedleRecall:
+    kind = NeedleRecall if TASK.get("kind") == "niah" else SyntheticRecall
+    return kind(seq_len, SPEC["model"]["vocab_size"], seed=seed,
+                **{k: v for k, v in TASK.items() if k != "kind"})
 
 
 def parse_curriculum(text: str) -> list[tuple[int, int]]:
@@ -133,7 +202,8 @@ def parse_curriculum(text: str) -> list[tuple[int, int]]:
 
 def train_one(block: str, seed: int, stages: list[tuple[int, int]], distances: list[int],
               overrides: dict[str, Any], budget_s: float, window: int,
-              metrics: Path | None = None, fixed: bool = False) -> dict[str, Any]:
+              metrics: Path | None = None, fixed: bool = False,
+              save: Path | None = None) -> dict[str, Any]:
     """Train one model through the curriculum within `budget_s` CPU seconds; score it."""
     total = sum(n for _, n in stages)
     gen = torch.Generator().manual_seed(seed)
@@ -166,6 +236,9 @@ def train_one(block: str, seed: int, stages: list[tuple[int, int]], distances: l
         if truncated:
             break
     cpu_s = time.process_time() - t0
+    if save is not None:
+        save.mkdir(parents=True, exist_ok=True)
+        torch.save(state, save / f"{block}_seed{seed}.pt")
     acc = {}
     for d in distances:       # one program per distance, at the shortest length that holds it
         T = eval_seq_len(d)
@@ -250,8 +323,16 @@ def main() -> None:
                     help=f"append memory diagnostics (runtime/diagnostics/neural_memory.py) every "
                          f"{METRICS_EVERY} steps to this JSONL file")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--task", choices=("pairs", "niah"), default="pairs",
+                    help="pairs: 4 key-value pairs, random filler, 4 queries (default); niah: "
+                         "one key-value needle in the repository's prose, the key again last")
+    ap.add_argument("--save", default=None,
+                    help="directory to save each trained model's state (BLOCK_seedN.pt)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.task == "niah":
+        TASK.clear()
+        TASK.update(NIAH_TASK)
     if args.quick:
         args.curriculum, args.distances = "32:100", "8,16,64"
     overrides = {}
@@ -280,7 +361,8 @@ def main() -> None:
     for seed in seeds:
         for block in args.blocks.split(","):
             r = train_one(block, seed, stages, distances, overrides, args.budget, window,
-                          metrics, args.train_distance == "max")
+                          metrics, args.train_distance == "max",
+                          Path(args.save) if args.save else None)
             rows.append(r)
             print(f"# {block} seed {seed}: {r['steps']} steps, {r['cpu_s']} cpu s, "
                   f"acc {r['accuracy']}", flush=True)
@@ -288,7 +370,7 @@ def main() -> None:
             summary = summarize(rows, distances)
             result = {"config": config, "results": rows, "summary": summary}
             out.write_text(json.dumps(result, indent=2) + "\n")
-            title = (f"recall vs distance: curriculum {args.curriculum}, "
+            title = (f"recall vs distance ({args.task}): curriculum {args.curriculum}, "
                      f"≤{args.budget:.0f} CPU s/model")
             seeds = {b: sum(r["block"] == b for r in rows) for b in summary}
             plot(out.with_suffix(".png"), summary, distances, chance, window, title, seeds)

@@ -44,11 +44,11 @@ def compile_artifact(out: Path) -> None:
 
 
 class Server:
-    def __init__(self, artifact: Path, slots: int, max_queue: int):
+    def __init__(self, artifact: Path, slots: int, max_queue: int, *extra: str):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "titanc", "serve", str(artifact), "--port", "0", "--threads",
-             "1", "--slots", str(slots), "--max-queue", str(max_queue)],
+             "1", "--slots", str(slots), "--max-queue", str(max_queue), *extra],
             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout],  # type: ignore

@@ -11,16 +11,17 @@
     kernels/index.json    graph -> kernel name -> module file (the deduplication mapping; a
                           kernel of a scan body that runs as one scan kernel maps to that
                           scan kernel's module);
-    program.py            one straight-line function per graph that creates the planned views
-                          of its arena and persistent region and launches the kernels in
-                          schedule order. A scan is what the triton target runs: one launch
-                          of its scan kernel (`codegen.scan`, written to kernels/ like
-                          the others), or, where the scan cannot be one kernel, a launch of
-                          its prologue gathers (`ir.schedule.prologue_kernel`, if any)
-                          and a `for` loop over a function running one step of its body in
-                          the scan's workspace, copying nothing: where each iteration reads
-                          and writes is `ir.buffer_plan.ScanHomes`, the same object the
-                          executors bind, so the loop is stated once.
+    program.py            a printout of each graph's lowered program (`codegen.lowered`, the
+                          list of steps the cpu and triton targets walk too): one
+                          straight-line function per graph that creates the planned views of
+                          its arena and persistent region and runs the steps in order. A
+                          `ScanLaunch` is one launch of its scan kernel (`codegen.scan`,
+                          written to kernels/ like the others); a `ScanLoop` a launch of its
+                          prologue gathers (if any) and a `for` loop over a function running
+                          one step of its body in the scan's workspace, copying nothing:
+                          where each iteration reads and writes is
+                          `ir.buffer_plan.ScanHomes`, the same object the executors
+                          bind, so the loop is stated once.
 
 Nothing from the spec reaches the output unsanitised: comments go through `sanitize_comment`,
 identifiers are built from node ids and sanitised kernel and graph names, and persistent
@@ -42,10 +43,11 @@ from typing import Any, Iterator
 from titanc.ir import Graph, Op
 from titanc.ir.types import TensorType
 from titanc.ir.buffer_plan import OUTPUT_PREFIX, BufferPlan, ScanHomes
-from titanc.ir.schedule import is_immediate, prologue_kernel
+from titanc.ir.schedule import is_immediate
 from titanc.files import write_text_atomic
 
 from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, plan_kernels
+from titanc.codegen.lowered import Launch, Lowered, ScanLaunch, ScanLoop, lower, scan_operands
 from titanc.codegen.lower.expr import format_number
 from titanc.codegen.render import sanitize_comment, sanitize_identifier
 from titanc.codegen.scan.kernel import ScanKernel
@@ -260,8 +262,17 @@ def program_source(compiled: Any, modules: dict[str, dict[str, str]],
         buf()
         buf.lines += f"{label} = {pformat(table, width=96, sort_dicts=False)}".splitlines()
     for name, plan in plans.items():
-        _Emitter(buf, name, modules[name], rendered).graph(plan)
+        _Emitter(buf, name, modules[name], rendered).graph(lowered_program(plan, rendered))
     return buf.text()
+
+
+def lowered_program(plan: BufferPlan, rendered: dict[tuple[int, str], Any]) -> Lowered:
+    """The lowered program program.py prints: a scan is one launch where `rendered` holds its
+    scan kernel (as the triton target lowers it), else a loop."""
+    def scan_kernel(p: BufferPlan, kern: Any, sid: int) -> ScanKernel | None:
+        code = rendered.get((id(p), kern.name))
+        return code if isinstance(code, ScanKernel) else None
+    return lower(plan, scan_kernel)
 
 
 def _constant(n: Any) -> str:
@@ -293,63 +304,57 @@ class _Emitter:
         self.buf, self.name, self.modules = buf, sanitize_identifier(graph), modules
         self.rendered = rendered
 
-    def graph(self, plan: BufferPlan) -> None:
+    def graph(self, low: Lowered) -> None:
+        plan = low.plan
         g = plan.schedule.graph
-        self._bodies(plan)
+        self._bodies(low)
         b = self.buf
         b()
         b()
         with b.block(f"def {self.name}(arena, persistent, inputs=None, bound=None):"):
             b(f'"""Graph {self.name}: {len(plan.schedule.kernels)} kernels in schedule order."""')
             b("bound = bound or {}")
-            self._kernel_imports(plan)
-            self._views(plan, set(g.inputs))
+            self._kernel_imports(low)
+            self._views(low, set(g.inputs))
             b("graph_inputs = {" + ", ".join(f"{n!r}: v{i}" for n, i in
                                              zip(g.input_names(), g.inputs)) + "}")
             with b.block("for name, tensor in (inputs or {}).items():"):
                 with b.block("if graph_inputs[name].data_ptr() != tensor.data_ptr():"):
                     b("graph_inputs[name].copy_(tensor)")
-            self._launches(plan)
+            self._launches(low)
             b("return {" + ", ".join(f"{n!r}: v{v}" for n, v in g.outputs) + "}")
 
-    def _bodies(self, plan: BufferPlan) -> None:
-        """Functions running one step of each scan body (nested bodies first)."""
-        g = plan.schedule.graph
-        for kern in plan.schedule.kernels:
-            for sid in kern.nodes:
-                if sid not in plan.bodies or self._scan_kernel_of(plan, kern) is not None:
-                    continue
-                body = plan.bodies[sid]
-                self._bodies(body)
-                bg = body.schedule.graph
-                b = self.buf
-                b()
-                b()
-                direct = [v for k, (_, v) in enumerate(bg.outputs) if body.direct_output(k)]
-                params = ", ".join(f"v{i}" for i in [*bg.inputs, *direct])
-                with b.block(f"def {self._body_name(kern.name)}(arena, {params}):"):
-                    b(f'"""One step of scan %{sid} of {self.name} (body '
-                      f'{sanitize_identifier(bg.name)}) in its workspace arena; the outputs '
-                      f'it writes in place are parameters too."""')
-                    self._kernel_imports(body)
-                    self._views(body, set(bg.inputs) | set(direct), external=True)
-                    self._launches(body)
-                    b("return [" + ", ".join(f"v{v}" for _, v in bg.outputs) + "]")
-
-    def _scan_kernel_of(self, plan: BufferPlan, kern: Any) -> ScanKernel | None:
-        code = self.rendered.get((id(plan), kern.name))
-        return code if isinstance(code, ScanKernel) else None
+    def _bodies(self, low: Lowered) -> None:
+        """Functions running one step of each loop's body (nested bodies first)."""
+        for st in low.steps:
+            if not isinstance(st, ScanLoop):
+                continue
+            body = st.body.plan
+            self._bodies(st.body)
+            bg = body.schedule.graph
+            b = self.buf
+            b()
+            b()
+            direct = [v for k, (_, v) in enumerate(bg.outputs) if body.direct_output(k)]
+            params = ", ".join(f"v{i}" for i in [*bg.inputs, *direct])
+            with b.block(f"def {self._body_name(st.kernel.name)}(arena, {params}):"):
+                b(f'"""One step of scan %{st.scan} of {self.name} (body '
+                  f'{sanitize_identifier(bg.name)}) in its workspace arena; the outputs '
+                  f'it writes in place are parameters too."""')
+                self._kernel_imports(st.body)
+                self._views(st.body, set(bg.inputs) | set(direct), external=True)
+                self._launches(st.body)
+                b("return [" + ", ".join(f"v{v}" for _, v in bg.outputs) + "]")
 
     def _body_name(self, kernel: str) -> str:
         return sanitize_identifier(f"{self.name}_{kernel}_body")
 
-    def _kernel_imports(self, plan: BufferPlan) -> None:
+    def _kernel_imports(self, low: Lowered) -> None:
         seen: list[str] = []
-        g = plan.schedule.graph
-        for k, kern in enumerate(plan.schedule.kernels):
-            pro = prologue_kernel(g, kern)       # a host-loop scan's prologue gathers
-            for name in [kern.name] + ([pro.name] if pro is not None else []):
-                if name in self.modules and name not in seen and not plan.is_noop(k):
+        for st in low.steps:
+            pro = st.prologue if isinstance(st, ScanLoop) else None
+            for name in [st.kernel.name] + ([pro.name] if pro is not None else []):
+                if name in self.modules and name not in seen:
                     seen.append(name)
         if seen:
             self.buf.comment("kernels (modules shared by identical kernels)")
@@ -357,27 +362,18 @@ class _Emitter:
             self.buf(f"{sanitize_identifier(name)} = load_kernel({self.modules[name]!r})")
 
     # -- values ------------------------------------------------------------------------------------
-    def _views(self, plan: BufferPlan, inputs: set[int], external: bool = False) -> None:
+    def _views(self, low: Lowered, inputs: set[int], external: bool = False) -> None:
         """Bind `v<id>` for every value a launch, a scan or the return statement uses."""
+        plan = low.plan
         g = plan.schedule.graph
         used: list[int] = [] if external else list(g.inputs)
-        for k, kern in enumerate(plan.schedule.kernels):
-            if plan.is_noop(k):
+        for st in low.steps:
+            if isinstance(st, Launch):
+                used += [a.value for a in self._code(plan, st.kernel).args if a.value >= 0]
                 continue
-            scan = [n for n in kern.nodes if n in plan.bodies]
-            if scan:
-                node = g.node(scan[0])
-                sk = self._scan_kernel_of(plan, kern)
-                pro = prologue_kernel(g, kern)
-                if sk is not None:               # a prologue gather is read through
-                    used += [node.inputs[i] for i in sk.inputs] + list(sk.extra)
-                else:
-                    if pro is not None:
-                        used += [a.value for a in self._code(plan, pro).args if a.value >= 0]
-                    used += [i for i in node.inputs if not is_immediate(g, i)]
-                used += [u for u in g.users(node.id) if u in kern.outputs]
-            else:
-                used += [a.value for a in self._code(plan, kern).args if a.value >= 0]
+            if isinstance(st, ScanLoop) and st.prologue is not None:
+                used += [a.value for a in self._code(plan, st.prologue).args if a.value >= 0]
+            used += scan_operands(low, st)
         used += [v for _, v in g.outputs]
         b = self.buf
         b.comment("planned views: every value that crosses a kernel boundary")
@@ -413,27 +409,26 @@ class _Emitter:
         return self.rendered[(id(plan), kern.name)]
 
     # -- launches ----------------------------------------------------------------------------------
-    def _launches(self, plan: BufferPlan) -> None:
+    def _launches(self, low: Lowered) -> None:
+        """The lowered program's steps, in order (the schedule's no-ops as comments)."""
+        plan = low.plan
         g = plan.schedule.graph
         b = self.buf
+        steps = {st.index: st for st in low.steps}
         for k, kern in enumerate(plan.schedule.kernels):
             b.comment(f"[{k}] {kern.name}: {kern.category} "
                       + " ".join(f"%{n}" for n in kern.nodes))
-            if plan.is_noop(k):
+            st = steps.get(k)
+            if st is None:
                 b.comment("no-op: its outputs alias storage that already holds them")
-                continue
-            scan = [n for n in kern.nodes if n in plan.bodies]
-            sk = self._scan_kernel_of(plan, kern)
-            if sk is not None:
-                self._scan_launch(plan, kern, g.node(scan[0]), sk)
-                continue
-            if scan:
-                pro = prologue_kernel(g, kern)
-                if pro is not None:                  # the carries' rows, gathered first
-                    self._launch(plan, pro)
-                self._scan(plan, kern, g.node(scan[0]))
-                continue
-            self._launch(plan, kern)
+            elif isinstance(st, ScanLaunch):
+                self._scan_launch(plan, kern, g.node(st.scan), st.code)
+            elif isinstance(st, ScanLoop):
+                if st.prologue is not None:          # the carries' rows, gathered first
+                    self._launch(plan, st.prologue)
+                self._scan(plan, kern, g.node(st.scan))
+            else:
+                self._launch(plan, kern)
 
     def _launch(self, plan: BufferPlan, kern: Any) -> None:
         """One launch of a rendered (non-scan) kernel."""

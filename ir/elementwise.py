@@ -17,7 +17,7 @@ An entry (`Elementwise`) says, for one op, everything the compiler needs:
 Shapes follow numpy broadcasting for every entry (`shapes.py`), fusion and codegen treat every
 entry as a pointwise node, and `OpGroup.UNARY` / `BINARY` / `ELEMENTWISE` list every entry.
 Adding an op: `Op.define("NAME")` (or a line in ops.py for a built-in one) and `register(...)`
-here; docs/architecture.md walks through it and tests/test_architecture.py does it in a fixture.
+here; docs/architecture.md walks through it and tests/test_pipeline.py does it in a fixture.
 """
 from __future__ import annotations
 

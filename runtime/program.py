@@ -90,6 +90,9 @@ class Program:
                                    "allow_tf32": self.spec.compile.allow_tf32}
                                   if self.target == "triton" else {})
         self._executors: dict[Any, Any] = {}
+        # on CUDA the whole optimizer step is one captured graph (`advance`)
+        self.capture_step = (self.target == "triton" and self.device == "cuda"
+                             and self.spec.compile.cuda_graphs is not False)
         check_fits(compiled.planned_bytes(), self.spec, str(self.device))
         init = init_params(self.spec.model, self.spec.train.seed, self.dtype)
         # parameters, the gradient accumulator and the AdamW moments each live in one flat
@@ -102,15 +105,37 @@ class Program:
         for n, t in init.items():
             self._params[n].copy_(t)
         self._grad_acc = _views(self.flat["grad"], init)
-        self._grad_tmp = {n: torch.zeros_like(t) for n, t in self._params.items()}
+        self.accum = self.spec.train.grad_accum
+        # micro-batch gradients: straight into the accumulator when there is one micro-batch,
+        # else into one flat buffer that a single add accumulates per micro-batch
+        self._grad_flat_tmp = (torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+                               if self.accum > 1 else self.flat["grad"])
+        self._grad_tmp = _views(self._grad_flat_tmp, init)
+        # the optimizer's scalars live on the device and are updated there: `step` (1-based)
+        # from a device step counter, `lr` gathered from the schedule's table at that step
         self._scalars = {k: torch.zeros((), dtype=self.dtype, device=self.device)
                          for k in ("lr", "step", "grad_scale")}
+        self._scalars["grad_scale"].fill_(1.0 / self.accum)
+        train = self.spec.train
+        self._lr_table = torch.tensor([lr_at(s, train) for s in
+                                       range(max(train.steps, train.warmup) + 1)],
+                                      dtype=self.dtype).to(self.device)
+        self._step_index = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._step_clamped = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._step_synced = 0              # the host step the device counter holds
+        # what a step leaves on the device, read only when asked (`last`)
+        self._loss = torch.zeros((), dtype=self.dtype, device=self.device)
+        self._grad_norm: Tensor | float = 0.0
+        self._lr = 0.0
+        self._tokens_dev: Tensor | None = None     # the step's tokens, where the graph reads them
+        self._step_graph: Any = None               # the captured optimizer step (CUDA)
+        self._steps_eager = 0
         self._m = _views(self.flat["opt.m"], init)
         self._v = _views(self.flat["opt.v"], init)
         self.reducer: Any = None        # set by a distributed run (runtime/train/distributed.py)
         self._token_range = torch.zeros(2, dtype=torch.int64)   # check_token_ids' min, max
         self.step = 0
-        self.last: dict[str, float] = {}
+        self._last: dict[str, Any] = {}
         self._by_batch: dict[int, Any] = {self.batch_size: compiled}
 
     # -- state ----------------------------------------------------------------------------------
@@ -157,8 +182,10 @@ class Program:
 
     def storages(self) -> list[Tensor]:
         """Every tensor storage this program and its executors own (for allocation probes)."""
-        own = [*(t for t in self.flat.values() if t is not None), *self._grad_tmp.values(),
-               *self._scalars.values(), self._token_range]
+        own = [*(t for t in self.flat.values() if t is not None), self._grad_flat_tmp,
+               *self._scalars.values(), self._token_range, self._lr_table, self._step_index,
+               self._step_clamped, self._loss]
+        own += [self._tokens_dev] if self._tokens_dev is not None else []
         return own + [t for ex in self._executors.values() for t in ex.storages()]
 
     # -- running --------------------------------------------------------------------------------
@@ -188,10 +215,15 @@ class Program:
         with torch.no_grad():
             if self.target == "reference":
                 return self._interp(cg.graph, inputs)
-            ex = self._executors.get(id(cg))
-            if ex is None:
-                ex = self._executors[id(cg)] = self._bind(cg)
+            ex = self._executor(cg)
             return ex.run({k: v for k, v in inputs.items() if k not in ex.bound})
+
+    def _executor(self, cg: Any) -> Any:
+        """The executor of compiled graph `cg`, bound on first use."""
+        ex = self._executors.get(id(cg))
+        if ex is None:
+            ex = self._executors[id(cg)] = self._bind(cg)
+        return ex
 
     def _bind(self, cg: Any) -> Any:
         g = cg.graph
@@ -206,7 +238,10 @@ class Program:
                     else self._grad_tmp[n]
             if f"opt.m.{n}" in names:
                 bound[f"opt.m.{n}"], bound[f"opt.v.{n}"] = self._m[n], self._v[n]
-        return self._executor_cls(cg.plan, bound, **self._executor_options)
+        options = dict(self._executor_options)
+        if self.capture_step and cg.kind in ("training", "optimizer"):
+            options["cuda_graphs"] = False           # inside the step's own graph
+        return self._executor_cls(cg.plan, bound, **options)
 
     def loss(self, tokens: Tensor) -> float:
         tokens = self._check_tokens(tokens)
@@ -239,44 +274,88 @@ class Program:
 
     def train_step(self, tokens: Tensor) -> float:
         """One optimizer step on `grad_accum` micro-batches of `batch_size` rows each
-        (tokens: [grad_accum·batch_size, seq_len+1]). Returns the mean micro-batch loss."""
-        tokens = self._check_tokens(tokens)
-        accum = self.spec.train.grad_accum
-        if tokens.shape[0] != accum * self.batch_size:
-            raise TitancError(f"train_step needs {accum}·{self.batch_size} rows "
-                              f"(train.grad_accum·train.batch_size), got {tokens.shape[0]}")
-        self.flat["grad"].zero_()
-        reducer = self.reducer
-        if reducer is not None:
-            reducer.start()
-        micros = tokens.split(self.batch_size)
-        losses = []
-        for i, micro in enumerate(micros):
-            loss, g = self._grads(micro)
-            losses.append(loss)
-            final = reducer is not None and i == len(micros) - 1
-            for n in reversed(g):                    # last layers first, as a backward emits
-                self._grad_acc[n].add_(g[n])
-                if final:                            # launch the buckets now final
-                    reducer.ready(reducer.ranges[n][0])
-        if reducer is not None:
-            reducer.wait()                           # the mean gradient over ranks
-        lr = lr_at(self.step, self.spec.train)
-        if reducer is not None and reducer.zero:
-            grad_norm = reducer.adamw(lr, self.step + 1, 1.0 / accum)
-        else:
-            grad_norm = self._optimizer_step(lr, accum)
-        self.step += 1
-        loss = sum(losses) / len(losses)
-        if reducer is not None:
-            loss = reducer.mean(loss)
-        self.last = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
-        return loss
+        (tokens: [grad_accum·batch_size, seq_len+1]). Returns the mean micro-batch loss, which
+        reads it back from the device; `advance` is the same step reading nothing back."""
+        self.advance(tokens)
+        return self.last["loss"]
 
-    def _optimizer_step(self, lr: float, accum: int) -> float:
-        """The compiled optimizer graph over every parameter; returns the gradient norm."""
-        for k, v in (("lr", lr), ("step", float(self.step + 1)), ("grad_scale", 1.0 / accum)):
-            self._scalars[k].fill_(v)
+    @property
+    def last(self) -> dict[str, float]:
+        """The last step's {loss, lr, grad_norm} as floats (reads the device: a sync)."""
+        return {k: float(v) for k, v in self._last.items()}
+
+    def advance(self, tokens: Tensor) -> None:
+        """One optimizer step that reads nothing back to the host: every micro-batch, the
+        gradient accumulation, the clip and AdamW, with lr and step updated on the device;
+        the loss and the gradient norm stay there (`last` reads them). On CUDA with
+        `compile.cuda_graphs` the whole step is one CUDA graph, captured at the second call
+        and replayed after (the first compiles the kernels)."""
+        tokens = self._check_tokens(tokens)
+        if tokens.shape[0] != self.accum * self.batch_size:
+            raise TitancError(f"train_step needs {self.accum}·{self.batch_size} rows "
+                              f"(train.grad_accum·train.batch_size), got {tokens.shape[0]}")
+        if self.reducer is not None:
+            self._distributed_step(tokens)
+            return
+        if self.step != self._step_synced:           # set from outside (a checkpoint)
+            self._step_index.fill_(self.step)
+        if self.device != "cpu":                     # one copy in, where the graph reads it
+            if self._tokens_dev is None or self._tokens_dev.shape != tokens.shape:
+                self._tokens_dev, self._step_graph = torch.empty_like(tokens,
+                                                                      device=self.device), None
+            self._tokens_dev.copy_(tokens, non_blocking=True)
+            tokens = self._tokens_dev
+        with torch.no_grad():
+            if self._step_graph is not None:
+                self._step_graph.replay()
+            elif self.capture_step and self._steps_eager >= 1:
+                self._step_graph = torch.cuda.CUDAGraph()
+                torch.cuda.synchronize()             # once, at capture
+                with torch.cuda.graph(self._step_graph):
+                    self._device_step(tokens)
+                self._step_graph.replay()
+            else:
+                self._device_step(tokens)
+                self._steps_eager += 1
+        self._lr = lr_at(self.step, self.spec.train)
+        self.step += 1
+        self._step_synced = self.step
+        self._last = {"loss": self._loss, "lr": self._lr, "grad_norm": self._grad_norm}
+
+    def _device_step(self, tokens: Tensor) -> None:
+        """The device work of one optimizer step (what the CUDA graph captures): the
+        micro-batches' gradients summed into the accumulator, the mean loss into `_loss`, the
+        scalars, the optimizer graph, the step counter."""
+        B = self.batch_size
+        cg = self.graph("training", B)
+        for i in range(self.accum):
+            micro = tokens[i * B:(i + 1) * B]
+            if self.target == "reference":           # the interpreter returns new tensors
+                out = self._run(cg, {"tokens": micro, **self._params})
+                for n, t in self._grad_tmp.items():
+                    t.copy_(out[f"grad.{n}"])
+            else:
+                out = self._executor(cg).run({"tokens": micro})
+            if self.accum == 1:
+                self._loss.copy_(out["loss"])
+            elif i == 0:
+                self.flat["grad"].copy_(self._grad_flat_tmp)
+                self._loss.copy_(out["loss"])
+            else:
+                self.flat["grad"].add_(self._grad_flat_tmp)
+                self._loss.add_(out["loss"])
+        if self.accum > 1:
+            self._loss.mul_(1.0 / self.accum)
+        torch.clamp(self._step_index, max=self._lr_table.shape[0] - 1, out=self._step_clamped)
+        torch.index_select(self._lr_table, 0, self._step_clamped,
+                           out=self._scalars["lr"].view(1))
+        torch.add(self._step_index, 1, out=self._scalars["step"].view(1))
+        self._grad_norm = self._optimizer_graph()
+        self._step_index.add_(1)
+
+    def _optimizer_graph(self) -> Tensor:
+        """The compiled optimizer graph over every parameter (lr, step and grad_scale already
+        in their device scalars); returns the gradient norm as a device tensor."""
         inputs = dict(self._scalars)
         for n in self._params:
             inputs[f"param.{n}"] = self._params[n]
@@ -284,10 +363,37 @@ class Program:
             inputs[f"opt.m.{n}"] = self._m[n]
             inputs[f"opt.v.{n}"] = self._v[n]
         out = self._run(self.compiled.graph("optimizer"), inputs)
-        with torch.no_grad():
-            for n in self._params:                   # the executor updates in place
-                for dst, key in ((self._params[n], f"param.{n}"), (self._m[n], f"opt.m.{n}"),
-                                 (self._v[n], f"opt.v.{n}")):
-                    if out[key].data_ptr() != dst.data_ptr():
-                        dst.copy_(out[key])
-        return float(out["grad_norm"])
+        for n in self._params:                       # the executor updates in place
+            for dst, key in ((self._params[n], f"param.{n}"), (self._m[n], f"opt.m.{n}"),
+                             (self._v[n], f"opt.v.{n}")):
+                if out[key].data_ptr() != dst.data_ptr():
+                    dst.copy_(out[key])
+        return out["grad_norm"]
+
+    def _distributed_step(self, tokens: Tensor) -> None:
+        """A step under data parallelism (runtime/train/distributed.py): the gradient buckets
+        are launched as the last micro-batch's gradients land, reduced over ranks, and the
+        loss is averaged over ranks (host values: the collectives synchronise anyway)."""
+        reducer, accum, B = self.reducer, self.accum, self.batch_size
+        reducer.start()
+        losses = []
+        for i in range(accum):
+            loss, _ = self._grads(tokens[i * B:(i + 1) * B])
+            losses.append(loss)
+            if accum > 1:
+                (self.flat["grad"].copy_ if i == 0 else self.flat["grad"].add_)(
+                    self._grad_flat_tmp)
+        for n in reversed(self._params):             # last layers first, as a backward emits
+            reducer.ready(reducer.ranges[n][0])
+        reducer.wait()                               # the mean gradient over ranks
+        lr = lr_at(self.step, self.spec.train)
+        if reducer.zero:
+            grad_norm = reducer.adamw(lr, self.step + 1, 1.0 / accum)
+        else:
+            for k, v in (("lr", lr), ("step", float(self.step + 1))):
+                self._scalars[k].fill_(v)
+            grad_norm = float(self._optimizer_graph())
+        self.step += 1
+        self._step_synced = -1                       # the device counter did not advance
+        self._last = {"loss": reducer.mean(sum(losses) / len(losses)), "lr": lr,
+                      "grad_norm": grad_norm}

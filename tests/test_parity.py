@@ -83,3 +83,29 @@ def test_qk_activation_none_matches(block: str) -> None:
     silu = tiny_spec(**{"model.block": block})
     other = float(interpret(lower_forward(silu), {"tokens": toks, **params})["loss"])
     assert abs(other - float(ref)) > 1e-6
+
+
+@pytest.mark.parametrize("write,read", [("input", "context"), ("attention", "residual"),
+                                        ("input", "residual")])
+def test_mac_options_match(write: str, read: str) -> None:
+    """`memory.mac_write: input` (the memory written with u_s) and `memory.mac_read: residual`
+    (the segment-start read h also on the output): loss and gradients match the reference,
+    and each is a different model from the paper's MAC."""
+    spec = tiny_spec(**{"model.block": "mac", "model.memory.mac_write": write,
+                        "model.memory.mac_read": read})
+    params = R.init_params(spec.model, seed=6)
+    toks = tokens(spec, seed=7)
+    leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref = R.forward_loss(leaf, toks, spec.model)
+    ref.backward()
+    ref = ref.detach()
+    out = interpret(grad_graph(lower_forward(spec), list(params)), {"tokens": toks, **params})
+    assert abs(float(out["loss"]) - float(ref)) < 1e-10
+    for name, p in leaf.items():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
+                                   msg=lambda m: f"grad of {name}: {m}")
+    paper = tiny_spec(**{"model.block": "mac"})
+    pp = R.init_params(paper.model, seed=6)
+    other = float(interpret(lower_forward(paper), {"tokens": toks, **pp})["loss"])
+    assert abs(other - float(ref)) > 1e-6

@@ -127,7 +127,7 @@ def test_bf16_activation_arena_is_smaller(example: str, bound: float) -> None:
     tiny_attn 0.512 (the residual stream, its per-layer checkpoints and its cotangent are bf16
     activations; what stays float32 at the peak is 90 KB: the tied embedding's gradient and
     norm statistics), tiny_mal 0.576, tiny_mag 0.596, tiny_lmm 0.609, tiny.yaml (MAC) 0.604
-    (the fusion rules of tests/test_fusion_rules.py and the carry slot a scan's result lends
+    (the fusion rules of tests/unit/passes/test_fusion_rules.py and the carry slot a scan's result lends
     shrink float32 and bf16 arenas by different amounts, so these move with them):
     in the memory models the memory state's carries (W1, W2, S1, S2, and their cotangents in
     the backward: ping-pong slots at each nesting level) stay float32 by policy, about 3 MB of

@@ -192,3 +192,27 @@ def test_memory_stats_in_metrics_and_eval_task_recall(tmp_path: Path, monkeypatc
     assert "--recall-layout" in capsys.readouterr().err
     assert main(["eval", str(run)]) == 2
     assert "--data is required" in capsys.readouterr().err
+
+
+def test_needle_task_places_one_needle_in_prose() -> None:
+    """benchmarks/recall_distance.py --task niah: one key-value needle `distance` tokens
+    before the final query key, which repeats the needle's key; the rest is text filler."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import recall_distance as rd
+
+    task = rd.NeedleRecall(64, 32, seed=0, n_keys=8, n_values=8)
+    assert task.max_distance == 62 and task.chance == 1 / 8
+    for d in (8, 30, task.max_distance):
+        b = task.batch(16, "val", torch.Generator().manual_seed(1), distance=d)
+        L = b.shape[1]
+        p0 = L - 3 - d
+        assert ((b[:, p0] < 8) & (b[:, p0] == b[:, L - 2])).all()          # the needle's key
+        assert ((b[:, p0 + 1] >= 8) & (b[:, p0 + 1] < 16)).all()           # its value
+        assert torch.equal(b[:, p0 + 1], b[:, L - 1])
+        rest = torch.cat([b[:, :p0], b[:, p0 + 2:L - 2]], 1)
+        assert ((rest >= 16) & (rest < 32)).all()                           # text only
+    assert (L - 2 - (p0 + 1)) == task.max_distance                          # value to query
+    train = task.batch(4, "train", torch.Generator().manual_seed(1))
+    val = task.batch(4, "val", torch.Generator().manual_seed(1))
+    assert not torch.equal(train[:, 2:-2], val[:, 2:-2])                    # disjoint text

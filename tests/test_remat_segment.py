@@ -188,3 +188,13 @@ def test_memory_stats_unchanged_by_per_segment() -> None:
                                     "train.remat_rows": 1})
         stats.append(memory_stats(titanc.compile(spec), tokens(spec)))
     assert stats[0] == stats[1] and len(stats[0]["layers"]) == 2
+
+
+def test_per_segment_mac_options_match_no_remat_float64() -> None:
+    """MAC's options (memory.mac_write input, memory.mac_read residual) through the segmented
+    scan: the write reads the segment's normalised input, the read h joins the output."""
+    opts = {"model.block": "mac", "model.memory.mac_write": "input",
+            "model.memory.mac_read": "residual"}
+    want = _grads(tiny_spec(**BASE, **opts, **{"train.remat": "none"}))
+    _same(_grads(tiny_spec(**BASE, **opts, **{"train.remat": "per_segment",
+                                              "train.remat_rows": 1})), want)

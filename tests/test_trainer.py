@@ -135,14 +135,13 @@ def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path) -> N
 
 def test_nonfinite_before_any_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     Program = type(titanc.compile(tiny()))
-    real = Program.train_step
+    real = Program.advance
 
-    def poisoned(self: Any, tokens: torch.Tensor) -> float:
+    def poisoned(self: Any, tokens: torch.Tensor) -> None:
         real(self, tokens)
-        self.last["loss"] = math.inf
-        return math.inf
+        self._last["loss"] = torch.tensor(math.inf)
 
-    monkeypatch.setattr(Program, "train_step", poisoned)
+    monkeypatch.setattr(Program, "advance", poisoned)
     with pytest.raises(TitancError) as e:
         train(tiny(), tmp_path / "run", steps=5)
     assert str(e.value) == ("step 1: loss is inf; no good checkpoint was written before it "
@@ -246,18 +245,18 @@ def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_interrupt_keeps_the_last_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     Program = type(titanc.compile(tiny()))
-    real = Program.train_step
+    real = Program.advance
 
-    def interrupted(self: Any, tokens: torch.Tensor) -> float:
+    def interrupted(self: Any, tokens: torch.Tensor) -> None:
         if self.step == 2:
             raise KeyboardInterrupt
-        return real(self, tokens)
+        real(self, tokens)
 
-    monkeypatch.setattr(Program, "train_step", interrupted)
+    monkeypatch.setattr(Program, "advance", interrupted)
     run, logs = tmp_path / "run", []
     with pytest.raises(KeyboardInterrupt):
         run_training(tiny(train__checkpoint_every=1), run, steps=4, progress=False, log=logs.append)
     assert logs[-1] == (f"interrupted after step 2; the last checkpoint (step 2) is in "
                         f"{run / 'checkpoint.safetensors'}; continue with --resume {run}")
-    monkeypatch.setattr(Program, "train_step", real)
+    monkeypatch.setattr(Program, "advance", real)
     assert train(tiny(), run, steps=4, resume=run)["steps"] == 4

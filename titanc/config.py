@@ -1,6 +1,6 @@
 """The settings titanc reads from its environment, as one typed object with a scoped override.
 
-No other module reads or writes `os.environ` (tests/test_architecture.py checks it): the CLI
+No other module reads or writes `os.environ` (tests/unit/test_architecture.py checks it): the CLI
 entry point reads the environment once and runs its command in those settings (`using`); a
 program that never runs the CLI gets the same settings, read the first time it asks
 (`current`); code that wants other settings for a while says so in a scope:

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 _IGNORED = {"user"}
 _KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
           "stream", "stream_options", "logprobs", "echo", "best_of", "suffix",
-          "presence_penalty", "frequency_penalty", "logit_bias"} | _IGNORED
+          "presence_penalty", "frequency_penalty", "logit_bias", "session"} | _IGNORED
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20
@@ -62,6 +62,7 @@ class CompletionParams:
     include_usage: bool
     logprobs: int | None
     echo: bool
+    session: str | None = None               # continue this session (runtime/serve/sessions.py)
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -189,6 +190,9 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
     stream = _bool(body, "stream")
     if opts is not None and not stream:
         raise _bad("stream_options", "is only allowed with stream: true")
+    session = body.get("session")
+    if session is not None and (len(prompts) != 1 or n != 1):
+        raise _bad("session", "a session continues one conversation: give one prompt and n=1")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"expected a string, got {_show(model)}")
@@ -202,7 +206,7 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
         stop=_stop(body), n=n, stream=stream,
         include_usage=bool(opts and opts.get("include_usage")),
         logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),
-        echo=_bool(body, "echo"))
+        echo=_bool(body, "echo"), session=session)
 
 
 def check_model(params_model: Any, served: Sequence[str]) -> None:

@@ -10,7 +10,9 @@ out of cache. One thread, the engine loop, owns the compiled decode program. Eac
 3. prefills admitted requests by whole memory chunks in parallel (batch 1, the graph
    `Generator.prefill` uses), at most `prefill_budget` prompt tokens per iteration, so a long
    prompt does not stall the others; the prompt's last partial chunk is then copied into
-   its slot (`DecodeState.put`) and fed through the batched decode steps, one token a step;
+   its slot (`DecodeState.put`) and fed through the batched decode steps, one token a step.
+   A request that continues a conversation (`Request.start`, runtime/serve/sessions.py)
+   prefills from a copy of its state, one token at a time up to the next chunk boundary;
 4. runs one batched decode step over all N slots (free slots decode a dummy token and are reset
    when reused) and samples the next token of every request whose prompt is in.
 
@@ -81,10 +83,14 @@ class Request:
     on_update: Callable[[Update], None]       # called on the engine thread
     logprobs: int | None = None               # top-k logprobs per token, None: none
     echo: bool = False                        # with logprobs: also score the prompt
+    start: DecodeState | None = None          # a conversation (batch 1) to continue; unchanged
+    end: DecodeState | None = None            # with `start`: the conversation after this turn,
+                                              # set when it finishes ("stop" or "length")
     # -- engine-owned -----------------------------------------------------------------------------
     tokens: list[int] = field(default_factory=list)
     feed: list[int] = field(default_factory=list)       # prompt tokens still to decode
     prompt_lp: list[TokenLogprob] = field(default_factory=list)
+    carried: int = 0                          # unfed tokens of `start` fed before the prompt
     text: str = ""                            # decoded output, cut at a stop sequence
     sent: str = ""                            # the prefix of `text` already sent
     finish_reason: str | None = None
@@ -237,6 +243,9 @@ class Engine:
                 if r is not None and (r.cancelled or r.done):
                     if not r.done:
                         self._finish(r, "abort")
+                    elif r.start is not None and r.finish_reason != "abort":
+                        r.end = self.state.take(s)           # all but the last sampled token
+                        r.end.unfed = [r.tokens[-1:]]
                     self.slots[s] = None
                     self._prefills.pop(s, None)
                     self._samplers.pop(s, None)
@@ -249,25 +258,45 @@ class Engine:
                     r = self.waiting.popleft()
                     r.slot = s
                     self.slots[s] = r
-                    self._prefills[s] = _Prefill(r, self.gen.new_state(1))
+                    self._prefills[s] = _Prefill(r, self._start_state(r))
                     if r.echo and r.logprobs is not None:
                         r.prompt_lp = [TokenLogprob(r.prompt[0], None, None)]
                     seed = r.sampling.seed
                     self._samplers[s] = torch.Generator().manual_seed(seed)
 
+    def _start_state(self, r: Request) -> DecodeState:
+        """Where a request's prefill starts: a fresh sequence, or a copy of its conversation,
+        whose unfed tokens become the head of the prompt."""
+        if r.start is None:
+            return self.gen.new_state(1)
+        st = r.start.take(0)
+        r.carried = len(st.unfed[0])
+        r.prompt = st.unfed[0] + r.prompt
+        st.unfed = [[]]
+        return st
+
     # -- prefill ---------------------------------------------------------------------------------
+    def _prefill_size(self, p: "_Prefill") -> int:
+        """Tokens of the next batch-1 prefill step: a whole chunk, or, for a conversation not
+        at a chunk boundary, one token towards it; 0 once less than a chunk would follow."""
+        chunk = self.gen.chunk
+        head = -p.state.pos[0] % chunk
+        if p.cursor + head + chunk > len(p.req.prompt):
+            return 0
+        return 1 if head else chunk
+
     def _prefill(self) -> None:
         """Whole memory chunks of admitted prompts, in parallel (batch 1), oldest first, up
         to the token budget; the rest of a prompt (less than a chunk) is fed through the
         batched decode steps, one token per step, at no extra cost."""
-        budget, chunk = self.prefill_budget, self.gen.chunk
+        budget = self.prefill_budget
         for s in sorted(self._prefills, key=lambda s: self._prefills[s].req.t_submit):
             p = self._prefills[s]
             r = p.req
-            while budget > 0 and p.cursor + chunk <= len(r.prompt):
-                self._prefill_chunk(p)
-                budget -= chunk
-            if p.cursor + chunk > len(r.prompt):
+            while budget > 0 and (n := self._prefill_size(p)):
+                self._prefill_chunk(p, n)
+                budget -= n
+            if not self._prefill_size(p):
                 del self._prefills[s]
                 self.state.put(s, p.state)
                 r.feed = r.prompt[p.cursor:]
@@ -276,24 +305,24 @@ class Engine:
             if budget <= 0:
                 break
 
-    def _prefill_chunk(self, p: _Prefill) -> None:
-        chunk, r, c = self.gen.chunk, p.req, p.cursor
-        toks = torch.tensor([r.prompt[c:c + chunk]], dtype=torch.int64)
-        logits = self.gen.step(p.state, toks)                # (1, chunk, V)
+    def _prefill_chunk(self, p: _Prefill, n: int) -> None:
+        r, c = p.req, p.cursor
+        toks = torch.tensor([r.prompt[c:c + n]], dtype=torch.int64)
+        logits = self.gen.step(p.state, toks)                # (1, n, V)
         if r.echo and r.logprobs is not None:
-            for t in range(chunk):
+            for t in range(n):
                 if c + t + 1 < len(r.prompt):
                     r.prompt_lp.append(self._logprob(logits[0, t], r.prompt[c + t + 1],
                                                      r.logprobs))
         p.logits = logits[:, -1].clone()
-        p.cursor += chunk
+        p.cursor += n
 
     def _start(self, s: int, logits: Tensor) -> None:
         """The prompt is in: score it (echo), then sample the first token."""
         r = self.slots[s]
         assert r is not None
         if r.echo and r.logprobs is not None:
-            self._notify(r, Update("", [], [], prompt_logprobs=r.prompt_lp))
+            self._notify(r, Update("", [], [], prompt_logprobs=r.prompt_lp[r.carried:]))
         if r.max_tokens == 0:
             self._finish(r, "length")
         else:

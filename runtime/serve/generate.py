@@ -7,9 +7,11 @@ graph (and, for mac, starts the next segment). Nothing here grows with context l
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 import numbers
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -23,15 +25,34 @@ NEG_INF = -math.inf
 
 @dataclass
 class DecodeState:
-    """Everything a batch of sequences carries between steps (leading L on layer tensors)."""
+    """Everything a batch of sequences carries between steps (leading L on layer tensors).
+
+    A conversation (a session) is a batch-1 state: `unfed` holds the tokens of its transcript
+    that have not run through the model yet (the last token a turn sampled), which the next
+    turn feeds before its prompt."""
     tensors: dict[str, Tensor]                # the decode step graph's state.<name> inputs
     pending: dict[str, Tensor]                # items of the memory chunk in progress
     pos: list[int]                            # next position of each sequence
     slot_pos: Tensor                          # (B, W) position held by each ring slot, -1 empty
+    unfed: list[list[int]] = field(default_factory=list)   # per sequence, fed next
+
+    def __post_init__(self) -> None:
+        if not self.unfed:
+            self.unfed = [[] for _ in self.pos]
 
     @property
     def batch(self) -> int:
         return len(self.pos)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens of each sequence's transcript: those run through the model and the unfed."""
+        return [p + len(u) for p, u in zip(self.pos, self.unfed)]
+
+    @property
+    def nbytes(self) -> int:
+        ts = [*self.tensors.values(), *self.pending.values(), self.slot_pos]
+        return sum(t.numel() * t.element_size() for t in ts) + 8 * sum(self.tokens)
 
     @staticmethod
     def cat(states: Sequence["DecodeState"]) -> "DecodeState":
@@ -41,7 +62,14 @@ class DecodeState:
         return DecodeState({k: join(k, lambda s: s.tensors) for k in first.tensors},
                            {k: join(k, lambda s: s.pending) for k in first.pending},
                            [p for s in states for p in s.pos],
-                           torch.cat([s.slot_pos for s in states]))
+                           torch.cat([s.slot_pos for s in states]),
+                           [list(u) for s in states for u in s.unfed])
+
+    def take(self, b: int) -> "DecodeState":
+        """A batch-1 copy of sequence b."""
+        return DecodeState({k: t[:, b:b + 1].clone() for k, t in self.tensors.items()},
+                           {k: t[:, b:b + 1].clone() for k, t in self.pending.items()},
+                           [self.pos[b]], self.slot_pos[b:b + 1].clone(), [list(self.unfed[b])])
 
     def put(self, b: int, src: "DecodeState", j: int = 0) -> None:
         """Copy sequence j of `src` into sequence b of this state, in place: a serving engine
@@ -51,6 +79,7 @@ class DecodeState:
                 t[:, b].copy_(theirs[k][:, j])
         self.pos[b] = src.pos[j]
         self.slot_pos[b].copy_(src.slot_pos[j])
+        self.unfed[b] = list(src.unfed[j])
 
 
 class _HostInputs:
@@ -327,24 +356,42 @@ class Generator:
             tensors[k.removeprefix("state.")].copy_(v)
 
     # -- prefill and generation ----------------------------------------------------------------
-    def prefill(self, prompt: Sequence[int]) -> tuple[DecodeState, Tensor]:
-        """Whole chunks in parallel, then the rest token by token. Returns the state and the
-        logits of every prompt position (1, T, V)."""
+    def prefill(self, prompt: Sequence[int],
+                state: DecodeState | None = None) -> tuple[DecodeState, Tensor]:
+        """Whole chunks in parallel, single tokens where no whole chunk is left or a chunk has
+        not been reached yet. Without `state` from position 0; with a batch-1 `state` (a
+        conversation, left unchanged) its unfed tokens, then the prompt, continue it. Returns
+        the new state and the logits of every prompt position (1, T, V)."""
         if len(prompt) == 0:
             raise TitancError("an empty prompt has nothing to condition on; give at least one token")
         toks = _prompt_tensor(prompt, self.m.vocab_size)
-        st = self.new_state(1)
-        logits = []
-        full = (len(prompt) // self.chunk) * self.chunk
-        for s in range(0, full, self.chunk):
-            logits.append(self.step(st, toks[:, s:s + self.chunk]).clone())
-        for s in range(full, len(prompt)):
-            logits.append(self.step(st, toks[:, s:s + 1]).clone())
-        return st, torch.cat(logits, 1)
+        if state is None:
+            st, carry = self.new_state(1), 0
+        else:
+            if state.batch != 1:
+                raise TitancError(f"a conversation state holds one sequence, this one holds "
+                                  f"{state.batch}")
+            st = state.take(0)
+            carry = len(st.unfed[0])
+            toks = torch.cat([torch.tensor([st.unfed[0]], dtype=torch.int64), toks], 1)
+            st.unfed = [[]]
+        logits, T, s = [], toks.shape[1], 0
+        while s < T:
+            aligned = st.pos[0] % self.chunk == 0 and s + self.chunk <= T
+            n = self.chunk if aligned else 1
+            logits.append(self.step(st, toks[:, s:s + n]).clone())
+            s += n
+        return st, torch.cat(logits, 1)[:, carry:]
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-               sampling: Sampling | None = None) -> Iterator[tuple[int, int]]:
-        """Yield (sequence index, token) as tokens are sampled; stops per sequence."""
+               sampling: Sampling | None = None,
+               state: DecodeState | None = None) -> Iterator[tuple[int, int]]:
+        """Yield (sequence index, token) as tokens are sampled; stops per sequence.
+
+        With `state` (a conversation: batch 1, from `new_state(1)` or `load_state_dict`) the
+        one prompt continues it, and once the stream is exhausted `state` holds the
+        conversation after this turn (its last sampled token unfed); a stream closed early
+        leaves it unchanged."""
         s = sampling or Sampling()
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
                 or max_new_tokens < 0:
@@ -352,19 +399,21 @@ class Generator:
         if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
             raise TitancError("prompts: expected a non-empty list of prompts, each a list of "
                               "token ids")
+        if state is not None and len(prompts) != 1:
+            raise TitancError(f"a conversation state continues one prompt, got {len(prompts)}")
         gen = torch.Generator().manual_seed(s.seed)
         states, last = [], []
         for p in prompts:
-            st, lg = self.prefill(p)
+            st, lg = self.prefill(p, state)
             states.append(st)
             last.append(lg[:, -1])
-        st = DecodeState.cat(states)
+        st = DecodeState.cat(states) if len(states) > 1 else states[0]
         logits = torch.cat(last)
         outs: list[list[int]] = [[] for _ in prompts]
         decode = self.tokenizer.decode if self.tokenizer is not None else _decode_bytes
         tail = max((len(x.encode("utf-8")) for x in s.stop), default=0) + 4
         alive = [True] * len(prompts)
-        for _ in range(max_new_tokens):
+        for k in range(max_new_tokens):
             nxt = sample(logits, s, gen)
             for i, tok in enumerate(nxt.tolist()):
                 if not alive[i]:
@@ -376,17 +425,72 @@ class Generator:
                 text = decode(outs[i][-tail:])   # a stop of n bytes spans <= n tokens
                 if any(text.endswith(x) for x in s.stop if x):
                     alive[i] = False
-            if not any(alive):
-                return
+            if not any(alive) or k == max_new_tokens - 1:
+                break
             logits = self.step(st, nxt[:, None])[:, -1]
+        if state is not None:                    # every token but the last sampled is in
+            state.put(0, st)
+            state.unfed[0] = outs[0][-1:]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 sampling: Sampling | None = None) -> list[list[int]]:
+                 sampling: Sampling | None = None,
+                 state: DecodeState | None = None) -> list[list[int]]:
+        """The tokens `stream` yields, per prompt (with `state`: the turn of a conversation)."""
         out: list[list[int]] = [[] for _ in prompts]
-        for i, tok in self.stream(prompts, max_new_tokens, sampling):
+        for i, tok in self.stream(prompts, max_new_tokens, sampling, state):
             out[i].append(tok)
         return out
 
+
+    # -- a conversation's state as tensors -----------------------------------------------------
+    def state_dict(self, state: DecodeState) -> dict[str, Tensor]:
+        """The tensors of a conversation (a batch-1 state), as copies: `state.<name>` and
+        `pending.<name>` (the step and write graphs' inputs), `pos`, `slot_pos` and `unfed`."""
+        if state.batch != 1:
+            raise TitancError(f"state_dict: a conversation state holds one sequence, this one "
+                              f"holds {state.batch}; take one with state.take(b)")
+        out = {f"state.{k}": t for k, t in state.tensors.items()}
+        out.update({f"pending.{k}": t for k, t in state.pending.items()})
+        out["slot_pos"] = state.slot_pos
+        out = {k: t.detach().clone().contiguous() for k, t in out.items()}
+        out["pos"] = torch.tensor(state.pos, dtype=torch.int64)
+        out["unfed"] = torch.tensor(state.unfed[0], dtype=torch.int64)
+        return out
+
+    def load_state_dict(self, sd: dict[str, Tensor], what: str = "state_dict") -> DecodeState:
+        """A conversation state from `state_dict`'s tensors, checked name by name against
+        this model's (a state of another model is one TitancError naming `what`)."""
+        want = self.state_dict(self.new_state(1))
+        missing = sorted(set(want) - set(sd))
+        extra = sorted(set(sd) - set(want))
+        if missing or extra:
+            name, how = (missing[0], "lacks") if missing else (extra[0], "has an unknown")
+            raise TitancError(f"{what} {how} tensor {name!r}: it is not a conversation state "
+                              f"of this model")
+        for k, w in want.items():
+            t = sd[k]
+            if t.dtype != w.dtype or (k != "unfed" and t.shape != w.shape) or t.dim() != w.dim():
+                raise TitancError(f"{what}: tensor {k!r} is {t.dtype}{list(t.shape)}, this model's "
+                                  f"is {w.dtype}{list(w.shape)}; it is a state of another model")
+        pos, unfed = int(sd["pos"][0]), sd["unfed"].tolist()
+        if pos < 0 or any(not 0 <= u < self.m.vocab_size for u in unfed):
+            raise TitancError(f"{what}: position {pos} or unfed ids {unfed[:4]} out of range")
+        st = self.new_state(1)
+        for d, prefix in ((st.tensors, "state."), (st.pending, "pending.")):
+            for k, t in d.items():
+                t.copy_(sd[prefix + k])
+        st.slot_pos.copy_(sd["slot_pos"])
+        st.pos, st.unfed = [pos], [unfed]
+        return st
+
+    def identity(self) -> dict[str, str]:
+        """What a saved state is only valid with: the spec (its sha256) and the tokenizer."""
+        from titanc.model.spec import spec_hash
+        from titanc.runtime.data.tokenizer import ByteTokenizer
+
+        tok = self.tokenizer if self.tokenizer is not None else ByteTokenizer()
+        return {"spec_hash": spec_hash(self.spec), "model": self.spec.name,
+                "tokenizer": tok.hash}
 
 def _prompt_tensor(prompt: Sequence[int], vocab_size: int) -> Tensor:
     """A prompt as a (1, T) int64 tensor of ids checked against the vocabulary."""
@@ -428,3 +532,71 @@ def sample(logits: Tensor, s: Sampling, gen: torch.Generator) -> Tensor:
         sorted_l = sorted_l.masked_fill(drop, NEG_INF)
         logits = torch.full_like(logits, NEG_INF).scatter(-1, idx, sorted_l)
     return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
+
+
+
+# -- conversation files --------------------------------------------------------------------------
+
+SESSION_FORMAT = "titanc-session"
+SESSION_VERSION = "1"
+
+
+def save_session(path: str | os.PathLike, gen: Generator, state: DecodeState) -> Path:
+    """Write a conversation state as safetensors, atomically (a temporary file, then a
+    rename). Metadata: format, version, the model's spec hash and name, the tokenizer's
+    hash, and a sha256 checksum over everything else."""
+    from safetensors.torch import save_file
+
+    from titanc.runtime.train.checkpoint import checksum
+
+    path = Path(path)
+    tensors = gen.state_dict(state)
+    meta = {"format": SESSION_FORMAT, "version": SESSION_VERSION, **gen.identity()}
+    meta["checksum"] = checksum(tensors, meta)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except Exception as exc:                    # OSError, or safetensors' own on a full disk
+        tmp.unlink(missing_ok=True)
+        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
+        raise TitancError(f"could not write session file {path}: {reason}") from None
+    return path
+
+
+def load_session(path: str | os.PathLike, gen: Generator) -> DecodeState:
+    """Read a conversation file written by `save_session` for this model; every problem (a
+    missing, truncated or damaged file, another model's or tokenizer's state) is one
+    TitancError naming the file."""
+    from safetensors import safe_open
+
+    from titanc.runtime.train.checkpoint import checksum
+
+    path = Path(path)
+    if not path.is_file():
+        raise TitancError(f"session file {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:                    # safetensors' error on a truncated header/data
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+        raise TitancError(f"session file {path} is truncated or not a safetensors file "
+                          f"({first})") from None
+    if meta.get("format") != SESSION_FORMAT:
+        raise TitancError(f"{path} is not a titanc session file (format "
+                          f"{meta.get('format')!r}); write one with a session snapshot")
+    if meta.get("checksum") != checksum(tensors, meta):
+        raise TitancError(f"session file {path} is damaged (its checksum does not match)")
+    mine = gen.identity()
+    if meta.get("spec_hash") != mine["spec_hash"]:
+        raise TitancError(f"session file {path} holds a state of model {meta.get('model')!r} "
+                          f"(spec {str(meta.get('spec_hash'))[:12]}), not of this model "
+                          f"{mine['model']!r} (spec {mine['spec_hash'][:12]}); load it into "
+                          f"the model that wrote it")
+    if meta.get("tokenizer") != mine["tokenizer"]:
+        raise TitancError(f"session file {path} was written with another tokenizer "
+                          f"({str(meta.get('tokenizer'))[:12]}, this one is "
+                          f"{mine['tokenizer'][:12]}); load it with the run's own tokenizer")
+    return gen.load_state_dict(tensors, f"session file {path}")

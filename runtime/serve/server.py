@@ -6,7 +6,9 @@ streaming responses for server-sent events, and uvicorn's graceful shutdown. Req
 validated by hand (`runtime/serve/completions.py`) rather than by pydantic models, so every refusal is
 a 400 in OpenAI's error format naming the field, never FastAPI's 422.
 
-Endpoints: POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus).
+Endpoints: POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus), and
+the sessions of `runtime/serve/sessions.py` (POST /v1/sessions, GET and DELETE
+/v1/sessions/ID, POST /v1/sessions/ID/snapshot; a completion continues one with "session").
 The engine runs in its own thread; its per-request updates reach the handler through
 `loop.call_soon_threadsafe` into an asyncio queue.
 """
@@ -31,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from titanc.runtime.serve.completions import ApiError, CompletionParams, Limits, check_model, parse_completion
 from titanc.runtime.serve.engine import Draining, Engine, QueueFull, Request, TokenLogprob, Update, random_seed
 from titanc.runtime.serve.generate import Sampling
+from titanc.runtime.serve.sessions import SessionStore, add_routes
 
 POLL_S = 0.25                      # how often a waiting non-streaming handler checks the client
 
@@ -166,9 +169,12 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
 
 
 def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
-               metrics: Metrics) -> FastAPI:
-    """The ASGI app of one engine."""
+               metrics: Metrics, sessions: SessionStore | None = None) -> FastAPI:
+    """The ASGI app of one engine (sessions: memory only, 64 at most, unless given)."""
     app = FastAPI(title="titanc", docs_url=None, redoc_url=None, openapi_url=None)
+    if sessions is None:
+        sessions = SessionStore(engine.gen, 64)
+    add_routes(app, sessions, lambda request: _read_json(request, limits.max_body_bytes))
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -216,13 +222,17 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
         if len(reqs) > engine.max_queue:
             raise ApiError(400, f"prompts x n = {len(reqs)} completions is more than the "
                                 f"server queues at once ({engine.max_queue})", param="n")
+        session = (sessions.begin(params.session, reqs[0]) if params.session is not None
+                   else None)
         try:
             engine.submit(reqs)
         except QueueFull as exc:
+            sessions.release(session)
             raise ApiError(429, f"the server is busy ({exc}); retry later",
                            kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         except Draining:
+            sessions.release(session)
             raise ApiError(503, "the server is shutting down", kind="server_error",
                            code="draining") from None
         metrics.prompt_tokens.inc(sum(map(len, params.prompts)))
@@ -375,7 +385,8 @@ class DrainingServer(uvicorn.Server):
 def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8,
           max_queue: int = 64, limits: Limits = Limits(), grace: float = 30.0,
           model_name: str | None = None, prefill_budget: int | None = None,
-          log_level: str = "warning") -> int:
+          log_level: str = "warning", max_sessions: int = 64,
+          sessions_dir: str | None = None) -> int:
     """Load a run or artifact, warm the engine up and serve until SIGTERM; returns 0."""
     import titanc
 
@@ -387,13 +398,14 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     codec = codec_for(prog, source)
     engine_ref: list[Engine] = []
     metrics = Metrics(engine_ref)
-    engine = Engine(Generator(prog), codec, slots, max_queue, prefill_budget,
-                    observer=_Observer(metrics))
+    gen = Generator(prog, codec.tok)
+    sessions = SessionStore(gen, max_sessions, sessions_dir)
+    engine = Engine(gen, codec, slots, max_queue, prefill_budget, observer=_Observer(metrics))
     engine_ref.append(engine)
     warm_up(engine)
     engine.start()
     name = model_name or prog.spec.name
-    app = create_app(engine, codec, name, limits, metrics)
+    app = create_app(engine, codec, name, limits, metrics, sessions)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5, lifespan="off")
     server = DrainingServer(config, engine, grace)

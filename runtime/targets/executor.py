@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from titanc.codegen.lowered import Launch, Lowered, ScanLoop, Step as LoweredStep, lower
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.lowering import register_lowering
@@ -129,8 +130,12 @@ class Scratch:
         return self.storage.view(off, t, self.float_dtype)
 
 
-class _Builder:
-    """Binds one schedule (a graph or a scan body) to storage and emits its steps."""
+class _Binder:
+    """Binds one lowered program (a graph's or a scan body's, `codegen.lowered`) to storage
+    and emits its steps: what every target shares (planned storage, constants, the host loop
+    of a scan). A target's builder says how a `Launch` runs (`step`). `node` is the cpu
+    target's per-node lowering (its `_Builder` calls it; it stays here, where the per-target
+    lowering tables will take it over)."""
 
     def __init__(self, plan: BufferPlan, arena: Storage, persistent: Storage,
                  bound: dict[str, Tensor], external: dict[str, Tensor], scratch: Scratch,
@@ -144,7 +149,10 @@ class _Builder:
         self.loc: dict[int, Tensor] = {}
         self.steps: list[Step] = []
         self.groups: list[tuple[str, list[Step]]] = []   # (profile label, a kernel's steps)
+        self.order: list[str] = []                       # the kernels bound, in run order
         self.role = ""                                   # of the scan whose body this is
+        self.lowered: Lowered | None = None              # what `build` walks (set by the owner)
+        self._loops: dict[int, Lowered] = {}             # scan node -> its loop body's program
 
     # -- storage of values that cross kernels ---------------------------------------------------
     def located(self, vid: int) -> Tensor:
@@ -197,28 +205,26 @@ class _Builder:
 
     # -- kernels ---------------------------------------------------------------------------------
     def build(self) -> list[Step]:
-        for k, kern in enumerate(self.plan.schedule.kernels):
-            if self.plan.is_noop(k):
-                continue
+        """Bind every step of the lowered program, in order (its scratch released after)."""
+        lowered = self.lowered if self.lowered is not None else lower(self.plan)
+        self._loops = {s.scan: s.body for s in lowered.steps if isinstance(s, ScanLoop)}
+        for st in lowered.steps:
             mark = self.scratch.top
             first = len(self.steps)
-            self.kernel(kern)
-            self.groups.append((kernel_label(self.g, kern, self.role), self.steps[first:]))
+            self.step(st)
+            self.order.append(st.kernel.name)
+            self.groups.append((kernel_label(self.g, st.kernel, self.role),
+                                self.steps[first:]))
             self.scratch.top = mark
         return self.steps
 
-    def kernel(self, kern: Any) -> None:
-        """Emit the steps of one kernel: one out= torch closure per node (a subclass may
-        launch the kernel as one generated program instead). A scan's prologue gathers
-        (`scan_prologue`) run first, into their planned storage (`prologue`)."""
-        outputs = set(kern.outputs)
-        pro = scan_prologue(self.g, kern)
-        if pro:
-            self.prologue(kern, pro)
-        for nid in kern.nodes:
-            if nid not in pro:
-                self.node(self.g.node(nid), outputs)
-        for v in kern.outputs:                       # views that leave the kernel: copy home
+    def step(self, st: LoweredStep) -> None:
+        raise NotImplementedError
+
+    def kernel_outputs(self, kern: Any) -> None:
+        """A kernel's outputs that leave it: bound views cost nothing; a value computed
+        elsewhere than its planned home is copied there."""
+        for v in kern.outputs:
             if v in self.plan.views:                 # bound as a view: nothing to copy
                 self.val[v] = self.located(v)
                 continue
@@ -229,17 +235,9 @@ class _Builder:
                 self.steps.append(_copy(dst, src))
                 self.val[v] = dst
 
-    def prologue(self, kern: Any, nodes: tuple[int, ...]) -> None:
-        """Run scan kernel `kern`'s prologue `nodes` (a gather, casts of it) into the planned
-        storage of their results, where the scan's first iteration reads its carries (a host
-        loop cannot read through a gather)."""
-        results = set(prologue_results(self.g, kern))
-        for nid in nodes:
-            self.node(self.g.node(nid), results)
-
-    def sub_builder(self, *args: Any) -> "_Builder":
-        """The builder of a scan body (same class, so a subclass's kernels run there too)."""
-        return _Builder(*args)
+    def sub_builder(self, *args: Any) -> "_Binder":
+        """The builder of a scan body (the target's own builder)."""
+        raise NotImplementedError
 
     def node(self, n: Node, outputs: set[int]) -> None:
         op, a = n.op, n.attr_dict
@@ -376,6 +374,7 @@ class _Builder:
             sub = self.sub_builder(body_plan, body_arena, self.persistent, {}, external,
                                    self.scratch, self.consts, self.float_dtype)
             sub.role = a.get("role", "loop")
+            sub.lowered = self._loops.get(n.id)
             sub.build()
             groups = list(sub.groups)
             copies = [_copy(home, sub.home(v)) for k, ((_, v), home)
@@ -398,6 +397,39 @@ class _Builder:
                     f()
 
         self.steps.append(run)
+
+
+class _Builder(_Binder):
+    """The cpu target's builder: a kernel is its nodes' out= torch calls, one closure each
+    (fusion changes what the triton target launches, not this target's work)."""
+
+    def step(self, st: LoweredStep) -> None:
+        if not isinstance(st, (Launch, ScanLoop)):
+            raise NotImplementedError(f"the cpu target runs no scan kernel ({st.kernel.name})")
+        self.kernel(st.kernel)
+
+    def kernel(self, kern: Any) -> None:
+        """Emit the steps of one kernel: one out= torch closure per node. A scan's prologue
+        gathers (`scan_prologue`) run first, into their planned storage (`prologue`)."""
+        outputs = set(kern.outputs)
+        pro = scan_prologue(self.g, kern)
+        if pro:
+            self.prologue(kern, pro)
+        for nid in kern.nodes:
+            if nid not in pro:
+                self.node(self.g.node(nid), outputs)
+        self.kernel_outputs(kern)
+
+    def prologue(self, kern: Any, nodes: tuple[int, ...]) -> None:
+        """Run scan kernel `kern`'s prologue `nodes` (a gather, casts of it) into the planned
+        storage of their results, where the scan's first iteration reads its carries (a host
+        loop cannot read through a gather)."""
+        results = set(prologue_results(self.g, kern))
+        for nid in nodes:
+            self.node(self.g.node(nid), results)
+
+    def sub_builder(self, *args: Any) -> "_Builder":
+        return _Builder(*args)
 
 
 def _region(storage: Storage, offset: int, size: int) -> Storage:
@@ -631,9 +663,11 @@ def _scatter_along(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[St
     return steps + [lambda: o.zero_(), lambda: o.scatter_add_(-1, i2, g2)]
 
 
-class ArenaExecutor:
-    """Run a graph's schedule in its buffer plan. `bound` maps persistent names to tensors
-    the caller owns (parameters, gradient buffers): they are used in place."""
+class PlanExecutor:
+    """Run a graph's lowered program (`codegen.lowered`) in its memory plan: what the targets
+    share (storage, binding, `run`). `bound` maps persistent names to tensors the caller owns
+    (parameters, gradient buffers): they are used in place. A target says how it lowers
+    (`lower`: which scans are one kernel) and builds (`make_builder`)."""
 
     device = "cpu"                                   # where the arena and scratch live
 
@@ -643,15 +677,18 @@ class ArenaExecutor:
         self.g = plan.schedule.graph
         self.bound = dict(bound or {})
         self.float_dtype = float_dtype
+        self.program = self.lower(plan)              # the steps both binding passes walk
         # pass 1 measures the scratch stack on meta storage, pass 2 binds real storage
         probe = Scratch(Storage(0, meta=True), float_dtype)
         self._bind(probe, measure=True)
         self.scratch = Scratch(Storage(probe.high, device=self.device), float_dtype)
         self._bind(self.scratch, measure=False)
 
-    def make_builder(self, *args: Any) -> _Builder:
-        """The builder of the top-level schedule (subclasses emit other kernels)."""
-        return _Builder(*args)
+    def lower(self, plan: BufferPlan) -> Lowered:
+        return lower(plan)
+
+    def make_builder(self, *args: Any) -> _Binder:
+        raise NotImplementedError
 
     def _bind(self, scratch: Scratch, measure: bool) -> None:
         self.arena = Storage(self.plan.arena_bytes, meta=measure, device=self.device)
@@ -660,6 +697,7 @@ class ArenaExecutor:
         bound = {} if measure else self.bound
         self._b = self.make_builder(self.plan, self.arena, self.persistent, bound, {}, scratch,
                                     self.consts, self.float_dtype)
+        self._b.lowered = self.program
         self.steps = self._b.build()
         self.inputs = {self.g.node(i).attr("name"): self._b.home(i) for i in self.g.inputs}
         self.outputs = {name: self._b.home(v) if v not in self._b.val else self._b.val[v]
@@ -684,6 +722,13 @@ class ArenaExecutor:
         """Every storage the executor writes (for allocation probes)."""
         return [self.arena.data, self.persistent.data, self.scratch.storage.data,
                 *self.bound.values(), *self.consts]
+
+
+class ArenaExecutor(PlanExecutor):
+    """The cpu target: a kernel is its nodes' out= torch calls; every scan a loop."""
+
+    def make_builder(self, *args: Any) -> _Binder:
+        return _Builder(*args)
 
 
 class profiling:

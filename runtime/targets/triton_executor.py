@@ -1,14 +1,15 @@
 """The `triton` target: a schedule's kernels as generated Triton, over the same buffer plan.
 
-`TritonExecutor` is an `ArenaExecutor` whose builder launches one rendered kernel per fused
-kernel (`codegen.lower.dispatch.render_kernel`) instead of one torch closure per node. Binding is the
-arena executor's: every value a kernel reads or writes is a view of the activation arena, the
-persistent region or a caller-bound tensor. A scan is one launch of its scan kernel
+`TritonExecutor` is the cpu target's sibling (`executor.PlanExecutor`): it walks the same
+lowered program (`codegen.lowered`), binding as the cpu target binds (every value a kernel
+reads or writes is a view of the activation arena, the persistent region or a caller-bound
+tensor), and runs a `Launch` as one launch of its rendered kernel
+(`codegen.lower.dispatch.render_kernel`). A scan is one launch of its scan kernel
 (`codegen.scan`: the iterations loop inside the kernel, grid over the scan's independent
-axes, workspace made once at bind time, a prologue gather read through); a scan that cannot be
-one kernel keeps the arena executor's host loop (carry slots, xs staged per iteration, ys
-copied into their ITEM buffers) over its body's kernels, after one launch of its prologue
-gathers (`ir.schedule.prologue_kernel`) into their planned storage, and its reason is kept
+axes, workspace made once at bind time, a prologue gather read through) where it renders as
+one (`lower`); else a `ScanLoop`: one launch of its prologue gathers
+(`ir.schedule.prologue_kernel`) into their planned storage, then the host loop (carry
+slots, xs as views, ys in their ITEM buffers) over its body's launches, and its reason is kept
 in `fallbacks` (`TITANC_DEBUG=2` prints it). `launches_per_run()` counts the launches of one
 run; `count_launches(plan)` gives the same figure from the plan alone.
 No kernel falls back to torch: a kernel no family can express fails at bind time with the
@@ -42,9 +43,9 @@ from titanc.ir import Op
 from titanc.ir.types import TensorType
 from titanc.config import current, debug_level, triton_interpret, triton_interpret_mode
 from titanc.ir.buffer_plan import BufferPlan
-from titanc.ir.schedule import prologue_kernel
 
-from titanc.runtime.targets.executor import ArenaExecutor, Tensor, _Builder
+from titanc.codegen.lowered import Launch, Lowered, ScanLaunch, Step, lower
+from titanc.runtime.targets.executor import PlanExecutor, Tensor, _Binder
 
 __all__ = ["TritonExecutor", "count_launches", "interpreting", "launch_tensors", "module_for",
            "scan_kernel_for"]
@@ -93,11 +94,12 @@ def launch_tensors(code: KernelCode, tensor_of: Any, scratch: Any = None) -> lis
     return out
 
 
-class _TritonBuilder(_Builder):
-    """Binds like `_Builder`; a non-scan kernel becomes one launch of its rendered module, a
-    scan one launch of its scan kernel (`codegen.scan`) or, where the scan cannot be
-    one kernel, the host loop over its body's launches. `launches` counts the kernel launches
-    of one run of the schedule (a host-loop scan: its body's launches times its length)."""
+class _TritonBuilder(_Binder):
+    """Binds like the cpu target's builder (`_Binder`); a `Launch` is one launch of its
+    rendered module, a `ScanLaunch` one launch of its scan kernel (`codegen.scan`), a
+    `ScanLoop` its prologue kernel's launch then the host loop over its body's launches.
+    `launches` counts the kernel launches of one run of the schedule (a host-loop scan: its
+    body's launches times its length)."""
 
     def __init__(self, owner: "TritonExecutor", *args: Any):
         super().__init__(*args)
@@ -105,40 +107,35 @@ class _TritonBuilder(_Builder):
         self.launches = 0
         self._subs: list[_TritonBuilder] = []
 
-    def sub_builder(self, *args: Any) -> _Builder:
+    def sub_builder(self, *args: Any) -> _Binder:
         sub = _TritonBuilder(self.owner, *args)
         self._subs.append(sub)
         return sub
 
-    def kernel(self, kern: Any) -> None:
-        scans = [n for n in kern.nodes if self.g.node(n).op is Op.SCAN]
-        if scans:
-            sk = self.owner.scan_code(self.plan, kern, scans[0])
-            if isinstance(sk, ScanKernel):
-                self._scan_kernel(kern, scans[0], sk)
-                return
-            super().kernel(kern)                     # the loop; its body builds through us
-            self.launches += self._subs[-1].launches * self.g.node(scans[0]).attr("length")
+    def step(self, st: Step) -> None:
+        kern = st.kernel
+        if isinstance(st, Launch):
+            self._launch(kern)
             return
+        if isinstance(st, ScanLaunch):
+            self._scan_kernel(kern, st.scan, st.code)
+            return
+        if st.prologue is not None:                 # the carries' rows, gathered first
+            self._launch(st.prologue)
+            for v in st.prologue.outputs:
+                self.val[v] = self.located(v)
+        self._scan(self.g.node(st.scan), set(kern.outputs))   # the loop over its body
+        self.kernel_outputs(kern)
+        self.launches += self._subs[-1].launches * self.g.node(st.scan).attr("length")
+
+    def _launch(self, kern: Any) -> None:
+        """One launch of a rendered (non-scan) kernel."""
         code = self.owner.code(self.plan, kern)
         module = module_for(code)
         tensors = launch_tensors(code, self.home, self._scratch)
         sizes = code.sizes
         self.steps.append(lambda: module.launch(*tensors, *sizes))
         self.launches += 1
-
-    def prologue(self, kern: Any, nodes: tuple[int, ...]) -> None:
-        """A host-loop scan's prologue (a gather, casts of it): one launch of its pointwise
-        kernel (`prologue_kernel`), into the planned storage of its results."""
-        pk = prologue_kernel(self.g, kern)
-        code = self.owner.code(self.plan, pk)
-        module = module_for(code)
-        tensors = launch_tensors(code, self.home, self._scratch)
-        sizes = code.sizes
-        self.steps.append(lambda: module.launch(*tensors, *sizes))
-        self.launches += 1
-        for v in pk.outputs:
-            self.val[v] = self.located(v)
 
     def _scratch(self, shape: tuple[int, ...]) -> Tensor:
         """A temporary of a pattern kernel (an unread tuple element, attention's delta rows)."""
@@ -166,9 +163,9 @@ class _TritonBuilder(_Builder):
         self.launches += 1
 
 
-class TritonExecutor(ArenaExecutor):
-    """Run a graph's schedule in its buffer plan with generated Triton kernels (same
-    interface as `ArenaExecutor`: `run(inputs) -> outputs`, `storages()`).
+class TritonExecutor(PlanExecutor):
+    """Run a graph's lowered program in its memory plan with generated Triton kernels (the
+    cpu target's sibling: `run(inputs) -> outputs`, `storages()`).
 
     With `cuda_graphs` (on a CUDA device only) the first run is eager (Triton compiles its
     kernels there), the second is captured into a `torch.cuda.CUDAGraph` and every later
@@ -216,8 +213,16 @@ class TritonExecutor(ArenaExecutor):
         self._graph.replay()
         return self.outputs
 
-    def make_builder(self, *args: Any) -> _Builder:
+    def make_builder(self, *args: Any) -> _Binder:
         return _TritonBuilder(self, *args)
+
+    def lower(self, plan: BufferPlan) -> Lowered:
+        """The lowered program: a scan is one launch of its scan kernel where it renders as
+        one (else a loop, its reason in `fallbacks`)."""
+        def scan_kernel(p: BufferPlan, kern: Any, sid: int) -> ScanKernel | None:
+            sk = self.scan_code(p, kern, sid)
+            return sk if isinstance(sk, ScanKernel) else None
+        return lower(plan, scan_kernel)
 
     def scan_workspace(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         """Grow the scan workspace to at least `numel` elements (bind time only)."""

@@ -221,6 +221,8 @@ class Trainer:
         if self.reducer is not None:
             self.reducer.gather_state()           # ZeRO-1: every shard's moments
         try:
+            if self.prog.step > self._start_step:
+                self._checked_last()              # the steps since the last log
             bad = first_nonfinite(self.prog.state_dict())
             if bad is not None:
                 raise self._nonfinite(f"{bad} after the update", "not finite")
@@ -248,26 +250,39 @@ class Trainer:
                            f"was {lr:.3g}) or raise train.warmup, then {then}")
 
     # -- the loop -------------------------------------------------------------------------------
-    def step(self) -> dict[str, float]:
-        """One optimizer step on the next training batch; logs it and returns prog.last."""
+    def step(self) -> dict[str, float] | None:
+        """One optimizer step on the next training batch. Nothing is read back from the
+        device except on a logging step (every train.log_every steps and the last one): then
+        the loss and the gradient norm are checked, written to metrics.jsonl and returned
+        (prog.last, with tokens/s over the steps since the previous log); else None."""
         t0 = time.perf_counter()
         tokens = self.data.batch(self.global_rows, "train", self.gen, rows=self.my_rows)
         t1 = time.perf_counter()
         comm0 = self.reducer.comm_seconds if self.reducer else 0.0
-        self.prog.train_step(tokens)
+        self.prog.advance(tokens)
         t2 = time.perf_counter()
         comm = (self.reducer.comm_seconds - comm0) if self.reducer else 0.0
         self.times["data"] += t1 - t0
         self.times["train_step"] += t2 - t1 - comm
         if self.reducer is not None:
             self.times["communication"] += comm
+        if not self._due(self.spec.train.log_every):
+            return None
+        last = self._checked_last()
+        now = time.perf_counter()
+        since, self._log_mark = self._log_mark, (self.prog.step, now)
+        steps = self.prog.step - since[0]
+        last["tokens_per_s"] = steps * self.tokens_per_step / max(now - since[1], 1e-9)
+        self._write({"step": self.prog.step,
+                     **{k: last[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}})
+        return last
+
+    def _checked_last(self) -> dict[str, float]:
+        """The last step's loss, lr and gradient norm (read from the device), finite."""
         last = dict(self.prog.last)
         for what in ("loss", "grad_norm"):  # the loss first: it is what users watch
             if not math.isfinite(last[what]):
                 raise self._nonfinite(what, last[what])
-        last["tokens_per_s"] = self.tokens_per_step / max(t2 - t0, 1e-9)
-        self._write({"step": self.prog.step,
-                     **{k: last[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")}})
         return last
 
     def _kept(self) -> str:
@@ -305,6 +320,7 @@ class Trainer:
         self._report_start()
         start_step, t_start = prog.step, time.perf_counter()
         self._start_step = start_step
+        self._log_mark = (start_step, time.perf_counter())
         last: dict[str, float] = {}
         evals: dict[str, float] = {}
         bar = _progress(self.until, start_step, self.name, enabled=self.progress)
@@ -314,10 +330,13 @@ class Trainer:
         self._kernel_profile = profiler.__enter__() if profiler else None
         try:
             while prog.step < self.until:
-                last = self.step()
+                logged = self.step()
                 bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:,.0f}",
-                                threads=torch.get_num_threads(), refresh=False)
+                if logged is not None:
+                    last = logged
+                    bar.set_postfix(loss=f"{last['loss']:.4f}",
+                                    tok_s=f"{last['tokens_per_s']:,.0f}",
+                                    threads=torch.get_num_threads(), refresh=False)
                 if self._due(spec.train.eval_every):
                     evals = self._timed("eval", self.evaluate)
                     if evals and not math.isfinite(evals["eval_loss"]):

@@ -30,6 +30,8 @@ class RefMemory:
     output_gate: bool = True
     conv_kernel: int = 4  # K
     qk_activation: str = "silu"  # 'silu' | 'none': activation of q, k before l2norm
+    mac_write: str = "attention"  # mac: 'attention' writes rmsnorm(ỹ) | 'input' writes u_s
+    mac_read: str = "context"  # mac: 'context' | 'residual' also adds h to the output
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ Per segment s of S tokens (docs/semantics.md, block `mac`, steps 1-4):
   3. write ŷ = rmsnorm(ỹ) into memory chunk by chunk (segment-local conv); r = read of
      q(ŷ) at chunk start
   4. x_s += (ỹ * sigmoid(r)) W_O
+Options (docs/semantics.md): memory.mac_write input writes u_s instead of ŷ (step 3);
+memory.mac_read residual adds h in step 4: x_s += (ỹ * sigmoid(r) + h) W_O.
 
 Ein notation: B batch, T time, S segment length, D model width, H attention heads,
 N memory heads, C per-head width, P persistent tokens.
@@ -57,10 +59,16 @@ def mac_block(p: dict[str, Tensor], x: Tensor, cfg) -> Tensor:
         W, _ = state
         h = merge_heads(mem_apply(W, hq[:, :, sl]))  # (B, S, D)  read only
         yt = mac_attention(p, u[:, sl], h, cfg)  # (B, S, D)
-        yn = rmsnorm(yt, p["mac_norm"])  # the memory's input is normalised, as LMM's is
+        if cfg.memory.mac_write == "attention":
+            yn = rmsnorm(yt, p["mac_norm"])  # the memory's input is normalised, as LMM's is
+        else:
+            yn = u[:, sl]  # memory.mac_write: input -- the segment's normalised input
         q, k, v = projections(p, yn, cfg)  # (B, N, S, C), conv history zero at segment start
         theta, eta, alpha = gates(p, yn, cfg)  # (B, N, S)
         r, state = memory_scan(state, q, k, v, theta, eta, alpha, cfg.memory.chunk_size)  # (B, N, S, C)
-        outs.append((yt * torch.sigmoid(merge_heads(r))) @ p["mem_wo"])  # (B, S, D)
+        o = yt * torch.sigmoid(merge_heads(r))  # (B, S, D)
+        if cfg.memory.mac_read == "residual":
+            o = o + h  # the segment-start read also on the output, not only as context
+        outs.append(o @ p["mem_wo"])  # (B, S, D)
     x = x + torch.cat(outs, dim=1)  # (B, T, D)
     return x + ffn(p, rmsnorm(x, p["ffn_norm"]))

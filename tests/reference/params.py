@@ -84,7 +84,7 @@ def param_specs(cfg) -> list[tuple[str, tuple[int, ...], float, float]]:
             ]
         for i, (o, n_in) in enumerate(mem_shapes(cfg)):
             specs.append((f"layers.mem_w{i + 1}", (L, N, o, n_in), 0.0, lin(n_in)))
-    if cfg.block == "mac":
+    if cfg.block == "mac" and cfg.memory.mac_write == "attention":
         specs.append(("layers.mac_norm", (L, D), 1.0, 0.1))
     if cfg.block == "mag":
         specs += [

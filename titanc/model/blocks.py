@@ -84,9 +84,17 @@ def lmm_output(y: Value, u: Value, p: Params) -> Value:
     return y @ p["mem_wo"]
 
 
-def mac_output(y: Value, r: Value, p: Params) -> Value:
-    """MAC's output (ỹ ⊙ σ(r)) W_O: attention output ỹ gated by the memory read r."""
-    return (y * r.sigmoid()) @ p["mem_wo"]
+def mac_input(y: Value, u: Value, p: Params, m: ModelSpec) -> Value:
+    """What MAC writes into its memory: ŷ = rmsnorm(ỹ), or the segment input u
+    (`memory.mac_write: input`)."""
+    return rmsnorm(y, p["mac_norm"]) if m.memory.mac_write == "attention" else u
+
+
+def mac_output(y: Value, r: Value, h: Value, p: Params, m: ModelSpec) -> Value:
+    """MAC's output (ỹ ⊙ σ(r)) W_O: attention output ỹ gated by the memory read r; with
+    `memory.mac_read: residual` the segment-start read h is added before W_O."""
+    o = y * r.sigmoid()
+    return (o + h if m.memory.mac_read == "residual" else o) @ p["mem_wo"]
 
 
 class Parallel(Residuals):
@@ -200,10 +208,9 @@ class Parallel(Residuals):
                 u_s, hq_s = xs
             h = merge_heads(retrieve(bb, w, hq_s))                # (B, S, D), read only
             y = mac_attention(bb, u_s, h, pp, att.heads)          # ỹ (B, S, D)
-            yn = rmsnorm(y, pp["mac_norm"])                       # ŷ: the memory's input
-            st = project(bb, yn, pp, mem)                         # segment-local conv history
+            st = project(bb, mac_input(y, u_s, pp, m), pp, mem)  # segment-local conv history
             w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q)
-            out = mac_output(y, merge_heads(r), pp)
+            out = mac_output(y, merge_heads(r), h, pp, m)
             return w2 + s2, [x_s + out if segmented else out]
 
         names = [f"W{i}" for i in range(1, depth + 1)] + [f"S{i}" for i in range(1, depth + 1)]

@@ -23,10 +23,10 @@ from typing import Any
 from titanc.ir import Builder, Graph, Value, dtype_name
 
 from titanc.model.attention import attention
-from titanc.model.blocks import Residuals, block, lmm_output, mac_output
+from titanc.model.blocks import Residuals, block, lmm_output, mac_input, mac_output
 from titanc.model.frontend import lm_logits
 from titanc.model.neural_memory import chunk_update, mlp, project
-from titanc.model.nn import merge_heads, rmsnorm, rotate
+from titanc.model.nn import merge_heads, rotate
 from titanc.model.params import memory_shapes, param_specs
 from titanc.model.spec import ModelSpec, Spec
 
@@ -130,9 +130,10 @@ class _Step(Residuals):
         hq = project(b, u, p, m.memory, want="q",
                      conv=lambda x, w, name: self.conv(x, w, "hq")).q
         h, _, _ = mlp(b, self.weights("Wseg"), hq)                # read at the segment start
-        y = self.attend(u, [merge_heads(h), u], [("hk", "hv"), ("uk", "uv")])   # ỹ (B, n, D)
-        r, _ = self.memory_read_write(rmsnorm(y, p["mac_norm"]), self.weights("W"))
-        return mac_output(y, r, p)
+        h = merge_heads(h)
+        y = self.attend(u, [h, u], [("hk", "hv"), ("uk", "uv")])  # ỹ (B, n, D)
+        r, _ = self.memory_read_write(mac_input(y, u, p, m), self.weights("W"))
+        return mac_output(y, r, h, p, m)
 
 
 def lower_step(spec: Spec, batch: int, n: int, dtype: str | None = None) -> Graph:

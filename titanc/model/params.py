@@ -78,7 +78,7 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
                 lay(f"mem_{gate}_b", (nm,), init="const", value=bias, decay=False)
         for i, (o, n) in enumerate(memory_shapes(d, mem.depth, mem.expansion), 1):
             lay(f"mem_w{i}", (nm, o, n), std=1.0 / math.sqrt(n), decay=False)
-    if block == "mac":
+    if block == "mac" and mem.mac_write == "attention":
         norm("mac_norm")           # ŷ = rmsnorm(ỹ): the memory's input, as LMM's is x̂
     if block == "mag":
         norm("mag_norm_y")

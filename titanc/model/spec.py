@@ -114,6 +114,12 @@ class MemorySpec:
     conv_kernel: int = _field(4, ge=1)
     # activation of the q/k streams before l2norm: silu (the paper) or none (zero-mean keys)
     qk_activation: str = _field("silu", choices=("silu", "none"))
+    # block mac only (docs/semantics.md, "mac"): what the memory is written with, the attention
+    # output ŷ = rmsnorm(ỹ) (the paper) or the segment's normalised input u_s; and where the
+    # segment-start read h goes, only into the attention as context (the paper) or also onto
+    # the block's output (residual)
+    mac_write: str = _field("attention", choices=("attention", "input"))
+    mac_read: str = _field("context", choices=("context", "residual"))
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -189,6 +195,10 @@ class ModelSpec:
         elif self.has_memory and t % mem.chunk_size:
             raise SpecError(
                 f"model.memory.chunk_size: {mem.chunk_size} must divide model.seq_len={t}")
+        for key, paper in (("mac_write", "attention"), ("mac_read", "context")):
+            if self.block != "mac" and getattr(mem, key) != paper:
+                raise SpecError(f"model.memory.{key}: {getattr(mem, key)} applies to block mac "
+                                f"only (this model's block is {self.block}); remove it")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -216,6 +226,8 @@ class TrainSpec:
     eval_every: int = _field(50, ge=0)           # steps between evaluations; 0 = never
     eval_batches: int = _field(4, ge=1)
     checkpoint_every: int = _field(100, ge=0)    # steps between checkpoints; 0 = only at the end
+    # steps between metrics lines (loss, grad norm: the only reads from the device)
+    log_every: int = _field(1, ge=1)
     bucket_mb: float = _field(25.0, gt=0)        # gradient all-reduce bucket size (distributed)
     zero: int = _field(0, ge=0)                  # 1 = ZeRO-1: shard AdamW state over ranks
     dist_timeout_s: float = _field(300.0, gt=0)  # a collective waiting longer fails the job

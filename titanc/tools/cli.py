@@ -5,7 +5,9 @@
     titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory] | --pipeline
     titanc bench SPEC [--set KEY=VALUE ...] [--steps N] [--warmup N] [--threads N] [--json]
     titanc tokenizer train | data prepare | eval     (titanc/tools/corpus_cli.py)
+    titanc generate RUN --prompt TEXT [--max-new-tokens N] [--session FILE] ...
     titanc serve RUN [--host H] [--port N] [--slots N] [--max-queue N] [--grace S]
+                     [--max-sessions N] [--sessions-dir DIR]
 
 `main` returns the exit status: 0 on success, 2 for bad input. A `TitancError` is printed as
 one line, `titanc: error: <message>`, never as a traceback. The heavy modules (artifact writer,
@@ -191,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop a sequence once its output ends with TEXT; repeatable")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
+    gen.add_argument("--session", metavar="FILE", default=None,
+                     help="a conversation file: continue the state it holds (if it exists) "
+                          "with the one --prompt, then save the state after this turn into it")
     gen.set_defaults(run=_cmd_generate)
 
     _add_serve_parser(commands)
@@ -283,6 +288,13 @@ def _add_serve_parser(commands: Any) -> None:
                        help="torch CPU threads (default: torch's default)")
     serve.add_argument("--model-name", default=None, metavar="NAME",
                        help="model id in the API (default: the spec's name)")
+    serve.add_argument("--max-sessions", type=_positive_int, default=64, metavar="N",
+                       help="sessions held in memory (default 64); when full, the least "
+                            "recently used idle one is evicted to --sessions-dir, or without "
+                            "it a new session gets 429")
+    serve.add_argument("--sessions-dir", default=None, metavar="DIR",
+                       help="where session snapshots and evicted sessions are written; a "
+                            "server restarted on it continues them")
     serve.set_defaults(run=_cmd_serve)
 
 
@@ -300,7 +312,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise TitancError(f"--grace: {args.grace} must be a number of seconds >= 0")
     limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
     return serve(args.source, args.host, args.port, args.slots, args.max_queue, limits,
-                 args.grace, args.model_name)
+                 args.grace, args.model_name, max_sessions=args.max_sessions,
+                 sessions_dir=args.sessions_dir)
 
 
 def _load(args: argparse.Namespace) -> Spec:
@@ -385,27 +398,36 @@ def _train_argv(args: argparse.Namespace) -> list[str]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import titanc
-    from titanc.runtime.serve.generate import Generator, Sampling
+    from titanc.runtime.serve.generate import Generator, Sampling, load_session, save_session
     from titanc.runtime.data.tokenizer import StreamDecoder, load_tokenizer
 
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise TitancError(f"--top-p: {args.top_p} must be in (0, 1]")
+    if args.session is not None and len(args.prompt) != 1:
+        raise TitancError(f"--session continues one conversation: give one --prompt, not "
+                          f"{len(args.prompt)}")
     prog = titanc.load(args.source)
     tokenizer = load_tokenizer(args.source)       # the run's / artifact's own tokenizer
     gen = Generator(prog, tokenizer)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop))
     prompts = [tokenizer.encode(p) for p in args.prompt]
+    state = None
+    if args.session is not None:
+        state = (load_session(args.session, gen) if os.path.exists(args.session)
+                 else gen.new_state(1))
     if args.stream and len(prompts) == 1:
         sys.stdout.write(args.prompt[0])
         out = StreamDecoder(tokenizer)           # holds back a character split over tokens
-        for _, tok in gen.stream(prompts, args.max_new_tokens, sampling):
+        for _, tok in gen.stream(prompts, args.max_new_tokens, sampling, state):
             sys.stdout.write(out.push(tok))
             sys.stdout.flush()
         sys.stdout.write(out.flush() + "\n")
-        return 0
-    outs = gen.generate(prompts, args.max_new_tokens, sampling)
-    for prompt, toks in zip(args.prompt, outs):
-        print(prompt + tokenizer.decode(toks))
+    else:
+        outs = gen.generate(prompts, args.max_new_tokens, sampling, state)
+        for prompt, toks in zip(args.prompt, outs):
+            print(prompt + tokenizer.decode(toks))
+    if state is not None:
+        save_session(args.session, gen, state)
     return 0
 
 

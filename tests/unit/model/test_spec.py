@@ -20,7 +20,7 @@ from titanc.model.spec import (
     ModelSpec, Spec, load_spec, parse_set_args, spec_hash, spec_to_dict,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 TINY = ROOT / "examples" / "tiny.yaml"
 
@@ -81,7 +81,8 @@ def test_tiny_has_the_issue_values(tiny_spec: Spec) -> None:
     m, t = tiny_spec.model, tiny_spec.train
     assert (m.attention.heads, m.attention.window, m.attention.segment,
             m.attention.persistent_tokens) == (4, 64, 32, 4)
-    assert dataclasses.astuple(m.memory) == (2, 2, 2, 16, True, 0.01, 0.9, 0.01, True, 4, "silu")
+    assert dataclasses.astuple(m.memory) == (2, 2, 2, 16, True, 0.01, 0.9, 0.01, True, 4, "silu",
+                                             "attention", "context")
     assert (t.batch_size, t.steps, t.lr, t.warmup, t.weight_decay, t.betas) == (
         8, 200, 3e-3, 20, 0.1, (0.9, 0.95))
     assert (t.grad_clip, t.seed, t.dtype, t.remat, t.remat_budget_mb, t.loss_chunk,
@@ -173,7 +174,8 @@ BAD_SPECS = [
      "unknown key 'model.chunk_size'; did you mean 'model.memory.chunk_size'?"),
     (edited(model__memory={"zzz": 1}),
      "unknown key 'model.memory.zzz'; known keys in model.memory: heads, depth, expansion, "
-     "chunk_size, adaptive, lr_max, momentum, decay, output_gate, conv_kernel, qk_activation"),
+     "chunk_size, adaptive, lr_max, momentum, decay, output_gate, conv_kernel, qk_activation, "
+     "mac_write, mac_read"),
     (edited(memory={}), "unknown key 'memory'; did you mean 'model.memory'?"),
     (edited(train={"heads": 2}),
      "unknown key 'train.heads'; did you mean 'model.attention.heads'?"),
@@ -246,6 +248,9 @@ BAD_SPECS = [
     (edited(model__memory={"depth": 0}), "model.memory.depth: 0 must be >= 1"),
     (edited(model__memory={"expansion": 0}), "model.memory.expansion: 0 must be >= 1"),
     (edited(model__memory={"conv_kernel": 0}), "model.memory.conv_kernel: 0 must be >= 1"),
+    (edited(model__block="lmm", model__memory={"mac_read": "residual"}),
+     "model.memory.mac_read: residual applies to block mac only (this model's block is lmm); "
+     "remove it"),
     (edited(train={"betas": [0.9, 1.0]}), "train.betas[1]: 1.0 must be in [0, 1)"),
     (edited(train={"betas": [-0.1, 0.9]}), "train.betas[0]: -0.1 must be in [0, 1)"),
     (edited(train={"lr": 0}), "train.lr: 0.0 must be > 0"),

@@ -15,7 +15,7 @@ from titanc.runtime.data.datasets import (UNIGRAM_PSEUDOCOUNT, SyntheticRecall, 
                                  make_data, recall_accuracy)
 from titanc.model.spec import load_spec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def gen(seed: int = 0) -> torch.Generator:

@@ -1,0 +1,141 @@
+"""The lowered program: the compiler's last stage, one flat, typed list of steps per graph.
+
+`lower(plan, scan_kernel)` turns a memory plan (its schedule and its scan bodies' plans) into a
+`Lowered` program that every consumer walks in order, each as a sibling:
+
+    the cpu target      runtime/targets/executor.py    a `Launch` as out= torch closures
+    the triton target   runtime/targets/triton_executor.py   a `Launch` as its rendered kernel
+    program.py          codegen/emit.py                the same steps printed as Python
+
+Steps:
+
+    Launch(k, kernel)                 kernel k of the schedule (one generated kernel on the
+                                      triton target, its nodes' torch calls on the cpu target)
+    ScanLaunch(k, kernel, scan, code) a scan that is one launch of its scan kernel
+                                      (`codegen.scan`; a prologue gather is read through)
+    ScanLoop(k, kernel, scan, prologue, body)
+                                      a scan run as a host loop over `body` (the body plan's
+                                      own `Lowered`), after its prologue kernel (the carries'
+                                      gathered rows, if any); where iteration i reads and
+                                      writes is `BufferPlan.scan_homes` (`ScanHomes`)
+
+No-op kernels (every output aliases storage that already holds them) are not steps. A consumer
+binds every value a step uses once, before the first run: to planned storage
+(`BufferPlan.location`) or as a view of a root (`BufferPlan.views`); what a `Launch` reads and
+writes is its kernel's (the target's), what a scan step touches at its own level is
+`scan_operands`. Nothing is bound per run.
+
+Which scans are one kernel is the target's choice, passed in as `scan_kernel(plan, kernel,
+scan node) -> code or None` (the cpu target has none: every scan is a loop). The module lives in
+codegen/ because it is the last stage of compiling (after the memory plan, before a target's
+kernels), and both the runtime and the emitter may import codegen (docs/architecture.md); it
+imports only `ir` (the buffer plan and the schedule live there), so the cpu target pulls in no
+kernel renderer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
+
+from titanc.ir import Graph
+from titanc.ir.buffer_plan import BufferPlan
+from titanc.ir.schedule import Kernel, is_immediate, prologue_kernel
+
+__all__ = ["Launch", "Lowered", "ScanLaunch", "ScanLoop", "Step", "lower"]
+
+
+@dataclass(frozen=True)
+class Launch:
+    index: int                    # the kernel's position in the schedule
+    kernel: Kernel
+
+
+@dataclass(frozen=True)
+class ScanLaunch:
+    index: int
+    kernel: Kernel
+    scan: int                     # the SCAN node
+    code: Any                     # the target's scan kernel (codegen.scan.ScanKernel)
+
+
+@dataclass(frozen=True)
+class ScanLoop:
+    index: int
+    kernel: Kernel
+    scan: int
+    prologue: Kernel | None       # the carries' gathered rows, a kernel of its own
+    body: "Lowered"
+
+
+Step = Union[Launch, ScanLaunch, ScanLoop]
+
+
+@dataclass
+class Lowered:
+    """One graph's (or scan body's) steps over its memory plan."""
+
+    plan: BufferPlan
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def graph(self) -> Graph:
+        return self.plan.schedule.graph
+
+    def scan_steps(self) -> list[ScanLaunch | ScanLoop]:
+        return [s for s in self.steps if not isinstance(s, Launch)]
+
+    def launches(self) -> int:
+        """Kernel launches of one run on a target that launches a kernel per step (a loop:
+        its prologue, then its body's launches per iteration)."""
+        n = 0
+        for s in self.steps:
+            if isinstance(s, ScanLoop):
+                n += (s.prologue is not None) + s.body.launches() * \
+                    self.graph.node(s.scan).attr("length")
+            else:
+                n += 1
+        return n
+
+    def walk(self) -> list["Lowered"]:
+        """This program and every loop body's, nested bodies first (pre-order)."""
+        out = [self]
+        for s in self.steps:
+            if isinstance(s, ScanLoop):
+                out += s.body.walk()
+        return out
+
+
+def lower(plan: BufferPlan,
+          scan_kernel: Callable[[BufferPlan, Kernel, int], Any] | None = None) -> Lowered:
+    """The lowered program of `plan`: its schedule's kernels in order, no-ops dropped, each
+    scan one launch where `scan_kernel` gives its code, else a loop over its body's own
+    lowered program."""
+    g = plan.schedule.graph
+    out = Lowered(plan)
+    for k, kern in enumerate(plan.schedule.kernels):
+        if plan.is_noop(k):
+            continue
+        scans = [n for n in kern.nodes if n in plan.bodies]
+        if not scans:
+            out.steps.append(Launch(k, kern))
+            continue
+        code = scan_kernel(plan, kern, scans[0]) if scan_kernel is not None else None
+        if code is not None:
+            out.steps.append(ScanLaunch(k, kern, scans[0], code))
+        else:
+            out.steps.append(ScanLoop(k, kern, scans[0], prologue_kernel(g, kern),
+                                      lower(plan.bodies[scans[0]], scan_kernel)))
+    return out
+
+
+def scan_operands(lowered: Lowered, step: ScanLaunch | ScanLoop) -> list[int]:
+    """The values a scan step reads or writes at its level: a scan kernel's operands (a
+    prologue gather read through) and the ITEMs the program reads; a loop's non-immediate
+    operands and ITEMs (its prologue's arguments are a `Launch`'s)."""
+    g = lowered.graph
+    node = g.node(step.scan)
+    if isinstance(step, ScanLaunch):
+        used = [node.inputs[i] for i in step.code.inputs] + list(step.code.extra)
+    else:
+        used = [i for i in node.inputs if not is_immediate(g, i)]
+    return used + [u for u in g.users(node.id) if u in step.kernel.outputs]
