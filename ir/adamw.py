@@ -59,4 +59,17 @@ def adamw_ref(node: Any, xs: list[Tensor], it: Any) -> tuple[Tensor, ...]:
     return (*new_p, *new_m, *new_v, norm)
 
 
-register(Structural(Op.ADAMW, _adamw_type, adamw_ref))
+def _in_place(a: dict) -> dict[int, int]:
+    """New params, ms, vs are written over the params, ms, vs operands (grads are skipped)."""
+    n = a["n"]
+    return {k: k if k < n else k + n for k in range(3 * n)}
+
+
+def _flops(node: Any, g: Any) -> int:
+    """About 16 per parameter element: norm, clip, moments, update."""
+    return 16 * sum(g.node(i).type.numel for i in node.inputs[:node.attr("n")])
+
+
+# one template kernel over dense flat regions, float32, updating parameters and moments in place
+register(Structural(Op.ADAMW, _adamw_type, adamw_ref, groups=("PATTERN",), flops=_flops,
+                    precision="high", in_place=_in_place, family="adamw_multi"))

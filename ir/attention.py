@@ -140,7 +140,34 @@ def _attention_vjp(b: Any, a: dict, xs: list, y: Any, cts: list) -> list:
     return [b.item(bwd, i) for i in range(len(xs))]
 
 
+def visible_pairs(n_q: int, groups: tuple) -> int:
+    """(query, key) pairs a MASK's groups let through, for queries 0..n_q-1 (q_start 0)."""
+    total = 0
+    for kind, length, window in groups:
+        if kind == "all":
+            total += n_q * length
+        else:
+            w = length if window is None else window
+            total += sum(min(i + 1, w, length) for i in range(n_q))
+    return total
+
+
+def _flops(n: Any, g: Any) -> int:
+    """Only the visible (query, key) pairs count: 2·e per pair for q kᵀ and 2·e for p v
+    (backward: 2·e each for s, dp, dv, dq, dk)."""
+    q = g.node(n.inputs[0]).type.shape
+    v = g.node(n.inputs[1 + n_groups(n.attr_dict)]).type.shape     # the first value group
+    pairs = q[0] * q[1] * visible_pairs(n.attr("n_q"), n.attr("groups"))
+    return pairs * (2 * q[3] + 2 * v[3] if n.op is Op.ATTENTION else 6 * q[3] + 4 * v[3])
+
+
+# one template kernel each, reading q, k, v through their strides, bf16 operands under mixed
+# precision (float32 inside)
+_KERNEL = dict(groups=("PATTERN",), flops=_flops, precision="low", strided="all")
+
 register(
-    Structural(Op.ATTENTION, _attention_type, attention_ref, _attention_vjp, reads=("all",)),
-    Structural(Op.ATTENTION_BWD, _attention_bwd_type, attention_bwd_ref),
+    Structural(Op.ATTENTION, _attention_type, attention_ref, _attention_vjp, reads=("all",),
+               family="attention_fwd", **_KERNEL),
+    Structural(Op.ATTENTION_BWD, _attention_bwd_type, attention_bwd_ref,
+               family="attention_bwd", **_KERNEL),
 )

@@ -10,6 +10,9 @@ An entry (`Elementwise`) says, for one op, everything the compiler needs:
             away broadcast axes itself), None for an operand with no gradient
     reads   what the VJP reads, for rematerialisation: operand positions and "out"
     triton  the Triton expression, `{0}`, `{1}` naming the operands
+    precision  "demanding" where its float32 demand reaches back through the elementwise
+            chain feeding it under mixed precision (LOG), else "" (`structural.py` lists the
+            classes)
 
 Shapes follow numpy broadcasting for every entry (`shapes.py`), fusion and codegen treat every
 entry as a pointwise node, and `OpGroup.UNARY` / `BINARY` / `ELEMENTWISE` list every entry.
@@ -39,6 +42,7 @@ class Elementwise:
     vjp: Callable[[Any, list[Any], Any], list[Any]]
     reads: tuple[int | str, ...]
     triton: str
+    precision: str = ""
 
 
 ELEMENTWISE: dict[Op, Elementwise] = {}
@@ -93,7 +97,7 @@ for _e in (
     Elementwise(Op.EXP, 1, torch.exp, lambda o, x: torch.exp(x, out=o), math.exp,
                 lambda ct, xs, y: [ct * y], ("out",), "tl.exp({0})"),
     Elementwise(Op.LOG, 1, torch.log, lambda o, x: torch.log(x, out=o), math.log,
-                lambda ct, xs, y: [ct / xs[0]], (0,), "tl.log({0})"),
+                lambda ct, xs, y: [ct / xs[0]], (0,), "tl.log({0})", "demanding"),
     Elementwise(Op.SIGMOID, 1, torch.sigmoid, lambda o, x: torch.sigmoid(x, out=o), _sigmoid,
                 lambda ct, xs, y: [ct * y * (1.0 - y)], ("out",), "tl.sigmoid({0})"),
     Elementwise(Op.SILU, 1, lambda x: x * torch.sigmoid(x), _silu_out, lambda a: a * _sigmoid(a),

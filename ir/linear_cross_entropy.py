@@ -101,7 +101,19 @@ def _vjp(b: Any, a: dict, xs: list, y: Any, cts: list) -> list:
     return [b.item(bwd, 0), b.item(bwd, 1), None]
 
 
+def _flops(n: Any, g: Any) -> int:
+    """2·d per logit per dot: the logits (backward: recomputed, then dh and dhead)."""
+    rows, head = g.node(n.inputs[0]).type.shape[0], g.node(n.inputs[1]).type.shape
+    return 2 * rows * head[0] * head[1] * (1 if n.op is Op.LINEAR_CROSS_ENTROPY else 3)
+
+
+# one template kernel each, reading every operand through its strides, in float32: the
+# forward's h demands float32 of the chain feeding it (the final norm is not rounded to bf16)
 register(
-    Structural(Op.LINEAR_CROSS_ENTROPY, _type, lce_ref, _vjp, reads=(0, 1, 2)),
-    Structural(Op.LINEAR_CROSS_ENTROPY_BWD, _bwd_type, lce_bwd_ref),
+    Structural(Op.LINEAR_CROSS_ENTROPY, _type, lce_ref, _vjp, reads=(0, 1, 2),
+               groups=("PATTERN",), flops=_flops, precision="demanding", strided="all",
+               family="linear_cross_entropy"),
+    Structural(Op.LINEAR_CROSS_ENTROPY_BWD, _bwd_type, lce_bwd_ref, groups=("PATTERN",),
+               flops=_flops, precision="high", strided="all",
+               family="linear_cross_entropy_bwd"),
 )

@@ -4,7 +4,9 @@
 (`node.op in OpGroup.ELEMENTWISE`). An arithmetic elementwise op has all its rules (reference
 semantics, folding, VJP, what its VJP reads, its Triton expression) in one entry of
 `elementwise.py`; every other op has its shape rule, reference semantics, VJP, what its VJP
-reads and its zero folding in one entry of `structural.py`.
+reads, its zero folding and the facts about its kernel (cost, precision class, strided
+operands, in-place outputs, profile family) in one entry of `structural.py`; each target
+registers how it lowers an op (`lowering.py`).
 """
 from __future__ import annotations
 
@@ -104,14 +106,16 @@ class OpGroup:
                           Op.TAKE, Op.INDEX_ADD, Op.TAKE_ALONG, Op.SCATTER_ALONG})
     SCAN = frozenset({Op.CUMSUM, Op.SCAN})
     TUPLE = frozenset({Op.ITEM})
-    # a recognised subgraph as one template kernel (tuple-typed: results are its ITEMs)
-    PATTERN = frozenset({Op.ATTENTION, Op.ATTENTION_BWD, Op.ADAMW, Op.LINEAR_CROSS_ENTROPY,
-                         Op.LINEAR_CROSS_ENTROPY_BWD})
+    # a recognised subgraph as one template kernel (tuple-typed: results are its ITEMs):
+    # every structural entry with "PATTERN" in its groups (ATTENTION, ATTENTION_BWD, ADAMW,
+    # LINEAR_CROSS_ENTROPY, LINEAR_CROSS_ENTROPY_BWD)
+    PATTERN: set[Op] = set()
     # ops whose output is a view-like rearrangement (no arithmetic): a strided view in torch
     VIEW = frozenset({Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE})
     # ops a kernel computes by index arithmetic on its operand's loads (views, plus the zeros
-    # of a pad and the pieces of a concat): free inside a fused or scan kernel
-    INDEXING = VIEW | {Op.PAD, Op.CONCAT}
+    # of a pad and the pieces of a concat, and structural entries with "INDEXING" in their
+    # groups): free inside a fused or scan kernel
+    INDEXING = set(VIEW | {Op.PAD, Op.CONCAT})
 
 
 # what a SCAN is (its `role` attr), for the passes and the profiler: the layer stack, a MAC

@@ -12,10 +12,26 @@ An entry (`Structural`) says, for one op, what the IR and its passes need:
     zero    constant folding of zeros: "all" (zero when every operand is zero), "any" (when
             one is), "first" (when the data operand is), "" (never)
 
+and the facts the passes and tools read about the kernel that runs it (defaults fit most ops):
+
+    groups     the `OpGroup` sets `register` adds the op to: "PATTERN" (a tuple-valued op that
+               is one template kernel with its ITEMs), "INDEXING" (computed by index
+               arithmetic on its operand's loads, free inside a fused kernel), ...
+    flops      (node, graph) -> its modeled work (`passes.fusion.node_flops`; pattern ops)
+    precision  under bf16 mixed precision (`passes/precision.py`): "low" (bf16 operands,
+               float32 inside), "high" (float32 operands), "demanding" (float32 operands, and
+               the elementwise chain feeding it computes in float32 too), "" (the pass's rule)
+    strided    operand positions its kernel reads through their strides, "all" for every one
+               (the memory plan binds a strided view to such an operand without a copy)
+    in_place   attrs -> {output element: operand position} it updates where it is (the memory
+               plan gives such an element the operand's persistent slot)
+    family     the profile family of its kernel (`titanc.tools.cost_model`; default its name)
+
 The arithmetic elementwise ops have their entries in `elementwise.py` (same idea, plus their
-`out=` form and Triton expression). How an op runs on a target is that target's code: the cpu
-executor's `out=` closures (`runtime/targets/executor.py`) and the Triton lowering (`codegen/`) dispatch
-on the op groups of `ops.py`, as JAX keeps a primitive's lowering per platform.
+`out=` form and Triton expression). How an op runs on a target is that target's lowering
+rule, registered per target (`ir/lowering.py`: the cpu target's table in
+`runtime/targets/lowerings.py`, the triton target's in `codegen/lower/lowerings.py`), as JAX
+keeps a primitive's lowering per platform.
 """
 from __future__ import annotations
 
@@ -25,11 +41,11 @@ from typing import Any, Callable
 import torch
 
 from titanc.ir.tables import mask_table, rope_table
-from titanc.ir.ops import SCAN_ROLES, Op
+from titanc.ir.ops import SCAN_ROLES, Op, OpGroup
 from titanc.ir.shapes import ShapeError, broadcast_shapes, parse_einsum
 from titanc.ir.types import TensorType, Type
 
-__all__ = ["STRUCTURAL", "Structural", "register", "unbroadcast"]
+__all__ = ["STRUCTURAL", "Structural", "entry", "register", "unbroadcast", "unregister"]
 
 
 @dataclass(frozen=True)
@@ -40,15 +56,42 @@ class Structural:
     vjp: Callable[..., list[Any]] | None = None
     reads: tuple[int | str, ...] = ()
     zero: str = ""
+    groups: tuple[str, ...] = ()
+    flops: Callable[[Any, Any], int] | None = None
+    precision: str = ""
+    strided: tuple[int, ...] | str = ()
+    in_place: Callable[[dict[str, Any]], dict[int, int]] | None = None
+    family: str = ""
+
+    def reads_strided(self, k: int) -> bool:
+        """Does this op's kernel read operand `k` through its strides?"""
+        return self.strided == "all" or k in self.strided
 
 
 STRUCTURAL: dict[Op, Structural] = {}
+PRECISIONS = ("", "low", "high", "demanding")
 
 
 def register(*entries: Structural) -> None:
-    """Add entries to the registry (`ir/attention.py` and `ir/adamw.py` add the pattern ops')."""
+    """Add entries to the registry and their ops to the groups they name (`ir/attention.py`,
+    `ir/adamw.py` and `ir/linear_cross_entropy.py` add the pattern ops')."""
     for e in entries:
+        if e.precision not in PRECISIONS:
+            raise ValueError(f"{e.op.name}: precision {e.precision!r}, one of {PRECISIONS}")
         STRUCTURAL[e.op] = e
+        for group in e.groups:
+            getattr(OpGroup, group).add(e.op)
+
+
+def unregister(op: Op) -> None:
+    """Remove an op registered by `register` (a test's toy op)."""
+    for group in STRUCTURAL.pop(op).groups:
+        getattr(OpGroup, group).discard(op)
+
+
+def entry(op: Op) -> Structural | None:
+    """The structural entry of `op` (None for an arithmetic elementwise op)."""
+    return STRUCTURAL.get(op)
 
 
 def unbroadcast(ct: Any, shape: tuple[int, ...]) -> Any:
@@ -325,14 +368,14 @@ register(
                                         None], reads=(1,)),
     Structural(Op.INDEX_ADD, _index_add_shape, _index_add_ref,
                lambda b, a, xs, y, ct: [_as(b, b.take(ct, xs[1]), xs[0].dtype), None],
-               reads=(1,), zero="first"),
+               reads=(1,), zero="first", strided=(1,), family="segment_sum"),
     Structural(Op.TAKE_ALONG, _take_along_shape,
                lambda n, xs, it: torch.gather(xs[0], -1, xs[1].unsqueeze(-1)).squeeze(-1),
                lambda b, a, xs, y, ct: [b.op(Op.SCATTER_ALONG, ct, xs[1],
                                              size=xs[0].shape[-1]), None], reads=(1,)),
     Structural(Op.SCATTER_ALONG, _scatter_along_shape, _scatter_along_ref,
                lambda b, a, xs, y, ct: [b.take_along(ct, xs[1]), None], reads=(1,),
-               zero="first"),
+               zero="first", family="scatter_along"),
 )
 
 
@@ -397,7 +440,8 @@ def _item_shape(ts: list, a: dict) -> Type:
 register(
     Structural(Op.CUMSUM, lambda ts, a: ts[0], _cumsum_ref,
                lambda b, a, xs, y, ct: [ct.cumsum(a["axis"], reverse=not a["reverse"])],
-               zero="all"),
-    Structural(Op.SCAN, scan_signature, scan_ref, None, reads=("all",)),
+               zero="all", precision="demanding"),
+    Structural(Op.SCAN, scan_signature, scan_ref, None, reads=("all",), strided="all",
+               family="scan"),
     Structural(Op.ITEM, _item_shape, lambda n, xs, it: xs[0][n.attr("index")]),
 )

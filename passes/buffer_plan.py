@@ -78,6 +78,7 @@ import torch
 from titanc.ir import Graph, Op, OpGroup
 from titanc.ir.buffer_plan import OUTPUT_PREFIX, Buffer, BufferPlan, ScanHomes, view_of
 from titanc.ir.schedule import Schedule, liveness, prologue_results, scan_prologue, value_bytes
+from titanc.ir.structural import STRUCTURAL
 from titanc.ir.types import TensorType
 
 Interval = tuple[int, int, int]          # (size, first, last), last inclusive
@@ -161,19 +162,19 @@ def overlaps(buffers: Sequence[Interval], offsets: Sequence[int]) -> list[tuple[
 
 
 def _updates_in_place(g: Graph, vid: int, name: str) -> bool:
-    """Is output `vid` an element of an in-place pattern op (ADAMW: elementwise over its
-    operands) whose operand at the same position of its list is the input named `name`? Then
-    it shares that input's persistent slot: the optimizer updates parameters and moments where
-    they are."""
+    """Is output `vid` an element of an op that updates one of its operands in place (its
+    entry's `in_place`: ADAMW's new parameters and moments) and that operand the input named
+    `name`? Then it shares that input's persistent slot: the optimizer updates parameters and
+    moments where they are."""
     node = g.node(vid)
-    if node.op is not Op.ITEM or g.node(node.inputs[0]).op is not Op.ADAMW:
+    if node.op is not Op.ITEM:
         return False
     op = g.node(node.inputs[0])
-    n, k = op.attr("n"), node.attr("index")
-    if k >= 3 * n:                                  # grad_norm
+    rule = STRUCTURAL[op.op].in_place
+    k = node.attr("index")
+    if rule is None or k not in (where := rule(op.attr_dict)):
         return False
-    src = op.inputs[k if k < n else k + n]         # params | (grads) | ms | vs
-    src_node = g.node(src)
+    src_node = g.node(op.inputs[where[k]])
     return src_node.op is Op.INPUT and src_node.attr("name") == name
 
 
@@ -294,19 +295,20 @@ def plan_buffers(schedule: Schedule, persistent: Collection[str] = (),
     return _plan(schedule, set(persistent), alignment, body=False)
 
 
-# readers that load every operand through its strides (a strided view needs no copy for them)
-STRIDED_TEMPLATES = frozenset({Op.SCAN, Op.ATTENTION, Op.ATTENTION_BWD, Op.LINEAR_CROSS_ENTROPY,
-                               Op.LINEAR_CROSS_ENTROPY_BWD})
-
-
 def _reads_strided(g: Graph, kern: Any, v: int) -> bool:
-    """Does `kern` read value `v` through its strides? Every kernel but a template that needs
-    dense operands, and of the segment sum (INDEX_ADD) its indices (sorted as they are read)."""
+    """Does `kern` read value `v` through its strides? Every kernel but a template whose op's
+    entry says otherwise (`Structural.strided`: a scan, the attention and cross-entropy
+    templates read every operand so; the segment sum (INDEX_ADD) its indices, sorted as they
+    are read; AdamW none)."""
     if kern.category != "template":
         return True
-    return any(g.node(n).op in STRIDED_TEMPLATES
-               or (g.node(n).op is Op.INDEX_ADD and g.node(n).inputs[1] == v)
-               for n in kern.nodes)
+    for nid in kern.nodes:
+        n = g.node(nid)
+        e = STRUCTURAL.get(n.op)
+        if e is not None and (e.strided == "all" or any(
+                i == v and e.reads_strided(k) for k, i in enumerate(n.inputs))):
+            return True
+    return False
 
 
 def _views(schedule: Schedule, live: dict, outs: set[int], elsewhere: set[int],

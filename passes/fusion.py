@@ -65,6 +65,7 @@ from typing import Iterator
 
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.shapes import parse_einsum
+from titanc.ir.structural import STRUCTURAL
 from titanc.ir.types import TensorType
 
 from titanc.config import debug_level
@@ -74,10 +75,20 @@ from titanc.passes.split_casts import splittable
 
 GATHERS = frozenset({Op.TAKE, Op.TAKE_ALONG})
 REDUCTIONS = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM})
-TEMPLATES = frozenset({Op.SCAN, Op.INDEX_ADD, Op.SCATTER_ALONG}) | OpGroup.PATTERN
 MAX_NAME_OPS = 4
 MAX_CONTRACTIONS = 4         # einsums one matmul kernel may hold (one K loop each)
 SIBLING_READERS = 8          # siblings of a value are paired only when it has this few readers
+
+
+class _Templates:
+    """Ops alone in a template kernel: SCAN, the scatter-adds and every pattern op (read at
+    each test, so an op registered later into `OpGroup.PATTERN` counts)."""
+
+    def __contains__(self, op: Op) -> bool:
+        return op in (Op.SCAN, Op.INDEX_ADD, Op.SCATTER_ALONG) or op in OpGroup.PATTERN
+
+
+TEMPLATES = _Templates()
 
 
 def fuse(g: Graph) -> Schedule:
@@ -98,7 +109,8 @@ def _numel(n: Node) -> int:
 
 def node_flops(n: Node, g: Graph, body_flops: int = 0) -> int:
     """Work of one node: elementwise 1/element, einsum 2*prod(letter sizes), reductions and
-    scatter-adds 1/input element, scans length * body; views, gathers, generators 0."""
+    scatter-adds 1/input element, scans length * body, a pattern op its entry's `flops`
+    (attention: the visible pairs only); views, gathers, generators 0."""
     if n.op in OpGroup.ELEMENTWISE:
         return _numel(n)
     if n.op is Op.EINSUM:
@@ -111,26 +123,10 @@ def node_flops(n: Node, g: Graph, body_flops: int = 0) -> int:
         return _numel(g.node(n.inputs[0]))
     if n.op is Op.SCAN:
         return n.attr("length") * body_flops
-    if n.op in OpGroup.PATTERN:
-        return pattern_flops(n, g)
+    e = STRUCTURAL.get(n.op)
+    if e is not None and e.flops is not None:
+        return e.flops(n, g)
     return 0
-
-
-def pattern_flops(n: Node, g: Graph) -> int:
-    """Modeled work of a pattern op: attention counts only the visible (query, key) pairs,
-    2·e per pair for q kᵀ and 2·e for p v (backward: 2·e each for s, dp, dv, dq, dk); AdamW
-    about 16 per parameter element (norm, clip, moments, update); linear cross-entropy 2·d per
-    logit (backward: recompute, dh, dhead)."""
-    if n.op is Op.ADAMW:
-        return 16 * sum(g.node(i).type.numel for i in n.inputs[:n.attr("n")])
-    if n.op in (Op.LINEAR_CROSS_ENTROPY, Op.LINEAR_CROSS_ENTROPY_BWD):   # 2·d per logit per
-        (rows, d), head = g.node(n.inputs[0]).type.shape, g.node(n.inputs[1]).type.shape  # dot
-        return 2 * rows * head[0] * head[1] * (1 if n.op is Op.LINEAR_CROSS_ENTROPY else 3)
-    q = g.node(n.inputs[0]).type.shape
-    v = g.node(n.inputs[1 + len(n.attr("groups"))]).type.shape     # the first value group
-    pairs = q[0] * q[1] * visible_pairs(n.attr("n_q"), n.attr("groups"))
-    per_pair = 2 * q[3] + 2 * v[3] if n.op is Op.ATTENTION else 6 * q[3] + 4 * v[3]
-    return pairs * per_pair
 
 
 def matmul_tile(g: Graph, e: Node) -> tuple | None:
@@ -148,16 +144,6 @@ def matmul_tile(g: Graph, e: Node) -> tuple | None:
     return e.type.shape, roles
 
 
-def visible_pairs(n_q: int, groups: tuple) -> int:
-    """(query, key) pairs a MASK's groups let through, for queries 0..n_q-1 (q_start 0)."""
-    total = 0
-    for kind, length, window in groups:
-        if kind == "all":
-            total += n_q * length
-        else:
-            w = length if window is None else window
-            total += sum(min(i + 1, w, length) for i in range(n_q))
-    return total
 
 
 def _float_cast(n: Node, node: dict[int, Node]) -> bool:

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from titanc.ir import Graph, Op, OpGroup
+from titanc.ir.elementwise import ELEMENTWISE
+from titanc.ir.structural import STRUCTURAL
 
 LOW = "bf16"
 HIGH = "f32"
@@ -65,16 +67,21 @@ HIGH = "f32"
 # denominators, the loss), cumulative sums (gate log-space weights) and logarithms
 # (log-sigmoid gates, the loss's log-sum-exp)
 F32_OPS = frozenset({Op.SUM, Op.CUMSUM, Op.LOG})
-# consumers whose float32 demand reaches back through the elementwise chain that feeds them:
-# cumulative sums and logarithms, the fused LM head + loss (its h: the final norm's output is
-# computed in float32, not rounded to bf16 and widened again), and a sum to a scalar (a loss
-# or a total: the per-token losses are float32 too); a norm's or a softmax's row sum reads
-# bf16 terms into a float32 accumulator instead
-DEMANDING = frozenset({Op.CUMSUM, Op.LOG, Op.LINEAR_CROSS_ENTROPY})
+
+
+def precision_class(op: Op) -> str:
+    """The precision class of `op`'s registry entry (`ir/structural.py` lists them)."""
+    e = ELEMENTWISE.get(op) or STRUCTURAL.get(op)
+    return e.precision if e is not None else ""
 
 
 def _demanding(n: Any) -> bool:
-    return n.op in DEMANDING or (n.op is Op.SUM and n.type.shape == ())
+    """Is `n` a consumer whose float32 demand reaches back through the elementwise chain that
+    feeds it? Entries of class "demanding" (cumulative sums and logarithms, the fused LM head
+    + loss: its h, the final norm's output, is computed in float32, not rounded to bf16 and
+    widened again), and a sum to a scalar (a loss or a total: the per-token losses are float32
+    too); a norm's or a softmax's row sum reads bf16 terms into a float32 accumulator instead."""
+    return precision_class(n.op) == "demanding" or (n.op is Op.SUM and n.type.shape == ())
 
 
 # ops whose dtype is their data operand's (operand 0)
@@ -104,11 +111,6 @@ def _f32_demanded(g: Graph, n_carry: int | None, f32_ys: frozenset[int] = frozen
     return demanded
 
 
-# pattern ops that take bf16 operands (float32 inside); the others (the fused linear
-# cross-entropy: the loss is float32) take float32 ones
-LOW_PATTERNS = frozenset({Op.ATTENTION, Op.ATTENTION_BWD})
-# consumers that read their operands in bf16 whatever they are given
-LOW_READERS = frozenset({Op.EINSUM}) | LOW_PATTERNS
 
 
 class _MatmulBound:
@@ -139,7 +141,7 @@ class _MatmulBound:
 
     def _reads_low(self, uid: int, nid: int) -> bool:
         u = self.g.node(uid)
-        if u.op in LOW_READERS:
+        if u.op is Op.EINSUM or precision_class(u.op) == "low":    # read in bf16 whatever given
             return True
         if u.op is Op.SCAN:
             return all(k in self._scan_inputs(u) for k, i in enumerate(u.inputs) if i == nid)
@@ -282,10 +284,9 @@ class _Rewrite:
             return self._to(add(node, ins), HIGH)
         if op is Op.EINSUM:
             return add(node, [self._to(i, LOW) for i in ins])
-        if op in LOW_PATTERNS:     # a flash-attention op: bf16 operands, float32 inside
-            return add(node, [self._to(i, LOW) for i in ins])
-        if op in OpGroup.PATTERN:  # the fused loss (and its VJP): float32 operands and results
-            return add(node, [self._to(i, HIGH) for i in ins])
+        if op in OpGroup.PATTERN:  # its entry's class: flash attention's bf16 operands (float32
+            low = precision_class(op) == "low"                  # inside), else float32 ones
+            return add(node, [self._to(i, LOW if low else HIGH) for i in ins])
         if op in F32_OPS or node.id in self.f32:
             return add(node, [self._to(i, HIGH) for i in ins])
         if op in OpGroup.ELEMENTWISE or op is Op.CONCAT:

@@ -18,11 +18,12 @@ it (which values, viewed how, and the trailing size arguments of its `launch`).
                          batch / M / N / K, operand tiles read through their views by index
                          statements (a concat or a mask operand is never materialized), the
                          epilogue on the output tile, every output stored at its own offsets.
-    template             segment_sum.py.jinja (a sorted segment sum) / scatter_along.py.jinja
-                         for INDEX_ADD and SCATTER_ALONG; a pattern op's fixed family
-                         (`pattern_kernels.py`: ATTENTION -> attention_fwd, ATTENTION_BWD ->
-                         attention_bwd); a SCAN is no Triton kernel (the program loops over
-                         its body's kernels), so `render_kernel` refuses it.
+    template             its op's rule in the template-kernel table (`lowerings.TRITON_KERNEL`):
+                         segment_sum.py.jinja (a sorted segment sum) / scatter_along.py.jinja
+                         for INDEX_ADD and SCATTER_ALONG (below); a pattern op's template
+                         (`patterns.py`: ATTENTION -> attention_fwd, ATTENTION_BWD ->
+                         attention_bwd, ...); a SCAN is no Triton kernel (the program loops
+                         over its body's kernels), so `render_kernel` refuses it.
 
 Every file starts with a header naming the kernel's IR nodes and the spec path, through
 `render.sanitize_comment`. A kernel that no family can express raises `NotImplementedError`
@@ -35,7 +36,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Collection, Iterator
 
-from titanc.ir import Graph, Node, Op, OpGroup, format_node
+from titanc.ir import Graph, Node, Op, format_node
+from titanc.ir.lowering import register_lowering
 from titanc.ir.shapes import parse_einsum
 from titanc.ir.buffer_plan import BufferPlan
 from titanc.ir.schedule import Kernel, prologue_kernel
@@ -47,8 +49,9 @@ from titanc.codegen.meta import mma16 as mma16_dtype
 from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
 from titanc.codegen.lower.code import KernelCode, TensorArg, code_of, graph_dtype, index_tile, indexed_args, store
 from titanc.codegen.lower.indexing import Ix, Names, Section, delinearize, reshape_coords
+from titanc.codegen.lower.lowerings import TRITON_KERNEL
 from titanc.codegen.lower.nodes import KernelLowering, Val
-from titanc.codegen.lower.patterns import render_pattern
+from titanc.codegen.lower.patterns import render_template
 from titanc.codegen.lower.rows import lower_cumsum, lower_reduction
 
 __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
@@ -107,12 +110,10 @@ def render_kernel(g: Graph, kernel: Kernel, *, dtype: str = "float32", spec_path
         return lower_reduction(low, outs, header, dtype)
     if kernel.category == "matmul":
         return _matmul(low, outs, header, dtype, allow_tf32)
-    if Op.INDEX_ADD in ops or Op.SCATTER_ALONG in ops:
-        return _scatter(low, header, dtype)
-    if ops & OpGroup.PATTERN:
-        return render_pattern(g, kernel, header, dtype, allow_tf32)
-    raise NotImplementedError(low.where("a SCAN is run by the program as a loop over its "
-                                        "body's kernels, not as one Triton kernel"))
+    if Op.SCAN in ops:
+        raise NotImplementedError(low.where("a SCAN is run by the program as a loop over its "
+                                            "body's kernels, not as one Triton kernel"))
+    return render_template(g, kernel, header, dtype, allow_tf32)
 
 
 # -- pointwise -------------------------------------------------------------------------------------
@@ -259,9 +260,11 @@ def _product(low: KernelLowering, e: Node, names: Names, mma16: bool, op16: str)
 
 # -- scatter-adds ----------------------------------------------------------------------------------
 
-def _scatter(low: KernelLowering, header: list[str], dtype: str) -> KernelCode:
-    g, kernel = low.g, low.kernel
-    node = next(g.node(n) for n in kernel.nodes)
+@register_lowering(Op.INDEX_ADD, TRITON_KERNEL)
+@register_lowering(Op.SCATTER_ALONG, TRITON_KERNEL)
+def _scatter(g: Graph, node: Node, kernel: Kernel, header: list[str], dtype: str,
+             allow_tf32: bool) -> KernelCode:
+    low = KernelLowering(g, kernel, compute_dtype(dtype))
     grad, idx = node.inputs
     n_idx = g.node(idx).type.numel
     if node.op is Op.INDEX_ADD:

@@ -7,7 +7,9 @@ coordinates it produces values:
 
 - `read(sec, v, coords)`: value `v` at `coords` when `v` is not computed here: a kernel input
   (a masked `tl.load` through the tensor's own strides), an immediate (a literal), or a free
-  node, composed down to its operands: PERMUTE/EXPAND/SLICE/RESHAPE remap coordinates, PAD
+  node, composed down to its operands by its rule in the triton target's index table
+  (`lowerings.TRITON_INDEX`, the built-in rules at the end of this module):
+  PERMUTE/EXPAND/SLICE/RESHAPE remap coordinates, PAD
   and CONCAT add validity conditions (and a `tl.where` chain for CONCAT), TAKE/TAKE_ALONG load
   the index first, a float CAST converts the value it loads (bf16: rounded to nearest even),
   and FULL, ROPE and MASK are computed from the coordinates (ROPE in float64, as the reference
@@ -33,10 +35,12 @@ import torch
 
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
+from titanc.ir.lowering import register_lowering
 from titanc.ir.types import TensorType
 from titanc.ir.schedule import Kernel, is_immediate
 
 from titanc.codegen.lower.expr import format_number
+from titanc.codegen.lower.lowerings import TRITON_INDEX
 from titanc.codegen.lower.indexing import (Ix, Section, broadcast_coords, const, delinearize, reshape_coords,
                        shift)
 
@@ -116,7 +120,7 @@ class KernelLowering:
         if vid in sec.values:
             return sec.values[vid]
         if is_immediate(self.g, vid):
-            return self._guard(sec, literal(self.node(vid).attr("value")), valid)
+            return self.guard(sec, literal(self.node(vid).attr("value")), valid)
         if vid not in self.inside:
             return self.load(sec, vid, coords, valid)
         n = self.node(vid)
@@ -129,85 +133,8 @@ class KernelLowering:
         return sec.cache[key]
 
     def _read_node(self, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
-        a, op = n.attr_dict, n.op
-        if op is Op.FULL:
-            return self._guard(sec, literal(a["value"]), valid)
-        if op is Op.ROPE:
-            return self._guard(sec, self._rope(sec, a, c), valid)
-        if op is Op.MASK:
-            return self._guard(sec, self._mask(sec, a, c), valid)
-        src = n.inputs[0]
-        if op is Op.CAST:                             # of a loaded value: converted as loaded
-            x = self.read(sec, src, c, valid)
-            if a["dtype"] != "bf16":
-                return x                              # loads are in the compute dtype already
-            if x.literal is not None:
-                return literal(float(torch.tensor(x.literal).to(torch.bfloat16)))
-            return self.round_bf16(sec, x)
-        if op is Op.PERMUTE:
-            inner = [const(0)] * len(a["perm"])
-            for i, p in enumerate(a["perm"]):
-                inner[p] = c[i]
-            return self.read(sec, src, inner, valid)
-        if op is Op.EXPAND:
-            return self.read(sec, src, broadcast_coords(c, n.type.shape, self.shape(src)), valid)
-        if op is Op.SLICE:
-            ax = a["axis"] % n.type.rank
-            c[ax] = shift(sec, c[ax], a["start"])
-            return self.read(sec, src, c, valid)
-        if op is Op.RESHAPE:
-            return self.read(sec, src, reshape_coords(sec, c, n.type.shape, self.shape(src)),
-                             valid)
-        if op is Op.PAD:
-            ax = a["axis"] % n.type.rank
-            size = self.shape(src)[ax]
-            c[ax] = shift(sec, c[ax], -a["before"])
-            conds = self._range(sec, c[ax], 0, size)
-            if conds is None:
-                return literal(0.0)
-            return self.read(sec, src, c, valid + conds)
-        if op is Op.CONCAT:
-            return self._concat(sec, n, c, valid)
-        if op is Op.TAKE:
-            idx = n.inputs[1]
-            r = self.node(idx).type.rank
-            row = self.read(sec, idx, c[:r], valid)
-            return self.read(sec, src, [self._as_ix(row)] + c[r:], valid)
-        if op is Op.TAKE_ALONG:
-            row = self.read(sec, n.inputs[1], c, valid)
-            return self.read(sec, src, c + [self._as_ix(row)], valid)
-        raise NotImplementedError(self.where(f"no index rule for %{n.id} ({op.name})"))
-
-    def _as_ix(self, v: Val) -> Ix:
-        if v.literal is not None:
-            return const(int(v.literal))
-        return Ix(v.expr, v.dims)
-
-    def _range(self, sec: Section, c: Ix, lo: int, hi: int) -> tuple[str, ...] | None:
-        """Conditions for lo <= c < hi (None: never true; (): always true)."""
-        if c.value is not None:
-            return () if lo <= c.value < hi else None
-        return (f"{c.expr} >= {lo}", f"{c.expr} < {hi}")
-
-    def _concat(self, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
-        ax = n.attr("axis") % n.type.rank
-        parts: list[tuple[int, Val]] = []
-        lo = 0
-        for src in n.inputs:
-            size = self.shape(src)[ax]
-            cc = list(c)
-            cc[ax] = shift(sec, c[ax], -lo)
-            conds = self._range(sec, c[ax], lo, lo + size)
-            if conds is not None:
-                parts.append((lo + size, self.read(sec, src, cc, valid + conds)))
-            lo += size
-        if len(parts) == 1:
-            return parts[0][1]
-        out = parts[-1][1]
-        for hi, v in reversed(parts[:-1]):
-            out = self._let(sec, f"tl.where({c[ax].expr} < {hi}, {v.expr}, {out.expr})",
-                            [v, out, Val("", c[ax].dims)])
-        return out
+        """A free node at `c`: its rule in the triton target's index table."""
+        return TRITON_INDEX[n.op](self, sec, n, c, valid)
 
     def load(self, sec: Section, vid: int, coords: Sequence[Ix], valid: tuple[str, ...]) -> Val:
         """`tl.load` of kernel input `vid` at `coords`, 0 where `valid` fails."""
@@ -228,10 +155,10 @@ class KernelLowering:
         # mixed-precision graph: computed in float32, rounded where they are stored
         cast = f".to({self.cd})" if t.dtype == "bf16" else ""
         if not dims:                                  # one address for the whole tile
-            v = self._let(sec, f"tl.load({ptr}){cast}", [], is_int=is_int)
-            return self._guard(sec, v, valid)
+            v = self.let(sec, f"tl.load({ptr}){cast}", [], is_int=is_int)
+            return self.guard(sec, v, valid)
         mask = " & ".join([sec.mask, *(f"({v})" for v in valid)])
-        return self._let(sec, f"tl.load({ptr}, mask={mask}, other=0){cast}",
+        return self.let(sec, f"tl.load({ptr}, mask={mask}, other=0){cast}",
                          [Val("", sec.dims)], is_int=is_int, prefix="x")
 
     def offset(self, sec: Section, vid: int, coords: Sequence[Ix]) -> str:
@@ -246,65 +173,20 @@ class KernelLowering:
             expr = f"{expr} + tl.zeros({sec.block}, dtype=tl.int32)"
         return sec.let(expr, "o")
 
-    def _guard(self, sec: Section, v: Val, valid: tuple[str, ...]) -> Val:
+    def guard(self, sec: Section, v: Val, valid: tuple[str, ...]) -> Val:
         """`v` where every condition of `valid` holds, else 0."""
         if not valid:
             return v
         if v.literal == 0.0:
             return v
         cond = " & ".join(f"({c})" for c in valid)
-        return self._let(sec, f"tl.where({cond}, {v.expr}, 0)", [v, Val("", sec.dims)],
+        return self.let(sec, f"tl.where({cond}, {v.expr}, 0)", [v, Val("", sec.dims)],
                          is_int=v.is_int)
 
-    def _let(self, sec: Section, expr: str, args: Sequence[Val], is_int: bool = False,
+    def let(self, sec: Section, expr: str, args: Sequence[Val], is_int: bool = False,
              prefix: str = "t") -> Val:
         dims = frozenset().union(*(a.dims for a in args)) if args else frozenset()
         return Val(sec.let(expr, prefix), dims, None, is_int)
-
-    # -- generators ----------------------------------------------------------------------------
-    def _rope(self, sec: Section, a: dict, c: list[Ix]) -> Val:
-        """cos/sin((start + p) * base^(-2j / (2 half))) in float64, rounded to the node dtype."""
-        p, j = c
-        coef = -2.0 / (2 * a["half"]) * math.log(a["base"])
-        fn = "cos" if a["kind"] == "cos" else "sin"
-        if p.value is not None and j.value is not None:
-            ang = (a["start"] + p.value) * math.exp(j.value * coef)
-            return literal(math.cos(ang) if fn == "cos" else math.sin(ang))
-        pos = (format_number(a["start"] + p.value) if p.value is not None
-               else f"({p.expr} + {a['start']}).to(tl.float64)")
-        inv = (format_number(math.exp(j.value * coef)) if j.value is not None
-               else f"tl.exp({j.expr}.to(tl.float64) * {format_number(coef)})")
-        return self._let(sec, f"tl.{fn}({pos} * {inv}).to({self.cd})",
-                         [Val("", p.dims | j.dims)])
-
-    def _mask(self, sec: Section, a: dict, c: list[Ix]) -> Val:
-        """0 where key kj is visible to query qi, -inf elsewhere (`ir.tables.mask_table`):
-        a key group ('all', n) is always visible, ('causal', n, window) when its local key
-        index j satisfies j <= q_start + qi and q_start + qi - j < window."""
-        qi, kj = c
-        pos = shift(sec, qi, a["q_start"])
-        alts: list[str] = []
-        off = 0
-        for kind, length, window in a["groups"]:
-            j = shift(sec, kj, -off)
-            conds = [_cmp(j, ">=", const(0)), _cmp(j, "<", const(length))]
-            if kind != "all":
-                conds.append(_cmp(j, "<=", pos))
-                if window is not None:
-                    conds.append(_cmp(shift(sec, pos, -window), "<", j))
-            off += length
-            if False in conds:
-                continue
-            text = [f"({t})" for t in conds if isinstance(t, str)]
-            if not text:
-                return literal(0.0)                   # visible for every element of the tile
-            alts.append(" & ".join(text))
-        if not alts:
-            return literal(-math.inf)
-        cond = " | ".join(f"({t})" if len(alts) > 1 else t for t in alts)
-        cast = "" if self.cd == "tl.float32" else f".to({self.cd})"
-        return self._let(sec, f'tl.where({cond}, 0.0, float("-inf")){cast}',
-                         [Val("", qi.dims | kj.dims)])
 
     # -- computed nodes ------------------------------------------------------------------------
     def compute(self, sec: Section, n: Node, coords: Sequence[Ix]) -> Val:
@@ -323,7 +205,7 @@ class KernelLowering:
                 return literal(x.literal) if to != "tl.int64" else Val(str(int(x.literal)))
             if n.attr("dtype") == "bf16":             # round, keep computing in float32
                 return self.round_bf16(sec, self.block(sec, x))
-            return self._let(sec, f"{x.expr}.to({to})", [x], is_int=to == "tl.int64")
+            return self.let(sec, f"{x.expr}.to({to})", [x], is_int=to == "tl.int64")
         if n.op not in ELEMENTWISE:
             raise NotImplementedError(self.where(
                 f"%{n.id} ({n.op.name}) has no pointwise lowering"))
@@ -334,17 +216,17 @@ class KernelLowering:
         fmt = rule.triton
         names = [f"({a.expr})" if a.expr.startswith("-") else a.expr for a in args]
         if n.type.dtype == "bf16":                     # a bf16 result: rounded as stored
-            return self.round_bf16(sec, self.block(sec, self._let(sec, fmt.format(*names), args)))
-        return self._let(sec, fmt.format(*names), args)
+            return self.round_bf16(sec, self.block(sec, self.let(sec, fmt.format(*names), args)))
+        return self.let(sec, fmt.format(*names), args)
 
     def round_bf16(self, sec: Section, v: Val) -> Val:
         """`v` (a float32 tile) rounded to the nearest bfloat16, ties to even, kept in float32:
         the value a bf16 tensor stores. Bit arithmetic rather than `.to(tl.bfloat16)`, which
         Triton's interpreter truncates; the same on a GPU (NaN stays NaN)."""
-        u = self._let(sec, f"{v.expr}.to(tl.uint32, bitcast=True)", [v], prefix="u")
-        r = self._let(sec, f"((({u.expr} + 0x7FFF + {u.expr} // 65536 % 2) & 0xFFFF0000)"
+        u = self.let(sec, f"{v.expr}.to(tl.uint32, bitcast=True)", [v], prefix="u")
+        r = self.let(sec, f"((({u.expr} + 0x7FFF + {u.expr} // 65536 % 2) & 0xFFFF0000)"
                            f".to(tl.float32, bitcast=True))", [u], prefix="r")
-        return self._let(sec, f"tl.where({v.expr} != {v.expr}, {v.expr}, {r.expr})", [v, r])
+        return self.let(sec, f"tl.where({v.expr} != {v.expr}, {v.expr}, {r.expr})", [v, r])
 
     def operand(self, sec: Section, n: Node, vid: int, coords: Sequence[Ix]) -> Val:
         """Operand `vid` of `n` at the element of `n` at `coords`."""
@@ -363,6 +245,166 @@ class KernelLowering:
             return v
         cd = dtype or ("tl.int64" if v.is_int else self.cd)
         if v.literal is not None:
-            return self._let(sec, f"tl.full({sec.block}, {v.expr}, {cd})", [Val("", sec.dims)])
-        return self._let(sec, f"{v.expr} + tl.zeros({sec.block}, dtype={cd})",
+            return self.let(sec, f"tl.full({sec.block}, {v.expr}, {cd})", [Val("", sec.dims)])
+        return self.let(sec, f"{v.expr} + tl.zeros({sec.block}, dtype={cd})",
                          [Val("", sec.dims)], is_int=v.is_int)
+
+
+# -- index rules: a free node at coordinates of its own shape (`lowerings.TRITON_INDEX`) ----------
+
+def _as_ix(v: Val) -> Ix:
+    if v.literal is not None:
+        return const(int(v.literal))
+    return Ix(v.expr, v.dims)
+
+
+def _range(c: Ix, lo: int, hi: int) -> tuple[str, ...] | None:
+    """Conditions for lo <= c < hi (None: never true; (): always true)."""
+    if c.value is not None:
+        return () if lo <= c.value < hi else None
+    return (f"{c.expr} >= {lo}", f"{c.expr} < {hi}")
+
+
+@register_lowering(Op.FULL, TRITON_INDEX)
+def _full(low: KernelLowering, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
+    return low.guard(sec, literal(n.attr("value")), valid)
+
+
+@register_lowering(Op.ROPE, TRITON_INDEX)
+def _rope(low: KernelLowering, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
+    """cos/sin((start + p) * base^(-2j / (2 half))) in float64, rounded to the node dtype."""
+    a = n.attr_dict
+    p, j = c
+    coef = -2.0 / (2 * a["half"]) * math.log(a["base"])
+    fn = "cos" if a["kind"] == "cos" else "sin"
+    if p.value is not None and j.value is not None:
+        ang = (a["start"] + p.value) * math.exp(j.value * coef)
+        return low.guard(sec, literal(math.cos(ang) if fn == "cos" else math.sin(ang)), valid)
+    pos = (format_number(a["start"] + p.value) if p.value is not None
+           else f"({p.expr} + {a['start']}).to(tl.float64)")
+    inv = (format_number(math.exp(j.value * coef)) if j.value is not None
+           else f"tl.exp({j.expr}.to(tl.float64) * {format_number(coef)})")
+    return low.guard(sec, low.let(sec, f"tl.{fn}({pos} * {inv}).to({low.cd})",
+                                  [Val("", p.dims | j.dims)]), valid)
+
+
+@register_lowering(Op.MASK, TRITON_INDEX)
+def _mask(low: KernelLowering, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
+    """0 where key kj is visible to query qi, -inf elsewhere (`ir.tables.mask_table`):
+    a key group ('all', n) is always visible, ('causal', n, window) when its local key
+    index j satisfies j <= q_start + qi and q_start + qi - j < window."""
+    a = n.attr_dict
+    qi, kj = c
+    pos = shift(sec, qi, a["q_start"])
+    alts: list[str] = []
+    off = 0
+    for kind, length, window in a["groups"]:
+        j = shift(sec, kj, -off)
+        conds = [_cmp(j, ">=", const(0)), _cmp(j, "<", const(length))]
+        if kind != "all":
+            conds.append(_cmp(j, "<=", pos))
+            if window is not None:
+                conds.append(_cmp(shift(sec, pos, -window), "<", j))
+        off += length
+        if False in conds:
+            continue
+        text = [f"({t})" for t in conds if isinstance(t, str)]
+        if not text:
+            return low.guard(sec, literal(0.0), valid)   # visible for every element of the tile
+        alts.append(" & ".join(text))
+    if not alts:
+        return low.guard(sec, literal(-math.inf), valid)
+    cond = " | ".join(f"({t})" if len(alts) > 1 else t for t in alts)
+    cast = "" if low.cd == "tl.float32" else f".to({low.cd})"
+    return low.guard(sec, low.let(sec, f'tl.where({cond}, 0.0, float("-inf")){cast}',
+                                  [Val("", qi.dims | kj.dims)]), valid)
+
+
+@register_lowering(Op.CAST, TRITON_INDEX)
+def _cast(low: KernelLowering, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
+    """Of a loaded value: converted as it is loaded."""
+    x = low.read(sec, n.inputs[0], c, valid)
+    if n.attr("dtype") != "bf16":
+        return x                                  # loads are in the compute dtype already
+    if x.literal is not None:
+        return literal(float(torch.tensor(x.literal).to(torch.bfloat16)))
+    return low.round_bf16(sec, x)
+
+
+@register_lowering(Op.PERMUTE, TRITON_INDEX)
+def _permute(low: KernelLowering, sec: Section, n: Node, c: list[Ix],
+             valid: tuple[str, ...]) -> Val:
+    perm = n.attr("perm")
+    inner = [const(0)] * len(perm)
+    for i, p in enumerate(perm):
+        inner[p] = c[i]
+    return low.read(sec, n.inputs[0], inner, valid)
+
+
+@register_lowering(Op.EXPAND, TRITON_INDEX)
+def _expand(low: KernelLowering, sec: Section, n: Node, c: list[Ix],
+            valid: tuple[str, ...]) -> Val:
+    src = n.inputs[0]
+    return low.read(sec, src, broadcast_coords(c, n.type.shape, low.shape(src)), valid)
+
+
+@register_lowering(Op.SLICE, TRITON_INDEX)
+def _slice(low: KernelLowering, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
+    ax = n.attr("axis") % n.type.rank
+    c[ax] = shift(sec, c[ax], n.attr("start"))
+    return low.read(sec, n.inputs[0], c, valid)
+
+
+@register_lowering(Op.RESHAPE, TRITON_INDEX)
+def _reshape(low: KernelLowering, sec: Section, n: Node, c: list[Ix],
+             valid: tuple[str, ...]) -> Val:
+    src = n.inputs[0]
+    return low.read(sec, src, reshape_coords(sec, c, n.type.shape, low.shape(src)), valid)
+
+
+@register_lowering(Op.PAD, TRITON_INDEX)
+def _pad(low: KernelLowering, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
+    src, ax = n.inputs[0], n.attr("axis") % n.type.rank
+    c[ax] = shift(sec, c[ax], -n.attr("before"))
+    conds = _range(c[ax], 0, low.shape(src)[ax])
+    if conds is None:
+        return literal(0.0)
+    return low.read(sec, src, c, valid + conds)
+
+
+@register_lowering(Op.CONCAT, TRITON_INDEX)
+def _concat(low: KernelLowering, sec: Section, n: Node, c: list[Ix],
+            valid: tuple[str, ...]) -> Val:
+    ax = n.attr("axis") % n.type.rank
+    parts: list[tuple[int, Val]] = []
+    lo = 0
+    for src in n.inputs:
+        size = low.shape(src)[ax]
+        cc = list(c)
+        cc[ax] = shift(sec, c[ax], -lo)
+        conds = _range(c[ax], lo, lo + size)
+        if conds is not None:
+            parts.append((lo + size, low.read(sec, src, cc, valid + conds)))
+        lo += size
+    if len(parts) == 1:
+        return parts[0][1]
+    out = parts[-1][1]
+    for hi, v in reversed(parts[:-1]):
+        out = low.let(sec, f"tl.where({c[ax].expr} < {hi}, {v.expr}, {out.expr})",
+                      [v, out, Val("", c[ax].dims)])
+    return out
+
+
+@register_lowering(Op.TAKE, TRITON_INDEX)
+def _take(low: KernelLowering, sec: Section, n: Node, c: list[Ix], valid: tuple[str, ...]) -> Val:
+    src, idx = n.inputs
+    r = low.node(idx).type.rank
+    row = low.read(sec, idx, c[:r], valid)
+    return low.read(sec, src, [_as_ix(row)] + c[r:], valid)
+
+
+@register_lowering(Op.TAKE_ALONG, TRITON_INDEX)
+def _take_along(low: KernelLowering, sec: Section, n: Node, c: list[Ix],
+                valid: tuple[str, ...]) -> Val:
+    row = low.read(sec, n.inputs[1], c, valid)
+    return low.read(sec, n.inputs[0], c + [_as_ix(row)], valid)

@@ -1,5 +1,7 @@
 """Hooks of the pattern kernels: a kernel holding one `OpGroup.PATTERN` op (and its ITEMs)
-rendered from its fixed template family (`codegen/families/pattern_ops.py`).
+rendered from its template by the op's rule in the triton target's template-kernel table
+(`lowerings.TRITON_KERNEL`; the attention and cross-entropy renderers are in
+`codegen/families/pattern_ops.py`).
 
     ATTENTION      attention_fwd.py.jinja: flash attention forward over the MASK's key groups,
                    a key and a value tensor per group, each through its own strides
@@ -22,17 +24,19 @@ passes scratch of that shape, a generated program passes None (the launcher make
 """
 from __future__ import annotations
 
-from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.ir import Graph, Node, Op
 from titanc.ir.attention import split
+from titanc.ir.lowering import register_lowering
 from titanc.ir.schedule import Kernel
 
 from titanc.codegen.families.pattern_ops import (KeyGroup, render_attention_bwd, render_attention_fwd,
                              render_cross_entropy)
 from titanc.codegen.lower.code import KernelCode, TensorArg
+from titanc.codegen.lower.lowerings import TRITON_KERNEL
 from titanc.codegen.meta import compute_dtype, needs_int64
 from titanc.codegen.render import render
 
-__all__ = ["SCRATCH", "key_groups", "render_pattern"]
+__all__ = ["SCRATCH", "element_args", "key_groups", "render_template"]
 
 SCRATCH = -1          # TensorArg.value of a temporary (its shape is the arg's `view`)
 
@@ -48,22 +52,26 @@ def key_groups(groups: tuple) -> list[KeyGroup]:
     return out
 
 
-def _element_args(g: Graph, n: Node, kernel: Kernel) -> list[TensorArg]:
+def element_args(g: Graph, n: Node, kernel: Kernel) -> list[TensorArg]:
     """One arg per tuple element: its ITEM when a later kernel reads it, else scratch."""
     items = {g.node(u).attr("index"): u for u in g.users(n.id) if u in kernel.outputs}
     return [TensorArg(items[k]) if k in items else TensorArg(SCRATCH, t.shape)
             for k, t in enumerate(n.type)]
 
 
-def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
+def render_template(g: Graph, kernel: Kernel, header: list[str], dtype: str,
                    allow_tf32: bool) -> KernelCode:
-    """The KernelCode of a pattern kernel."""
-    n = next(g.node(i) for i in kernel.nodes if g.node(i).op in OpGroup.PATTERN)
+    """The KernelCode of a template kernel (a pattern op with its ITEMs, a scatter-add): its
+    op's rule in `TRITON_KERNEL`."""
+    n = next(g.node(i) for i in kernel.nodes if g.node(i).op is not Op.ITEM)
+    return TRITON_KERNEL[n.op](g, n, kernel, header, dtype, allow_tf32)
+
+
+@register_lowering(Op.ATTENTION, TRITON_KERNEL)
+@register_lowering(Op.ATTENTION_BWD, TRITON_KERNEL)
+def _attention(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str,
+               allow_tf32: bool) -> KernelCode:
     a = n.attr_dict
-    if n.op is Op.ADAMW:
-        return _adamw(g, n, kernel, header, dtype)
-    if n.op in (Op.LINEAR_CROSS_ENTROPY, Op.LINEAR_CROSS_ENTROPY_BWD):
-        return _linear_cross_entropy(g, n, kernel, header, dtype, allow_tf32)
     q, ks, vs, _ = split([g.node(i).type for i in n.inputs], a)
     if any(q.shape[3] != v.shape[3] for v in vs):
         raise NotImplementedError(f"{kernel.name}: the attention templates need values as wide "
@@ -74,7 +82,7 @@ def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
               wide=needs_int64(q.numel, *(t.numel for t in ks + vs)))
     sizes = (*(length for _, length, _ in a["groups"]), float(a["scale"]))
     ins = [TensorArg(i) for i in n.inputs]
-    outs = _element_args(g, n, kernel)
+    outs = element_args(g, n, kernel)
     if n.op is Op.ATTENTION:
         source = render_attention_fwd(kernel.name, **kw)
         return KernelCode(kernel.name, kernel.category, "attention_fwd", g.name, source,
@@ -89,9 +97,11 @@ def render_pattern(g: Graph, kernel: Kernel, header: list[str], dtype: str,
                       (*ins, *outs, delta), sizes)
 
 
-def _adamw(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str) -> KernelCode:
+@register_lowering(Op.ADAMW, TRITON_KERNEL)
+def _adamw(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str,
+           allow_tf32: bool) -> KernelCode:
     a = n.attr_dict
-    outs = _element_args(g, n, kernel)
+    outs = element_args(g, n, kernel)
     if any(o.value == SCRATCH for o in outs):
         raise NotImplementedError(f"{kernel.name}: every result of ADAMW must be read")
     source = render("adamw_multi.py.jinja", name=kernel.name, header_lines=header,
@@ -105,13 +115,15 @@ def _adamw(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str) -> 
                       (*(TensorArg(i) for i in n.inputs), *outs), ())
 
 
+@register_lowering(Op.LINEAR_CROSS_ENTROPY, TRITON_KERNEL)
+@register_lowering(Op.LINEAR_CROSS_ENTROPY_BWD, TRITON_KERNEL)
 def _linear_cross_entropy(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str,
                           allow_tf32: bool) -> KernelCode:
     rows, d = g.node(n.inputs[0]).type.shape
     head = g.node(n.inputs[1]).type.shape
     vocab = head[0] if n.attr("layout") == "vd" else head[1]
     backward = n.op is Op.LINEAR_CROSS_ENTROPY_BWD
-    outs = _element_args(g, n, kernel)
+    outs = element_args(g, n, kernel)
     if backward and any(o.value == SCRATCH for o in outs):
         raise NotImplementedError(f"{kernel.name}: every gradient of LINEAR_CROSS_ENTROPY_BWD "
                                   f"must be read")

@@ -39,10 +39,13 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor
 
-from titanc.ir import Graph, Node
+from titanc.ir import Graph, Node, Op
 from titanc.ir.attention import split
+from titanc.ir.lowering import register_lowering
 from titanc.ir.tables import mask_table
 from titanc.ir.types import TensorType
+
+from titanc.runtime.targets.lowerings import CPU
 
 Step = Callable[[], Any]
 
@@ -243,6 +246,7 @@ def _key_group_slices(packed: Tensor, sizes: list[int]) -> list[Tensor]:
 
 # -- the kernels ---------------------------------------------------------------------------------
 
+@register_lowering(Op.ATTENTION, CPU)
 def attention(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     q, ks, vs, _ = split(xs, n.attr_dict)
     o, lse = outs
@@ -276,6 +280,7 @@ def attention(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -
     return steps
 
 
+@register_lowering(Op.ATTENTION_BWD, CPU)
 def attention_bwd(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     a = n.attr_dict
     q, ks, vs, (o, lse, do) = split(xs, a)

@@ -26,11 +26,13 @@ import torch
 from titanc.codegen.lowered import Launch, Lowered, ScanLoop, Step as LoweredStep, lower
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
+from titanc.ir.lowering import register_lowering
 from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType, dtype_name
 from titanc.ir.buffer_plan import OUTPUT_PREFIX, Home, BufferPlan, ScanHomes, view_of
 from titanc.ir.schedule import is_immediate, prologue_results, scan_prologue
 
+from titanc.runtime.targets.lowerings import CPU
 from titanc.runtime.targets.pattern_kernels import pattern_steps
 
 Tensor = torch.Tensor
@@ -471,37 +473,49 @@ _VIEWS: dict[Op, Callable[[Tensor, dict, Node], Tensor | None]] = {
 }
 
 
-# -- compute: every op writes into `o` ----------------------------------------------------------
+# -- compute: every op writes into `o` (its rule in the cpu table, `lowerings.CPU`) --------------
 
 def _emit(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
-    op, a = n.op, n.attr_dict
-    if op in ELEMENTWISE:
-        return _elementwise(b, op, xs, o)
-    if op is Op.CAST or op is Op.RESHAPE:
-        x = xs[0]
-        flat = o.view(x.shape) if op is Op.RESHAPE else o
-        return [lambda: flat.copy_(x)]
-    if op is Op.SUM or op is Op.AMAX:
-        f = torch.sum if op is Op.SUM else torch.amax
-        x, dims, keep = xs[0], tuple(a["axes"]), a["keepdim"]
-        return [lambda: f(x, dim=dims, keepdim=keep, out=o)]
-    if op is Op.EINSUM:
-        return _einsum(b, a["spec"], xs, o)
-    if op is Op.PAD:
-        x, ax, before = xs[0], a["axis"], a["before"]
-        inner = o.narrow(ax, before, x.shape[ax])
-        after = o.shape[ax] - before - x.shape[ax]
-        margins = [o.narrow(ax, 0, before)] if before else []
-        margins += [o.narrow(ax, before + x.shape[ax], after)] if after else []
-        return [*(lambda m=m: m.zero_() for m in margins), lambda: inner.copy_(x)]
-    if op is Op.CONCAT:
-        parts, ax = list(xs), a["axis"]
-        return [lambda: torch.cat(parts, ax, out=o)]
-    if op is Op.CUMSUM:
-        return _cumsum(b, xs[0], a["axis"], a["reverse"], o)
-    if op in (Op.TAKE, Op.INDEX_ADD, Op.TAKE_ALONG, Op.SCATTER_ALONG):
-        return _gathers(b, n, xs, o)
-    raise NotImplementedError(f"torch executor: no rule for {op.name}")
+    if n.op in ELEMENTWISE:
+        return _elementwise(b, n.op, xs, o)
+    return CPU[n.op](b, n, xs, o)
+
+
+@register_lowering(Op.CAST, CPU)
+def _cast(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
+    x = xs[0]
+    return [lambda: o.copy_(x)]
+
+
+@register_lowering(Op.RESHAPE, CPU)
+def _reshape_copy(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
+    x = xs[0]                                        # a reshape no view expresses
+    flat = o.view(x.shape)
+    return [lambda: flat.copy_(x)]
+
+
+@register_lowering(Op.SUM, CPU)
+@register_lowering(Op.AMAX, CPU)
+def _reduce(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
+    f = torch.sum if n.op is Op.SUM else torch.amax
+    x, dims, keep = xs[0], tuple(n.attr("axes")), n.attr("keepdim")
+    return [lambda: f(x, dim=dims, keepdim=keep, out=o)]
+
+
+@register_lowering(Op.PAD, CPU)
+def _pad(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
+    x, ax, before = xs[0], n.attr("axis"), n.attr("before")
+    inner = o.narrow(ax, before, x.shape[ax])
+    after = o.shape[ax] - before - x.shape[ax]
+    margins = [o.narrow(ax, 0, before)] if before else []
+    margins += [o.narrow(ax, before + x.shape[ax], after)] if after else []
+    return [*(lambda m=m: m.zero_() for m in margins), lambda: inner.copy_(x)]
+
+
+@register_lowering(Op.CONCAT, CPU)
+def _concat(b: _Builder, n: Node, xs: list[Any], o: Tensor) -> list[Step]:
+    parts, ax = list(xs), n.attr("axis")
+    return [lambda: torch.cat(parts, ax, out=o)]
 
 
 def _elementwise(b: _Builder, op: Op, xs: list[Any], o: Tensor) -> list[Step]:
@@ -532,9 +546,11 @@ def _elementwise(b: _Builder, op: Op, xs: list[Any], o: Tensor) -> list[Step]:
     return [lambda: rule.out(o, *ts)]
 
 
-def _einsum(b: _Builder, spec: str, xs: list[Tensor], o: Tensor) -> list[Step]:
+@register_lowering(Op.EINSUM, CPU)
+def _einsum(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[Step]:
     """A two-operand einsum as one bmm: operands permuted to (batch, M, K) / (batch, K, N),
     staged into scratch when not viewable that way; the result permuted into `o`."""
+    spec = n.attr("spec")
     if len(xs) != 2:
         raise NotImplementedError("torch executor: einsum of more than two operands")
     (ta, tb), tc = spec.split("->")[0].split(","), spec.split("->")[1]
@@ -592,7 +608,9 @@ def _einsum(b: _Builder, spec: str, xs: list[Tensor], o: Tensor) -> list[Step]:
     return steps
 
 
-def _cumsum(b: _Builder, x: Tensor, axis: int, reverse: bool, o: Tensor) -> list[Step]:
+@register_lowering(Op.CUMSUM, CPU)
+def _cumsum(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[Step]:
+    x, axis, reverse = xs[0], n.attr("axis"), n.attr("reverse")
     if not reverse:
         return [lambda: torch.cumsum(x, axis, out=o)]
     n = x.shape[axis]
@@ -611,28 +629,38 @@ def _contiguous(b: _Builder, v: Tensor, steps: list[Step]) -> Tensor:
     return s
 
 
-def _gathers(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[Step]:
+@register_lowering(Op.TAKE, CPU)
+def _take(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[Step]:
     steps: list[Step] = []
-    src, idx = xs[0], _contiguous(b, xs[1], steps)
-    if n.op is Op.TAKE:
-        flat_idx = idx.view(-1)
-        flat_out = o.view(-1, *src.shape[1:])
-        steps.append(lambda: torch.index_select(src, 0, flat_idx, out=flat_out))
-    elif n.op is Op.INDEX_ADD:
-        g = _contiguous(b, src, steps)
-        if g.dtype != o.dtype:              # a narrower gradient summed in o's dtype
-            wide = b.scratch.alloc(TensorType(tuple(g.shape), _dname(o.dtype)))
-            steps.append(lambda g=g: wide.copy_(g))
-            g = wide
-        flat_idx, flat_g = idx.view(-1), g.view(-1, *o.shape[1:])
-        steps += [lambda: o.zero_(), lambda: o.index_add_(0, flat_idx, flat_g)]
-    elif n.op is Op.TAKE_ALONG:
-        i2, o2 = idx.unsqueeze(-1), o.unsqueeze(-1)
-        steps.append(lambda: torch.gather(src, -1, i2, out=o2))
-    else:
-        i2, g2 = idx.unsqueeze(-1), src.unsqueeze(-1)
-        steps += [lambda: o.zero_(), lambda: o.scatter_add_(-1, i2, g2)]
-    return steps
+    src, idx = xs[0], _contiguous(b, xs[1], steps).view(-1)
+    flat_out = o.view(-1, *src.shape[1:])
+    return steps + [lambda: torch.index_select(src, 0, idx, out=flat_out)]
+
+
+@register_lowering(Op.INDEX_ADD, CPU)
+def _index_add(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[Step]:
+    steps: list[Step] = []
+    idx, g = _contiguous(b, xs[1], steps), _contiguous(b, xs[0], steps)
+    if g.dtype != o.dtype:                  # a narrower gradient summed in o's dtype
+        wide = b.scratch.alloc(TensorType(tuple(g.shape), _dname(o.dtype)))
+        steps.append(lambda g=g: wide.copy_(g))
+        g = wide
+    flat_idx, flat_g = idx.view(-1), g.view(-1, *o.shape[1:])
+    return steps + [lambda: o.zero_(), lambda: o.index_add_(0, flat_idx, flat_g)]
+
+
+@register_lowering(Op.TAKE_ALONG, CPU)
+def _take_along(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[Step]:
+    steps: list[Step] = []
+    src, i2, o2 = xs[0], _contiguous(b, xs[1], steps).unsqueeze(-1), o.unsqueeze(-1)
+    return steps + [lambda: torch.gather(src, -1, i2, out=o2)]
+
+
+@register_lowering(Op.SCATTER_ALONG, CPU)
+def _scatter_along(b: _Builder, n: Node, xs: list[Tensor], o: Tensor) -> list[Step]:
+    steps: list[Step] = []
+    i2, g2 = _contiguous(b, xs[1], steps).unsqueeze(-1), xs[0].unsqueeze(-1)
+    return steps + [lambda: o.zero_(), lambda: o.scatter_add_(-1, i2, g2)]
 
 
 class PlanExecutor:

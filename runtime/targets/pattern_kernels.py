@@ -24,16 +24,19 @@ import torch
 from torch import Tensor
 
 from titanc.ir import Node, Op
+from titanc.ir.lowering import register_lowering
 from titanc.ir.types import TensorType
 
-from titanc.runtime.targets.attention_kernels import StepBuilder, attention, attention_bwd, blocks, tmp
+from titanc.runtime.targets.attention_kernels import StepBuilder, blocks, tmp
+from titanc.runtime.targets.lowerings import CPU
 
 Step = Callable[[], Any]
 VOCAB_TILE = 4096      # vocabulary entries per logits tile of the cross-entropy kernels
 
 
 def pattern_steps(b: "StepBuilder", n: Node, outputs: set[int]) -> list[Step]:
-    """The steps of pattern op `n`; binds the ITEMs later kernels read to their buffers."""
+    """The steps of pattern op `n` (its rule in the cpu table, `lowerings.CPU`); binds the
+    ITEMs later kernels read to their buffers."""
     xs = [b.operand(i) for i in n.inputs]
     for j, i in enumerate(n.inputs):                 # an inlined scalar (a constant dloss)
         if isinstance(xs[j], float):
@@ -45,17 +48,7 @@ def pattern_steps(b: "StepBuilder", n: Node, outputs: set[int]) -> list[Step]:
         outs.append(b.located(items[k]) if k in items else b.scratch.alloc(t))
     for k, u in items.items():
         b.val[u] = outs[k]
-    if n.op is Op.ATTENTION:
-        return attention(b, n, xs, outs)
-    if n.op is Op.ATTENTION_BWD:
-        return attention_bwd(b, n, xs, outs)
-    if n.op is Op.ADAMW:
-        return _adamw(b, n, xs, outs)
-    if n.op is Op.LINEAR_CROSS_ENTROPY:
-        return _lce(b, n, xs, outs)
-    if n.op is Op.LINEAR_CROSS_ENTROPY_BWD:
-        return _lce_bwd(b, n, xs, outs)
-    raise NotImplementedError(f"the cpu target has no kernel for pattern op {n.op.name}")
+    return CPU[n.op](b, n, xs, outs)
 
 
 _TORCH = {"f64": torch.float64, "f32": torch.float32, "bf16": torch.bfloat16}
@@ -85,6 +78,7 @@ def _rows_of(b: "StepBuilder", tg: Tensor, steps: list[Step]) -> Tensor:
     return t
 
 
+@register_lowering(Op.LINEAR_CROSS_ENTROPY, CPU)
 def _lce(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     h, head, tg = xs
     loss, lse = outs
@@ -120,6 +114,7 @@ def _lce(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> lis
     return steps
 
 
+@register_lowering(Op.LINEAR_CROSS_ENTROPY_BWD, CPU)
 def _lce_bwd(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     h, head, tg, lse, dloss = xs
     dh, dhead = outs
@@ -163,6 +158,7 @@ def flat_region(ts: list[Tensor]) -> Tensor | None:
     return first.as_strided((at - first.storage_offset(),), (1,))
 
 
+@register_lowering(Op.ADAMW, CPU)
 def _adamw(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> list[Step]:
     """The optimizer step in place over the flat regions (per tensor where the layout is not
     flat): the same arithmetic as the optimizer graph, in a dozen ATen calls."""

@@ -44,26 +44,25 @@ from typing import Any, Callable
 
 from titanc.ir import Graph, Op, OpGroup
 from titanc.ir.buffer_plan import BufferPlan
-from titanc.passes.buffer_plan import STRIDED_TEMPLATES
 from titanc.ir.schedule import scan_prologue
+from titanc.ir.structural import STRUCTURAL
 
 from titanc.compiler import Compiled, compile_graphs
 
-TEMPLATE_FAMILY = {Op.SCAN: "scan", Op.ATTENTION: "attention_fwd",
-                   Op.ATTENTION_BWD: "attention_bwd", Op.ADAMW: "adamw_multi",
-                   Op.INDEX_ADD: "segment_sum", Op.SCATTER_ALONG: "scatter_along"}
 FAMILY_ORDER = ("pointwise", "reduction", "matmul", "attention_fwd", "attention_bwd",
                 "adamw_multi", "segment_sum", "scatter_along", "scan")
 
 
-# template readers that need their operands dense (buffer_plan.STRIDED_TEMPLATES: the others)
-DENSE_READERS = frozenset({Op.INDEX_ADD, Op.SCATTER_ALONG}) | (OpGroup.PATTERN - STRIDED_TEMPLATES)
-COPIES = OpGroup.INDEXING | OpGroup.GENERATOR | {Op.TAKE, Op.TAKE_ALONG, Op.ITEM}
+def _dense_reader(op: Op) -> bool:
+    """A template reader that needs some operand dense (its entry's `strided` is not "all")."""
+    return (op in (Op.INDEX_ADD, Op.SCATTER_ALONG) or op in OpGroup.PATTERN) \
+        and STRUCTURAL[op].strided != "all"
 
 
 def is_computing(op: Op) -> bool:
     """Does a node of `op` compute values (module docstring), rather than move or make them?"""
-    return op not in COPIES and op is not Op.INPUT
+    return not (op in OpGroup.INDEXING or op in OpGroup.GENERATOR
+                or op in (Op.TAKE, Op.TAKE_ALONG, Op.ITEM, Op.INPUT))
 
 
 def copy_reason(plan: BufferPlan, kern: Any) -> str:
@@ -75,7 +74,7 @@ def copy_reason(plan: BufferPlan, kern: Any) -> str:
     if Op.CONCAT in ops or Op.PAD in ops:
         return "concat/pad: its pieces are copied into one buffer"
     dense = sorted({g.node(r).op.name.lower() for v in kern.outputs for r in g.users(v)
-                    if g.node(r).op in DENSE_READERS})
+                    if _dense_reader(g.node(r).op)})
     if dense:
         return f"a view read densely by {', '.join(dense)}"
     return "a view torch cannot express over its source (a reshape of a strided view)"
@@ -87,7 +86,7 @@ def kernel_family(plan: BufferPlan, kern: Any) -> str:
         return kern.category
     g = plan.schedule.graph
     pro = scan_prologue(g, kern)                     # a scan's gather: the scan's family
-    return next(TEMPLATE_FAMILY.get(g.node(n).op, g.node(n).op.name.lower())
+    return next(STRUCTURAL[g.node(n).op].family or g.node(n).op.name.lower()
                 for n in kern.nodes if g.node(n).op is not Op.ITEM and n not in pro)
 
 
