@@ -535,7 +535,7 @@ def table(report: dict[str, Any]) -> str:
 
 def run_job(kind: str, name: str, extra: list[str]) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))              # after the laid-out site: ROOT/titanc is not the package
     try:
         if kind == "script":
             run_script(name, extra[0])
