@@ -124,7 +124,8 @@ def test_compile_calls_write_artifact(tmp_path: Path, monkeypatch: pytest.Monkey
                                       capsys: pytest.CaptureFixture[str]) -> None:
     calls: list[tuple[Spec, Path]] = []
 
-    def write_artifact(spec: Spec, out_dir: Path, force: bool = False) -> dict[str, Any]:
+    def write_artifact(spec: Spec, out_dir: Path, force: bool = False,
+                       arch: Any = None) -> dict[str, Any]:
         calls.append((spec, out_dir))
         assert not force
         return {"graphs": {"forward": {"nodes": 321, "largest_tensor_bytes": 3 * 2**20}}}

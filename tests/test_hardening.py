@@ -95,7 +95,7 @@ def test_a_diverging_run_leaves_a_checkpoint_that_resumes(tmp_path: Path) -> Non
 
 def test_a_non_finite_eval_loss_stops_the_run(tmp_path: Path) -> None:
     t = Trainer(tiny("lmm", train__steps=2, train__eval_every=1), tmp_path / "run", **QUIET)
-    t.prog.loss = lambda tokens: float("nan")
+    t.prog.loss = lambda tokens, docs=None: float("nan")
     with pytest.raises(TitancError, match=r"step 1: the held-out loss is nan"):
         t.run()
     assert not (tmp_path / "run" / CHECKPOINT_NAME).exists()

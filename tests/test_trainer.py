@@ -137,8 +137,8 @@ def test_nonfinite_before_any_checkpoint(tmp_path: Path, monkeypatch: pytest.Mon
     Program = type(titanc.compile(tiny()))
     real = Program.advance
 
-    def poisoned(self: Any, tokens: torch.Tensor) -> None:
-        real(self, tokens)
+    def poisoned(self: Any, tokens: torch.Tensor, docs: Any = None) -> None:
+        real(self, tokens, docs)
         self._last["loss"] = torch.tensor(math.inf)
 
     monkeypatch.setattr(Program, "advance", poisoned)
@@ -247,10 +247,10 @@ def test_interrupt_keeps_the_last_checkpoint(tmp_path: Path, monkeypatch: pytest
     Program = type(titanc.compile(tiny()))
     real = Program.advance
 
-    def interrupted(self: Any, tokens: torch.Tensor) -> None:
+    def interrupted(self: Any, tokens: torch.Tensor, docs: Any = None) -> None:
         if self.step == 2:
             raise KeyboardInterrupt
-        real(self, tokens)
+        real(self, tokens, docs)
 
     monkeypatch.setattr(Program, "advance", interrupted)
     run, logs = tmp_path / "run", []

@@ -30,7 +30,7 @@ from titanc.model.params import param_count
 from titanc.runtime.train.trainer import Trainer, read_metrics
 from titanc.model.spec import load_spec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "examples" / "tiny.yaml"
 DEMO_STEPS = 250
 DEMO_OVERRIDES: dict[str, Any] = {
