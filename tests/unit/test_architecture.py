@@ -22,7 +22,7 @@ PACKAGE_DIRS = {"ir", "passes", "codegen", "runtime"}
 # (the table there is generated from these two dicts: `layer_table`)
 LAYER_OF = {                       # module prefix -> layer; the longest prefix wins
     "titanc": "facade", "titanc.errors": "base", "titanc.config": "base",
-    "titanc.files": "base", "titanc.version": "base",
+    "titanc.files": "base", "titanc.version": "base", "titanc.bounds": "base",
     "titanc.ir": "ir", "titanc.passes": "passes", "titanc.codegen": "codegen",
     "titanc.model": "model", "titanc.model.spec": "model.spec", "titanc.model.params": "model.spec",
     "titanc.compiler": "compiler", "titanc.fit": "compiler",
@@ -44,7 +44,8 @@ MAY_IMPORT = {
               "facade", "tools"},
 }
 WHAT = {
-    "base": "errors, config (settings from the environment), files (atomic writes), version",
+    "base": "errors, config (settings from the environment), files (atomic writes), version, "
+            "bounds (every numeric input's range)",
     "ir": "graph, ops and their registry, builder, printer, verifier, interpreter; the plan "
           "types the backends consume: `ir/schedule.py` (Schedule, Kernel), "
           "`ir/buffer_plan.py` (BufferPlan, ScanHomes, views)",
