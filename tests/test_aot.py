@@ -83,6 +83,23 @@ def _check(results: list[dict], tensor_cores: bool) -> None:
             assert r["mma_bf16"], f"{where}: no bf16 mma in its PTX"
 
 
+def test_every_tiny_scan_kernel_compiles_for_sm80_and_sm90() -> None:
+    """Every scan kernel of tiny.yaml's training, optimizer and forward programs (the memory's
+    chunk recurrences, `codegen.scan.kernel.scan_form`; no exemption) compiles for sm_80 and
+    sm_90 within each architecture's shared memory and the spill budget, its dots on tensor
+    cores. The fast tier's AOT check: the whole kernel set is the slow tier below."""
+    assert interpreting()
+    results = _compile(EXAMPLES / "tiny.yaml", {"compile.allow_tf32": True}, only_scan=True)
+    assert {r["arch"] for r in results} == set(ARCHS)
+    # the memory chunk scans of the MAC segment (forward, the backward's recompute and the
+    # backward), one kernel each
+    assert len({r["name"] for r in results}) >= 3 and len(results) >= 3 * len(ARCHS)
+    assert all(r["scan"] for r in results)
+    assert all(r["mma"] for r in results if r["uses_dot"])
+    _check(results, tensor_cores=True)
+
+
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="issue 27, open: since the layer and segment scans became "
                    "host loops (scan_form), one matmul kernel of their bodies "
                    "(titanc_mm_fused_einsum_12) compiles to mma.sync, not wgmma, on sm_90")
@@ -243,6 +260,7 @@ def test_int64_attention_path_matches_when_interpreted() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_every_bf16_tiny_kernel_compiles_with_16bit_mma() -> None:
     """train.dtype bfloat16 (passes/precision.py): every kernel with a dot of tiny.yaml's
     training, optimizer and forward programs as the program launches them (bf16 and float32
