@@ -63,7 +63,9 @@ def test_bpe_prepare_train_eval_generate_from_the_repository(
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
     assert len(losses) == 100 and len(evals) == 2
     assert losses[0] > math.log(4096) - 0.5                      # starts near uniform
-    assert np.mean(losses[-10:]) < losses[0] - 1.5               # and learns
+    # and learns (the corpus is this repository, so the text moves with every change: a
+    # clear margin on a 10-step mean of batches of 64 tokens, not a tuned one)
+    assert np.mean(losses[-10:]) < losses[0] - 1.0
     capsys.readouterr()
     # resuming under another tokenizer (same vocabulary size) is refused before any step
     assert main(["train", str(TINY), *SMALL, "--set", "model.vocab_size=4096", "--data",

@@ -224,7 +224,7 @@ def render_reduction(
             "op": st.op, "operand": operand, "result": result, "epilogue": epi,
             "prologue": pro if single_pass else needed,
             "reduce": reduced,
-            "init": (f"tl.zeros([BLOCK_R, 1], dtype={cd})" if st.op == "sum"
+            "init": (f"tl.full([BLOCK_R, 1], 0, dtype={cd})" if st.op == "sum"
                      else f'tl.full([BLOCK_R, 1], float("-inf"), dtype={cd})'),
             "combine": (f"{result} + {reduced}" if st.op == "sum"
                         else f"tl.maximum({result}, {reduced})"),

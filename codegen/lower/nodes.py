@@ -170,7 +170,7 @@ class KernelLowering:
         dims = frozenset().union(*(c.dims for c in coords))
         expr = " + ".join(terms) or "0"
         if dims != sec.dims:                          # a full tile, so the mask applies per lane
-            expr = f"{expr} + tl.zeros({sec.block}, dtype=tl.int32)"
+            expr = f"{expr} + tl.full({sec.block}, 0, dtype=tl.int32)"
         return sec.let(expr, "o")
 
     def guard(self, sec: Section, v: Val, valid: tuple[str, ...]) -> Val:
@@ -246,7 +246,7 @@ class KernelLowering:
         cd = dtype or ("tl.int64" if v.is_int else self.cd)
         if v.literal is not None:
             return self.let(sec, f"tl.full({sec.block}, {v.expr}, {cd})", [Val("", sec.dims)])
-        return self.let(sec, f"{v.expr} + tl.zeros({sec.block}, dtype={cd})",
+        return self.let(sec, f"{v.expr} + tl.full({sec.block}, 0, dtype={cd})",
                          [Val("", sec.dims)], is_int=v.is_int)
 
 

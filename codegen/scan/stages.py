@@ -163,7 +163,7 @@ class _ScanGen(_ScanEmitter):
                   pax: tuple[int, ...] | None, dest: Ref, guard: bool = False) -> None:
         """dest = the register tile `var` (a carry's final value)."""
         sec, c, tshape = self.whole_tile(shape, pax, dims, guard)
-        x = var if dims else f"({var}) + tl.zeros([16], dtype={self.cd})"
+        x = var if dims else f"({var}) + tl.full([16], 0, dtype={self.cd})"
         self.line(f"tl.store({self.ptr(sec, dest, c)}, {x}, mask={sec.mask})")
 
     def reg_why(self, scan: int, k: int, local: tuple[int, ...], nests: bool) -> str | None:
@@ -226,7 +226,7 @@ class _ScanGen(_ScanEmitter):
         n0 = self._open_loop(self.fresh("n"), N, BN)
         rm = self.let(f"({m0} + tl.arange(0, {BM}).to({self.index}))[:, None]", "rm")
         rn = self.let(f"({n0} + tl.arange(0, {BN}).to({self.index}))[None, :]", "rn")
-        acc = self.let(f"tl.zeros([{BM}, {BN}], dtype={self.cd})", "acc")
+        acc = self.let(f"tl.full([{BM}, {BN}], 0, dtype={self.cd})", "acc")
         k0 = self._open_loop(self.fresh("k"), K, BK)
         ka = self.let(f"({k0} + tl.arange(0, {BK}).to({self.index}))[None, :]", "ka")
         kb = self.let(f"({k0} + tl.arange(0, {BK}).to({self.index}))[:, None]", "kb")

@@ -83,7 +83,7 @@ class _ScanEmitter:
 
     def zero_tile(self, shape: str) -> str:
         """A zero index tile of `shape` (so that every pointer expression is a tile)."""
-        return f"tl.zeros({shape}, dtype={self.index})"
+        return f"tl.full({shape}, 0, dtype={self.index})"
 
     def pack(self) -> None:
         """Give buffers with disjoint lifetimes the same addresses (`scan_pack`)."""
@@ -172,7 +172,7 @@ class _ScanEmitter:
 
     def full(self, x: str, shape: str) -> str:
         """`x` as a full tile of `shape` (a scalar expression is broadcast)."""
-        return x if x in self.tiles else f"({x}) + tl.zeros({shape}, dtype={self.cd})"
+        return x if x in self.tiles else f"({x}) + tl.full({shape}, 0, dtype={self.cd})"
 
     def masked(self, x: str, mask: str, shape: str, fill: str = "0.0") -> str:
         """`x` with `fill` outside `mask` (a masked load already holds 0 there)."""

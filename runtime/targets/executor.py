@@ -17,6 +17,7 @@ kernel-internal value computed from them alone (a concatenation or cast of rotar
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, Callable
 
 import time
@@ -65,7 +66,8 @@ class Profiler:
         stack[-1] += clock() - enter          # the parent is not charged our bookkeeping
 
 
-_ACTIVE: list[Profiler] = []            # the profiler of the run in progress, if any
+# the profiler of the run in progress in this context (thread, task), if any: `profiling`
+_PROFILER: ContextVar["Profiler | None"] = ContextVar("titanc_profiler", default=None)
 
 
 def kernel_label(g: Graph, kernel: Any, role: str = "") -> str:
@@ -387,8 +389,9 @@ class _Binder:
         flat = [f for groups in iterations for _, fns in groups for f in fns]
 
         def run() -> None:
-            if _ACTIVE:
-                timed = _ACTIVE[-1].run
+            prof = _PROFILER.get()
+            if prof is not None:
+                timed = prof.run
                 for groups in iterations:
                     for label, fns in groups:
                         timed(label, fns)
@@ -710,9 +713,10 @@ class PlanExecutor:
             dst = self.inputs[name]
             if dst.data_ptr() != t.data_ptr():
                 dst.copy_(t)
-        if _ACTIVE:
+        prof = _PROFILER.get()
+        if prof is not None:
             for label, fns in self._b.groups:
-                _ACTIVE[-1].run(label, fns)
+                prof.run(label, fns)
         else:
             for s in self.steps:
                 s()
@@ -735,8 +739,9 @@ class profiling:
     """`with profiling() as prof:` times every kernel run inside, by category."""
 
     def __enter__(self) -> Profiler:
-        _ACTIVE.append(Profiler())
-        return _ACTIVE[-1]
+        prof = Profiler()
+        self._token = _PROFILER.set(prof)
+        return prof
 
     def __exit__(self, *exc: Any) -> None:
-        _ACTIVE.pop()
+        _PROFILER.reset(self._token)
