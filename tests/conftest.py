@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from titanc.model.spec import Spec, load_spec
+from tests.helpers import SERVE_SETS
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -29,6 +30,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`titanc compile examples/tiny.yaml` at SERVE_SETS, once per test process: every
+    serving test reads it and none writes into it."""
+    from titanc.tools.cli import main
+
+    out = tmp_path_factory.mktemp("serve") / "art"
+    argv = ["compile", str(EXAMPLES / "tiny.yaml"), "-o", str(out)]
+    for s in SERVE_SETS:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    return out
 
 
 @pytest.fixture

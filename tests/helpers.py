@@ -21,6 +21,9 @@ TINY: dict[str, Any] = {
     "train": {"batch_size": 2, "dtype": "float64"},
 }
 BLOCKS = ["attn", "lmm", "mag", "mal", "mac"]
+# the small MAC the serving tests compile (the `artifact` fixture of tests/conftest.py)
+SERVE_SETS = ["model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64", "train.dtype=float64",
+              "train.batch_size=1", "compile.target=cpu"]
 MEMORY_BLOCKS = ["lmm", "mag", "mal", "mac"]
 
 

@@ -253,7 +253,8 @@ def test_unmappable_kernel_says_which() -> None:
 
 # --- the triton target ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("example", EXAMPLES)
+@pytest.mark.parametrize("example", [e if e == "tiny" else pytest.param(e, marks=pytest.mark.slow)
+                                     for e in EXAMPLES])
 def test_training_step_matches_cpu_target(example: str) -> None:
     path = ROOT / "examples" / f"{example}.yaml"
     progs = {t: titanc.compile(path, **small(example, **{"compile.target": t}))

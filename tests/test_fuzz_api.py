@@ -24,7 +24,7 @@ from titanc.runtime.serve.engine import Engine
 from titanc.runtime.serve.generate import Generator
 from titanc.runtime.serve.server import Metrics, _Observer, create_app
 
-from .test_serve import MODEL, artifact  # noqa: F401 (the module's artifact fixture)
+from .test_serve import MODEL
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402

@@ -20,7 +20,7 @@ from titanc.runtime.serve.codec import codec_for
 from titanc.runtime.serve.engine import Engine, Request
 from titanc.runtime.serve.generate import Generator, Sampling
 
-from .test_serve import Server, Stream, artifact  # noqa: F401 (the module's artifact fixture)
+from .test_serve import Server, Stream
 
 
 def _req(prompt: list[int], max_tokens: int, seed: int = 0) -> Request:

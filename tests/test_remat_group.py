@@ -48,7 +48,8 @@ def _run(spec, executor: bool) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("block,remat,executor", [
-    ("mac", "per_layer", False), ("lmm", "per_layer", False), ("mag", "per_layer", False),
+    ("mac", "per_layer", False), pytest.param("lmm", "per_layer", False, marks=pytest.mark.slow),
+    pytest.param("mag", "per_layer", False, marks=pytest.mark.slow),
     ("mac", "per_segment", False), ("mac", "per_layer", True), ("lmm", "per_segment", True)])
 def test_group_gradients_are_bitwise_per_layer(block: str, remat: str, executor: bool) -> None:
     over = {**BASE, "model.block": block, "train.remat": remat, "train.remat_rows": 1}

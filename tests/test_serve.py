@@ -28,24 +28,14 @@ from titanc.tools.cli import main
 from titanc.runtime.serve.codec import TokenizerCodec, codec_for
 from titanc.runtime.serve.engine import Engine, Request
 from titanc.runtime.serve.generate import Generator, Sampling
+from tests.helpers import SERVE_SETS
 
 openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[1]
-SETS = ["model.d_model=32", "model.n_layers=1", "model.ffn_hidden=64", "train.dtype=float64",
-        "train.batch_size=1", "compile.target=cpu"]
+SETS = SERVE_SETS                # the `artifact` fixture (tests/conftest.py) compiles these
 MODEL = "tiny-mac"
 TIMEOUT = 60.0
-
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / "art"
-    argv = ["compile", str(ROOT / "examples/tiny.yaml"), "-o", str(out)]
-    for s in SETS:
-        argv += ["--set", s]
-    assert main(argv) == 0
-    return out
 
 
 class Server:

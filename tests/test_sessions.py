@@ -29,16 +29,6 @@ TURNS = ["Hello there, how", " are you", " doing today? I am fine, thanks for th
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("sessions") / "art"
-    argv = ["compile", str(ROOT / "examples/tiny.yaml"), "-o", str(out)]
-    for s in SETS:
-        argv += ["--set", s]
-    assert main(argv) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
 def gen(artifact: Path) -> Generator:
     return Generator(titanc.load(artifact))
 
