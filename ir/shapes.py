@@ -9,6 +9,9 @@ class ShapeError(ValueError):
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    first = tuple(shapes[0])
+    if all(tuple(s) == first for s in shapes[1:]):       # the common case: nothing to broadcast
+        return first
     rank = max(len(s) for s in shapes)
     out = []
     for dims in zip(*[(1,) * (rank - len(s)) + tuple(s) for s in shapes]):

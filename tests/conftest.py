@@ -12,8 +12,13 @@ from pathlib import Path
 
 import pytest
 
+import titanc.compiler
 from titanc.model.spec import Spec, load_spec
-from tests.helpers import SERVE_SETS
+from tests.helpers import SERVE_SETS, memoize_compiles
+
+# one compile per distinct (spec, options) in a test process (tests/helpers.py says why that
+# is safe); patched before any test module imports `compile_graphs` by name
+titanc.compiler.compile_graphs = memoize_compiles(titanc.compiler.compile_graphs)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

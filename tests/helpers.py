@@ -40,6 +40,30 @@ def tokens(spec: Spec, batch: int | None = None, seed: int = 0) -> torch.Tensor:
 _COMPILED: dict[tuple[str, Any, Any], Any] = {}
 
 
+def memoize_compiles(real: Any) -> Any:
+    """`compile_graphs` that compiles each distinct (spec, batch, options) once per process and
+    hands out a shallow copy (`dataclasses.replace`) of the first result. Safe because a
+    program, an executor and every test only read a `Compiled` (its graphs, schedules and
+    plans; passes return new graphs); a kind compiled later on first use is added to the
+    shared table, the same for every copy. Off while debug output is asked for (a compile
+    then prints what it does)."""
+    from titanc import config
+
+    memo: dict[str, Any] = {}
+
+    def compile_graphs(spec: Spec, batch: int | None = None, *args: Any, **options: Any) -> Any:
+        if config.current().debug:
+            return real(spec, batch, *args, **options)
+        key = json.dumps([spec_to_dict(spec), batch, list(args), sorted(options.items())],
+                         sort_keys=True, default=str)
+        if key not in memo:
+            memo[key] = real(spec, batch, *args, **options)
+        return dataclasses.replace(memo[key], spec=spec)
+
+    compile_graphs.__wrapped__ = real
+    return compile_graphs
+
+
 def compile_each_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests that build a few tiny specs over and over, differing in fields the graphs do not
     depend on (train.steps, eval cadence, data, distribution), compile each model once.
