@@ -42,10 +42,10 @@ _COMPILED: dict[tuple[str, Any, Any], Any] = {}
 
 def memoize_compiles(real: Any) -> Any:
     """`compile_graphs` that compiles each distinct (spec, batch, options) once per process and
-    hands out a shallow copy (`dataclasses.replace`) of the first result. Safe because a
-    program, an executor and every test only read a `Compiled` (its graphs, schedules and
-    plans; passes return new graphs); a kind compiled later on first use is added to the
-    shared table, the same for every copy. Off while debug output is asked for (a compile
+    hands out a copy of the first result: the compiled graphs, schedules and plans shared
+    (a program, an executor and every test only read them; passes return new graphs), the
+    table of kinds and the pass log its own (a kind compiled later on first use, and its
+    records, stay with the copy that asked). Off while debug output is asked for (a compile
     then prints what it does)."""
     from titanc import config
 
@@ -58,7 +58,10 @@ def memoize_compiles(real: Any) -> Any:
                          sort_keys=True, default=str)
         if key not in memo:
             memo[key] = real(spec, batch, *args, **options)
-        return dataclasses.replace(memo[key], spec=spec)
+        c = memo[key]
+        log = dataclasses.replace(c.log, records=list(c.log.records), dumps=list(c.log.dumps),
+                                  callbacks=list(c.log.callbacks))
+        return dataclasses.replace(c, spec=spec, log=log, graphs=dict(c.graphs))
 
     compile_graphs.__wrapped__ = real
     return compile_graphs

@@ -140,18 +140,19 @@ def test_without_documents_the_graph_is_unchanged() -> None:
 # ------------------------------------------------------------------- compiled, both targets
 
 
-def _program(block: str, target: str):
+def _program(block: str, target: str, layers: int | None = None):
     """The block compiled for `target`; one layer on the interpreted triton target (every
     reset is per layer; two layers are checked on the reference and the cpu target)."""
     import titanc
 
-    layers = {"model.n_layers": 1} if target == "triton" else {}
-    return titanc.compile(_spec(block, **{"compile.target": target, **layers}))
+    layers = layers or (1 if target == "triton" else 2)
+    return titanc.compile(_spec(block, **{"compile.target": target, "model.n_layers": layers}))
 
 
-# every block on the cpu target; on the interpreted triton target MAC (attention, both convs,
-# memory reads and writes: every reset) in the default tier, the other blocks in the slow one
-PACKED_CASES = [pytest.param(b, t, marks=[pytest.mark.slow] if t == "triton" and b != "mac" else [])
+# every block on the cpu target; on the interpreted triton target in the slow tier (the
+# default tier's triton case is the mid-chunk test below: MAC, starts inside chunks,
+# gradients against the cpu target)
+PACKED_CASES = [pytest.param(b, t, marks=[pytest.mark.slow] if t == "triton" else [])
                 for t in ("cpu", "triton") for b in BLOCKS]
 
 
@@ -159,8 +160,10 @@ PACKED_CASES = [pytest.param(b, t, marks=[pytest.mark.slow] if t == "triton" and
 def test_compiled_packed_equals_alone(block: str, target: str) -> None:
     """A packed row A|B with the loss mask on B gives exactly the loss and the gradients of B
     alone (the B|C row, one document, the same mask on B), 1e-10 in float64; and the packed
-    row's full masked loss matches the reference."""
+    row's full masked loss matches the reference. On triton, B alone runs on a cpu-target
+    twin (the same parameters; the targets agree in float64): one interpreted step."""
     prog = _program(block, target)
+    twin = _program(block, "cpu", layers=prog.spec.model.n_layers) if target == "triton" else prog
     a = 8
     toks = _packed_and_alone(prog.spec, a, seed=6)
     mask = torch.zeros(2, T, dtype=torch.float64)
@@ -168,12 +171,13 @@ def test_compiled_packed_equals_alone(block: str, target: str) -> None:
     mask[1, 0:T - a] = 1.0
     doc = _doc([[a], []]).double()
     got, g_got = prog.grads(toks[:1], {"doc_start": doc[:1], "loss_mask": mask[:1]})
-    want, g_want = prog.grads(toks[1:], {"doc_start": doc[1:], "loss_mask": mask[1:]})
+    want, g_want = twin.grads(toks[1:], {"doc_start": doc[1:], "loss_mask": mask[1:]})
     assert abs(got - want) < 1e-10
     for k in g_want:
         torch.testing.assert_close(g_got[k], g_want[k], rtol=1e-10, atol=1e-10,
                                    msg=lambda m: f"grad of {k}: {m}")
     params = prog.parameters()
+    assert all(torch.equal(params[k], v) for k, v in twin.parameters().items())
     ref, _ = _ref_part(params, toks[:1], _doc([[a]]), prog.spec.model, slice(None),
                        slice(a, T))
     assert abs(got - ref / (T - a)) < 1e-10
@@ -182,14 +186,24 @@ def test_compiled_packed_equals_alone(block: str, target: str) -> None:
 @pytest.mark.parametrize("target", ["cpu", "triton"])
 def test_compiled_mid_chunk_starts_match_reference(target: str) -> None:
     """Starts inside chunks on a compiled MAC (attention, both conv kinds, memory reads and
-    writes): the training loss matches the reference."""
+    writes): the training loss matches the reference; on triton the loss and every gradient
+    match the cpu target's (1e-10, float64)."""
     prog = _program("mac", target)
     toks = tokens(prog.spec, batch=2, seed=8)
     doc = _doc([[3, 13], [6]])
     mask = torch.ones(2, T, dtype=torch.float64)
-    loss = prog.loss(toks, {"doc_start": doc.double(), "loss_mask": mask})
+    extra = {"doc_start": doc.double(), "loss_mask": mask}
+    loss, grads = prog.grads(toks, extra)
     ce = _ce(R.forward_logits(prog.parameters(), toks[:, :-1], prog.spec.model, doc), toks)
     assert abs(loss - float(ce.mean())) < 1e-10
+    if target == "triton":
+        twin = _program("mac", "cpu", layers=prog.spec.model.n_layers)
+        assert all(torch.equal(prog.parameters()[k], v) for k, v in twin.parameters().items())
+        want, g_want = twin.grads(toks, extra)
+        assert abs(loss - want) < 1e-10
+        for k in g_want:
+            torch.testing.assert_close(grads[k], g_want[k], rtol=1e-10, atol=1e-10,
+                                       msg=lambda m: f"grad of {k}: {m}")
 
 
 # ------------------------------------------------------------------------- spec and inputs

@@ -119,7 +119,7 @@ def compile_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(artifact, "compile_graphs", cached)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(doc=documents(), sets=set_items())
 def test_compile_either_succeeds_or_fails_with_one_line(doc: str, sets: list[str]) -> None:

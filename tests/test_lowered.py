@@ -121,7 +121,7 @@ def test_program_py_prints_the_lowered_program(tmp_path: Path) -> None:
         assert launched == want
 
 
-@pytest.mark.parametrize("example", ["tiny_mal", "tiny_lmm"])
+@pytest.mark.parametrize("example", ["tiny_mal", pytest.param("tiny_lmm", marks=pytest.mark.slow)])
 def test_program_py_equals_both_targets(tmp_path: Path, example: str) -> None:
     """program.py == the triton target == the cpu target on the forward and training graphs
     (float64)."""

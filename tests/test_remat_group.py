@@ -35,7 +35,7 @@ from titanc.runtime.targets.executor import ArenaExecutor
 from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = {"model.seq_len": 32, "model.memory.chunk_size": 2, "model.attention.segment": 8,
+BASE = {"model.seq_len": 16, "model.memory.chunk_size": 2, "model.attention.segment": 8,
         "model.n_layers": 4, "train.dtype": "float64"}
 
 
