@@ -26,8 +26,8 @@ SETTINGS = [
 @pytest.mark.parametrize("block", [b if b in ("mac", "attn") else pytest.param(b, marks=pytest.mark.slow)
                                    for b in BLOCKS])
 def test_loss_and_gradients_identical_across_policies(block: str) -> None:
-    base = {"model.block": block, "model.seq_len": 16, "model.memory.chunk_size": 2,
-            "model.attention.segment": 8}
+    base = {"model.block": block, "model.seq_len": 32, "model.memory.chunk_size": 2,
+            "model.attention.segment": 16}
     results = []
     for extra in SETTINGS:
         spec = tiny_spec(**base, **extra)
