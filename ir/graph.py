@@ -3,8 +3,9 @@
 A `Node` is a frozen value: op, input node ids, attrs and an inferred type. A `Graph` owns
 nodes and keeps their edges in a `networkx.DiGraph`; no code outside `ir/` touches networkx.
 Graph arguments are INPUT nodes (`graph.inputs`, in order); results are named
-(`graph.outputs`, an ordered list of `(name, node id)`). Order is deterministic:
-`lexicographical_topological_sort` keyed on node id.
+(`graph.outputs`, an ordered list of `(name, node id)`). Order is deterministic: node id
+order, which is the lexicographic topological order (a graph only grows, and a node's
+inputs exist before it).
 
 The one textual form of the IR (`format_graph`, which `repr(graph)` prints) is a line per
 node, in that order; scan bodies print indented under their scan, between braces:
@@ -116,8 +117,10 @@ class Graph:
         return (self._nodes[i] for i in self.order())
 
     def order(self) -> list[int]:
+        """The nodes in id order: a topological order, since a node's inputs exist before it
+        is added and nodes are never removed (the lexicographic topological sort by id)."""
         if self._order is None:
-            self._order = list(nx.lexicographical_topological_sort(self._dg))
+            self._order = list(self._nodes)
         return list(self._order)
 
     def users(self, nid: int) -> list[int]:

@@ -38,7 +38,7 @@ class Rewriter:
                 hit = None
             if hit is not None:
                 return hit
-        nid = self.g.add(op, inputs, attrs, type if op is Op.INPUT else None)
+        nid = self.g.add(op, inputs, attrs, type)
         proto = self.g.node(nid)
         for rule in RULES.get(op, (fold_constants,) if op in ELEMENTWISE else ()):
             out = rule(proto, self)
@@ -209,14 +209,19 @@ def _copy(g: Graph, live: set[int] | None = None, bodies: bool = False) -> Graph
         attrs = node.attr_dict
         if node.op is Op.SCAN and bodies:
             attrs["body"] = canonicalize(attrs["body"])
+        # a copy keeps each node's type (its inputs are copies of the same types, or values
+        # the rules proved equal), so it is not inferred again
         env[node.id] = r.emit(node.op, ins, attrs, node.type)
     r.g.set_outputs([(name, env[i]) for name, i in g.outputs])
     return r.g
 
 
 def _prune_scan_outputs(g: Graph) -> Graph:
-    """Drop scan ys nobody reads (ITEMs without users), renumbering the remaining ITEMs."""
+    """Drop scan ys nobody reads (ITEMs without users), renumbering the remaining ITEMs
+    (`g` itself when every scan output is read)."""
     live = g.reachable_from_outputs()
+    if not any(_unread_scan_outputs(g, n, live) for n in g if n.op is Op.SCAN):
+        return g
     out = Graph(g.name)
     env: dict[int, int] = {}
     for node in g:
@@ -246,8 +251,20 @@ def _prune_scan_outputs(g: Graph) -> Graph:
     return out
 
 
+def _unread_scan_outputs(g: Graph, scan: Node, live: set[int]) -> bool:
+    """Does `scan` have a result (carry or y) that no live ITEM reads, or a dead ITEM?"""
+    read = {g.node(u).attr("index") for u in g.users(scan.id) if u in live} | set(
+        range(scan.attr("n_carry")))                     # carries are kept either way
+    items = [u for u in g.users(scan.id) if g.node(u).op is Op.ITEM]
+    return len(read) < len(scan.attr("body").outputs) or any(u not in live for u in items)
+
+
 def _dce(g: Graph) -> Graph:
-    return _copy(g, g.reachable_from_outputs())
+    """`g` without the nodes no output reads (`g` itself when there are none; INPUTs stay)."""
+    live = g.reachable_from_outputs()
+    if all(n.id in live or n.op is Op.INPUT for n in g):
+        return g
+    return _copy(g, live)
 
 
 @dataclass(frozen=True)
