@@ -6,7 +6,7 @@ from typing import Iterable, NamedTuple
 
 from titanc.ir import Graph, Op, OpGroup
 
-__all__ = ["CARRY_REGISTER_BYTES", "INT32_LIMIT", "LAUNCH_LOCALS", "MATMUL_TILES", "Tile", "check_block", "compute_dtype",
+__all__ = ["CARRY_REGISTER_BYTES", "EXACT_F32_TILE", "INT32_LIMIT", "LAUNCH_LOCALS", "MATMUL_TILES", "Tile", "check_block", "compute_dtype",
            "dot_precision", "matmul_tiles", "mma16", "needs_int64", "pow2", "value_dtype"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -127,13 +127,23 @@ MATMUL_TILES: dict[int, dict[int, Tile]] = {
 }
 MATMUL_TILES[89] = MATMUL_TILES[86]
 
+# An exact float32 dot (`input_precision="ieee"`, tf32 not allowed) has no tensor-core
+# instruction: Triton unrolls it into FMAs, BLOCK_M * BLOCK_N * BLOCK_K / threads of them per
+# K step, and compile time grows with that count. 64 x 64 x 16 on 8 warps is 256 FMAs per
+# thread per step (the 128 x 64 x 32 table tile: 1,024) and needs no pipelining, which
+# has no asynchronous copy to overlap here. tiny.yaml's float32 matmul kernels for sm_90:
+# 1.2-2.0 CPU-s of compile each instead of 2.9-5.5 s, and none spills (one spilled 980 B).
+EXACT_F32_TILE = Tile(64, 64, 16, 8, 1)
 
-def matmul_tiles(itemsize: int, m: int, n: int, k: int) -> dict[int, Tile]:
-    """Each architecture's tile for an [m, k] @ [k, n] contraction of `itemsize`-byte operands:
-    the table's, each side shrunk to the problem (a power of two, >= 16 as tl.dot needs)."""
+
+def matmul_tiles(itemsize: int, m: int, n: int, k: int,
+                 exact_f32: bool = False) -> dict[int, Tile]:
+    """Each architecture's tile for an [m, k] @ [k, n] contraction of `itemsize`-byte operands
+    (`exact_f32`: float32 operands without tf32, `EXACT_F32_TILE` on a GPU): the table's,
+    each side shrunk to the problem (a power of two, >= 16 as tl.dot needs)."""
     out = {}
     for arch, by_size in MATMUL_TILES.items():
-        t = by_size[itemsize]
+        t = EXACT_F32_TILE if exact_f32 and arch and itemsize == 4 else by_size[itemsize]
         out[arch] = t._replace(block_m=max(16, min(t.block_m, pow2(m))),
                                block_n=max(16, min(t.block_n, pow2(n))),
                                block_k=max(16, min(t.block_k, pow2(k))))

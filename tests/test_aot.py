@@ -16,7 +16,9 @@ Compiled results are cached on disk by `runtime.targets.aot`, so a second run co
 """
 from __future__ import annotations
 
+import ast
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorated: set first
 
@@ -26,7 +28,7 @@ import torch
 from titanc.runtime.targets import aot
 from titanc.codegen.families.scatter import render_scatter_along
 from titanc.codegen.lower.dispatch import plan_kernels
-from titanc.codegen.meta import MATMUL_TILES, needs_int64
+from titanc.codegen.meta import EXACT_F32_TILE, MATMUL_TILES, needs_int64
 from titanc.codegen.emit import GRAPHS
 from titanc.codegen.render import load_module
 from titanc.compiler import compile_graphs
@@ -46,20 +48,29 @@ OVER_BUDGET, OVER_SPILL = 3, 1024
 ARCHS = (80, 90)
 
 
-def _compile(spec_path, overrides: dict, skip_scan: bool = False,
-             graphs: tuple[str, ...] = GRAPHS, only_scan: bool = False,
-             only_dot: bool = False) -> list[dict]:
-    """Compile every distinct launch of the spec's programs (`graphs`) for ARCHS (cached on
-    disk); `only_scan` keeps scan kernels alone, `only_dot` kernels with a `tl.dot`."""
+def _record(spec_path, overrides: dict, graphs: tuple[str, ...] = GRAPHS) -> list[aot.Launch]:
+    """Every distinct launch (kernel specialisation) of the spec's programs (`graphs`)."""
     compiled = compile_graphs(load_spec(spec_path, overrides))
     launches: dict[str, aot.Launch] = {}
     for g in graphs:
         for launch in aot.record_launches(compiled.plans[g],
                                           allow_tf32=compiled.spec.compile.allow_tf32):
-            if not (skip_scan and launch.is_scan) and not (only_scan and not launch.is_scan) \
-                    and not (only_dot and not launch.uses_dot):
-                launches.setdefault(launch.key(), launch)
-    results = aot.compile_all(launches.values(), ARCHS, jobs=2)
+            launches.setdefault(launch.key(), launch)
+    return list(launches.values())
+
+
+def _compile(spec_path, overrides: dict, skip_scan: bool = False,
+             graphs: tuple[str, ...] = GRAPHS, only_scan: bool = False,
+             only_dot: bool = False, launches: list[aot.Launch] | None = None) -> list[dict]:
+    """Compile every distinct launch of the spec's programs (`graphs`; or `launches`, already
+    recorded) for ARCHS (cached on disk); `only_scan` keeps scan kernels alone, `only_dot`
+    kernels with a `tl.dot`."""
+    if launches is None:
+        launches = _record(spec_path, overrides, graphs)
+    launches = [l for l in launches
+                if not (skip_scan and l.is_scan) and not (only_scan and not l.is_scan)
+                and not (only_dot and not l.uses_dot)]
+    results = aot.compile_all(launches, ARCHS, jobs=2)
     if any("ptxas" in r.get("error", "") and "not found" in r.get("error", "")
            for r in results):
         pytest.skip("this triton build has no ptxas")
@@ -89,14 +100,34 @@ def test_every_tiny_scan_kernel_compiles_for_sm80_and_sm90() -> None:
     sm_90 within each architecture's shared memory and the spill budget, its dots on tensor
     cores. The fast tier's AOT check: the whole kernel set is the slow tier below."""
     assert interpreting()
-    results = _compile(EXAMPLES / "tiny.yaml", {"compile.allow_tf32": True}, only_scan=True)
+    launches = _record(EXAMPLES / "tiny.yaml", {"compile.allow_tf32": True})
+    _one_specialisation_per_kernel(launches)
+    results = _compile(EXAMPLES / "tiny.yaml", {}, only_scan=True, launches=launches)
     assert {r["arch"] for r in results} == set(ARCHS)
     # the memory chunk scans of the MAC segment (forward, the backward's recompute and the
-    # backward), one kernel each
-    assert len({r["name"] for r in results}) >= 3 and len(results) >= 3 * len(ARCHS)
+    # backward), one kernel each, each compiled once per architecture
+    names = [r["name"] for r in results if r["arch"] == ARCHS[0]]
+    assert len(names) >= 3 and len(set(names)) == len(names), names
     assert all(r["scan"] for r in results)
     assert all(r["mma"] for r in results if r["uses_dot"])
     _check(results, tensor_cores=True)
+
+
+def _one_specialisation_per_kernel(launches: list[aot.Launch]) -> None:
+    """Triton compiles a kernel once per specialisation of its arguments (an integer equal to
+    1 becomes a constant). A host loop's first iteration used to read its initial carries as
+    stride-0 broadcasts (the zero state, the zero cotangent) and the later iterations dense
+    carries, so 13 of tiny.yaml's kernels were compiled twice (35 CPU-s of 165); the
+    triton target now lays such an initial carry out densely once (`carry_init`). Kernels
+    recorded twice may differ in pointer alignment (a [layers, 2] parameter's second row
+    starts 8 bytes in) or a template constant (causal or not), never in an argument's type."""
+    by_name: dict[str, list[aot.Launch]] = {}
+    for l in launches:
+        by_name.setdefault(l.name, []).append(l)
+    for name, ls in by_name.items():
+        assert all(l.signature == ls[0].signature for l in ls), (
+            name, [sorted(set(l.signature) - set(ls[0].signature)) for l in ls])
+    assert len(launches) - len(by_name) <= 5, sorted(n for n, ls in by_name.items() if len(ls) > 1)
 
 
 @pytest.mark.slow
@@ -118,6 +149,20 @@ def test_every_tiny_kernel_compiles_for_sm80_and_sm90_with_tensor_cores() -> Non
     assert len({r["name"] for r in scans}) >= 3 and len(scans) >= 3 * len(ARCHS)
     assert all(r["mma"] for r in scans if r["uses_dot"])
     _check(results, tensor_cores=True)
+
+
+@pytest.mark.slow
+def test_exact_float32_matmuls_compile_without_spilling() -> None:
+    """tiny.yaml's default program (float32, tf32 off): every matmul kernel, its dots FMAs on
+    the EXACT_F32_TILE, compiles for sm_80 and sm_90 within the spill budget (on the table's
+    128 x 64 x 32 tile one spilled 980 B and several needed 255 registers)."""
+    results = _compile(EXAMPLES / "tiny.yaml", {}, only_dot=True)
+    mm = [r for r in results if r["matmul"]]
+    assert len(mm) >= 20
+    failed = [(r["name"], r["arch"], r.get("error")) for r in mm if not r["ok"]]
+    assert not failed, failed[:3]
+    assert max(r["spill_bytes"] for r in mm) <= SPILL_BUDGET, sorted(
+        (r["spill_bytes"], r["name"], r["arch"]) for r in mm)[-3:]
 
 
 # tiny_lmm shrunk (as tests/test_scan_kernel.py shrinks it): its forward's scan kernel, the
@@ -155,6 +200,24 @@ def test_exact_float32_keeps_ieee_dots() -> None:
     tf32 = compile_graphs(load_spec(EXAMPLES / "tiny.yaml", {"compile.allow_tf32": True}))
     assert any('input_precision="tf32"' in code.source
                for _, _, code in plan_kernels(tf32.plans["training"], allow_tf32=True))
+    # exact float32 dots are FMAs on a GPU: the small EXACT_F32_TILE, the table's with tf32
+    exact = [_tiles(s) for s in sources if "def tiles_for(" in s]
+    fast = [_tiles(code.source) for _, _, code in plan_kernels(tf32.plans["training"],
+                                                               allow_tf32=True)
+            if "def tiles_for(" in code.source]
+    assert exact and fast
+    for tiles in exact:
+        for arch in (80, 90):
+            bm, bn, bk, warps, stages = tiles[arch]
+            assert (warps, stages) == EXACT_F32_TILE[3:] and bk <= EXACT_F32_TILE.block_k
+            assert bm <= EXACT_F32_TILE.block_m and bn <= EXACT_F32_TILE.block_n
+    assert any(t[90][:3] != tuple(EXACT_F32_TILE[:3]) for t in fast)
+    assert all(t[90][3:] == tuple(MATMUL_TILES[90][4][3:]) for t in fast)
+
+
+def _tiles(source: str) -> dict[int, tuple[int, ...]]:
+    """The per-architecture TILES table a matmul kernel's module states."""
+    return ast.literal_eval(re.search(r"^TILES = (\{.*\})$", source, re.M).group(1))
 
 
 def test_matmul_tiles_fit_each_architecture() -> None:

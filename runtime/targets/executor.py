@@ -329,6 +329,11 @@ class _Binder:
         return t
 
     # -- scans -------------------------------------------------------------------------------------
+    def carry_init(self, vid: int, x: Tensor) -> Tensor:
+        """The tensor a host loop's first iteration reads as carry `vid`'s initial value (the
+        operand itself here; a target may lay it out as the later iterations' carries are)."""
+        return x
+
     def _scan(self, n: Node, outputs: set[int]) -> None:
         """A scan, unrolled at build time into one body instance per iteration, each bound to
         that iteration's storage, so running it copies nothing: iteration i reads the carry
@@ -345,6 +350,8 @@ class _Binder:
         args = [x if isinstance(x, Tensor) else self._const(torch.tensor(
             x, dtype=_dtype(self.g.node(i).type.dtype, self.float_dtype)))
             for i, x in zip(n.inputs, args)]
+        args = [self.carry_init(i, x) if k < nc else x
+                for k, (i, x) in enumerate(zip(n.inputs, args))]
         ws = next(b for b in self.plan.buffers if b.kind == "workspace" and b.value == n.id)
         region = _region(self.arena, ws.offset, ws.size)
         state = self.plan.carry_state[n.id]
