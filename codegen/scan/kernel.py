@@ -259,6 +259,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
     if em.stages > MAX_STAGES:
         raise ScanFallback(f"{em.stages} > {MAX_STAGES} stages in one kernel (compile time "
                            "and registers grow with them)")
+    em.prune()
     em.pack()
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
         raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "

@@ -109,8 +109,8 @@ class _ScanGen(_ScanEmitter):
         N = prod(L)
         B = min(pow2(N, 16), MAX_TILE)
         o = self._open_loop(self.fresh("o"), N, B)
-        ix = self.let(f"{o} + tl.arange(0, {B}).to({self.index})" if o != "0"
-                      else f"tl.arange(0, {B}).to({self.index})", "i")
+        ix = self.let(f"{o} + {self.arange(B)}" if o != "0"
+                      else f"{self.arange(B)}", "i")
         z = self.let(self.zero_tile(f"[{B}]"), "z")
         m = self.let(f"({ix} < {N})" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
         local = _delin(ix, L)
@@ -134,14 +134,14 @@ class _ScanGen(_ScanEmitter):
         of a 16-wide tile)."""
         L = _local(shape, pax)
         if not L:
-            ix = self.let(f"tl.arange(0, 16).to({self.index})", "i")
+            ix = self.let(f"{self.arange(16)}", "i")
             z = self.let(self.zero_tile("[16]"), "z")
             m = self.let(f"({ix} < 1)" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
             return StageTile(m, z, vars=(ix,)), self.full_coords([], shape, pax), "[16]"
         axes = []
         for j, P in enumerate(dims):
             sfx = "" if len(dims) == 1 else "[:, None]" if j == 0 else "[None, :]"
-            axes.append(self.let(f"tl.arange(0, {P}).to({self.index}){sfx}", "r"))
+            axes.append(self.let(f"{self.arange(P)}{sfx}", "r"))
         tshape = f"[{', '.join(map(str, dims))}]"
         z = self.let(self.zero_tile(tshape), "z")
         m = self.let(" & ".join(f"({a} < {d})" for a, d in zip(axes, L))
@@ -224,12 +224,12 @@ class _ScanGen(_ScanEmitter):
             self.depth += 1
         m0 = self._open_loop(self.fresh("m"), M, BM)
         n0 = self._open_loop(self.fresh("n"), N, BN)
-        rm = self.let(f"({m0} + tl.arange(0, {BM}).to({self.index}))[:, None]", "rm")
-        rn = self.let(f"({n0} + tl.arange(0, {BN}).to({self.index}))[None, :]", "rn")
+        rm = self.let(f"({m0} + {self.arange(BM)})[:, None]", "rm")
+        rn = self.let(f"({n0} + {self.arange(BN)})[None, :]", "rn")
         acc = self.let(f"tl.full([{BM}, {BN}], 0, dtype={self.cd})", "acc")
         k0 = self._open_loop(self.fresh("k"), K, BK)
-        ka = self.let(f"({k0} + tl.arange(0, {BK}).to({self.index}))[None, :]", "ka")
-        kb = self.let(f"({k0} + tl.arange(0, {BK}).to({self.index}))[:, None]", "kb")
+        ka = self.let(f"({k0} + {self.arange(BK)})[None, :]", "ka")
+        kb = self.let(f"({k0} + {self.arange(BK)})[:, None]", "kb")
         base = {**pref, **letters(batch, zb)}
         tiles = []
         wm, wn, wk = m0 == "0", n0 == "0", k0 == "0"
@@ -328,7 +328,7 @@ class _ScanGen(_ScanEmitter):
         BO = max(2, min(pow2(O, 2), MAX_TILE // BR))
         self.line(f"# %{n.id} = {n.op.name.lower()}: {O} rows of {Rn}")
         o = self._open_loop(self.fresh("o"), O, BO)
-        ix = self.let(f"({o} + tl.arange(0, {BO}).to({self.index}))[:, None]", "r")
+        ix = self.let(f"({o} + {self.arange(BO)})[:, None]", "r")
         jx_ = self.fresh("j")
         row_c = dict(zip(rloc, _delin(ix, tuple(xs[i] for i in rloc))))
 
@@ -341,7 +341,7 @@ class _ScanGen(_ScanEmitter):
 
         rmask = f"({ix} < {O})"
         if n.op is Op.CUMSUM:
-            jx = self.let(f"tl.arange(0, {BR}).to({self.index})[None, :]", "j")
+            jx = self.let(f"{self.arange(BR)}[None, :]", "j")
             mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
             sec = StageTile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))
@@ -352,7 +352,7 @@ class _ScanGen(_ScanEmitter):
             fill = 'float("-inf")' if is_max else "0.0"
             acc = self.let(f"tl.full([{BO}, {BR}], {fill}, dtype={self.cd})", "acc")
             r0 = self._open_loop(self.fresh("c"), Rn, BR)
-            jx = self.let(f"({r0} + tl.arange(0, {BR}).to({self.index}))[None, :]", jx_)
+            jx = self.let(f"({r0} + {self.arange(BR)})[None, :]", jx_)
             mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
             sec = StageTile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))

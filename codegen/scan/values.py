@@ -8,6 +8,7 @@ literal, or a view / inlined elementwise node composed down to loads).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from math import prod
 
 from titanc.ir import Graph, Node, Op, OpGroup
@@ -31,6 +32,12 @@ def _bare(c: str) -> str:
         c = c[1:-1].strip()
     return c
 
+
+# generated names (fresh: a prefix and a number), an assignment to one, and the calls a line
+# must keep even when its result is unread
+_NAME = re.compile(r"\b[a-z]+\d+\b")
+_ASSIGN = re.compile(r"^\s*([a-z]+\d+) = ")
+_EFFECT = re.compile(r"tl\.(store|atomic|debug_barrier)")
 
 # float casts a scan kernel renders (a bf16 one rounds and stays in the compute dtype)
 LOW_CASTS = ("f32", "f64", "bf16")
@@ -80,6 +87,24 @@ class _ScanEmitter:
             raise _TooBig(f"workspace buffers of more than {MAX_UNPACKED} elements per "
                           "program before packing")
         return wsoff(len(self.sizes) - 1)
+
+    def arange(self, n: int | str) -> str:
+        """`tl.arange(0, n)` in the index type (`tl.arange` is int32 already)."""
+        return f"tl.arange(0, {n})" if self.index == "tl.int32" else f"tl.arange(0, {n}).to({self.index})"
+
+    def prune(self) -> None:
+        """Drop assignments whose name nothing reads (index and zero tiles a stage made but did
+        not use), to a fixpoint. The GPU compiler drops them too; the interpreter would run
+        each one in every iteration (tiny.yaml's memory-chunk backward made 148 zero tiles and
+        used 29)."""
+        while True:
+            uses = Counter(_NAME.findall("\n".join(self.lines)))
+            keep = [line for line in self.lines
+                    if not ((m := _ASSIGN.match(line)) and uses[m.group(1)] == 1
+                            and not _EFFECT.search(line))]
+            if len(keep) == len(self.lines):
+                return
+            self.lines = keep
 
     def zero_tile(self, shape: str) -> str:
         """A zero index tile of `shape` (so that every pointer expression is a tile)."""
