@@ -18,6 +18,7 @@ the statements a value depends on (a reduction's column loop recomputes only tho
 from __future__ import annotations
 
 import ast
+import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -121,6 +122,7 @@ _ALLOWED_NODES = (
 )
 
 
+@functools.lru_cache(maxsize=1 << 16)     # statements recur across kernels; a refusal raises
 def check_statement(stmt: str) -> str:
     """Return `stmt` if it is one safe assignment, else raise ValueError.
 
@@ -240,12 +242,32 @@ class Scope:
 
     def statements(self, stmts: Sequence[str]) -> list[str]:
         """Check `stmts`, name their targets, and rewrite them to the chosen names."""
-        trees = [ast.parse(check_statement(s)).body[0] for s in stmts]
-        for tree in trees:
-            target = tree.targets[0] if isinstance(tree, ast.Assign) else tree.target
-            self.assign(target.id)
-        renamer = _Renamer(self._map)
-        return [check_statement(ast.unparse(renamer.visit(tree))) for tree in trees]
+        checked = [check_statement(s) for s in stmts]
+        for stmt in checked:
+            self.assign(_names(stmt)[0])
+        out = []
+        for stmt in checked:
+            keys = {sanitize_identifier(n) for n in _names(stmt)[1]}
+            out.append(_renamed(stmt, tuple(sorted((k, self._map[k]) for k in keys
+                                                   if k in self._map))))
+        return out
+
+
+# Statements recur across kernels (the same index arithmetic, the same loads): their parse
+# and their renaming are memoised, by the statement and the names it uses.
+@functools.lru_cache(maxsize=1 << 16)
+def _names(stmt: str) -> tuple[str, tuple[str, ...]]:
+    """(assigned name, every name) of a checked statement."""
+    tree = ast.parse(stmt).body[0]
+    target = tree.targets[0] if isinstance(tree, ast.Assign) else tree.target
+    return target.id, tuple(sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _renamed(stmt: str, mapping: tuple[tuple[str, str], ...]) -> str:
+    """`stmt` with its names replaced through `mapping` (sanitised name -> chosen name)."""
+    tree = _Renamer(dict(mapping)).visit(ast.parse(stmt).body[0])
+    return check_statement(ast.unparse(tree))
 
 
 class _Renamer(ast.NodeTransformer):
