@@ -321,6 +321,13 @@ def test_memory_chunk_scan_is_one_kernel() -> None:
         assert sk.source.count("@triton.jit") == 1
         assert f"for it1 in range(0, {n.attr('length')}):" in sk.source
         assert "tl.dot(" in sk.source and "tl.cumsum(" in sk.source
+        # every name the body assigns is read (the emitter drops index and zero tiles a
+        # stage made but did not use: the interpreter ran each one every iteration), and
+        # int32 index ranges take no cast
+        body = sk.source.split("pbase = pid * WS", 1)[1].split("def launch", 1)[0]
+        names = re.findall(r"^\s*([a-z]+\d+) = ", body, re.M)
+        assert names and all(len(re.findall(rf"\b{v}\b", body)) > 1 for v in names)
+        assert ".to(tl.int32)" not in body.replace("tl.int32, bitcast", "")
 
 
 def _step_launches(example: str, seq_len: int) -> tuple[int, int]:

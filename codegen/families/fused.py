@@ -288,13 +288,16 @@ MATMUL_KERNEL_LOCALS = frozenset("""
 @dataclass(frozen=True)
 class MatmulContraction:
     """A further product of an indexed matmul kernel: `loads` leave the tiles named `a` and
-    `b` per K step (as `operand_loads` do), summed over `k` into `acc`."""
+    `b` per K step (as `operand_loads` do), summed over `k` into `acc` (a fresh accumulator,
+    or, with `init` false, one an earlier product started: products the epilogue only adds
+    share one, so a sum of four products holds one tile of registers, not four)."""
 
     loads: tuple[str, ...]
     a: str
     b: str
     acc: str
     k: int
+    init: bool = True
 
 
 def render_matmul(
@@ -364,7 +367,8 @@ def render_matmul(
             raise ValueError("more than one contraction needs the indexed mode")
         c_loads = scope.statements(c.loads)
         extra.append({"loads": c_loads, "a": scope.ref(c.a), "b": scope.ref(c.b),
-                      "acc": scope.assign(c.acc), "k": int(c.k)})
+                      "acc": "acc" if c.acc == "acc" else scope.assign(c.acc),
+                      "k": int(c.k), "init": c.init})
     stmts = scope.statements(epilogue)
     res = "acc" if result == "acc" else scope.ref(result)
     store_ctx = []

@@ -79,8 +79,12 @@ class Launch:
     @property
     def uses_dot16(self) -> bool:
         """A `tl.dot` of 16-bit operand tiles on the GPU (`codegen.meta.mma16`: the launcher's
-        DOT_F32 constexpr, false there, picks it)."""
-        return "DOT_F32: tl.constexpr" in self.source
+        DOT_F32 constexpr, false there, picks it). The attention templates (`_mma`) always
+        take DOT_F32 and multiply in 16 bits only when q, k and v are 16-bit tensors."""
+        if "DOT_F32: tl.constexpr" not in self.source:
+            return False
+        return "def _mma(" not in self.source or any(
+            t in ("*bf16", "*fp16") for _, t in self.signature)
 
     @property
     def is_scan(self) -> bool:
@@ -191,7 +195,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    path = cache_dir() / "aot" / f"{launch.key()}_sm{arch}_{triton.__version__}.json"
+    path = cache_dir() / "aot" / f"{launch.key()}_sm{arch}_{triton.__version__}_v2.json"
     if path.exists():
         return json.loads(path.read_text())
     result: dict[str, Any] = {"name": launch.name, "arch": arch, "uses_dot": launch.uses_dot,
@@ -204,6 +208,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     if hasattr(module, "tiles_for"):          # the matmul family: the architecture's tile
         bm, bn, bk, warps, stages = module.tiles_for(arch)
         constexprs |= {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+        result["tile"] = [bm, bn, bk]         # wgmma needs BLOCK_M >= 64 (a warpgroup's rows)
     if "DOT_F32" in constexprs:               # recorded off CUDA: the GPU takes the 16-bit MMA
         constexprs["DOT_F32"] = False
     result |= {"num_warps": warps, "num_stages": stages}

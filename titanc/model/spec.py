@@ -559,8 +559,27 @@ def _build(cls: type, raw: Mapping[str, Any] | None) -> Any:
 # ------------------------------------------------------------------------------------ YAML
 
 
+MAX_YAML_DEPTH = 64   # a spec nests 4 levels; deeper input is refused before it is parsed further
+
+
 class _Loader(yaml.SafeLoader):
-    """safe_load, plus YAML 1.2 floats without a dot (`3e-3`) and an error on duplicate keys."""
+    """safe_load, plus YAML 1.2 floats without a dot (`3e-3`), an error on duplicate keys, and
+    one on nesting past MAX_YAML_DEPTH. The depth cap makes deep input (`[[[[...`) fail fast
+    and alike whatever Python's recursion limit is: the pure-Python composer recurses per
+    level, and under a raised limit (hypothesis raises it while a test runs) 3,000 levels
+    took seconds per parse instead of failing."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        depth = getattr(self, "_depth", 0)
+        if depth >= MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nesting deeper than {MAX_YAML_DEPTH} levels",
+                self.peek_event().start_mark)
+        self._depth = depth + 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth = depth
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set[Any] = set()

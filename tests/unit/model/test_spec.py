@@ -479,3 +479,25 @@ def test_safe_name_examples() -> None:
     assert safe("class") == "class_"
     assert safe("../..") == "spec"
     assert safe("__import__('os').system('x')") == "import_os_system_x"
+
+
+@pytest.mark.parametrize("limit", [1000, 100_000])
+def test_deep_nesting_fails_fast_whatever_the_recursion_limit(tmp_path: Path, limit: int) -> None:
+    """`[[[...` 3,000 levels deep, in a --set value and in a spec file, is one error naming the
+    nesting (spec.MAX_YAML_DEPTH), under Python's default recursion limit and under a raised
+    one (hypothesis raises it while a test runs; the composer then recursed 3,000 levels,
+    seconds per parse, and the spec fuzzer's shrinking ran for minutes)."""
+    import sys
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        deep = "[" * 3000 + "]" * 3000
+        with pytest.raises(SpecError, match="nesting deeper than 64 levels"):
+            parse_set_args([f"model.d_model={deep}"])
+        path = tmp_path / "deep.yaml"
+        path.write_text(f"name: t\nmodel: {deep}\n")
+        with pytest.raises(SpecError, match="nesting deeper than 64 levels"):
+            load_spec(path)
+    finally:
+        sys.setrecursionlimit(old)
