@@ -127,10 +127,13 @@ def test_compile_either_succeeds_or_fails_with_one_line(doc: str, sets: list[str
         spec = Path(tmp) / "spec.yaml"
         spec.write_text(doc, encoding="utf-8", errors="surrogateescape")
         out, err = io.StringIO(), io.StringIO()
-        t0 = time.monotonic()
+        # CPU seconds: "no hang" is the work a case costs, which a loaded CI machine's wall
+        # clock stretches (two workers and the pure-Python YAML parser took a failing case past
+        # 10 wall-seconds in a fresh-clone run, and hypothesis then spent minutes shrinking it)
+        t0 = time.process_time()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(["compile", str(spec), "-o", str(Path(tmp) / "build"), *sets])
-        seconds = time.monotonic() - t0
+        seconds = time.process_time() - t0
         text = err.getvalue()
         event(f"exit {code}")
         assert "Traceback" not in text, text
