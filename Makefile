@@ -18,19 +18,20 @@ demo: $(STAMP)
 # `make test-fast`: tests/unit/ alone, by layer, under a minute (no whole-example compiles).
 # `make test`: every tier but `slow` (CI; under 12 minutes on a 2-core machine), one pytest
 # worker per core (pytest-xdist, a test file per worker: module fixtures and compiled
-# programs stay in one process; the kernel cache is shared safely).
+# programs stay in one process; the kernel cache is shared safely), the longest files first
+# (tests/conftest.py LONGEST_FIRST).
 # `make test-all`: the slow tier too (other block kinds of the parity sweeps, the recall run,
 # the 1B-parameter compile); TITANC_AOT_FULL=1 adds every kernel of every example to the AOT test.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -m "not slow" -n $(TEST_WORKERS)
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 venv: $(STAMP)
 
