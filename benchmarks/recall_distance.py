@@ -60,7 +60,7 @@ SPEC: dict[str, Any] = {
         "vocab_size": 32, "d_model": 64, "n_layers": 1, "block": "lmm", "seq_len": 64,
         "tie_embeddings": False, "ffn_hidden": 128,
         "attention": {"heads": 2, "window": 8, "segment": 16, "persistent_tokens": 2},
-        "memory": {"heads": 2, "depth": 1, "expansion": 2, "chunk_size": 8, "adaptive": True,
+        "memory": {"heads": 2, "depth": 1, "expansion": 2, "chunk_size": 4, "adaptive": True,
                    "lr_max": 2.0, "momentum": 0.9, "decay": 0.01, "output_gate": True,
                    "conv_kernel": 4, "qk_activation": "none"},
     },
@@ -68,6 +68,13 @@ SPEC: dict[str, Any] = {
               "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 1.0, "seed": 0,
               "dtype": "float32"},
     "data": {"source": "synthetic:recall"},
+}
+# each block's own options (`--set BLOCK:key=value` overrides them); docs/semantics.md
+BLOCK_SET: dict[str, Any] = {
+    "mag:model.memory.gate": "attention",        # the attention gates the memory's read
+    "mac:model.memory.gate": "attention",
+    "mac:model.memory.mac_write": "input",       # not the paper's MAC: written with u_s
+    "mac:model.memory.mac_read": "residual",     # not the paper's MAC: h also on the output
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
 NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8}
@@ -202,9 +209,9 @@ def task_for(seq_len: int, seed: int) -> SyntheticRecall | NeedleRecall:
 
 
 def configure(sets: list[str], task_sets: list[str]) -> dict[str, Any]:
-    """The `--set` overrides as a dict; applies `--task-set` to TASK and a `model.vocab_size`
-    override to SPEC (the task generator reads both)."""
-    overrides = {}
+    """BLOCK_SET and the `--set` overrides as a dict; applies `--task-set` to TASK and a
+    `model.vocab_size` override to SPEC (the task generator reads both)."""
+    overrides = dict(BLOCK_SET)
     for item in sets:
         key, _, value = item.partition("=")
         overrides[key] = parse_value(value)
