@@ -24,10 +24,16 @@ the largest block's (mag) at `model.ffn_hidden`.
     .venv/bin/python benchmarks/recall_distance.py                     # all five blocks, 3 seeds
     .venv/bin/python benchmarks/recall_distance.py --set model.memory.lr_max=1
 
-The defaults are the recipe that reached 1.00 at 256 tokens (lmm): train.lr 3e-3 (at 1e-2
-AdamW collapses the adaptive gates θ, η before a binding forms), memory.qk_activation none
-(zero-mean keys; silu keys make the chunked momentum write overshoot along their common
-direction, so the state grows with length) and the curriculum 32 -> 128 -> 272 tokens.
+The defaults are the recipe (issues 18 and 30): train.lr 3e-3 (at 1e-2 AdamW collapses the
+adaptive gates θ, η before a binding forms), memory.qk_activation none (zero-mean keys),
+memory.chunk_size 4 (at chunk 8 the initial θ = 1 with η 0.9 is past the chunked momentum
+write's stability bound, and bindings learned at 32 tokens were lost at 128-272), the
+curriculum 32 -> 128 -> 272 tokens, and each block's own options in BLOCK_SET: mag and mac
+with `memory.gate: attention` (the attention output gates the memory's read, not the other
+way round), mac also with `mac_write: input` and `mac_read: residual` (not the paper's MAC:
+written from the segment's input, its read also on the residual stream).
+`--set BLOCK:key=value` sets an option for one block (`--set mac:model.memory.gate=memory`);
+`--task-set n_pairs=6 --task-set n_values=12 --set model.vocab_size=48` varies the task.
 The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
 
 Writes benchmarks/results/recall_distance.json (config, one row per model, summary) and

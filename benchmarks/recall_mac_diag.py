@@ -17,6 +17,8 @@ and every `--every` steps prints one JSON line:
 
     .venv/bin/python benchmarks/recall_mac_diag.py --steps 1500 --every 250
     .venv/bin/python benchmarks/recall_mac_diag.py --block lmm --set train.lr=0.001
+    .venv/bin/python benchmarks/recall_mac_diag.py --block mal --seed 1 --dist 8,top \
+        --curriculum 32:1500,128:600,272:400 --every 300
 
 The runs behind benchmarks/results/recall_distance_experiments.md ("MAC") are in
 benchmarks/results/recall_mac_diag.jsonl; the variants there that are not spec options were
