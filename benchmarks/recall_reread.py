@@ -48,7 +48,8 @@ def main() -> None:
         acc = {}
         for d in (int(x) for x in args.distances.split(",")):
             T = rd.eval_seq_len(d)
-            prog = titanc.compile(rd.spec_with(args.block, args.seed, T, 1, over))
+            prog = titanc.compile(rd.spec_with(args.block, args.seed, T, rd.SPEC["train"]["steps"],
+                                                 over))
             st = dict(state)
             if shift:
                 st["param.layers.mem_alpha_b"] = st["param.layers.mem_alpha_b"] + shift
