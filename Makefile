@@ -1,6 +1,8 @@
 # titanc: `make demo` and `make test` each build .venv from nothing, then run.
 # The venv is (re)built only when pyproject.toml or constraints.txt change (stamp file);
 # constraints.txt pins torch, so the CPU build is installed and no CUDA wheels are pulled.
+# --no-compile: pip would byte-compile every installed module (torch's thousands: about 50 s
+# of a 105 s install here); Python compiles the few hundred a run imports on first use instead.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -16,19 +18,20 @@ demo: $(STAMP)
 # `make test-fast`: tests/unit/ alone, by layer, under a minute (no whole-example compiles).
 # `make test`: every tier but `slow` (CI; under 12 minutes on a 2-core machine), one pytest
 # worker per core (pytest-xdist, a test file per worker: module fixtures and compiled
-# programs stay in one process; the kernel cache is shared safely).
+# programs stay in one process; the kernel cache is shared safely), the longest files first
+# (tests/conftest.py LONGEST_FIRST).
 # `make test-all`: the slow tier too (other block kinds of the parity sweeps, the recall run,
 # the 1B-parameter compile); TITANC_AOT_FULL=1 adds every kernel of every example to the AOT test.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -m "not slow" -n $(TEST_WORKERS)
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 venv: $(STAMP)
 
@@ -38,7 +41,7 @@ gpu-check: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install --no-compile -c constraints.txt -e '.[dev]'
 	touch $@
 
 clean:

@@ -18,6 +18,7 @@ Rendering is deterministic: the same context gives byte-identical source.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import hashlib
 import importlib.util
 import keyword
@@ -189,5 +190,23 @@ def load_module(source: str, name: str, interpret: bool | None = None) -> Module
     module = importlib.util.module_from_spec(spec)
     with triton_interpret_mode(interpreted):
         spec.loader.exec_module(module)
+    if interpreted:
+        _drop_dead_overflow_checks()
     _LOADED[key] = module
     return module
+
+
+def _drop_dead_overflow_checks() -> None:
+    """Stop Triton's interpreter computing overflow checks it then throws away.
+
+    For every int32 add, sub and mul (every index computation), the interpreter casts both
+    operands to int64, redoes the operation and compares it with the int32 range, then hands
+    the condition to `device_assert`, which returns without asserting unless the builder's
+    `options.debug` is set, and the interpreter never sets it. The check is dead work (a fifth
+    of an interpreted MAC step); with `sanitize_overflow` off the same kernels run the same
+    arithmetic. Nothing changes if a debugging interpreter ever does assert."""
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    options = builder.options
+    if options.sanitize_overflow and not options.debug:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)

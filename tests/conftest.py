@@ -24,7 +24,24 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
+# The longest test files, longest first (`--durations` of a whole run, 2026-11-26): with
+# `--dist loadfile --no-loadscope-reorder` (the Makefile's) pytest-xdist hands files to the
+# workers in collection order, so these start first and the many short files fill in behind
+# them (longest-processing-time-first). xdist's own reordering sorts files by their number
+# of tests, which put a 3-test file of interpreted training steps last, alone on one worker.
+LONGEST_FIRST = (
+    "test_documents.py", "test_scan_kernel.py", "test_codegen.py", "test_remat_group.py",
+    "test_flash_attention.py", "test_remat_segment.py", "test_precision.py",
+    "test_no_host_sync.py", "test_distributed.py", "test_sessions.py", "test_lowered.py",
+    "test_remat.py", "test_corpus_e2e.py", "test_serve.py", "test_aot.py", "test_bench.py",
+    "test_cli.py", "test_pipeline.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    order = {item: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[item]))
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

@@ -328,6 +328,12 @@ def test_memory_chunk_scan_is_one_kernel() -> None:
         names = re.findall(r"^\s*([a-z]+\d+) = ", body, re.M)
         assert names and all(len(re.findall(rf"\b{v}\b", body)) > 1 for v in names)
         assert ".to(tl.int32)" not in body.replace("tl.int32, bitcast", "")
+        # a mask tests only what can fail: never a whole block (`arange(0, B)` against B)
+        whole = dict(re.findall(r"^\s*([a-z]+\d+) = (?:\(0 \+ )?tl\.arange\(0, (\d+)\)",
+                                body, re.M))
+        bounds = re.findall(r"\(([a-z]+\d+) < (\d+)\)", body)
+        assert whole
+        assert not [(v, n) for v, n in bounds if whole.get(v) == n], "statically true masks"
 
 
 def _step_launches(example: str, seq_len: int) -> tuple[int, int]:
@@ -424,9 +430,12 @@ print(".target sm_90" in ptx, ptx.count("bar.sync"), k.metadata.shared)
 """
 
 
+@pytest.mark.slow
 def test_scan_kernel_compiles_for_sm90() -> None:
     """The forward memory-chunk kernel of tiny_lmm compiles to PTX for sm_90 (in a fresh
-    process: this one imported Triton in interpreter mode)."""
+    process: this one imported Triton in interpreter mode). Slow tier: `make test` compiles
+    the same template for sm_90 through the AOT path, forward and backward, with its budgets
+    (`tests/test_aot.py::test_every_tiny_scan_kernel_compiles_for_sm90`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE_SM90,
                         str(ROOT / "examples" / "tiny_lmm.yaml")],

@@ -140,7 +140,7 @@ def _bcast(coords: list[str], out_shape: tuple[int, ...], shape: tuple[int, ...]
 class StageTile:
     """One stage's tile: its mask, a zero offset tile (so every pointer is a tile), load cache."""
 
-    mask: str
+    mask: str | None           # None: every element of the tile is in bounds
     zero: str
     cache: dict = field(default_factory=dict)
     vars: tuple[str, ...] = ()                 # the tile's index variables

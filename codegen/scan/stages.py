@@ -99,8 +99,7 @@ class _ScanGen(_ScanEmitter):
             self.depth = mark[1]
             sec, c, tshape = self.whole_tile(shape, pax, dims, guard)
             r = expr(sec, c)
-            self.line(f"tl.store({self.ptr(sec, dest, list(lead) + c)}, "
-                      f"{self.full(r, tshape)}, mask={sec.mask})")
+            self.store(self.ptr(sec, dest, list(lead) + c), self.full(r, tshape), sec.mask)
         self.barrier()
 
     def _flat_stage(self, shape: tuple[int, ...], pax: tuple[int, ...] | None,
@@ -112,14 +111,13 @@ class _ScanGen(_ScanEmitter):
         ix = self.let(f"{o} + {self.arange(B)}" if o != "0"
                       else f"{self.arange(B)}", "i")
         z = self.let(self.zero_tile(f"[{B}]"), "z")
-        m = self.let(f"({ix} < {N})" + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
+        m = self.mask(self.in_bounds(ix, N, B), f"((pid + {z}) == 0)" if guard else None)
         local = _delin(ix, L)
         sec = StageTile(m, z, vars=(ix,), flat=(ix, L, tuple(local)),
                    axes=((ix, B),) if len(L) == 1 and o == "0" else ())
         c = self.full_coords(local, shape, pax)
         r = expr(sec, c)
-        self.line(f"tl.store({self.ptr(sec, dest, list(lead) + c)}, {self.full(r, f'[{B}]')}, "
-                  f"mask={m})")
+        self.store(self.ptr(sec, dest, list(lead) + c), self.full(r, f'[{B}]'), m)
         self._close(o)
 
     # -- carries on chip ----------------------------------------------------------------------------
@@ -144,8 +142,8 @@ class _ScanGen(_ScanEmitter):
             axes.append(self.let(f"{self.arange(P)}{sfx}", "r"))
         tshape = f"[{', '.join(map(str, dims))}]"
         z = self.let(self.zero_tile(tshape), "z")
-        m = self.let(" & ".join(f"({a} < {d})" for a, d in zip(axes, L))
-                     + (f" & ((pid + {z}) == 0)" if guard else ""), "m")
+        m = self.mask(*(self.in_bounds(a, d, P) for a, d, P in zip(axes, L, dims)),
+                      f"((pid + {z}) == 0)" if guard else None)
         return (StageTile(m, z, vars=tuple(axes), axes=tuple(zip(axes, dims))),
                 self.full_coords(axes, shape, pax), tshape)
 
@@ -154,7 +152,8 @@ class _ScanGen(_ScanEmitter):
         """A register tile (a carry's) holding value `vid` of `sc`, zero off its shape."""
         sec, c, tshape = self.whole_tile(shape, pax, dims)
         v = self.value(sec, sc, vid, c)
-        full = f"tl.where({sec.mask}, {self.full(v, tshape)}, 0.0)"
+        full = self.full(v, tshape) if sec.mask is None else \
+            f"tl.where({sec.mask}, {self.full(v, tshape)}, 0.0)"
         if not dims:
             return self.let(f"tl.sum({full}, axis=0).to({self.cd})", "cn")
         return self.let(f"({full}).to({self.cd})", "cn", tile=True)
@@ -164,7 +163,7 @@ class _ScanGen(_ScanEmitter):
         """dest = the register tile `var` (a carry's final value)."""
         sec, c, tshape = self.whole_tile(shape, pax, dims, guard)
         x = var if dims else f"({var}) + tl.full([16], 0, dtype={self.cd})"
-        self.line(f"tl.store({self.ptr(sec, dest, c)}, {x}, mask={sec.mask})")
+        self.store(self.ptr(sec, dest, c), x, sec.mask)
 
     def reg_why(self, scan: int, k: int, local: tuple[int, ...], nests: bool) -> str | None:
         """Why carry `k` of `scan` stays in the workspace (None: it is held on chip).
@@ -237,7 +236,8 @@ class _ScanGen(_ScanEmitter):
                 (ta, ia, rm, ka, ms, ks, M, K, ((rm, BM, wm), (ka, BK, wk))),
                 (tb, ib, kb, rn, ks, ns, K, N, ((kb, BK, wk), (rn, BN, wn)))):
             lmap = {**base, **letters(rdim, rows), **letters(cdim, cols)}
-            mask = self.let(f"({rows} < {rsz}) & ({cols} < {csz})", "m")
+            mask = self.mask(self.in_bounds(rows, rsz, axes[0][1]),
+                             self.in_bounds(cols, csz, axes[1][1]))
             shape = f"[{BM if t == ta else BK}, {BK if t == ta else BN}]"
             sec = StageTile(mask, self.let(self.zero_tile(shape), "z"), vars=(rows, cols),
                        axes=tuple((a, e) for a, e, w in axes if w))
@@ -257,10 +257,9 @@ class _ScanGen(_ScanEmitter):
             self.line(f"    {acc} += tl.dot({a}, {b})")
         self._close(k0)
         lmap = {**base, **letters(ms, rm), **letters(ns, rn)}
-        mask = self.let(f"({rm} < {M}) & ({rn} < {N})", "m")
+        mask = self.mask(self.in_bounds(rm, M, BM), self.in_bounds(rn, N, BN))
         sec = StageTile(mask, self.let(self.zero_tile(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
-        self.line(f"tl.store({self.ptr(sec, dest, [lmap[ch] for ch in out])}, "
-                  f"{self.rounded(n, acc)}, mask={mask})")
+        self.store(self.ptr(sec, dest, [lmap[ch] for ch in out]), self.rounded(n, acc), mask)
         self._close(n0)
         self._close(m0)
         if NB > 1:
@@ -339,21 +338,21 @@ class _ScanGen(_ScanEmitter):
             return [self.pc[qx.index(i)] if qx is not None and i in qx else
                     row_c[i] if i in row_c else col_c[i] for i in range(len(xs))]
 
-        rmask = f"({ix} < {O})"
+        rmask = self.in_bounds(ix, O, BO)
         if n.op is Op.CUMSUM:
             jx = self.let(f"{self.arange(BR)}[None, :]", "j")
-            mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
+            mask = self.mask(rmask, self.in_bounds(jx, Rn, BR))
             sec = StageTile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))
             y = self.let(f"tl.cumsum({self.masked(v, mask, f'[{BO}, {BR}]')}, axis=1)", "y")
-            self.line(f"tl.store({self.ptr(sec, dest, in_coords(jx))}, {y}, mask={mask})")
+            self.store(self.ptr(sec, dest, in_coords(jx)), y, mask)
         else:
             is_max = n.op is Op.AMAX
             fill = 'float("-inf")' if is_max else "0.0"
             acc = self.let(f"tl.full([{BO}, {BR}], {fill}, dtype={self.cd})", "acc")
             r0 = self._open_loop(self.fresh("c"), Rn, BR)
             jx = self.let(f"({r0} + {self.arange(BR)})[None, :]", jx_)
-            mask = self.let(f"{rmask} & ({jx} < {Rn})", "m")
+            mask = self.mask(rmask, self.in_bounds(jx, Rn, BR))
             sec = StageTile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
             v = self.value(sec, sc, x, in_coords(jx))
             v = self.masked(v, mask, f"[{BO}, {BR}]", fill)
@@ -365,7 +364,7 @@ class _ScanGen(_ScanEmitter):
             out_c = ([oc[i] for i in range(len(xs))] if n.attr("keepdim")
                      else [oc[i] for i in kept])
             sec = StageTile(rmask, self.let(self.zero_tile(f"[{BO}, 1]"), "z"), vars=(ix,))
-            self.line(f"tl.store({self.ptr(sec, dest, out_c)}, {red}, mask={rmask})")
+            self.store(self.ptr(sec, dest, out_c), red, rmask)
         self._close(o)
 
     # -- bodies -----------------------------------------------------------------------------------
@@ -580,7 +579,7 @@ class _ScanGen(_ScanEmitter):
     def _ref_value(self, sec: StageTile, ref: Ref, c: list[str]) -> str:
         key = ("ref", ref.base, tuple(c))
         if key not in sec.cache:
-            sec.cache[key] = self.let(
-                f"tl.load({self.ptr(sec, ref, c)}, mask={sec.mask}, other=0.0)", "x", True)
+            masking = f", mask={sec.mask}, other=0.0" if sec.mask else ""
+            sec.cache[key] = self.let(f"tl.load({self.ptr(sec, ref, c)}{masking})", "x", True)
         return sec.cache[key]
 

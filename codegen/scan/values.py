@@ -199,11 +199,30 @@ class _ScanEmitter:
         """`x` as a full tile of `shape` (a scalar expression is broadcast)."""
         return x if x in self.tiles else f"({x}) + tl.full({shape}, 0, dtype={self.cd})"
 
-    def masked(self, x: str, mask: str, shape: str, fill: str = "0.0") -> str:
-        """`x` with `fill` outside `mask` (a masked load already holds 0 there)."""
+    def masked(self, x: str, mask: str | None, shape: str, fill: str = "0.0") -> str:
+        """`x` with `fill` outside `mask` (a masked load already holds 0 there; None: the
+        tile has no element outside)."""
+        if mask is None:
+            return self.full(x, shape)
         if x in self.loads and fill == "0.0":
             return x
         return self.let(f"tl.where({mask}, {self.full(x, shape)}, {fill})", "op", tile=True)
+
+    def store(self, ptr: str, value: str, mask: str | None) -> None:
+        self.line(f"tl.store({ptr}, {value}" + (f", mask={mask})" if mask else ")"))
+
+    def mask(self, *conds: str | None) -> str | None:
+        """The tile mask of `conds` (None: each is statically true, `in_bounds`), bound to a
+        name."""
+        kept = [c for c in conds if c is not None]
+        return self.let(" & ".join(kept), "m") if kept else None
+
+    @staticmethod
+    def in_bounds(var: str, extent: int, block: int) -> str | None:
+        """`var < extent` for an index tile `start + arange(block)` whose starts step by
+        `block` from 0 below `extent`: None where every block is whole (`block` divides
+        `extent`), so the condition holds for every element and costs nothing."""
+        return None if extent % block == 0 else f"({var} < {extent})"
 
     # -- addresses and values -----------------------------------------------------------------------
     def addr(self, ref: Ref, coords: list[str], sec: "StageTile | None" = None) -> str:
@@ -232,13 +251,14 @@ class _ScanEmitter:
         if ref.kind in ("ws", "arg"):
             key = (ref.kind, ref.name, ref.base, ref.lead, tuple(coords), conds)
             if key not in sec.cache:
-                mask = " & ".join((sec.mask,) + tuple(f"({c})" for c in conds))
+                mask = " & ".join(((sec.mask,) if sec.mask else ()) +
+                                  tuple(f"({c})" for c in conds))
                 # bf16 tensors are widened as they are loaded: the kernel computes in `cd`
                 widen = f".to({self.cd})" if ref.kind == "arg" and ref.name in self.low_args \
                     else ""
+                masking = f", mask={mask}, other=0" if mask else ""
                 sec.cache[key] = self.let(
-                    f"tl.load({self.ptr(sec, ref, coords)}, mask={mask}, other=0){widen}", "x",
-                    True)
+                    f"tl.load({self.ptr(sec, ref, coords)}{masking}){widen}", "x", True)
                 self.loads.add(sec.cache[key])
             return sec.cache[key]
         assert ref.node is not None and ref.scope is not None
