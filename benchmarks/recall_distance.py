@@ -24,10 +24,16 @@ the largest block's (mag) at `model.ffn_hidden`.
     .venv/bin/python benchmarks/recall_distance.py                     # all five blocks, 3 seeds
     .venv/bin/python benchmarks/recall_distance.py --set model.memory.lr_max=1
 
-The defaults are the recipe that reached 1.00 at 256 tokens (lmm): train.lr 3e-3 (at 1e-2
-AdamW collapses the adaptive gates θ, η before a binding forms), memory.qk_activation none
-(zero-mean keys; silu keys make the chunked momentum write overshoot along their common
-direction, so the state grows with length) and the curriculum 32 -> 128 -> 272 tokens.
+The defaults are the recipe (issues 18 and 30): train.lr 3e-3 (at 1e-2 AdamW collapses the
+adaptive gates θ, η before a binding forms), memory.qk_activation none (zero-mean keys),
+memory.chunk_size 4 (at chunk 8 the initial θ = 1 with η 0.9 is past the chunked momentum
+write's stability bound, and bindings learned at 32 tokens were lost at 128-272), the
+curriculum 32 -> 128 -> 272 tokens, and each block's own options in BLOCK_SET: mag and mac
+with `memory.gate: attention` (the attention output gates the memory's read, not the other
+way round), mac also with `mac_write: input` and `mac_read: residual` (not the paper's MAC:
+written from the segment's input, its read also on the residual stream).
+`--set BLOCK:key=value` sets an option for one block (`--set mac:model.memory.gate=memory`);
+`--task-set n_pairs=6 --task-set n_values=12 --set model.vocab_size=48` varies the task.
 The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
 
 Writes benchmarks/results/recall_distance.json (config, one row per model, summary) and
@@ -60,7 +66,7 @@ SPEC: dict[str, Any] = {
         "vocab_size": 32, "d_model": 64, "n_layers": 1, "block": "lmm", "seq_len": 64,
         "tie_embeddings": False, "ffn_hidden": 128,
         "attention": {"heads": 2, "window": 8, "segment": 16, "persistent_tokens": 2},
-        "memory": {"heads": 2, "depth": 1, "expansion": 2, "chunk_size": 8, "adaptive": True,
+        "memory": {"heads": 2, "depth": 1, "expansion": 2, "chunk_size": 4, "adaptive": True,
                    "lr_max": 2.0, "momentum": 0.9, "decay": 0.01, "output_gate": True,
                    "conv_kernel": 4, "qk_activation": "none"},
     },
@@ -68,6 +74,13 @@ SPEC: dict[str, Any] = {
               "weight_decay": 0.0, "betas": [0.9, 0.95], "grad_clip": 1.0, "seed": 0,
               "dtype": "float32"},
     "data": {"source": "synthetic:recall"},
+}
+# each block's own options (`--set BLOCK:key=value` overrides them); docs/semantics.md
+BLOCK_SET: dict[str, Any] = {
+    "mag:model.memory.gate": "attention",        # the attention gates the memory's read
+    "mac:model.memory.gate": "attention",
+    "mac:model.memory.mac_write": "input",       # not the paper's MAC: written with u_s
+    "mac:model.memory.mac_read": "residual",     # not the paper's MAC: h also on the output
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
 NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8}
@@ -84,20 +97,28 @@ def parse_value(text: str) -> Any:
     return yaml.safe_load(text)
 
 
-def spec_with(block: str, seed: int, seq_len: int, steps: int,
-              overrides: dict[str, Any]) -> dict[str, Any]:
-    """The benchmark spec for one model, with `--set` overrides and the matched FFN width."""
-    s = json.loads(json.dumps(SPEC))
+def _apply(s: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    s = json.loads(json.dumps(s))
     for key, value in overrides.items():
         node = s
         *path, last = key.split(".")
         for part in path:
             node = node.setdefault(part, {})
         node[last] = value
-    s["model"].update(block=block, seq_len=seq_len)
-    s["train"].update(seed=seed, steps=steps)
-    s["model"]["ffn_hidden"] = matched_ffn(s, block)
     return s
+
+
+def spec_with(block: str, seed: int, seq_len: int, steps: int,
+              overrides: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark spec for one model: the `--set` overrides (a key `BLOCK:key` applies to
+    that block only, after the others) and the FFN width that matches mag's parameter count."""
+    common = _apply(SPEC, {k: v for k, v in overrides.items() if ":" not in k})
+    own = _apply(common, {k.partition(":")[2]: v for k, v in overrides.items()
+                          if k.partition(":")[0] == block and ":" in k})
+    own["model"].update(block=block, seq_len=seq_len)
+    own["train"].update(seed=seed, steps=steps)
+    own["model"]["ffn_hidden"] = matched_ffn(own, block, common)
+    return own
 
 
 def _count(s: dict[str, Any], block: str, ffn: int) -> int:
@@ -107,10 +128,11 @@ def _count(s: dict[str, Any], block: str, ffn: int) -> int:
     return param_count(load_spec(t).model)
 
 
-def matched_ffn(s: dict[str, Any], block: str) -> int:
-    """FFN width (a multiple of 8) that brings `block` closest to mag's parameter count."""
+def matched_ffn(s: dict[str, Any], block: str, common: dict[str, Any]) -> int:
+    """FFN width (a multiple of 8) that brings `block` (spec `s`) closest to the parameter
+    count of mag (spec `common`, without any block's own overrides)."""
     base = s["model"]["ffn_hidden"]
-    target = _count(s, "mag", base)
+    target = _count(common, "mag", base)
     per = _count(s, block, base + 8) - _count(s, block, base)      # params per 8 FFN units
     return max(8, base + 8 * round((target - _count(s, block, base)) / per))
 
@@ -190,6 +212,22 @@ def task_for(seq_len: int, seed: int) -> SyntheticRecall | NeedleRecall:
     kind = NeedleRecall if TASK.get("kind") == "niah" else SyntheticRecall
     return kind(seq_len, SPEC["model"]["vocab_size"], seed=seed,
                 **{k: v for k, v in TASK.items() if k != "kind"})
+
+
+def configure(sets: list[str], task_sets: list[str]) -> dict[str, Any]:
+    """BLOCK_SET and the `--set` overrides as a dict; applies `--task-set` to TASK and a
+    `model.vocab_size` override to SPEC (the task generator reads both)."""
+    overrides = dict(BLOCK_SET)
+    for item in sets:
+        key, _, value = item.partition("=")
+        overrides[key] = parse_value(value)
+    for item in task_sets:
+        key, _, value = item.partition("=")
+        if key not in TASK or key == "kind":
+            raise SystemExit(f"--task-set {item}: the task has {sorted(set(TASK) - {'kind'})}")
+        TASK[key] = int(value)
+    SPEC["model"]["vocab_size"] = overrides.pop("model.vocab_size", SPEC["model"]["vocab_size"])
+    return overrides
 
 
 def parse_curriculum(text: str) -> list[tuple[int, int]]:
@@ -326,6 +364,9 @@ def main() -> None:
     ap.add_argument("--task", choices=("pairs", "niah"), default="pairs",
                     help="pairs: 4 key-value pairs, random filler, 4 queries (default); niah: "
                          "one key-value needle in the repository's prose, the key again last")
+    ap.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="task override, e.g. n_pairs=6 or n_values=12 (repeatable; with "
+                         "--set model.vocab_size=... for a larger vocabulary)")
     ap.add_argument("--save", default=None,
                     help="directory to save each trained model's state (BLOCK_seedN.pt)")
     args = ap.parse_args()
@@ -335,17 +376,14 @@ def main() -> None:
         TASK.update(NIAH_TASK)
     if args.quick:
         args.curriculum, args.distances = "32:100", "8,16,64"
-    overrides = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = parse_value(value)
+    overrides = configure(args.set, args.task_set)
     stages = parse_curriculum(args.curriculum)
     distances = [int(d) for d in args.distances.split(",")]
     window = overrides.get("model.attention.window", SPEC["model"]["attention"]["window"])
     metrics = Path(args.metrics) if args.metrics else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    chance = task_for(16, 0).chance
+    chance = 1.0 / TASK["n_values"]
     config = {"spec": SPEC, "overrides": overrides, "task": TASK, "curriculum": args.curriculum,
               "train_distance": args.train_distance, "distances": distances,
               "budget_cpu_s": args.budget, "threads": args.threads, "eval_rows": EVAL_ROWS,

@@ -17,6 +17,8 @@ and every `--every` steps prints one JSON line:
 
     .venv/bin/python benchmarks/recall_mac_diag.py --steps 1500 --every 250
     .venv/bin/python benchmarks/recall_mac_diag.py --block lmm --set train.lr=0.001
+    .venv/bin/python benchmarks/recall_mac_diag.py --block mal --seed 1 --dist 8,top \
+        --curriculum 32:1500,128:600,272:400 --every 300
 
 The runs behind benchmarks/results/recall_distance_experiments.md ("MAC") are in
 benchmarks/results/recall_mac_diag.jsonl; the variants there that are not spec options were
@@ -94,49 +96,61 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--every", type=int, default=250)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dist", default="8,16", help="held-out distances to probe")
+    ap.add_argument("--dist", default="8,16",
+                    help="held-out distances to probe; 'top': the stage's longest")
+    ap.add_argument("--curriculum", default=None,
+                    help="stages seq_len:steps,... as recall_distance.py's (overrides "
+                         "--seq-len/--steps; each stage continues from the last)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="task override, as recall_distance.py's")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    overrides = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = rd.parse_value(value)
-    prog = titanc.compile(rd.spec_with(args.block, args.seed, args.seq_len, args.steps,
-                                       overrides))
-    task = rd.task_for(args.seq_len, args.seed)
-    window = prog.spec.model.attention.window
+    overrides = rd.configure(args.set, args.task_set)
+    stages = (rd.parse_curriculum(args.curriculum) if args.curriculum
+              else [(args.seq_len, args.steps)])
+    total = sum(n for _, n in stages)
     gen = torch.Generator().manual_seed(args.seed)
-    dists = [int(d) for d in args.dist.split(",")]
-    top, pos = task.max_distance, task.layout.query_positions
     t0 = time.process_time()
+    step, state = 0, None
+    for seq_len, n in stages:
+        prog = titanc.compile(rd.spec_with(args.block, args.seed, seq_len, total, overrides))
+        if state is not None:
+            prog.load_state_dict(state)
+        task = rd.task_for(seq_len, args.seed)
+        window = prog.spec.model.attention.window
+        top, pos = task.max_distance, task.layout.query_positions
+        dists = [top if d == "top" else int(d) for d in args.dist.split(",")]
 
-    def probe(step: int, loss: float) -> None:
-        ev = torch.Generator().manual_seed(999)
-        res: dict = {"step": step, "loss": round(loss, 4),
-                     "cpu": round(time.process_time() - t0, 1)}
-        for d in dists:
-            rows = task.batch(128, "val", ev, distance=d)
-            lg = prog.logits(rows)
-            res[f"acc{d}"] = round(float((lg[:, pos].argmax(-1) == rows[:, pos + 1])
-                                         .double().mean()), 3)
-            res[f"qloss{d}"] = round(float(torch.nn.functional.cross_entropy(
-                lg[:, pos].reshape(-1, lg.shape[-1]), rows[:, pos + 1].reshape(-1))), 3)
-        rows = task.batch(32, "val", ev, distance=dists[0])
-        res["grad"] = groups(prog.grads(rows)[1])
-        if prog.spec.model.kind.memory:
-            ms = memory_stats(prog, rows[:16])["layers"][0]
-            res["mem"] = {k: ms[k] for k in ("inner_loss_before", "inner_loss_after",
-                                             "w_norm", "s_norm", "theta", "eta", "alpha")}
-        if args.block == "mac":
-            res["attn_mass_q"] = attention_mass(prog, rows, pos)
-        print(json.dumps(res), flush=True)
+        def probe(loss: float) -> None:
+            ev = torch.Generator().manual_seed(999)
+            res: dict = {"step": step, "seq_len": seq_len, "loss": round(loss, 4),
+                         "cpu": round(time.process_time() - t0, 1)}
+            for d in dists:
+                rows = task.batch(128, "val", ev, distance=d)
+                lg = prog.logits(rows)
+                res[f"acc{d}"] = round(float((lg[:, pos].argmax(-1) == rows[:, pos + 1])
+                                             .double().mean()), 3)
+                res[f"qloss{d}"] = round(float(torch.nn.functional.cross_entropy(
+                    lg[:, pos].reshape(-1, lg.shape[-1]), rows[:, pos + 1].reshape(-1))), 3)
+            rows = task.batch(32, "val", ev, distance=dists[0])
+            res["grad"] = groups(prog.grads(rows)[1])
+            if prog.spec.model.kind.memory:
+                ms = memory_stats(prog, rows[:16])["layers"][0]
+                res["mem"] = {k: ms[k] for k in ("inner_loss_before", "inner_loss_after",
+                                                 "w_norm", "s_norm", "theta", "eta", "alpha")}
+            if args.block == "mac" and prog.spec.model.memory.mac_read == "context" \
+                    and prog.spec.model.memory.mac_write == "attention":
+                res["attn_mass_q"] = attention_mass(prog, rows, pos)
+            print(json.dumps(res), flush=True)
 
-    for step in range(1, args.steps + 1):
-        d = int(torch.randint(min(window, top), top + 1, (), generator=gen))
-        loss = prog.train_step(task.batch(prog.batch_size, "train", gen, distance=d))
-        if step == 1 or step % args.every == 0:
-            probe(step, loss)
+        for i in range(1, n + 1):
+            d = int(torch.randint(min(window, top), top + 1, (), generator=gen))
+            loss = prog.train_step(task.batch(prog.batch_size, "train", gen, distance=d))
+            step += 1
+            if step == 1 or step % args.every == 0 or i == n:
+                probe(loss)
+        state = prog.state_dict()
 
 
 if __name__ == "__main__":

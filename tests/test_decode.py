@@ -112,6 +112,20 @@ def test_decode_step_allocates_nothing(block: str) -> None:
         assert allocations_during(lambda: gen.step(st, tok), known) == []
 
 
+@pytest.mark.parametrize("block", ["mag", "mac"])
+def test_gate_attention_decodes_like_the_parallel_forward(block: str) -> None:
+    """`memory.gate: attention` (σ of the attention output gates the memory's read) decodes
+    token by token to the eager reference's parallel forward, a prompt ending mid-chunk
+    included."""
+    prog, params = _program(block, **{"model.memory.gate": "attention"})
+    toks = tokens(prog.spec, 1, seed=2)
+    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
+    gen = Generator(prog)
+    st, logits = gen.prefill(toks[0, :11].tolist())
+    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(11, 16)]
+    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("write,read", [("input", "residual"), ("attention", "residual")])
 def test_mac_options_decode_like_the_parallel_forward(write: str, read: str) -> None:
     """MAC's options (memory.mac_write, memory.mac_read) decode token by token to the eager

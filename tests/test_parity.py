@@ -85,14 +85,21 @@ def test_qk_activation_none_matches(block: str) -> None:
     assert abs(other - float(ref)) > 1e-6
 
 
-@pytest.mark.parametrize("write,read", [("input", "context"), ("attention", "residual"),
-                                        ("input", "residual")])
-def test_mac_options_match(write: str, read: str) -> None:
-    """`memory.mac_write: input` (the memory written with u_s) and `memory.mac_read: residual`
-    (the segment-start read h also on the output): loss and gradients match the reference,
-    and each is a different model from the paper's MAC."""
-    spec = tiny_spec(**{"model.block": "mac", "model.memory.mac_write": write,
-                        "model.memory.mac_read": read})
+@pytest.mark.parametrize("block,options", [
+    ("mac", {"mac_write": "input", "mac_read": "context"}),
+    ("mac", {"mac_write": "attention", "mac_read": "residual"}),
+    ("mac", {"mac_write": "input", "mac_read": "residual"}),
+    ("mac", {"gate": "attention"}),
+    ("mac", {"mac_write": "input", "gate": "attention"}),
+    ("mag", {"gate": "attention"})])
+def test_block_options_match(block: str, options: dict[str, str]) -> None:
+    """The options that depart from the paper's block (docs/semantics.md): mac's
+    `memory.mac_write: input` (the memory written with u_s) and `memory.mac_read: residual`
+    (the segment-start read h also on the output), and `memory.gate: attention` (mac, mag:
+    the attention output's σ gates the memory's read): loss and gradients match the reference, and each
+    is a different model from the default."""
+    spec = tiny_spec(**{"model.block": block,
+                        **{f"model.memory.{k}": v for k, v in options.items()}})
     params = R.init_params(spec.model, seed=6)
     toks = tokens(spec, seed=7)
     leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
@@ -105,7 +112,7 @@ def test_mac_options_match(write: str, read: str) -> None:
         want = p.grad if p.grad is not None else torch.zeros_like(p)
         torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
                                    msg=lambda m: f"grad of {name}: {m}")
-    paper = tiny_spec(**{"model.block": "mac"})
-    pp = R.init_params(paper.model, seed=6)
-    other = float(interpret(lower_forward(paper), {"tokens": toks, **pp})["loss"])
+    default = tiny_spec(**{"model.block": block})
+    pp = R.init_params(default.model, seed=6)
+    other = float(interpret(lower_forward(default), {"tokens": toks, **pp})["loss"])
     assert abs(other - float(ref)) > 1e-6

@@ -216,3 +216,28 @@ def test_needle_task_places_one_needle_in_prose() -> None:
     train = task.batch(4, "train", torch.Generator().manual_seed(1))
     val = task.batch(4, "val", torch.Generator().manual_seed(1))
     assert not torch.equal(train[:, 2:-2], val[:, 2:-2])                    # disjoint text
+
+
+def test_benchmark_block_options_apply_to_their_block_only() -> None:
+    """recall_distance.py's BLOCK_SET and `--set BLOCK:key=value` reach only that block's spec
+    (mac's and mag's options are errors on any other block), a plain `--set` reaches all,
+    and every block's FFN width still matches mag's parameter count."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import recall_distance as rd
+    from titanc.model.params import param_count
+    from titanc.model.spec import load_spec
+
+    over = rd.configure(["model.memory.decay=0.02", "mag:model.memory.gate=memory"], [])
+    specs = {b: load_spec(rd.spec_with(b, 0, 32, 10, over)).model
+             for b in ("lmm", "mac", "mag", "mal", "attn")}
+    assert specs["mag"].memory.gate == "memory"                 # --set wins over BLOCK_SET
+    mac = specs["mac"].memory
+    assert (mac.gate, mac.mac_write, mac.mac_read) == ("attention", "input", "residual")
+    for b in ("lmm", "mal", "attn"):
+        m = specs[b].memory
+        assert (m.gate, m.mac_write, m.mac_read) == ("memory", "attention", "context")
+    assert all(s.memory.decay == 0.02 for s in specs.values())
+    counts = {b: param_count(s) for b, s in specs.items()}
+    per8 = 3 * 8 * specs["mag"].d_model                          # params per 8 FFN units
+    assert all(abs(c - counts["mag"]) <= per8 / 2 for c in counts.values()), counts

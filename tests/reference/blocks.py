@@ -29,11 +29,13 @@ def lmm_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -
 
 
 def mag_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
-    """Memory as gate: attention and memory read the same normed input, memory gates attention."""
+    """Memory as gate: attention and memory read the same normed input; the memory gates the
+    attention (memory.gate: memory) or the attention gates the memory (attention)."""
     u = rmsnorm(x, p["mem_norm"])  # (B, T, D)
-    y = swa(p, u, cfg, doc)  # (B, T, D)
-    m = lmm(p, u, cfg, doc)  # (B, T, D)
-    x = x + (rmsnorm(y, p["mag_norm_y"]) * torch.sigmoid(rmsnorm(m, p["mag_norm_m"]))) @ p["mag_wo"]
+    y = rmsnorm(swa(p, u, cfg, doc), p["mag_norm_y"])  # (B, T, D)
+    m = rmsnorm(lmm(p, u, cfg, doc), p["mag_norm_m"])  # (B, T, D)
+    o = y * torch.sigmoid(m) if cfg.memory.gate == "memory" else torch.sigmoid(y) * m
+    x = x + o @ p["mag_wo"]
     return x + ffn(p, rmsnorm(x, p["ffn_norm"]))
 
 

@@ -32,6 +32,7 @@ class RefMemory:
     qk_activation: str = "silu"  # 'silu' | 'none': activation of q, k before l2norm
     mac_write: str = "attention"  # mac: 'attention' writes rmsnorm(ỹ) | 'input' writes u_s
     mac_read: str = "context"  # mac: 'context' | 'residual' also adds h to the output
+    gate: str = "memory"  # mac, mag: 'memory' read gates the attention output | 'attention' output gates the read
 
 
 @dataclass(frozen=True)

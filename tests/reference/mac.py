@@ -80,7 +80,8 @@ def mac_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -
         theta, eta, alpha = gates(p, yn, cfg)  # (B, N, S)
         r, state = memory_scan(state, q, k, v, theta, eta, alpha, cfg.memory.chunk_size,
                                local, init)  # (B, N, S, C)
-        o = yt * torch.sigmoid(merge_heads(r))  # (B, S, D)
+        r = merge_heads(r)  # (B, S, D)
+        o = yt * torch.sigmoid(r) if cfg.memory.gate == "memory" else torch.sigmoid(yt) * r
         if cfg.memory.mac_read == "residual":
             o = o + h  # the segment-start read also on the output, not only as context
         outs.append(o @ p["mem_wo"])  # (B, S, D)

@@ -69,8 +69,8 @@ def block(mx: Mixers, x: Value, p: Params, m: ModelSpec) -> Value:
     elif kind == "mag":
         u = rmsnorm(x, p["mem_norm"])
         y = rmsnorm(mx.swa(u), p["mag_norm_y"])
-        g = rmsnorm(mx.lmm(u), p["mag_norm_m"]).sigmoid()
-        x = x + (y * g) @ p["mag_wo"]
+        mem = rmsnorm(mx.lmm(u), p["mag_norm_m"])
+        x = x + gated(y, mem, m) @ p["mag_wo"]
     elif kind == "mal":
         x = x + mx.lmm(rmsnorm(x, p["mem_norm"]))
         x = x + mx.swa(rmsnorm(x, p["attn_norm"]))
@@ -98,10 +98,16 @@ def mac_input(y: Value, u: Value, p: Params, m: ModelSpec) -> Value:
     return rmsnorm(y, p["mac_norm"]) if m.memory.mac_write == "attention" else u
 
 
+def gated(y: Value, r: Value, m: ModelSpec) -> Value:
+    """The paper's y ⊗ M of mac and mag: the attention output y gated by the memory's r,
+    y ⊙ σ(r), or with `memory.gate: attention` the memory's r gated by y, σ(y) ⊙ r."""
+    return y * r.sigmoid() if m.memory.gate == "memory" else y.sigmoid() * r
+
+
 def mac_output(y: Value, r: Value, h: Value, p: Params, m: ModelSpec) -> Value:
-    """MAC's output (ỹ ⊙ σ(r)) W_O: attention output ỹ gated by the memory read r; with
+    """MAC's output (ỹ ⊗ r) W_O (`gated`): attention output ỹ and memory read r; with
     `memory.mac_read: residual` the segment-start read h is added before W_O."""
-    o = y * r.sigmoid()
+    o = gated(y, r, m)
     return (o + h if m.memory.mac_read == "residual" else o) @ p["mem_wo"]
 
 

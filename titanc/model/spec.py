@@ -120,6 +120,9 @@ class MemorySpec:
     # the block's output (residual)
     mac_write: str = _field("attention", choices=("attention", "input"))
     mac_read: str = _field("context", choices=("context", "residual"))
+    # blocks mac and mag: which branch of the paper's y ⊗ M is the sigmoid gate, the memory's
+    # read gating the attention output (memory) or the attention output gating the read
+    gate: str = _field("memory", choices=("memory", "attention"))
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -195,10 +198,12 @@ class ModelSpec:
         elif self.has_memory and t % mem.chunk_size:
             raise SpecError(
                 f"model.memory.chunk_size: {mem.chunk_size} must divide model.seq_len={t}")
-        for key, paper in (("mac_write", "attention"), ("mac_read", "context")):
-            if self.block != "mac" and getattr(mem, key) != paper:
-                raise SpecError(f"model.memory.{key}: {getattr(mem, key)} applies to block mac "
-                                f"only (this model's block is {self.block}); remove it")
+        for key, default, owner in (("mac_write", "attention", "mac"),
+                                    ("mac_read", "context", "mac"), ("gate", "memory", "mac mag")):
+            if self.block not in owner.split() and getattr(mem, key) != default:
+                raise SpecError(f"model.memory.{key}: {getattr(mem, key)} applies to block "
+                                f"{owner.replace(' ', ' and ')} only (this model's block is "
+                                f"{self.block}); remove it")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

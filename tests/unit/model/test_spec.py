@@ -82,7 +82,7 @@ def test_tiny_has_the_issue_values(tiny_spec: Spec) -> None:
     assert (m.attention.heads, m.attention.window, m.attention.segment,
             m.attention.persistent_tokens) == (4, 64, 32, 4)
     assert dataclasses.astuple(m.memory) == (2, 2, 2, 16, True, 0.01, 0.9, 0.01, True, 4, "silu",
-                                             "attention", "context")
+                                             "attention", "context", "memory")
     assert (t.batch_size, t.steps, t.lr, t.warmup, t.weight_decay, t.betas) == (
         8, 200, 3e-3, 20, 0.1, (0.9, 0.95))
     assert (t.grad_clip, t.seed, t.dtype, t.remat, t.remat_budget_mb, t.loss_chunk,
@@ -175,7 +175,7 @@ BAD_SPECS = [
     (edited(model__memory={"zzz": 1}),
      "unknown key 'model.memory.zzz'; known keys in model.memory: heads, depth, expansion, "
      "chunk_size, adaptive, lr_max, momentum, decay, output_gate, conv_kernel, qk_activation, "
-     "mac_write, mac_read"),
+     "mac_write, mac_read, gate"),
     (edited(memory={}), "unknown key 'memory'; did you mean 'model.memory'?"),
     (edited(train={"heads": 2}),
      "unknown key 'train.heads'; did you mean 'model.attention.heads'?"),
@@ -251,6 +251,9 @@ BAD_SPECS = [
     (edited(model__block="lmm", model__memory={"mac_read": "residual"}),
      "model.memory.mac_read: residual applies to block mac only (this model's block is lmm); "
      "remove it"),
+    (edited(model__block="mal", model__memory={"gate": "attention"}),
+     "model.memory.gate: attention applies to block mac and mag only (this model's block is "
+     "mal); remove it"),
     (edited(train={"betas": [0.9, 1.0]}), "train.betas[1]: 1.0 must be in [0, 1)"),
     (edited(train={"betas": [-0.1, 0.9]}), "train.betas[0]: -0.1 must be in [0, 1)"),
     (edited(train={"lr": 0}), "train.lr: 0.0 must be > 0"),
