@@ -1,8 +1,9 @@
 # titanc: `make demo` and `make test` each build .venv from nothing, then run.
 # The venv is (re)built only when pyproject.toml or constraints.txt change (stamp file);
 # constraints.txt pins torch, so the CPU build is installed and no CUDA wheels are pulled.
-# --no-compile: pip would byte-compile every installed module (torch's thousands: about 50 s
-# of a 105 s install here); Python compiles the few hundred a run imports on first use instead.
+# pip byte-compiles what it installs (about 50 s of a 105 s install here): keep it, because
+# this environment sets PYTHONDONTWRITEBYTECODE, so without it every process a test starts
+# would compile torch's modules again on import (3-4 CPU-s each).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -41,7 +42,7 @@ gpu-check: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --no-compile -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -c constraints.txt -e '.[dev]'
 	touch $@
 
 clean:
