@@ -1,7 +1,7 @@
 """The subprocesses of `runtime/targets/precompile.py`: the recording under Triton's
 interpreter and the compile workers.
 
-    python -m titanc.runtime.targets.precompile_worker --record PLAN.pickle OUT.json [--allow-tf32]
+    python -m titanc.runtime.targets.precompile_worker --record PLANS.pickle OUT.json [--allow-tf32]
     python -m titanc.runtime.targets.precompile_worker --worker ARCH jit|aot
 
 A worker reads one JSON launch a line on stdin and writes one JSON result a line on stdout:
@@ -115,15 +115,20 @@ def warm(launch: Launch, arch: int) -> None:
 
 
 def _record_main(argv: list[str]) -> int:
-    """The recording subprocess: PLAN.pickle -> OUT.json (launches and grids)."""
+    """The recording subprocess: PLANS.pickle -> OUT.json (the plans' distinct launches,
+    grids and aliases)."""
     src, out = Path(argv[0]), Path(argv[1])
-    plan, float_dtype = pickle.loads(src.read_bytes())
+    plans, float_dtype = pickle.loads(src.read_bytes())
     grids: dict[str, int] = {}
     aliases: dict[str, str] = {}
-    launches = record_launches(plan, float_dtype=float_dtype,
-                               allow_tf32="--allow-tf32" in argv, grids=grids, aliases=aliases)
-    out.write_text(json.dumps({"launches": [asdict(l) for l in launches], "grids": grids,
-                               "aliases": aliases}, default=str))
+    launches: dict[str, Launch] = {}
+    for plan in plans:
+        for launch in record_launches(plan, float_dtype=float_dtype,
+                                      allow_tf32="--allow-tf32" in argv, grids=grids,
+                                      aliases=aliases):
+            launches.setdefault(launch.key(), launch)
+    out.write_text(json.dumps({"launches": [asdict(l) for l in launches.values()],
+                               "grids": grids, "aliases": aliases}, default=str))
     return 0
 
 
