@@ -504,7 +504,7 @@ def table(report: dict[str, Any]) -> str:
     lines += ["", f"{'job':34s} {'tokens/step':>11s} {'ms/step':>9s} {'tokens/s':>10s} "
                   f"{'MFU':>6s} {'peak MiB':>9s}  notes"]
     for name, r in sorted(jobs.items()):
-        if "ok" in r:
+        if "ok" in r or r["phase"] == "profile":
             continue
         notes = [str(r[k]) for k in ("size",) if k in r]
         if "layers" in r:
@@ -525,6 +525,14 @@ def table(report: dict[str, Any]) -> str:
         else:
             lines.append(f"{name:34s} {r.get('tokens_per_step', '-'):>11} {'-':>9s} {'-':>10s} "
                          f"{'-':>6s} {'-':>9s}  {', '.join(notes)}")
+    profiled = [(n, r) for n, r in sorted(jobs.items()) if r["phase"] == "profile"]
+    if profiled:                     # benchmarks/gpu_profile.py: no CUDA graph, profiled
+        lines += ["", f"{'profiled step (no CUDA graph)':34s} {'kernels':>8s} {'kernel us':>10s} "
+                      f"{'wall us':>9s}  top kernels (us/step)"]
+        for n, r in profiled:
+            top = "; ".join(f"{t['kernel'][:40]} {t['us_per_step']}" for t in r["top"][:3])
+            lines.append(f"{n:34s} {r['kernels_per_step']:8} {r['kernel_us_per_step']:10} "
+                         f"{r['eager_wall_us_per_step']:9}  {top}")
     silent = [n for n in report.get("processes", {}) if n not in jobs
                and not any(j.startswith(n + "_") for j in jobs)]
     if silent:
