@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from typing import Any
 # `titanc train` with every compile Triton does in the training process itself (not in the
 # precompile's workers) timed and printed: what the precompile missed shows up here
 _TRACED = """
-import runpy, sys, time
+import os, runpy, sys, time
 import triton.compiler as tc
 try:
     import triton.compiler.compiler as tcc
@@ -57,16 +58,31 @@ for mod in (tc, tcc, tj):       # wherever this Triton's JIT takes `compile` fro
     if mod is not None and hasattr(mod, "compile"):
         mod.compile = _timed
 sys.argv = ["titanc"] + sys.argv[1:]
-runpy.run_module("titanc", run_name="__main__", alter_sys=True)
+profile_to = os.environ.get("FIRST_STEP_PROFILE")
+if profile_to:
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
+try:
+    runpy.run_module("titanc", run_name="__main__", alter_sys=True)
+finally:
+    if profile_to:
+        prof.disable()
+        prof.dump_stats(profile_to)
 """
 
 
-def first_step(spec: str, sets: list[str], caches: Path, out: Path, timeout: float
-               ) -> dict[str, Any]:
+def first_step(spec: str, sets: list[str], caches: Path, out: Path, timeout: float,
+               profile: bool = False) -> dict[str, Any]:
     """Seconds from starting `titanc train` to its first step's metrics record, and the
-    process's output lines stamped with the seconds since its start (`timeline`)."""
+    process's output lines stamped with the seconds since its start (`timeline`); with
+    `profile`, the run under cProfile and its 40 most expensive calls (cumulative, `profile`;
+    the profiler's overhead inflates the seconds)."""
     env = os.environ | {"TITANC_CACHE_DIR": str(caches / "titanc"),
                         "TRITON_CACHE_DIR": str(caches / "triton")}
+    stats = out.parent / f"{out.name}.pstats"
+    if profile:
+        env["FIRST_STEP_PROFILE"] = str(stats)
     cmd = [sys.executable, "-c", _TRACED, "train", spec, "--steps", "1",
            "--out", str(out)] + [a for s in sets for a in ("--set", s)]
     metrics = out / "metrics.jsonl"
@@ -117,18 +133,28 @@ def first_step(spec: str, sets: list[str], caches: Path, out: Path, timeout: flo
         else:
             kept.append((stamp, line))
     traced = [line for _, line in timeline if line.startswith("[first_step]")]
+    top: list[str] = []
+    if profile and stats.exists():
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(str(stats), stream=text).sort_stats("cumulative").print_stats(40)
+        top = [ln.rstrip()[:200] for ln in text.getvalue().splitlines() if ln.strip()][-42:]
     return {"seconds_to_first_step": None if seconds is None else round(seconds, 2),
             "loss": None if record is None else record["loss"], "exit": rc,
             "compiled_in_process": len(traced),
             "compiled_in_process_s": round(sum(float(x.split()[-2]) for x in traced), 1),
-            "timeline": [f"{stamp:7.2f} {line[:160]}" for stamp, line in kept[:80]]}
+            "timeline": [f"{stamp:7.2f} {line[:160]}" for stamp, line in kept[:80]],
+            **({"profile": top} if profile else {})}
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/first_step.py")
     ap.add_argument("spec", nargs="?", default="examples/tiny.yaml")
     ap.add_argument("--set", action="append", default=[], help="spec override key=value")
-    ap.add_argument("--runs", nargs="+", default=["cold", "warm"])
+    ap.add_argument("--runs", nargs="+", default=["cold", "warm"],
+                    help="runs in order, each cold (empty caches), warm (the caches the runs "
+                         "before left) or warm-profile (warm, under cProfile)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
@@ -142,8 +168,10 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="titanc-first-step-") as tmp:
         caches = Path(tmp) / "caches"
         for k, run in enumerate(args.runs):
+            if run == "cold":
+                shutil.rmtree(caches, ignore_errors=True)
             result[run] = first_step(args.spec, sets, caches, Path(tmp) / f"run{k}",
-                                     args.timeout)
+                                     args.timeout, profile=run == "warm-profile")
             print(json.dumps({run: result[run]}), file=sys.stderr, flush=True)
     text = json.dumps(result, indent=1)
     print(text)

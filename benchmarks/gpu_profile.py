@@ -74,7 +74,7 @@ def profile(name: str, toy: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    toy = "--toy" in argv
+    toy = "--toy" in argv or bool(os.environ.get("GPU_CHECK_TOY"))
     names = [a for a in argv if not a.startswith("--")] or ["tiny_bf16", "medium_bf16"]
     out = os.environ.get("GPU_CHECK_RESULTS")
     for name in names:
