@@ -83,12 +83,15 @@ def first_step(spec: str, sets: list[str], caches: Path, out: Path, timeout: flo
     stats = out.parent / f"{out.name}.pstats"
     if profile:
         env["FIRST_STEP_PROFILE"] = str(stats)
-    cmd = [sys.executable, "-c", _TRACED, "train", spec, "--steps", "1",
+    cmd = [sys.executable, "-c", _TRACED, "train", str(Path(spec).resolve()), "--steps", "1",
            "--out", str(out)] + [a for s in sets for a in ("--set", s)]
     metrics = out / "metrics.jsonl"
     timeline: list[tuple[float, str]] = []
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # cwd outside the checkout: `python -c` puts its cwd first on sys.path, and the
+    # checkout's titanc/ folder is not the package (package-dir maps ir/, runtime/... in)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            cwd=out.parent)
 
     def read() -> None:              # every line (and progress-bar update) with its time
         assert proc.stdout is not None
