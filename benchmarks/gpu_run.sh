@@ -13,6 +13,8 @@ START=$(date +%s)
 OUT=${OUT:-/tmp/gpu-out}
 BUDGET=${BUDGET:-520}
 ONLY=${ONLY:-checks,tiny_f32,tiny_tf32,tiny_bf16,medium_bf16,large_bf16,peer_default}
+PROFILE=${PROFILE-benchmarks/gpu_profile.py}     # PROFILE= : no profiled steps
+# RUNS: the first-step runs (benchmarks/first_step.py --runs)
 mkdir -p "$OUT"
 SITE=$(mktemp -d)/site
 mkdir -p "$SITE" && cp -r titanc "$SITE/titanc"
@@ -21,7 +23,7 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cores', __import__('os').cpu_count())"
 timeout 200 python3 benchmarks/first_step.py examples/tiny.yaml --timeout 110 \
-    --runs cold warm warm-profile --out "$OUT/first_step.json" > "$OUT/first_step.stdout" 2>&1
+    --runs ${RUNS:-cold warm warm-profile} --out "$OUT/first_step.json" > "$OUT/first_step.stdout" 2>&1
 python3 - "$OUT/first_step.json" <<'PY' || true
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -33,6 +35,6 @@ PY
 LEFT=$(( BUDGET - ($(date +%s) - START) - 15 ))
 echo "gpu_check deadline ${LEFT} s"
 OUT="$OUT" python3 benchmarks/gpu_check.py --deadline "$LEFT" --only "$ONLY" \
-    --script profile=benchmarks/gpu_profile.py ${GPU_CHECK_ARGS:-} > "$OUT/gpu_check.stdout" 2>&1
+    ${PROFILE:+--script profile=$PROFILE} ${GPU_CHECK_ARGS:-} > "$OUT/gpu_check.stdout" 2>&1
 tail -40 "$OUT/gpu_check.stdout"
 echo "total $(( $(date +%s) - START )) s"
