@@ -576,7 +576,7 @@ def test_cross_entropy_dw_over_row_slices(accumulate: bool, programs: int) -> No
     """The dW kernel splits the rows into slices (about DW_PROGRAMS programs, each slice's
     partial sum added atomically; one slice stores): the same dW either way, a dW that is
     not accumulated is overwritten (zeroed before the atomic adds), and dh is unchanged."""
-    N, D, V = 70, 24, 75                    # 5 row blocks, 3 vocabulary blocks
+    N, D, V = 140, 24, 75                   # 9 row blocks (2 slices), 3 vocabulary blocks
     src = render_cross_entropy("titanc_tem_fused_ce_bwd_0", d_model=D, block_v=32,
                                backward=True, accumulate_dw=accumulate, dtype="float64")
     bwd = load_module(src, "ceb_slices")
