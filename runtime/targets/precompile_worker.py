@@ -108,10 +108,18 @@ def standins(launch: Launch, module: Any, arch: int) -> tuple[list[Any], int, in
 def warm(launch: Launch, arch: int) -> None:
     """Compile `launch` through its kernel's own `JITFunction.warmup` (a process with a CUDA
     driver), on `standins`: Triton computes the cache key the real launch will, and the
-    compiled kernel lands in its persistent cache under it."""
+    compiled kernel lands in its persistent cache under it. Then its launcher: Triton 3.6
+    builds a C launcher per kernel signature with the host's C compiler at the kernel's first
+    launch and caches it by its source (newer Tritons share one generic launcher, and this is
+    cheap there); built here, the training process finds it cached."""
+    import triton
+
     module = load_module(launch.source, launch.name, False)
     args, warps, stages = standins(launch, module, arch)
-    getattr(module, launch.name).warmup(*args, grid=(1,), num_warps=warps, num_stages=stages)
+    kernel = getattr(module, launch.name).warmup(*args, grid=(1,), num_warps=warps,
+                                                 num_stages=stages)
+    if kernel is not None and hasattr(kernel, "src") and hasattr(kernel, "metadata"):
+        triton.runtime.driver.active.launcher_cls(kernel.src, kernel.metadata)
 
 
 def _record_main(argv: list[str]) -> int:
