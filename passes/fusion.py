@@ -38,11 +38,15 @@ gather of a computed value) would evaluate it more or less than once per element
 or scattering work, so such a value is materialized instead.
 
 Greedy: start from one kernel per node; candidate merges are producer/consumer pairs,
-siblings reading a common value, and cousins (two elementwise-only groups reading outputs of
-one kernel), scored by bytes saved (`bytes(a) + bytes(b) - bytes(a∪b)`: a value read only
-inside the group never goes to memory, a shared input is read once); the best is taken first
-(ties: producer/consumer before siblings before cousins, then program order). A merge that
-saves no bytes is taken only for cousins of one domain: it saves a launch. A merge is
+siblings reading a common value, cousins (two elementwise-only groups reading outputs of
+one kernel), and neighbours (groups of one kind, within HORIZONTAL kernels of each other in
+the order: pointwise with pointwise, reductions over one shape and axes, contractions over
+one output tile; the three gate gradients of a memory layer become one kernel), scored by
+bytes saved (`bytes(a) + bytes(b) - bytes(a∪b)`: a value read only inside the group never
+goes to memory, a shared input is read once); the best is taken first (ties:
+producer/consumer before siblings before cousins before neighbours, then program order). A
+merge that saves no bytes is taken only for cousins and neighbours: it saves a launch (a
+GPU step of ~1,000 small kernels is bound by their count, docs/gpu.md). A merge is
 refused if the union breaks the rules above, if it closes a cycle in the kernel graph, or if it
 raises the schedule's peak of live bytes. The kernel order starts as a topological sort keyed
 on program order; a merge only reorders the kernels between the two it joins, placing the
@@ -78,6 +82,7 @@ REDUCTIONS = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM})
 MAX_NAME_OPS = 4
 MAX_CONTRACTIONS = 4         # einsums one matmul kernel may hold (one K loop each)
 SIBLING_READERS = 8          # siblings of a value are paired only when it has this few readers
+HORIZONTAL = 8               # kernels either side in the order a launch-saving merge looks at
 
 
 class _Templates:
@@ -510,22 +515,40 @@ class _Fuser:
                 others = sorted(self.succs[p] - {gid})
                 if len(others) <= SIBLING_READERS:
                     near += [(o, 2) for o in others if self._elementwise_only(o)]
+        r = self.rank[gid]
+        kind = self._family(gid)
+        if kind is not None:
+            near += [(o, 3) for o in self.order[max(0, r - HORIZONTAL):r + HORIZONTAL + 1]
+                     if o != gid and self._family(o) == kind]
         seen: set[int] = set()
         for other, kind in near:
-            # a lone cast of an input (one per reader: `split_casts`) goes into its reader
-            if (self._cast_only(gid) and other not in self.succs[gid]) or (
-                    self._cast_only(other) and other not in self.preds[gid]):
+            # a lone cast of an input (one per reader: `split_casts`) goes into its reader,
+            # unless its readers are templates (a scan reads it): then it is a kernel anyway
+            if (self._absorbable(gid) and other not in self.succs[gid]) or (
+                    self._absorbable(other) and other not in self.preds[gid]):
                 continue
             if other not in seen and self.compatible(gid, other):
                 seen.add(other)
                 score = info.bytes + self.info[other].bytes - self.union(gid, other).bytes
-                if score > 0 or (kind == 2 and score == 0):     # cousins: a launch saved
+                if score > 0 or (kind >= 2 and score == 0):     # a launch saved
                     yield other, kind, score
 
     def _elementwise_only(self, gid: int) -> bool:
         """No contraction, reduction or template: a group that can only be pointwise."""
         t, e, r = self.tag[gid]
         return not (t or e or r)
+
+    def _family(self, gid: int) -> tuple | None:
+        """What a neighbour must be to share a kernel with this group: pointwise, a
+        contraction, or reductions of the same keys (None: a template is alone)."""
+        t, e, r = self.tag[gid]
+        return None if t else ("matmul",) if e else ("reduction", r) if r else ("pointwise",)
+
+    def _absorbable(self, gid: int) -> bool:
+        """A cast of an input that some reader other than a template can take in."""
+        return self._cast_only(gid) and any(
+            self.node[u].op not in TEMPLATES for v in self.info[gid].outputs
+            for u in self.users[v])
 
     def _cast_only(self, gid: int) -> bool:
         """Is the group a cast of an input (with views of it), which only its reader takes?"""
