@@ -17,11 +17,13 @@ import pytest
 
 import titanc.compiler
 from titanc.model.spec import Spec, load_spec
-from tests.helpers import SERVE_SETS, SHARED_COMPILES, memoize_compiles
+from tests.helpers import SERVE_SETS, SHARED_COMPILES, memoize_compiles, memoize_for_batch
 
-# one compile per distinct model and options in a test run (tests/helpers.py says why that is
-# safe); patched before any test module imports `compile_graphs` by name
+# one compile per distinct model and options in a test run, and one per model at each other
+# batch a program runs (tests/helpers.py says why that is safe); patched before any test module
+# imports `compile_graphs` by name
 titanc.compiler.compile_graphs = memoize_compiles(titanc.compiler.compile_graphs)
+titanc.compiler.Compiled.for_batch = memoize_for_batch(titanc.compiler.Compiled.for_batch)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -118,6 +118,23 @@ def memoize_compiles(real: Any) -> Any:
     return compile_graphs
 
 
+def memoize_for_batch(real: Any) -> Any:
+    """`Compiled.for_batch` that returns one object per `compile_key` in a test process: its
+    kinds compile on first use and stay for the next program at that batch (a program and
+    `launches_per_step` only ask it for compiled graphs; its log is the unverified one
+    `for_batch` makes, no test reads it)."""
+    memo: dict[str, Any] = {}
+
+    def for_batch(self: Any, batch: int) -> Any:
+        key = compile_key(self.spec, batch, self.patterns)
+        if key not in memo:
+            memo[key] = real(self, batch)
+        return memo[key]
+
+    for_batch.__wrapped__ = real
+    return for_batch
+
+
 def _shared(key: str, verify_each: bool, dumps: bool, compile: Any) -> _Entry:
     """The compile of `key` from the run's shared directory where it serves the call, or
     compiled (and stored there, without its dumps)."""
