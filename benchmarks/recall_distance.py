@@ -204,7 +204,7 @@ class NeedleRecall:
 
     def accuracy(self, prog: Any, tokens: torch.Tensor) -> float:
         pos = self.layout.query_positions
-        pred = prog.logits(tokens)[:, pos].argmax(dim=-1)
+        pred = prog.logits(tokens)[:, pos].argmax(dim=-1).cpu()
         return float((pred == tokens[:, pos + 1]).double().mean())
 
 

@@ -224,8 +224,26 @@ class Program:
         """The executor of compiled graph `cg`, bound on first use."""
         ex = self._executors.get(id(cg))
         if ex is None:
+            if not self._executors and self.target == "triton" and self.device == "cuda":
+                self.precompile()
             ex = self._executors[id(cg)] = self._bind(cg)
         return ex
+
+    def precompile(self, batch: int | None = None) -> None:
+        """On CUDA: compile, in one parallel pool, every kernel a training run launches (the
+        training and optimizer programs, and the forward and logits programs its evaluation
+        runs (held-out loss, recall accuracy), at `batch` rows, default train.batch_size)
+        before the first of them binds, so the first step waits for one pool and a second
+        run compiles nothing (`runtime.targets.precompile`). Called on the first bind; a
+        no-op elsewhere."""
+        if not (self.target == "triton" and self.device == "cuda"):
+            return
+        from titanc.runtime.targets.precompile import precompile_for_device
+
+        b = batch or self.batch_size
+        plans = [self.graph("training", b).plan, self.compiled.graph("optimizer").plan,
+                 self.graph("forward", b).plan, self.graph("logits", b).plan]
+        precompile_for_device(plans, self.spec.compile.allow_tf32)
 
     def _bind(self, cg: Any) -> Any:
         g = cg.graph

@@ -64,6 +64,17 @@ def test_precompile_compiles_every_kernel_once(tmp_path, monkeypatch) -> None:
     assert all(p >= 1 for p in first["grids"].values())
     assert set(first["aliases"].values()) <= set(first["grids"])
     assert again["cached"] and again["kernels"] == first["kernels"]
+    # several plans, one pool (what a Program precompiles before its first step): the plan
+    # already compiled is not recorded again; every plan's marker is written, so each alone
+    # and both together are cached after
+    other = compile_graphs(load_spec(EXAMPLES / "tiny_attn.yaml", SMALL)).plans["optimizer"]
+    with config.override(cache_dir=tmp_path / "titanc"):
+        both = precompile([plan, other], 90, jit=False, jobs=2, progress=False)
+        alone = precompile(other, 90, jit=False, jobs=2, progress=False)
+        again = precompile([other, plan], 90, jit=False, jobs=2, progress=False)
+    assert not both["cached"] and not both["failed"] and alone["cached"] and again["cached"]
+    assert both["kernels"] == len({r["name"] for r in both["results"]}) >= 1
+    assert again["kernels"] == first["kernels"] + both["kernels"]
 
 
 def test_compile_arch_is_validated(tmp_path, capsys) -> None:

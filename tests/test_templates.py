@@ -568,3 +568,34 @@ def test_cross_entropy_fused_head(dtype: torch.dtype, tied: bool, int64: bool) -
                dW if tied else dW.t())
     close(dh, h.grad, dtype)
     close(dW - dW0, W.grad, dtype)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("programs", [1, 256])
+def test_cross_entropy_dw_over_row_slices(accumulate: bool, programs: int) -> None:
+    """The dW kernel splits the rows into slices (about DW_PROGRAMS programs, each slice's
+    partial sum added atomically; one slice stores): the same dW either way, a dW that is
+    not accumulated is overwritten (zeroed before the atomic adds), and dh is unchanged."""
+    N, D, V = 140, 24, 75                   # 9 row blocks (2 slices), 3 vocabulary blocks
+    src = render_cross_entropy("titanc_tem_fused_ce_bwd_0", d_model=D, block_v=32,
+                               backward=True, accumulate_dw=accumulate, dtype="float64")
+    bwd = load_module(src, "ceb_slices")
+    g = gen(5)
+    h = torch.randn(N, D, dtype=torch.float64, generator=g).requires_grad_()
+    W = torch.randn(V, D, dtype=torch.float64, generator=g).requires_grad_()
+    target = torch.randint(0, V, (N,), generator=g)
+    logits = h @ W.t()
+    F.cross_entropy(logits, target).backward()
+    lse = torch.logsumexp(logits, -1).detach()
+    dh = torch.empty_like(h)
+    dW0 = torch.randn(W.shape, dtype=torch.float64, generator=g)
+    dW = dW0.clone()
+    saved = bwd.DW_PROGRAMS
+    try:
+        bwd.DW_PROGRAMS = programs
+        bwd.launch(h.detach(), W.detach(), target, lse,
+                   torch.tensor(1.0 / N, dtype=torch.float64).expand(N), dh, dW)
+    finally:
+        bwd.DW_PROGRAMS = saved
+    close(dh, h.grad, torch.float64)
+    close(dW - dW0 if accumulate else dW, W.grad, torch.float64)

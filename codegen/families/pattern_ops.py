@@ -27,6 +27,7 @@ __all__ = [
 # --- attention --------------------------------------------------------------------------------
 
 MAX_KEY_GROUPS = 16     # key groups a template names locals for (MAC has 3, SWA 2)
+CE_TILE = 16384         # elements of the cross-entropy kernels' W tile (block_d x block_v)
 
 ATTENTION_KERNEL_LOCALS = frozenset("""
     BLOCK_M BLOCK_N HEAD_DIM DOT_F32 dot_f32 _mma a b _visible _attend_group _dq_group q k v o do dq dk dv lse delta
@@ -189,6 +190,12 @@ def render_cross_entropy(
     check_block("block_v", block_v, 16)
     if d_model < 1:
         raise ValueError(f"d_model={d_model} must be >= 1")
+    block_d = pow2(d_model, 16)
+    # a W tile (block_d x block_v) of at most CE_TILE elements: at d_model 768 a 1024 x 64
+    # tile asked for 576 KiB of shared memory (the limit is 227) and spilled 98 KB per thread
+    block_v = max(16, min(block_v, CE_TILE // block_d))
+    if block_d >= 512:
+        num_warps = max(num_warps, 8)
     return render(
         "cross_entropy.py.jinja",
         name=name,
@@ -200,7 +207,7 @@ def render_cross_entropy(
         ignore_index=int(ignore_index),
         block_n=block_n,
         block_v=block_v,
-        block_d=pow2(d_model, 16),
+        block_d=block_d,
         acc_dtype=compute_dtype(dtype),
         precision=dot_precision(allow_tf32),
         num_warps=num_warps,

@@ -297,8 +297,8 @@ class SyntheticRecall:
         [B, T, V] for `tokens` [B, T+1], or a program with `logits(tokens)`."""
         logits = _logits(logits_or_prog, tokens)
         pos = self.layout.query_positions
-        pred = logits[:, pos].argmax(dim=-1)
-        return float((pred == tokens[:, pos + 1]).double().mean())
+        pred = logits[:, pos].argmax(dim=-1).cpu()     # a program on CUDA returns device logits
+        return float((pred == tokens[:, pos + 1].cpu()).double().mean())
 
 
 def _logits(logits_or_prog: Any, tokens: Tensor) -> Tensor:

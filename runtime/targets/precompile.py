@@ -56,16 +56,17 @@ def _code_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def recorded_launches(plan: Any, allow_tf32: bool = False, float_dtype: Any = None
+def recorded_launches(plans: Any, allow_tf32: bool = False, float_dtype: Any = None
                       ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The distinct launches of one run of `plan` (`aot.Launch` as dicts), and {"grids": each
-    kernel's largest grid
+    """The distinct launches of one run of each of `plans` (a plan or a list; `aot.Launch` as
+    dicts, a launch several plans share once), and {"grids": each kernel's largest grid
     (programs), "aliases": each schedule kernel -> the kernel whose module it launches},
-    recorded in a subprocess under Triton's interpreter (this process may have Triton in
+    recorded in one subprocess under Triton's interpreter (this process may have Triton in
     compile mode)."""
+    plans = list(plans) if isinstance(plans, (list, tuple)) else [plans]
     with tempfile.TemporaryDirectory(prefix="titanc-record-") as tmp:
-        src, out = Path(tmp) / "plan.pickle", Path(tmp) / "launches.json"
-        src.write_bytes(pickle.dumps((plan, float_dtype)))
+        src, out = Path(tmp) / "plans.pickle", Path(tmp) / "launches.json"
+        src.write_bytes(pickle.dumps((plans, float_dtype)))
         env = child_environment(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
                                 TITANC_CACHE_DIR=str(cache_dir()))
         cmd = [sys.executable, "-m", "titanc.runtime.targets.precompile_worker", "--record", str(src),
@@ -85,40 +86,63 @@ def _marker(plan: Any, arch: int, allow_tf32: bool, jit: bool) -> Path:
     return cache_dir() / "precompiled" / f"{key}.json"
 
 
-def precompile(plan: Any, arch: int, *, allow_tf32: bool = False, float_dtype: Any = None,
+def precompile(plans: Any, arch: int, *, allow_tf32: bool = False, float_dtype: Any = None,
                jit: bool = True, jobs: int | None = None, progress: bool = True
                ) -> dict[str, Any]:
-    """Compile every kernel `plan` launches for sm_`arch` (module docstring); returns
-    {"kernels", "compiled", "failed": [{"name", "error"}], "seconds", "cached", "grids",
-    "aliases", "results"} (`results`: `compile_launch`'s rows when `jit` is False)."""
-    marker = _marker(plan, arch, allow_tf32, jit)
-    if marker.exists():
-        return json.loads(marker.read_text()) | {"cached": True}
+    """Compile every kernel `plans` (a plan, or a list: one pool for all of them) launch for
+    sm_`arch` (module docstring); returns {"kernels", "compiled", "failed": [{"name",
+    "error"}], "seconds", "cached", "grids", "aliases", "results"} (`results`:
+    `compile_launch`'s rows when `jit` is False). A plan whose marker exists is not recorded
+    again; `cached` is true when every plan's was."""
+    plans = list(plans) if isinstance(plans, (list, tuple)) else [plans]
+    markers = [_marker(p, arch, allow_tf32, jit) for p in plans]
+    todo = [i for i, m in enumerate(markers) if not m.exists()]
+    if not todo:
+        done = [json.loads(m.read_text()) for m in markers]
+        return _merge(done) | {"cached": True}
     t0 = time.perf_counter()
-    launches, shape = recorded_launches(plan, allow_tf32, float_dtype)
+    launches, shape = recorded_launches([plans[i] for i in todo], allow_tf32, float_dtype)
     results = _pool(launches, arch, jit, jobs or os.cpu_count() or 1, progress)
     failed = [{"name": r["name"], "error": r["error"]} for r in results if not r["ok"]]
     summary = {"kernels": len(launches), "compiled": len(launches) - len(failed),
                "failed": failed, "seconds": round(time.perf_counter() - t0, 1),
                "arch": arch, **shape, "results": [] if jit else results}
     if not failed:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        tmp = marker.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(summary))
-        os.replace(tmp, marker)
+        for i in todo:
+            markers[i].parent.mkdir(parents=True, exist_ok=True)
+            tmp = markers[i].with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(summary))
+            os.replace(tmp, markers[i])
     return summary | {"cached": False}
 
 
-def precompile_for_device(plan: Any, allow_tf32: bool = False, float_dtype: Any = None
+def _merge(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several plans' cached summaries as one (a summary several plans share counts once)."""
+    distinct = list({json.dumps(s, sort_keys=True): s for s in summaries}.values())
+    out: dict[str, Any] = {"kernels": 0, "compiled": 0, "failed": [], "seconds": 0.0,
+                           "grids": {}, "aliases": {}, "results": []}
+    for s in distinct:
+        for k in ("kernels", "compiled", "seconds"):
+            out[k] += s[k]
+        out["failed"] += s["failed"]
+        out["results"] += s["results"]
+        out["aliases"] |= s["aliases"]
+        for name, programs in s["grids"].items():
+            out["grids"][name] = max(out["grids"].get(name, 0), programs)
+        out["arch"] = s["arch"]
+    return out
+
+
+def precompile_for_device(plans: Any, allow_tf32: bool = False, float_dtype: Any = None
                           ) -> None:
-    """`precompile(plan)` for this process's CUDA device, through the JIT (the triton
-    target's hook, before it binds a plan). Kernels that fail are named and left to their
-    first launch."""
+    """`precompile(plans)` for this process's CUDA device, through the JIT (the triton
+    target's hook, before it binds a plan; `Program` calls it once with every plan a
+    training run launches). Kernels that fail are named and left to their first launch."""
     import torch
 
     major, minor = torch.cuda.get_device_capability()
     try:
-        s = precompile(plan, 10 * major + minor, allow_tf32=allow_tf32,
+        s = precompile(plans, 10 * major + minor, allow_tf32=allow_tf32,
                        float_dtype=float_dtype, jit=True)
     except RuntimeError as e:          # recording failed: every kernel compiles at launch
         print(f"titanc: precompile skipped ({e})", file=sys.stderr)

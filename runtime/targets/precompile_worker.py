@@ -1,7 +1,7 @@
 """The subprocesses of `runtime/targets/precompile.py`: the recording under Triton's
 interpreter and the compile workers.
 
-    python -m titanc.runtime.targets.precompile_worker --record PLAN.pickle OUT.json [--allow-tf32]
+    python -m titanc.runtime.targets.precompile_worker --record PLANS.pickle OUT.json [--allow-tf32]
     python -m titanc.runtime.targets.precompile_worker --worker ARCH jit|aot
 
 A worker reads one JSON launch a line on stdin and writes one JSON result a line on stdout:
@@ -108,22 +108,35 @@ def standins(launch: Launch, module: Any, arch: int) -> tuple[list[Any], int, in
 def warm(launch: Launch, arch: int) -> None:
     """Compile `launch` through its kernel's own `JITFunction.warmup` (a process with a CUDA
     driver), on `standins`: Triton computes the cache key the real launch will, and the
-    compiled kernel lands in its persistent cache under it."""
+    compiled kernel lands in its persistent cache under it. Then its launcher: Triton 3.6
+    builds a C launcher per kernel signature with the host's C compiler at the kernel's first
+    launch and caches it by its source (newer Tritons share one generic launcher, and this is
+    cheap there); built here, the training process finds it cached."""
+    import triton
+
     module = load_module(launch.source, launch.name, False)
     args, warps, stages = standins(launch, module, arch)
-    getattr(module, launch.name).warmup(*args, grid=(1,), num_warps=warps, num_stages=stages)
+    kernel = getattr(module, launch.name).warmup(*args, grid=(1,), num_warps=warps,
+                                                 num_stages=stages)
+    if kernel is not None and hasattr(kernel, "src") and hasattr(kernel, "metadata"):
+        triton.runtime.driver.active.launcher_cls(kernel.src, kernel.metadata)
 
 
 def _record_main(argv: list[str]) -> int:
-    """The recording subprocess: PLAN.pickle -> OUT.json (launches and grids)."""
+    """The recording subprocess: PLANS.pickle -> OUT.json (the plans' distinct launches,
+    grids and aliases)."""
     src, out = Path(argv[0]), Path(argv[1])
-    plan, float_dtype = pickle.loads(src.read_bytes())
+    plans, float_dtype = pickle.loads(src.read_bytes())
     grids: dict[str, int] = {}
     aliases: dict[str, str] = {}
-    launches = record_launches(plan, float_dtype=float_dtype,
-                               allow_tf32="--allow-tf32" in argv, grids=grids, aliases=aliases)
-    out.write_text(json.dumps({"launches": [asdict(l) for l in launches], "grids": grids,
-                               "aliases": aliases}, default=str))
+    launches: dict[str, Launch] = {}
+    for plan in plans:
+        for launch in record_launches(plan, float_dtype=float_dtype,
+                                      allow_tf32="--allow-tf32" in argv, grids=grids,
+                                      aliases=aliases):
+            launches.setdefault(launch.key(), launch)
+    out.write_text(json.dumps({"launches": [asdict(l) for l in launches.values()],
+                               "grids": grids, "aliases": aliases}, default=str))
     return 0
 
 
