@@ -148,9 +148,12 @@ def _shared(key: str, verify_each: bool, dumps: bool, compile: Any) -> _Entry:
     if path is not None:
         bare = dataclasses.replace(c, log=dataclasses.replace(c.log, callbacks=[], dumps=[]))
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(pickle.dumps(_Entry(bare, verify_each, False),
-                                     protocol=pickle.HIGHEST_PROTOCOL))
-        os.replace(tmp, path)                   # whole or absent for the other worker
+        try:        # best effort: a test that fills the disk (RLIMIT_FSIZE) sees its own error
+            tmp.write_bytes(pickle.dumps(_Entry(bare, verify_each, False),
+                                         protocol=pickle.HIGHEST_PROTOCOL))
+            os.replace(tmp, path)               # whole or absent for the other worker
+        except OSError:
+            tmp.unlink(missing_ok=True)
     return _Entry(c, verify_each, dumps)
 
 
