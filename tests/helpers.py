@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
+import pickle
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -37,55 +41,120 @@ def tokens(spec: Spec, batch: int | None = None, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, spec.model.vocab_size, (B, spec.model.seq_len + 1), generator=gen)
 
 
-_COMPILED: dict[tuple[str, Any, Any], Any] = {}
+# Spec fields a compile never reads (run control, the data source, where it runs): specs that
+# differ only in these share one compile. `data.documents` and `data.pack` stay: they add
+# graph inputs.
+NOT_COMPILED = {
+    "": ("name",),
+    "train": ("steps", "lr", "warmup", "seed", "grad_accum", "eval_every", "eval_batches",
+              "checkpoint_every", "log_every", "bucket_mb", "zero", "dist_timeout_s",
+              "memory_stats_every"),
+    "data": ("source", "val_fraction", "tokenizer"),
+    "compile": ("target", "cuda_graphs", "allow_tf32"),
+}
+
+
+def compile_key(spec: Spec, batch: int | None, patterns: bool) -> str:
+    """What a compile's result depends on, as text: the spec less `NOT_COMPILED`, the batch
+    and the pattern passes (`verify_each` and `dumps` only add checks and copies)."""
+    fields = spec_to_dict(spec)
+    for section, names in NOT_COMPILED.items():
+        table = fields[section] if section else fields
+        for name in names:
+            table.pop(name, None)
+    return json.dumps([fields, batch or spec.train.batch_size, patterns], sort_keys=True)
+
+
+# Set by tests/conftest.py under pytest-xdist: a directory of this run that every worker shares,
+# where each compile is pickled once, without its per-pass dumps (a worker loads what the
+# other compiled: 0.02-0.1 s against 1-5 s); empty: compiles are shared within the process.
+SHARED_COMPILES: list[Path] = []
+
+
+@dataclasses.dataclass
+class _Entry:
+    compiled: Any
+    verified: bool          # compiled with verify_each: every pass's output was verified
+    dumps: bool             # its log keeps the graph after each pass
+
+    def serves(self, verify_each: bool, dumps: bool) -> bool:
+        return (self.verified or not verify_each) and (self.dumps or not dumps)
 
 
 def memoize_compiles(real: Any) -> Any:
-    """`compile_graphs` that compiles each distinct (spec, batch, options) once per process and
-    hands out a copy of the first result: the compiled graphs, schedules and plans shared
-    (a program, an executor and every test only read them; passes return new graphs), the
-    table of kinds and the pass log its own (a kind compiled later on first use, and its
-    records, stay with the copy that asked). Off while debug output is asked for (a compile
-    then prints what it does)."""
+    """`compile_graphs` that compiles each distinct `compile_key` once per test run (per
+    process, and across the workers through `SHARED_COMPILES`; again only where a caller asks
+    for more checks or dumps than the first compile made) and hands out a copy: the compiled
+    graphs, schedules and plans shared (a program, an executor and every test only read them;
+    passes return new graphs), the spec the caller's, the table of kinds and the pass log its
+    own (a kind compiled later on first use, and its records, stay with the copy that asked).
+    Off while debug output is asked for (a compile then prints what it does)."""
+    import inspect
+
     from titanc import config
 
-    memo: dict[str, Any] = {}
+    memo: dict[str, _Entry] = {}
+    signature = inspect.signature(real)
 
-    def compile_graphs(spec: Spec, batch: int | None = None, *args: Any, **options: Any) -> Any:
+    def compile_graphs(*args: Any, **kwargs: Any) -> Any:
         if config.current().debug:
-            return real(spec, batch, *args, **options)
-        key = json.dumps([spec_to_dict(spec), batch, list(args), sorted(options.items())],
-                         sort_keys=True, default=str)
-        if key not in memo:
-            memo[key] = real(spec, batch, *args, **options)
-        c = memo[key]
-        log = dataclasses.replace(c.log, records=list(c.log.records), dumps=list(c.log.dumps),
-                                  callbacks=list(c.log.callbacks))
+            return real(*args, **kwargs)
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        spec, verify_each, dumps = (call.arguments[k] for k in ("spec", "verify_each", "dumps"))
+        key = compile_key(spec, call.arguments["batch"], call.arguments["patterns"])
+        entry = memo.get(key)
+        if entry is None or not entry.serves(verify_each, dumps):
+            memo[key] = entry = _shared(key, verify_each, dumps,
+                                        lambda: real(*call.args, **call.kwargs))
+        c = entry.compiled
+        log = dataclasses.replace(c.log, records=list(c.log.records),
+                                  dumps=list(c.log.dumps) if dumps else [],
+                                  callbacks=list(c.log.callbacks), verify_each=verify_each,
+                                  keep_dumps=dumps)
         return dataclasses.replace(c, spec=spec, log=log, graphs=dict(c.graphs))
 
     compile_graphs.__wrapped__ = real
     return compile_graphs
 
 
-def compile_each_model_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests that build a few tiny specs over and over, differing in fields the graphs do not
-    depend on (train.steps, eval cadence, data, distribution), compile each model once.
-    Programs only read their Compiled graphs, so sharing them is safe; each gets its own spec."""
-    import titanc.compiler as compiler
-    from titanc.runtime.train.checkpoint import RUN_CONTROL
-    real = compiler.compile_graphs
+def memoize_for_batch(real: Any) -> Any:
+    """`Compiled.for_batch` that returns one object per `compile_key` in a test process: its
+    kinds compile on first use and stay for the next program at that batch (a program and
+    `launches_per_step` only ask it for compiled graphs; its log is the unverified one
+    `for_batch` makes, no test reads it)."""
+    memo: dict[str, Any] = {}
 
-    def cached(spec: Any, batch: int | None = None, **options: bool) -> Any:
-        fields = spec_to_dict(spec)
-        fields["train"] = {k: v for k, v in fields["train"].items()
-                           if f"train.{k}" not in RUN_CONTROL}
-        del fields["data"], fields["name"]
-        key = (json.dumps(fields, sort_keys=True), batch, tuple(sorted(options.items())))
-        if key not in _COMPILED:
-            _COMPILED[key] = real(spec, batch=batch, **options)
-        return dataclasses.replace(_COMPILED[key], spec=spec)
+    def for_batch(self: Any, batch: int) -> Any:
+        key = compile_key(self.spec, batch, self.patterns)
+        if key not in memo:
+            memo[key] = real(self, batch)
+        return memo[key]
 
-    monkeypatch.setattr(compiler, "compile_graphs", cached)
+    for_batch.__wrapped__ = real
+    return for_batch
+
+
+def _shared(key: str, verify_each: bool, dumps: bool, compile: Any) -> _Entry:
+    """The compile of `key` from the run's shared directory where it serves the call, or
+    compiled (and stored there, without its dumps)."""
+    path = SHARED_COMPILES[0] / (hashlib.sha256(key.encode()).hexdigest() + ".pickle") \
+        if SHARED_COMPILES else None
+    if path is not None and path.exists():
+        entry = pickle.loads(path.read_bytes())
+        if entry.serves(verify_each, dumps):
+            return entry
+    c = compile()
+    if path is not None:
+        bare = dataclasses.replace(c, log=dataclasses.replace(c.log, callbacks=[], dumps=[]))
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        try:        # best effort: a test that fills the disk (RLIMIT_FSIZE) sees its own error
+            tmp.write_bytes(pickle.dumps(_Entry(bare, verify_each, False),
+                                         protocol=pickle.HIGHEST_PROTOCOL))
+            os.replace(tmp, path)               # whole or absent for the other worker
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return _Entry(c, verify_each, dumps)
 
 
 @pytest.fixture(autouse=True)

@@ -20,8 +20,8 @@ from titanc.runtime.train.checkpoint import (RNG_KEY, load_checkpoint, restore, 
 from titanc.runtime.train.trainer import Trainer
 from titanc.model.spec import spec_hash, spec_to_dict
 
-# one_thread and compile_once are autouse fixtures
-from .test_trainer import compile_once, one_thread, tiny, train  # noqa: F401
+# one_thread is an autouse fixture
+from .test_trainer import one_thread, tiny, train  # noqa: F401
 
 
 def tokens(prog: Any, seed: int = 0) -> torch.Tensor:

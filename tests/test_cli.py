@@ -168,29 +168,23 @@ def test_missing_backend_is_a_clean_error(monkeypatch: pytest.MonkeyPatch,
         "(titanc.tools.artifact is missing)\n")
 
 
-def test_generate_from_a_trained_run(tmp_path) -> None:
-    import subprocess
-    import sys
-
+def test_generate_from_a_trained_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`titanc train` in this process (its wiring is above), `titanc generate` of the run as a
+    user runs it (a subprocess: exit status and output), and a missing run: one line, exit 2."""
     run = tmp_path / "run"
-    base = [sys.executable, "-m", "titanc"]
     sets = ["--set", "model.d_model=16", "--set", "model.n_layers=1", "--set", "model.seq_len=16",
             "--set", "train.batch_size=2", "--set", "model.memory.chunk_size=4",
             "--set", "train.eval_every=0"]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    r = subprocess.run(base + ["train", "examples/tiny_lmm.yaml", *sets, "--steps", "2",
-                               "--data", str(corpus), "--out", str(run)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run(base + ["generate", str(run), "--prompt", "the", "--prompt", "fox",
-                               "--max-new-tokens", "5", "--temperature", "0"],
-                       capture_output=True, text=True)
+    assert main(["train", str(ROOT / "examples/tiny_lmm.yaml"), *sets, "--steps", "2",
+                 "--data", str(corpus), "--out", str(run)]) == 0
+    r = titanc("generate", run, "--prompt", "the", "--prompt", "fox", "--max-new-tokens", "5",
+               "--temperature", "0", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith("the") and lines[1].startswith("fox")
-    r = subprocess.run(base + ["generate", str(tmp_path / "missing"), "--prompt", "x"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip() == (f"titanc: error: load {tmp_path / 'missing'}: "
-                                f"no such run directory or checkpoint file")
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (f"titanc: error: load {tmp_path / 'missing'}: "
+                                               f"no such run directory or checkpoint file")

@@ -29,7 +29,7 @@ from titanc.runtime.data.shards import ShardData
 from titanc.runtime.train.trainer import Trainer, read_metrics
 from titanc.model.spec import load_spec
 
-from tests.helpers import compile_each_model_once, one_thread  # noqa: F401 (autouse)
+from tests.helpers import one_thread  # noqa: F401 (autouse)
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = str(ROOT / "examples" / "tiny_attn.yaml")
@@ -43,13 +43,6 @@ CONFIGS = [(zero, accum) for zero in (0, 1) for accum in (1, 2)]
 # AdamW's step barely depends on the gradient's scale (and not at all once clipped), so the
 # moments are compared too; clipping is off without accumulation, on with it
 CLIP = {1: 0.0, 2: 0.5}
-
-
-@pytest.fixture(autouse=True)
-def compile_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    compile_each_model_once(monkeypatch)
-
-
 
 
 def env(nproc: int) -> dict[str, str]:

@@ -25,9 +25,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import titanc.tools.artifact as artifact  # noqa: E402
 from titanc.tools.cli import main  # noqa: E402
-from titanc.model.spec import _leaf_paths, spec_to_dict  # noqa: E402
+from titanc.model.spec import _leaf_paths  # noqa: E402
 
 BASE: dict[str, Any] = {
     "name": "fuzz",
@@ -98,25 +97,6 @@ def set_items(draw: st.DrawFn) -> list[str]:
                                           .strip().removesuffix("...").strip())))
         items.append(f"--set={draw(paths)}={value}")
     return items
-
-
-_COMPILED: dict[str, Any] = {}
-
-
-@pytest.fixture(autouse=True)
-def compile_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compiling is deterministic in the spec: compile each distinct model once."""
-    import dataclasses
-    real = artifact.compile_graphs
-
-    def cached(spec: Any) -> Any:
-        fields = {**spec_to_dict(spec), "name": ""}
-        key = json.dumps(fields, sort_keys=True)
-        if key not in _COMPILED:
-            _COMPILED[key] = real(spec)
-        return dataclasses.replace(_COMPILED[key], spec=spec)
-
-    monkeypatch.setattr(artifact, "compile_graphs", cached)
 
 
 @settings(max_examples=80, deadline=None, derandomize=True, database=None,

@@ -36,8 +36,8 @@ from titanc.runtime.train.threads import ENV, free_cores, model_threads, resolve
 from titanc.runtime.train.trainer import Trainer, read_metrics
 from titanc.model.spec import spec_to_dict
 
-# one_thread and compile_once are autouse fixtures
-from .test_trainer import compile_once, one_thread, tiny, train  # noqa: F401
+# one_thread is an autouse fixture
+from .test_trainer import one_thread, tiny, train  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "tiny.yaml"

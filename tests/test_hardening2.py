@@ -34,7 +34,7 @@ from titanc.runtime.train.trainer import Trainer
 from titanc.tools.cli import main
 
 from .test_hardening import cli, one_error_line
-from .test_trainer import compile_once, one_thread, tiny  # noqa: F401 (autouse)
+from .test_trainer import one_thread, tiny  # noqa: F401 (autouse)
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "tiny.yaml"

@@ -29,14 +29,8 @@ SMALL = {"model.d_model": 16, "model.n_layers": 1, "model.seq_len": 8, "model.vo
          "model.attention.window": 4, "model.attention.persistent_tokens": 2,
          "train.batch_size": 1, "train.loss_chunk": 0, "train.dtype": "float64"}
 
-_COMPILED: dict[str, Any] = {}
-
-
 def compiled(example: str = "tiny_lmm") -> Any:
-    if example not in _COMPILED:
-        _COMPILED[example] = compile_graphs(load_spec(ROOT / "examples" / f"{example}.yaml",
-                                                      SMALL))
-    return _COMPILED[example]
+    return compile_graphs(load_spec(ROOT / "examples" / f"{example}.yaml", SMALL))
 
 
 def _inputs(c: Any) -> dict[str, torch.Tensor]:

@@ -277,7 +277,7 @@ def test_cpu_and_triton_agree_on_a_bf16_mac_training_step() -> None:
     """tiny.yaml's training step (loss and every gradient) in bf16 on the interpreted triton
     target, its scan kernels' dots of bf16 values on bf16 tiles (`codegen.meta.mma16`; the
     interpreter multiplies them as float32, DOT_F32), against the cpu target."""
-    over = {**SMALL_MAC, **BF16}
+    over = {**SMALL_MAC, **BF16, "model.memory.chunk_size": 4}   # two chunks: interpreted
     toks = tokens(load_spec(EXAMPLES / "tiny.yaml", over))
     cpu = titanc.compile(EXAMPLES / "tiny.yaml", **over, **{"compile.target": "cpu"})
     tri = titanc.compile(EXAMPLES / "tiny.yaml", **over, **{"compile.target": "triton"})

@@ -125,8 +125,9 @@ def check_scan(g, n, dt: torch.dtype, seed: int = 0, carry_budget: int | None = 
 @pytest.mark.parametrize("example", ["tiny_lmm", pytest.param("tiny_mag", marks=pytest.mark.slow),
                                      pytest.param("tiny_mal", marks=pytest.mark.slow), "tiny"])
 def test_memory_chunk_scans_match_reference(example: str) -> None:
-    """Forward, checkpoint and reverse (backward) memory-chunk scans of the training graph."""
-    c = compile_graphs(_spec(example))
+    """Forward, checkpoint and reverse (backward) memory-chunk scans of the training graph
+    (memory chunks of 4: two per sequence; the interpreter's time is per chunk)."""
+    c = compile_graphs(_spec(example, **{"model.memory.chunk_size": 4}))
     found = list(_scans(c.plans["training"], "memory_chunk"))
     assert any(n.attr("reverse") for _, n in found) and any(not n.attr("reverse")
                                                            for _, n in found)
@@ -208,7 +209,9 @@ def test_bf16_dots_take_bf16_operands_exactly(example: str, body: str, monkeypat
     and backward memory-chunk scans (every dot bf16), and the MAC segment's forward with its
     attention (q k^T over the widened bf16 q and the key groups' concat; the softmax-weighted
     dots stay float32); its serial backward takes 10 s a run interpreted."""
-    c = compile_graphs(_spec(example, **{"train.dtype": "bfloat16"}))
+    # memory chunks of 4: two per sequence (the interpreter's time is per chunk, and a chunk
+    # of 2 tokens runs the same dots)
+    c = compile_graphs(_spec(example, **{"train.dtype": "bfloat16", "model.memory.chunk_size": 4}))
     found = list(_scans(c.plans["training"], body))
     assert any(n.attr("reverse") for _, n in found) and any(not n.attr("reverse")
                                                            for _, n in found)

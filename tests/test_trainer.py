@@ -20,20 +20,13 @@ from titanc.runtime.train.lr_schedule import lr_at
 from titanc.runtime.train.trainer import Trainer, read_metrics, run_training
 from titanc.model.spec import Spec, load_spec, spec_to_dict
 
-from tests.helpers import compile_each_model_once, one_thread  # noqa: F401 (autouse)
+from tests.helpers import one_thread  # noqa: F401 (autouse)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.seq_len": 16, "model.vocab_size": 256,
         "model.attention.segment": 8, "model.memory.chunk_size": 4, "train.batch_size": 2,
         "train.eval_every": 0, "train.eval_batches": 1, "train.checkpoint_every": 0}
 FILES = {"attn": "tiny_attn.yaml", "lmm": "tiny_lmm.yaml", "mac": "tiny.yaml"}
-
-
-
-
-@pytest.fixture(autouse=True)
-def compile_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    compile_each_model_once(monkeypatch)
 
 
 def tiny(block: str = "attn", **overrides: Any) -> Spec:
