@@ -5,7 +5,10 @@
 - several einsums over one output tile in one matmul kernel, each its own K loop (siblings
   reading one operand, a sum of products such as a backward's `dy W1ᵀ + dz W2ᵀ`);
 - cousins: pointwise kernels of one domain that read outputs of the same kernel merge, one
-  launch instead of several.
+  launch instead of several;
+- neighbours: independent kernels of one kind close in the order merge (pointwise of one
+  domain, reductions of one shape and axes, contractions of one tile), not across kinds or
+  reduction axes.
 
 Each rule: the structure (kernel count and category of a small graph, the refusal where it
 must not apply) and float64 parity of the fused schedule against the reference interpreter
@@ -164,3 +167,28 @@ def test_cousin_pointwise_kernels_merge() -> None:
     s = check_parity(b.graph)
     assert categories(s) == ["pointwise", "matmul", "pointwise"]
     assert sorted(ops(s)[2]) == ["exp", "permute", "permute", "sigmoid"]
+
+
+# -- neighbours ------------------------------------------------------------------------------------
+
+def test_neighbouring_kernels_of_one_kind_merge() -> None:
+    # three independent pieces of work on separate inputs: two pointwise ones of one domain
+    # (shapes differ, the element count is the same), two sums over one shape and axes, two
+    # contractions of one tile: a launch saved each, nothing shared to save bytes on
+    b = Builder("neighbours")
+    a, c = b.input("a", (8, 6), DT), b.input("c", (6, 8), DT)
+    r1, r2 = b.input("r1", (5, 7), DT), b.input("r2", (5, 7), DT)
+    x1, x2, w = b.input("x1", (4, 16), DT), b.input("x2", (4, 16), DT), b.input("w", (16, 8), DT)
+    outs = [a.exp(), c.sigmoid(), r1.sum((1,)), (r2 * r2).sum((1,)),
+            b.einsum("mk,kn->mn", x1, w), b.einsum("mk,kn->mn", x2, w).silu()]
+    b.graph.set_outputs([(f"y{k}", o.id) for k, o in enumerate(outs)])
+    s = check_parity(b.graph)
+    assert sorted(categories(s)) == ["matmul", "pointwise", "reduction"]
+
+
+def test_neighbouring_reductions_over_other_axes_stay_apart() -> None:
+    b = Builder("apart")
+    r1, r2 = b.input("r1", (5, 7), DT), b.input("r2", (5, 7), DT)
+    b.graph.set_outputs([("s1", r1.sum((1,)).id), ("s2", r2.sum((0,)).id)])
+    s = check_parity(b.graph)
+    assert categories(s) == ["reduction", "reduction"]
