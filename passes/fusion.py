@@ -209,6 +209,7 @@ class _Fuser:
         self.info = {gid: self.summary(ms, legal=False) for gid, ms in self.members.items()}
         self.tag = {gid: self._tag(ms) for gid, ms in self.members.items()}
         self.version = {gid: 0 for gid in self.members}
+        self._families: dict[tuple[int, int], tuple | None] = {}
         self.ws = {gid: sum(peak_live_bytes(bodies[n]) for n in ms if n in bodies)
                    for gid, ms in self.members.items()}
         self.prod = {v: gid for gid, s in self.info.items() for v in s.outputs}
@@ -515,23 +516,26 @@ class _Fuser:
                 others = sorted(self.succs[p] - {gid})
                 if len(others) <= SIBLING_READERS:
                     near += [(o, 2) for o in others if self._elementwise_only(o)]
-        r = self.rank[gid]
-        kind = self._family(gid)
-        if kind is not None:
-            near += [(o, 3) for o in self.order[max(0, r - HORIZONTAL):r + HORIZONTAL + 1]
-                     if o != gid and self._family(o) == kind]
         seen: set[int] = set()
         for other, kind in near:
-            # a lone cast of an input (one per reader: `split_casts`) goes into its reader,
-            # unless its readers are templates (a scan reads it): then it is a kernel anyway
-            if (self._absorbable(gid) and other not in self.succs[gid]) or (
-                    self._absorbable(other) and other not in self.preds[gid]):
+            # a lone cast of an input (one per reader: `split_casts`) goes into its reader
+            if (self._cast_only(gid) and other not in self.succs[gid]) or (
+                    self._cast_only(other) and other not in self.preds[gid]):
                 continue
             if other not in seen and self.compatible(gid, other):
                 seen.add(other)
                 score = info.bytes + self.info[other].bytes - self.union(gid, other).bytes
-                if score > 0 or (kind >= 2 and score == 0):     # a launch saved
+                if score > 0 or (kind == 2 and score == 0):     # cousins: a launch saved
                     yield other, kind, score
+        # neighbours: independent work of one kind nearby in the order, a launch saved (no
+        # shared value, so no bytes: a pair that shares one was a candidate above)
+        family = self._family(gid)
+        if family is None:
+            return
+        r = self.rank[gid]
+        for other in self.order[max(0, r - HORIZONTAL):r + HORIZONTAL + 1]:
+            if other != gid and other not in seen and self._family(other) == family:
+                yield other, 3, 0
 
     def _elementwise_only(self, gid: int) -> bool:
         """No contraction, reduction or template: a group that can only be pointwise."""
@@ -539,16 +543,27 @@ class _Fuser:
         return not (t or e or r)
 
     def _family(self, gid: int) -> tuple | None:
-        """What a neighbour must be to share a kernel with this group: pointwise, a
-        contraction, or reductions of the same keys (None: a template is alone)."""
-        t, e, r = self.tag[gid]
-        return None if t else ("matmul",) if e else ("reduction", r) if r else ("pointwise",)
-
-    def _absorbable(self, gid: int) -> bool:
-        """A cast of an input that some reader other than a template can take in."""
-        return self._cast_only(gid) and any(
-            self.node[u].op not in TEMPLATES for v in self.info[gid].outputs
-            for u in self.users[v])
+        """What a neighbour must match to share a kernel with this group (cached per group
+        version): pointwise over one element count, contractions over one output tile,
+        reductions of the same keys; None for a template (alone) and for a cast of an input
+        that a reader other than a template can take in (`split_casts`: it goes there)."""
+        key = (gid, self.version[gid])
+        if key not in self._families:
+            t, e, r = self.tag[gid]
+            ms = [self.node[n] for n in self.members[gid]]
+            if t or (self._cast_only(gid) and any(
+                    self.node[u].op not in TEMPLATES for v in self.info[gid].outputs
+                    for u in self.users[v])):
+                fam = None
+            elif e:
+                fam = ("matmul", matmul_tile(self.g, next(n for n in ms if n.op is Op.EINSUM)))
+            elif r:
+                fam = ("reduction", r)
+            else:
+                outs = self.info[gid].outputs
+                fam = ("pointwise", _numel(self.node[outs[0]]) if outs else None)
+            self._families[key] = fam
+        return self._families[key]
 
     def _cast_only(self, gid: int) -> bool:
         """Is the group a cast of an input (with views of it), which only its reader takes?"""

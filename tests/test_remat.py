@@ -22,8 +22,11 @@ SETTINGS = [
 ]
 
 
-# MAC (the deepest nesting: layer, segment, chunk scans) and attn in `make test`, the rest slow
-@pytest.mark.parametrize("block", [b if b in ("mac", "attn") else pytest.param(b, marks=pytest.mark.slow)
+# attn in `make test`, the rest slow: MAC's policies are checked in the fast tier by
+# test_linear_cross_entropy's parity (the default per_layer, loss and every gradient against
+# the float64 reference), test_remat_segment (per_segment against no remat) and
+# test_remat_group (groups against per_layer and per_segment)
+@pytest.mark.parametrize("block", [b if b == "attn" else pytest.param(b, marks=pytest.mark.slow)
                                    for b in BLOCKS])
 def test_loss_and_gradients_identical_across_policies(block: str) -> None:
     base = {"model.block": block, "model.seq_len": 32, "model.memory.chunk_size": 2,
