@@ -83,6 +83,8 @@ MAX_NAME_OPS = 4
 MAX_CONTRACTIONS = 4         # einsums one matmul kernel may hold (one K loop each)
 SIBLING_READERS = 8          # siblings of a value are paired only when it has this few readers
 HORIZONTAL = 8               # kernels either side in the order a launch-saving merge looks at
+NEIGHBOUR_TENSORS = 12       # tensors a neighbour merge may leave a kernel reading and writing
+                             # (more held a tiny.yaml reduction at 255 registers, 1.6 KB spilled)
 
 
 class _Templates:
@@ -533,8 +535,11 @@ class _Fuser:
         if family is None:
             return
         r = self.rank[gid]
+        tensors = len(info.inputs) + len(info.outputs)
         for other in self.order[max(0, r - HORIZONTAL):r + HORIZONTAL + 1]:
-            if other != gid and other not in seen and self._family(other) == family:
+            o = self.info[other]
+            if other != gid and other not in seen and self._family(other) == family and \
+                    tensors + len(o.inputs) + len(o.outputs) <= NEIGHBOUR_TENSORS:
                 yield other, 3, 0
 
     def _elementwise_only(self, gid: int) -> bool:

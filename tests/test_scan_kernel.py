@@ -461,7 +461,7 @@ def test_report_counts_launches_per_target_and_says_why_a_scan_stays_a_loop(tmp_
     # the loss and the segment sum read the token slices in place, 2,594 before reductions
     # took their row epilogues, matmul kernels several einsums of one tile, and cousin
     # pointwise kernels merged; 1,878 before neighbouring kernels of one kind merged)
-    assert cpu["training"] == 1718 and tri["training"] < cpu["training"]
+    assert cpu["training"] == 1750 and tri["training"] < cpu["training"]
     assert tri["decode"] <= cpu["decode"]
     # the layer, segment and decode-write scans are host loops, the memory chunks kernels
     forms = report["scan_forms"]["triton"]
