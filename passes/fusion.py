@@ -46,7 +46,8 @@ bytes saved (`bytes(a) + bytes(b) - bytes(a∪b)`: a value read only inside the 
 goes to memory, a shared input is read once); the best is taken first (ties:
 producer/consumer before siblings before cousins before neighbours, then program order). A
 merge that saves no bytes is taken only for cousins and neighbours: it saves a launch (a
-GPU step of ~1,000 small kernels is bound by their count, docs/gpu.md). A merge is
+GPU step of ~1,000 small kernels is bound by their count, docs/gpu.md); a neighbour merge
+leaves the kernel at most NEIGHBOUR_TENSORS tensors. A merge is
 refused if the union breaks the rules above, if it closes a cycle in the kernel graph, or if it
 raises the schedule's peak of live bytes. The kernel order starts as a topological sort keyed
 on program order; a merge only reorders the kernels between the two it joins, placing the
