@@ -86,8 +86,9 @@ def memoize_compiles(real: Any) -> Any:
     process, and across the workers through `SHARED_COMPILES`; again only where a caller asks
     for more checks or dumps than the first compile made) and hands out a copy: the compiled
     graphs, schedules and plans shared (a program, an executor and every test only read them;
-    passes return new graphs), the spec the caller's, the table of kinds and the pass log its
-    own (a kind compiled later on first use, and its records, stay with the copy that asked).
+    passes return new graphs), the table of kinds too (a kind compiled later on first use,
+    such as `logits` or `decode_step`, serves every later copy; its pass records stay in the
+    log of the copy that compiled it), the spec and the pass log the caller's own.
     Off while debug output is asked for (a compile then prints what it does)."""
     import inspect
 
@@ -112,7 +113,7 @@ def memoize_compiles(real: Any) -> Any:
                                   dumps=list(c.log.dumps) if dumps else [],
                                   callbacks=list(c.log.callbacks), verify_each=verify_each,
                                   keep_dumps=dumps)
-        return dataclasses.replace(c, spec=spec, log=log, graphs=dict(c.graphs))
+        return dataclasses.replace(c, spec=spec, log=log, graphs=c.graphs)
 
     compile_graphs.__wrapped__ = real
     return compile_graphs

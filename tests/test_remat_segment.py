@@ -144,7 +144,9 @@ def test_per_segment_shrinks_the_large_like_arena() -> None:
 
 @pytest.mark.parametrize("example", ["tiny", pytest.param("tiny_mal", marks=pytest.mark.slow)])
 def test_per_segment_triton_matches_cpu_float64(example: str) -> None:
-    """The FFN chunk scan and the segmented MAC body on the (interpreted) triton target."""
+    """The FFN chunk scan and the segmented MAC body on the (interpreted) triton target: one
+    sequence (`train.remat_rows` 1: the row scan still runs, once; two rows took 25 s against
+    14 s, and the cpu target's tests run several)."""
     from titanc.runtime.targets.triton_executor import TritonExecutor
 
     pytest.importorskip("triton")
@@ -153,8 +155,8 @@ def test_per_segment_triton_matches_cpu_float64(example: str) -> None:
             "model.attention.segment": 4, "model.attention.window": 4,
             "model.attention.persistent_tokens": 2, "model.memory.chunk_size": 2,
             "model.memory.heads": 1, "train.dtype": "float64", "train.remat": "per_segment",
-            "train.batch_size": 2, "train.remat_rows": 1}
-    progs = one_step_on_both_targets(ROOT / "examples" / f"{example}.yaml", over, batch=2)
+            "train.remat_rows": 1}
+    progs = one_step_on_both_targets(ROOT / "examples" / f"{example}.yaml", over, batch=1)
     assert all(type(ex) is TritonExecutor for ex in progs["triton"]._executors.values())
 
 
