@@ -8,16 +8,13 @@ tests are skipped when no CUDA device is present.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import titanc.compiler
 from titanc.model.spec import Spec, load_spec
-from tests.helpers import SERVE_SETS, SHARED_COMPILES, memoize_compiles, memoize_for_batch
+from tests.helpers import SERVE_SETS, memoize_compiles, memoize_for_batch
 
 # one compile per distinct model and options in a test run, and one per model at each other
 # batch a program runs (tests/helpers.py says why that is safe); patched before any test module
@@ -41,27 +38,6 @@ LONGEST_FIRST = (
     "test_remat.py", "test_corpus_e2e.py", "test_serve.py", "test_aot.py", "test_bench.py",
     "test_cli.py", "test_pipeline.py",
 )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist the controller makes the run's directory of shared compiles and
-    hands it to every worker (`pytest_configure_node`); removed when the run ends."""
-    worker = getattr(config, "workerinput", None)
-    if worker is not None:
-        if worker.get("titanc_compiles"):
-            SHARED_COMPILES.append(Path(worker["titanc_compiles"]))
-    elif getattr(config.option, "numprocesses", None):
-        config.titanc_compiles = tempfile.mkdtemp(prefix="titanc-test-compiles-")
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node: Any) -> None:
-    node.workerinput["titanc_compiles"] = getattr(node.config, "titanc_compiles", "")
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    if getattr(config, "titanc_compiles", None):
-        shutil.rmtree(config.titanc_compiles, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

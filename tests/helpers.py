@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-import pickle
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import torch
 
 from titanc.ir import Op
-from titanc.model.spec import Spec, load_spec, spec_to_dict
+from titanc.compile_cache import compile_key
+from titanc.model.spec import Spec, load_spec
 
 TINY: dict[str, Any] = {
     "name": "t",
@@ -41,36 +37,6 @@ def tokens(spec: Spec, batch: int | None = None, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, spec.model.vocab_size, (B, spec.model.seq_len + 1), generator=gen)
 
 
-# Spec fields a compile never reads (run control, the data source, where it runs): specs that
-# differ only in these share one compile. `data.documents` and `data.pack` stay: they add
-# graph inputs.
-NOT_COMPILED = {
-    "": ("name",),
-    "train": ("steps", "lr", "warmup", "seed", "grad_accum", "eval_every", "eval_batches",
-              "checkpoint_every", "log_every", "bucket_mb", "zero", "dist_timeout_s",
-              "memory_stats_every"),
-    "data": ("source", "val_fraction", "tokenizer"),
-    "compile": ("target", "cuda_graphs", "allow_tf32"),
-}
-
-
-def compile_key(spec: Spec, batch: int | None, patterns: bool) -> str:
-    """What a compile's result depends on, as text: the spec less `NOT_COMPILED`, the batch
-    and the pattern passes (`verify_each` and `dumps` only add checks and copies)."""
-    fields = spec_to_dict(spec)
-    for section, names in NOT_COMPILED.items():
-        table = fields[section] if section else fields
-        for name in names:
-            table.pop(name, None)
-    return json.dumps([fields, batch or spec.train.batch_size, patterns], sort_keys=True)
-
-
-# Set by tests/conftest.py under pytest-xdist: a directory of this run that every worker shares,
-# where each compile is pickled once, without its per-pass dumps (a worker loads what the
-# other compiled: 0.02-0.1 s against 1-5 s); empty: compiles are shared within the process.
-SHARED_COMPILES: list[Path] = []
-
-
 @dataclasses.dataclass
 class _Entry:
     compiled: Any
@@ -82,9 +48,10 @@ class _Entry:
 
 
 def memoize_compiles(real: Any) -> Any:
-    """`compile_graphs` that compiles each distinct `compile_key` once per test run (per
-    process, and across the workers through `SHARED_COMPILES`; again only where a caller asks
-    for more checks or dumps than the first compile made) and hands out a copy: the compiled
+    """`compile_graphs` that compiles each distinct `compile_key` once per test process (again
+    only where a caller asks for more checks or dumps than the first compile made; across
+    processes, the workers and the CLI, server and rank subprocesses share compiles through
+    titanc's own on-disk cache, titanc/compile_cache.py) and hands out a copy: the compiled
     graphs, schedules and plans shared (a program, an executor and every test only read them;
     passes return new graphs), the table of kinds too (a kind compiled later on first use,
     such as `logits` or `decode_step`, serves every later copy; its pass records stay in the
@@ -106,8 +73,7 @@ def memoize_compiles(real: Any) -> Any:
         key = compile_key(spec, call.arguments["batch"], call.arguments["patterns"])
         entry = memo.get(key)
         if entry is None or not entry.serves(verify_each, dumps):
-            memo[key] = entry = _shared(key, verify_each, dumps,
-                                        lambda: real(*call.args, **call.kwargs))
+            memo[key] = entry = _Entry(real(*call.args, **call.kwargs), verify_each, dumps)
         c = entry.compiled
         log = dataclasses.replace(c.log, records=list(c.log.records),
                                   dumps=list(c.log.dumps) if dumps else [],
@@ -134,28 +100,6 @@ def memoize_for_batch(real: Any) -> Any:
 
     for_batch.__wrapped__ = real
     return for_batch
-
-
-def _shared(key: str, verify_each: bool, dumps: bool, compile: Any) -> _Entry:
-    """The compile of `key` from the run's shared directory where it serves the call, or
-    compiled (and stored there, without its dumps)."""
-    path = SHARED_COMPILES[0] / (hashlib.sha256(key.encode()).hexdigest() + ".pickle") \
-        if SHARED_COMPILES else None
-    if path is not None and path.exists():
-        entry = pickle.loads(path.read_bytes())
-        if entry.serves(verify_each, dumps):
-            return entry
-    c = compile()
-    if path is not None:
-        bare = dataclasses.replace(c, log=dataclasses.replace(c.log, callbacks=[], dumps=[]))
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        try:        # best effort: a test that fills the disk (RLIMIT_FSIZE) sees its own error
-            tmp.write_bytes(pickle.dumps(_Entry(bare, verify_each, False),
-                                         protocol=pickle.HIGHEST_PROTOCOL))
-            os.replace(tmp, path)               # whole or absent for the other worker
-        except OSError:
-            tmp.unlink(missing_ok=True)
-    return _Entry(c, verify_each, dumps)
 
 
 @pytest.fixture(autouse=True)

@@ -95,7 +95,9 @@ def test_logprobs_match_reference_and_never_build_full_logits(block: str) -> Non
     assert widest == 4 * 64
 
 
-@pytest.mark.parametrize("block", ["attn", "lmm", "mac", "mag"])
+# make test: attention alone and MAC (attention and memory); lmm and mag in the slow tier
+@pytest.mark.parametrize("block", ["attn", pytest.param("lmm", marks=pytest.mark.slow), "mac",
+                                   pytest.param("mag", marks=pytest.mark.slow)])
 def test_decode_step_allocates_nothing(block: str) -> None:
     from titanc.runtime.diagnostics.alloc_probe import allocations_during
 

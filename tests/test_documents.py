@@ -149,10 +149,12 @@ def _program(block: str, target: str, layers: int | None = None):
     return titanc.compile(_spec(block, **{"compile.target": target, "model.n_layers": layers}))
 
 
-# every block on the cpu target; on the interpreted triton target in the slow tier (the
-# default tier's triton case is the mid-chunk test below: MAC, starts inside chunks,
-# gradients against the cpu target)
-PACKED_CASES = [pytest.param(b, t, marks=[pytest.mark.slow] if t == "triton" else [])
+# MAC and MAL on the cpu target (memory and attention, read in parallel and in sequence; every
+# block is packed against alone on the reference above); the other blocks and the
+# interpreted triton target in the slow tier (the default tier's triton case is the mid-chunk
+# test below: MAC, starts inside chunks, gradients against the cpu target)
+PACKED_CASES = [pytest.param(b, t, marks=[] if t == "cpu" and b in ("mac", "mal")
+                             else [pytest.mark.slow])
                 for t in ("cpu", "triton") for b in BLOCKS]
 
 

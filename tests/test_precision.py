@@ -174,7 +174,7 @@ def test_bf16_run_resumes_bit_for_bit_with_float32_masters(tmp_path: Path) -> No
     assert losses[0] == losses[1] and len(losses[0]) == 4
 
 
-@pytest.mark.parametrize("block", ["lmm", "mac", "mag"])
+@pytest.mark.parametrize("block", ["lmm", "mac", pytest.param("mag", marks=pytest.mark.slow)])
 def test_bf16_decoding_matches_its_own_parallel_forward(block: str) -> None:
     prog = _program(block, **{"train.batch_size": 1})
     toks = tokens(prog.spec, 1, seed=2)

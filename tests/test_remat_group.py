@@ -47,10 +47,14 @@ def _run(spec, executor: bool) -> dict[str, torch.Tensor]:
     return interpret(c.grad, inputs)
 
 
+# make test: MAC per_segment on the interpreted graph and per_layer on the compiled program;
+# the other blocks and the other pairings in the slow tier
 @pytest.mark.parametrize("block,remat,executor", [
-    ("mac", "per_layer", False), pytest.param("lmm", "per_layer", False, marks=pytest.mark.slow),
+    pytest.param("mac", "per_layer", False, marks=pytest.mark.slow),
+    pytest.param("lmm", "per_layer", False, marks=pytest.mark.slow),
     pytest.param("mag", "per_layer", False, marks=pytest.mark.slow),
-    ("mac", "per_segment", False), ("mac", "per_layer", True), ("lmm", "per_segment", True)])
+    ("mac", "per_segment", False), ("mac", "per_layer", True),
+    pytest.param("lmm", "per_segment", True, marks=pytest.mark.slow)])
 def test_group_gradients_are_bitwise_per_layer(block: str, remat: str, executor: bool) -> None:
     over = {**BASE, "model.block": block, "train.remat": remat, "train.remat_rows": 1}
     want = _run(tiny_spec(**over), executor)

@@ -22,10 +22,12 @@ the runtime receives compiled graphs and never imports a frontend module.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from titanc import compile_cache
 from titanc.fit import planned_bytes
 from titanc.ir import Graph, dtype_name
 from titanc.passes.aggregate import Aggregate
@@ -266,11 +268,21 @@ def compile_graphs(spec: Spec, batch: int | None = None, verify_each: bool = Tru
     """Lower `spec` and compile its training graphs (forward, training, optimizer); the other
     kinds compile on first use. Allocates no model-sized tensors. `patterns=False` leaves the
     pattern passes out (flash attention, fused AdamW): the 'before' of `titanc.tools.cost_model`.
-    `dumps=False` keeps no graph per pass (`log.dumps` empty: a program that only runs)."""
+    `dumps=False` keeps no graph per pass (`log.dumps` empty: a program that only runs); such a
+    compile is read from the on-disk cache when an earlier process made it
+    (titanc/compile_cache.py), and every compile is written there."""
+    key = compile_cache.compile_key(spec, batch, patterns)
+    if compile_cache.enabled(dumps):
+        hit = compile_cache.load(key, verify_each)
+        if hit is not None:
+            log = dataclasses.replace(hit.log, verify_each=verify_each, keep_dumps=False)
+            return dataclasses.replace(hit, spec=spec, log=log)
     c = Compiled(spec, batch or spec.train.batch_size, param_specs(spec.model),
                  PassLog(verify_each=verify_each, keep_dumps=dumps), patterns=patterns)
     for kind in ("forward", "training", "optimizer"):
         c.graph(kind)
+    if compile_cache.enabled(False):
+        compile_cache.store(key, c, verify_each)
     return c
 
 

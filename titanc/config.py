@@ -12,7 +12,8 @@ program that never runs the CLI gets the same settings, read the first time it a
 |----------------|-----------------------|-----------------------------------------------------------|
 | `debug`        | `TITANC_DEBUG`        | 1: each pass and its time; 2: the IR after each pass and every refusal with its reason; 3: the generated kernels |
 | `scan_kernels` | `TITANC_SCAN_KERNELS` | 0: the triton target runs every scan as a host loop        |
-| `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules are written (default: a per-user temp dir) |
+| `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules and compiled programs are written (default: a per-user temp dir) |
+| `compile_cache` | `TITANC_COMPILE_CACHE` | 0: compile every time instead of reading `cache_dir/compiled` (titanc/compile_cache.py) |
 | `threads`      | `TITANC_THREADS`      | torch CPU threads of `titanc train` (a positive integer)  |
 | `torchrun`     | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | the process group torchrun (or `titanc train --nproc`) describes |
 
@@ -44,6 +45,7 @@ class Config:
     scan_kernels: bool = True
     cache_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir())
                             / f"titanc-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    compile_cache: bool = True
     threads: int | None = None
     torchrun: Mapping[str, str] = field(default_factory=dict)
     invalid: Mapping[str, str] = field(default_factory=dict)   # variable -> its bad value
@@ -75,7 +77,7 @@ class Config:
         if env.get("TITANC_CACHE_DIR"):
             more["cache_dir"] = Path(env["TITANC_CACHE_DIR"])
         return cls(debug=debug, scan_kernels=env.get("TITANC_SCAN_KERNELS", "1") != "0",
-                   threads=threads, torchrun={k: env[k] for k in TORCHRUN if k in env},
+                   compile_cache=env.get("TITANC_COMPILE_CACHE", "1") != "0", threads=threads, torchrun={k: env[k] for k in TORCHRUN if k in env},
                    invalid=invalid, **more)
 
 

@@ -25,7 +25,7 @@ LAYER_OF = {                       # module prefix -> layer; the longest prefix 
     "titanc.files": "base", "titanc.version": "base", "titanc.bounds": "base",
     "titanc.ir": "ir", "titanc.passes": "passes", "titanc.codegen": "codegen",
     "titanc.model": "model", "titanc.model.spec": "model.spec", "titanc.model.params": "model.spec",
-    "titanc.compiler": "compiler", "titanc.fit": "compiler",
+    "titanc.compiler": "compiler", "titanc.fit": "compiler", "titanc.compile_cache": "compiler",
     "titanc.runtime": "runtime", "titanc.tools": "tools", "titanc.train": "tools",
     "titanc.__main__": "tools",
 }
@@ -54,7 +54,8 @@ WHAT = {
     "model.spec": "the model's description: `model.spec`, `model.params`",
     "model": "the frontend: lowers a spec to graphs (`frontend`, `decode`, blocks, attention, "
              "neural memory)",
-    "compiler": "`compiler.py`, the one pipeline for every graph kind; `fit.py`",
+    "compiler": "`compiler.py`, the one pipeline for every graph kind; `compile_cache.py`, "
+                "its results on disk; `fit.py`",
     "runtime": "targets (cpu, triton), train, data, serve, diagnostics, program.py",
     "facade": "`titanc/__init__.py`: `titanc.compile`, `titanc.load` (the public API)",
     "tools": "the CLI, inspect, bench, demo, artifact, cost model",

@@ -1,0 +1,147 @@
+"""Compiled programs kept on disk: a second compile of the same model is a file read.
+
+`compile_graphs` looks here before it lowers anything. An entry is the `Compiled` of the
+training kinds (forward, training, optimizer: graphs, schedules, buffer plans and the pass
+log's records, without per-pass graph dumps), pickled under
+`<config.cache_dir>/compiled/<key>.pickle`, beside the generated kernel modules. A cold
+compile of tiny.yaml takes 2-3 CPU-s here, a read about 0.03 s: `titanc train`, `serve`,
+`generate` and each rank of `--nproc` reuse what an earlier process compiled.
+
+The key (`compile_key`) is everything a compile's result depends on:
+- the spec, less the fields no compile reads (`NOT_COMPILED`: run control, the data source,
+  where it runs; tests/unit/test_compile_cache.py checks that the compiler's modules never
+  read them);
+- the batch and whether the pattern passes run;
+- the source of the compiler itself (every module and template of the package, hashed once
+  per process) and the Python version (the pickle format).
+So an edited pass never meets an entry of the code before it. Entries are written atomically
+(temp file + rename: concurrent processes share the directory) and the directory keeps the
+`MAX_BYTES` most recently used. `TITANC_COMPILE_CACHE=0` (`config.compile_cache`) turns it
+off; `TITANC_DEBUG` does too (a compile then prints what it does), and a caller that asks for
+per-pass dumps (`titanc compile`) always compiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import pickle
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from titanc.config import current
+from titanc.model.spec import Spec, spec_to_dict
+
+# Spec fields a compile never reads, by section ("": top level): specs that differ only in
+# these share one entry. `data.documents` and `data.pack` are not here: they add graph inputs.
+NOT_COMPILED: dict[str, tuple[str, ...]] = {
+    "": ("name",),
+    "train": ("steps", "lr", "warmup", "seed", "grad_accum", "eval_every", "eval_batches",
+              "checkpoint_every", "log_every", "bucket_mb", "zero", "dist_timeout_s",
+              "memory_stats_every"),
+    "data": ("source", "val_fraction", "tokenizer"),
+    "compile": ("target", "cuda_graphs", "allow_tf32"),
+}
+# the packages whose code decides a compile's result (the runtime is there too: `fit`'s
+# planned bytes and the ops' registry entries reach through it)
+PACKAGES = ("titanc", "titanc.ir", "titanc.passes", "titanc.codegen", "titanc.runtime")
+MAX_BYTES = 256 << 20
+
+
+def compile_key(spec: Spec, batch: int | None, patterns: bool) -> str:
+    """What a compile's result depends on, as text: the spec less `NOT_COMPILED`, the batch
+    and the pattern passes (`verify_each` and dumps only add checks and copies)."""
+    fields = spec_to_dict(spec)
+    for section, names in NOT_COMPILED.items():
+        table = fields[section] if section else fields
+        for name in names:
+            table.pop(name, None)
+    return json.dumps([fields, batch or spec.train.batch_size, patterns], sort_keys=True)
+
+
+@lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """A hash of every module and template of the compiler's packages, and the Python version."""
+    h = hashlib.sha256(sys.version.encode())
+    roots = []
+    for name in PACKAGES:
+        found = importlib.util.find_spec(name)
+        roots += list(found.submodule_search_locations or []) if found else []
+    for root in sorted(set(roots)):
+        for path in sorted(Path(root).rglob("*")):
+            if path.suffix in (".py", ".jinja", ".j2") and "__pycache__" not in path.parts:
+                h.update(str(path.relative_to(root)).encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class Entry:
+    compiled: Any
+    verified: bool          # compiled with verify_each: every pass's output was verified
+
+
+def enabled(dumps: bool) -> bool:
+    cfg = current()
+    return cfg.compile_cache and not cfg.debug and not dumps
+
+
+def _path(key: str) -> Path:
+    digest = hashlib.sha256(f"{source_fingerprint()}\n{key}".encode()).hexdigest()[:32]
+    return current().cache_dir / "compiled" / f"{digest}.pickle"
+
+
+def load(key: str, verify_each: bool) -> Any | None:
+    """The cached `Compiled` of `key`, or None (absent, unreadable, or unverified where the
+    caller asks for verification)."""
+    path = _path(key)
+    try:
+        entry = pickle.loads(path.read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        return None
+    if not isinstance(entry, Entry) or (verify_each and not entry.verified):
+        return None
+    os.utime(path)                      # most recently used
+    return entry.compiled
+
+
+def store(key: str, compiled: Any, verified: bool) -> None:
+    """Write `compiled` (without its pass log's dumps and callbacks) under `key`; best effort:
+    a full or read-only disk leaves the compile as it was."""
+    path = _path(key)
+    log = dataclasses.replace(compiled.log, callbacks=[], dumps=[])
+    data = pickle.dumps(Entry(dataclasses.replace(compiled, log=log), verified),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        _trim(path.parent, keep=path)
+    except OSError:
+        return
+
+
+def _trim(directory: Path, keep: Path) -> None:
+    """Drop the least recently used entries beyond `MAX_BYTES` (never `keep`, just written)."""
+    entries = []
+    for p in directory.glob("*.pickle"):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        entries.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in entries)
+    for _, size, p in sorted(entries):
+        if total <= MAX_BYTES:
+            break
+        if p == keep:
+            continue
+        p.unlink(missing_ok=True)
+        total -= size
