@@ -27,11 +27,14 @@ the largest block's (mag) at `model.ffn_hidden`.
 The defaults are the recipe (issues 18 and 30): train.lr 3e-3 (at 1e-2 AdamW collapses the
 adaptive gates θ, η before a binding forms), memory.qk_activation none (zero-mean keys),
 memory.chunk_size 4 (at chunk 8 the initial θ = 1 with η 0.9 is past the chunked momentum
-write's stability bound, and bindings learned at 32 tokens were lost at 128-272), the
-curriculum 32 -> 128 -> 272 tokens, and each block's own options in BLOCK_SET: mag and mac
-with `memory.gate: attention` (the attention output gates the memory's read, not the other
-way round), mac also with `mac_write: input` and `mac_read: residual` (not the paper's MAC:
-written from the segment's input, its read also on the residual stream).
+write's stability bound for mag and mal, and bindings learned at 32 tokens were lost at
+128-272), the curriculum 32 -> 128 -> 272 tokens with a long first stage (2,500 steps at 32:
+the seeds whose binding formed late bind there), and each block's own options in BLOCK_SET
+and BLOCK_CURRICULUM: lmm at memory chunk 8 (it binds on every seed there, not at 4), mag
+and mac with `memory.gate: attention` (the attention output gates the memory's read, not the
+other way round), mac also with `mac_write: input` and `mac_read: residual` (not the paper's
+MAC: written from the segment's input, its read also on the residual stream) and shorter
+later stages (it steps slowest; the same CPU budget).
 `--set BLOCK:key=value` sets an option for one block (`--set mac:model.memory.gate=memory`);
 `--task-set n_pairs=6 --task-set n_values=12 --set model.vocab_size=48` varies the task.
 The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
@@ -81,10 +84,14 @@ BLOCK_SET: dict[str, Any] = {
     "mac:model.memory.gate": "attention",
     "mac:model.memory.mac_write": "input",       # not the paper's MAC: written with u_s
     "mac:model.memory.mac_read": "residual",     # not the paper's MAC: h also on the output
+    "lmm:model.memory.chunk_size": 8,            # lmm binds on every seed at chunk 8
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
 NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8}
-CURRICULUM = "32:1500,128:600,272:400"
+CURRICULUM = "32:2500,128:500,272:300"
+# a block's own curriculum (`--curriculum` sets every block's): MAC steps slowest, and its
+# later stages are shorter to fit the same CPU budget
+BLOCK_CURRICULUM = {"mac": "32:2500,128:450,272:250"}
 DISTANCES = "8,16,32,64,128,256,512,1024"
 BLOCKS = "lmm,mac,mag,mal,attn"
 EVAL_ROWS = 256                # held-out sequences per distance (4 queries each)
@@ -341,8 +348,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", default=BLOCKS)
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    ap.add_argument("--curriculum", default=CURRICULUM,
-                    help=f"stages seq_len:steps,... (default {CURRICULUM})")
+    ap.add_argument("--curriculum", default=None,
+                    help=f"stages seq_len:steps,... for every block (default {CURRICULUM}, "
+                         f"and {BLOCK_CURRICULUM} for those blocks)")
     ap.add_argument("--distances", default=DISTANCES, help=f"evaluation distances ({DISTANCES})")
     ap.add_argument("--budget", type=float, default=600.0,
                     help="CPU seconds per model (training and compiles; default 600)")
@@ -377,7 +385,8 @@ def main() -> None:
     if args.quick:
         args.curriculum, args.distances = "32:100", "8,16,64"
     overrides = configure(args.set, args.task_set)
-    stages = parse_curriculum(args.curriculum)
+    curricula = ({} if args.curriculum else BLOCK_CURRICULUM)
+    args.curriculum = args.curriculum or CURRICULUM
     distances = [int(d) for d in args.distances.split(",")]
     window = overrides.get("model.attention.window", SPEC["model"]["attention"]["window"])
     metrics = Path(args.metrics) if args.metrics else None
@@ -385,6 +394,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     chance = 1.0 / TASK["n_values"]
     config = {"spec": SPEC, "overrides": overrides, "task": TASK, "curriculum": args.curriculum,
+              "block_curriculum": curricula,
               "train_distance": args.train_distance, "distances": distances,
               "budget_cpu_s": args.budget, "threads": args.threads, "eval_rows": EVAL_ROWS,
               "chance": chance}
@@ -398,6 +408,7 @@ def main() -> None:
         rows = before["results"]
     for seed in seeds:
         for block in args.blocks.split(","):
+            stages = parse_curriculum(curricula.get(block, args.curriculum))
             r = train_one(block, seed, stages, distances, overrides, args.budget, window,
                           metrics, args.train_distance == "max",
                           Path(args.save) if args.save else None)

@@ -233,7 +233,8 @@ def test_passes_are_typed_objects_and_the_log_calls_back(examples_dir) -> None:
     c = Compiled(spec, 1, param_specs(spec.model), log)
     c.graph("decode_write")
     assert seen == [("frontend", "write"), ("canonicalize", "write"), ("aggregate", "write"),
-                    ("flash_attention", "write"), ("split_casts", "write"),
+                    ("flash_attention", "write"), ("hoist_scan_invariants", "write"),
+                    ("split_casts", "write"),
                     ("constants_per_reader", "write")]
     assert ChunkedLoss(0)(c.graph("decode_write").graph) is c.graph("decode_write").graph
 

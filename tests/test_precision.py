@@ -120,19 +120,21 @@ def _arena(path: Path, dtype: str) -> int:
 
 
 @pytest.mark.parametrize("example, bound", [
-    ("tiny_attn.yaml", 0.52), ("tiny.yaml", 0.615),
+    ("tiny_attn.yaml", 0.52), ("tiny.yaml", 0.68),
     *(pytest.param(e, b, marks=pytest.mark.slow)        # the other memory blocks: slow tier
-      for e, b in (("tiny_lmm.yaml", 0.62), ("tiny_mag.yaml", 0.605), ("tiny_mal.yaml", 0.585)))])
+      for e, b in (("tiny_lmm.yaml", 0.655), ("tiny_mag.yaml", 0.64), ("tiny_mal.yaml", 0.655)))])
 def test_bf16_activation_arena_is_smaller(example: str, bound: float) -> None:
     """report.json `memory.arena_bytes` of the training graph, bf16 / float32. Measured:
     tiny_attn 0.512 (the residual stream, its per-layer checkpoints and its cotangent are bf16
     activations; what stays float32 at the peak is 90 KB: the tied embedding's gradient and
-    norm statistics), tiny_mal 0.576, tiny_mag 0.596, tiny_lmm 0.609, tiny.yaml (MAC) 0.604
+    norm statistics), tiny_mal 0.647, tiny_mag 0.630, tiny_lmm 0.647, tiny.yaml (MAC) 0.673
     (the fusion rules of tests/unit/passes/test_fusion_rules.py and the carry slot a scan's result lends
     shrink float32 and bf16 arenas by different amounts, so these move with them):
     in the memory models the memory state's carries (W1, W2, S1, S2, and their cotangents in
     the backward: ping-pong slots at each nesting level) stay float32 by policy, about 3 MB of
-    the peak; its checkpoints saved per segment / chunk group are bf16."""
+    the peak, and so do the chunk backward's hoisted products (passes/hoist.py: the forward
+    recompute over every chunk of a segment or chunk group, 2 MB in tiny.yaml; 0.604 before
+    them); its checkpoints saved per segment / chunk group are bf16."""
     f32, bf16 = _arena(EXAMPLES / example, "float32"), _arena(EXAMPLES / example, "bfloat16")
     assert bf16 <= bound * f32, (example, bf16 / f32)
 

@@ -238,6 +238,7 @@ def test_benchmark_block_options_apply_to_their_block_only() -> None:
         m = specs[b].memory
         assert (m.gate, m.mac_write, m.mac_read) == ("memory", "attention", "context")
     assert all(s.memory.decay == 0.02 for s in specs.values())
+    assert specs["lmm"].memory.chunk_size == 8 and specs["mal"].memory.chunk_size == 4
     counts = {b: param_count(s) for b, s in specs.items()}
     per8 = 3 * 8 * specs["mag"].d_model                          # params per 8 FFN units
     assert all(abs(c - counts["mag"]) <= per8 / 2 for c in counts.values()), counts

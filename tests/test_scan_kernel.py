@@ -284,6 +284,51 @@ def test_carries_on_chip_match_reference_and_say_why_not(dt) -> None:
     assert off.ws_per_program > sk.ws_per_program
 
 
+def _chain_graph():
+    """A body with a chain of stored elementwise nodes of one shape (each read twice), one of
+    which reads an earlier one through a transpose (other coordinates than the stage's tile),
+    and values only the chain itself reads."""
+    from titanc.ir import Builder
+
+    b = Builder("forward")
+    x = b.input("x", (3, 2, 4, 8), "f64")
+
+    def body(bb, c, xs, k):
+        (h,) = c
+        (xt,) = xs
+        a = (xt * h).sigmoid()                   # reads the carry on chip: a stage alone
+        b1 = (1.0 - a) * xt                      # read by d and e
+        p = b1 * 2.0                             # read by d and q only: never stored
+        d = a * b1 + p                           # read by f, twice, q and e
+        q = d * p
+        f = d + d.permute(0, 2, 1).reshape(2, 4, 8)    # d at other coordinates: a new stage
+        e = f * b1 + a * q
+        t = bb.einsum("bij,bjk->bik", d.permute(0, 2, 1), e)       # another stage reads them
+        return [h * 0.5 + e], [t.sum([2]), f + e + q]
+
+    (h,), ys = b.scan(body, [b.full(0.0, (2, 4, 8), "f64") + 1.0], [x], role="memory",
+                      name="chain")
+    b.graph.set_outputs([("h", h.id)] + [(f"y{i}", y.id) for i, y in enumerate(ys)])
+    return b.graph
+
+
+@pytest.mark.parametrize("dt", [torch.float64, torch.float32])
+def test_pointwise_chain_is_one_stage(dt, monkeypatch) -> None:
+    """Stored elementwise nodes of one shape share a stage, reading each other from
+    registers; a value only that stage reads is never stored."""
+    g = _chain_graph()
+    n = next(m for m in g if m.op is Op.SCAN)
+    sk = check_scan(g, n, dt)
+    stages = [line.strip() for line in sk.source.splitlines()
+              if re.match(r"\s+# %\d+ = \w+, %\d+ = ", line)]
+    assert len(stages) == 2, stages            # b1, p, d, q | f, e: split at the transpose
+    assert stages[0].count("%") == 4 and stages[1].count("%") == 2, stages
+    with monkeypatch.context() as m:
+        m.setattr("titanc.codegen.scan.values._ScanEmitter.drop_dead_stores", lambda self: None)
+        kept = check_scan(g, n, dt)
+    assert sk.source.count("tl.store(ws_ptr") == kept.source.count("tl.store(ws_ptr") - 1
+
+
 def test_memory_chunk_carries_held_on_chip() -> None:
     """tiny_lmm at its own sizes: W1, W2, S1, S2 of a 32-wide, expansion-2 memory are
     [64, 32] / [32, 64] (8 KiB each, 32 KiB together: the budget) per (batch, head) program.

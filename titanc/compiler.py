@@ -3,8 +3,8 @@
 Every graph kind (`GRAPH_KINDS`) goes through the same steps, declared as a table (`LOWER`,
 `PIPELINE`, `BACKEND`; `titanc inspect --pipeline` prints it, `pipeline_text`):
 
-    lower (frontend / decode / optimizer) -> its row of graph passes -> split_casts
-        -> constants_per_reader -> fusion -> verify_schedule -> buffer plan
+    lower (frontend / decode / optimizer) -> its row of graph passes -> hoist_scan_invariants
+        -> split_casts -> constants_per_reader -> fusion -> verify_schedule -> buffer plan
         =>  `CompiledGraph(kind, graph, schedule, plan, passes)`
 
 The graph passes are canonicalize and aggregate for every kind; the forward graph adds the
@@ -47,6 +47,7 @@ from titanc.passes.remat import Policy, choose_policy
 from titanc.passes.manager import Pass, PassLog
 from titanc.passes.optimizer import optimizer_graph
 from titanc.passes.precision import MixedPrecision
+from titanc.passes.hoist import HoistScanInvariants
 from titanc.passes.split_casts import SplitCasts
 
 from titanc.model.decode import lower_step, lower_write
@@ -226,10 +227,12 @@ PIPELINE: dict[str, tuple[Step, ...]] = {
     "decode_step": (*_SHARED, *_MIXED),
     "decode_write": (*_SHARED, *_MIXED),
 }
-# what every kind's graph goes through after its row: a cast of an input read by several
+# what every kind's graph goes through after its row: a chunk recurrence's carry-independent
+# work hoisted before its scan, a cast of an input read by several
 # kernels copied per reader, composed constants (RoPE's [cos ‖ cos]) copied per reader, then
 # fusion into kernels, the schedule's verifier and the buffer plan
-BACKEND = ("split_casts", "constants_per_reader", "fusion", "verify_schedule", "buffer plan")
+BACKEND = ("hoist_scan_invariants", "split_casts", "constants_per_reader", "fusion",
+           "verify_schedule", "buffer plan")
 
 
 def pipeline_text() -> str:
@@ -246,11 +249,20 @@ def pipeline_text() -> str:
             row += piece
         lines.append(row)
     lines.append("every kind, after its row:")
-    lines.append("    → " + " → ".join(BACKEND))
+    row = "   "
+    for step in BACKEND:
+        if len(row) + len(step) + 3 > 92:
+            lines.append(row)
+            row = "   "
+        row += f" → {step}"
+    lines.append(row)
     return "\n".join(lines) + "\n"
 
 
 def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int) -> CompiledGraph:
+    # a chunk recurrence's carry-independent work (its backward's forward recompute) runs
+    # once over every chunk before the scan, not in its serial loop
+    g = log.apply(HoistScanInvariants(), g)
     # a cast of an input read by several kernels: one copy per reader, which fusion loads cast
     # (mixed precision's parameter casts launch nothing of their own)
     g = log.apply(SplitCasts(), g)

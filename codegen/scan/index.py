@@ -47,6 +47,11 @@ class _RegMiss(Exception):
         self.scan, self.k, self.why = scan, k, why
 
 
+class _GroupMiss(Exception):
+    """A pointwise stage holding several nodes reads one of its own results where the tile
+    does not hold it (other coordinates, a pad's condition): end the stage before that node."""
+
+
 class _TooBig(_PaxError):
     """This choice of independent / shared operands needs too large a workspace (another
     choice may not: operands read whole by every program make whole-size values)."""
@@ -148,4 +153,7 @@ class StageTile:
     # the tile's whole axes: (index variable, extent) of each axis that spans [0, extent) in
     # one block, in the tile's axis order (a register carry is read only through these)
     axes: tuple[tuple[str, int], ...] = ()
+    # workspace buffers (`Ref.base`) this stage writes: read back only from `cache` (the
+    # registers that hold them), never loaded (no barrier separates the store)
+    written: set = field(default_factory=set)
 

@@ -36,8 +36,13 @@ in the workspace. `ScanKernel.carries` (report.json `scan_carries`) says, per lo
 which are on chip and why the others are not. Views (reshape,
 permute, expand, slice, pad, concat) cost nothing: they are index arithmetic on the loads of
 their consumers, and single-use elementwise nodes are inlined into their consumer's
-expression. `tl.debug_barrier()` separates stages that talk through the workspace; the
-copies of a loop's carries and ys touch disjoint storage and share one barrier.
+expression. Consecutive stored elementwise nodes of one local shape share one stage: a
+member reads an earlier member's result from the register tile that holds it (no store,
+barrier and load between them), and the stage ends before a member that reads one at other
+coordinates or reads a carry held on chip. A buffer nothing loads afterwards (a value only
+its own stage read) is never stored. `tl.debug_barrier()` separates stages that talk through
+the workspace; the copies of a loop's carries and ys touch disjoint storage and share one
+barrier.
 
 GPU fit. Index tiles are int32 unless a tensor reaches 2**31 elements (the workspace never
 does: `MAX_WORKSPACE_TOTAL`); tiles hold at most `MAX_TILE` elements and dots `DOT_BLOCK`^3
@@ -259,6 +264,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
     if em.stages > MAX_STAGES:
         raise ScanFallback(f"{em.stages} > {MAX_STAGES} stages in one kernel (compile time "
                            "and registers grow with them)")
+    em.drop_dead_stores()
     em.prune()
     em.pack()
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:

@@ -14,7 +14,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.codegen.meta import mma16, pow2, value_dtype
 from titanc.codegen.render import sanitize_comment
 from titanc.codegen.scan.index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, ScanFallback, BodyRefs, StageTile,
-                         _PaxError, _RegMiss, _delin, _local)
+                         _GroupMiss, _PaxError, _RegMiss, _delin, _local)
 from titanc.codegen.scan.values import LOW_CASTS, _ScanEmitter
 
 
@@ -377,11 +377,17 @@ class _ScanGen(_ScanEmitter):
         return Ref("ws", shape, pax, base=self.alloc(prod(_local(shape, pax))))
 
     def body(self, sc: BodyRefs) -> None:
-        """Emit every node of `sc.g` (its inputs are already in `sc.refs`)."""
+        """Emit every node of `sc.g` (its inputs are already in `sc.refs`). Consecutive
+        stored elementwise nodes of one local shape wait in `run` and become one stage
+        (`pointwise_run`)."""
         g = sc.g
+        run: list[tuple[Node, Ref]] = []
         for vid in g.order():
             n = g.node(vid)
             op = n.op
+            if run and (op is Op.SCAN or op is Op.EINSUM or op in (Op.SUM, Op.AMAX, Op.CUMSUM)):
+                self.pointwise_run(sc, run)
+                run = []
             if op is Op.INPUT:
                 continue
             if op is Op.FULL:
@@ -409,9 +415,10 @@ class _ScanGen(_ScanEmitter):
                     sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
                 else:
                     sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
-                    self.pointwise_stage(
-                        f"%{vid} = {op.name.lower()}", n.type.shape, q, dest, (),
-                        lambda sec, c, n=n: self._node_value(sec, sc, n, c, ()))
+                    if run and (run[0][0].type.shape, sc.pax[run[0][0].id]) != (n.type.shape, q):
+                        self.pointwise_run(sc, run)
+                        run = []
+                    run.append((n, dest))
             elif op is Op.EINSUM:
                 sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
                 self.einsum_stage(sc, n, dest)
@@ -422,6 +429,68 @@ class _ScanGen(_ScanEmitter):
                 self.scan_loop(sc, n)
             else:
                 raise ScanFallback(f"%{vid}: no scan-kernel rule for {op.name}")
+        if run:
+            self.pointwise_run(sc, run)
+
+    def pointwise_run(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
+        """Stored elementwise nodes of one local shape, in order: as few stages as they allow.
+        A stage holds a prefix of the run whose members read the earlier members' results
+        at the tile's own coordinates (from registers: no store, barrier and load between
+        them); the first member that reads one otherwise, or reads a carry held on chip,
+        starts over in a stage of its own (`pointwise_stage`)."""
+        i = 0
+        while i < len(run):
+            took = self._flat_run(sc, run[i:]) if len(run) - i > 1 else 0
+            if took < 2:
+                n, dest = run[i]
+                self.pointwise_stage(f"%{n.id} = {n.op.name.lower()}", n.type.shape,
+                                     sc.pax[n.id], dest, (),
+                                     lambda sec, c, n=n: self._node_value(sec, sc, n, c, ()))
+                took = 1
+            i += took
+
+    def _flat_run(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> int:
+        """Emit the longest prefix of `run` that one flat stage holds (`pointwise_run`), if
+        it has at least two members; return its length (0: nothing emitted)."""
+        first = run[0][0]
+        shape, pax = first.type.shape, sc.pax[first.id]
+        mark = (len(self.lines), self.depth)
+        self.line("# " + sanitize_comment(", ".join(f"%{n.id} = {n.op.name.lower()}"
+                                                    for n, _ in run)))
+        L = _local(shape, pax)
+        N = prod(L)
+        B = min(pow2(N, 16), MAX_TILE)
+        o = self._open_loop(self.fresh("o"), N, B)
+        ix = self.let(f"{o} + {self.arange(B)}" if o != "0" else f"{self.arange(B)}", "i")
+        z = self.let(self.zero_tile(f"[{B}]"), "z")
+        m = self.mask(self.in_bounds(ix, N, B))
+        local = _delin(ix, L)
+        sec = StageTile(m, z, vars=(ix,), flat=(ix, L, tuple(local)),
+                        axes=((ix, B),) if len(L) == 1 and o == "0" else ())
+        c = self.full_coords(local, shape, pax)
+        took = len(run)
+        for j, (n, dest) in enumerate(run):
+            at = len(self.lines)
+            try:
+                r = self._node_value(sec, sc, n, c, ())
+            except (_GroupMiss, _RegMiss):
+                del self.lines[at:]
+                took = j
+                break
+            r = r if r in self.tiles else self.let(self.full(r, f"[{B}]"), tile=True)
+            self.store(self.ptr(sec, dest, c), r, m)
+            sec.cache[("ws", "", dest.base, (), tuple(c), ())] = r
+            sec.written.add(dest.base)
+        if took < 2:
+            del self.lines[mark[0]:]
+            self.depth = mark[1]
+            return 0
+        if took < len(run):                          # the comment names the stage's members
+            self.lines[mark[0]] = "    " * mark[1] + "# " + sanitize_comment(
+                ", ".join(f"%{n.id} = {n.op.name.lower()}" for n, _ in run[:took]))
+        self._close(o)
+        self.barrier()
+        return took
 
     def copy(self, label: str, sc: BodyRefs, vid: int, shape: tuple[int, ...],
              pax: tuple[int, ...] | None, dest: Ref, lead: tuple[str, ...] = (),

@@ -16,7 +16,7 @@ from titanc.ir.elementwise import ELEMENTWISE
 
 from titanc.codegen.lower.expr import format_number
 from titanc.codegen.scan.index import (MAX_UNPACKED, MAX_WORKSPACE, Ref, ScanFallback, BodyRefs, StageTile, _FORMATS,
-                         _PaxError, _RegMiss, _TooBig, _bcast, _delin, _lin, _local, _sum)
+                         _GroupMiss, _PaxError, _RegMiss, _TooBig, _bcast, _delin, _lin, _local, _sum)
 from titanc.codegen.scan.pack import pack, wsoff
 
 def _bare(c: str) -> str:
@@ -38,6 +38,9 @@ def _bare(c: str) -> str:
 _NAME = re.compile(r"\b[a-z]+\d+\b")
 _ASSIGN = re.compile(r"^\s*([a-z]+\d+) = ")
 _EFFECT = re.compile(r"tl\.(store|atomic|debug_barrier)")
+# a workspace buffer's symbolic offset (`scan_pack.wsoff`), and a line that only stores to one
+_WSOFF = re.compile(r"__wsoff\d+__")
+_WS_STORE = re.compile(r"^\s*tl\.store\(ws_ptr \+ pbase \+ [^,]*__wsoff\d+__[^,]*, [a-z]+\d+(, mask=[a-z]+\d+)?\)$")
 
 # float casts a scan kernel renders (a bf16 one rounds and stays in the compute dtype)
 LOW_CASTS = ("f32", "f64", "bf16")
@@ -105,6 +108,46 @@ class _ScanEmitter:
             if len(keep) == len(self.lines):
                 return
             self.lines = keep
+
+    def drop_dead_stores(self) -> None:
+        """Drop the stores of workspace buffers nothing loads (a value a stage of several
+        nodes kept in registers for all its readers), the work only they used (`prune`),
+        loops left empty, and barriers that no longer separate anything; `stages` counts
+        what is left."""
+        named: dict[str, list[int]] = {}
+        for i, line in enumerate(self.lines):
+            for t in set(_WSOFF.findall(line)):
+                named.setdefault(t, []).append(i)
+        dead = {i for at in named.values()
+                if all(_WS_STORE.match(self.lines[i]) for i in at) for i in at}
+        if not dead:
+            return
+        self.lines = [line for i, line in enumerate(self.lines) if i not in dead]
+        self.prune()
+        while True:                                   # loops with nothing inside
+            keep, changed = [], False
+            for i, line in enumerate(self.lines):
+                body = line.lstrip()
+                ind = len(line) - len(body)
+                if body.startswith("for "):
+                    nxt = next((x for x in self.lines[i + 1:] if not x.lstrip().startswith("#")),
+                               "")
+                    if len(nxt) - len(nxt.lstrip()) <= ind:
+                        changed = True
+                        continue
+                keep.append(line)
+            self.lines = keep
+            if not changed:
+                break
+        out: list[str] = []
+        for line in self.lines:                       # a barrier after nothing but comments
+            if line.strip() == "tl.debug_barrier()":
+                prev = next((x for x in reversed(out) if not x.lstrip().startswith("#")), "")
+                if prev.strip() in ("tl.debug_barrier()", "") or prev.rstrip().endswith(":"):
+                    continue
+            out.append(line)
+        self.lines = out
+        self.stages = sum(line.strip() == "tl.debug_barrier()" for line in self.lines)
 
     def zero_tile(self, shape: str) -> str:
         """A zero index tile of `shape` (so that every pointer expression is a tile)."""
@@ -250,6 +293,8 @@ class _ScanEmitter:
                 f"tl.where({' & '.join(f'({x})' for x in conds)}, {r}, 0.0)", tile=True)
         if ref.kind in ("ws", "arg"):
             key = (ref.kind, ref.name, ref.base, ref.lead, tuple(coords), conds)
+            if key not in sec.cache and ref.kind == "ws" and ref.base in sec.written:
+                raise _GroupMiss(ref.base)
             if key not in sec.cache:
                 mask = " & ".join(((sec.mask,) if sec.mask else ()) +
                                   tuple(f"({c})" for c in conds))
