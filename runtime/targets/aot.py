@@ -254,12 +254,16 @@ def _compile_one(item: tuple[dict[str, Any], int]) -> dict[str, Any]:
 def compile_all(launches: Iterable[Launch], archs: Iterable[int], jobs: int = 1
                 ) -> list[dict[str, Any]]:
     """`compile_launch` for every (launch, arch), in a fresh process pool of `jobs` workers
-    started without TRITON_INTERPRET (the caller may be an interpreter process)."""
+    started without TRITON_INTERPRET (the caller may be an interpreter process), the largest
+    kernels first (a pool's wall time ends with its last long compile)."""
     import multiprocessing as mp
 
     launches = list(launches)
-    items = [(asdict(l), a) for l in launches for a in archs]
+    items = sorted(((asdict(l), a) for l in launches for a in archs),
+                   key=lambda it: -len(it[0]["source"]))
     with triton_interpret_mode(None), mp.get_context("spawn").Pool(max(1, jobs)) as pool:
-        results = pool.map(_compile_one, items, chunksize=1)
+        done = pool.map(_compile_one, items, chunksize=1)
+    by_key = {(Launch.from_dict(it[0]).key(), it[1]): r for it, r in zip(items, done)}
+    results = [by_key[(l.key(), a)] for l in launches for a in archs]
     more = [{"dot16": l.uses_dot16} for l in launches for _ in archs]
     return [r | m for r, m in zip(results, more)]

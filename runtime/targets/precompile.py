@@ -164,7 +164,9 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
     from tqdm import tqdm
 
     todo: "queue.Queue[dict[str, Any]]" = queue.Queue()
-    for launch in launches:
+    # the largest kernels first: the pool's wall time ends with its last long compile (a
+    # scan kernel started last would be the whole tail)
+    for launch in sorted(launches, key=lambda l: -len(l.get("source", ""))):
         todo.put(launch)
     results: list[dict[str, Any]] = []
     lock = threading.Lock()
