@@ -164,6 +164,19 @@ def test_exact_float32_matmuls_compile_without_spilling() -> None:
         (r["spill_bytes"], r["name"], r["arch"]) for r in mm)[-3:]
 
 
+@pytest.mark.slow
+def test_exact_float32_attention_at_head_width_64_compiles_without_spilling() -> None:
+    """tiny_attn at d_model 128, 2 heads (head width 64), float32, tf32 off: the flash
+    templates' FMA dots fit sm_80 and sm_90 within the spill budget (large_125m's forward at
+    64-query blocks on 4 warps: 32 registers and 34 KB spilled per thread)."""
+    over = {"model.d_model": 128, "model.attention.heads": 2, "model.ffn_hidden": 128}
+    launches = [l for l in _record(EXAMPLES / "tiny_attn.yaml", over, ("training",))
+                if "attention" in l.name]
+    assert {l.num_warps for l in launches} == {8} and len(launches) >= 3
+    _check(_compile(EXAMPLES / "tiny_attn.yaml", over, launches=launches),
+           tensor_cores=False)
+
+
 # tiny_lmm shrunk (as tests/test_scan_kernel.py shrinks it): its forward's scan kernel, the
 # memory-chunk group scan with the chunk scan inside, is small
 SMALL = {"model.d_model": 8, "model.n_layers": 1, "model.seq_len": 8, "model.vocab_size": 16,

@@ -159,6 +159,32 @@ def test_attention_targets_match_reference(kind: str, T: int, window: int, P: in
                                        msg=lambda m: f"{target}: {name}: {m}")
 
 
+def test_exact_wide_heads_take_small_query_blocks_on_8_warps() -> None:
+    """Head width 64 with exact (FMA) dots: the forward's 32-query blocks and both templates'
+    8 warps (at 64 x 64 on 4 warps ptxas spilled 34 KB per thread; tests/test_aot.py checks
+    the compile) give the reference's values; a narrow head keeps 64-query blocks, 4 warps."""
+    sources = {}
+    for D, T in ((128, 40), (16, 8)):                       # head_dim 64 and 8
+        g, inputs = _attention_graph("mac", T, 0, 4, B=1, D=D)
+        wrt = [n for n in g.input_names() if n != "w"]
+        plan = _compiled(g, wrt)
+        fams = {}
+        for k in plan.schedule.kernels:
+            if k.category == "template":
+                code = render_kernel(plan.schedule.graph, k, dtype="float64")
+                fams[code.family] = code.source
+        sources[D] = fams
+        if D == 128:
+            want = interpret(grad_graph(g, wrt), inputs)
+            got = TritonExecutor(plan).run(inputs)
+            for name, ref in want.items():
+                torch.testing.assert_close(got[name], ref, rtol=1e-9, atol=1e-11)
+    wide, narrow = sources[128], sources[16]
+    assert "BLOCK_M = 32" in wide["attention_fwd"] and "BLOCK_M = 64" in narrow["attention_fwd"]
+    for fam in ("attention_fwd", "attention_bwd"):
+        assert "num_warps=8" in wide[fam] and "num_warps=4" in narrow[fam], fam
+
+
 def test_cpu_attention_skips_key_blocks_outside_the_window() -> None:
     """The blocked loop computes only the key blocks a query block can see: causal blocks
     after its last query and window blocks before its first are never computed."""
