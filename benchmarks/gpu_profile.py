@@ -5,13 +5,15 @@ the step's wall time, with and without the step's CUDA graph.
     python3 benchmarks/gpu_check.py --script profile=benchmarks/gpu_profile.py   # as a job
     TRITON_INTERPRET=1 python3 benchmarks/gpu_profile.py --toy          # the code path, here
 
-For each named job of `gpu_check.TITANC` (default tiny_bf16 and medium_bf16): the program is
-compiled with `compile.cuda_graphs` off, stepped twice (compiles), then three steps run under
-`torch.profiler`; the record gives per step the kernel launches, the kernels' summed device
-time, the step's wall time without a graph, and the fifteen kernels with the most device
-time (name, launches per step, µs per step). A step whose wall time is far above its kernels'
-summed time is launch-bound (what a CUDA graph and fewer kernels fix); one near it is
-kernel-bound (what faster kernels fix). Records go to $GPU_CHECK_RESULTS when the GPU check
+For each named job of `gpu_check.TITANC` (default tiny_bf16, medium_bf16 and large_bf16):
+the program is compiled with `compile.cuda_graphs` off, stepped twice (compiles), then three
+steps run under `torch.profiler` (large_125m, last so that its kernels are in the cache by then:
+one step); the record gives per step the kernel launches, the kernels' summed device time, the
+step's wall time without a graph, and the fifteen kernels with the most device time (name,
+launches per step, µs per step). The measured steps hold the GPU check's lock (no other job's
+timed loop meanwhile). A step whose wall time is far above its kernels' summed time is
+launch-bound (what a CUDA graph and fewer kernels fix); one near it is kernel-bound (what
+faster kernels fix). Records go to $GPU_CHECK_RESULTS when the GPU check
 runs it, and are printed.
 """
 from __future__ import annotations
@@ -42,20 +44,21 @@ def profile(name: str, toy: bool) -> dict[str, Any]:
     prog = titanc.compile(spec)
     toks = gpu_check._tokens(prog.spec)
     cuda = torch.cuda.is_available() and not toy
-    for _ in range(2):
+    steps = 1 if size == "large" else 3         # large_125m's step takes seconds
+    for _ in range(1 if size == "large" else 2):
         prog.advance(toks)
     gpu_check.sync()
-    steps = 3
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        prog.advance(toks)
-    gpu_check.sync()
-    wall_us = 1e6 * (time.perf_counter() - t0) / steps
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=acts) as prof:
+    with gpu_check.GpuLock():                   # not while another job times its loop
+        t0 = time.perf_counter()
         for _ in range(steps):
             prog.advance(toks)
         gpu_check.sync()
+        wall_us = 1e6 * (time.perf_counter() - t0) / steps
+        with torch_profile(activities=acts) as prof:
+            for _ in range(steps):
+                prog.advance(toks)
+            gpu_check.sync()
     per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if cuda and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
@@ -75,7 +78,8 @@ def profile(name: str, toy: bool) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     toy = "--toy" in argv or bool(os.environ.get("GPU_CHECK_TOY"))
-    names = [a for a in argv if not a.startswith("--")] or ["tiny_bf16", "medium_bf16"]
+    names = [a for a in argv if not a.startswith("--")] or ["tiny_bf16", "medium_bf16",
+                                                                 "large_bf16"]
     out = os.environ.get("GPU_CHECK_RESULTS")
     for name in names:
         job = f"profile_{name}"
