@@ -16,6 +16,10 @@ ONLY=${ONLY:-checks,tiny_f32,tiny_tf32,tiny_bf16,medium_bf16,large_bf16,peer_def
 PROFILE=${PROFILE-benchmarks/gpu_profile.py}     # PROFILE= : no profiled steps
 # RUNS: the first-step runs (benchmarks/first_step.py --runs)
 mkdir -p "$OUT"
+# a container image may set PYTHONDONTWRITEBYTECODE: every process would then compile torch's
+# and titanc's sources anew (seconds per start); an installed environment has their bytecode
+echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset} (unset for these runs)"
+unset PYTHONDONTWRITEBYTECODE
 SITE=$(mktemp -d)/site
 mkdir -p "$SITE" && cp -r titanc "$SITE/titanc"
 for p in ir passes codegen runtime; do cp -r "$p" "$SITE/titanc/$p"; done

@@ -240,10 +240,22 @@ class Program:
             return
         from titanc.runtime.targets.precompile import precompile_for_device
 
+        plans, keys = self.precompile_plans(batch)
+        precompile_for_device(plans, self.spec.compile.allow_tf32, keys=keys)
+
+    def precompile_plans(self, batch: int | None = None) -> tuple[list[Any], list[str]]:
+        """The plans `precompile` compiles at `batch` rows, and for each what it was compiled
+        from (the compile cache's key, the compiler's sources, the graph): the same in a
+        second process, whose plans the compile cache gives back, so it finds the markers
+        the first one wrote."""
+        from titanc import compile_cache
+
         b = batch or self.batch_size
-        plans = [self.graph("training", b).plan, self.compiled.graph("optimizer").plan,
-                 self.graph("forward", b).plan, self.graph("logits", b).plan]
-        precompile_for_device(plans, self.spec.compile.allow_tf32)
+        kinds = [("training", b), ("optimizer", None), ("forward", b), ("logits", b)]
+        plans = [self.graph(k, n).plan if n else self.compiled.graph(k).plan for k, n in kinds]
+        base = (compile_cache.compile_key(self.spec, b, self.compiled.patterns)
+                + compile_cache.source_fingerprint())
+        return plans, [f"{base}|{k}" for k, _ in kinds]
 
     def _bind(self, cg: Any) -> Any:
         g = cg.graph

@@ -75,6 +75,54 @@ def test_precompile_compiles_every_kernel_once(tmp_path, monkeypatch) -> None:
     assert again["kernels"] == alone["kernels"] == both["kernels"] == first["kernels"]
 
 
+def test_a_second_process_finds_the_markers(tmp_path, monkeypatch) -> None:
+    """A second run of a spec compiles nothing: its plans come back from the compile cache
+    (their pickles differ from the fresh ones'), so the markers are keyed by what the plans
+    were compiled from (`Program.precompile_plans`), the same in both."""
+    import titanc
+    from titanc import compile_cache, config
+    from titanc.runtime.program import Program
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    over = {**SMALL, "compile.target": "triton"}
+    with config.override(cache_dir=tmp_path / "titanc"):
+        fresh = titanc.compile(EXAMPLES / "tiny_lmm.yaml", **over)
+        plans, keys = fresh.precompile_plans()
+        # what a second process compiles: the compile cache's copy (this test process
+        # memoizes compiles, tests/helpers.py, so it is stored and read back here)
+        key = compile_cache.compile_key(fresh.spec, None, True)
+        compile_cache.store(key, fresh.compiled, True)
+        again = Program(compile_cache.load(key, False))
+        plans2, keys2 = again.precompile_plans()
+        assert keys == keys2 and plans2[0] is not plans[0]
+        first = precompile(plans[1:2], 90, jit=False, jobs=1, progress=False, keys=keys[1:2])
+        second = precompile(plans2[1:2], 90, jit=False, jobs=1, progress=False,
+                            keys=keys2[1:2])
+        other = precompile(plans2[1:2], 90, jit=False, jobs=1, progress=False,
+                           keys=["something else"])
+    if any("ptxas" in r.get("error", "") for r in first["results"]):
+        pytest.skip("this triton build has no ptxas")
+    assert not first["cached"] and second["cached"] and not other["cached"]
+    assert second["kernels"] == first["kernels"] >= 1
+
+
+def test_subprocesses_import_the_package_from_a_folder_with_its_own_titanc(tmp_path) -> None:
+    """The precompile's recorder and workers, and the distributed launcher's ranks, run with
+    `config.module_command`: from a folder holding a titanc/ of its own (a checkout's root,
+    where the GPU check runs) `python -m` would import that folder instead of the package."""
+    import subprocess
+    import sys
+
+    from titanc.config import child_environment, module_command
+
+    (tmp_path / "titanc").mkdir()
+    (tmp_path / "titanc" / "__init__.py").write_text("raise SystemExit(7)\n")
+    env = child_environment()
+    shadowed = subprocess.run([sys.executable, "-m", "titanc.config"], cwd=tmp_path, env=env)
+    ours = subprocess.run(module_command("titanc.config"), cwd=tmp_path, env=env)
+    assert shadowed.returncode == 7 and ours.returncode == 0
+
+
 def test_compile_arch_is_validated(tmp_path, capsys) -> None:
     from titanc.tools.cli import main
 

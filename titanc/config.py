@@ -25,6 +25,7 @@ tokenizers library's `TOKENIZERS_PARALLELISM` (`set_worker_environment`, in a po
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import contextlib
 from contextlib import contextmanager
@@ -125,6 +126,19 @@ def debug_level() -> int:
 def child_environment(**extra: str) -> dict[str, str]:
     """This process's environment plus `extra`, for a subprocess titanc starts."""
     return {**os.environ, **extra}
+
+
+# `python -m` without its first path entry (the current directory): see module_command
+_RUN_MODULE = ("import runpy, sys; del sys.path[0]; sys.argv = sys.argv[1:]; "
+               "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command line of a subprocess titanc starts to run `module` as `python -m` would,
+    less `-m`'s first import path, the current directory: in a checkout (or any folder with a
+    `titanc/` of its own) that folder's titanc/ would shadow the package (pyproject's
+    package-dir maps the subpackages in from beside it), and `titanc.runtime` would not import."""
+    return [sys.executable, "-c", _RUN_MODULE, module, *args]
 
 
 # -- variables other libraries read from the environment -----------------------------------------

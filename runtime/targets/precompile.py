@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from titanc.codegen.render import cache_dir
-from titanc.config import child_environment
+from titanc.config import child_environment, module_command
 
 __all__ = ["precompile", "precompile_for_device", "recorded_launches"]
 
@@ -69,8 +69,8 @@ def recorded_launches(plans: Any, allow_tf32: bool = False, float_dtype: Any = N
         src.write_bytes(pickle.dumps((plans, float_dtype)))
         env = child_environment(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
                                 TITANC_CACHE_DIR=str(cache_dir()))
-        cmd = [sys.executable, "-m", "titanc.runtime.targets.precompile_worker", "--record", str(src),
-               str(out)] + (["--allow-tf32"] if allow_tf32 else [])
+        cmd = module_command("titanc.runtime.targets.precompile_worker", "--record", str(src),
+                             str(out), *(["--allow-tf32"] if allow_tf32 else []))
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"recording the launches failed: {r.stderr[-1500:]}")
@@ -78,24 +78,34 @@ def recorded_launches(plans: Any, allow_tf32: bool = False, float_dtype: Any = N
     return data["launches"], {k: data[k] for k in ("grids", "aliases")}
 
 
-def _marker(plan: Any, arch: int, allow_tf32: bool, jit: bool) -> Path:
+def _marker(plan: Any, key: str | None, arch: int, allow_tf32: bool, jit: bool) -> Path:
+    """The marker of one plan: `key` (what the plan was compiled from, stable across
+    processes) when the caller has one, else the plan's pickle, which is stable only within
+    one process (a plan read back from the compile cache pickles its shared objects
+    differently from the one compiled fresh)."""
     import triton
 
-    key = hashlib.sha256(pickle.dumps(plan) + f"{arch}|{allow_tf32}|{jit}|{triton.__version__}|"
-                         f"{_code_hash()}".encode()).hexdigest()[:24]
-    return cache_dir() / "precompiled" / f"{key}.json"
+    what = key.encode() if key is not None else pickle.dumps(plan)
+    digest = hashlib.sha256(what + f"{arch}|{allow_tf32}|{jit}|{triton.__version__}|"
+                            f"{_code_hash()}".encode()).hexdigest()[:24]
+    return cache_dir() / "precompiled" / f"{digest}.json"
 
 
 def precompile(plans: Any, arch: int, *, allow_tf32: bool = False, float_dtype: Any = None,
-               jit: bool = True, jobs: int | None = None, progress: bool = True
-               ) -> dict[str, Any]:
+               jit: bool = True, jobs: int | None = None, progress: bool = True,
+               keys: list[str] | None = None) -> dict[str, Any]:
     """Compile every kernel `plans` (a plan, or a list: one pool for all of them) launch for
     sm_`arch` (module docstring); returns {"kernels", "compiled", "failed": [{"name",
     "error"}], "seconds", "cached", "grids", "aliases", "results"} (`results`:
     `compile_launch`'s rows when `jit` is False). A plan whose marker exists is not recorded
-    again; `cached` is true when every plan's was."""
+    again; `cached` is true when every plan's was. `keys`, one per plan: what each was
+    compiled from (`Program` passes the compile cache's key), so that a later process finds
+    the markers."""
     plans = list(plans) if isinstance(plans, (list, tuple)) else [plans]
-    markers = [_marker(p, arch, allow_tf32, jit) for p in plans]
+    keys = list(keys) if keys is not None else [None] * len(plans)
+    if len(keys) != len(plans):
+        raise ValueError(f"precompile: {len(keys)} keys for {len(plans)} plans")
+    markers = [_marker(p, k, arch, allow_tf32, jit) for p, k in zip(plans, keys)]
     todo = [i for i, m in enumerate(markers) if not m.exists()]
     if not todo:
         done = [json.loads(m.read_text()) for m in markers]
@@ -133,17 +143,18 @@ def _merge(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def precompile_for_device(plans: Any, allow_tf32: bool = False, float_dtype: Any = None
-                          ) -> None:
+def precompile_for_device(plans: Any, allow_tf32: bool = False, float_dtype: Any = None,
+                          keys: list[str] | None = None) -> None:
     """`precompile(plans)` for this process's CUDA device, through the JIT (the triton
     target's hook, before it binds a plan; `Program` calls it once with every plan a
-    training run launches). Kernels that fail are named and left to their first launch."""
+    training run launches, and their `keys`). Kernels that fail are named and left to their
+    first launch."""
     import torch
 
     major, minor = torch.cuda.get_device_capability()
     try:
         s = precompile(plans, 10 * major + minor, allow_tf32=allow_tf32,
-                       float_dtype=float_dtype, jit=True)
+                       float_dtype=float_dtype, jit=True, keys=keys)
     except RuntimeError as e:          # recording failed: every kernel compiles at launch
         print(f"titanc: precompile skipped ({e})", file=sys.stderr)
         return
@@ -175,8 +186,8 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
                disable=not progress, file=sys.stderr)
 
     def serve() -> None:
-        worker = subprocess.Popen([sys.executable, "-m", "titanc.runtime.targets.precompile_worker",
-                                   "--worker", str(arch), "jit" if jit else "aot"],
+        worker = subprocess.Popen(module_command("titanc.runtime.targets.precompile_worker",
+                                                 "--worker", str(arch), "jit" if jit else "aot"),
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                   env=env)
         assert worker.stdin is not None and worker.stdout is not None

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from titanc.config import child_environment, current
+from titanc.config import child_environment, current, module_command
 from titanc.errors import DistributedError, TitancError
 from titanc.runtime.children import die_with_parent, forward_signals, reap
 
@@ -79,7 +79,7 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
     with forward_signals(procs) as stop:
         for rank in range(nproc):                 # a rank dies with the launcher (even SIGKILL)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "titanc.train", *argv],
+                module_command("titanc.train", *argv),
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 preexec_fn=functools.partial(die_with_parent, os.getpid())))
         while any(p.poll() is None for p in procs) and stop.signum is None:
