@@ -248,14 +248,24 @@ class Program:
         from (the compile cache's key, the compiler's sources, the graph): the same in a
         second process, whose plans the compile cache gives back, so it finds the markers
         the first one wrote."""
+        b = batch or self.batch_size
+        graphs = [self.graph("training", b), self.compiled.graph("optimizer"),
+                  self.graph("forward", b), self.graph("logits", b)]
+        return [cg.plan for cg in graphs], [self._plan_key(cg) for cg in graphs]
+
+    def _plan_key(self, cg: Any) -> str:
+        """What compiled graph `cg`'s plan was compiled from, as text: the compile cache's
+        key at its batch, the compiler's sources and the graph's place in its compile. The
+        same in every process (a plan's pickle is not: one read back from the compile cache
+        pickles differently), so the precompile's markers are found by a second run."""
         from titanc import compile_cache
 
-        b = batch or self.batch_size
-        kinds = [("training", b), ("optimizer", None), ("forward", b), ("logits", b)]
-        plans = [self.graph(k, n).plan if n else self.compiled.graph(k).plan for k, n in kinds]
-        base = (compile_cache.compile_key(self.spec, b, self.compiled.patterns)
-                + compile_cache.source_fingerprint())
-        return plans, [f"{base}|{k}" for k, _ in kinds]
+        for c in [self.compiled, *self._by_batch.values()]:
+            place = next((k for k, g in c.graphs.items() if g is cg), None)
+            if place is not None:
+                return (f"{compile_cache.compile_key(self.spec, c.batch, self.compiled.patterns)}"
+                        f"|{compile_cache.source_fingerprint()}|{place}")
+        raise KeyError(f"graph {cg.kind} is not one of this program's compiles")
 
     def _bind(self, cg: Any) -> Any:
         g = cg.graph
@@ -273,6 +283,8 @@ class Program:
         options = dict(self._executor_options)
         if self.capture_step and cg.kind in ("training", "optimizer"):
             options["cuda_graphs"] = False           # inside the step's own graph
+        if self.target == "triton":
+            options["precompile_key"] = self._plan_key(cg)
         return self._executor_cls(cg.plan, bound, **options)
 
     def document_inputs(self, tokens: Tensor, docs: dict[str, Tensor] | None,

@@ -104,6 +104,19 @@ def test_a_second_process_finds_the_markers(tmp_path, monkeypatch) -> None:
         pytest.skip("this triton build has no ptxas")
     assert not first["cached"] and second["cached"] and not other["cached"]
     assert second["kernels"] == first["kernels"] >= 1
+    # each executor's own precompile (a graph bound later: evaluation at another batch) is
+    # keyed the same way, by both programs
+    bound: list[str] = []
+
+    def executor(plan, tensors, **options):
+        bound.append(options["precompile_key"])
+        return object()
+
+    for prog in (fresh, again):
+        prog._executor_cls = executor
+        for cg in (prog.graph("training", prog.batch_size), prog.graph("forward", 3)):
+            prog._bind(cg)
+    assert bound[0] == bound[2] == keys[0] and bound[1] == bound[3] != keys[2]
 
 
 def test_subprocesses_import_the_package_from_a_folder_with_its_own_titanc(tmp_path) -> None:

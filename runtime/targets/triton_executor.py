@@ -187,7 +187,7 @@ class TritonExecutor(PlanExecutor):
 
     def __init__(self, plan: BufferPlan, bound: dict[str, Tensor] | None = None,
                  float_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
-                 allow_tf32: bool = False):
+                 allow_tf32: bool = False, precompile_key: str | None = None):
         self.allow_tf32 = allow_tf32                  # float32 dots in tf32 (compile.allow_tf32)
         self.dtype = {torch.float64: "float64", torch.float32: "float32"}.get(
             float_dtype, graph_dtype(plan.schedule.graph))
@@ -204,7 +204,10 @@ class TritonExecutor(PlanExecutor):
             check_interpretable()
         elif self.device == "cuda":      # every kernel compiled in parallel, before binding
             from titanc.runtime.targets.precompile import precompile_for_device
-            precompile_for_device(plan, allow_tf32, float_dtype)
+            # `precompile_key`: what the plan was compiled from (a Program passes it), so the
+            # marker its own precompile wrote, in this process or an earlier one, is found
+            precompile_for_device(plan, allow_tf32, float_dtype,
+                                  keys=None if precompile_key is None else [precompile_key])
         super().__init__(plan, bound, float_dtype)
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
