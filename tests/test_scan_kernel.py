@@ -384,6 +384,23 @@ def test_memory_chunk_scan_is_one_kernel() -> None:
         assert not [(v, n) for v, n in bounds if whole.get(v) == n], "statically true masks"
 
 
+def test_large_memory_scans_take_one_program_per_batch_row_and_head() -> None:
+    """large_125m (one layer, 1,024 tokens): every memory-chunk scan, the chunk groups'
+    backward included, launches batch 8 x 4 memory heads = 32 programs. The backward's
+    per-program workspace is 4.8M elements; under a total cap of 2**27 it fell back to
+    8 programs running the four heads in turn (on an H100: 301 ms a launch, 76% of the
+    step); `MAX_WORKSPACE_TOTAL` (2**28, int32 indices) admits the 32."""
+    from titanc.runtime.targets.aot import record_launches
+
+    c = compile_graphs(load_spec(ROOT / "examples" / "large_125m.yaml", {
+        "model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64}))
+    grids: dict[str, int] = {}
+    record_launches(c.plans["training"], grids=grids)
+    chunk = {k: v for k, v in grids.items() if "memory_chunk" in k}
+    assert len(chunk) == 3 and any("bwd" in k for k in chunk)
+    assert set(chunk.values()) == {32}, chunk
+
+
 def _step_launches(example: str, seq_len: int) -> tuple[int, int]:
     """Launches per training step (training graph + optimizer): with scan kernels, and with
     every scan a host loop."""

@@ -93,7 +93,7 @@ from titanc.codegen.scan.stages import _ScanGen
 __all__ = ["KERNEL_ROLES", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
            "render_scan", "scan_form"]
 
-MAX_WORKSPACE_TOTAL = 1 << 27   # workspace elements of all programs (one workspace per executor)
+MAX_WORKSPACE_TOTAL = 1 << 28   # workspace elements of all programs (one workspace per executor)
 MAX_STAGES = 128                # stages of one scan kernel (compile time and registers grow);
                                 # a memory-chunk group's backward has 95
 # scan roles (`ir.SCAN_ROLES`) whose body is one chunk of a recurrence (`scan_form`)
