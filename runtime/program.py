@@ -284,7 +284,7 @@ class Program:
         if self.capture_step and cg.kind in ("training", "optimizer"):
             options["cuda_graphs"] = False           # inside the step's own graph
         if self.target == "triton":
-            options["precompile_key"] = self._plan_key(cg)
+            options["plan_key"] = self._plan_key(cg)
         return self._executor_cls(cg.plan, bound, **options)
 
     def document_inputs(self, tokens: Tensor, docs: dict[str, Tensor] | None,

@@ -109,7 +109,7 @@ def test_a_second_process_finds_the_markers(tmp_path, monkeypatch) -> None:
     bound: list[str] = []
 
     def executor(plan, tensors, **options):
-        bound.append(options["precompile_key"])
+        bound.append(options["plan_key"])
         return object()
 
     for prog in (fresh, again):
@@ -117,6 +117,46 @@ def test_a_second_process_finds_the_markers(tmp_path, monkeypatch) -> None:
         for cg in (prog.graph("training", prog.batch_size), prog.graph("forward", 3)):
             prog._bind(cg)
     assert bound[0] == bound[2] == keys[0] and bound[1] == bound[3] != keys[2]
+
+
+def test_a_second_program_binds_without_rendering(tmp_path, monkeypatch) -> None:
+    """The triton target keeps the kernels it rendered for a plan in the compile cache's
+    folder, under the plan's key (`Program._plan_key`), the dtype and tf32: a second program
+    (a second process) binds the same plan with nothing rendered, and runs the same step."""
+    import torch
+
+    import titanc
+    from titanc import config
+    from titanc.runtime.targets import triton_executor as te
+    import tests.reference as R
+
+    over = {**SMALL, "compile.target": "triton", "model.n_layers": 1}
+
+    def step(prog) -> float:
+        params = R.init_params(prog.spec.model, seed=3, dtype=torch.float32)
+        prog.load_state_dict({f"param.{k}": v for k, v in params.items()}, strict=False)
+        toks = torch.randint(0, prog.spec.model.vocab_size, (1, prog.spec.model.seq_len + 1),
+                             generator=torch.Generator().manual_seed(1))
+        return prog.train_step(toks)
+
+    with config.override(cache_dir=tmp_path / "titanc", compile_cache=True, debug=0):
+        first = titanc.compile(EXAMPLES / "tiny_lmm.yaml", **over)
+        loss = step(first)
+        rendered = list((tmp_path / "titanc" / "rendered").glob("*.pickle"))
+        assert len(rendered) >= 2                     # the training and optimizer plans
+
+        def refuse(*a, **k):
+            raise AssertionError("rendered again")
+        monkeypatch.setattr(te, "render_kernel", refuse)
+        monkeypatch.setattr(te, "scan_kernel_for", refuse)
+        second = titanc.compile(EXAMPLES / "tiny_lmm.yaml", **over)
+        assert step(second) == loss
+        ex = second._executor(second.graph("training", second.batch_size))
+        assert ex.kernels() and any(isinstance(v, te.ScanKernel) for v in ex._scans.values())
+        # another dtype renders its own
+        with pytest.raises(AssertionError, match="rendered again"):
+            titanc.compile(EXAMPLES / "tiny_lmm.yaml", **over, **{"train.dtype": "float64"}
+                           ).train_step(torch.zeros(1, 9, dtype=torch.long))
 
 
 def test_subprocesses_import_the_package_from_a_folder_with_its_own_titanc(tmp_path) -> None:

@@ -19,6 +19,10 @@ So an edited pass never meets an entry of the code before it. Entries are writte
 `MAX_BYTES` most recently used. `TITANC_COMPILE_CACHE=0` (`config.compile_cache`) turns it
 off; `TITANC_DEBUG` does too (a compile then prints what it does), and a caller that asks for
 per-pass dumps (`titanc compile`) always compiles.
+
+The triton target keeps the kernels it rendered for a plan beside them
+(`<cache_dir>/rendered/`, `load_rendered` / `store_rendered`), keyed by what the plan was
+compiled from, the float dtype and tf32: a second process binds without rendering.
 """
 from __future__ import annotations
 
@@ -113,10 +117,34 @@ def load(key: str, verify_each: bool) -> Any | None:
 def store(key: str, compiled: Any, verified: bool) -> None:
     """Write `compiled` (without its pass log's dumps and callbacks) under `key`; best effort:
     a full or read-only disk leaves the compile as it was."""
-    path = _path(key)
     log = dataclasses.replace(compiled.log, callbacks=[], dumps=[])
-    data = pickle.dumps(Entry(dataclasses.replace(compiled, log=log), verified),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    _write(_path(key), pickle.dumps(Entry(dataclasses.replace(compiled, log=log), verified),
+                                    protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _rendered_path(key: str) -> Path:
+    digest = hashlib.sha256(f"{source_fingerprint()}\n{key}".encode()).hexdigest()[:32]
+    return current().cache_dir / "rendered" / f"{digest}.pickle"
+
+
+def load_rendered(key: str) -> dict[Any, Any]:
+    """The kernels rendered earlier for one plan (`key`: what the plan was compiled from and
+    how it renders, runtime/targets/triton_executor.py), {} if none: a warm start binds
+    without rendering."""
+    try:
+        entries = pickle.loads(_rendered_path(key).read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def store_rendered(key: str, entries: dict[Any, Any]) -> None:
+    """Write the kernels rendered for one plan under `key` (best effort, as `store`)."""
+    _write(_rendered_path(key), pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically (temp file + rename), then trim its directory."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")

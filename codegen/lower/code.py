@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from titanc.ir import Graph
@@ -38,10 +39,11 @@ class KernelCode:
     args: tuple[TensorArg, ...]    # tensors, in `launch` order
     sizes: tuple[Any, ...]         # the trailing `launch` arguments (ints, a shape tuple)
 
-    @property
+    @cached_property
     def key(self) -> str:
         """The source without its header comments and with the kernel's own name replaced:
-        two kernels with equal keys can share one module."""
+        two kernels with equal keys can share one module (computed once: a host loop's
+        binding asks it at every launch of its body)."""
         lines = self.source.splitlines()
         start = next(i for i, line in enumerate(lines) if not line.startswith("#"))
         body = "\n".join(lines[start:])

@@ -38,6 +38,7 @@ from titanc.codegen.lower.patterns import SCRATCH
 from titanc.codegen.render import load_module
 from titanc.codegen.scan.kernel import (ScanFallback, ScanKernel, count_launches,
                                         host_table, scan_kernel_for)
+from titanc import compile_cache
 from titanc.errors import TitancError
 from titanc.ir import Op
 from titanc.ir.types import TensorType
@@ -187,7 +188,7 @@ class TritonExecutor(PlanExecutor):
 
     def __init__(self, plan: BufferPlan, bound: dict[str, Tensor] | None = None,
                  float_dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
-                 allow_tf32: bool = False, precompile_key: str | None = None):
+                 allow_tf32: bool = False, plan_key: str | None = None):
         self.allow_tf32 = allow_tf32                  # float32 dots in tf32 (compile.allow_tf32)
         self.dtype = {torch.float64: "float64", torch.float32: "float32"}.get(
             float_dtype, graph_dtype(plan.schedule.graph))
@@ -200,15 +201,24 @@ class TritonExecutor(PlanExecutor):
         self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
         self.scan_kernels = current().scan_kernels
         self.scan_ws: Tensor | None = None            # shared by every scan kernel
+        # `plan_key`: what the plan was compiled from (a Program passes it, `_plan_key`).
+        # The precompile's marker and the rendered kernels of an earlier process are found
+        # under it; a plan's scan bodies are told apart by the order binding meets them
+        # (the same for the same plan)
+        self._disk_key = (f"{plan_key}|{self.dtype}|{allow_tf32}"
+                          if plan_key is not None and compile_cache.enabled(False) else None)
+        self._disk = compile_cache.load_rendered(self._disk_key) if self._disk_key else {}
+        self._disk_new = False
+        self._plan_ordinal: dict[int, int] = {}
         if interpreting():
             check_interpretable()
         elif self.device == "cuda":      # every kernel compiled in parallel, before binding
             from titanc.runtime.targets.precompile import precompile_for_device
-            # `precompile_key`: what the plan was compiled from (a Program passes it), so the
-            # marker its own precompile wrote, in this process or an earlier one, is found
             precompile_for_device(plan, allow_tf32, float_dtype,
-                                  keys=None if precompile_key is None else [precompile_key])
+                                  keys=None if plan_key is None else [plan_key])
         super().__init__(plan, bound, float_dtype)
+        if self._disk_new:
+            compile_cache.store_rendered(self._disk_key, self._disk)
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         if not self.cuda_graphs:
@@ -253,13 +263,28 @@ class TritonExecutor(PlanExecutor):
         `TITANC_DEBUG=3` prints each one."""
         key = (id(plan), kern.name)
         if key not in self._codes:
-            self._codes[key] = code = render_kernel(plan.schedule.graph, kern, dtype=self.dtype,
-                                                    skip=set(plan.aliases),
-                                                    allow_tf32=self.allow_tf32,
-                                                    strided=plan.strided)
+            code = self._stored("code", plan, kern.name)
+            if code is None:
+                code = render_kernel(plan.schedule.graph, kern, dtype=self.dtype,
+                                     skip=set(plan.aliases), allow_tf32=self.allow_tf32,
+                                     strided=plan.strided)
+                self._store("code", plan, kern.name, code)
+            self._codes[key] = code
             if debug_level() >= 3:
                 print(code.source, file=sys.stderr)
         return self._codes[key]
+
+    def _slot(self, kind: str, plan: BufferPlan, name: str) -> tuple[str, int, str]:
+        return kind, self._plan_ordinal.setdefault(id(plan), len(self._plan_ordinal)), name
+
+    def _stored(self, kind: str, plan: BufferPlan, name: str) -> Any:
+        """What an earlier process rendered for kernel `name` of `plan`, or None."""
+        return self._disk.get(self._slot(kind, plan, name)) if self._disk_key else None
+
+    def _store(self, kind: str, plan: BufferPlan, name: str, value: Any) -> None:
+        if self._disk_key:
+            self._disk[self._slot(kind, plan, name)] = value
+            self._disk_new = True
 
     def scan_code(self, plan: BufferPlan, kern: Any, sid: int) -> ScanKernel | str:
         """The scan kernel of `kern`'s scan, or the reason it runs as a host loop (recorded
@@ -269,17 +294,20 @@ class TritonExecutor(PlanExecutor):
             self._scans[key] = "scan kernels are off (TITANC_SCAN_KERNELS=0)"
         if key not in self._scans:
             g = plan.schedule.graph
-            try:
-                sk: ScanKernel | str = scan_kernel_for(plan, kern, sid, self.dtype,
-                                                       self.allow_tf32)
-                if debug_level() >= 3:
-                    print(sk.source, file=sys.stderr)
-            except ScanFallback as e:
-                sk = str(e)
+            sk: ScanKernel | str | None = self._stored("scan", plan, kern.name)
+            if sk is None:
+                try:
+                    sk = scan_kernel_for(plan, kern, sid, self.dtype, self.allow_tf32)
+                except ScanFallback as e:
+                    sk = str(e)
+                self._store("scan", plan, kern.name, sk)
+            if isinstance(sk, str):
                 self.fallbacks.append({"graph": g.name, "scan": kern.name, "reason": sk})
                 if debug_level() >= 2:
                     print(f"titanc: scan {kern.name} of graph {g.name} runs as a host loop: "
                           f"{sk}", file=sys.stderr)
+            elif debug_level() >= 3:
+                print(sk.source, file=sys.stderr)
             self._scans[key] = sk
         return self._scans[key]
 
