@@ -87,6 +87,8 @@ TITANC = {
     "medium_f32": ("medium", {}),
     "medium_bf16": ("medium", BF16),
     "large_bf16": ("large", {**LARGE, **BF16}),
+    # the chunk groups' forward recompute hoisted out of their backward (docs/gpu.md)
+    "large_bf16_hoist": ("large", {**LARGE, **BF16, "compile.hoist_groups": True}),
 }
 # name: (size, [(matched, autocast bf16)])
 PEER = {

@@ -11,6 +11,9 @@ Every string that reaches a generated kernel passes through this module:
   a variable the hook forgot is an error, never empty text.
 - `load_module(source, name)` writes a rendered module into the kernel cache (Triton's JIT
   reads kernel source through `inspect`, so it must live in a real file) and imports it.
+- `load_rendered(key)` / `store_rendered(key, entries)`: what a target rendered for one plan,
+  kept in `<cache_dir>/rendered/` under a key the caller vouches for (the triton target: what
+  the plan was compiled from, its dtype and tf32), so a later process binds without rendering.
 
 Rendering is deterministic: the same context gives byte-identical source.
 """
@@ -18,11 +21,13 @@ Rendering is deterministic: the same context gives byte-identical source.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
 import keyword
 import os
+import pickle
 import re
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -33,6 +38,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from titanc.config import current, triton_interpret, triton_interpret_mode
+from titanc.files import trim_directory, write_bytes_atomic
 
 __all__ = [
     "TEMPLATE_DIR",
@@ -40,9 +46,11 @@ __all__ = [
     "cache_dir",
     "kernel_name",
     "load_module",
+    "load_rendered",
     "render",
     "sanitize_comment",
     "sanitize_identifier",
+    "store_rendered",
 ]
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
@@ -194,6 +202,37 @@ def load_module(source: str, name: str, interpret: bool | None = None) -> Module
         _drop_dead_overflow_checks()
     _LOADED[key] = module
     return module
+
+
+RENDERED_MAX_BYTES = 256 << 20     # the rendered/ folder keeps its most recently used entries
+
+
+def _rendered_path(key: str) -> Path:
+    return cache_dir() / "rendered" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pickle"
+
+
+def load_rendered(key: str) -> dict[Any, Any]:
+    """The entries `store_rendered` kept under `key`, or {} (none, or unreadable)."""
+    path = _rendered_path(key)
+    try:
+        entries = pickle.loads(path.read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        return {}
+    with contextlib.suppress(OSError):
+        os.utime(path)                 # most recently used
+    return entries if isinstance(entries, dict) else {}
+
+
+def store_rendered(key: str, entries: dict[Any, Any]) -> None:
+    """Keep `entries` (rendered kernels, picklable) under `key`; best effort: a full or
+    read-only disk leaves things as they were."""
+    path = _rendered_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL))
+        trim_directory(path.parent, "*.pickle", RENDERED_MAX_BYTES, keep=path)
+    except OSError:
+        return
 
 
 def _drop_dead_overflow_checks() -> None:

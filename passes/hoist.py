@@ -11,7 +11,9 @@ to compile) and work a GPU could spread over every chunk.
 Rule. In the body of a SCAN whose role is a chunk recurrence (`codegen.scan.KERNEL_ROLES`), a
 node is *hoisted* when an xs slice reaches it and no carry does, and it and every node on the
 way have a batching rule (elementwise ops, reductions, cumsums, einsums and views: each
-computes the same over a new leading axis of `length`). It is built outside on the stacked
+computes the same over a new leading axis of `length`; a nested scan whose body batches
+whole: the same iterations over carries and slices with the new axis first, its stacked xs
+and ys transposed to [steps, length, ...] and back, and the ITEMs of it). It is built outside on the stacked
 operands ([length, ...]), and its result passed back in as a new xs where a node that stays
 in the body (or a body output) reads it. Nodes that read no xs (constants) stay in the body,
 and so do views at the edge of the hoisted set (free index arithmetic in a scan kernel).
@@ -30,9 +32,19 @@ The result computes the same values (each hoisted node on each iteration's slice
 different order of loops: float64 parity holds exactly up to the summation order of a
 batched matmul.
 
+The nested rule (`nested`, spec `compile.hoist_groups`, off by default) is what a chunk-group
+backward can use (role memory_group, passes/checkpoint_chunks.py): its body re-runs the
+group's chunks forward from the group's saved state (an xs slice) before the reverse chunk
+scan that reads the carried cotangents. Hoisted, that forward runs once for every group at
+once (one scan kernel over groups x batch x heads: large_125m 4 x 8 x 4 = 128 programs, the
+group backward's sm_90 compile 54.8 -> 33.2 s), and so does the work between it and the
+reverse scan; the group loop keeps the reverse scan alone. The price is what the groups were
+made to save: every group's recomputed activations live at once (training arena large_125m
+3.61 -> 4.13 GiB, tiny_lmm 15.5 -> 24.7 MB), so it is a choice, not the default.
+
 Pre: `g` verifies. Post: the same outputs; no chunk-recurrence scan body holds a hoistable
 node. Nested bodies are rewritten first (a scan inside a scan body: the hoisted work lands in
-the enclosing body).
+the enclosing body, and may be hoisted from there in turn).
 """
 from __future__ import annotations
 
@@ -49,10 +61,25 @@ _WORK = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM, Op.EINSUM})
 _AXIS_OPS = frozenset({Op.SLICE, Op.PAD, Op.CONCAT, Op.CUMSUM})
 
 
-def _batchable(n: Node) -> bool:
-    """Does `n` have a batching rule (the same op over a new leading axis)?"""
+def _batchable(n: Node, nested: bool = True) -> bool:
+    """Does `n` have a batching rule (the same op over a new leading axis)? A nested scan has
+    one (where `nested`) when every node of its body that its operands reach has (the scan
+    over the same iterations, every carry and slice with the new axis first); an ITEM picks
+    from a batched scan."""
+    if n.op is Op.SCAN:
+        if not nested:
+            return False
+        body = n.attr("body")
+        reached = set(body.inputs)                     # every operand batched, at worst
+        for v in body.order():
+            m = body.node(v)
+            if m.op is not Op.INPUT and any(i in reached for i in m.inputs):
+                if not _batchable(m):
+                    return False
+                reached.add(v)
+        return True
     return (n.op in OpGroup.ELEMENTWISE or n.op in _WORK or n.op in OpGroup.VIEW
-            or n.op in (Op.PAD, Op.CONCAT))
+            or n.op in (Op.PAD, Op.CONCAT, Op.ITEM))
 
 
 @dataclass(frozen=True)
@@ -60,14 +87,16 @@ class HoistScanInvariants:
     """Carry-independent per-iteration work of chunk-recurrence scans, hoisted before them
     (module docstring).
 
-    Pre: `g` verifies. Post: the same outputs; chunk-recurrence bodies hold no hoistable node."""
+    Pre: `g` verifies. Post: the same outputs; chunk-recurrence bodies hold no hoistable node.
+    `nested`: nested scans are hoistable too (compile.hoist_groups)."""
+    nested: bool = False
     name: ClassVar[str] = "hoist_scan_invariants"
 
     def __call__(self, g: Graph) -> Graph:
-        return hoist_scan_invariants(g)
+        return hoist_scan_invariants(g, self.nested)
 
 
-def hoist_scan_invariants(g: Graph) -> Graph:
+def hoist_scan_invariants(g: Graph, nested: bool = False) -> Graph:
     if not any(n.op is Op.SCAN for n in g):
         return g
     out = Graph(g.name)
@@ -77,16 +106,16 @@ def hoist_scan_invariants(g: Graph) -> Graph:
         if n.op is not Op.SCAN:
             env[n.id] = out.add_like(n, ins)
             continue
-        body = hoist_scan_invariants(n.attr("body"))
+        body = hoist_scan_invariants(n.attr("body"), nested)
         if n.attr("role", "loop") in HOIST_ROLES:
-            env[n.id] = _hoist(out, n, body, ins)
+            env[n.id] = _hoist(out, n, body, ins, nested)
         else:
             env[n.id] = out.add_like(n, ins, body=body)
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
     return out
 
 
-def _hoist(out: Graph, n: Node, body: Graph, ins: list[int]) -> int:
+def _hoist(out: Graph, n: Node, body: Graph, ins: list[int], nested: bool) -> int:
     """Scan `n` (body `body`, operands `ins` in `out`) rebuilt in `out` with its hoistable
     nodes computed before it; returns the new scan's id."""
     a = n.attr_dict
@@ -101,7 +130,7 @@ def _hoist(out: Graph, n: Node, body: Graph, ins: list[int]) -> int:
             continue
         reads_carry = any(i in variant for i in m.inputs)
         reads_xs = any(i in per_iter for i in m.inputs)
-        if m.op is Op.SCAN or reads_carry or (reads_xs and not _batchable(m)):
+        if reads_carry or (reads_xs and not _batchable(m, nested)):
             variant.add(v)
         elif reads_xs:
             per_iter.add(v)
@@ -123,69 +152,15 @@ def _hoist(out: Graph, n: Node, body: Graph, ins: list[int]) -> int:
     frontier = [v for v in body.order() if v in hoisted and (
         v in outputs or any(u not in hoisted for u in body.users(v)))]
 
-    batched: dict[int, int] = {}                       # body id -> [length, ...] value in out
+    bt = _Batcher(out, body, length)
     for j, v in enumerate(xs_in):
-        batched[v] = ins[nc + j]
-    flat: dict[int, int] = {}                          # body id -> unbatched value in out
+        bt.batched[v] = ins[nc + j]
     for j, v in enumerate(const_in):
-        flat[v] = ins[nc + nx + j]
-
-    def unbatched(v: int) -> int:
-        """A body value that reads no xs and no carry, built once in `out`."""
-        if v not in flat:
-            m = body.node(v)
-            flat[v] = out.add_like(m, [unbatched(i) for i in m.inputs])
-        return flat[v]
-
-    def lift(v: int, rank: int) -> int:
-        """Batched value `v` ([length] + s) as [length] + [1] * (rank - len(s)) + s."""
-        x = batched[v]
-        s = body.node(v).type.shape
-        if len(s) == rank:
-            return x
-        return out.add(Op.RESHAPE, [x], {"shape": (length,) + (1,) * (rank - len(s)) + s})
-
+        bt.flat[v] = ins[nc + nx + j]
     for v in body.order():
-        if v not in hoisted:
-            continue
-        m = body.node(v)
-        op, attrs = m.op, m.attr_dict
-        rank = m.type.rank
-        if op is Op.EINSUM:
-            lhs, res = attrs["spec"].split("->")
-            used = set(attrs["spec"])
-            z = next(ch for ch in "zyxwvutsrqponmlkjihgfedcbaZYXWVUTSRQPONMLKJIHGFEDCBA"
-                     if ch not in used)
-            terms, args = [], []
-            for term, i in zip(lhs.split(","), m.inputs):
-                if i in batched:
-                    terms.append(z + term)
-                    args.append(batched[i])
-                else:
-                    terms.append(term)
-                    args.append(unbatched(i))
-            batched[v] = out.add(op, args, {**attrs, "spec": ",".join(terms) + "->" + z + res})
-        elif op in OpGroup.ELEMENTWISE:
-            args = [lift(i, rank) if i in batched else unbatched(i) for i in m.inputs]
-            batched[v] = out.add(op, args, attrs)
-        elif op in (Op.SUM, Op.AMAX):
-            src_rank = body.node(m.inputs[0]).type.rank
-            axes = tuple(ax % src_rank + 1 for ax in attrs["axes"])
-            batched[v] = out.add(op, [batched[m.inputs[0]]], {**attrs, "axes": axes})
-        elif op in _AXIS_OPS:
-            src_rank = body.node(m.inputs[0]).type.rank
-            args = [batched[i] if i in batched else _broadcast(out, unbatched(i), length,
-                                                               body.node(i).type.shape)
-                    for i in m.inputs]
-            batched[v] = out.add(op, args, {**attrs, "axis": attrs["axis"] % src_rank + 1})
-        elif op is Op.RESHAPE or op is Op.EXPAND:
-            x = lift(m.inputs[0], rank) if op is Op.EXPAND else batched[m.inputs[0]]
-            batched[v] = out.add(op, [x], {**attrs, "shape": (length,) + tuple(attrs["shape"])})
-        elif op is Op.PERMUTE:
-            perm = (0,) + tuple(p % rank + 1 for p in attrs["perm"])
-            batched[v] = out.add(op, [batched[m.inputs[0]]], {**attrs, "perm": perm})
-        else:                                          # _batchable and this list agree
-            raise AssertionError(f"no batching rule for {op.name}")
+        if v in hoisted:
+            bt.node(v)
+    batched = bt.batched
 
     # the body without the hoisted nodes: the frontier values become xs after the old ones
     nb = Graph(body.name)
@@ -212,6 +187,125 @@ def _hoist(out: Graph, n: Node, body: Graph, ins: list[int]) -> int:
     nb.set_outputs([(name, benv[v]) for name, v in body.outputs])
     new_ins = ins[:nc + nx] + [batched[v] for v in frontier] + ins[nc + nx:]
     return out.add_like(n, new_ins, body=nb, n_xs=nx + len(frontier))
+
+
+class _Batcher:
+    """Builds nodes of `src` in `dst` over a new leading axis of `length`: `batched` maps a
+    src value to its batched value in dst ([length] + its shape), `flat` a src value that
+    reads nothing batched to its value in dst (built once, on demand)."""
+
+    def __init__(self, dst: Graph, src: Graph, length: int):
+        self.dst, self.src, self.length = dst, src, length
+        self.batched: dict[int, int] = {}
+        self.flat: dict[int, int] = {}
+
+    def unbatched(self, v: int) -> int:
+        """A src value that reads nothing batched, built once in dst."""
+        if v not in self.flat:
+            m = self.src.node(v)
+            self.flat[v] = self.dst.add_like(m, [self.unbatched(i) for i in m.inputs])
+        return self.flat[v]
+
+    def full(self, v: int) -> int:
+        """`v` batched: its batched value, or its unbatched one repeated over the new axis."""
+        if v in self.batched:
+            return self.batched[v]
+        return _broadcast(self.dst, self.unbatched(v), self.length,
+                          self.src.node(v).type.shape)
+
+    def lift(self, v: int, rank: int) -> int:
+        """Batched value `v` ([length] + s) as [length] + [1] * (rank - len(s)) + s."""
+        x = self.batched[v]
+        s = self.src.node(v).type.shape
+        if len(s) == rank:
+            return x
+        return self.dst.add(Op.RESHAPE, [x],
+                            {"shape": (self.length,) + (1,) * (rank - len(s)) + s})
+
+    def node(self, v: int) -> None:
+        """Build src node `v`, which reads a batched value, batched in dst."""
+        out, length, m = self.dst, self.length, self.src.node(v)
+        op, attrs = m.op, m.attr_dict
+        batched, unbatched = self.batched, self.unbatched
+        if op is Op.SCAN:
+            batched[v] = self._scan(m)
+            return
+        if op is Op.ITEM:
+            scan = self.src.node(m.inputs[0])
+            k, item = attrs["index"], out.add(Op.ITEM, [batched[m.inputs[0]]], attrs)
+            if k >= scan.attr("n_carry"):              # ys: [steps, length, ...] -> [length, steps, ...]
+                rank = m.type.rank + 1
+                item = out.add(Op.PERMUTE, [item], {"perm": (1, 0) + tuple(range(2, rank))})
+            batched[v] = item
+            return
+        rank = m.type.rank
+        if op is Op.EINSUM:
+            lhs, res = attrs["spec"].split("->")
+            used = set(attrs["spec"])
+            z = next(ch for ch in "zyxwvutsrqponmlkjihgfedcbaZYXWVUTSRQPONMLKJIHGFEDCBA"
+                     if ch not in used)
+            terms, args = [], []
+            for term, i in zip(lhs.split(","), m.inputs):
+                if i in batched:
+                    terms.append(z + term)
+                    args.append(batched[i])
+                else:
+                    terms.append(term)
+                    args.append(unbatched(i))
+            batched[v] = out.add(op, args, {**attrs, "spec": ",".join(terms) + "->" + z + res})
+        elif op in OpGroup.ELEMENTWISE:
+            args = [self.lift(i, rank) if i in batched else unbatched(i) for i in m.inputs]
+            batched[v] = out.add(op, args, attrs)
+        elif op in (Op.SUM, Op.AMAX):
+            src_rank = self.src.node(m.inputs[0]).type.rank
+            axes = tuple(ax % src_rank + 1 for ax in attrs["axes"])
+            batched[v] = out.add(op, [batched[m.inputs[0]]], {**attrs, "axes": axes})
+        elif op in _AXIS_OPS:
+            src_rank = self.src.node(m.inputs[0]).type.rank
+            args = [self.full(i) for i in m.inputs]
+            batched[v] = out.add(op, args, {**attrs, "axis": attrs["axis"] % src_rank + 1})
+        elif op is Op.RESHAPE or op is Op.EXPAND:
+            x = self.lift(m.inputs[0], rank) if op is Op.EXPAND else batched[m.inputs[0]]
+            batched[v] = out.add(op, [x], {**attrs, "shape": (length,) + tuple(attrs["shape"])})
+        elif op is Op.PERMUTE:
+            perm = (0,) + tuple(p % rank + 1 for p in attrs["perm"])
+            batched[v] = out.add(op, [batched[m.inputs[0]]], {**attrs, "perm": perm})
+        else:                                          # _batchable and this list agree
+            raise AssertionError(f"no batching rule for {op.name}")
+
+    def _scan(self, m: Node) -> int:
+        """A nested scan batched: the same iterations over carries [length, ...] and slices
+        [length, ...] (xs stacked [steps, length, ...]); a constant operand that is batched is
+        a batched constant of the body, one that is not stays as it was. Its body is batched
+        whole (every node: `_batchable`)."""
+        out, length = self.dst, self.length
+        a = m.attr_dict
+        nc, nx = a["n_carry"], a["n_xs"]
+        body = a["body"]
+        b_in = body.inputs
+        operands: list[int] = []
+        inner = _Batcher(Graph(body.name), body, length)
+        for j, (v, bv) in enumerate(zip(m.inputs, b_in)):
+            t = body.node(bv).type
+            if j < nc + nx or v in self.batched:       # carries and slices always batched
+                x = self.full(v)
+                if nc <= j < nc + nx:                  # [length, steps, ...] -> [steps, length, ...]
+                    x = out.add(Op.PERMUTE, [x], {"perm": (1, 0) + tuple(range(2, t.rank + 2))})
+                operands.append(x)
+                inner.batched[bv] = inner.dst.add(
+                    Op.INPUT, (), body.node(bv).attr_dict,
+                    type(t)((length,) + t.shape, t.dtype))
+            else:
+                operands.append(self.unbatched(v))
+                inner.flat[bv] = inner.dst.add_like(body.node(bv))
+        for v in body.order():
+            if v in inner.batched or v in inner.flat:
+                continue
+            u = body.node(v)
+            if any(i in inner.batched for i in u.inputs):
+                inner.node(v)
+        inner.dst.set_outputs([(name, inner.full(v)) for name, v in body.outputs])
+        return out.add_like(m, operands, body=inner.dst)
 
 
 def _broadcast(out: Graph, x: int, length: int, shape: tuple[int, ...]) -> int:

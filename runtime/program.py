@@ -254,17 +254,13 @@ class Program:
         return [cg.plan for cg in graphs], [self._plan_key(cg) for cg in graphs]
 
     def _plan_key(self, cg: Any) -> str:
-        """What compiled graph `cg`'s plan was compiled from, as text: the compile cache's
-        key at its batch, the compiler's sources and the graph's place in its compile. The
-        same in every process (a plan's pickle is not: one read back from the compile cache
-        pickles differently), so the precompile's markers are found by a second run."""
-        from titanc import compile_cache
-
+        """What compiled graph `cg`'s plan was compiled from (`Compiled.graph_key`): the same
+        in every process, so a second run finds the precompile's markers and the rendered
+        kernels the first one kept."""
         for c in [self.compiled, *self._by_batch.values()]:
-            place = next((k for k, g in c.graphs.items() if g is cg), None)
-            if place is not None:
-                return (f"{compile_cache.compile_key(self.spec, c.batch, self.compiled.patterns)}"
-                        f"|{compile_cache.source_fingerprint()}|{place}")
+            key = c.graph_key(cg)
+            if key is not None:
+                return key
         raise KeyError(f"graph {cg.kind} is not one of this program's compiles")
 
     def _bind(self, cg: Any) -> Any:

@@ -44,6 +44,51 @@ def test_every_pass_preserves_forward_and_training(block: str) -> None:
             torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.parametrize("block", ["lmm", "mac"])
+def test_chunk_groups_hoist_their_recompute_and_keep_values(block: str) -> None:
+    """Eight chunks per memory scan: split into groups (role memory_group, passes/
+    checkpoint_chunks.py), whose backward re-runs the group's chunks forward from the saved
+    state, an xs slice, before its reverse scan. compile.hoist_groups moves that forward scan
+    out of the group loop (batched over the groups: passes/hoist.py `_Batcher._scan`), and
+    every pass still computes the same loss and gradients in float64."""
+    spec = tiny_spec(**{**spec_overrides(block), "compile.hoist_groups": True})
+    params = R.init_params(spec.model, seed=4)
+    inputs = {"tokens": tokens(spec, seed=5), **params}
+    c = compile_graphs(spec)
+    grad_dumps = [(name, g) for name, g in c.log.dumps if g.name == "grad"]
+    ref = _run(grad_graph([g for name, g in c.log.dumps if g.name == "forward"][0],
+                          list(params)), inputs)
+    for name, g in grad_dumps:
+        got = _run(g, inputs)
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-13,
+                                       msg=lambda m: f"{name}, {k}: {m}")
+    final = c.graph("training").graph
+    groups = [(sg, n) for sg, n in _walk(final)
+              if n.op is Op.SCAN and n.attr("role") == "memory_group" and n.attr("reverse")]
+    assert groups
+    for _, n in groups:
+        body = n.attr("body")
+        carries = set(body.inputs[:n.attr("n_carry")])
+        inner = [m for m in body if m.op is Op.SCAN]
+        # what is left inside: the reverse chunk scan, which reads the group's cotangents
+        assert inner and all(m.attr("reverse") for m in inner)
+        assert all(any(i in carries or body.node(i).op is not Op.INPUT for i in m.inputs)
+                   for m in inner)
+    # by default the recompute stays in the group loop (the groups bound what lives at once)
+    default = compile_graphs(tiny_spec(**spec_overrides(block))).graph("training")
+    assert any(m.op is Op.SCAN and not m.attr("reverse")
+               for _, n in _walk(default.graph)
+               if n.op is Op.SCAN and n.attr("role") == "memory_group" and n.attr("reverse")
+               for m in n.attr("body"))
+
+
+def spec_overrides(block: str) -> dict:
+    """Eight memory chunks per scan (chunk groups of two)."""
+    return {"model.block": block, "model.seq_len": 32, "model.attention.segment": 32,
+            "model.attention.window": 32}
+
+
 def _has_per_token_update(g: Graph) -> list[str]:
     """Values with a chunk-position axis together with both axes of a memory weight matrix."""
     bad = []

@@ -140,6 +140,26 @@ def test_memory_chunk_scans_match_reference(example: str) -> None:
     check_scan(g, n, torch.float32, carry_budget=0)          # every carry in the workspace
 
 
+@pytest.mark.slow                    # an option's kernels (the graph's values: test_passes)
+def test_hoisted_group_recompute_matches_reference() -> None:
+    """compile.hoist_groups (passes/hoist.py): eight chunks of 2 tokens in groups of two; the
+    groups' forward recompute, hoisted out of their backward, is one scan kernel over groups
+    x batch x memory heads (4 x 1 x 2 programs), and it and the group backward left behind
+    match the reference interpreter."""
+    c = compile_graphs(_spec("tiny_lmm", **{"model.seq_len": 16, "compile.hoist_groups": True}))
+
+    def every_scan(plan):
+        g = plan.schedule.graph
+        for k in plan.schedule.kernels:
+            for nid in (i for i in k.nodes if g.node(i).op is Op.SCAN):
+                if g.node(nid).attr("role") in ("memory", "memory_group"):
+                    yield g, g.node(nid)
+                yield from every_scan(plan.bodies[nid])
+
+    grids = [check_scan(g, n, torch.float32).grid for g, n in every_scan(c.plans["training"])]
+    assert 4 * 2 in grids and set(grids) <= {2, 8}, grids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("depth, chunk", [(1, 1), (2, 4), (2, 8)])   # token by token,
 def test_depth_and_chunk_sizes_float64(depth: int, chunk: int) -> None:  # interior, whole
@@ -384,21 +404,25 @@ def test_memory_chunk_scan_is_one_kernel() -> None:
         assert not [(v, n) for v, n in bounds if whole.get(v) == n], "statically true masks"
 
 
-def test_large_memory_scans_take_one_program_per_batch_row_and_head() -> None:
-    """large_125m (one layer, 1,024 tokens): every memory-chunk scan, the chunk groups'
-    backward included, launches batch 8 x 4 memory heads = 32 programs. The backward's
-    per-program workspace is 4.8M elements; under a total cap of 2**27 it fell back to
-    8 programs running the four heads in turn (on an H100: 301 ms a launch, 76% of the
-    step); `MAX_WORKSPACE_TOTAL` (2**28, int32 indices) admits the 32."""
+@pytest.mark.parametrize("hoist_groups", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_large_memory_scans_take_one_program_per_batch_row_and_head(hoist_groups) -> None:
+    """large_125m (one layer, 1,024 tokens): every memory-chunk scan launches at least
+    batch 8 x 4 memory heads = 32 programs, the chunk groups' backward included (its
+    per-program workspace was 4.8M elements: under a total cap of 2**27 it fell back to 8
+    programs running the four heads in turn, on an H100 301 ms a launch, 76% of the step;
+    `MAX_WORKSPACE_TOTAL` is 2**28, int32 indices). With compile.hoist_groups the groups'
+    forward recompute, hoisted out of that backward (passes/hoist.py), runs every group at
+    once: 4 x 8 x 4 programs."""
     from titanc.runtime.targets.aot import record_launches
 
     c = compile_graphs(load_spec(ROOT / "examples" / "large_125m.yaml", {
-        "model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64}))
+        "model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64,
+        "compile.hoist_groups": hoist_groups}))
     grids: dict[str, int] = {}
     record_launches(c.plans["training"], grids=grids)
     chunk = {k: v for k, v in grids.items() if "memory_chunk" in k}
-    assert len(chunk) == 3 and any("bwd" in k for k in chunk)
-    assert set(chunk.values()) == {32}, chunk
+    assert any("group_bwd" in k for k in chunk), chunk
+    assert sorted(chunk.values()) == [32, 32, 32] + [128] * hoist_groups, chunk
 
 
 def _step_launches(example: str, seq_len: int) -> tuple[int, int]:

@@ -19,10 +19,6 @@ So an edited pass never meets an entry of the code before it. Entries are writte
 `MAX_BYTES` most recently used. `TITANC_COMPILE_CACHE=0` (`config.compile_cache`) turns it
 off; `TITANC_DEBUG` does too (a compile then prints what it does), and a caller that asks for
 per-pass dumps (`titanc compile`) always compiles.
-
-The triton target keeps the kernels it rendered for a plan beside them
-(`<cache_dir>/rendered/`, `load_rendered` / `store_rendered`), keyed by what the plan was
-compiled from, the float dtype and tf32: a second process binds without rendering.
 """
 from __future__ import annotations
 
@@ -33,12 +29,12 @@ import json
 import os
 import pickle
 import sys
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from titanc.config import current
+from titanc.files import trim_directory, write_bytes_atomic
 from titanc.model.spec import Spec, spec_to_dict
 
 # Spec fields a compile never reads, by section ("": top level): specs that differ only in
@@ -122,54 +118,12 @@ def store(key: str, compiled: Any, verified: bool) -> None:
                                     protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _rendered_path(key: str) -> Path:
-    digest = hashlib.sha256(f"{source_fingerprint()}\n{key}".encode()).hexdigest()[:32]
-    return current().cache_dir / "rendered" / f"{digest}.pickle"
-
-
-def load_rendered(key: str) -> dict[Any, Any]:
-    """The kernels rendered earlier for one plan (`key`: what the plan was compiled from and
-    how it renders, runtime/targets/triton_executor.py), {} if none: a warm start binds
-    without rendering."""
-    try:
-        entries = pickle.loads(_rendered_path(key).read_bytes())
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
-        return {}
-    return entries if isinstance(entries, dict) else {}
-
-
-def store_rendered(key: str, entries: dict[Any, Any]) -> None:
-    """Write the kernels rendered for one plan under `key` (best effort, as `store`)."""
-    _write(_rendered_path(key), pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL))
-
-
 def _write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically (temp file + rename), then trim its directory."""
+    """Write `data` to `path` atomically, then keep the directory's `MAX_BYTES` most recently
+    used entries."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-        _trim(path.parent, keep=path)
+        write_bytes_atomic(path, data)
+        trim_directory(path.parent, "*.pickle", MAX_BYTES, keep=path)
     except OSError:
         return
-
-
-def _trim(directory: Path, keep: Path) -> None:
-    """Drop the least recently used entries beyond `MAX_BYTES` (never `keep`, just written)."""
-    entries = []
-    for p in directory.glob("*.pickle"):
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        entries.append((st.st_mtime, st.st_size, p))
-    total = sum(size for _, size, _ in entries)
-    for _, size, p in sorted(entries):
-        if total <= MAX_BYTES:
-            break
-        if p == keep:
-            continue
-        p.unlink(missing_ok=True)
-        total -= size

@@ -137,7 +137,19 @@ class Compiled:
             if step.test(self):
                 g = log.apply(step.make(self), g)
         persistent = self._persistent()
-        return _finish(log, kind, g, persistent, start)
+        return _finish(log, kind, g, persistent, start, self.spec.compile.hoist_groups)
+
+    def graph_key(self, cg: CompiledGraph) -> str | None:
+        """What compiled graph `cg` (one of this compile's) was compiled from, as text: the
+        compile cache's key, the compiler's sources and the graph's place. The same in every
+        process, unlike a pickle of its plan (one read back from the compile cache pickles
+        differently): the key of a plan's precompiled kernels and rendered sources on disk.
+        None when `cg` is not one of this compile's graphs."""
+        place = next((k for k, g in self.graphs.items() if g is cg), None)
+        if place is None:
+            return None
+        return (f"{compile_cache.compile_key(self.spec, self.batch, self.patterns)}"
+                f"|{compile_cache.source_fingerprint()}|{place}")
 
     def for_batch(self, batch: int) -> "Compiled":
         """The same spec at another batch size; its graphs compile on first use."""
@@ -259,10 +271,12 @@ def pipeline_text() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int) -> CompiledGraph:
+def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int,
+            hoist_groups: bool = False) -> CompiledGraph:
     # a chunk recurrence's carry-independent work (its backward's forward recompute) runs
-    # once over every chunk before the scan, not in its serial loop
-    g = log.apply(HoistScanInvariants(), g)
+    # once over every chunk before the scan, not in its serial loop (with
+    # compile.hoist_groups, a chunk group's recompute scan too, over every group)
+    g = log.apply(HoistScanInvariants(nested=hoist_groups), g)
     # a cast of an input read by several kernels: one copy per reader, which fusion loads cast
     # (mixed precision's parameter casts launch nothing of their own)
     g = log.apply(SplitCasts(), g)

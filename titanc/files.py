@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -45,3 +46,39 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file of its own in the same directory and a
+    rename (several processes may write one cache entry at once); on any failure the
+    temporary file is removed and the old `path`, if any, is unchanged."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def trim_directory(directory: Path, pattern: str, max_bytes: int, keep: Path) -> None:
+    """Drop the least recently used files matching `pattern` beyond `max_bytes` in all
+    (never `keep`, just written)."""
+    entries = []
+    for p in directory.glob(pattern):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        entries.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in entries)
+    for _, size, p in sorted(entries):
+        if total <= max_bytes:
+            break
+        if p == keep:
+            continue
+        p.unlink(missing_ok=True)
+        total -= size

@@ -35,10 +35,9 @@ import torch
 
 from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, render_kernel
 from titanc.codegen.lower.patterns import SCRATCH
-from titanc.codegen.render import load_module
+from titanc.codegen.render import load_module, load_rendered, store_rendered
 from titanc.codegen.scan.kernel import (ScanFallback, ScanKernel, count_launches,
                                         host_table, scan_kernel_for)
-from titanc import compile_cache
 from titanc.errors import TitancError
 from titanc.ir import Op
 from titanc.ir.types import TensorType
@@ -205,9 +204,11 @@ class TritonExecutor(PlanExecutor):
         # The precompile's marker and the rendered kernels of an earlier process are found
         # under it; a plan's scan bodies are told apart by the order binding meets them
         # (the same for the same plan)
+        cfg = current()
         self._disk_key = (f"{plan_key}|{self.dtype}|{allow_tf32}"
-                          if plan_key is not None and compile_cache.enabled(False) else None)
-        self._disk = compile_cache.load_rendered(self._disk_key) if self._disk_key else {}
+                          if plan_key is not None and cfg.compile_cache and not cfg.debug
+                          else None)
+        self._disk = load_rendered(self._disk_key) if self._disk_key else {}
         self._disk_new = False
         self._plan_ordinal: dict[int, int] = {}
         if interpreting():
@@ -218,7 +219,7 @@ class TritonExecutor(PlanExecutor):
                                   keys=None if plan_key is None else [plan_key])
         super().__init__(plan, bound, float_dtype)
         if self._disk_new:
-            compile_cache.store_rendered(self._disk_key, self._disk)
+            store_rendered(self._disk_key, self._disk)
 
     def run(self, inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         if not self.cuda_graphs:
