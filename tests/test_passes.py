@@ -44,7 +44,7 @@ def test_every_pass_preserves_forward_and_training(block: str) -> None:
             torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-13)
 
 
-@pytest.mark.parametrize("block", ["lmm", "mac"])
+@pytest.mark.parametrize("block", ["lmm", pytest.param("mac", marks=pytest.mark.slow)])
 def test_chunk_groups_hoist_their_recompute_and_keep_values(block: str) -> None:
     """Eight chunks per memory scan: split into groups (role memory_group, passes/
     checkpoint_chunks.py), whose backward re-runs the group's chunks forward from the saved
