@@ -275,6 +275,7 @@ SMALL_MAC = {"model.d_model": 8, "model.n_layers": 1, "model.seq_len": 8,
              "model.attention.persistent_tokens": 2}
 
 
+@pytest.mark.slow      # bf16 dots in scan kernels: test_scan_kernel's bf16 test; GPU: chk_mac_bf16
 def test_cpu_and_triton_agree_on_a_bf16_mac_training_step() -> None:
     """tiny.yaml's training step (loss and every gradient) in bf16 on the interpreted triton
     target, its scan kernels' dots of bf16 values on bf16 tiles (`codegen.meta.mma16`; the
