@@ -129,11 +129,12 @@ MATMUL_TILES[89] = MATMUL_TILES[86]
 
 # An exact float32 dot (`input_precision="ieee"`, tf32 not allowed) has no tensor-core
 # instruction: Triton unrolls it into FMAs, BLOCK_M * BLOCK_N * BLOCK_K / threads of them per
-# K step, and compile time grows with that count. 64 x 64 x 16 on 8 warps is 256 FMAs per
-# thread per step (the 128 x 64 x 32 table tile: 1,024) and needs no pipelining, which
-# has no asynchronous copy to overlap here. tiny.yaml's float32 matmul kernels for sm_90:
-# 1.2-2.0 CPU-s of compile each instead of 2.9-5.5 s, and none spills (one spilled 980 B).
-EXACT_F32_TILE = Tile(64, 64, 16, 8, 1)
+# K step, and compile time grows with that count. 32 x 64 x 16 on 8 warps is 128 FMAs per
+# thread per step (the 128 x 64 x 32 table tile: 1,024) and needs no pipelining, which has
+# no asynchronous copy to overlap here. tiny.yaml's 45 float32 matmul kernels for sm_90
+# (CPU-s of compile, this machine): 128 x 64 x 32, 2.9-5.5 s each; 64 x 64 x 16, 35.9 s in
+# all; 32 x 64 x 16, 25.7 s; 32 x 32 x 16, 23.7 s (half the operand reuse again for 2 s).
+EXACT_F32_TILE = Tile(32, 64, 16, 8, 1)
 
 
 def matmul_tiles(itemsize: int, m: int, n: int, k: int,

@@ -148,6 +148,7 @@ def test_two_ranks_equal_one_rank_of_twice_the_batch(tmp_path: Path) -> None:
         assert [x for r in a for x in r] == pytest.approx([x for r in b for x in r], abs=1e-12)
 
 
+@pytest.mark.slow      # 22 s; the default tier resumes a 2-rank job in test_a_killed_rank_stops_the_job
 def test_resume_across_world_sizes(tmp_path: Path) -> None:
     """Stopped at step 2 on 2 ranks (ZeRO-1, through `titanc train --nproc 2`) and resumed on
     1 rank, or stopped on 1 and resumed on 2: the same parameters as 4 steps straight."""

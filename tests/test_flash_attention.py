@@ -22,6 +22,7 @@ import tests.reference as R
 from tests.helpers import graphs_nested as _walk, plans_nested as _plans, tiny_spec, tokens
 from titanc.model.attention import mac_attention, swa
 from titanc.codegen.lower.dispatch import render_kernel
+from titanc.codegen.render import load_module
 from titanc.compiler import SHARED, compile_graphs
 from titanc.model.frontend import lower_forward
 from titanc.ir import Builder, Graph, Op, interpret
@@ -160,9 +161,11 @@ def test_attention_targets_match_reference(kind: str, T: int, window: int, P: in
 
 
 def test_exact_wide_heads_take_small_query_blocks_on_8_warps() -> None:
-    """Head width 64 with exact (FMA) dots: the forward's 32-query blocks and both templates'
-    8 warps (at 64 x 64 on 4 warps ptxas spilled 34 KB per thread; tests/test_aot.py checks
-    the compile) give the reference's values; a narrow head keeps 64-query blocks, 4 warps."""
+    """Exact (FMA) dots: on CUDA the forward takes 32 x 32 blocks at every head width (at
+    64 x 64 on 4 warps ptxas spilled 34 KB per thread at width 64, and took 3x the compile
+    time at width 16; tests/test_aot.py checks the compile), the interpreter 64 x 64; a wide
+    head runs both templates on 8 warps, a narrow one on 4. The wide head gives the
+    reference's values; a tf32 forward keeps 64 x 64 on CUDA."""
     sources = {}
     for D, T in ((128, 40), (16, 8)):                       # head_dim 64 and 8
         g, inputs = _attention_graph("mac", T, 0, 4, B=1, D=D)
@@ -180,9 +183,19 @@ def test_exact_wide_heads_take_small_query_blocks_on_8_warps() -> None:
             for name, ref in want.items():
                 torch.testing.assert_close(got[name], ref, rtol=1e-9, atol=1e-11)
     wide, narrow = sources[128], sources[16]
-    assert "BLOCK_M = 32" in wide["attention_fwd"] and "BLOCK_M = 64" in narrow["attention_fwd"]
+    for D, src in sources.items():
+        fwd = load_module(src["attention_fwd"], f"attention_fwd_blocks_{D}", interpret=True)
+        assert fwd.BLOCKS[False] == (64, 64)
+        assert fwd.cuda_constexprs(90) == {"BLOCK_M": 32, "BLOCK_N": 32}
     for fam in ("attention_fwd", "attention_bwd"):
         assert "num_warps=8" in wide[fam] and "num_warps=4" in narrow[fam], fam
+    g, _ = _attention_graph("mac", 8, 0, 4, B=1, D=16)
+    plan = _compiled(g, [n for n in g.input_names() if n != "w"])
+    tf32 = {c.family: c.source for c in (
+        render_kernel(plan.schedule.graph, k, dtype="float32", allow_tf32=True)
+        for k in plan.schedule.kernels if k.category == "template")}
+    fwd = load_module(tf32["attention_fwd"], "attention_fwd_blocks_tf32", interpret=True)
+    assert fwd.cuda_constexprs(90) == {"BLOCK_M": 64, "BLOCK_N": 64}
 
 
 def test_cpu_attention_skips_key_blocks_outside_the_window() -> None:

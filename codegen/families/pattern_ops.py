@@ -119,6 +119,7 @@ def render_attention_fwd(
     block_n: int = 64,
     num_warps: int = 4,
     wide: bool = False,
+    cuda_blocks: tuple[int, int] | None = None,
 ) -> str:
     """Flash-attention forward over `groups` of keys (persistent | causal+window | ...).
 
@@ -127,11 +128,16 @@ def render_attention_fwd(
     Launcher: `launch(q, k_<group>..., v_<group>..., o, lse, n_<group>..., sm_scale)`, one
     key and one value tensor per group, each with its own strides. `wide`: query, key and
     width offsets in int64 (q, k or v has >= 2**31 elements, `meta.needs_int64`; batch and
-    head offsets are int64 always).
+    head offsets are int64 always). `cuda_blocks`: (BLOCK_M, BLOCK_N) of a CUDA launch where
+    they differ from the interpreter's `block_m`, `block_n` (the module's `cuda_constexprs`
+    gives them to an ahead-of-time compile).
     """
     ctx = _attention_context(name, groups, head_dim, dtype, allow_tf32, block_m, block_n,
                              num_warps, header_lines, wide)
-    return render("attention_fwd.py.jinja", **ctx)
+    cuda_m, cuda_n = cuda_blocks or (block_m, block_n)
+    check_block("cuda block_m", cuda_m, 16)
+    check_block("cuda block_n", cuda_n, 16)
+    return render("attention_fwd.py.jinja", cuda_block_m=cuda_m, cuda_block_n=cuda_n, **ctx)
 
 
 def render_attention_bwd(

@@ -84,15 +84,18 @@ def _attention(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str,
     ins = [TensorArg(i) for i in n.inputs]
     outs = element_args(g, n, kernel)
     # An exact float32 or float64 dot (tf32 off) has no tensor-core instruction: Triton unrolls
-    # it into FMAs. At head_dim 64 ptxas kept the forward (64 x 64 blocks, 4 warps) in 32
-    # registers and spilled 34 KB per thread, the dk/dv kernel 504 B (large_125m, float32,
-    # sm_90); with 32-query blocks and 8 warps neither spills, and ptxas takes a fifth of
-    # the time.
+    # it into FMAs, and compile time grows with their count per thread. At head_dim 64 ptxas
+    # kept the forward (64 x 64 blocks, 4 warps) in 32 registers and spilled 34 KB per thread,
+    # the dk/dv kernel 504 B (large_125m, float32, sm_90); with 32-query blocks and 8 warps
+    # neither spills, and ptxas takes a fifth of the time. On CUDA the exact forward takes
+    # 32 x 32 blocks at every width (tiny.yaml's, head_dim 16, compiles for sm_90 in 1.95 CPU-s
+    # instead of 5.8 s); the interpreter keeps 64 x 64 (half the programs and loop steps).
     exact = dtype == "float64" or (dtype == "float32" and not allow_tf32)
     wide_fma = exact and pow2(q.shape[3], 16) >= 64
     kw["num_warps"] = 8 if wide_fma else 4
     if n.op is Op.ATTENTION:
-        source = render_attention_fwd(kernel.name, block_m=32 if wide_fma else 64, **kw)
+        source = render_attention_fwd(kernel.name, block_m=64, block_n=64,
+                                      cuda_blocks=(32, 32) if exact else None, **kw)
         return KernelCode(kernel.name, kernel.category, "attention_fwd", g.name, source,
                           (*ins, *outs), sizes)
     if any(a_.value == SCRATCH for a_ in outs):

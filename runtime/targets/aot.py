@@ -43,7 +43,8 @@ from typing import Any, Iterable
 from titanc.codegen.render import cache_dir, load_module
 from titanc.config import triton_interpret_mode
 
-__all__ = ["Launch", "SHARED_LIMIT", "compile_launch", "record_launches", "compile_all"]
+__all__ = ["Launch", "SHARED_LIMIT", "compile_launch", "launch_constexprs", "record_launches",
+           "compile_all"]
 
 # Largest dynamic shared memory a block may use (bytes), per compute capability: A100 163 KiB,
 # sm_86/89 99 KiB, H100 227 KiB (the CUDA programming guide's opt-in maxima).
@@ -188,6 +189,21 @@ def _cpu_seconds() -> float:
     return time.process_time() + ru.ru_utime + ru.ru_stime
 
 
+def launch_constexprs(launch: Launch, module: Any, arch: int) -> tuple[dict[str, Any], int, int]:
+    """The constexprs, num_warps and num_stages the CUDA launcher passes for `launch` (recorded
+    off CUDA): the matmul family's tile of the architecture (`tiles_for`), a template's own
+    CUDA blocks (`cuda_constexprs`), and the 16-bit MMA (`DOT_F32` off)."""
+    constexprs, warps, stages = dict(launch.constexprs), launch.num_warps, launch.num_stages
+    if hasattr(module, "tiles_for"):
+        bm, bn, bk, warps, stages = module.tiles_for(arch)
+        constexprs |= {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    if hasattr(module, "cuda_constexprs"):
+        constexprs |= module.cuda_constexprs(arch)
+    if "DOT_F32" in constexprs:
+        constexprs["DOT_F32"] = False
+    return constexprs, warps, stages
+
+
 def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     """Compile `launch` for sm_`arch` (a process without the interpreter); cached on disk."""
     import triton
@@ -204,13 +220,10 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     fn = getattr(module, launch.name)
     index = {n: i for i, (n, _) in enumerate(launch.signature)}
     sig = dict(launch.signature)
-    constexprs, warps, stages = dict(launch.constexprs), launch.num_warps, launch.num_stages
-    if hasattr(module, "tiles_for"):          # the matmul family: the architecture's tile
-        bm, bn, bk, warps, stages = module.tiles_for(arch)
-        constexprs |= {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
-        result["tile"] = [bm, bn, bk]         # wgmma needs BLOCK_M >= 64 (a warpgroup's rows)
-    if "DOT_F32" in constexprs:               # recorded off CUDA: the GPU takes the 16-bit MMA
-        constexprs["DOT_F32"] = False
+    # recorded off CUDA: the architecture's tile or blocks, and the 16-bit MMA
+    constexprs, warps, stages = launch_constexprs(launch, module, arch)
+    if hasattr(module, "tiles_for"):          # wgmma needs BLOCK_M >= 64 (a warpgroup's rows)
+        result["tile"] = [constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")]
     result |= {"num_warps": warps, "num_stages": stages}
     attrs = {(index[n],): [["tt.divisibility", 16]] for n in launch.divisible}
     log = io.StringIO()

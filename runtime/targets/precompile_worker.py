@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from titanc.codegen.render import load_module
-from titanc.runtime.targets.aot import Launch, compile_launch, record_launches
+from titanc.runtime.targets.aot import Launch, compile_launch, launch_constexprs, record_launches
 
-__all__ = ["launch_constexprs", "standins", "warm"]
+__all__ = ["standins", "warm"]
 
 _POINTEE = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
             "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8",
@@ -50,19 +50,6 @@ def _compile_one(item: tuple[dict[str, Any], int, bool]) -> dict[str, Any]:
     except Exception as e:   # left to its first launch, and named
         return {"name": launch.name, "ok": False, "error": f"{type(e).__name__}: {str(e)[-400:]}"}
     return {"name": launch.name, "ok": True, "compile_s": round(time.perf_counter() - t0, 2)}
-
-
-def launch_constexprs(launch: Launch, module: Any, arch: int) -> tuple[dict[str, Any], int, int]:
-    """The constexprs, num_warps and num_stages the CUDA launcher passes for `launch` (recorded
-    off CUDA): the matmul family's tile of the architecture (`tiles_for`), and the 16-bit MMA
-    (`DOT_F32` off)."""
-    constexprs, warps, stages = dict(launch.constexprs), launch.num_warps, launch.num_stages
-    if hasattr(module, "tiles_for"):
-        bm, bn, bk, warps, stages = module.tiles_for(arch)
-        constexprs |= {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
-    if "DOT_F32" in constexprs:
-        constexprs["DOT_F32"] = False
-    return constexprs, warps, stages
 
 
 def _pointer(dtype: Any, aligned: bool) -> Any:
