@@ -28,13 +28,14 @@ The defaults are the recipe (issues 18 and 30): train.lr 3e-3 (at 1e-2 AdamW col
 adaptive gates θ, η before a binding forms), memory.qk_activation none (zero-mean keys),
 memory.chunk_size 4 (at chunk 8 the initial θ = 1 with η 0.9 is past the chunked momentum
 write's stability bound for mag and mal, and bindings learned at 32 tokens were lost at
-128-272), the curriculum 32 -> 128 -> 272 tokens with a long first stage (2,500 steps at 32:
-the seeds whose binding formed late bind there), and each block's own options in BLOCK_SET
-and BLOCK_CURRICULUM: lmm at memory chunk 8 (it binds on every seed there, not at 4), mag
-and mac with `memory.gate: attention` (the attention output gates the memory's read, not the
-other way round), mac also with `mac_write: input` and `mac_read: residual` (not the paper's
-MAC: written from the segment's input, its read also on the residual stream) and shorter
-later stages (it steps slowest; the same CPU budget).
+128-272), the curriculum 32 -> 128 -> 272 tokens with a long first stage (5,000 steps at 32:
+a binding's onset comes at a seed- and task-dependent step, and the seeds and tasks whose
+onset came late bind there), and each block's own options in BLOCK_SET and
+BLOCK_CURRICULUM: lmm and mac at memory chunk 8 (they bind on every seed there, not at 4),
+mag and mac with `memory.gate: attention` (the attention output gates the memory's read, not
+the other way round), mac also with `mac_write: input` and `mac_read: residual` (not the
+paper's MAC: written from the segment's input, its read also on the residual stream) and a
+shorter curriculum (it steps slowest; the same CPU budget).
 `--set BLOCK:key=value` sets an option for one block (`--set mac:model.memory.gate=memory`);
 `--task-set n_pairs=6 --task-set n_values=12 --set model.vocab_size=48` varies the task.
 The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
@@ -42,6 +43,8 @@ The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
 Writes benchmarks/results/recall_distance.json (config, one row per model, summary) and
 recall_distance.png next to it (accuracy vs distance, one line per block: the mean over seeds
 with the min-max band, chance dashed), prints the JSON and a table (mean and min over seeds).
+Runs made in separate processes (one per block and seed, `--out` each) become one sweep with
+`--merge A.json B.json ... --out benchmarks/results/recall_distance.json`.
 """
 from __future__ import annotations
 
@@ -85,10 +88,11 @@ BLOCK_SET: dict[str, Any] = {
     "mac:model.memory.mac_write": "input",       # not the paper's MAC: written with u_s
     "mac:model.memory.mac_read": "residual",     # not the paper's MAC: h also on the output
     "lmm:model.memory.chunk_size": 8,            # lmm binds on every seed at chunk 8
+    "mac:model.memory.chunk_size": 8,            # so does the MAC option (seed 0 not at 4)
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
 NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8}
-CURRICULUM = "32:2500,128:500,272:300"
+CURRICULUM = "32:5000,128:500,272:300"
 # a block's own curriculum (`--curriculum` sets every block's): MAC steps slowest, and its
 # later stages are shorter to fit the same CPU budget
 BLOCK_CURRICULUM = {"mac": "32:2500,128:450,272:250"}
@@ -377,7 +381,14 @@ def main() -> None:
                          "--set model.vocab_size=... for a larger vocabulary)")
     ap.add_argument("--save", default=None,
                     help="directory to save each trained model's state (BLOCK_seedN.pt)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="train nothing: merge these runs' JSON (one configuration, e.g. one "
+                         "process per block and seed) into --out and its plot")
     args = ap.parse_args()
+    if args.merge:
+        out = Path(args.out)
+        report(out, merge(args.merge, out))
+        return
     torch.set_num_threads(args.threads)
     if args.task == "niah":
         TASK.clear()
@@ -416,13 +427,42 @@ def main() -> None:
             print(f"# {block} seed {seed}: {r['steps']} steps, {r['cpu_s']} cpu s, "
                   f"acc {r['accuracy']}", flush=True)
             # written after every model, so an interrupted sweep keeps what it measured
-            summary = summarize(rows, distances)
-            result = {"config": config, "results": rows, "summary": summary}
-            out.write_text(json.dumps(result, indent=2) + "\n")
-            title = (f"recall vs distance ({args.task}): curriculum {args.curriculum}, "
-                     f"≤{args.budget:.0f} CPU s/model")
-            seeds = {b: sum(r["block"] == b for r in rows) for b in summary}
-            plot(out.with_suffix(".png"), summary, distances, chance, window, title, seeds)
+            result = write_results(out, config, rows, args.task)
+    report(out, result)
+
+
+def write_results(out: Path, config: dict[str, Any], rows: list[dict[str, Any]],
+                  task: str) -> dict[str, Any]:
+    """`out` (JSON: config, rows, summary) and its plot beside it (.png)."""
+    distances = config["distances"]
+    summary = summarize(rows, distances)
+    result = {"config": config, "results": rows, "summary": summary}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    title = (f"recall vs distance ({task}): curriculum {config['curriculum']}, "
+             f"≤{config['budget_cpu_s']:.0f} CPU s/model")
+    seeds = {b: sum(r["block"] == b for r in rows) for b in summary}
+    window = config["overrides"].get("model.attention.window",
+                                     config["spec"]["model"]["attention"]["window"])
+    plot(out.with_suffix(".png"), summary, distances, config["chance"], window, title, seeds)
+    return result
+
+
+def merge(paths: list[str], out: Path) -> dict[str, Any]:
+    """One sweep from runs made in separate processes (`--out` each): their configurations
+    must be equal; the rows are concatenated in the order given."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    config = runs[0]["config"]
+    for p, run in zip(paths, runs):
+        if run["config"] != config:
+            raise SystemExit(f"--merge: {p} was made with another configuration than {paths[0]}")
+    task = "niah" if config["task"].get("kind") == "niah" else "pairs"
+    return write_results(out, config, [r for run in runs for r in run["results"]], task)
+
+
+def report(out: Path, result: dict[str, Any]) -> None:
+    """The JSON, then a table of mean/min accuracy per block and distance."""
+    rows, summary, distances = result["results"], result["summary"], result["config"]["distances"]
+    chance = result["config"]["chance"]
     print(json.dumps(result, indent=2))
     head = f"{'block':>6} {'params':>7} " + " ".join(f"{'d=' + str(d):>11}" for d in distances)
     print(head)

@@ -238,7 +238,39 @@ def test_benchmark_block_options_apply_to_their_block_only() -> None:
         m = specs[b].memory
         assert (m.gate, m.mac_write, m.mac_read) == ("memory", "attention", "context")
     assert all(s.memory.decay == 0.02 for s in specs.values())
-    assert specs["lmm"].memory.chunk_size == 8 and specs["mal"].memory.chunk_size == 4
+    assert specs["lmm"].memory.chunk_size == specs["mac"].memory.chunk_size == 8
+    assert specs["mal"].memory.chunk_size == specs["mag"].memory.chunk_size == 4
     counts = {b: param_count(s) for b, s in specs.items()}
     per8 = 3 * 8 * specs["mag"].d_model                          # params per 8 FFN units
     assert all(abs(c - counts["mag"]) <= per8 / 2 for c in counts.values()), counts
+
+
+def test_benchmark_merges_runs_of_one_configuration(tmp_path: Path) -> None:
+    """`recall_distance.py --merge A.json B.json --out M.json`: one sweep from runs made in
+    separate processes (rows concatenated, summary over all of them, the plot beside it);
+    runs of another configuration are refused with one line."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import recall_distance as rd
+
+    config = {"spec": rd.SPEC, "overrides": {}, "task": dict(rd.TASK), "curriculum": "32:10",
+              "distances": [8, 64], "budget_cpu_s": 600.0, "chance": 0.125}
+
+    def run(name: str, block: str, accs: list[float], cfg: dict) -> str:
+        rows = [{"block": block, "seed": i, "params": 1,
+                 "accuracy": {"8": a, "64": a / 2}} for i, a in enumerate(accs)]
+        path = tmp_path / name
+        path.write_text(json.dumps({"config": cfg, "results": rows}))
+        return str(path)
+
+    out = tmp_path / "merged.json"
+    result = rd.merge([run("a.json", "lmm", [1.0, 0.5], config),
+                       run("b.json", "lmm", [0.75], config),
+                       run("c.json", "attn", [0.125], config)], out)
+    assert json.loads(out.read_text()) == result and out.with_suffix(".png").exists()
+    assert [r["block"] for r in result["results"]] == ["lmm", "lmm", "lmm", "attn"]
+    assert result["summary"]["lmm"]["8"] == {"mean": 0.75, "min": 0.5, "max": 1.0}
+    assert result["summary"]["lmm"]["64"]["min"] == 0.25
+    other = run("d.json", "mag", [1.0], {**config, "curriculum": "32:20"})
+    with pytest.raises(SystemExit, match="d.json was made with another configuration"):
+        rd.merge([run("a.json", "lmm", [1.0], config), other], out)
