@@ -449,12 +449,21 @@ def write_results(out: Path, config: dict[str, Any], rows: list[dict[str, Any]],
 
 def merge(paths: list[str], out: Path) -> dict[str, Any]:
     """One sweep from runs made in separate processes (`--out` each): their configurations
-    must be equal; the rows are concatenated in the order given."""
+    must be equal, except the default curriculum of a run whose every model trained on its
+    block's own (`block_curriculum`); the rows are concatenated in the order given."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    config = runs[0]["config"]
+
+    def own_only(run: dict[str, Any]) -> bool:
+        own = run["config"].get("block_curriculum", {})
+        return all(r["block"] in own for r in run["results"])
+
+    config = next((run["config"] for run in runs if not own_only(run)), runs[0]["config"])
     for p, run in zip(paths, runs):
-        if run["config"] != config:
-            raise SystemExit(f"--merge: {p} was made with another configuration than {paths[0]}")
+        c = run["config"]
+        if {**c, "curriculum": None} != {**config, "curriculum": None} or (
+                not own_only(run) and c["curriculum"] != config["curriculum"]):
+            raise SystemExit(f"--merge: {p} was made with another configuration than the "
+                             f"others")
     task = "niah" if config["task"].get("kind") == "niah" else "pairs"
     return write_results(out, config, [r for run in runs for r in run["results"]], task)
 

@@ -274,3 +274,12 @@ def test_benchmark_merges_runs_of_one_configuration(tmp_path: Path) -> None:
     other = run("d.json", "mag", [1.0], {**config, "curriculum": "32:20"})
     with pytest.raises(SystemExit, match="d.json was made with another configuration"):
         rd.merge([run("a.json", "lmm", [1.0], config), other], out)
+    # a run of blocks that each train on their own curriculum: its default does not matter
+    own = {**config, "block_curriculum": {"mac": "32:5"}}
+    result = rd.merge([run("e.json", "lmm", [1.0], own),
+                       run("f.json", "mac", [0.5], {**own, "curriculum": "32:20"})], out)
+    assert result["config"]["curriculum"] == "32:10"
+    assert [r["block"] for r in result["results"]] == ["lmm", "mac"]
+    with pytest.raises(SystemExit, match="f.json was made with another configuration"):
+        rd.merge([run("e.json", "lmm", [1.0], own),
+                  run("f.json", "lmm", [0.5], {**own, "curriculum": "32:20"})], out)
