@@ -30,6 +30,7 @@ MAX_KEY_GROUPS = 16     # key groups a template names locals for (MAC has 3, SWA
 CE_TILE = 16384         # elements of the cross-entropy kernels' W tile (block_d x block_v)
 
 ATTENTION_KERNEL_LOCALS = frozenset("""
+    BLOCKS cuda_constexprs
     BLOCK_M BLOCK_N HEAD_DIM DOT_F32 dot_f32 _mma a b _visible _attend_group _dq_group q k v o do dq dk dv lse delta
     q_ptr k_ptr v_ptr o_ptr do_ptr dq_ptr dk_ptr dv_ptr lse_ptr delta_ptr n_queries head_dim
     key_offset key_len sm_scale start_m start_n head batch offs_m offs_n offs_d m_mask n_mask
