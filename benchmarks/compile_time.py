@@ -14,6 +14,13 @@ register count, spill bytes and shared memory, and the kernels over the budgets 
 §7: > 10 s of compile, > 256 B spilled per thread). The JSON (every kernel's row too) goes
 to `--out`; a table to stdout. `--jobs` compiles that many kernels at once: the sum is CPU
 seconds of compile either way, the wall time shrinks. Quote the load average with it.
+
+CPU seconds are not comparable across hosts: the same tree measured 80.1 s for tiny.yaml on
+one day's machine and 38-44 s on the next day's (docs/gpu_kernels.md). Each result therefore
+carries `host_reference_cpu_s`, the mean CPU seconds of eleven cold compiles of one fixed
+kernel (REFERENCE_KERNEL, a float32 matmul tile loop with a fused epilogue) on the same host
+at the same time, and `sum_in_reference_units` = the sum divided by it: a figure that follows
+the code, not the host.
 """
 from __future__ import annotations
 
@@ -29,6 +36,65 @@ from typing import Any
 
 COMPILE_BUDGET_S = 10.0       # per kernel
 SPILL_BUDGET = 256            # bytes of spill stores per thread
+
+
+REFERENCE_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def NAME(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :],
+                    mask=(rm[:, None] < M) & ((k + rk)[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + (k + rk)[:, None] * N + rn[None, :],
+                    mask=((k + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc += tl.dot(a, b, input_precision="ieee")
+    acc = acc * tl.sigmoid(acc)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+"""
+
+
+def host_reference(arch: int, repeats: int = 12) -> float:
+    """Mean CPU seconds of `repeats` cold compiles of REFERENCE_KERNEL for sm_`arch` (each
+    under its own name, so no cache answers; the first, which pays the process's imports, left
+    out), in a fresh process with empty caches."""
+    from titanc.runtime.targets.aot import Launch, compile_all
+
+    launches = []
+    for i in range(repeats):
+        name = f"titanc_host_reference_{i:02d}"   # one length: compiled in order
+        launches.append(Launch(
+            name, REFERENCE_KERNEL.replace("NAME", name),
+            (("a_ptr", "*fp32"), ("b_ptr", "*fp32"), ("c_ptr", "*fp32"), ("M", "i32"),
+             ("N", "i32"), ("K", "i32"), ("BLOCK_M", "constexpr"), ("BLOCK_N", "constexpr"),
+             ("BLOCK_K", "constexpr")),
+            (("BLOCK_M", 32), ("BLOCK_N", 64), ("BLOCK_K", 16)),
+            ("a_ptr", "b_ptr", "c_ptr", "M", "N", "K"), 8, 1))
+    with tempfile.TemporaryDirectory(prefix="titanc-ref-") as tmp:
+        saved = {k: os.environ.get(k) for k in ("TITANC_CACHE_DIR", "TRITON_CACHE_DIR")}
+        os.environ |= {"TITANC_CACHE_DIR": str(Path(tmp) / "titanc"),
+                       "TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
+        try:
+            rows = compile_all(launches, [arch], jobs=1)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    bad = [r["error"] for r in rows if not r["ok"]]
+    if bad:
+        raise SystemExit(f"the reference kernel did not compile: {bad[0]}")
+    rest = [r["compile_cpu_s"] for r in rows[1:]]
+    return round(sum(rest) / len(rest), 3)
 
 
 def measure(spec: str, archs: list[int], jobs: int, sets: list[str]) -> dict[str, Any]:
@@ -48,6 +114,8 @@ def measure(spec: str, archs: list[int], jobs: int, sets: list[str]) -> dict[str
                          f"{r.stderr[-2000:]}")
     out: dict[str, Any] = {"spec": spec, "set": sets, "wall_s": round(wall, 1), "jobs": jobs,
                            "load_average": os.getloadavg(), "archs": {}, "kernels": rows}
+    ref = host_reference(max(archs))
+    out["host_reference_cpu_s"] = ref
     for arch in archs:
         rs = [x for x in rows if x["arch"] == arch]
         ok = [x for x in rs if x["ok"]]
@@ -55,6 +123,7 @@ def measure(spec: str, archs: list[int], jobs: int, sets: list[str]) -> dict[str
             "kernels": len(rs), "failed": len(rs) - len(ok),
             "compile_cpu_s_sum": round(sum(x["compile_cpu_s"] for x in ok), 1),
             "compile_cpu_s_max": max((x["compile_cpu_s"] for x in ok), default=0.0),
+            "sum_in_reference_units": round(sum(x["compile_cpu_s"] for x in ok) / ref, 1),
             "compile_wall_s_sum": round(sum(x["compile_s"] for x in ok), 1),
             "slowest": max(ok, key=lambda x: x["compile_cpu_s"])["name"] if ok else "",
             "registers_max": max((x["registers"] or 0 for x in ok), default=0),
@@ -69,7 +138,7 @@ def measure(spec: str, archs: list[int], jobs: int, sets: list[str]) -> dict[str
 
 def table(results: list[dict[str, Any]]) -> str:
     head = ("spec", "arch", "kernels", "scan", "sum CPU s", "max CPU s", "regs", "spill B",
-            "shared B", ">10 s", ">256 B")
+            "shared B", ">10 s", ">256 B", "host ref CPU s", "sum / ref")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for res in results:
         for arch, a in res["archs"].items():
@@ -77,7 +146,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 Path(res["spec"]).name, f"sm_{arch}", a["kernels"], a["scan_kernels"],
                 a["compile_cpu_s_sum"], a["compile_cpu_s_max"], a["registers_max"],
                 a["spill_bytes_max"], a["shared_max"], len(a["over_10s"]),
-                len(a["spilling_over_256"]))))
+                len(a["spilling_over_256"]), res["host_reference_cpu_s"],
+                a["sum_in_reference_units"])))
     return "\n".join(lines)
 
 
