@@ -140,3 +140,15 @@ def test_mac_options_decode_like_the_parallel_forward(write: str, read: str) -> 
     st, logits = gen.prefill(toks[0, :11].tolist())
     rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(11, 16)]
     torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+
+
+def test_ema_momentum_decodes_like_the_parallel_forward() -> None:
+    """`memory.momentum_form: ema` decodes token by token to the eager reference's parallel
+    forward, a prompt ending mid-chunk included."""
+    prog, params = _program("lmm", **{"model.memory.momentum_form": "ema"})
+    toks = tokens(prog.spec, 1, seed=2)
+    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
+    gen = Generator(prog)
+    st, logits = gen.prefill(toks[0, :11].tolist())
+    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(11, 16)]
+    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)

@@ -137,19 +137,23 @@ def projections(p: dict[str, Tensor], u: Tensor, cfg,
 
 
 def gates(p: dict[str, Tensor], u: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
-    """theta (learning rate), eta (momentum), alpha (decay), each (B, N, T)."""
+    """theta (learning rate, times 1 - eta under momentum_form 'ema'), eta (momentum), alpha
+    (decay), each (B, N, T)."""
     m = cfg.memory
     B, T, _ = u.shape
+    ema = m.momentum_form == "ema"  # S_t = eta S_{t-1} - (1 - eta) theta g_t
     if not m.adaptive:
         shape = (B, m.heads, T)
         return (
-            torch.full(shape, float(m.lr_max), dtype=u.dtype),
+            torch.full(shape, float(m.lr_max) * ((1 - m.momentum) if ema else 1.0), dtype=u.dtype),
             torch.full(shape, float(m.momentum), dtype=u.dtype),
             torch.full(shape, float(m.decay), dtype=u.dtype),
         )
     theta = m.lr_max * torch.sigmoid(u @ p["mem_theta_w"] + p["mem_theta_b"])  # (B, T, N)
     eta = torch.sigmoid(u @ p["mem_eta_w"] + p["mem_eta_b"])
     alpha = torch.sigmoid(u @ p["mem_alpha_w"] + p["mem_alpha_b"])
+    if ema:
+        theta = theta * (1 - eta)
     return theta.transpose(1, 2), eta.transpose(1, 2), alpha.transpose(1, 2)
 
 

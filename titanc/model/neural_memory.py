@@ -67,12 +67,16 @@ def project(b: Builder, u: Value, p: dict[str, Value], mem: MemorySpec, want: st
             def gate(name: str) -> Value:          # (B, T, Nm) -> (B, Nm, T)
                 return (u @ p[f"mem_{name}_w"] + p[f"mem_{name}_b"]).permute(0, 2, 1)
             theta = gate("theta").sigmoid() * mem.lr_max
-            log_eta = log_sigmoid(gate("eta"))
+            eta = gate("eta")
+            log_eta = log_sigmoid(eta)
             log_keep = log_sigmoid(-gate("alpha"))
+            if mem.momentum_form == "ema":          # θ (1 - η): 1 - σ(x) = σ(-x)
+                theta = theta * (-eta).sigmoid()
         else:
             def const(value: float) -> Value:
                 return b.full(value, (), u.dtype).expand(B, nm, T)
-            theta = const(mem.lr_max)
+            theta = const(mem.lr_max * (1.0 - mem.momentum if mem.momentum_form == "ema"
+                                        else 1.0))
             log_eta = const(math.log(mem.momentum))
             log_keep = const(math.log(1.0 - mem.decay))
     return MemStreams(q, k, v, theta, log_eta, log_keep)

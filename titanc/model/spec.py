@@ -114,6 +114,10 @@ class MemorySpec:
     conv_kernel: int = _field(4, ge=1)
     # activation of the q/k streams before l2norm: silu (the paper) or none (zero-mean keys)
     qk_activation: str = _field("silu", choices=("silu", "none"))
+    # the momentum of the write: heavy_ball (the paper, S_t = η S_{t-1} - θ g_t) or ema
+    # (S_t = η S_{t-1} - (1 - η) θ g_t: θ is the step at any η, and the chunked write
+    # contracts for every gate value while lr_max <= d / chunk_size; docs/semantics.md)
+    momentum_form: str = _field("heavy_ball", choices=("heavy_ball", "ema"))
     # block mac only (docs/semantics.md, "mac"): what the memory is written with, the attention
     # output ŷ = rmsnorm(ỹ) (the paper) or the segment's normalised input u_s; and where the
     # segment-start read h goes, only into the attention as context (the paper) or also onto
