@@ -85,13 +85,16 @@ def test_qk_activation_none_matches(block: str) -> None:
     assert abs(other - float(ref)) > 1e-6
 
 
-@pytest.mark.parametrize("block,adaptive", [("lmm", True), ("mal", True), ("lmm", False)])
-def test_ema_momentum_matches(block: str, adaptive: bool) -> None:
-    """`memory.momentum_form: ema` (S_t = η S_{t-1} - (1 - η) θ g_t): loss and gradients match
-    the reference in float64, adaptive gates or constants, and it is a different model from
-    the paper's heavy-ball momentum."""
+@pytest.mark.parametrize("block,adaptive,options", [
+    ("lmm", True, {"momentum_form": "ema"}), ("mal", True, {"momentum_form": "ema"}),
+    ("lmm", False, {"momentum_form": "ema"}), ("lmm", True, {"decay_max": 0.2}),
+    ("mag", True, {"momentum_form": "ema", "decay_max": 0.2})])
+def test_write_options_match(block: str, adaptive: bool, options: dict) -> None:
+    """`memory.momentum_form: ema` (S_t = η S_{t-1} - (1 - η) θ g_t) and `memory.decay_max`
+    (α = decay_max σ(·)): loss and gradients match the reference in float64, adaptive gates
+    or constants, and each is a different model from the defaults."""
     over = {"model.block": block, "model.memory.adaptive": adaptive}
-    spec = tiny_spec(**over, **{"model.memory.momentum_form": "ema"})
+    spec = tiny_spec(**over, **{f"model.memory.{k}": v for k, v in options.items()})
     params = R.init_params(spec.model, seed=6)
     toks = tokens(spec, seed=7)
     leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
@@ -104,8 +107,8 @@ def test_ema_momentum_matches(block: str, adaptive: bool) -> None:
         want = p.grad if p.grad is not None else torch.zeros_like(p)
         torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
                                    msg=lambda m: f"grad of {name}: {m}")
-    heavy = tiny_spec(**over)
-    other = float(interpret(lower_forward(heavy), {"tokens": toks, **params})["loss"])
+    default = tiny_spec(**over)
+    other = float(interpret(lower_forward(default), {"tokens": toks, **params})["loss"])
     assert abs(other - float(ref)) > 1e-6
 
 

@@ -27,6 +27,7 @@ class RefMemory:
     lr_max: float = 0.5
     momentum: float = 0.9
     decay: float = 0.05
+    decay_max: float = 1.0  # adaptive alpha = decay_max * sigmoid(.)
     output_gate: bool = True
     conv_kernel: int = 4  # K
     qk_activation: str = "silu"  # 'silu' | 'none': activation of q, k before l2norm

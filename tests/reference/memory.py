@@ -151,7 +151,7 @@ def gates(p: dict[str, Tensor], u: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]
         )
     theta = m.lr_max * torch.sigmoid(u @ p["mem_theta_w"] + p["mem_theta_b"])  # (B, T, N)
     eta = torch.sigmoid(u @ p["mem_eta_w"] + p["mem_eta_b"])
-    alpha = torch.sigmoid(u @ p["mem_alpha_w"] + p["mem_alpha_b"])
+    alpha = m.decay_max * torch.sigmoid(u @ p["mem_alpha_w"] + p["mem_alpha_b"])
     if ema:
         theta = theta * (1 - eta)
     return theta.transpose(1, 2), eta.transpose(1, 2), alpha.transpose(1, 2)

@@ -69,7 +69,10 @@ def project(b: Builder, u: Value, p: dict[str, Value], mem: MemorySpec, want: st
             theta = gate("theta").sigmoid() * mem.lr_max
             eta = gate("eta")
             log_eta = log_sigmoid(eta)
-            log_keep = log_sigmoid(-gate("alpha"))
+            if mem.decay_max < 1.0:                 # α = decay_max σ(x)
+                log_keep = (1.0 - gate("alpha").sigmoid() * mem.decay_max).log()
+            else:
+                log_keep = log_sigmoid(-gate("alpha"))
             if mem.momentum_form == "ema":          # θ (1 - η): 1 - σ(x) = σ(-x)
                 theta = theta * (-eta).sigmoid()
         else:

@@ -73,7 +73,7 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
             lay("mem_wg", (D, D))
         if mem.adaptive:
             for gate, bias in (("theta", 0.0), ("eta", _logit(mem.momentum)),
-                               ("alpha", _logit(max(mem.decay, 1e-4)))):
+                               ("alpha", _logit(max(mem.decay, 1e-4) / mem.decay_max))):
                 lay(f"mem_{gate}_w", (D, nm), init="zeros", decay=False)
                 lay(f"mem_{gate}_b", (nm,), init="const", value=bias, decay=False)
         for i, (o, n) in enumerate(memory_shapes(d, mem.depth, mem.expansion), 1):

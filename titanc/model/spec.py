@@ -78,7 +78,8 @@ _F32_MAX = 3.4028234663852886e38
 
 
 def _field(default: Any = MISSING, **bounds: Any) -> Any:
-    """A dataclass field with validation bounds: ge, gt, lt (numbers) or choices (strings)."""
+    """A dataclass field with validation bounds: ge, gt, lt, le (numbers) or choices
+    (strings)."""
     return field(default=default, metadata=bounds)
 
 
@@ -109,7 +110,9 @@ class MemorySpec:
     adaptive: bool = True                        # data-dependent theta/eta/alpha, else constants
     lr_max: float = _field(0.01, gt=0)           # theta_max (or the constant theta)
     momentum: float = _field(0.9, gt=0, lt=1)    # constant eta when not adaptive
-    decay: float = _field(0.01, ge=0, lt=1)      # constant alpha when not adaptive
+    decay: float = _field(0.01, ge=0, lt=1)      # constant alpha when not adaptive, else
+    #                                              alpha's starting value
+    decay_max: float = _field(1.0, gt=0, le=1)   # top of the adaptive alpha's range
     output_gate: bool = True
     conv_kernel: int = _field(4, ge=1)
     # activation of the q/k streams before l2norm: silu (the paper) or none (zero-mean keys)
@@ -202,6 +205,10 @@ class ModelSpec:
         elif self.has_memory and t % mem.chunk_size:
             raise SpecError(
                 f"model.memory.chunk_size: {mem.chunk_size} must divide model.seq_len={t}")
+        if mem.adaptive and max(mem.decay, 1e-4) >= mem.decay_max:
+            raise SpecError(f"model.memory.decay: {mem.decay} must be below "
+                            f"model.memory.decay_max={mem.decay_max} (the adaptive decay "
+                            f"starts at memory.decay inside (0, decay_max))")
         for key, default, owner in (("mac_write", "attention", "mac"),
                                     ("mac_read", "context", "mac"), ("gate", "memory", "mac mag")):
             if self.block not in owner.split() and getattr(mem, key) != default:
@@ -464,9 +471,10 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
 
 
 def _bounds_text(bounds: Mapping[str, Any]) -> str:
-    if "lt" in bounds:
+    if "lt" in bounds or "le" in bounds:
         lo, bracket = (bounds["ge"], "[") if "ge" in bounds else (bounds["gt"], "(")
-        return f"in {bracket}{lo}, {bounds['lt']})"
+        hi, close = (bounds["lt"], ")") if "lt" in bounds else (bounds["le"], "]")
+        return f"in {bracket}{lo}, {hi}{close}"
     return f">= {bounds['ge']}" if "ge" in bounds else f"> {bounds['gt']}"
 
 
@@ -483,7 +491,8 @@ def _check_bounds(value: Any, bounds: Mapping[str, Any], path: str) -> None:
         return
     ok = (("ge" not in bounds or value >= bounds["ge"])
           and ("gt" not in bounds or value > bounds["gt"])
-          and ("lt" not in bounds or value < bounds["lt"]))
+          and ("lt" not in bounds or value < bounds["lt"])
+          and ("le" not in bounds or value <= bounds["le"]))
     if not ok:
         raise SpecError(f"{path}: {_show(value)} must be {_bounds_text(bounds)}")
 
