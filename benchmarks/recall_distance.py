@@ -448,22 +448,41 @@ def write_results(out: Path, config: dict[str, Any], rows: list[dict[str, Any]],
 
 
 def merge(paths: list[str], out: Path) -> dict[str, Any]:
-    """One sweep from runs made in separate processes (`--out` each): their configurations
-    must be equal, except the default curriculum of a run whose every model trained on its
-    block's own (`block_curriculum`); the rows are concatenated in the order given."""
+    """One sweep from runs made in separate processes (`--out` each). What is compared is
+    each run's configuration as it applied to its own models: a `BLOCK:key` override or a
+    block's own curriculum counts only in runs that trained that block, and the default
+    curriculum only in runs with a model that trained on it; those must agree, the rest must be
+    equal. The merged configuration holds every run's block options; the rows are
+    concatenated in the order given."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
-
-    def own_only(run: dict[str, Any]) -> bool:
-        own = run["config"].get("block_curriculum", {})
-        return all(r["block"] in own for r in run["results"])
-
-    config = next((run["config"] for run in runs if not own_only(run)), runs[0]["config"])
+    shared: dict[str, Any] = {}             # what every run must agree on
+    per_block: dict[str, Any] = {}          # block -> (its options, its curriculum)
+    default: str | None = None              # the curriculum of blocks without their own
+    overrides: dict[str, Any] = {}
+    own_curricula: dict[str, str] = {}
     for p, run in zip(paths, runs):
         c = run["config"]
-        if {**c, "curriculum": None} != {**config, "curriculum": None} or (
-                not own_only(run) and c["curriculum"] != config["curriculum"]):
+        own = c.get("block_curriculum", {})
+        rest = {k: v for k, v in c.items()
+                if k not in ("overrides", "block_curriculum", "curriculum")}
+        plain = {k: v for k, v in c["overrides"].items() if ":" not in k}
+        ok = shared.setdefault("rest", rest) == rest and shared.setdefault("plain", plain) == plain
+        for block in {r["block"] for r in run["results"]}:
+            opts = {k: v for k, v in c["overrides"].items() if k.startswith(block + ":")}
+            mine = (opts, own.get(block))
+            ok = ok and per_block.setdefault(block, mine) == mine
+            if block not in own:
+                default = c["curriculum"] if default is None else default
+                ok = ok and c["curriculum"] == default
+            overrides |= opts
+            if block in own:
+                own_curricula[block] = own[block]
+        if not ok:
             raise SystemExit(f"--merge: {p} was made with another configuration than the "
                              f"others")
+    config = {**runs[0]["config"], "overrides": {**shared["plain"], **overrides},
+              "block_curriculum": own_curricula,
+              "curriculum": default or runs[0]["config"]["curriculum"]}
     task = "niah" if config["task"].get("kind") == "niah" else "pairs"
     return write_results(out, config, [r for run in runs for r in run["results"]], task)
 

@@ -283,3 +283,11 @@ def test_benchmark_merges_runs_of_one_configuration(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="f.json was made with another configuration"):
         rd.merge([run("e.json", "lmm", [1.0], own),
                   run("f.json", "lmm", [0.5], {**own, "curriculum": "32:20"})], out)
+    # a block's own option counts only where that block trained: lmm re-run with a new lmm
+    # option merges with the other blocks' earlier runs, not with lmm runs without it
+    new = {**config, "overrides": {"lmm:model.memory.decay_max": 0.004, "mac:x": 1}}
+    old = {**config, "overrides": {"mac:x": 1}}
+    result = rd.merge([run("g.json", "mac", [0.5], old), run("h.json", "lmm", [1.0], new)], out)
+    assert result["config"]["overrides"] == {"mac:x": 1, "lmm:model.memory.decay_max": 0.004}
+    with pytest.raises(SystemExit, match="i.json was made with another configuration"):
+        rd.merge([run("h.json", "lmm", [1.0], new), run("i.json", "lmm", [0.5], old)], out)
