@@ -32,6 +32,9 @@ write's stability bound for mag and mal, and bindings learned at 32 tokens were 
 a binding's onset comes at a seed- and task-dependent step, and the seeds and tasks whose
 onset came late bind there), and each block's own options in BLOCK_SET and
 BLOCK_CURRICULUM: lmm and mac at memory chunk 8 (they bind on every seed there, not at 4),
+lmm with `memory.momentum_form: ema`, lr_max 4 and `memory.decay_max` 0.003 (the write stays
+contractive and the learned decay small, so recall holds past the training length) and twice
+the steps (the EMA write's first step on a pair is (1 - η) θ: it binds slower),
 mag and mac with `memory.gate: attention` (the attention output gates the memory's read, not
 the other way round), mac also with `mac_write: input` and `mac_read: residual` (not the
 paper's MAC: written from the segment's input, its read also on the residual stream) and a
@@ -88,6 +91,10 @@ BLOCK_SET: dict[str, Any] = {
     "mac:model.memory.mac_write": "input",       # not the paper's MAC: written with u_s
     "mac:model.memory.mac_read": "residual",     # not the paper's MAC: h also on the output
     "lmm:model.memory.chunk_size": 8,            # lmm binds on every seed at chunk 8
+    "lmm:model.memory.momentum_form": "ema",     # a write that contracts at any gate value
+    "lmm:model.memory.lr_max": 4.0,              # ... while lr_max <= d / chunk (32 / 8)
+    "lmm:model.memory.decay_max": 0.003,         # the decay learned at <= 272 tokens, capped
+    "lmm:model.memory.decay": 0.001,
     "mac:model.memory.chunk_size": 8,            # so does the MAC option (seed 0 not at 4)
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
@@ -95,7 +102,8 @@ NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_value
 CURRICULUM = "32:5000,128:500,272:300"
 # a block's own curriculum (`--curriculum` sets every block's): MAC steps slowest, and its
 # later stages are shorter to fit the same CPU budget
-BLOCK_CURRICULUM = {"mac": "32:2500,128:450,272:250"}
+BLOCK_CURRICULUM = {"mac": "32:2500,128:450,272:250",
+                    "lmm": "32:10000,128:1000,272:600"}    # the EMA write binds slower
 DISTANCES = "8,16,32,64,128,256,512,1024"
 BLOCKS = "lmm,mac,mag,mal,attn"
 EVAL_ROWS = 256                # held-out sequences per distance (4 queries each)
@@ -226,11 +234,16 @@ def task_for(seq_len: int, seed: int) -> SyntheticRecall | NeedleRecall:
 
 
 def configure(sets: list[str], task_sets: list[str]) -> dict[str, Any]:
-    """BLOCK_SET and the `--set` overrides as a dict; applies `--task-set` to TASK and a
-    `model.vocab_size` override to SPEC (the task generator reads both)."""
+    """BLOCK_SET and the `--set` overrides as a dict (a plain `--set key` replaces BLOCK_SET's
+    `BLOCK:key` defaults: what the user sets wins over the benchmark's per-block choices);
+    applies `--task-set` to TASK and a `model.vocab_size` override to SPEC (the task generator
+    reads both)."""
     overrides = dict(BLOCK_SET)
     for item in sets:
         key, _, value = item.partition("=")
+        if ":" not in key:
+            for k in [k for k in BLOCK_SET if k.partition(":")[2] == key]:
+                overrides.pop(k, None)
         overrides[key] = parse_value(value)
     for item in task_sets:
         key, _, value = item.partition("=")
@@ -449,40 +462,34 @@ def write_results(out: Path, config: dict[str, Any], rows: list[dict[str, Any]],
 
 def merge(paths: list[str], out: Path) -> dict[str, Any]:
     """One sweep from runs made in separate processes (`--out` each). What is compared is
-    each run's configuration as it applied to its own models: a `BLOCK:key` override or a
-    block's own curriculum counts only in runs that trained that block, and the default
-    curriculum only in runs with a model that trained on it; those must agree, the rest must be
-    equal. The merged configuration holds every run's block options; the rows are
-    concatenated in the order given."""
+    each run's configuration as it applied to its own models: a block's `BLOCK:key` options
+    and the curriculum it trained on (its own, or the run's default) must be the same in
+    every run that trained that block, everything else the same in every run. The merged
+    configuration holds every block's options, the most common curriculum as the default and
+    the others as blocks' own; the rows are concatenated in the order given."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     shared: dict[str, Any] = {}             # what every run must agree on
     per_block: dict[str, Any] = {}          # block -> (its options, its curriculum)
-    default: str | None = None              # the curriculum of blocks without their own
-    overrides: dict[str, Any] = {}
-    own_curricula: dict[str, str] = {}
     for p, run in zip(paths, runs):
         c = run["config"]
-        own = c.get("block_curriculum", {})
         rest = {k: v for k, v in c.items()
                 if k not in ("overrides", "block_curriculum", "curriculum")}
         plain = {k: v for k, v in c["overrides"].items() if ":" not in k}
         ok = shared.setdefault("rest", rest) == rest and shared.setdefault("plain", plain) == plain
         for block in {r["block"] for r in run["results"]}:
-            opts = {k: v for k, v in c["overrides"].items() if k.startswith(block + ":")}
-            mine = (opts, own.get(block))
+            mine = ({k: v for k, v in c["overrides"].items() if k.startswith(block + ":")},
+                    c.get("block_curriculum", {}).get(block, c["curriculum"]))
             ok = ok and per_block.setdefault(block, mine) == mine
-            if block not in own:
-                default = c["curriculum"] if default is None else default
-                ok = ok and c["curriculum"] == default
-            overrides |= opts
-            if block in own:
-                own_curricula[block] = own[block]
         if not ok:
             raise SystemExit(f"--merge: {p} was made with another configuration than the "
                              f"others")
-    config = {**runs[0]["config"], "overrides": {**shared["plain"], **overrides},
-              "block_curriculum": own_curricula,
-              "curriculum": default or runs[0]["config"]["curriculum"]}
+    curricula = [cur for _, cur in per_block.values()]
+    default = max(curricula, key=curricula.count)
+    config = {**runs[0]["config"], **shared["rest"],
+              "overrides": {**shared["plain"],
+                            **{k: v for opts, _ in per_block.values() for k, v in opts.items()}},
+              "curriculum": default,
+              "block_curriculum": {b: cur for b, (_, cur) in per_block.items() if cur != default}}
     task = "niah" if config["task"].get("kind") == "niah" else "pairs"
     return write_results(out, config, [r for run in runs for r in run["results"]], task)
 

@@ -220,7 +220,8 @@ def test_needle_task_places_one_needle_in_prose() -> None:
 
 def test_benchmark_block_options_apply_to_their_block_only() -> None:
     """recall_distance.py's BLOCK_SET and `--set BLOCK:key=value` reach only that block's spec
-    (mac's and mag's options are errors on any other block), a plain `--set` reaches all,
+    (mac's and mag's options are errors on any other block), a plain `--set` reaches all
+    (replacing BLOCK_SET's per-block value of its key),
     and every block's FFN width still matches mag's parameter count."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -228,7 +229,8 @@ def test_benchmark_block_options_apply_to_their_block_only() -> None:
     from titanc.model.params import param_count
     from titanc.model.spec import load_spec
 
-    over = rd.configure(["model.memory.decay=0.02", "mag:model.memory.gate=memory"], [])
+    over = rd.configure(["model.memory.momentum=0.8", "model.memory.lr_max=3",
+                         "mag:model.memory.gate=memory"], [])
     specs = {b: load_spec(rd.spec_with(b, 0, 32, 10, over)).model
              for b in ("lmm", "mac", "mag", "mal", "attn")}
     assert specs["mag"].memory.gate == "memory"                 # --set wins over BLOCK_SET
@@ -237,7 +239,12 @@ def test_benchmark_block_options_apply_to_their_block_only() -> None:
     for b in ("lmm", "mal", "attn"):
         m = specs[b].memory
         assert (m.gate, m.mac_write, m.mac_read) == ("memory", "attention", "context")
-    assert all(s.memory.decay == 0.02 for s in specs.values())
+    assert all(s.memory.momentum == 0.8 for s in specs.values())
+    # a plain --set replaces BLOCK_SET's per-block default (lmm's lr_max 4) for every block
+    assert all(s.memory.lr_max == 3 for s in specs.values())
+    lmm = specs["lmm"].memory
+    assert (lmm.momentum_form, lmm.decay_max) == ("ema", 0.003)
+    assert all(specs[b].memory.momentum_form == "heavy_ball" for b in ("mac", "mag", "mal"))
     assert specs["lmm"].memory.chunk_size == specs["mac"].memory.chunk_size == 8
     assert specs["mal"].memory.chunk_size == specs["mag"].memory.chunk_size == 4
     counts = {b: param_count(s) for b, s in specs.items()}
@@ -271,14 +278,26 @@ def test_benchmark_merges_runs_of_one_configuration(tmp_path: Path) -> None:
     assert [r["block"] for r in result["results"]] == ["lmm", "lmm", "lmm", "attn"]
     assert result["summary"]["lmm"]["8"] == {"mean": 0.75, "min": 0.5, "max": 1.0}
     assert result["summary"]["lmm"]["64"]["min"] == 0.25
+    # each block is compared with itself: mag trained on another curriculum merges, as mag's
+    # own; lmm on two curricula (or another task) does not
     other = run("d.json", "mag", [1.0], {**config, "curriculum": "32:20"})
+    result = rd.merge([run("a.json", "lmm", [1.0], config), run("b.json", "lmm", [0.5], config),
+                       other], out)
+    assert (result["config"]["curriculum"], result["config"]["block_curriculum"]) == (
+        "32:10", {"mag": "32:20"})
     with pytest.raises(SystemExit, match="d.json was made with another configuration"):
-        rd.merge([run("a.json", "lmm", [1.0], config), other], out)
+        rd.merge([run("a.json", "lmm", [1.0], config),
+                  run("d.json", "lmm", [1.0], {**config, "curriculum": "32:20"})], out)
+    with pytest.raises(SystemExit, match="t.json was made with another configuration"):
+        rd.merge([run("a.json", "lmm", [1.0], config),
+                  run("t.json", "attn", [1.0], {**config, "task": {**rd.TASK, "n_pairs": 6}})],
+                 out)
     # a run of blocks that each train on their own curriculum: its default does not matter
     own = {**config, "block_curriculum": {"mac": "32:5"}}
     result = rd.merge([run("e.json", "lmm", [1.0], own),
                        run("f.json", "mac", [0.5], {**own, "curriculum": "32:20"})], out)
     assert result["config"]["curriculum"] == "32:10"
+    assert result["config"]["block_curriculum"] == {"mac": "32:5"}
     assert [r["block"] for r in result["results"]] == ["lmm", "mac"]
     with pytest.raises(SystemExit, match="f.json was made with another configuration"):
         rd.merge([run("e.json", "lmm", [1.0], own),
