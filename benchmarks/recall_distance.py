@@ -32,9 +32,10 @@ write's stability bound for mag and mal, and bindings learned at 32 tokens were 
 a binding's onset comes at a seed- and task-dependent step, and the seeds and tasks whose
 onset came late bind there), and each block's own options in BLOCK_SET and
 BLOCK_CURRICULUM: lmm and mac at memory chunk 8 (they bind on every seed there, not at 4),
-lmm with `memory.momentum_form: ema`, lr_max 4 and `memory.decay_max` 0.003 (the write stays
-contractive and the learned decay small, so recall holds past the training length) and twice
-the steps (the EMA write's first step on a pair is (1 - η) θ: it binds slower),
+lmm with `memory.momentum_form: ema`, one memory head of width 64, lr_max 8 and
+`memory.decay_max` 0.001 (the write stays contractive and the learned decay small, so recall
+holds past the training length) and twice the steps (the EMA write's first step on a pair is
+(1 - η) θ: it binds slower),
 mag and mac with `memory.gate: attention` (the attention output gates the memory's read, not
 the other way round), mac also with `mac_write: input` and `mac_read: residual` (not the
 paper's MAC: written from the segment's input, its read also on the residual stream) and a
@@ -92,9 +93,10 @@ BLOCK_SET: dict[str, Any] = {
     "mac:model.memory.mac_read": "residual",     # not the paper's MAC: h also on the output
     "lmm:model.memory.chunk_size": 8,            # lmm binds on every seed at chunk 8
     "lmm:model.memory.momentum_form": "ema",     # a write that contracts at any gate value
-    "lmm:model.memory.lr_max": 4.0,              # ... while lr_max <= d / chunk (32 / 8)
-    "lmm:model.memory.decay_max": 0.003,         # the decay learned at <= 272 tokens, capped
-    "lmm:model.memory.decay": 0.001,
+    "lmm:model.memory.heads": 1,                 # one memory head of width 64 (2 x 32 forget
+    "lmm:model.memory.lr_max": 8,                # or interfere); lr_max = d / chunk (64 / 8)
+    "lmm:model.memory.decay_max": 0.001,         # the decay learned at <= 272 tokens, capped
+    "lmm:model.memory.decay": 0.0005,
     "mac:model.memory.chunk_size": 8,            # so does the MAC option (seed 0 not at 4)
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
