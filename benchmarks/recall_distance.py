@@ -455,7 +455,7 @@ def write_results(out: Path, config: dict[str, Any], rows: list[dict[str, Any]],
     out.write_text(json.dumps(result, indent=2) + "\n")
     own = sorted(b for b in config.get("block_curriculum", {}) if b in {r["block"] for r in rows})
     title = (f"recall vs distance ({task}): curriculum {config['curriculum']}"
-             f"{' (' + ', '.join(own) + ': their own)' if own else ''}, "
+             f"{' (' + ', '.join(own) + ': their own)' if own else ''},\n"
              f"≤{config['budget_cpu_s']:.0f} CPU s/model")
     seeds = {b: sum(r["block"] == b for r in rows) for b in summary}
     window = config["overrides"].get("model.attention.window",
