@@ -33,8 +33,9 @@ a binding's onset comes at a seed- and task-dependent step, and the seeds and ta
 onset came late bind there), and each block's own options in BLOCK_SET and
 BLOCK_CURRICULUM: lmm and mac at memory chunk 8 (they bind on every seed there, not at 4),
 lmm with `memory.momentum_form: ema`, one memory head of width 64, lr_max 8 and
-`memory.decay_max` 0.001 (the write stays contractive and the learned decay small, so recall
-holds past the training length) and twice the steps (the EMA write's first step on a pair is
+`memory.decay_max` 0.0005 (the write stays contractive and the learned decay small: a write
+keeps at least exp(-0.0005 L) of itself after L tokens, so recall holds past the training
+length) and twice the steps (the EMA write's first step on a pair is
 (1 - η) θ: it binds slower),
 mag and mac with `memory.gate: attention` (the attention output gates the memory's read, not
 the other way round), mac also with `mac_write: input` and `mac_read: residual` (not the
@@ -95,8 +96,8 @@ BLOCK_SET: dict[str, Any] = {
     "lmm:model.memory.momentum_form": "ema",     # a write that contracts at any gate value
     "lmm:model.memory.heads": 1,                 # one memory head of width 64 (2 x 32 forget
     "lmm:model.memory.lr_max": 8,                # or interfere); lr_max = d / chunk (64 / 8)
-    "lmm:model.memory.decay_max": 0.001,         # the decay learned at <= 272 tokens, capped
-    "lmm:model.memory.decay": 0.0005,
+    "lmm:model.memory.decay_max": 0.0005,        # the decay learned at <= 272 tokens, capped
+    "lmm:model.memory.decay": 0.00025,
     "mac:model.memory.chunk_size": 8,            # so does the MAC option (seed 0 not at 4)
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}

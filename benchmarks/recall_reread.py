@@ -3,8 +3,9 @@ only: which part of the trained memory fails past the training length.
 
 Each variant (`;`-separated; empty = as trained) is a list of `KEY=VALUE` spec overrides (e.g.
 `model.memory.chunk_size=2`: the same weights read with a finer, more exact write) and
-`alpha_shift=X` (added to the decay gate's bias `mem_alpha_b`: X = -2 divides α by ~7), and is
-scored on 128 held-out rows at each distance, the benchmark's task and seed.
+`alpha_shift=X` / `eta_shift=X` (added to the decay gate's bias `mem_alpha_b` or the momentum
+gate's `mem_eta_b`: X = -2 divides a small α by ~7), and is scored on 128 held-out rows at
+each distance, the benchmark's task and seed.
 
     .venv/bin/python benchmarks/recall_reread.py DIR mal 0 512,1024 \\
         ";model.memory.chunk_size=2;alpha_shift=-2"
@@ -38,11 +39,11 @@ def main() -> None:
     state = torch.load(Path(args.dir) / f"{args.block}_seed{args.seed}.pt")
     base = rd.configure([], [])
     for variant in args.variants.split(";"):
-        over, shift = dict(base), 0.0
+        over, shifts = dict(base), {}
         for item in filter(None, variant.split(",")):
             key, _, value = item.partition("=")
-            if key == "alpha_shift":
-                shift = float(value)
+            if key in ("alpha_shift", "eta_shift"):
+                shifts[f"param.layers.mem_{key.partition('_')[0]}_b"] = float(value)
             else:
                 over[key] = rd.parse_value(value)
         acc = {}
@@ -51,8 +52,8 @@ def main() -> None:
             prog = titanc.compile(rd.spec_with(args.block, args.seed, T, rd.SPEC["train"]["steps"],
                                                  over))
             st = dict(state)
-            if shift:
-                st["param.layers.mem_alpha_b"] = st["param.layers.mem_alpha_b"] + shift
+            for name, shift in shifts.items():
+                st[name] = st[name] + shift
             prog.load_state_dict(st)
             task = rd.task_for(T, args.seed)
             rows = task.batch(ROWS, "val", torch.Generator().manual_seed(rd.EVAL_SEED + args.seed),

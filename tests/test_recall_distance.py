@@ -243,7 +243,7 @@ def test_benchmark_block_options_apply_to_their_block_only() -> None:
     # a plain --set replaces BLOCK_SET's per-block default (lmm's lr_max 4) for every block
     assert all(s.memory.lr_max == 3 for s in specs.values())
     lmm = specs["lmm"].memory
-    assert (lmm.momentum_form, lmm.decay_max, lmm.heads) == ("ema", 0.001, 1)
+    assert (lmm.momentum_form, lmm.decay_max, lmm.heads) == ("ema", 0.0005, 1)
     assert all(specs[b].memory.momentum_form == "heavy_ball" for b in ("mac", "mag", "mal"))
     assert specs["lmm"].memory.chunk_size == specs["mac"].memory.chunk_size == 8
     assert specs["mal"].memory.chunk_size == specs["mag"].memory.chunk_size == 4
