@@ -44,10 +44,13 @@ from titanc.ir import Graph, Op
 from titanc.ir.types import TensorType
 from titanc.ir.buffer_plan import OUTPUT_PREFIX, BufferPlan, ScanHomes
 from titanc.ir.schedule import is_immediate
+from titanc.config import current
 from titanc.files import write_text_atomic
 
 from titanc.codegen.lower.dispatch import KernelCode, graph_dtype, plan_kernels
-from titanc.codegen.lowered import Launch, Lowered, ScanLaunch, ScanLoop, lower, scan_operands
+from titanc.codegen.group import groupable, render_group
+from titanc.codegen.lowered import (Launch, LaunchGroup, Lowered, ScanLaunch, ScanLoop, lower,
+                                    scan_operands)
 from titanc.codegen.lower.expr import format_number
 from titanc.codegen.render import sanitize_comment, sanitize_identifier
 from titanc.codegen.scan.kernel import ScanKernel
@@ -117,6 +120,15 @@ def emit_artifact(compiled: Any, out_dir: str | os.PathLike) -> Artifact:
             if isinstance(code, ScanKernel):
                 sid = next(n for n in kern.nodes if n in plan.bodies)
                 inside[name].update({k: kern.name for k in _body_kernels(plan.bodies[sid])})
+        for low in lowered_program(compiled.plans[name], rendered).walk():
+            for st in low.steps:                  # launch groups: a kernel of their own
+                if isinstance(st, LaunchGroup):
+                    code = render_group(st.kernel.name, low.graph.name,
+                                        [rendered[(id(low.plan), m.kernel.name)]
+                                         for m in st.members])
+                    rendered[(id(low.plan), st.kernel.name)] = code
+                    per_graph[name].append(code)
+                    codes.setdefault(code.key, []).append((name, code))
     stems: dict[str, str] = {}                                   # key -> file stem
     taken: set[str] = set()
     for key, users in codes.items():
@@ -272,7 +284,7 @@ def lowered_program(plan: BufferPlan, rendered: dict[tuple[int, str], Any]) -> L
     def scan_kernel(p: BufferPlan, kern: Any, sid: int) -> ScanKernel | None:
         code = rendered.get((id(p), kern.name))
         return code if isinstance(code, ScanKernel) else None
-    return lower(plan, scan_kernel)
+    return lower(plan, scan_kernel, groupable if current().group_launches else None)
 
 
 def _constant(n: Any) -> str:
@@ -368,7 +380,7 @@ class _Emitter:
         g = plan.schedule.graph
         used: list[int] = [] if external else list(g.inputs)
         for st in low.steps:
-            if isinstance(st, Launch):
+            if isinstance(st, (Launch, LaunchGroup)):
                 used += [a.value for a in self._code(plan, st.kernel).args if a.value >= 0]
                 continue
             if isinstance(st, ScanLoop) and st.prologue is not None:
@@ -410,25 +422,36 @@ class _Emitter:
 
     # -- launches ----------------------------------------------------------------------------------
     def _launches(self, low: Lowered) -> None:
-        """The lowered program's steps, in order (the schedule's no-ops as comments)."""
+        """The lowered program's steps, in its order (the schedule's no-ops as comments first;
+        a launch group's members as comments above its launch)."""
         plan = low.plan
         g = plan.schedule.graph
         b = self.buf
-        steps = {st.index: st for st in low.steps}
-        for k, kern in enumerate(plan.schedule.kernels):
+
+        def head(k: int, kern: Any) -> None:
             b.comment(f"[{k}] {kern.name}: {kern.category} "
                       + " ".join(f"%{n}" for n in kern.nodes))
-            st = steps.get(k)
-            if st is None:
+
+        for k, kern in enumerate(plan.schedule.kernels):
+            if plan.is_noop(k):
+                head(k, kern)
                 b.comment("no-op: its outputs alias storage that already holds them")
-            elif isinstance(st, ScanLaunch):
-                self._scan_launch(plan, kern, g.node(st.scan), st.code)
+        for st in low.steps:
+            if isinstance(st, LaunchGroup):
+                for m in st.members:
+                    head(m.index, m.kernel)
+                b.comment(f"the {len(st.members)} kernels above, independent, as one launch")
+                self._launch(plan, st.kernel)
+                continue
+            head(st.index, st.kernel)
+            if isinstance(st, ScanLaunch):
+                self._scan_launch(plan, st.kernel, g.node(st.scan), st.code)
             elif isinstance(st, ScanLoop):
                 if st.prologue is not None:          # the carries' rows, gathered first
                     self._launch(plan, st.prologue)
-                self._scan(plan, kern, g.node(st.scan))
+                self._scan(plan, st.kernel, g.node(st.scan))
             else:
-                self._launch(plan, kern)
+                self._launch(plan, st.kernel)
 
     def _launch(self, plan: BufferPlan, kern: Any) -> None:
         """One launch of a rendered (non-scan) kernel."""

@@ -13,6 +13,9 @@ Steps:
                                       triton target, its nodes' torch calls on the cpu target)
     ScanLaunch(k, kernel, scan, code) a scan that is one launch of its scan kernel
                                       (`codegen.scan`; a prologue gather is read through)
+    LaunchGroup(members, kernel)      independent launches as one (`codegen.horizontal`: the
+                                      memory plan's hazards put them in one wave); `kernel`
+                                      is their union, named after the first member
     ScanLoop(k, kernel, scan, prologue, body)
                                       a scan run as a host loop over `body` (the body plan's
                                       own `Lowered`), after its prologue kernel (the carries'
@@ -26,7 +29,9 @@ writes is its kernel's (the target's), what a scan step touches at its own level
 `scan_operands`. Nothing is bound per run.
 
 Which scans are one kernel is the target's choice, passed in as `scan_kernel(plan, kernel,
-scan node) -> code or None` (the cpu target has none: every scan is a loop). The module lives in
+scan node) -> code or None` (the cpu target has none: every scan is a loop); so is which
+launches may be grouped, `groupable(kernel) -> bool` (the cpu target groups none: it runs
+the schedule's order). The module lives in
 codegen/ because it is the last stage of compiling (after the memory plan, before a target's
 kernels), and both the runtime and the emitter may import codegen (docs/architecture.md); it
 imports only `ir` (the buffer plan and the schedule live there), so the cpu target pulls in no
@@ -37,17 +42,38 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
+from titanc.codegen.horizontal import MAX_MEMBERS, waves
 from titanc.ir import Graph
 from titanc.ir.buffer_plan import BufferPlan
 from titanc.ir.schedule import Kernel, is_immediate, prologue_kernel
 
-__all__ = ["Launch", "Lowered", "ScanLaunch", "ScanLoop", "Step", "lower"]
+__all__ = ["Launch", "LaunchGroup", "Lowered", "ScanLaunch", "ScanLoop", "Step", "lower"]
 
 
 @dataclass(frozen=True)
 class Launch:
     index: int                    # the kernel's position in the schedule
     kernel: Kernel
+
+
+@dataclass(frozen=True)
+class LaunchGroup:
+    members: tuple[Launch, ...]   # in schedule order; no hazard between any two
+    kernel: Kernel                # their union: nodes, inputs, outputs, flops and bytes
+
+    @property
+    def index(self) -> int:
+        return self.members[0].index
+
+    @classmethod
+    def of(cls, members: list[Launch]) -> "LaunchGroup":
+        ks = [m.kernel for m in members]
+        outs = tuple(v for k in ks for v in k.outputs)
+        ins = tuple(dict.fromkeys(v for k in ks for v in k.inputs))
+        union = Kernel(f"titanc_group_of_{ks[0].name.removeprefix('titanc_')}", "group",
+                       tuple(n for k in ks for n in k.nodes), ins, outs,
+                       sum(k.flops for k in ks), sum(k.bytes for k in ks))
+        return cls(tuple(members), union)
 
 
 @dataclass(frozen=True)
@@ -67,7 +93,7 @@ class ScanLoop:
     body: "Lowered"
 
 
-Step = Union[Launch, ScanLaunch, ScanLoop]
+Step = Union[Launch, LaunchGroup, ScanLaunch, ScanLoop]
 
 
 @dataclass
@@ -82,7 +108,7 @@ class Lowered:
         return self.plan.schedule.graph
 
     def scan_steps(self) -> list[ScanLaunch | ScanLoop]:
-        return [s for s in self.steps if not isinstance(s, Launch)]
+        return [s for s in self.steps if isinstance(s, (ScanLaunch, ScanLoop))]
 
     def launches(self) -> int:
         """Kernel launches of one run on a target that launches a kernel per step (a loop:
@@ -106,10 +132,12 @@ class Lowered:
 
 
 def lower(plan: BufferPlan,
-          scan_kernel: Callable[[BufferPlan, Kernel, int], Any] | None = None) -> Lowered:
+          scan_kernel: Callable[[BufferPlan, Kernel, int], Any] | None = None,
+          groupable: Callable[[Kernel], bool] | None = None) -> Lowered:
     """The lowered program of `plan`: its schedule's kernels in order, no-ops dropped, each
     scan one launch where `scan_kernel` gives its code, else a loop over its body's own
-    lowered program."""
+    lowered program; with `groupable`, the launches between scan steps in waves and each
+    wave's groupable launches one `LaunchGroup` (`codegen.horizontal`)."""
     g = plan.schedule.graph
     out = Lowered(plan)
     for k, kern in enumerate(plan.schedule.kernels):
@@ -124,7 +152,41 @@ def lower(plan: BufferPlan,
             out.steps.append(ScanLaunch(k, kern, scans[0], code))
         else:
             out.steps.append(ScanLoop(k, kern, scans[0], prologue_kernel(g, kern),
-                                      lower(plan.bodies[scans[0]], scan_kernel)))
+                                      lower(plan.bodies[scans[0]], scan_kernel, groupable)))
+    if groupable is not None:
+        out.steps = _group_launches(plan, out.steps, groupable)
+    return out
+
+
+def _group_launches(plan: BufferPlan, steps: list[Step],
+                   groupable: Callable[[Kernel], bool]) -> list[Step]:
+    """`steps` (a lowered program's) with each run of launches between scan steps reordered
+    into waves and each wave's groupable launches made `LaunchGroup`s of at most
+    `MAX_MEMBERS`; a wave's other launches stay single, in schedule order."""
+    out: list[Step] = []
+    run: list[Launch] = []
+
+    def flush() -> None:
+        wave = waves(plan, [s.kernel for s in run])
+        for w in range(max(wave, default=-1) + 1):
+            members = [s for s, x in zip(run, wave) if x == w]
+            together = [s for s in members if groupable(s.kernel)]
+            for s in members:
+                if s not in together or len(together) < 2:
+                    out.append(s)
+            if len(together) >= 2:
+                for i in range(0, len(together), MAX_MEMBERS):
+                    chunk = together[i:i + MAX_MEMBERS]
+                    out.append(chunk[0] if len(chunk) == 1 else LaunchGroup.of(chunk))
+        run.clear()
+
+    for st in steps:
+        if isinstance(st, Launch):
+            run.append(st)
+            continue
+        flush()
+        out.append(st)
+    flush()
     return out
 
 

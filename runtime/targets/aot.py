@@ -121,13 +121,14 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
         bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
         sig, const, div = [], [], []
         params = inspect.signature(self.fn).parameters
+        fixed = set(getattr(self, "kwargs", {}).get("do_not_specialize") or ())
         for n in names:
             v = bound[n]
             if "constexpr" in str(params[n].annotation):
                 sig.append((n, "constexpr"))
                 const.append((n, v))
                 continue
-            ty, attr = native_specialize_impl(BaseBackend, v, False, True, True)
+            ty, attr = native_specialize_impl(BaseBackend, v, False, n not in fixed, True)
             if ty == "constexpr":
                 const.append((n, attr))
             if attr == "D":
@@ -192,13 +193,16 @@ def _cpu_seconds() -> float:
 def launch_constexprs(launch: Launch, module: Any, arch: int) -> tuple[dict[str, Any], int, int]:
     """The constexprs, num_warps and num_stages the CUDA launcher passes for `launch` (recorded
     off CUDA): the matmul family's tile of the architecture (`tiles_for`), a template's own
-    CUDA blocks (`cuda_constexprs`), and the 16-bit MMA (`DOT_F32` off)."""
+    CUDA blocks (`cuda_constexprs`; a launch group's members' too, and `cuda_options`), and
+    the 16-bit MMA (`DOT_F32` off)."""
     constexprs, warps, stages = dict(launch.constexprs), launch.num_warps, launch.num_stages
     if hasattr(module, "tiles_for"):
         bm, bn, bk, warps, stages = module.tiles_for(arch)
         constexprs |= {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     if hasattr(module, "cuda_constexprs"):
         constexprs |= module.cuda_constexprs(arch)
+    if hasattr(module, "cuda_options"):        # a launch group: its members' largest
+        warps, stages = module.cuda_options(arch)
     if "DOT_F32" in constexprs:
         constexprs["DOT_F32"] = False
     return constexprs, warps, stages

@@ -44,7 +44,8 @@ from titanc.ir.types import TensorType
 from titanc.config import current, debug_level, triton_interpret, triton_interpret_mode
 from titanc.ir.buffer_plan import BufferPlan
 
-from titanc.codegen.lowered import Launch, Lowered, ScanLaunch, Step, lower
+from titanc.codegen.group import groupable, render_group
+from titanc.codegen.lowered import Launch, LaunchGroup, Lowered, ScanLaunch, Step, lower
 from titanc.runtime.targets.executor import PlanExecutor, Tensor, _Binder
 
 __all__ = ["TritonExecutor", "count_launches", "interpreting", "launch_tensors", "module_for",
@@ -117,6 +118,9 @@ class _TritonBuilder(_Binder):
         if isinstance(st, Launch):
             self._launch(kern)
             return
+        if isinstance(st, LaunchGroup):
+            self._launch(kern, self.owner.group_code(self.plan, st))
+            return
         if isinstance(st, ScanLaunch):
             self._scan_kernel(kern, st.scan, st.code)
             return
@@ -139,9 +143,9 @@ class _TritonBuilder(_Binder):
             return self._const(x.contiguous())
         return x
 
-    def _launch(self, kern: Any) -> None:
-        """One launch of a rendered (non-scan) kernel."""
-        code = self.owner.code(self.plan, kern)
+    def _launch(self, kern: Any, code: KernelCode | None = None) -> None:
+        """One launch of a rendered (non-scan) kernel, or of a launch group's `code`."""
+        code = code if code is not None else self.owner.code(self.plan, kern)
         module = module_for(code)
         tensors = launch_tensors(code, self.home, self._scratch)
         sizes = code.sizes
@@ -249,7 +253,7 @@ class TritonExecutor(PlanExecutor):
         def scan_kernel(p: BufferPlan, kern: Any, sid: int) -> ScanKernel | None:
             sk = self.scan_code(p, kern, sid)
             return sk if isinstance(sk, ScanKernel) else None
-        return lower(plan, scan_kernel)
+        return lower(plan, scan_kernel, groupable if current().group_launches else None)
 
     def scan_workspace(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         """Grow the scan workspace to at least `numel` elements (bind time only)."""
@@ -270,6 +274,20 @@ class TritonExecutor(PlanExecutor):
                                      skip=set(plan.aliases), allow_tf32=self.allow_tf32,
                                      strided=plan.strided)
                 self._store("code", plan, kern.name, code)
+            self._codes[key] = code
+            if debug_level() >= 3:
+                print(code.source, file=sys.stderr)
+        return self._codes[key]
+
+    def group_code(self, plan: BufferPlan, st: LaunchGroup) -> KernelCode:
+        """The kernel of a launch group (`codegen.group`), over its members' rendered ones."""
+        key = (id(plan), st.kernel.name)
+        if key not in self._codes:
+            code = self._stored("code", plan, st.kernel.name)
+            if code is None:
+                code = render_group(st.kernel.name, plan.schedule.graph.name,
+                                    [self.code(plan, m.kernel) for m in st.members])
+                self._store("code", plan, st.kernel.name, code)
             self._codes[key] = code
             if debug_level() >= 3:
                 print(code.source, file=sys.stderr)
