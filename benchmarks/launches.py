@@ -1,11 +1,14 @@
-"""Kernel launches per training step on the triton target, with and without scan kernels.
+"""Kernel launches per training step on the triton target: with and without scan kernels and
+launch groups.
 
     python benchmarks/launches.py examples/tiny.yaml examples/tiny_lmm.yaml [--set k=v ...]
 
 Counted from the compiled plans (`runtime.triton_executor.count_launches`, the same figure
 `TritonExecutor.launches_per_run()` reports after binding): the training graph (forward +
 backward) plus the optimizer. A scan that runs as a host loop counts its body's launches once
-per iteration; the scans that still do are listed with the reason. Prints JSON, then a table.
+per iteration; the scans that still do are listed with the reason. `launch_groups` is the triton
+target's default: scan kernels, and each wave of independent pointwise / reduction / matmul
+launches one launch (`codegen/horizontal.py`). Prints JSON, then a table.
 """
 from __future__ import annotations
 
@@ -24,11 +27,13 @@ from titanc.model.spec import load_spec, parse_set_args  # noqa: E402
 def launches(path: str, overrides: dict[str, object]) -> dict[str, object]:
     c = compile_graphs(load_spec(path, overrides))
     row: dict[str, object] = {"spec": path}
-    for mode, on in (("host_loops", False), ("scan_kernels", True)):
+    for mode, scans, groups in (("host_loops", False, False), ("scan_kernels", True, False),
+                                ("launch_groups", True, True)):
         fallbacks: list[dict[str, str]] = []
-        row[mode] = sum(count_launches(c.plans[g], scan_kernels=on, fallbacks=fallbacks)
+        row[mode] = sum(count_launches(c.plans[g], scan_kernels=scans, fallbacks=fallbacks,
+                                       groups=groups)
                         for g in ("training", "optimizer"))
-        if on:
+        if scans and not groups:
             row["fallbacks"] = sorted({f"{f['scan']}: {f['reason']}" for f in fallbacks})
     return row
 
@@ -41,9 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     overrides = parse_set_args(args.set)
     rows = [launches(p, overrides) for p in args.specs]
     print(json.dumps(rows, indent=1))
-    print(f"\n{'spec':32} {'host loops':>10} {'scan kernels':>12}")
+    print(f"\n{'spec':32} {'host loops':>10} {'scan kernels':>12} {'+ launch groups':>15}")
     for r in rows:
-        print(f"{r['spec']:32} {r['host_loops']:>10} {r['scan_kernels']:>12}")
+        print(f"{r['spec']:32} {r['host_loops']:>10} {r['scan_kernels']:>12} "
+              f"{r['launch_groups']:>15}")
     sys.stdout.flush()
 
 

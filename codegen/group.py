@@ -27,6 +27,7 @@ of its members: a Triton kernel computes the same for any of them.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 
 from titanc.codegen.lower.code import KernelCode
@@ -40,6 +41,7 @@ __all__ = ["GROUP_FAMILIES", "MemberSource", "groupable", "member_source", "rend
 GROUP_FAMILIES = frozenset({"pointwise", "reduction", "cumsum", "matmul"})
 GROUP_CATEGORIES = frozenset({"pointwise", "reduction", "matmul"})
 PIDS = ("group_pid_0", "group_pid_1", "group_pid_2")
+MEMBER = "member"                 # a member module's kernel
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,14 @@ def member_source(code: KernelCode) -> MemberSource:
                 calls += 1
     if calls != 1:
         raise ValueError(f"{code.name}: its launch makes {calls} kernel calls, not one")
-    header = [line for line in code.source.splitlines() if line.startswith("#")]
-    header.append("# A launch group's member (codegen/group.py): program ids are arguments.")
-    return MemberSource("\n".join(header) + "\n" + ast.unparse(ast.fix_missing_locations(tree))
-                        + "\n", params, (literal.get("num_warps"), literal.get("num_stages")))
+    # named `member` (the name only tells kernels apart, so equal kernels give equal groups,
+    # which share one module, as `KernelCode.key` lets equal kernels); no header (its spec
+    # text stays out of the group's source)
+    body = re.sub(rf"\b{re.escape(code.name)}\b", MEMBER, ast.unparse(
+        ast.fix_missing_locations(tree)))
+    return MemberSource("# a launch group's member (codegen/group.py): program ids are "
+                        "arguments\n" + body + "\n", params,
+                        (literal.get("num_warps"), literal.get("num_stages")))
 
 
 def render_group(name: str, graph: str, members: list[KernelCode]) -> KernelCode:

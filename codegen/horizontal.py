@@ -68,16 +68,16 @@ def _external(plan: BufferPlan, name: str) -> Extent:
     while every operand lives) and its carries `out:carry<j>`, which share storage with
     carry input j alone (the carry slots: the iteration's input slot, the output slot, or
     the same one where the carry is updated in place). So carry j in and out are one region
-    ("carry", j), and every other input (xs, consts, which the body only reads) and output
+    ("carry j"), and every other input (xs, consts, which the body only reads) and output
     is its own."""
     g = plan.schedule.graph
     if name.startswith(OUTPUT_PREFIX + "carry"):
-        return ("carry", int(name[len(OUTPUT_PREFIX + "carry"):]), float("inf"))
+        return (f"carry {name[len(OUTPUT_PREFIX + 'carry'):]}", 0, float("inf"))
     if not name.startswith(OUTPUT_PREFIX):
         n_carry = sum(out.startswith("carry") for out, _ in g.outputs)
         k = g.input_names().index(name)
         if k < n_carry:
-            return ("carry", k, float("inf"))
+            return (f"carry {k}", 0, float("inf"))
     return (name, 0, float("inf"))
 
 

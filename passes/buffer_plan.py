@@ -77,6 +77,7 @@ import torch
 
 from titanc.ir import Graph, Op, OpGroup
 from titanc.ir.buffer_plan import OUTPUT_PREFIX, Buffer, BufferPlan, ScanHomes, view_of
+from titanc.passes.waves import wave_spans
 from titanc.ir.schedule import Schedule, liveness, prologue_results, scan_prologue, value_bytes
 from titanc.ir.structural import STRUCTURAL
 from titanc.ir.types import TensorType
@@ -370,7 +371,9 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
           strided_in: frozenset[int] = frozenset(),
           clobber: frozenset[int] = frozenset()) -> BufferPlan:
     g, kernels = schedule.graph, schedule.kernels
-    live = liveness(schedule)
+    spans = wave_spans(schedule)        # a value is live across the waves it spans (waves.py)
+    live = {v: (spans[a][0], spans[b][1]) if kernels else (a, b)
+            for v, (a, b) in liveness(schedule).items()}
     names = {i: g.node(i).attr("name") for i in g.inputs}
     kernel_of = {v: k for k, kern in enumerate(kernels)
                  for v in kern.outputs + prologue_results(g, kern)}

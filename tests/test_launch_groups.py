@@ -6,7 +6,9 @@ program as one kernel on the triton target.
   a group holds 2..MAX_MEMBERS pointwise / reduction / matmul kernels, and the launch count
   drops (tiny.yaml: the figure benchmarks/launches.py prints);
 - the member rewrite: program ids become arguments, `launch` becomes `launch_args`;
-- parity: the triton target with groups == the cpu target (float64), forward and training.
+- parity: the triton target with groups == the cpu target (float64), forward and training;
+- the waves (passes/waves.py): the schedule comes wave by wave and the memory plan adds no
+  hazard inside a wave.
 """
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ import torch  # noqa: E402
 
 from titanc import config  # noqa: E402
 from titanc.codegen.group import GROUP_CATEGORIES, groupable, member_source  # noqa: E402
-from titanc.codegen.horizontal import MAX_MEMBERS, extents  # noqa: E402
+from titanc.codegen.horizontal import MAX_MEMBERS, extents, waves  # noqa: E402
 from titanc.codegen.lower.dispatch import render_kernel  # noqa: E402
 from titanc.codegen.lowered import Launch, LaunchGroup, Lowered, lower  # noqa: E402
 from titanc.codegen.scan.kernel import (ScanFallback, count_launches,  # noqa: E402
                                         scan_kernel_for)
 from titanc.compiler import compile_graphs  # noqa: E402
+from titanc.ir.schedule import verify_schedule  # noqa: E402
 from titanc.model.spec import load_spec  # noqa: E402
+from titanc.passes.waves import in_waves, wave_spans  # noqa: E402
 from titanc.runtime.targets.executor import ArenaExecutor  # noqa: E402
 from titanc.runtime.targets.triton_executor import TritonExecutor  # noqa: E402
 
@@ -114,8 +118,9 @@ def test_groups_cut_tiny_yaml_launches() -> None:
 
 
 def test_member_source_takes_program_ids_as_arguments() -> None:
-    """The rewrite: no `tl.program_id` left in the member kernel, three program-id arguments
-    first, `launch` renamed `launch_args`, which returns the launch instead of making it."""
+    """The rewrite: the kernel is `member`, no `tl.program_id` left in it, three program-id
+    arguments first, `launch` renamed `launch_args`, which returns the launch instead of
+    making it."""
     seen = set()
     for plan, kern in _kernels(compiled("tiny_mal").plans["training"]):
         if kern.category not in GROUP_CATEGORIES:
@@ -124,7 +129,8 @@ def test_member_source_takes_program_ids_as_arguments() -> None:
                              skip=set(plan.aliases), strided=plan.strided)
         m = member_source(code)
         tree = ast.parse(m.source)
-        fn = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == kern.name)
+        fn = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "member")
+        assert kern.name not in m.source           # equal kernels give equal groups
         assert [a.arg for a in fn.args.args[:3]] == ["group_pid_0", "group_pid_1", "group_pid_2"]
         assert "program_id" not in ast.unparse(fn)
         names = {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}
@@ -169,3 +175,42 @@ def test_group_launches_off() -> None:
     assert not [s for low in ex.program.walk() for s in low.steps
                 if isinstance(s, LaunchGroup)]
     assert config.Config.from_env({"TITANC_GROUP_LAUNCHES": "0"}).group_launches is False
+
+
+def test_in_waves_orders_each_run_by_wave() -> None:
+    """passes/waves.py: the compiled schedule (tiny.yaml training, every body) is a valid
+    schedule whose runs between barriers come wave by wave, each wave one contiguous span,
+    scan kernels where fusion put them; `in_waves` of it changes nothing."""
+    sched = compile_graphs(load_spec(ROOT / "examples" / "tiny.yaml")).plans["training"].schedule
+    for _, s in sched.walk():
+        verify_schedule(s)
+        spans = wave_spans(s)
+        assert all(a <= k <= b for k, (a, b) in enumerate(spans))
+        for k in range(1, len(spans)):       # spans are contiguous and never interleave
+            assert spans[k] == spans[k - 1] or spans[k][0] == k
+    again = in_waves(sched)
+    assert [k.name for _, s in again.walk() for k in s.kernels] == \
+        [k.name for _, s in sched.walk() for k in s.kernels]
+
+
+@pytest.mark.parametrize("example", ["tiny", "tiny_mag"])
+def test_the_plan_keeps_waves_free_of_storage_hazards(example: str) -> None:
+    """The planner widens liveness to whole waves (`wave_spans`), so the storage hazards the
+    lowering reads add no wave to a run of launches, but for a carry updated in place (read
+    and rewritten in one wave of a scan body: one more)."""
+    c = compile_graphs(load_spec(ROOT / "examples" / f"{example}.yaml"))
+    for graph in ("forward", "training"):
+        for low in lower(c.plans[graph]).walk():
+            spans = wave_spans(low.plan.schedule)
+            runs: list[list[Launch]] = [[]]
+            for s in low.steps:
+                if isinstance(s, Launch):
+                    runs[-1].append(s)
+                else:
+                    runs.append([])
+            for run in (r for r in runs if r):
+                by_hazard = max(waves(low.plan, [s.kernel for s in run])) + 1
+                by_value = len({spans[s.index] for s in run})
+                assert by_hazard <= by_value + 1, (graph, low.graph.name, by_hazard, by_value)
+                if low.graph.name.startswith("mac_segment"):
+                    assert by_hazard == by_value, (low.graph.name, by_hazard, by_value)

@@ -4,7 +4,8 @@ Every graph kind (`GRAPH_KINDS`) goes through the same steps, declared as a tabl
 `PIPELINE`, `BACKEND`; `titanc inspect --pipeline` prints it, `pipeline_text`):
 
     lower (frontend / decode / optimizer) -> its row of graph passes -> hoist_scan_invariants
-        -> split_casts -> constants_per_reader -> fusion -> verify_schedule -> buffer plan
+        -> split_casts -> constants_per_reader -> fusion -> waves -> verify_schedule
+        -> buffer plan
         =>  `CompiledGraph(kind, graph, schedule, plan, passes)`
 
 The graph passes are canonicalize and aggregate for every kind; the forward graph adds the
@@ -34,6 +35,7 @@ from titanc.passes.aggregate import Aggregate
 from titanc.passes.autodiff import Autodiff
 from titanc.passes.canonicalize import Canonicalize
 from titanc.passes.fusion import fuse
+from titanc.passes.waves import in_waves
 from titanc.passes.constants import ConstantsPerReader
 from titanc.ir.buffer_plan import BufferPlan
 from titanc.passes.buffer_plan import plan_buffers
@@ -242,8 +244,9 @@ PIPELINE: dict[str, tuple[Step, ...]] = {
 # what every kind's graph goes through after its row: a chunk recurrence's carry-independent
 # work hoisted before its scan, a cast of an input read by several
 # kernels copied per reader, composed constants (RoPE's [cos ‖ cos]) copied per reader, then
-# fusion into kernels, the schedule's verifier and the buffer plan
-BACKEND = ("hoist_scan_invariants", "split_casts", "constants_per_reader", "fusion",
+# fusion into kernels, the kernels in waves of independent ones (passes/waves.py: launch
+# groups), the schedule's verifier and the buffer plan
+BACKEND = ("hoist_scan_invariants", "split_casts", "constants_per_reader", "fusion", "waves",
            "verify_schedule", "buffer plan")
 
 
@@ -283,7 +286,7 @@ def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int,
     # composed constants (RoPE's [cos ‖ cos]) copied per reader: computed in each reader's
     # kernel rather than stored by a kernel of their own; last, as it undoes their CSE
     g = log.apply(ConstantsPerReader(), g)
-    schedule = _timed(log, f"fusion_{kind}", lambda: verify_schedule(fuse(g)))
+    schedule = _timed(log, f"fusion_{kind}", lambda: verify_schedule(in_waves(fuse(g))))
     persistent = persistent | {n for n in g.input_names() if n.startswith("state.")}
     plan = _timed(log, f"memory_plan_{kind}", lambda: plan_buffers(schedule, persistent))
     return CompiledGraph(kind, g, schedule, plan, log.records[start:])

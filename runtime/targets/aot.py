@@ -93,8 +93,9 @@ class Launch:
 
     @property
     def is_matmul(self) -> bool:
-        """The matmul family (per-architecture tiles, `tl.dot` at the graph's precision)."""
-        return "def tiles_for(" in self.source
+        """The matmul family (per-architecture tiles, `tl.dot` at the graph's precision): its
+        module defines `tiles_for` (a launch group holds its members' modules as text)."""
+        return re.search(r"^def tiles_for\(", self.source, re.M) is not None
 
 
 def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False,
@@ -103,7 +104,8 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
     """Every distinct launch of one run of `plan` on the triton target (interpreter process),
     rendered as `TritonExecutor(plan, allow_tf32=...)` renders it; `grids` gets each kernel's
     largest grid (programs per launch) by kernel name, `aliases` each schedule kernel's name
-    -> the name of the kernel whose module it launches (equal sources share one module)."""
+    -> the name of the kernel whose module it launches (equal sources share one module; a
+    launch group's member: the group's)."""
     import inspect
 
     from triton.backends.compiler import BaseBackend
@@ -157,6 +159,8 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
             (sk.name, ex.scan_module(sk)) for sk in ex._scans.values() if not isinstance(sk, str)]
         for name, module in modules:
             aliases[name] = module.__name__.removeprefix("titanc_kernel_").rsplit("_", 1)[0]
+        for group, members in ex.grouped.items():    # a group's members launch in its launch
+            aliases.update({m: aliases[group] for m in members})
     return list(seen.values())
 
 
@@ -215,7 +219,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    path = cache_dir() / "aot" / f"{launch.key()}_sm{arch}_{triton.__version__}_v2.json"
+    path = cache_dir() / "aot" / f"{launch.key()}_sm{arch}_{triton.__version__}_v3.json"
     if path.exists():
         return json.loads(path.read_text())
     result: dict[str, Any] = {"name": launch.name, "arch": arch, "uses_dot": launch.uses_dot,

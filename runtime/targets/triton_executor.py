@@ -196,6 +196,7 @@ class TritonExecutor(PlanExecutor):
         self.dtype = {torch.float64: "float64", torch.float32: "float32"}.get(
             float_dtype, graph_dtype(plan.schedule.graph))
         self._codes: dict[tuple[int, str], KernelCode] = {}
+        self.grouped: dict[str, list[str]] = {}       # launch group -> its members' kernels
         self.cuda_graphs = self.device == "cuda" and cuda_graphs is not False
         self._graph: Any = None
         self._runs = 0
@@ -283,10 +284,11 @@ class TritonExecutor(PlanExecutor):
         """The kernel of a launch group (`codegen.group`), over its members' rendered ones."""
         key = (id(plan), st.kernel.name)
         if key not in self._codes:
+            members = [self.code(plan, m.kernel) for m in st.members]
+            self.grouped[st.kernel.name] = [m.name for m in members]
             code = self._stored("code", plan, st.kernel.name)
             if code is None:
-                code = render_group(st.kernel.name, plan.schedule.graph.name,
-                                    [self.code(plan, m.kernel) for m in st.members])
+                code = render_group(st.kernel.name, plan.schedule.graph.name, members)
                 self._store("code", plan, st.kernel.name, code)
             self._codes[key] = code
             if debug_level() >= 3:
