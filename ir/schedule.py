@@ -54,6 +54,8 @@ class Schedule:
     graph: Graph
     kernels: list[Kernel]                                       # execution order
     bodies: dict[int, "Schedule"] = field(default_factory=dict)  # SCAN id -> body schedule
+    waves: bool = False          # kernels in waves of independent ones (passes/waves.py): the
+                                 # buffer plan keeps every value live across whole waves
 
     def kernel_index(self) -> dict[int, int]:
         """Node id -> index of the kernel computing it."""

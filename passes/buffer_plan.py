@@ -371,9 +371,10 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
           strided_in: frozenset[int] = frozenset(),
           clobber: frozenset[int] = frozenset()) -> BufferPlan:
     g, kernels = schedule.graph, schedule.kernels
-    spans = wave_spans(schedule)        # a value is live across the waves it spans (waves.py)
-    live = {v: (spans[a][0], spans[b][1]) if kernels else (a, b)
-            for v, (a, b) in liveness(schedule).items()}
+    live = liveness(schedule)
+    if schedule.waves:                  # a value is live across the waves it spans (waves.py)
+        spans = wave_spans(schedule)
+        live = {v: (spans[a][0], spans[b][1]) for v, (a, b) in live.items()}
     names = {i: g.node(i).attr("name") for i in g.inputs}
     kernel_of = {v: k for k, kern in enumerate(kernels)
                  for v in kern.outputs + prologue_results(g, kern)}

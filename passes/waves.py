@@ -15,7 +15,7 @@ first:
   topological order is a valid schedule, so every target runs this one as it ran the old.
   Scan bodies are reordered too.
 - `wave_spans(schedule)`: each kernel's wave as the range of kernel indices it occupies in a
-  schedule `in_waves` made. The buffer planner (`passes/buffer_plan.py`) widens every value's
+  schedule `in_waves` made (`Schedule.waves`). The buffer planner (`passes/buffer_plan.py`) widens every value's
   liveness to the spans of its first and last kernels, so a value never takes the bytes of one
   that a kernel of its own wave (or of a later one) still reads: the waves stay free of storage
   hazards, and the only thing that orders two kernels of a wave is nothing.
@@ -77,7 +77,8 @@ def in_waves(s: Schedule) -> Schedule:
         run = s.kernels[a:b]
         wave = _waves(s.graph, run)
         order += [run[i] for i in sorted(range(len(run)), key=lambda i: (wave[i], i))]
-    return Schedule(s.graph, order, {sid: in_waves(body) for sid, body in s.bodies.items()})
+    return Schedule(s.graph, order, {sid: in_waves(body) for sid, body in s.bodies.items()},
+                    waves=True)
 
 
 def wave_spans(s: Schedule) -> list[tuple[int, int]]:
