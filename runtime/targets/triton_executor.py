@@ -149,7 +149,10 @@ class _TritonBuilder(_Binder):
         module = module_for(code)
         tensors = launch_tensors(code, self.home, self._scratch)
         sizes = code.sizes
-        self.steps.append(lambda: module.launch(*tensors, *sizes))
+        if code.family == "group":        # its members' arguments gathered once (`bind`)
+            self.steps.append(module.bind(*tensors, *sizes))
+        else:
+            self.steps.append(lambda: module.launch(*tensors, *sizes))
         self.launches += 1
 
     def _scratch(self, shape: tuple[int, ...]) -> Tensor:
