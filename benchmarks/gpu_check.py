@@ -89,7 +89,11 @@ TITANC = {
     "large_bf16": ("large", {**LARGE, **BF16}),
     # the chunk groups' forward recompute hoisted out of their backward (docs/gpu.md)
     "large_bf16_hoist": ("large", {**LARGE, **BF16, "compile.hoist_groups": True}),
+    # every kernel its own launch (no launch groups, docs/gpu.md): what the groups save
+    "tiny_bf16_ungrouped": ("tiny", BF16),
 }
+# a job's own environment (beyond the harness's)
+JOB_ENV = {"tiny_bf16_ungrouped": {"TITANC_GROUP_LAUNCHES": "0"}}
 # name: (size, [(matched, autocast bf16)])
 PEER = {
     "peer_tiny": ("tiny", [(False, False), (False, True), (True, False), (True, True)]),
@@ -453,7 +457,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         if kind == "script":
             cmd.append(scripts[name])
         log = open(logs / f"{name}.log", "w")
-        job_env = {**env, "PYTHONPATH": paths["peer" if kind == "peer" else "titanc"]}
+        job_env = {**env, "PYTHONPATH": paths["peer" if kind == "peer" else "titanc"],
+                   **JOB_ENV.get(name, {})}
         if kind == "ref":                    # inductor's compile workers would take every core
             job_env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         procs[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

@@ -15,7 +15,9 @@
                           list of steps the cpu and triton targets walk too): one
                           straight-line function per graph that creates the planned views of
                           its arena and persistent region and runs the steps in order. A
-                          `ScanLaunch` is one launch of its scan kernel (`codegen.scan`,
+                          `LaunchGroup` is one launch of its group kernel (`codegen.group`,
+                          written to kernels/ like the others), a
+                          `ScanLaunch` one launch of its scan kernel (`codegen.scan`,
                           written to kernels/ like the others); a `ScanLoop` a launch of its
                           prologue gathers (if any) and a `for` loop over a function running
                           one step of its body in the scan's workspace, copying nothing:

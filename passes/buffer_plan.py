@@ -372,7 +372,7 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
           clobber: frozenset[int] = frozenset()) -> BufferPlan:
     g, kernels = schedule.graph, schedule.kernels
     live = liveness(schedule)
-    if schedule.waves:                  # a value is live across the waves it spans (waves.py)
+    if schedule.waves and kernels:      # a value is live across the waves it spans (waves.py)
         spans = wave_spans(schedule)
         live = {v: (spans[a][0], spans[b][1]) for v, (a, b) in live.items()}
     names = {i: g.node(i).attr("name") for i in g.inputs}

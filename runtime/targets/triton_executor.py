@@ -4,7 +4,9 @@
 lowered program (`codegen.lowered`), binding as the cpu target binds (every value a kernel
 reads or writes is a view of the activation arena, the persistent region or a caller-bound
 tensor), and runs a `Launch` as one launch of its rendered kernel
-(`codegen.lower.dispatch.render_kernel`). A scan is one launch of its scan kernel
+(`codegen.lower.dispatch.render_kernel`) and a `LaunchGroup` (independent launches of one wave,
+`codegen.horizontal`; off with `TITANC_GROUP_LAUNCHES=0`) as one launch of its group kernel
+(`codegen.group`), prepared at bind time. A scan is one launch of its scan kernel
 (`codegen.scan`: the iterations loop inside the kernel, grid over the scan's independent
 axes, workspace made once at bind time, a prologue gather read through) where it renders as
 one (`lower`); else a `ScanLoop`: one launch of its prologue gathers
