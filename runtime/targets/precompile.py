@@ -16,8 +16,9 @@ tiny.yaml's first training step on an H100 waited minutes for it. `precompile(pl
    - `jit=False` (ahead of time, no GPU needed): `runtime.targets.aot.compile_launch` for the
      architecture (ptxas from the wheel), which also reports registers, spills and shared
      memory (report.json `occupancy`);
-3. writes a marker keyed by the plan, the architecture, the Triton version and titanc's
-   code generator, so a second run records and compiles nothing.
+3. writes a marker keyed by the plan, the architecture, the Triton version, titanc's
+   code generator and whether launches are grouped (`TITANC_GROUP_LAUNCHES`, which the
+   recording subprocess is given), so a second run records and compiles nothing.
 
 A kernel that fails to precompile is left to its first launch (and named); the program runs
 the same either way.
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from titanc.codegen.render import cache_dir
-from titanc.config import child_environment, module_command
+from titanc.config import child_environment, current, module_command
 
 __all__ = ["precompile", "precompile_for_device", "recorded_launches"]
 
@@ -68,7 +69,9 @@ def recorded_launches(plans: Any, allow_tf32: bool = False, float_dtype: Any = N
         src, out = Path(tmp) / "plans.pickle", Path(tmp) / "launches.json"
         src.write_bytes(pickle.dumps((plans, float_dtype)))
         env = child_environment(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-                                TITANC_CACHE_DIR=str(cache_dir()))
+                                TITANC_CACHE_DIR=str(cache_dir()),
+                                # the kernels this process launches: its groups or none
+                                TITANC_GROUP_LAUNCHES="1" if current().group_launches else "0")
         cmd = module_command("titanc.runtime.targets.precompile_worker", "--record", str(src),
                              str(out), *(["--allow-tf32"] if allow_tf32 else []))
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -87,7 +90,8 @@ def _marker(plan: Any, key: str | None, arch: int, allow_tf32: bool, jit: bool) 
 
     what = key.encode() if key is not None else pickle.dumps(plan)
     digest = hashlib.sha256(what + f"{arch}|{allow_tf32}|{jit}|{triton.__version__}|"
-                            f"{_code_hash()}".encode()).hexdigest()[:24]
+                            f"{_code_hash()}|{current().group_launches}".encode()
+                            ).hexdigest()[:24]
     return cache_dir() / "precompiled" / f"{digest}.json"
 
 
