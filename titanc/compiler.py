@@ -330,7 +330,7 @@ def launches_per_step(c: Compiled, target: str = "cpu",
     backward passes + one optimizer update), a decode step (one token, batch 1) and the
     memory write a decode makes once per completed chunk. On the cpu target every scan is a
     host loop over its body's kernels; on triton a scan that renders to one scan kernel is
-    one launch (`codegen.scan.kernel.count_launches`); the scans it cannot render, and why,
+    one launch and so is a launch group (`codegen.scan.kernel.count_launches`); the scans it cannot render, and why,
     are appended to `fallbacks`, and where each scan kernel keeps its carries to `carries`
     (`codegen.scan.kernel.ScanKernel.carries`)."""
     if target == "triton":

@@ -86,6 +86,7 @@ from titanc.ir.buffer_plan import BufferPlan
 from titanc.ir.schedule import Kernel, is_immediate, scan_prologue
 
 from titanc.codegen.group import groupable
+from titanc.config import current
 from titanc.codegen.lowered import lower
 from titanc.codegen.lower.code import graph_dtype
 from titanc.codegen.meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
@@ -386,12 +387,12 @@ def scan_kernel_for(plan: BufferPlan, kern: Kernel, sid: int, dtype: str,
 def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: bool = True,
                    fallbacks: list[dict[str, str]] | None = None,
                    carries: list[dict] | None = None, forms: list[dict] | None = None,
-                   groups: bool = True) -> int:
+                   groups: bool | None = None) -> int:
     """Kernel launches of one run of `plan` on the triton target, from the plan alone (its
     lowered program's, `Lowered.launches`): a scan that renders to a scan kernel is one
     launch, one that runs as a host loop launches its body's kernels once per iteration (its
-    reason appended to `fallbacks`); with `groups`, a launch group is one launch
-    (`codegen.horizontal`). `carries` gets, per scan kernel, where each loop's carries live
+    reason appended to `fallbacks`); with `groups` (default: `config.group_launches`, as the
+    triton target lowers), a launch group is one launch (`codegen.horizontal`). `carries` gets, per scan kernel, where each loop's carries live
     (`ScanKernel.carries`, with the graph and kernel names); `forms` gets, per scan, the
     form `scan_form` and the generator gave it (report.json `scan_forms`: graph, scan, role,
     form "kernel" with its grid or "host_loop", and why)."""
@@ -421,4 +422,6 @@ def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: boo
                 forms.append(row | {"form": "host_loop", "why": str(e)})
             return None
 
+    if groups is None:
+        groups = current().group_launches
     return lower(plan, one_kernel, groupable if groups else None).launches()
