@@ -152,6 +152,21 @@ def collapse_moves(n: Node, r: Rewriter) -> int | None:
     return None
 
 
+def cumsum_total(n: Node, r: Rewriter) -> int | None:
+    # slice(cumsum(x, a), the last position along a) -> sum(x, a, keepdim): the running sum's
+    # end is the total (a reverse cumsum's: its first position), which no longer waits for
+    # the cumsum (the memory's chunk decay: its cumulative log-keep and the chunk's total)
+    x = r.node(n.inputs[0])
+    if x.op is not Op.CUMSUM or n.attr("axis") != x.attr("axis"):
+        return None
+    a = n.attr("axis")
+    size = x.type.shape[a]
+    end = (0, 1) if x.attr("reverse") else (size - 1, size)
+    if (n.attr("start"), n.attr("stop")) != end:
+        return None
+    return r.emit(Op.SUM, x.inputs, {"axes": (a,), "keepdim": True})
+
+
 WIDER = {"bf16": 0, "f32": 1, "f64": 2}
 
 
@@ -194,6 +209,7 @@ for _op, _entry in STRUCTURAL.items():
         RULES[_op] = RULES.get(_op, ()) + (zero_through,)
 RULES[Op.INDEX_ADD] += (sum_narrow,)
 RULES[Op.CAST] += (widen_narrow,)
+RULES[Op.SLICE] += (cumsum_total,)
 
 
 # -- the driver ---------------------------------------------------------------------------------

@@ -163,6 +163,25 @@ def test_canonicalize_rules() -> None:
     torch.testing.assert_close(out["z"], 6 * x_val + x_val.T)
 
 
+def test_the_end_of_a_cumsum_is_its_total() -> None:
+    """slice(cumsum(x, a), the last position along a) -> sum(x, a, keepdim) (a reverse
+    cumsum: its first position); another position, or another axis, stays a slice."""
+    b = Builder("c")
+    x = b.input("x", (2, 5), "f64")
+    last = x.cumsum(1).slice(1, 4, 5)
+    first_rev = x.cumsum(1, reverse=True).slice(1, 0, 1)
+    middle = x.cumsum(1).slice(1, 2, 3)
+    b.graph.set_outputs([("last", last.id), ("first_rev", first_rev.id), ("middle", middle.id)])
+    g = canonicalize(b.graph)
+    ops = [g.node(v).op.name for _, v in g.outputs]
+    assert ops[:2] == ["SUM", "SUM"] and ops[2] == "SLICE"
+    x_val = torch.randn(2, 5, dtype=torch.float64)
+    out = interpret(g, {"x": x_val})
+    torch.testing.assert_close(out["last"], x_val.sum(1, keepdim=True))
+    torch.testing.assert_close(out["first_rev"], x_val.sum(1, keepdim=True))
+    torch.testing.assert_close(out["middle"], x_val.cumsum(1)[:, 2:3])
+
+
 def test_chunked_loss_keeps_outputs_that_follow_the_loss() -> None:
     """An output computed from the loss survives the rewrite with the same value."""
     from titanc.passes.chunked_loss import ChunkedLoss

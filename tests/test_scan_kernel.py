@@ -546,8 +546,10 @@ def test_report_counts_launches_per_target_and_says_why_a_scan_stays_a_loop(tmp_
     # 2,683 before attention took a key/value operand per group, RoPE lost its concat and
     # the loss and the segment sum read the token slices in place, 2,594 before reductions
     # took their row epilogues, matmul kernels several einsums of one tile, and cousin
-    # pointwise kernels merged; 1,878 before neighbouring kernels of one kind merged)
-    assert cpu["training"] == 1750 and tri["training"] < cpu["training"]
+    # pointwise kernels merged; 1,878 before neighbouring kernels of one kind merged; 1,750
+    # before the end of a cumsum became its total, canonicalize's `cumsum_total`); on triton
+    # launch groups (510; 870 without them)
+    assert cpu["training"] == 1638 and tri["training"] < cpu["training"]
     assert tri["decode"] <= cpu["decode"]
     # the layer, segment and decode-write scans are host loops, the memory chunks kernels
     forms = report["scan_forms"]["triton"]
