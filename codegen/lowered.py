@@ -34,7 +34,8 @@ launches may be grouped, `groupable(kernel) -> bool` (the cpu target groups none
 the schedule's order). The module lives in
 codegen/ because it is the last stage of compiling (after the memory plan, before a target's
 kernels), and both the runtime and the emitter may import codegen (docs/architecture.md); it
-imports only `ir` (the buffer plan and the schedule live there), so the cpu target pulls in no
+imports only `ir` (the buffer plan and the schedule live there) and `codegen.horizontal` (the
+waves, read from the plan), so the cpu target pulls in no
 kernel renderer.
 """
 from __future__ import annotations
