@@ -205,3 +205,81 @@ def test_occupancy_rows_name_why_a_big_kernel_has_few_programs(monkeypatch) -> N
     scan = next(r for r in rows if "scan_memory_chunk" in r["name"] and "why_under" in r)
     assert scan["programs"] == 1 * 2 and "chunk recurrence" in scan["why_under"]
     assert occ["under"] == sum("why_under" in r for r in rows)
+
+
+# a compile worker that takes 0.15 s a kernel and logs how many workers are alive with it
+_FAKE_WORKER = """
+import json, os, sys, time
+live = sys.argv[1]
+me = os.path.join(live, str(os.getpid()))
+open(me, "w").close()
+for line in sys.stdin:
+    time.sleep(0.15)
+    with open(os.path.join(live, "..", "log"), "a") as f:
+        f.write(f"{len(os.listdir(live))}\\n")
+    sys.stdout.write(json.dumps({"name": json.loads(line)["name"], "ok": True}) + "\\n")
+    sys.stdout.flush()
+os.remove(me)
+"""
+
+
+def test_the_compile_pools_of_every_process_share_the_machines_slots(tmp_path, monkeypatch
+                                                                      ) -> None:
+    """Two pools at once (two programs precompiling; on the H100, 19), each asking for 4
+    workers, with TITANC_COMPILE_JOBS=2: never more than 2 workers alive, and every kernel
+    compiled by one of them."""
+    import sys
+    import threading
+    from functools import partial
+
+    from titanc import config
+    from titanc.runtime.targets import precompile as pc
+
+    live = tmp_path / "live"
+    live.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(_FAKE_WORKER)
+    monkeypatch.setattr(pc, "module_command",
+                        lambda *a: [sys.executable, str(script), str(live)])
+    monkeypatch.setattr(pc, "CompileSlots", partial(pc.CompileSlots, root=tmp_path / "slots"))
+    results: dict[int, list] = {}
+
+    def pool(i: int) -> None:
+        launches = [{"name": f"k{i}_{j}", "source": "x" * j} for j in range(6)]
+        results[i] = pc._pool(launches, 90, False, 4, False)
+
+    with config.override(compile_jobs=2):
+        threads = [threading.Thread(target=pool, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    alive = [int(n) for n in (tmp_path / "log").read_text().split()]
+    assert len(alive) == 12 and max(alive) <= 2
+    assert sorted(r["name"] for i in (0, 1) for r in results[i]) == sorted(
+        f"k{i}_{j}" for i in (0, 1) for j in range(6))
+    assert all(r["ok"] for i in (0, 1) for r in results[i])
+
+
+def test_compile_slots_wait_for_a_free_one_or_give_up(tmp_path) -> None:
+    from titanc.runtime.targets.precompile import CompileSlots
+
+    slots = CompileSlots(2, root=tmp_path)
+    a, b = slots.try_acquire(), slots.try_acquire()
+    assert a is not None and b is not None and slots.try_acquire() is None
+    assert slots.acquire(give_up=lambda: True) is None
+    slots.release(a)
+    c = slots.acquire(give_up=lambda: True)
+    assert c is not None
+    slots.release(b)
+    slots.release(c)
+
+
+def test_a_bad_compile_jobs_variable_is_named() -> None:
+    from titanc.config import Config
+    from titanc.errors import TitancError
+
+    assert Config.from_env({"TITANC_COMPILE_JOBS": "3"}).compile_slots() == 3
+    assert Config.from_env({}).compile_slots() >= 1
+    with pytest.raises(TitancError, match="TITANC_COMPILE_JOBS='lots'"):
+        Config.from_env({"TITANC_COMPILE_JOBS": "lots"}).compile_slots()

@@ -16,6 +16,7 @@ program that never runs the CLI gets the same settings, read the first time it a
 | `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules and compiled programs are written (default: a per-user temp dir) |
 | `compile_cache` | `TITANC_COMPILE_CACHE` | 0: compile every time instead of reading `cache_dir/compiled` (titanc/compile_cache.py) |
 | `threads`      | `TITANC_THREADS`      | torch CPU threads of `titanc train` (a positive integer)  |
+| `compile_jobs` | `TITANC_COMPILE_JOBS` | the most kernel-compile workers at once on this machine, over every titanc process (a positive integer; default: this process's cores) |
 | `torchrun`     | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | the process group torchrun (or `titanc train --nproc`) describes |
 
 Two variables belong to libraries that read only their environment, so this module is also
@@ -50,6 +51,7 @@ class Config:
                             / f"titanc-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     compile_cache: bool = True
     threads: int | None = None
+    compile_jobs: int | None = None
     torchrun: Mapping[str, str] = field(default_factory=dict)
     invalid: Mapping[str, str] = field(default_factory=dict)   # variable -> its bad value
 
@@ -60,6 +62,20 @@ class Config:
             raise TitancError(f"TITANC_THREADS={self.invalid['TITANC_THREADS'][:20]!r}: "
                               f"expected a positive integer; unset it for the default")
         return self.threads
+
+    def compile_slots(self) -> int:
+        """How many kernel compiles may run at once on this machine (`compile_jobs`, default
+        the cores this process may use); TitancError naming TITANC_COMPILE_JOBS when it was
+        set to something else than a positive integer."""
+        if "TITANC_COMPILE_JOBS" in self.invalid:
+            raise TitancError(f"TITANC_COMPILE_JOBS={self.invalid['TITANC_COMPILE_JOBS'][:20]!r}: "
+                              f"expected a positive integer; unset it for one per core")
+        if self.compile_jobs is not None:
+            return self.compile_jobs
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:             # not Linux
+            return os.cpu_count() or 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Config":
@@ -77,6 +93,12 @@ class Config:
             else:
                 threads = int(text)
         more: dict[str, Any] = {}
+        jobs = env.get("TITANC_COMPILE_JOBS", "").strip()
+        if jobs:
+            if not jobs.isdigit() or len(jobs) > 4 or int(jobs) < 1:
+                invalid["TITANC_COMPILE_JOBS"] = jobs
+            else:
+                more["compile_jobs"] = int(jobs)
         if env.get("TITANC_CACHE_DIR"):
             more["cache_dir"] = Path(env["TITANC_CACHE_DIR"])
         return cls(debug=debug, scan_kernels=env.get("TITANC_SCAN_KERNELS", "1") != "0",

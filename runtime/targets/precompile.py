@@ -6,7 +6,11 @@ tiny.yaml's first training step on an H100 waited minutes for it. `precompile(pl
 1. records the plan's distinct launches (`runtime.targets.aot.record_launches`) in a subprocess under
    Triton's interpreter (a process picks compile or interpreter mode once; nothing runs);
 2. compiles them in a process pool (`jobs`, default one per CPU core) with a progress bar
-   (`compiling 84 kernels for sm_90`), each worker one kernel at a time:
+   (`compiling 84 kernels for sm_90`), each worker one kernel at a time. The workers of every
+   titanc process on the machine share `compile_slots` (`TITANC_COMPILE_JOBS`, default one
+   per core; a worker starts only once it holds one, a lock file in the temp dir): an H100
+   check running 19 programs at once, each with a pool of 16, started 300 workers on 16 cores
+   and 128 GiB, and every first step waited 400 s;
    - `jit=True` (on the GPU, before the first step): the worker calls the kernel's own
      `JITFunction.warmup` with stand-ins that specialise as the recorded arguments did
      (pointer dtypes and 16-byte alignment, integer widths and divisibility, the constexpr
@@ -28,6 +32,7 @@ The recording subprocess and the compile workers are `runtime/targets/precompile
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -116,7 +121,7 @@ def precompile(plans: Any, arch: int, *, allow_tf32: bool = False, float_dtype: 
         return _merge(done) | {"cached": True}
     t0 = time.perf_counter()
     launches, shape = recorded_launches([plans[i] for i in todo], allow_tf32, float_dtype)
-    results = _pool(launches, arch, jit, jobs or os.cpu_count() or 1, progress)
+    results = _pool(launches, arch, jit, jobs or current().compile_slots(), progress)
     failed = [{"name": r["name"], "error": r["error"]} for r in results if not r["ok"]]
     summary = {"kernels": len(launches), "compiled": len(launches) - len(failed),
                "failed": failed, "seconds": round(time.perf_counter() - t0, 1),
@@ -168,11 +173,51 @@ def precompile_for_device(plans: Any, allow_tf32: bool = False, float_dtype: Any
                                       for f in s["failed"][:3]), file=sys.stderr)
 
 
+class CompileSlots:
+    """`count` slots that every titanc process on this machine shares (a user's, through
+    the temp dir): slot i is an exclusive `flock` on `<dir>/<i>.lock`, dropped when its file
+    is closed, so a killed process frees its slots."""
+
+    def __init__(self, count: int, root: Path | None = None) -> None:
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        self.count = max(1, count)
+        self.root = root or Path(tempfile.gettempdir()) / f"titanc-compile-slots-{uid}"
+
+    def try_acquire(self) -> int | None:
+        """A free slot's open file descriptor (hold it; `release` it), or None."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for i in range(self.count):
+            fd = os.open(self.root / f"{i}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                os.close(fd)
+        return None
+
+    def acquire(self, give_up: Any = lambda: False) -> int | None:
+        """A slot, waiting for one (polling, up to 0.5 s apart); None once `give_up()` is
+        true while every slot is held."""
+        delay = 0.02
+        while True:
+            fd = self.try_acquire()
+            if fd is not None or give_up():
+                return fd
+            time.sleep(delay)
+            delay = min(0.5, 2 * delay)
+
+    @staticmethod
+    def release(fd: int) -> None:
+        os.close(fd)                # closing drops the flock
+
+
 def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progress: bool
           ) -> list[dict[str, Any]]:
     """Compile `launches` in `jobs` worker processes (`python -m titanc.runtime.targets.precompile
     --worker`, without the interpreter: subprocesses, not multiprocessing, so a user's
-    script is never re-imported), fed one kernel at a time by a thread each."""
+    script is never re-imported), fed one kernel at a time by a thread each. A thread starts
+    its worker once it holds one of the machine's `CompileSlots` and keeps it until the queue
+    is empty; a thread still waiting then gives up."""
     import queue
     import threading
 
@@ -188,8 +233,18 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
     env = child_environment(TRITON_INTERPRET="0", TITANC_CACHE_DIR=str(cache_dir()))
     bar = tqdm(total=len(launches), desc=f"compiling {len(launches)} kernels for sm_{arch}",
                disable=not progress, file=sys.stderr)
+    slots = CompileSlots(current().compile_slots())
 
     def serve() -> None:
+        slot = slots.acquire(give_up=todo.empty)
+        if slot is None:
+            return
+        try:
+            work()
+        finally:
+            slots.release(slot)
+
+    def work() -> None:
         worker = subprocess.Popen(module_command("titanc.runtime.targets.precompile_worker",
                                                  "--worker", str(arch), "jit" if jit else "aot"),
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
