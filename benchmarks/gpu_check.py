@@ -13,8 +13,10 @@ pyproject.toml's package-dir says (unless `import titanc` already works), titans
 installed from the wheels in .gpu/whl (`pip download` them beforehand, docs/gpu.md).
 
 Every check and every throughput job is its own process, all started at once, so Triton's
-one-kernel-at-a-time compiles overlap across the machine's cores; a timed loop takes a file lock,
-so one job times on the GPU at a time; at the deadline every job still running is killed, and
+one-kernel-at-a-time compiles overlap across the machine's cores; a timed loop first waits for
+the host to be quiet (no other job still compiling, at most until 90 s before the deadline: on
+the H100, titans-pytorch's eager steps timed during the others' compiles came out 2-3x slow),
+then takes a file lock, so one job times on the GPU at a time; at the deadline every job still running is killed, and
 each reports how far it got: its `compiled`, `first_step`, `warm` and `result` records in
 $OUT/results.jsonl ({"job", "phase", ...} per line). At the end one JSON ($OUT/results.json:
 device, jobs, what finished) and a table ($OUT/summary.txt, printed).
@@ -136,16 +138,59 @@ class GpuLock:
         self.f.close()
 
 
+# a job has stopped compiling once it reported one of these
+_PAST_COMPILE = {"first_step", "warm", "result", "error", "profile"}
+QUIET_MARGIN_S = 90.0
+
+
+def compiling_jobs(me: str) -> list[str]:
+    """The jobs still running (the orchestrator's $OUT/running.json) that have not reported a
+    first step, a result or an error yet, other than `me` (a job's records may carry its
+    name plus a suffix: a peer job's variants)."""
+    try:
+        alive = json.loads((OUT / "running.json").read_text())
+    except (OSError, ValueError):
+        return []
+    past = set()
+    if RESULTS.exists():
+        for line in RESULTS.read_text().splitlines():
+            r = json.loads(line)
+            if r["phase"] in _PAST_COMPILE:
+                past.add(r["job"])
+    return [n for n in alive if n != me
+            and not any(j == n or j.startswith(n + "_") for j in past)]
+
+
+def quiet_host() -> dict[str, Any]:
+    """Wait until no other job is compiling (its compiles load every host core: an eager
+    step timed meanwhile is host time, not GPU time), at most until QUIET_MARGIN_S before the
+    deadline; {"quiet_wait_s", "host_quiet", and "compiling": the jobs still compiling}."""
+    me = os.environ.get("GPU_CHECK_JOB", "")
+    until = float(os.environ.get("GPU_CHECK_DEADLINE", "inf")) - QUIET_MARGIN_S
+    t0 = time.time()
+    busy = compiling_jobs(me)
+    while busy and time.time() < until:
+        time.sleep(1.0)
+        busy = compiling_jobs(me)
+    out: dict[str, Any] = {"quiet_wait_s": round(time.time() - t0, 1), "host_quiet": not busy}
+    if busy:
+        out["compiling"] = busy
+    return out
+
+
 def sync() -> None:
     import torch
     if torch.cuda.is_available() and DEV == "cuda":
         torch.cuda.synchronize()
 
 
-def timed(step: Callable[[], Any], rounds: int, per_round: int) -> tuple[list[float], float]:
+def timed(step: Callable[[], Any], rounds: int, per_round: int
+          ) -> tuple[list[float], dict[str, Any]]:
     """Seconds per step of `rounds` rounds of `per_round` steps (one sync per round: steps
-    queue as in training), under the GPU lock; and the seconds waited for the lock."""
+    queue as in training), once the host is quiet and under the GPU lock; and {"lock_wait_s",
+    and `quiet_host`'s record}."""
     out = []
+    quiet = quiet_host()
     with GpuLock() as lk:
         for _ in range(rounds):
             sync()
@@ -154,7 +199,7 @@ def timed(step: Callable[[], Any], rounds: int, per_round: int) -> tuple[list[fl
                 step()
             sync()
             out.append((time.perf_counter() - t0) / per_round)
-    return out, lk.waited
+    return out, {"lock_wait_s": round(lk.waited, 1), **quiet}
 
 
 def peak_mib() -> float | None:
@@ -286,7 +331,7 @@ def run_titanc(name: str) -> None:
     host_us = 1e6 * (time.perf_counter() - t0) / n_host
     reset_peak()
     rounds, per = _rounds(size)
-    times, waited = timed(lambda: prog.advance(toks), rounds, per)
+    times, waits = timed(lambda: prog.advance(toks), rounds, per)
     med = statistics.median(times)
     torch.backends.cuda.matmul.allow_tf32 = bool(prog.spec.compile.allow_tf32)
     fl = peak_flops(device_name("triton"), str(prog.spec.train.dtype))
@@ -297,7 +342,7 @@ def run_titanc(name: str) -> None:
          tokens_per_s=round(ntok / med), step_gflop=round(flops / 1e9, 3),
          mfu=(flops / med / fl) if fl else None, peak_cuda_mib=peak_mib(),
          loss_first=loss0, loss_after=prog.last["loss"], host_us_per_step=round(host_us, 1),
-         lock_wait_s=round(waited, 1), launches_per_step=launches)
+         launches_per_step=launches, **waits)
 
 
 def _titans_model(torch: Any, s: Any, matched: bool) -> Any:
@@ -346,11 +391,11 @@ def _time_torch(job: str, step: Callable[[], Any], ntok: int, **extra: Any) -> N
         step()
     reset_peak()
     rounds, per = _rounds()
-    times, waited = timed(step, rounds, per)
+    times, waits = timed(step, rounds, per)
     med = statistics.median(times)
     emit(job, "result", ms_median=round(1e3 * med, 4), ms_min=round(1e3 * min(times), 4),
          tokens_per_s=round(ntok / med), peak_cuda_mib=peak_mib(), loss_first=loss0,
-         lock_wait_s=round(waited, 1), tokens_per_step=ntok, **extra)
+         tokens_per_step=ntok, **waits, **extra)
 
 
 def run_peer(name: str) -> None:
@@ -458,7 +503,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             cmd.append(scripts[name])
         log = open(logs / f"{name}.log", "w")
         job_env = {**env, "PYTHONPATH": paths["peer" if kind == "peer" else "titanc"],
-                   **JOB_ENV.get(name, {})}
+                   "GPU_CHECK_JOB": name, **JOB_ENV.get(name, {})}
         if kind == "ref":                    # inductor's compile workers would take every core
             job_env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         procs[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -469,6 +514,10 @@ def orchestrate(args: argparse.Namespace) -> int:
             if name not in ended and p.poll() is not None:
                 ended[name] = {"rc": p.returncode, "at_s": round(time.time() - t_start, 1)}
                 print(f"# {name} rc={p.returncode} at {ended[name]['at_s']} s", flush=True)
+        # the jobs a timed loop waits for (`quiet_host`); an added script profiles, untimed
+        running = [n for n in procs if n not in ended and n not in scripts]
+        (OUT / "running.tmp").write_text(json.dumps(running))
+        os.replace(OUT / "running.tmp", OUT / "running.json")
         time.sleep(1)
     for name, (p, log) in procs.items():
         if name not in ended:
@@ -530,6 +579,8 @@ def table(report: dict[str, Any]) -> str:
                         ("host_us_per_step", "us host/step"), ("launches_per_step", "launches")):
             if r.get(k) is not None:
                 notes.append(f"{r[k]} {unit}")
+        if r.get("host_quiet") is False:
+            notes.append(f"timed while {len(r.get('compiling', []))} jobs compiled")
         if r["phase"] == "error":
             notes.append("ERROR " + str(r.get("error"))[:160])
         elif r["phase"] != "result":

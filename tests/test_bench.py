@@ -96,3 +96,34 @@ def test_logits_buffer_is_one_loss_chunk_whatever_batch_and_seq_len() -> None:
         assert r["fused_logits_bytes"] == 0
         assert r["fused_peak_activation_bytes"] < r["peak_activation_bytes"]
         assert r["full_logits_bytes"] == r["batch_size"] * r["seq_len"] * V * 4
+
+
+def test_gpu_check_times_once_no_other_job_compiles(tmp_path: Path, monkeypatch) -> None:
+    """benchmarks/gpu_check.py: a timed loop waits while another running job has reported
+    no first step (its compiles load the host: titans-pytorch's eager steps timed meanwhile
+    on the H100 came out 2-3x slow); a job done compiling, or no longer running, does not
+    hold it; at the deadline's margin it times anyway and says so."""
+    import time
+
+    gc = _load_benchmark("gpu_check")
+    monkeypatch.setattr(gc, "OUT", tmp_path)
+    monkeypatch.setattr(gc, "RESULTS", tmp_path / "results.jsonl")
+    monkeypatch.setenv("GPU_CHECK_JOB", "tiny_bf16")
+    (tmp_path / "running.json").write_text(json.dumps(["tiny_bf16", "chk_mac_f32",
+                                                       "peer_tiny"]))
+    gc.emit("peer_tiny_default_f32", "first_step", first_step_s=1.0)
+    gc.emit("tiny_bf16", "first_step", first_step_s=1.0)
+    assert gc.compiling_jobs("tiny_bf16") == ["chk_mac_f32"]
+    # the deadline is within the margin: no wait, and the record says who was compiling
+    monkeypatch.setenv("GPU_CHECK_DEADLINE", str(time.time() + gc.QUIET_MARGIN_S - 5))
+    r = gc.quiet_host()
+    assert r["host_quiet"] is False and r["compiling"] == ["chk_mac_f32"]
+    assert r["quiet_wait_s"] < 1
+    # the check ends while we wait: the loop times as soon as it sees that
+    monkeypatch.setenv("GPU_CHECK_DEADLINE", str(time.time() + gc.QUIET_MARGIN_S + 60))
+    import threading
+    threading.Timer(1.5, lambda: gc.emit("chk_mac_f32", "result", ok=True)).start()
+    r = gc.quiet_host()
+    assert r["host_quiet"] is True and 1.0 <= r["quiet_wait_s"] < 10
+    times, waits = gc.timed(lambda: None, 2, 3)
+    assert len(times) == 2 and waits["host_quiet"] is True and "lock_wait_s" in waits
