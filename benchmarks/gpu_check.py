@@ -93,6 +93,13 @@ TITANC = {
     "large_bf16_hoist": ("large", {**LARGE, **BF16, "compile.hoist_groups": True}),
     # every kernel its own launch (no launch groups, docs/gpu.md): what the groups save
     "tiny_bf16_ungrouped": ("tiny", BF16),
+    # tiny.yaml saving every activation instead of re-running each layer's segments in the
+    # backward: the same math in 296 launches for 510, a 97 MiB bf16 arena for 9 (docs/gpu.md)
+    "tiny_bf16_remat_none": ("tiny", {**BF16, "train.remat": "none"}),
+    "medium_bf16_remat_none": ("medium", {**BF16, "train.remat": "none"}),
+    # a different model: ffn_hidden 176 instead of 172, 16-byte bf16 rows (docs/gpu.md,
+    # "unaligned rows"): what the element-by-element loads of the FFN's matmuls cost
+    "tiny_bf16_ffn176": ("tiny", {**BF16, "model.ffn_hidden": 176}),
 }
 # a job's own environment (beyond the harness's)
 JOB_ENV = {"tiny_bf16_ungrouped": {"TITANC_GROUP_LAUNCHES": "0"}}

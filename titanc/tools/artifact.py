@@ -26,6 +26,7 @@ from titanc.fit import lower_bound_bytes, planned_bytes
 from titanc.runtime.capacity import check_fits
 from titanc.model.params import param_count
 from titanc.model.spec import spec_hash, spec_to_dict
+from titanc.tools.alignment import note_lines, unaligned_rows
 from titanc.tools.cost_model import kernel_rows, launched_kernels, occupancy, step_cost
 
 
@@ -73,6 +74,8 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
         # each scan kernel's loops: which carries are held on chip, which stay in the
         # workspace and why (one row per distinct kernel and carry)
         "scan_carries": {"triton": _unique(carries)},
+        # sizes whose rows a GPU cannot load 16 bytes at a time (titanc/tools/alignment.py)
+        "gpu_alignment": unaligned_rows(c),
         "memory": buffer_report(c.plans["training"], spec.model.vocab_size),
         "memory_forward": buffer_report(c.plans["forward"], spec.model.vocab_size),
         # per training step: kernels by family, modeled bytes and FLOPs, with and without the

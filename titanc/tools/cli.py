@@ -323,6 +323,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     print(f"compiled {printable(spec.name)} -> {printable(str(out))}")
     print(f"  forward graph: {nodes} nodes, largest tensor "
           f"{_fmt_bytes(forward.get('largest_tensor_bytes'))}")
+    from titanc.tools.alignment import note_lines
+    for line in note_lines((report or {}).get("gpu_alignment", [])):
+        print(f"  {line}")
     return 0
 
 
