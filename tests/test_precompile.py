@@ -283,3 +283,39 @@ def test_a_bad_compile_jobs_variable_is_named() -> None:
     assert Config.from_env({}).compile_slots() >= 1
     with pytest.raises(TitancError, match="TITANC_COMPILE_JOBS='lots'"):
         Config.from_env({"TITANC_COMPILE_JOBS": "lots"}).compile_slots()
+
+
+def test_processes_precompiling_the_same_plan_compile_it_once(tmp_path, monkeypatch) -> None:
+    """Two precompiles of one plan at once (the ranks of `titanc train --nproc`): one
+    records and compiles, the other waits on the plan's lock and finds its marker."""
+    import threading
+    import time
+
+    from titanc import config
+    from titanc.runtime.targets import precompile as pc
+
+    pools: list[int] = []
+
+    def pool(launches, *a):
+        pools.append(len(launches))
+        time.sleep(0.5)
+        return [{"name": l["name"], "ok": True} for l in launches]
+
+    monkeypatch.setattr(pc, "recorded_launches", lambda plans, *a: (
+        [{"name": "k0", "source": ""}, {"name": "k1", "source": ""}],
+        {"grids": {}, "aliases": {}}))
+    monkeypatch.setattr(pc, "_pool", pool)
+    out: dict[int, dict] = {}
+
+    def run(i: int) -> None:
+        with config.override(cache_dir=tmp_path):
+            out[i] = pc.precompile(["plan"], 90, jit=False, progress=False, keys=["key"])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert pools == [2]
+    assert sorted(r["cached"] for r in out.values()) == [False, True]
+    assert all(r["kernels"] == 2 for r in out.values())

@@ -22,7 +22,10 @@ tiny.yaml's first training step on an H100 waited minutes for it. `precompile(pl
      memory (report.json `occupancy`);
 3. writes a marker keyed by the plan, the architecture, the Triton version, titanc's
    code generator and whether launches are grouped (`TITANC_GROUP_LAUNCHES`, which the
-   recording subprocess is given), so a second run records and compiles nothing.
+   recording subprocess is given), so a second run records and compiles nothing. While one
+   process compiles a plan it holds a lock beside the marker: another process precompiling
+   the same plan (a rank of `titanc train --nproc`) waits for the marker instead of
+   compiling the same kernels again.
 
 A kernel that fails to precompile is left to its first launch (and named); the program runs
 the same either way.
@@ -41,8 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from titanc.codegen.render import cache_dir
 from titanc.config import child_environment, current, module_command
@@ -117,22 +121,50 @@ def precompile(plans: Any, arch: int, *, allow_tf32: bool = False, float_dtype: 
     markers = [_marker(p, k, arch, allow_tf32, jit) for p, k in zip(plans, keys)]
     todo = [i for i, m in enumerate(markers) if not m.exists()]
     if not todo:
-        done = [json.loads(m.read_text()) for m in markers]
-        return _merge(done) | {"cached": True}
-    t0 = time.perf_counter()
-    launches, shape = recorded_launches([plans[i] for i in todo], allow_tf32, float_dtype)
-    results = _pool(launches, arch, jit, jobs or current().compile_slots(), progress)
-    failed = [{"name": r["name"], "error": r["error"]} for r in results if not r["ok"]]
-    summary = {"kernels": len(launches), "compiled": len(launches) - len(failed),
-               "failed": failed, "seconds": round(time.perf_counter() - t0, 1),
-               "arch": arch, **shape, "results": [] if jit else results}
-    if not failed:
-        for i in todo:
-            markers[i].parent.mkdir(parents=True, exist_ok=True)
-            tmp = markers[i].with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(summary))
-            os.replace(tmp, markers[i])
+        return _merge([json.loads(m.read_text()) for m in markers]) | {"cached": True}
+    # one process compiles a plan at a time (the ranks of `titanc train --nproc` precompile
+    # the same plans at once): the others wait for its marker instead of compiling it again
+    with _plan_locks([markers[i] for i in todo], progress):
+        todo = [i for i in todo if not markers[i].exists()]
+        if not todo:
+            return _merge([json.loads(m.read_text()) for m in markers]) | {"cached": True}
+        t0 = time.perf_counter()
+        launches, shape = recorded_launches([plans[i] for i in todo], allow_tf32, float_dtype)
+        results = _pool(launches, arch, jit, jobs or current().compile_slots(), progress)
+        failed = [{"name": r["name"], "error": r["error"]} for r in results if not r["ok"]]
+        summary = {"kernels": len(launches), "compiled": len(launches) - len(failed),
+                   "failed": failed, "seconds": round(time.perf_counter() - t0, 1),
+                   "arch": arch, **shape, "results": [] if jit else results}
+        if not failed:
+            for i in todo:
+                tmp = markers[i].with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(summary))
+                os.replace(tmp, markers[i])
     return summary | {"cached": False}
+
+
+@contextmanager
+def _plan_locks(markers: list[Path], progress: bool) -> Iterator[None]:
+    """Hold an exclusive `flock` on each marker's `.lock` file (in sorted order: two
+    processes never wait on each other), waiting, with a line on stderr, while another
+    process holds one; a killed holder's locks drop with its files."""
+    fds: list[int] = []
+    try:
+        for marker in sorted(set(markers)):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(marker.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if progress:
+                    print("titanc: another process is compiling these kernels; waiting for it",
+                          file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _merge(summaries: list[dict[str, Any]]) -> dict[str, Any]:
