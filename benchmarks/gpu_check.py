@@ -74,6 +74,8 @@ CHECKS = {
     "chk_attn_bf16": ("tiny_attn.yaml", {**QUICK, **BF16}, "step", 2e-2),
     "chk_mal_f32": ("tiny_mal.yaml", QUICK, "step", 1e-4),
     "chk_mag_f32": ("tiny_mag.yaml", QUICK, "step", 1e-4),
+    # split-K on (JOB_ENV): 32 rows of 16 tokens, the weight gradients over 512 of them
+    "chk_mac_f32_split_k": ("tiny.yaml", {**QUICK, "train.batch_size": 32}, "step", 1e-4),
 }
 # sizes: a spec file of examples/, or "bench_large" (benchmarks/train_step.py's large config)
 SIZE_OF = {"tiny": "tiny.yaml", "medium": "bench_large", "large": "large_125m.yaml"}
@@ -100,9 +102,16 @@ TITANC = {
     # a different model: ffn_hidden 176 instead of 172, 16-byte bf16 rows (docs/gpu.md,
     # "unaligned rows"): what the element-by-element loads of the FFN's matmuls cost
     "tiny_bf16_ffn176": ("tiny", {**BF16, "model.ffn_hidden": 176}),
+    # split-K on (TITANC_SPLIT_K=1, off by default): the weight gradients over 1,024 tokens
+    # in slices (docs/gpu.md): 522 launches for 510, the 61 us group on 24 programs a member
+    "tiny_bf16_split_k": ("tiny", BF16),
+    "medium_bf16_split_k": ("medium", BF16),
 }
 # a job's own environment (beyond the harness's)
-JOB_ENV = {"tiny_bf16_ungrouped": {"TITANC_GROUP_LAUNCHES": "0"}}
+JOB_ENV = {"tiny_bf16_ungrouped": {"TITANC_GROUP_LAUNCHES": "0"},
+           "tiny_bf16_split_k": {"TITANC_SPLIT_K": "1"},
+           "chk_mac_f32_split_k": {"TITANC_SPLIT_K": "1"},
+           "medium_bf16_split_k": {"TITANC_SPLIT_K": "1"}}
 # name: (size, [(matched, autocast bf16)])
 PEER = {
     "peer_tiny": ("tiny", [(False, False), (False, True), (True, False), (True, True)]),

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 from titanc.codegen.lower.code import KernelCode
 from titanc.codegen.render import render
+from titanc.codegen.meta import kernel_split_k
+from titanc.ir import Graph
 from titanc.ir.schedule import Kernel
 
 __all__ = ["GROUP_FAMILIES", "MemberSource", "groupable", "member_source", "render_group"]
@@ -51,9 +53,10 @@ class MemberSource:
     options: tuple[int | None, int | None]   # its launch's literal num_warps, num_stages
 
 
-def groupable(kernel: Kernel) -> bool:
-    """May schedule kernel `kernel` join a launch group (`codegen.horizontal`)?"""
-    return kernel.category in GROUP_CATEGORIES
+def groupable(g: Graph, kernel: Kernel) -> bool:
+    """May schedule kernel `kernel` of graph `g` join a launch group (`codegen.horizontal`)?
+    Not a split-K matmul (`meta.kernel_split_k`): its launch is two kernels."""
+    return kernel.category in GROUP_CATEGORIES and kernel_split_k(g, kernel) == 1
 
 
 class _ProgramIds(ast.NodeTransformer):

@@ -30,13 +30,13 @@ writes is its kernel's (the target's), what a scan step touches at its own level
 
 Which scans are one kernel is the target's choice, passed in as `scan_kernel(plan, kernel,
 scan node) -> code or None` (the cpu target has none: every scan is a loop); so is which
-launches may be grouped, `groupable(kernel) -> bool` (the cpu target groups none: it runs
+launches may be grouped, `groupable(graph, kernel) -> bool` (the cpu target groups none: it runs
 the schedule's order). The module lives in
 codegen/ because it is the last stage of compiling (after the memory plan, before a target's
 kernels), and both the runtime and the emitter may import codegen (docs/architecture.md); it
-imports only `ir` (the buffer plan and the schedule live there) and `codegen.horizontal` (the
-waves, read from the plan), so the cpu target pulls in no
-kernel renderer.
+imports only `ir` (the buffer plan and the schedule live there), `codegen.horizontal` (the
+waves, read from the plan) and `codegen.meta` (a split-K matmul's launch is two kernels), so
+the cpu target pulls in no kernel renderer.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from titanc.codegen.horizontal import MAX_MEMBERS, waves
+from titanc.codegen.meta import kernel_split_k
 from titanc.ir import Graph
 from titanc.ir.buffer_plan import BufferPlan
 from titanc.ir.schedule import Kernel, is_immediate, prologue_kernel
@@ -112,13 +113,15 @@ class Lowered:
         return [s for s in self.steps if isinstance(s, (ScanLaunch, ScanLoop))]
 
     def launches(self) -> int:
-        """Kernel launches of one run on a target that launches a kernel per step (a loop:
-        its prologue, then its body's launches per iteration)."""
+        """Kernel launches of one run on the triton target (a loop: its prologue, then its
+        body's launches per iteration; a split-K matmul two, `meta.kernel_split_k`)."""
         n = 0
         for s in self.steps:
             if isinstance(s, ScanLoop):
                 n += (s.prologue is not None) + s.body.launches() * \
                     self.graph.node(s.scan).attr("length")
+            elif isinstance(s, Launch):
+                n += 1 + (kernel_split_k(self.graph, s.kernel) > 1)
             else:
                 n += 1
         return n
@@ -134,7 +137,7 @@ class Lowered:
 
 def lower(plan: BufferPlan,
           scan_kernel: Callable[[BufferPlan, Kernel, int], Any] | None = None,
-          groupable: Callable[[Kernel], bool] | None = None) -> Lowered:
+          groupable: Callable[[Graph, Kernel], bool] | None = None) -> Lowered:
     """The lowered program of `plan`: its schedule's kernels in order, no-ops dropped, each
     scan one launch where `scan_kernel` gives its code, else a loop over its body's own
     lowered program; with `groupable`, the launches between scan steps in waves and each
@@ -160,7 +163,7 @@ def lower(plan: BufferPlan,
 
 
 def _group_launches(plan: BufferPlan, steps: list[Step],
-                   groupable: Callable[[Kernel], bool]) -> list[Step]:
+                   groupable: Callable[[Graph, Kernel], bool]) -> list[Step]:
     """`steps` (a lowered program's) with each run of launches between scan steps reordered
     into waves and each wave's groupable launches made `LaunchGroup`s of at most
     `MAX_MEMBERS`; a wave's other launches stay single, in schedule order."""
@@ -171,7 +174,7 @@ def _group_launches(plan: BufferPlan, steps: list[Step],
         wave = waves(plan, [s.kernel for s in run])
         for w in range(max(wave, default=-1) + 1):
             members = [s for s, x in zip(run, wave) if x == w]
-            together = [s for s in members if groupable(s.kernel)]
+            together = [s for s in members if groupable(plan.schedule.graph, s.kernel)]
             for s in members:
                 if s not in together or len(together) < 2:
                     out.append(s)

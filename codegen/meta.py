@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Iterable, NamedTuple
 
+from titanc.config import current
 from titanc.ir import Graph, Op, OpGroup
+from titanc.ir.schedule import Kernel
+from titanc.ir.shapes import parse_einsum
 
-__all__ = ["CARRY_REGISTER_BYTES", "EXACT_F32_TILE", "INT32_LIMIT", "LAUNCH_LOCALS", "MATMUL_TILES", "Tile", "check_block", "compute_dtype",
+__all__ = ["CARRY_REGISTER_BYTES", "split_k", "kernel_split_k", "EXACT_F32_TILE", "INT32_LIMIT", "LAUNCH_LOCALS", "MATMUL_TILES", "Tile", "check_block", "compute_dtype",
            "dot_precision", "matmul_tiles", "mma16", "needs_int64", "pow2", "value_dtype"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -151,8 +156,54 @@ def matmul_tiles(itemsize: int, m: int, n: int, k: int,
     return out
 
 
+# Split-K: a contraction with few output tiles and a long K (a weight gradient: [64, 172]
+# summed over the 1,024 tokens of a step) runs on a few programs, each a long serial K loop:
+# on an H100 three such kernels took 61 µs a launch. `split_k` cuts K into that many
+# slices, each its own program writing a partial tile, and a second kernel sums them in
+# slice order and runs the epilogue (deterministic, no atomics; templates/matmul.py.jinja).
+SPLIT_TILE = 64            # the tile side the rule counts output tiles and K steps in
+SPLIT_MAX_TILES = 16       # at most this many output tiles (x batch) to split
+SPLIT_MIN_STEPS = 8        # at least this many K steps of SPLIT_TILE to split
+SPLIT_PROGRAMS = 64        # aim for about this many programs
+SPLIT_MAX = 8
+
+
+def split_k(batch: int, m: int, n: int, k: int) -> int:
+    """Slices of K for a [batch] x [m, k] @ [k, n] contraction (1: no split): each slice at
+    least 2 K steps, about SPLIT_PROGRAMS programs in all, at most SPLIT_MAX."""
+    tiles = batch * -(-m // SPLIT_TILE) * -(-n // SPLIT_TILE)
+    steps = -(-k // SPLIT_TILE)
+    if tiles > SPLIT_MAX_TILES or steps < SPLIT_MIN_STEPS:
+        return 1
+    return max(1, min(SPLIT_MAX, steps // 2, SPLIT_PROGRAMS // tiles))
+
+
 # Names bound by the launcher code every template shares (module constants are per family).
 LAUNCH_LOCALS = frozenset("""
     _check _broadcast_strides _as_3d launch grid shape numel ok message pad strides size stride
     full tensor TILES tiles_for _tiles num_warps num_stages NUM_WARPS NUM_STAGES arch
 """.split())
+
+
+def kernel_split_k(g: Graph, kernel: Kernel) -> int:
+    """`split_k` of a schedule kernel of graph `g`: 1 unless split-K is on (`TITANC_SPLIT_K=1`,
+    `config.split_k`) and it is a matmul kernel, else from
+    its first einsum's batch, M, N and the longest K of its einsums (the letters of both
+    operands and the output, of one operand and the output, of the operands only)."""
+    if kernel.category != "matmul" or not current().split_k:
+        return 1
+    einsums = [g.node(n) for n in kernel.nodes if g.node(n).op is Op.EINSUM]
+    if not einsums:
+        return 1
+    sizes = []
+    for e in einsums:
+        (ta, tb), out = parse_einsum(e.attr("spec"), 2)
+        size = dict(zip(ta, g.node(e.inputs[0]).type.shape))
+        size |= dict(zip(tb, g.node(e.inputs[1]).type.shape))
+        prod = lambda letters: math.prod(size[c] for c in letters)     # noqa: E731
+        sizes.append((prod(c for c in out if c in ta and c in tb),
+                      prod(c for c in out if c in ta and c not in tb),
+                      prod(c for c in out if c in tb and c not in ta),
+                      prod(c for c in size if c not in out)))
+    batch, m, n, _ = sizes[0]
+    return split_k(batch, m, n, max(k for *_, k in sizes))

@@ -13,6 +13,7 @@ program that never runs the CLI gets the same settings, read the first time it a
 | `debug`        | `TITANC_DEBUG`        | 1: each pass and its time; 2: the IR after each pass and every refusal with its reason; 3: the generated kernels |
 | `scan_kernels` | `TITANC_SCAN_KERNELS` | 0: the triton target runs every scan as a host loop        |
 | `group_launches` | `TITANC_GROUP_LAUNCHES` | 0: the triton target launches every kernel alone (no launch groups, `codegen/horizontal.py`) |
+| `split_k`      | `TITANC_SPLIT_K`      | 1: split-K for matmuls with few output tiles and a long K (`codegen/meta.py` `split_k`; off by default: not yet measured on a GPU) |
 | `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules and compiled programs are written (default: a per-user temp dir) |
 | `compile_cache` | `TITANC_COMPILE_CACHE` | 0: compile every time instead of reading `cache_dir/compiled` (titanc/compile_cache.py) |
 | `threads`      | `TITANC_THREADS`      | torch CPU threads of `titanc train` (a positive integer)  |
@@ -47,6 +48,7 @@ class Config:
     debug: int = 0
     scan_kernels: bool = True
     group_launches: bool = True
+    split_k: bool = False
     cache_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir())
                             / f"titanc-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     compile_cache: bool = True
@@ -103,6 +105,7 @@ class Config:
             more["cache_dir"] = Path(env["TITANC_CACHE_DIR"])
         return cls(debug=debug, scan_kernels=env.get("TITANC_SCAN_KERNELS", "1") != "0",
                    group_launches=env.get("TITANC_GROUP_LAUNCHES", "1") != "0",
+                   split_k=env.get("TITANC_SPLIT_K", "0") == "1",
                    compile_cache=env.get("TITANC_COMPILE_CACHE", "1") != "0", threads=threads, torchrun={k: env[k] for k in TORCHRUN if k in env},
                    invalid=invalid, **more)
 

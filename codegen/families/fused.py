@@ -281,7 +281,8 @@ MATMUL_KERNEL_LOCALS = frozenset("""
     scale
     scale_ptr M N K batch pid num_pid_m num_pid_n num_pid_in_group group_id first_pid_m
     group_size_m pid_m pid_n offs_m offs_n offs_k m_mask n_mask k_mask a_ptrs b_ptrs acc
-    k_start rows cols mask
+    k_start rows cols mask split k_per k_lo k_hi ws_ptr ws_tile num_tiles torch
+    _workspace _WORKSPACES SPLIT_K
 """.split())
 
 
@@ -323,6 +324,7 @@ def render_matmul(
     num_warps: int = 4,
     tiles: Mapping[int, Tile] | None = None,
     mma16: bool = False,
+    split_k: int = 1,
 ) -> str:
     """Batched matmul `c[b] = a[b] @ b[b]` over arbitrary strides, fp32 (fp64) accumulation.
 
@@ -347,6 +349,9 @@ def render_matmul(
     written under `mask`. Launcher: `launch(*indexed, *scalars, batch, M, N, K)`.
     `contractions` (indexed mode only): more products over the same output tile, each its
     own K loop (static length) into its own accumulator, which the epilogue reads.
+    `split_k` (indexed mode only, `meta.split_k`): every K loop cut into that many slices,
+    each a program of grid axis 2 storing its partial tiles into a workspace the launcher
+    keeps; `<name>_finish` adds them in slice order, then runs the epilogue and the stores.
     """
     tiles = dict(tiles or {0: Tile(block_m, block_n, block_k, num_warps, 3)})
     for arch, t in tiles.items():
@@ -383,6 +388,9 @@ def render_matmul(
             "offset": f"batch * stride_{n}_b + rows * stride_{n}_m + cols * stride_{n}_n"}
            for n in epi_names]
     tensors = ["a", "b", "c"] + (["scale"] if k_scale else []) + epi_names
+    if split_k > 1 and not indexed:
+        raise ValueError("split-K needs the indexed mode")
+    split_accs = ["acc"] + [c["acc"] for c in extra if c["init"]]
     if indexed:
         if k_scale or epilogue_inputs:
             raise ValueError("indexed matmuls read scales and epilogue inputs by statements")
@@ -409,4 +417,6 @@ def render_matmul(
         launch_params=tensors + scalar_names,
         tensor_args=tensors,
         mma16=mma16,
+        split_k=split_k,
+        split_accs=split_accs,
     )

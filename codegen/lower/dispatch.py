@@ -44,7 +44,7 @@ from titanc.ir.schedule import Kernel, prologue_kernel
 
 from titanc.codegen.families.fused import MatmulContraction, render_matmul, render_pointwise
 from titanc.codegen.families.scatter import render_scatter_along, render_segment_sum
-from titanc.codegen.meta import compute_dtype, matmul_tiles, needs_int64, pow2, value_dtype
+from titanc.codegen.meta import compute_dtype, kernel_split_k, matmul_tiles, needs_int64, pow2, value_dtype
 from titanc.codegen.meta import mma16 as mma16_dtype
 from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
 from titanc.codegen.lower.code import KernelCode, TensorArg, code_of, graph_dtype, index_tile, indexed_args, store
@@ -206,7 +206,7 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
                            tiles=matmul_tiles(2 if mma16 else _ITEMSIZE[dtype], first.sz["M"],
                                               first.sz["N"], k_max,
                                               exact_f32=not (mma16 or allow_tf32)),
-                           mma16=mma16)
+                           mma16=mma16, split_k=kernel_split_k(g, kernel))
     return code_of(low, "matmul", source, indexed_args(low),
                    (first.sz["batch"], first.sz["M"], first.sz["N"], first.sz["K"]))
 

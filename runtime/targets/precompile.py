@@ -21,11 +21,11 @@ tiny.yaml's first training step on an H100 waited minutes for it. `precompile(pl
      architecture (ptxas from the wheel), which also reports registers, spills and shared
      memory (report.json `occupancy`);
 3. writes a marker keyed by the plan, the architecture, the Triton version, titanc's
-   code generator and whether launches are grouped (`TITANC_GROUP_LAUNCHES`, which the
-   recording subprocess is given), so a second run records and compiles nothing. While one
-   process compiles a plan it holds a lock beside the marker: another process precompiling
-   the same plan (a rank of `titanc train --nproc`) waits for the marker instead of
-   compiling the same kernels again.
+   code generator and whether launches are grouped and matmuls split
+   (`TITANC_GROUP_LAUNCHES`, `TITANC_SPLIT_K`, which the recording subprocess is given), so
+   a second run records and compiles nothing. While one process compiles a plan it holds a
+   lock beside the marker: another process precompiling the same plan (a rank of `titanc
+   train --nproc`) waits for the marker instead of compiling the same kernels again.
 
 A kernel that fails to precompile is left to its first launch (and named); the program runs
 the same either way.
@@ -80,7 +80,8 @@ def recorded_launches(plans: Any, allow_tf32: bool = False, float_dtype: Any = N
         env = child_environment(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
                                 TITANC_CACHE_DIR=str(cache_dir()),
                                 # the kernels this process launches: its groups or none
-                                TITANC_GROUP_LAUNCHES="1" if current().group_launches else "0")
+                                TITANC_GROUP_LAUNCHES="1" if current().group_launches else "0",
+                                TITANC_SPLIT_K="1" if current().split_k else "0")
         cmd = module_command("titanc.runtime.targets.precompile_worker", "--record", str(src),
                              str(out), *(["--allow-tf32"] if allow_tf32 else []))
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -99,7 +100,8 @@ def _marker(plan: Any, key: str | None, arch: int, allow_tf32: bool, jit: bool) 
 
     what = key.encode() if key is not None else pickle.dumps(plan)
     digest = hashlib.sha256(what + f"{arch}|{allow_tf32}|{jit}|{triton.__version__}|"
-                            f"{_code_hash()}|{current().group_launches}".encode()
+                            f"{_code_hash()}|{current().group_launches}|"
+                            f"{current().split_k}".encode()
                             ).hexdigest()[:24]
     return cache_dir() / "precompiled" / f"{digest}.json"
 

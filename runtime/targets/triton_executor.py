@@ -215,7 +215,7 @@ class TritonExecutor(PlanExecutor):
         # under it; a plan's scan bodies are told apart by the order binding meets them
         # (the same for the same plan)
         cfg = current()
-        self._disk_key = (f"{plan_key}|{self.dtype}|{allow_tf32}"
+        self._disk_key = (f"{plan_key}|{self.dtype}|{allow_tf32}|split_k={cfg.split_k}"
                           if plan_key is not None and cfg.compile_cache and not cfg.debug
                           else None)
         self._disk = load_rendered(self._disk_key) if self._disk_key else {}
