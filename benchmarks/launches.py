@@ -8,7 +8,8 @@ Counted from the compiled plans (`runtime.triton_executor.count_launches`, the s
 backward) plus the optimizer. A scan that runs as a host loop counts its body's launches once
 per iteration; the scans that still do are listed with the reason. `launch_groups` is the triton
 target's default: scan kernels, and each wave of independent pointwise / reduction / matmul
-launches one launch (`codegen/horizontal.py`). Prints JSON, then a table.
+launches one launch (`codegen/horizontal.py`); `split_k` the same with split-K on
+(`TITANC_SPLIT_K=1`: a split matmul is two launches). Prints JSON, then a table.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from titanc import config  # noqa: E402
 from titanc.compiler import compile_graphs  # noqa: E402
 from titanc.runtime.targets.triton_executor import count_launches  # noqa: E402
 from titanc.model.spec import load_spec, parse_set_args  # noqa: E402
@@ -35,6 +37,9 @@ def launches(path: str, overrides: dict[str, object]) -> dict[str, object]:
                         for g in ("training", "optimizer"))
         if scans and not groups:
             row["fallbacks"] = sorted({f"{f['scan']}: {f['reason']}" for f in fallbacks})
+    with config.override(split_k=True):       # TITANC_SPLIT_K=1 (off by default)
+        row["split_k"] = sum(count_launches(c.plans[g], groups=True)
+                             for g in ("training", "optimizer"))
     return row
 
 
@@ -46,10 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     overrides = parse_set_args(args.set)
     rows = [launches(p, overrides) for p in args.specs]
     print(json.dumps(rows, indent=1))
-    print(f"\n{'spec':32} {'host loops':>10} {'scan kernels':>12} {'+ launch groups':>15}")
+    print(f"\n{'spec':32} {'host loops':>10} {'scan kernels':>12} {'+ launch groups':>15} "
+          f"{'+ split-K':>10}")
     for r in rows:
         print(f"{r['spec']:32} {r['host_loops']:>10} {r['scan_kernels']:>12} "
-              f"{r['launch_groups']:>15}")
+              f"{r['launch_groups']:>15} {r['split_k']:>10}")
     sys.stdout.flush()
 
 
