@@ -319,3 +319,23 @@ def test_processes_precompiling_the_same_plan_compile_it_once(tmp_path, monkeypa
     assert pools == [2]
     assert sorted(r["cached"] for r in out.values()) == [False, True]
     assert all(r["kernels"] == 2 for r in out.values())
+
+
+def test_a_pool_whose_workers_cannot_start_names_every_kernel_failed(tmp_path, monkeypatch
+                                                                      ) -> None:
+    """A worker that dies at once (here: a command that exits) leaves its kernels failed, so
+    `precompile` writes no marker claiming them; and an unusable slot folder does not stop
+    the pool."""
+    import sys
+    from functools import partial
+
+    from titanc.runtime.targets import precompile as pc
+
+    monkeypatch.setattr(pc, "module_command", lambda *a: [sys.executable, "-c", "pass"])
+    blocked = tmp_path / "file"
+    blocked.write_text("")                       # a file where the slot folder should be
+    monkeypatch.setattr(pc, "CompileSlots", partial(pc.CompileSlots, root=blocked / "slots"))
+    launches = [{"name": f"k{j}", "source": ""} for j in range(3)]
+    results = pc._pool(launches, 90, False, 2, False)
+    assert sorted(r["name"] for r in results) == ["k0", "k1", "k2"]
+    assert not any(r["ok"] for r in results)

@@ -270,13 +270,17 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
     slots = CompileSlots(current().compile_slots())
 
     def serve() -> None:
-        slot = slots.acquire(give_up=todo.empty)
+        try:
+            slot = slots.acquire(give_up=todo.empty)
+        except OSError:        # no lock files (an unwritable temp dir): compile unlimited
+            slot = -1
         if slot is None:
             return
         try:
             work()
         finally:
-            slots.release(slot)
+            if slot >= 0:
+                slots.release(slot)
 
     def work() -> None:
         worker = subprocess.Popen(module_command("titanc.runtime.targets.precompile_worker",
@@ -290,9 +294,12 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
                     launch = todo.get_nowait()
                 except queue.Empty:
                     return
-                worker.stdin.write(json.dumps(launch, default=str) + "\n")
-                worker.stdin.flush()
-                line = worker.stdout.readline()
+                try:
+                    worker.stdin.write(json.dumps(launch, default=str) + "\n")
+                    worker.stdin.flush()
+                    line = worker.stdout.readline()
+                except OSError:                   # it exited before reading (a broken pipe)
+                    line = ""
                 r = json.loads(line) if line else {"name": launch["name"], "ok": False,
                                                    "error": "the worker process died"}
                 with lock:
@@ -301,7 +308,10 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
                 if not line:
                     return
         finally:
-            worker.stdin.close()
+            try:
+                worker.stdin.close()
+            except OSError:
+                pass
             worker.wait()
 
     threads = [threading.Thread(target=serve) for _ in range(max(1, min(jobs, len(launches))))]
@@ -310,4 +320,7 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
     for t in threads:
         t.join()
     bar.close()
-    return results
+    done = {r["name"] for r in results}
+    # a launch no worker took (a worker that could not start): failed, so no marker claims it
+    return results + [{"name": l["name"], "ok": False, "error": "no compile worker ran it"}
+                      for l in launches if l["name"] not in done]
