@@ -9,7 +9,10 @@ backward) plus the optimizer. A scan that runs as a host loop counts its body's 
 per iteration; the scans that still do are listed with the reason. `launch_groups` is the triton
 target's default: scan kernels, and each wave of independent pointwise / reduction / matmul
 launches one launch (`codegen/horizontal.py`); `split_k` the same with split-K on
-(`TITANC_SPLIT_K=1`: a split matmul is two launches). Prints JSON, then a table.
+(`TITANC_SPLIT_K=1`: a split matmul is two launches). `scan_rounds` lists each scan kernel of
+the training graph: its grid (programs) and its serial tile rounds an iteration
+(`codegen.scan.kernel.serial_rounds`: what one program's chunk loop waits on). Prints JSON,
+then two tables.
 """
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ def launches(path: str, overrides: dict[str, object]) -> dict[str, object]:
     with config.override(split_k=True):       # TITANC_SPLIT_K=1 (off by default)
         row["split_k"] = sum(count_launches(c.plans[g], groups=True)
                              for g in ("training", "optimizer"))
+    forms: list[dict] = []
+    count_launches(c.plans["training"], forms=forms)
+    row["scan_rounds"] = list({f["scan"]: {k: f[k] for k in ("scan", "role", "grid", "rounds")}
+                                for f in forms if f["form"] == "kernel"}.values())
     return row
 
 
@@ -56,6 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"{r['spec']:32} {r['host_loops']:>10} {r['scan_kernels']:>12} "
               f"{r['launch_groups']:>15} {r['split_k']:>10}")
+    print(f"\n{'spec':32} {'scan kernel (training graph)':48} {'programs':>8} "
+          f"{'rounds/iteration':>16}")
+    for r in rows:
+        for k in r["scan_rounds"]:
+            print(f"{r['spec']:32} {k['scan']:48} {k['grid']:>8} {k['rounds']:>16}")
     sys.stdout.flush()
 
 

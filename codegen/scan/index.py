@@ -14,14 +14,17 @@ from titanc.ir import Graph, Node, Op
 __all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_UNPACKED", "MAX_WORKSPACE", "Ref",
            "ScanFallback", "BodyRefs", "StageTile"]
 
-# Tile caps sized for registers on sm_80 / sm_90 (at 4 warps: tiny.yaml's layer scan at
-# 4096-element tiles and 64^3 dots: 255 registers and 1.6 KB of spills per thread; at these
-# caps a third of that)
-MAX_TILE = 1024                 # elements of one register tile (pointwise, reduction)
+# Tile caps. A scan kernel is one program per (batch, memory head) running its chunk loop
+# serially, so its time is the count of dependent tile rounds per iteration (`serial_rounds`),
+# each a load / dot / store trip through the workspace. At 8 warps, 4096-element tiles and
+# 64^3 dots cut those rounds 1.4-1.7x at tiny.yaml, 3.1x at the benchmark's d_model 128 and
+# 5.4-5.7x at large_125m (against 1024 / 32^3), for about the same registers and spills on
+# sm_90 (docs/gpu_kernels.md, "Scan tiles"; 8192-element tiles spilled 3.7 KB at large_125m).
+MAX_TILE = 4096                 # elements of one register tile (pointwise, reduction)
 MAX_CUMSUM = 1024               # longest cumsum axis done as one tl.cumsum
 MAX_WORKSPACE = 1 << 24         # workspace elements per program (after liveness packing)
 MAX_UNPACKED = 1 << 28          # workspace buffers per program before packing (emission guard)
-DOT_BLOCK = 32                  # largest M / N / K tile of an einsum
+DOT_BLOCK = 64                  # largest M / N / K tile of an einsum
 
 # sigmoid spelled out: the same formula as tl.sigmoid, without a nested @jit call (which
 # costs the interpreter a re-patch of triton.language per call)

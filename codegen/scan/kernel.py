@@ -71,6 +71,7 @@ this one (the kernel and its launch).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from math import prod
@@ -95,7 +96,7 @@ from titanc.codegen.scan.index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback
 from titanc.codegen.scan.stages import _ScanGen
 
 __all__ = ["KERNEL_ROLES", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
-           "render_scan", "scan_form"]
+           "render_scan", "scan_form", "serial_rounds"]
 
 MAX_WORKSPACE_TOTAL = 1 << 28   # workspace elements of all programs (one workspace per executor)
 MAX_STAGES = 128                # stages of one scan kernel (compile time and registers grow);
@@ -107,6 +108,48 @@ NUM_WARPS = 8
 # previous stage wrote, and pipelined loads multiply shared memory (tiny.yaml's layer scan:
 # 174 KiB at 3 stages, above A100's 163 KiB; 32 KiB at 1).
 NUM_STAGES = 1
+
+
+_FOR = re.compile(r"for (\w+) in range\(([^,()]+), ([^,()]+)(?:, ([^,()]+))?\):$")
+
+
+def serial_rounds(lines: list[str]) -> int:
+    """Dependent tile rounds in one iteration of a scan kernel's loop (`it1`), one program:
+    every block of loads or dots between two barriers counts once per execution, the
+    product of the trip counts of the loops around it inside the scan loop (a nested scan's
+    loop included; a trip count that is no literal counts 1). One program runs its chunk
+    loop serially and each round waits on the workspace, so this count, not the FLOPs, is
+    what the kernel's time follows (`MAX_TILE` and `DOT_BLOCK` set it)."""
+    loops: list[tuple[int, int, int]] = []     # (indent, trips, id) of the open loops
+    inside, segment, ids, blocks = None, 0, 0, {}
+    for line in lines:
+        body = line.lstrip()
+        if not body or body.startswith("#"):
+            continue
+        indent = len(line) - len(body)
+        while loops and indent <= loops[-1][0]:
+            loops.pop()
+        if inside is not None and indent <= inside:
+            inside = None
+        m = _FOR.match(body)
+        if m:
+            if inside is None and m.group(1) == "it1":
+                inside = indent
+                continue
+            a, b, c = m.group(2), m.group(3), m.group(4) or "1"
+            trips = -(-(int(b) - int(a)) // int(c)) if all(
+                x.strip().lstrip("-").isdigit() for x in (a, b, c)) else 1
+            ids += 1
+            loops.append((indent, max(trips, 1), ids))
+            continue
+        if inside is None:
+            continue
+        if body.startswith("tl.debug_barrier()"):
+            segment += 1
+        elif "tl.load(" in body or "tl.dot(" in body:
+            inner = [x for x in loops if x[0] > inside]
+            blocks[(segment, tuple(i for _, _, i in inner))] = prod(t for _, t, _ in inner)
+    return sum(blocks.values())
 
 
 @dataclass(frozen=True)
@@ -134,6 +177,7 @@ class ScanKernel:
     # each loop's carries: {"scan": "%id", "carry": k, "shape": local tile, "on_chip": bool,
     # "why": why it stays in the workspace ("" on chip)}
     carries: tuple[dict, ...] = field(default=(), compare=False)
+    rounds: int = field(default=0, compare=False)    # `serial_rounds` of its body
 
     @cached_property
     def key(self) -> str:
@@ -271,6 +315,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
     em.drop_dead_stores()
     em.prune()
     em.pack()
+    rounds = serial_rounds(em.lines)
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
         raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
                         f"{MAX_WORKSPACE_TOTAL}")
@@ -289,7 +334,8 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
                    else f"pc{i} = pid % {prefix[i]}")
     header = [f"{name}: scan kernel of graph {g.name}", f"spec: {spec_path or '(none)'}",
               f"scan %{n.id}: length {n.attr('length')}, {nc} carries, {nx} xs; grid over the "
-              f"independent axes {list(prefix)}; {em.stages} stages",
+              f"independent axes {list(prefix)}; {em.stages} stages, {rounds} serial tile "
+              "rounds an iteration",
               f"workspace: {em.ws} elements per program, liveness-packed from "
               f"{sum(em.sizes)}"]
     if prologue:
@@ -306,7 +352,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
                     num_stages=NUM_STAGES)
     return ScanKernel(name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
                       tuple(outputs), tuple(em.tables), em.stages,
-                      carries=tuple(em.carry_notes), extra=tuple(extra))
+                      carries=tuple(em.carry_notes), extra=tuple(extra), rounds=rounds)
 
 
 def host_table(op: str, a: dict, dtype: torch.dtype) -> torch.Tensor:
@@ -409,7 +455,7 @@ def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: boo
                 carries.extend({"graph": p.schedule.graph.name, "kernel": kern.name, **c}
                                for c in sk.carries)
             if forms is not None:
-                forms.append(row | {"form": "kernel", "grid": sk.grid,
+                forms.append(row | {"form": "kernel", "grid": sk.grid, "rounds": sk.rounds,
                                     "why": f"a chunk recurrence: one program per independent "
                                            f"index {list(sk.prefix)}, its state on chip "
                                            f"across iterations"})
