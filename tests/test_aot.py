@@ -397,3 +397,21 @@ def test_int64_reduction_and_cumsum_path_matches_when_interpreted(monkeypatch) -
         assert sources and all("pid.to(tl.int64)" in _kernel_body(s) for s in sources)
         assert any("tl.cumsum" in s for s in sources)
         assert abs(tri.loss(toks) - want) <= 1e-5 * abs(want)
+
+
+def test_a_failed_compile_is_not_cached(tmp_path, monkeypatch) -> None:
+    """A failure is reported, not kept: it may be the compiling process's (a worker left in
+    interpreter mode failed every kernel with "'value' object has no attribute 'dtype'"), and
+    a cached failure would be reported again by every later run with a sound process."""
+    import triton
+
+    launch = _record(EXAMPLES / "tiny_attn.yaml", {}, ("optimizer",))[0]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the process, not the kernel")
+
+    monkeypatch.setattr(triton, "compile", broken)
+    with config.override(cache_dir=tmp_path):
+        r = aot.compile_launch(launch, 90)
+        assert not r["ok"] and "the process, not the kernel" in r["error"]
+        assert not list(tmp_path.glob("aot/*.json"))

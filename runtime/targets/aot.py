@@ -260,6 +260,8 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
                    "wgmma": "wgmma." in ptx}
     finally:
         knobs.nvidia.dump_ptxas_log = False
+    if not result["ok"]:          # not cached: a failure can be the process's, not the kernel's
+        return result             # (a worker left in interpreter mode fails every kernel)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result))
