@@ -617,6 +617,13 @@ def table(report: dict[str, Any]) -> str:
             top = "; ".join(f"{t['kernel'][:40]} {t['us_per_step']}" for t in r["top"][:3])
             lines.append(f"{n:34s} {r['kernels_per_step']:8} {r['kernel_us_per_step']:10} "
                          f"{r['eager_wall_us_per_step']:9}  {top}")
+        scans = [(n, s) for n, r in profiled for s in r.get("scans", [])]
+        if scans:                    # what a scan kernel's serial tile round costs
+            lines += ["", f"{'scan kernel':54s} {'grid':>5s} {'rounds':>6s} {'iters':>5s} "
+                          f"{'per step':>8s} {'us/step':>9s} {'us/round':>8s}"]
+            lines += [f"{(n + ' ' + s['kernel'].removeprefix('titanc_tem_fused_'))[:54]:54s} "
+                      f"{s['grid']:5} {s['rounds']:6} {s['iterations']:5} {s['per_step']:8} "
+                      f"{s['us_per_step']:9} {s['us_per_round']:8}" for n, s in scans]
     silent = [n for n in report.get("processes", {}) if n not in jobs
                and not any(j.startswith(n + "_") for j in jobs)]
     if silent:

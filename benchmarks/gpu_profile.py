@@ -10,7 +10,8 @@ the program is compiled with `compile.cuda_graphs` off, stepped twice (compiles)
 steps run under `torch.profiler` (large_125m, last so that its kernels are in the cache by then:
 one step); the record gives per step the kernel launches, the kernels' summed device time, the
 step's wall time without a graph, and the fifteen kernels with the most device time (name,
-launches per step, µs per step). The measured steps hold the GPU check's lock (no other job's
+launches per step, µs per step), and each scan kernel's serial tile rounds with its µs per
+round (`scans`). The measured steps hold the GPU check's lock (no other job's
 timed loop meanwhile). A step whose wall time is far above its kernels' summed time is
 launch-bound (what a CUDA graph and fewer kernels fix); one near it is kernel-bound (what
 faster kernels fix). Records go to $GPU_CHECK_RESULTS when the GPU check
@@ -73,7 +74,30 @@ def profile(name: str, toy: bool) -> dict[str, Any]:
             "kernels_per_step": round(launches, 1),
             "kernel_us_per_step": round(kernel_us, 1),
             "top": [{"kernel": k[:90], "per_step": round(v[0] / steps, 1),
-                     "us_per_step": round(v[1] / steps, 1)} for k, v in top]}
+                     "us_per_step": round(v[1] / steps, 1)} for k, v in top],
+            "scans": scan_rounds(prog, per, steps)}
+
+
+def scan_rounds(prog: Any, per: dict[str, list[float]], steps: int) -> list[dict[str, Any]]:
+    """Each scan kernel of the training program that ran: its serial tile rounds an
+    iteration (`codegen.scan.kernel.serial_rounds`), iterations, launches and µs per step,
+    and µs per round (µs / (launches x iterations x rounds)): the figure that says whether
+    a scan's time follows its rounds (docs/gpu_kernels.md, "Scan tiles")."""
+    from titanc.runtime.targets.triton_executor import count_launches
+
+    forms: list[dict] = []
+    count_launches(prog.compiled.plans["training"], forms=forms)
+    out = []
+    for f in {f["scan"]: f for f in forms if f["form"] == "kernel"}.values():
+        launches, us = per.get(f["scan"], (0, 0.0))
+        if not launches:        # a kernel whose source another's module runs
+            continue
+        n = launches / steps
+        out.append({"kernel": f["scan"], "grid": f["grid"], "rounds": f["rounds"],
+                    "iterations": f["length"], "per_step": round(n, 1),
+                    "us_per_step": round(us / steps, 1),
+                    "us_per_round": round(us / steps / (n * f["length"] * f["rounds"]), 3)})
+    return out
 
 
 def main(argv: list[str]) -> int:

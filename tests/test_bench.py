@@ -127,3 +127,31 @@ def test_gpu_check_times_once_no_other_job_compiles(tmp_path: Path, monkeypatch)
     assert r["host_quiet"] is True and 1.0 <= r["quiet_wait_s"] < 10
     times, waits = gc.timed(lambda: None, 2, 3)
     assert len(times) == 2 and waits["host_quiet"] is True and "lock_wait_s" in waits
+
+
+def test_gpu_profile_prices_a_scan_round(monkeypatch) -> None:
+    """benchmarks/gpu_profile.py: each scan kernel the profiler saw gets its serial tile
+    rounds an iteration and its µs per round (µs / (launches x iterations x rounds));
+    gpu_check's table prints them. The profiler's record is made up here (no CUDA)."""
+    import titanc
+
+    gp = _load_benchmark("gpu_profile")
+    gc = _load_benchmark("gpu_check")
+    prog = titanc.compile(TINY, **{"compile.target": "cpu"})
+    forms: list[dict] = []
+    from titanc.runtime.targets.triton_executor import count_launches
+    count_launches(prog.compiled.plans["training"], forms=forms)
+    kern = next(f for f in forms if f["form"] == "kernel")
+    steps = 2
+    per = {kern["scan"]: [4 * steps, 800.0 * steps], "titanc_poi_other": [2, 10.0]}
+    (row,) = [s for s in gp.scan_rounds(prog, per, steps) if s["kernel"] == kern["scan"]]
+    assert row["rounds"] == kern["rounds"] > 0 and row["iterations"] == kern["length"]
+    assert row["per_step"] == 4 and row["us_per_step"] == 800.0
+    assert row["us_per_round"] == round(800.0 / (4 * kern["length"] * kern["rounds"]), 3)
+    report = {"device": "test", "date": "today", "seconds": 1.0, "deadline_s": 2,
+              "jobs": {"profile_tiny_bf16": {"phase": "profile", "kernels_per_step": 3,
+                                             "kernel_us_per_step": 810.0,
+                                             "eager_wall_us_per_step": 900.0,
+                                             "top": [], "scans": [row]}}}
+    text = gc.table(report)
+    assert "us/round" in text and str(row["us_per_round"]) in text

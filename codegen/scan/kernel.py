@@ -441,12 +441,14 @@ def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: boo
     triton target lowers), a launch group is one launch (`codegen.horizontal`). `carries` gets, per scan kernel, where each loop's carries live
     (`ScanKernel.carries`, with the graph and kernel names); `forms` gets, per scan, the
     form `scan_form` and the generator gave it (report.json `scan_forms`: graph, scan, role,
-    form "kernel" with its grid or "host_loop", and why)."""
+    form "kernel" with its grid and serial tile rounds an iteration or "host_loop", its
+    iterations (`length`), and why)."""
     dt = dtype or graph_dtype(plan.schedule.graph)
 
     def one_kernel(p: BufferPlan, kern: Kernel, sid: int) -> bool | None:
         row = {"graph": p.schedule.graph.name, "scan": kern.name,
-               "role": p.schedule.graph.node(sid).attr("role")}
+               "role": p.schedule.graph.node(sid).attr("role"),
+               "length": p.schedule.graph.node(sid).attr("length")}
         try:
             if not scan_kernels:
                 raise ScanFallback("scan kernels are off")
