@@ -332,6 +332,48 @@ def _chain_graph():
     return b.graph
 
 
+def _reductions_graph():
+    """A body with reductions alike (two sums of one shape over one axis, two cumsums, the
+    second reversed) and one sum that reads another's result through an elementwise node."""
+    from titanc.ir import Builder
+
+    b = Builder("forward")
+    x = b.input("x", (3, 2, 4, 8), "f64")
+    y = b.input("y", (3, 2, 4, 8), "f64")
+
+    def body(bb, c, xs, k):
+        (h,) = c
+        xt, yt = xs
+        s1 = (xt * 2.0).sum([2], keepdim=True)   # [2, 4, 1]
+        s2 = (yt - 1.0).sum([2], keepdim=True)   # alike, independent: the same stage
+        s3 = (s1 * yt).sum([2], keepdim=True)    # alike, reads s1: a stage after theirs
+        c1 = xt.cumsum(2)
+        c3 = (yt * 3.0).cumsum(2)                # alike c1, independent, next: shares it
+        c2 = yt.cumsum(2, reverse=True)          # reversed: another key
+        return [h * 0.5 + s1 + s2 + s3], [c1 + c2 + c3]
+
+    (h,), ys = b.scan(body, [b.full(0.0, (2, 4, 1), "f64") + 1.0], [x, y], role="memory",
+                      name="reductions")
+    b.graph.set_outputs([("h", h.id)] + [(f"y{i}", y.id) for i, y in enumerate(ys)])
+    return b.graph
+
+
+@pytest.mark.parametrize("dt", [torch.float64, torch.float32])
+def test_reductions_alike_share_a_stage(dt) -> None:
+    """Consecutive reductions alike that read none of each other's results are one stage
+    (their loads in one round, one barrier); one that reads another's result, or runs the
+    other way, takes a stage of its own; the kernel equals the interpreter."""
+    g = _reductions_graph()
+    n = next(m for m in g if m.op is Op.SCAN)
+    sk = check_scan(g, n, dt)
+    stages = [line.strip() for line in sk.source.splitlines()
+              if re.match(r"\s+# %\d+ = (sum|cumsum)", line)]
+    shared = [st for st in stages if st.count("%") == 2]
+    assert any("sum, %" in st and "cumsum" not in st for st in shared), stages
+    assert any(st.count("cumsum") == 2 for st in shared), stages
+    assert len(stages) == 4, stages            # s1 s2 | s3 | c1 c3 | c2 (in body order)
+
+
 @pytest.mark.parametrize("dt", [torch.float64, torch.float32])
 def test_pointwise_chain_is_one_stage(dt, monkeypatch) -> None:
     """Stored elementwise nodes of one shape share a stage, reading each other from

@@ -266,25 +266,47 @@ class _ScanGen(_ScanEmitter):
             self.depth -= 1
         self.barrier()
 
-    def reduce_stage(self, sc: BodyRefs, n: Node, dest: Ref) -> None:
+    def reduce_stage(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
         """SUM / AMAX over axes, or CUMSUM along one: a [rows, cols] tile per step; where
-        that reads a carry held on chip, a SUM / AMAX over one tile of the local shape."""
+        that reads a carry held on chip, a SUM / AMAX over one tile of the local shape. A run
+        of reductions alike (`_reduce_key`) that read none of each other's results is one
+        stage: one loop over their common tile, every member's loads in the same round, one
+        barrier; where a member reads a carry on chip, each is a stage of its own."""
         mark = (len(self.lines), self.depth)
         try:
-            self._reduce_rows(sc, n, dest)
+            self._reduce_rows(sc, run)
             self.barrier()
+            return
         except _RegMiss:
-            x = n.inputs[0]
-            qx = sc.pax.get(x)
-            L = _local(sc.g.node(x).type.shape, qx)
-            dims = tuple(pow2(d, 16) for d in L)
-            if n.op is Op.CUMSUM or not L or len(L) > 2 or \
-                    prod(dims) * self.itemsize > max(self.reg_budget, 1):
-                raise
+            if len(run) == 1:
+                n, dest = run[0]
+                x = n.inputs[0]
+                L = _local(sc.g.node(x).type.shape, sc.pax.get(x))
+                dims = tuple(pow2(d, 16) for d in L)
+                if n.op is Op.CUMSUM or not L or len(L) > 2 or \
+                        prod(dims) * self.itemsize > max(self.reg_budget, 1):
+                    raise
             del self.lines[mark[0]:]
             self.depth = mark[1]
-            self._reduce_whole(sc, n, dest, dims)
-            self.barrier()
+        if len(run) > 1:
+            for member in run:
+                self.reduce_stage(sc, [member])
+            return
+        n, dest = run[0]
+        x = n.inputs[0]
+        L = _local(sc.g.node(x).type.shape, sc.pax.get(x))
+        self._reduce_whole(sc, n, dest, tuple(pow2(d, 16) for d in L))
+        self.barrier()
+
+    @staticmethod
+    def _reduce_key(sc: BodyRefs, n: Node) -> tuple:
+        """Reductions with equal keys share a stage's loops: the op, its input's shape and
+        independent axes, and what it reduces along."""
+        x = sc.g.node(n.inputs[0])
+        a = n.attr_dict
+        along = (a["axis"] % x.type.rank, a["reverse"]) if n.op is Op.CUMSUM else \
+            (tuple(sorted(v % x.type.rank for v in a["axes"])), a["keepdim"])
+        return (n.op, x.type.shape, sc.pax.get(n.inputs[0]), along)
 
     def _reduce_whole(self, sc: BodyRefs, n: Node, dest: Ref, dims: tuple[int, ...]) -> None:
         x = n.inputs[0]
@@ -309,7 +331,8 @@ class _ScanGen(_ScanEmitter):
         out_c = oc if n.attr("keepdim") else [oc[i] for i in range(len(xs)) if i not in axes]
         self.line(f"tl.store({self.ptr(StageTile(mo, zo, vars=()), dest, out_c)}, {y}, mask={mo})")
 
-    def _reduce_rows(self, sc: BodyRefs, n: Node, dest: Ref) -> None:
+    def _reduce_rows(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
+        n = run[0][0]
         x = n.inputs[0]
         xs = sc.g.node(x).type.shape
         qx = sc.pax.get(x)
@@ -325,15 +348,17 @@ class _ScanGen(_ScanEmitter):
             raise ScanFallback(f"%{n.id}: cumsum over {Rn} > {MAX_CUMSUM} elements")
         BR = pow2(Rn, 2) if n.op is Op.CUMSUM else min(pow2(Rn, 2), MAX_TILE)
         BO = max(2, min(pow2(O, 2), MAX_TILE // BR))
-        self.line(f"# %{n.id} = {n.op.name.lower()}: {O} rows of {Rn}")
+        self.line("# " + sanitize_comment(", ".join(f"%{m.id} = {m.op.name.lower()}"
+                                                    for m, _ in run)
+                                          + f": {O} rows of {Rn}"))
         o = self._open_loop(self.fresh("o"), O, BO)
         ix = self.let(f"({o} + {self.arange(BO)})[:, None]", "r")
         jx_ = self.fresh("j")
         row_c = dict(zip(rloc, _delin(ix, tuple(xs[i] for i in rloc))))
 
-        def in_coords(jx: str) -> list[str]:
+        def in_coords(jx: str, m: Node) -> list[str]:
             col_c = dict(zip(axes, _delin(jx, tuple(xs[i] for i in axes))))
-            if n.op is Op.CUMSUM and n.attr("reverse"):
+            if m.op is Op.CUMSUM and m.attr("reverse"):
                 col_c = {a: f"({Rn - 1} - {jx})" for a in axes}
             return [self.pc[qx.index(i)] if qx is not None and i in qx else
                     row_c[i] if i in row_c else col_c[i] for i in range(len(xs))]
@@ -343,28 +368,32 @@ class _ScanGen(_ScanEmitter):
             jx = self.let(f"{self.arange(BR)}[None, :]", "j")
             mask = self.mask(rmask, self.in_bounds(jx, Rn, BR))
             sec = StageTile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
-            v = self.value(sec, sc, x, in_coords(jx))
-            y = self.let(f"tl.cumsum({self.masked(v, mask, f'[{BO}, {BR}]')}, axis=1)", "y")
-            self.store(self.ptr(sec, dest, in_coords(jx)), y, mask)
+            vals = [self.value(sec, sc, m.inputs[0], in_coords(jx, m)) for m, _ in run]
+            for (m, dest), v in zip(run, vals):
+                y = self.let(f"tl.cumsum({self.masked(v, mask, f'[{BO}, {BR}]')}, axis=1)", "y")
+                self.store(self.ptr(sec, dest, in_coords(jx, m)), y, mask)
         else:
             is_max = n.op is Op.AMAX
             fill = 'float("-inf")' if is_max else "0.0"
-            acc = self.let(f"tl.full([{BO}, {BR}], {fill}, dtype={self.cd})", "acc")
+            accs = [self.let(f"tl.full([{BO}, {BR}], {fill}, dtype={self.cd})", "acc")
+                    for _ in run]
             r0 = self._open_loop(self.fresh("c"), Rn, BR)
             jx = self.let(f"({r0} + {self.arange(BR)})[None, :]", jx_)
             mask = self.mask(rmask, self.in_bounds(jx, Rn, BR))
             sec = StageTile(mask, self.let(self.zero_tile(f"[{BO}, {BR}]"), "z"), vars=(ix, jx))
-            v = self.value(sec, sc, x, in_coords(jx))
-            v = self.masked(v, mask, f"[{BO}, {BR}]", fill)
-            self.line(f"{acc} = tl.maximum({acc}, {v})" if is_max else f"{acc} += {v}")
+            vals = [self.value(sec, sc, m.inputs[0], in_coords(jx, m)) for m, _ in run]
+            for acc, v in zip(accs, vals):
+                v = self.masked(v, mask, f"[{BO}, {BR}]", fill)
+                self.line(f"{acc} = tl.maximum({acc}, {v})" if is_max else f"{acc} += {v}")
             self._close(r0)
-            red = self.let(f"tl.{'max' if is_max else 'sum'}({acc}, axis=1, keep_dims=True)",
-                           "y")
-            oc = in_coords("0")
-            out_c = ([oc[i] for i in range(len(xs))] if n.attr("keepdim")
-                     else [oc[i] for i in kept])
             sec = StageTile(rmask, self.let(self.zero_tile(f"[{BO}, 1]"), "z"), vars=(ix,))
-            self.store(self.ptr(sec, dest, out_c), red, rmask)
+            for (m, dest), acc in zip(run, accs):
+                red = self.let(f"tl.{'max' if is_max else 'sum'}({acc}, axis=1, "
+                               "keep_dims=True)", "y")
+                oc = in_coords("0", m)
+                out_c = ([oc[i] for i in range(len(xs))] if m.attr("keepdim")
+                         else [oc[i] for i in kept])
+                self.store(self.ptr(sec, dest, out_c), red, rmask)
         self._close(o)
 
     # -- bodies -----------------------------------------------------------------------------------
@@ -379,12 +408,18 @@ class _ScanGen(_ScanEmitter):
     def body(self, sc: BodyRefs) -> None:
         """Emit every node of `sc.g` (its inputs are already in `sc.refs`). Consecutive
         stored elementwise nodes of one local shape wait in `run` and become one stage
-        (`pointwise_run`)."""
+        (`pointwise_run`); consecutive reductions alike that read none of each other's
+        results wait in `reds` and become one stage (`reduce_stage`)."""
         g = sc.g
         run: list[tuple[Node, Ref]] = []
+        reds: list[tuple[Node, Ref]] = []        # reductions alike, none reading another
         for vid in g.order():
             n = g.node(vid)
             op = n.op
+            if reds and (op is Op.SCAN or op is Op.EINSUM or (
+                    op in (Op.SUM, Op.AMAX, Op.CUMSUM) and not self._joins(sc, reds, n))):
+                self.reduce_stage(sc, reds)
+                reds = []
             if run and (op is Op.SCAN or op is Op.EINSUM or op in (Op.SUM, Op.AMAX, Op.CUMSUM)):
                 self.pointwise_run(sc, run)
                 run = []
@@ -415,6 +450,9 @@ class _ScanGen(_ScanEmitter):
                     sc.refs[vid] = Ref("node", n.type.shape, q, node=n, scope=sc)
                 else:
                     sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
+                    if reds:                          # a stored value: its stage comes after
+                        self.reduce_stage(sc, reds)
+                        reds = []
                     if run and (run[0][0].type.shape, sc.pax[run[0][0].id]) != (n.type.shape, q):
                         self.pointwise_run(sc, run)
                         run = []
@@ -424,13 +462,35 @@ class _ScanGen(_ScanEmitter):
                 self.einsum_stage(sc, n, dest)
             elif op in (Op.SUM, Op.AMAX, Op.CUMSUM):
                 sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
-                self.reduce_stage(sc, n, dest)
+                reds.append((n, dest))
             elif op is Op.SCAN:
                 self.scan_loop(sc, n)
             else:
                 raise ScanFallback(f"%{vid}: no scan-kernel rule for {op.name}")
+        if reds:
+            self.reduce_stage(sc, reds)
         if run:
             self.pointwise_run(sc, run)
+
+    def _joins(self, sc: BodyRefs, reds: list[tuple[Node, Ref]], n: Node) -> bool:
+        """May reduction `n` share the stage of `reds`: alike (`_reduce_key`), and reading
+        none of their results, directly or through the views and inlined elementwise nodes
+        its input is evaluated from (a stage's members are stored after its loads)."""
+        if self._reduce_key(sc, n) != self._reduce_key(sc, reds[0][0]):
+            return False
+        members = {m.id for m, _ in reds}
+        todo, seen = [n.inputs[0]], set()
+        while todo:
+            v = todo.pop()
+            if v in members:
+                return False
+            if v in seen:
+                continue
+            seen.add(v)
+            ref = sc.refs.get(v)
+            if ref is not None and ref.kind == "node" and ref.scope is sc:
+                todo.extend(sc.g.node(v).inputs)
+        return True
 
     def pointwise_run(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
         """Stored elementwise nodes of one local shape, in order: as few stages as they allow.
