@@ -374,6 +374,34 @@ def test_reductions_alike_share_a_stage(dt) -> None:
     assert len(stages) == 4, stages            # s1 s2 | s3 | c1 c3 | c2 (in body order)
 
 
+def test_one_block_einsums_share_a_stage(monkeypatch) -> None:
+    """Consecutive einsums of one block each, reading none of each other's results, are one
+    stage: every member's operand loads, then the dots and the stores, one barrier. On a GPU
+    only bf16 dots share (float32 ones spilled: `SHARED_EXACT_DOTS`); forced here for
+    float64, the memory-chunk scans (MAC, training graph) still equal the interpreter, and
+    the bf16 kernels do share."""
+    from titanc.codegen.scan import stages
+
+    def shared(src: str) -> int:
+        """Stages with two einsums or more (their comments with no barrier between)."""
+        body = src.split("for it1 in range", 1)[1]
+        return sum(part.count("= einsum[") >= 2 for part in body.split("tl.debug_barrier()"))
+
+    c = compile_graphs(_spec("tiny", **{"model.memory.chunk_size": 4}))
+    found = list(_scans(c.plans["training"], "memory_chunk"))
+    assert all(shared(render_scan(g, n.id).source) == 0 for g, n in found)
+    monkeypatch.setattr(stages, "SHARED_EXACT_DOTS", True)
+    together = 0
+    for g, n in found:
+        together += shared(check_scan(g, n, torch.float64).source)
+    assert together >= 3, together
+    monkeypatch.setattr(stages, "SHARED_EXACT_DOTS", False)
+    low = compile_graphs(_spec("tiny", **{"model.memory.chunk_size": 4,
+                                          "train.dtype": "bfloat16"}))
+    assert sum(shared(render_scan(g, n.id).source)
+               for g, n in _scans(low.plans["training"], "memory_chunk")) >= 3
+
+
 @pytest.mark.parametrize("dt", [torch.float64, torch.float32])
 def test_pointwise_chain_is_one_stage(dt, monkeypatch) -> None:
     """Stored elementwise nodes of one shape share a stage, reading each other from

@@ -18,6 +18,12 @@ from titanc.codegen.scan.index import (DOT_BLOCK, MAX_CUMSUM, MAX_TILE, Ref, Sca
 from titanc.codegen.scan.values import LOW_CASTS, _ScanEmitter
 
 
+# float32 and float64 dots share no stage: two at once took tiny.yaml's chunk backward from
+# 72 to 364 B spilled a thread on sm_90 (exact), and to 412 B (tf32); tests set it to check
+# a shared stage's values in float64
+SHARED_EXACT_DOTS = False
+
+
 class _Redo(Exception):
     """A carry turned out to vary per program: emit its scan again with that `pax`."""
 
@@ -188,7 +194,10 @@ class _ScanGen(_ScanEmitter):
             ref = ref.scope.refs[ref.node.id]
         return ref.kind == "reg"
 
-    def einsum_stage(self, sc: BodyRefs, n: Node, dest: Ref) -> None:
+    def _einsum_shape(self, sc: BodyRefs, n: Node) -> dict[str, Any]:
+        """Letters, sizes and blocks of einsum `n`: batch / M / N / K letters (the
+        independent axes' letters aside) and their sizes, and the blocks of M, N and K (an
+        operand held on chip is one tile: its letters get whole blocks)."""
         terms, out = n.attr("spec").split("->")
         tt = terms.split(",")
         if len(tt) != 2 or any(len(set(t)) != len(t) for t in tt + [out]):
@@ -206,10 +215,39 @@ class _ScanGen(_ScanEmitter):
         ks = [c for c in dict.fromkeys(ta + tb) if c not in out]
         gsize = lambda cs: prod(size[c] for c in cs)
         NB, M, N, K = gsize(batch), gsize(ms), gsize(ns), gsize(ks)
-        # an operand held on chip is one tile: its letters get whole blocks
         whole = {ch for t, v in ((ta, ia), (tb, ib)) if self._is_reg(sc, v) for ch in t}
         BM, BN, BK = (pow2(x, 16) if whole & set(cs) else min(pow2(x, 16), DOT_BLOCK)
                       for x, cs in ((M, ms), (N, ns), (K, ks)))
+        return dict(ta=ta, tb=tb, out=out, size=size, pref=pref, batch=batch, ms=ms, ns=ns,
+                    ks=ks, NB=NB, M=M, N=N, K=K, BM=BM, BN=BN, BK=BK)
+
+    def _einsum_shares(self, sc: BodyRefs, n: Node) -> bool:
+        """May einsum `n` share a stage with others (`einsum_stage`): one block (no batch,
+        M, N or K loop: straight-line code) of 16-bit operands (the bf16 MMA). Two float32
+        dots at once spilled: exact ones are FMAs, and tf32 ones hold float32 operand tiles
+        (`SHARED_EXACT_DOTS`)."""
+        e = self._einsum_shape(sc, n)
+        one = e["NB"] == 1 and e["M"] <= e["BM"] and e["N"] <= e["BN"] and e["K"] <= e["BK"]
+        mma = mma16(self.cd.removeprefix("tl."),
+                    [value_dtype(sc.g, v) for v in n.inputs]) is not None
+        return one and (mma or SHARED_EXACT_DOTS)
+
+    def einsum_stage(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
+        """Each einsum of `run` as `tl.dot` on [M, K] x [K, N] tiles, then one barrier. A run
+        of several (`_joins_einsums`: one block each, none reading another's result) loads
+        every member's operands first, then multiplies and stores them all: one round."""
+        opened = [self._einsum_open(sc, n, dest) for n, dest in run]
+        for st in opened:
+            self._einsum_close(st)
+        self.barrier()
+
+    def _einsum_open(self, sc: BodyRefs, n: Node, dest: Ref) -> dict[str, Any]:
+        """Emit einsum `n` up to its operand tiles (opening its batch, M, N and K loops)."""
+        e = self._einsum_shape(sc, n)
+        ta, tb, out, size, pref = e["ta"], e["tb"], e["out"], e["size"], e["pref"]
+        batch, ms, ns, ks = e["batch"], e["ms"], e["ns"], e["ks"]
+        NB, M, N, K, BM, BN, BK = (e[k] for k in ("NB", "M", "N", "K", "BM", "BN", "BK"))
+        ia, ib = n.inputs
         self.line(f"# %{n.id} = einsum[{n.attr('spec')}]: [{M}, {K}] x [{K}, {N}], "
                   f"{NB} local batch")
 
@@ -243,8 +281,16 @@ class _ScanGen(_ScanEmitter):
                        axes=tuple((a, e) for a, e, w in axes if w))
             x = self.value(sec, sc, v, [lmap[ch] for ch in t])
             tiles.append(self.masked(x, mask, shape))
+        return dict(sc=sc, n=n, dest=dest, e=e, base=base, letters=letters, m0=m0, n0=n0,
+                    k0=k0, rm=rm, rn=rn, acc=acc, tiles=tiles)
+
+    def _einsum_close(self, st: dict[str, Any]) -> None:
+        """Emit the rest of an `_einsum_open`ed einsum: its dot, the K loop's end, the store,
+        and the M, N and batch loops' ends."""
+        n, dest, e, tiles, acc = st["n"], st["dest"], st["e"], st["tiles"], st["acc"]
+        ia, ib = n.inputs
         # the workspace stores `cd` (never 16 bits): the operands' values decide
-        op16 = mma16(self.cd.removeprefix("tl."), [value_dtype(sc.g, v) for v in (ia, ib)])
+        op16 = mma16(self.cd.removeprefix("tl."), [value_dtype(st["sc"].g, v) for v in (ia, ib)])
         if op16 is None:
             self.line(f"{acc} += tl.dot({tiles[0]}, {tiles[1]}, input_precision={self.precision})")
         else:       # bf16 values held in `cd`: exact in 16 bits, the MMA accumulates in float32
@@ -255,16 +301,18 @@ class _ScanGen(_ScanEmitter):
                       'input_precision="ieee")')
             self.line(f"else:        # 16-bit MMA, float32 accumulation")
             self.line(f"    {acc} += tl.dot({a}, {b})")
-        self._close(k0)
-        lmap = {**base, **letters(ms, rm), **letters(ns, rn)}
+        self._close(st["k0"])
+        M, N, BM, BN = e["M"], e["N"], e["BM"], e["BN"]
+        rm, rn = st["rm"], st["rn"]
+        lmap = {**st["base"], **st["letters"](e["ms"], rm), **st["letters"](e["ns"], rn)}
         mask = self.mask(self.in_bounds(rm, M, BM), self.in_bounds(rn, N, BN))
         sec = StageTile(mask, self.let(self.zero_tile(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
-        self.store(self.ptr(sec, dest, [lmap[ch] for ch in out]), self.rounded(n, acc), mask)
-        self._close(n0)
-        self._close(m0)
-        if NB > 1:
+        self.store(self.ptr(sec, dest, [lmap[ch] for ch in e["out"]]), self.rounded(n, acc),
+                   mask)
+        self._close(st["n0"])
+        self._close(st["m0"])
+        if e["NB"] > 1:
             self.depth -= 1
-        self.barrier()
 
     def reduce_stage(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
         """SUM / AMAX over axes, or CUMSUM along one: a [rows, cols] tile per step; where
@@ -413,6 +461,7 @@ class _ScanGen(_ScanEmitter):
         g = sc.g
         run: list[tuple[Node, Ref]] = []
         reds: list[tuple[Node, Ref]] = []        # reductions alike, none reading another
+        mms: list[tuple[Node, Ref]] = []         # one-block einsums, none reading another
         for vid in g.order():
             n = g.node(vid)
             op = n.op
@@ -420,6 +469,12 @@ class _ScanGen(_ScanEmitter):
                     op in (Op.SUM, Op.AMAX, Op.CUMSUM) and not self._joins(sc, reds, n))):
                 self.reduce_stage(sc, reds)
                 reds = []
+            if op is Op.EINSUM:
+                sc.pax[vid] = self.pax_of(sc, n)      # (its blocks depend on it)
+            if mms and (op is Op.SCAN or op in (Op.SUM, Op.AMAX, Op.CUMSUM) or (
+                    op is Op.EINSUM and not self._joins_einsums(sc, mms, n))):
+                self.einsum_stage(sc, mms)
+                mms = []
             if run and (op is Op.SCAN or op is Op.EINSUM or op in (Op.SUM, Op.AMAX, Op.CUMSUM)):
                 self.pointwise_run(sc, run)
                 run = []
@@ -453,13 +508,19 @@ class _ScanGen(_ScanEmitter):
                     if reds:                          # a stored value: its stage comes after
                         self.reduce_stage(sc, reds)
                         reds = []
+                    if mms:
+                        self.einsum_stage(sc, mms)
+                        mms = []
                     if run and (run[0][0].type.shape, sc.pax[run[0][0].id]) != (n.type.shape, q):
                         self.pointwise_run(sc, run)
                         run = []
                     run.append((n, dest))
             elif op is Op.EINSUM:
                 sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
-                self.einsum_stage(sc, n, dest)
+                if self._einsum_shares(sc, n):
+                    mms.append((n, dest))
+                else:
+                    self.einsum_stage(sc, [(n, dest)])
             elif op in (Op.SUM, Op.AMAX, Op.CUMSUM):
                 sc.refs[vid] = dest = self.local_ref(n.type.shape, q)
                 reds.append((n, dest))
@@ -469,28 +530,40 @@ class _ScanGen(_ScanEmitter):
                 raise ScanFallback(f"%{vid}: no scan-kernel rule for {op.name}")
         if reds:
             self.reduce_stage(sc, reds)
+        if mms:
+            self.einsum_stage(sc, mms)
         if run:
             self.pointwise_run(sc, run)
 
-    def _joins(self, sc: BodyRefs, reds: list[tuple[Node, Ref]], n: Node) -> bool:
-        """May reduction `n` share the stage of `reds`: alike (`_reduce_key`), and reading
-        none of their results, directly or through the views and inlined elementwise nodes
-        its input is evaluated from (a stage's members are stored after its loads)."""
-        if self._reduce_key(sc, n) != self._reduce_key(sc, reds[0][0]):
-            return False
-        members = {m.id for m, _ in reds}
-        todo, seen = [n.inputs[0]], set()
+    def _joins_einsums(self, sc: BodyRefs, mms: list[tuple[Node, Ref]], n: Node) -> bool:
+        """May einsum `n` share the stage of `mms`: it may share one (`_einsum_shares`), and
+        reads none of their results (`_reads`)."""
+        return self._einsum_shares(sc, n) and not any(
+            self._reads(sc, {m.id for m, _ in mms}, v) for v in n.inputs)
+
+    @staticmethod
+    def _reads(sc: BodyRefs, members: set[int], v: int) -> bool:
+        """Does value `v` read one of `members`: itself, or through the views and inlined
+        elementwise nodes it is evaluated from."""
+        todo, seen = [v], set()
         while todo:
             v = todo.pop()
             if v in members:
-                return False
+                return True
             if v in seen:
                 continue
             seen.add(v)
             ref = sc.refs.get(v)
             if ref is not None and ref.kind == "node" and ref.scope is sc:
                 todo.extend(sc.g.node(v).inputs)
-        return True
+        return False
+
+    def _joins(self, sc: BodyRefs, reds: list[tuple[Node, Ref]], n: Node) -> bool:
+        """May reduction `n` share the stage of `reds`: alike (`_reduce_key`), and reading
+        none of their results, directly or through the views and inlined elementwise nodes
+        its input is evaluated from (a stage's members are stored after its loads)."""
+        return self._reduce_key(sc, n) == self._reduce_key(sc, reds[0][0]) and \
+            not self._reads(sc, {m.id for m, _ in reds}, n.inputs[0])
 
     def pointwise_run(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
         """Stored elementwise nodes of one local shape, in order: as few stages as they allow.
