@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from math import prod
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from titanc.ir import Graph, Node, Op, OpGroup
@@ -22,6 +23,54 @@ from titanc.codegen.scan.values import LOW_CASTS, _ScanEmitter
 # 72 to 364 B spilled a thread on sm_90 (exact), and to 412 B (tf32); tests set it to check
 # a shared stage's values in float64
 SHARED_EXACT_DOTS = False
+
+
+@dataclass(frozen=True)
+class _Contraction:
+    """An einsum's letters (the independent axes' aside, `pref`: letter -> program
+    coordinate) grouped into batch / M / N / K, their sizes, and the blocks of M, N, K."""
+
+    ta: str
+    tb: str
+    out: str
+    size: dict[str, int]
+    pref: dict[str, str]
+    batch: list[str]
+    ms: list[str]
+    ns: list[str]
+    ks: list[str]
+    NB: int
+    M: int
+    N: int
+    K: int
+    BM: int
+    BN: int
+    BK: int
+
+    @property
+    def one_block(self) -> bool:
+        """No batch, M, N or K loop: straight-line code."""
+        return self.NB == 1 and self.M <= self.BM and self.N <= self.BN and self.K <= self.BK
+
+    def letters(self, cs: list[str], ix: str) -> dict[str, str]:
+        """Coordinates of letters `cs` (grouped) at flat index `ix`."""
+        return dict(zip(cs, _delin(ix, tuple(self.size[c] for c in cs))))
+
+
+@dataclass
+class _OpenEinsum:
+    """An einsum emitted up to its operand tiles (`_ScanGen._einsum_open`)."""
+
+    n: Node
+    dest: Ref
+    c: _Contraction
+    sc: BodyRefs
+    base: dict[str, str]          # batch and independent letters' coordinates
+    loops: tuple[str, str, str]   # m0, n0, k0 ("0": no loop)
+    rm: str
+    rn: str
+    acc: str
+    tiles: list[str]
 
 
 class _Redo(Exception):
@@ -194,10 +243,9 @@ class _ScanGen(_ScanEmitter):
             ref = ref.scope.refs[ref.node.id]
         return ref.kind == "reg"
 
-    def _einsum_shape(self, sc: BodyRefs, n: Node) -> dict[str, Any]:
-        """Letters, sizes and blocks of einsum `n`: batch / M / N / K letters (the
-        independent axes' letters aside) and their sizes, and the blocks of M, N and K (an
-        operand held on chip is one tile: its letters get whole blocks)."""
+    def _contraction(self, sc: BodyRefs, n: Node) -> _Contraction:
+        """Einsum `n`'s letters, sizes and blocks (an operand held on chip is one tile: its
+        letters get whole blocks)."""
         terms, out = n.attr("spec").split("->")
         tt = terms.split(",")
         if len(tt) != 2 or any(len(set(t)) != len(t) for t in tt + [out]):
@@ -218,79 +266,68 @@ class _ScanGen(_ScanEmitter):
         whole = {ch for t, v in ((ta, ia), (tb, ib)) if self._is_reg(sc, v) for ch in t}
         BM, BN, BK = (pow2(x, 16) if whole & set(cs) else min(pow2(x, 16), DOT_BLOCK)
                       for x, cs in ((M, ms), (N, ns), (K, ks)))
-        return dict(ta=ta, tb=tb, out=out, size=size, pref=pref, batch=batch, ms=ms, ns=ns,
-                    ks=ks, NB=NB, M=M, N=N, K=K, BM=BM, BN=BN, BK=BK)
+        return _Contraction(ta, tb, out, size, pref, batch, ms, ns, ks, NB, M, N, K, BM, BN, BK)
 
     def _einsum_shares(self, sc: BodyRefs, n: Node) -> bool:
         """May einsum `n` share a stage with others (`einsum_stage`): one block (no batch,
         M, N or K loop: straight-line code) of 16-bit operands (the bf16 MMA). Two float32
         dots at once spilled: exact ones are FMAs, and tf32 ones hold float32 operand tiles
         (`SHARED_EXACT_DOTS`)."""
-        e = self._einsum_shape(sc, n)
-        one = e["NB"] == 1 and e["M"] <= e["BM"] and e["N"] <= e["BN"] and e["K"] <= e["BK"]
         mma = mma16(self.cd.removeprefix("tl."),
                     [value_dtype(sc.g, v) for v in n.inputs]) is not None
-        return one and (mma or SHARED_EXACT_DOTS)
+        return self._contraction(sc, n).one_block and (mma or SHARED_EXACT_DOTS)
 
     def einsum_stage(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
         """Each einsum of `run` as `tl.dot` on [M, K] x [K, N] tiles, then one barrier. A run
         of several (`_joins_einsums`: one block each, none reading another's result) loads
         every member's operands first, then multiplies and stores them all: one round."""
         opened = [self._einsum_open(sc, n, dest) for n, dest in run]
-        for st in opened:
-            self._einsum_close(st)
+        for op in opened:
+            self._einsum_close(op)
         self.barrier()
 
-    def _einsum_open(self, sc: BodyRefs, n: Node, dest: Ref) -> dict[str, Any]:
+    def _einsum_open(self, sc: BodyRefs, n: Node, dest: Ref) -> _OpenEinsum:
         """Emit einsum `n` up to its operand tiles (opening its batch, M, N and K loops)."""
-        e = self._einsum_shape(sc, n)
-        ta, tb, out, size, pref = e["ta"], e["tb"], e["out"], e["size"], e["pref"]
-        batch, ms, ns, ks = e["batch"], e["ms"], e["ns"], e["ks"]
-        NB, M, N, K, BM, BN, BK = (e[k] for k in ("NB", "M", "N", "K", "BM", "BN", "BK"))
+        c = self._contraction(sc, n)
         ia, ib = n.inputs
-        self.line(f"# %{n.id} = einsum[{n.attr('spec')}]: [{M}, {K}] x [{K}, {N}], "
-                  f"{NB} local batch")
-
-        def letters(cs: list[str], ix: str) -> dict[str, str]:
-            return dict(zip(cs, _delin(ix, tuple(size[c] for c in cs))))
-
+        self.line(f"# %{n.id} = einsum[{n.attr('spec')}]: [{c.M}, {c.K}] x [{c.K}, {c.N}], "
+                  f"{c.NB} local batch")
         zb = "0"
-        if NB > 1:
+        if c.NB > 1:
             zb = self.fresh("zb")
-            self.line(f"for {zb} in range(0, {NB}):")
+            self.line(f"for {zb} in range(0, {c.NB}):")
             self.depth += 1
-        m0 = self._open_loop(self.fresh("m"), M, BM)
-        n0 = self._open_loop(self.fresh("n"), N, BN)
-        rm = self.let(f"({m0} + {self.arange(BM)})[:, None]", "rm")
-        rn = self.let(f"({n0} + {self.arange(BN)})[None, :]", "rn")
-        acc = self.let(f"tl.full([{BM}, {BN}], 0, dtype={self.cd})", "acc")
-        k0 = self._open_loop(self.fresh("k"), K, BK)
-        ka = self.let(f"({k0} + {self.arange(BK)})[None, :]", "ka")
-        kb = self.let(f"({k0} + {self.arange(BK)})[:, None]", "kb")
-        base = {**pref, **letters(batch, zb)}
+        m0 = self._open_loop(self.fresh("m"), c.M, c.BM)
+        n0 = self._open_loop(self.fresh("n"), c.N, c.BN)
+        rm = self.let(f"({m0} + {self.arange(c.BM)})[:, None]", "rm")
+        rn = self.let(f"({n0} + {self.arange(c.BN)})[None, :]", "rn")
+        acc = self.let(f"tl.full([{c.BM}, {c.BN}], 0, dtype={self.cd})", "acc")
+        k0 = self._open_loop(self.fresh("k"), c.K, c.BK)
+        ka = self.let(f"({k0} + {self.arange(c.BK)})[None, :]", "ka")
+        kb = self.let(f"({k0} + {self.arange(c.BK)})[:, None]", "kb")
+        base = {**c.pref, **c.letters(c.batch, zb)}
         tiles = []
         wm, wn, wk = m0 == "0", n0 == "0", k0 == "0"
         for t, v, rows, cols, rdim, cdim, rsz, csz, axes in (
-                (ta, ia, rm, ka, ms, ks, M, K, ((rm, BM, wm), (ka, BK, wk))),
-                (tb, ib, kb, rn, ks, ns, K, N, ((kb, BK, wk), (rn, BN, wn)))):
-            lmap = {**base, **letters(rdim, rows), **letters(cdim, cols)}
+                (c.ta, ia, rm, ka, c.ms, c.ks, c.M, c.K, ((rm, c.BM, wm), (ka, c.BK, wk))),
+                (c.tb, ib, kb, rn, c.ks, c.ns, c.K, c.N, ((kb, c.BK, wk), (rn, c.BN, wn)))):
+            lmap = {**base, **c.letters(rdim, rows), **c.letters(cdim, cols)}
             mask = self.mask(self.in_bounds(rows, rsz, axes[0][1]),
                              self.in_bounds(cols, csz, axes[1][1]))
-            shape = f"[{BM if t == ta else BK}, {BK if t == ta else BN}]"
+            shape = f"[{c.BM if t == c.ta else c.BK}, {c.BK if t == c.ta else c.BN}]"
             sec = StageTile(mask, self.let(self.zero_tile(shape), "z"), vars=(rows, cols),
                        axes=tuple((a, e) for a, e, w in axes if w))
             x = self.value(sec, sc, v, [lmap[ch] for ch in t])
             tiles.append(self.masked(x, mask, shape))
-        return dict(sc=sc, n=n, dest=dest, e=e, base=base, letters=letters, m0=m0, n0=n0,
-                    k0=k0, rm=rm, rn=rn, acc=acc, tiles=tiles)
+        return _OpenEinsum(n, dest, c, sc, base, (m0, n0, k0), rm, rn, acc, tiles)
 
-    def _einsum_close(self, st: dict[str, Any]) -> None:
-        """Emit the rest of an `_einsum_open`ed einsum: its dot, the K loop's end, the store,
-        and the M, N and batch loops' ends."""
-        n, dest, e, tiles, acc = st["n"], st["dest"], st["e"], st["tiles"], st["acc"]
-        ia, ib = n.inputs
+    def _einsum_close(self, op: _OpenEinsum) -> None:
+        """Emit the rest of an opened einsum: its dot, the K loop's end, the store, and the M,
+        N and batch loops' ends."""
+        n, c, acc, tiles = op.n, op.c, op.acc, op.tiles
+        m0, n0, k0 = op.loops
         # the workspace stores `cd` (never 16 bits): the operands' values decide
-        op16 = mma16(self.cd.removeprefix("tl."), [value_dtype(st["sc"].g, v) for v in (ia, ib)])
+        op16 = mma16(self.cd.removeprefix("tl."), [value_dtype(op.sc.g, v) for v in n.inputs])
         if op16 is None:
             self.line(f"{acc} += tl.dot({tiles[0]}, {tiles[1]}, input_precision={self.precision})")
         else:       # bf16 values held in `cd`: exact in 16 bits, the MMA accumulates in float32
@@ -301,17 +338,16 @@ class _ScanGen(_ScanEmitter):
                       'input_precision="ieee")')
             self.line(f"else:        # 16-bit MMA, float32 accumulation")
             self.line(f"    {acc} += tl.dot({a}, {b})")
-        self._close(st["k0"])
-        M, N, BM, BN = e["M"], e["N"], e["BM"], e["BN"]
-        rm, rn = st["rm"], st["rn"]
-        lmap = {**st["base"], **st["letters"](e["ms"], rm), **st["letters"](e["ns"], rn)}
-        mask = self.mask(self.in_bounds(rm, M, BM), self.in_bounds(rn, N, BN))
-        sec = StageTile(mask, self.let(self.zero_tile(f"[{BM}, {BN}]"), "z"), vars=(rm, rn))
-        self.store(self.ptr(sec, dest, [lmap[ch] for ch in e["out"]]), self.rounded(n, acc),
+        self._close(k0)
+        lmap = {**op.base, **c.letters(c.ms, op.rm), **c.letters(c.ns, op.rn)}
+        mask = self.mask(self.in_bounds(op.rm, c.M, c.BM), self.in_bounds(op.rn, c.N, c.BN))
+        sec = StageTile(mask, self.let(self.zero_tile(f"[{c.BM}, {c.BN}]"), "z"),
+                        vars=(op.rm, op.rn))
+        self.store(self.ptr(sec, op.dest, [lmap[ch] for ch in c.out]), self.rounded(n, acc),
                    mask)
-        self._close(st["n0"])
-        self._close(st["m0"])
-        if e["NB"] > 1:
+        self._close(n0)
+        self._close(m0)
+        if c.NB > 1:
             self.depth -= 1
 
     def reduce_stage(self, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
