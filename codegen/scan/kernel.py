@@ -40,7 +40,10 @@ expression. Consecutive stored elementwise nodes of one local shape share one st
 member reads an earlier member's result from the register tile that holds it (no store,
 barrier and load between them), and the stage ends before a member that reads one at other
 coordinates or reads a carry held on chip. A buffer nothing loads afterwards (a value only
-its own stage read) is never stored. `tl.debug_barrier()` separates stages that talk through
+its own stage read) is never stored. Consecutive reductions alike (one input shape, the same
+axes) and consecutive one-block bf16 einsums share a stage too when none reads another's
+result: every member's loads first, one barrier (a stage's serial rounds, `serial_rounds`,
+are what a chunk's time follows). `tl.debug_barrier()` separates stages that talk through
 the workspace; the copies of a loop's carries and ys touch disjoint storage and share one
 barrier.
 
