@@ -374,6 +374,30 @@ def test_reductions_alike_share_a_stage(dt) -> None:
     assert len(stages) == 4, stages            # s1 s2 | s3 | c1 c3 | c2 (in body order)
 
 
+def test_reductions_alike_of_a_carry_on_chip_take_a_stage_each() -> None:
+    """Two sums alike of a carry held on chip: their shared row loop cannot read the carry's
+    tile (`_RegMiss`), so each becomes a stage of its own over one tile of the carry, which
+    stays on chip; the kernel equals the interpreter."""
+    from titanc.ir import Builder
+
+    b = Builder("forward")
+    x = b.input("x", (3, 4, 8), "f64")
+
+    def body(bb, c, xs, k):
+        (g,) = c
+        (xt,) = xs
+        s1 = g.sum([1], keepdim=True)
+        s2 = (g * 2.0).sum([1], keepdim=True)
+        return [g * 0.5 + xt + s1 * s2 * 0.01], [s1 + s2]
+
+    (g,), ys = b.scan(body, [b.full(0.0, (4, 8), "f64") + 0.5], [x], name="sums")
+    b.graph.set_outputs([("g", g.id)] + [(f"y{i}", y.id) for i, y in enumerate(ys)])
+    n = next(m for m in b.graph if m.op is Op.SCAN)
+    sk = check_scan(b.graph, n, torch.float64)
+    assert all(c["on_chip"] for c in sk.carries), sk.carries
+    assert sk.source.count("of one tile") == 2, sk.source
+
+
 def test_one_block_einsums_share_a_stage(monkeypatch) -> None:
     """Consecutive einsums of one block each, reading none of each other's results, are one
     stage: every member's operand loads, then the dots and the stores, one barrier. On a GPU
