@@ -106,12 +106,18 @@ TITANC = {
     # in slices (docs/gpu.md): 522 launches for 510, the 61 us group on 24 programs a member
     "tiny_bf16_split_k": ("tiny", BF16),
     "medium_bf16_split_k": ("medium", BF16),
+    # the pointwise, reduction and cumsum kernels with the interpreter's blocks on CUDA
+    # (TITANC_GPU_BLOCKS=0; docs/gpu_kernels.md): what their GPU blocks save
+    "tiny_bf16_interp_blocks": ("tiny", BF16),
+    "medium_bf16_interp_blocks": ("medium", BF16),
 }
 # a job's own environment (beyond the harness's)
 JOB_ENV = {"tiny_bf16_ungrouped": {"TITANC_GROUP_LAUNCHES": "0"},
            "tiny_bf16_split_k": {"TITANC_SPLIT_K": "1"},
            "chk_mac_f32_split_k": {"TITANC_SPLIT_K": "1"},
-           "medium_bf16_split_k": {"TITANC_SPLIT_K": "1"}}
+           "medium_bf16_split_k": {"TITANC_SPLIT_K": "1"},
+           "tiny_bf16_interp_blocks": {"TITANC_GPU_BLOCKS": "0"},
+           "medium_bf16_interp_blocks": {"TITANC_GPU_BLOCKS": "0"}}
 # name: (size, [(matched, autocast bf16)])
 PEER = {
     "peer_tiny": ("tiny", [(False, False), (False, True), (True, False), (True, True)]),

@@ -11,8 +11,13 @@ target's default: scan kernels, and each wave of independent pointwise / reducti
 launches one launch (`codegen/horizontal.py`); `split_k` the same with split-K on
 (`TITANC_SPLIT_K=1`: a split matmul is two launches). `scan_rounds` lists each scan kernel of
 the training graph: its grid (programs) and its serial tile rounds an iteration
-(`codegen.scan.kernel.serial_rounds`: what one program's chunk loop waits on). Prints JSON,
-then two tables.
+(`codegen.scan.kernel.serial_rounds`: what one program's chunk loop waits on). `--grids`
+adds `grids`: the programs of each distinct pointwise / reduction / cumsum launch of the
+training graph (alone, or a launch group of them: its members' together) with the
+interpreter's blocks and with the blocks a CUDA launch takes (`codegen.meta.cuda_flat_block`,
+`cuda_row_block`; recorded under the interpreter, `runtime.targets.aot.fresh_kernel_modules`),
+and how many run fewer programs than a quarter of an H100's SMs. Prints JSON, then the
+tables.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from titanc.runtime.targets.triton_executor import count_launches  # noqa: E402
 from titanc.model.spec import load_spec, parse_set_args  # noqa: E402
 
 
-def launches(path: str, overrides: dict[str, object]) -> dict[str, object]:
+def launches(path: str, overrides: dict[str, object], grids: bool = False) -> dict[str, object]:
     c = compile_graphs(load_spec(path, overrides))
     row: dict[str, object] = {"spec": path}
     for mode, scans, groups in (("host_loops", False, False), ("scan_kernels", True, False),
@@ -47,16 +52,43 @@ def launches(path: str, overrides: dict[str, object]) -> dict[str, object]:
     count_launches(c.plans["training"], forms=forms)
     row["scan_rounds"] = list({f["scan"]: {k: f[k] for k in ("scan", "role", "grid", "rounds")}
                                 for f in forms if f["form"] == "kernel"}.values())
+    if grids:
+        row["grids"] = program_grids(c)
     return row
+
+
+QUARTER_SMS = 33          # a quarter of an H100's 132 SMs
+
+
+def program_grids(c) -> dict[str, object]:
+    """Programs per distinct non-scan launch of the training graph, interpreter vs CUDA
+    blocks (module docstring)."""
+    from statistics import median
+
+    from titanc.runtime.targets.aot import fresh_kernel_modules, record_launches
+
+    out: dict[str, object] = {}
+    for mode, cuda in (("interpreter", False), ("cuda", True)):
+        grids: dict[str, int] = {}
+        with fresh_kernel_modules(cuda_blocks=cuda):
+            launches = record_launches(c.plans["training"], grids=grids)
+        programs = sorted(grids[l.name] for l in {l.name: l for l in launches}.values()
+                          if not l.name.startswith("titanc_tem_") and not l.uses_dot)
+        out[mode] = {"kernels": len(programs), "median_programs": median(programs),
+                     "under_quarter": sum(p < QUARTER_SMS for p in programs),
+                     "programs": programs}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--grids", action="store_true",
+                    help="programs per launch, interpreter vs CUDA blocks (records a step)")
     args = ap.parse_args(argv)
     overrides = parse_set_args(args.set)
-    rows = [launches(p, overrides) for p in args.specs]
+    rows = [launches(p, overrides, args.grids) for p in args.specs]
     print(json.dumps(rows, indent=1))
     print(f"\n{'spec':32} {'host loops':>10} {'scan kernels':>12} {'+ launch groups':>15} "
           f"{'+ split-K':>10}")
@@ -68,6 +100,13 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         for k in r["scan_rounds"]:
             print(f"{r['spec']:32} {k['scan']:48} {k['grid']:>8} {k['rounds']:>16}")
+    if args.grids:
+        print(f"\n{'spec':32} {'blocks':12} {'kernels':>8} {'median programs':>16} "
+              f"{'under ' + str(QUARTER_SMS) + ' programs':>19}")
+        for r in rows:
+            for mode, g in r["grids"].items():
+                print(f"{r['spec']:32} {mode:12} {g['kernels']:>8} {g['median_programs']:>16} "
+                      f"{g['under_quarter']:>19}")
     sys.stdout.flush()
 
 

@@ -48,6 +48,7 @@ def render_cumsum(
     max_single_block: int = 4096,
     num_warps: int = 4,
     wide: bool = False,
+    cuda_block_r: int | None = None,
 ) -> str:
     """Inclusive cumulative sums along the columns of [rows, cols] tiles.
 
@@ -58,6 +59,8 @@ def render_cumsum(
     Rows wider than one block (`n_cols > block_c`) loop over column blocks, each scan carrying
     the sum of the blocks already done.
     wide: row and column indices in int64 (a tensor of >= 2**31 elements, `meta.needs_int64`).
+    cuda_block_r: rows a program on CUDA (`meta.cuda_row_block`; default `block_r`), also the
+        module's `cuda_constexprs` for an ahead-of-time compile.
     """
     if not scans:
         raise ValueError("a cumsum kernel needs at least one scan")
@@ -67,6 +70,7 @@ def render_cumsum(
     if block_r is None:
         block_r = max(1, min(16, 4096 // block_c))
     check_block("block_r", block_r)
+    cuda_block_r = check_block("cuda_block_r", block_r if cuda_block_r is None else cuda_block_r)
     scope = Scope(CUMSUM_KERNEL_LOCALS | LAUNCH_LOCALS)
     idx_tensors = indexed_tensors(scope, indexed)
     pro = scope.statements(prologue)
@@ -84,6 +88,7 @@ def render_cumsum(
         name=name,
         header_lines=header_lines,
         block_r=block_r,
+        cuda_block_r=cuda_block_r,
         block_c=block_c,
         num_warps=num_warps,
         compute_dtype=compute_dtype(dtype),

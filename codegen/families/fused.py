@@ -48,6 +48,7 @@ def render_pointwise(
     header_lines: Sequence[str] = (),
     block: int = 1024,
     num_warps: int = 4,
+    cuda_block: int | None = None,
 ) -> str:
     """Fused elementwise kernel over the flat index space of a common rank-`rank` shape.
 
@@ -60,11 +61,14 @@ def render_pointwise(
         strided broadcast of the common shape): the kernel gets `<name>_ptr` and the tensor's
         own strides `stride_<name>_0 ..`, and the body reads them with `tl.load`. Such a name
         must come back unchanged from the scope (hooks use fresh names like `in3`).
+    block: elements a program off CUDA; cuda_block: on CUDA (`meta.cuda_flat_block`; default
+        `block`), also the module's `cuda_constexprs` for an ahead-of-time compile.
     Launcher: `launch(*inputs, *outputs, *indexed, *scalars, shape)`.
     """
     if not 1 <= rank <= 4:
         raise ValueError(f"pointwise rank {rank} must be between 1 and 4")
     check_block("block", block, 16)
+    cuda_block = check_block("cuda_block", block if cuda_block is None else cuda_block, 16)
     scope = Scope(POINTWISE_KERNEL_LOCALS | LAUNCH_LOCALS)
     strides = [f"stride_{{}}_{d}" for d in range(rank)]
     in_names = [scope.declare(n, ["{}_ptr", *strides]) for n in inputs]
@@ -88,6 +92,7 @@ def render_pointwise(
         header_lines=header_lines,
         rank=rank,
         block=block,
+        cuda_block=cuda_block,
         num_warps=num_warps,
         compute_dtype=compute_dtype(dtype),
         inputs=ins,
@@ -168,6 +173,7 @@ def render_reduction(
     max_single_block: int = 4096,
     num_warps: int = 4,
     wide: bool = False,
+    cuda_block_r: int | None = None,
 ) -> str:
     """Row reduction(s) over the last axis of [rows, cols] views with prologue and epilogues.
 
@@ -185,11 +191,14 @@ def render_reduction(
         row epilogue computes (an element of a reduction over non-trailing axes is no
         `[rows, cols]` strided view).
     wide: row and column indices in int64 (a tensor of >= 2**31 elements, `meta.needs_int64`).
+    block_r: rows a program off CUDA; cuda_block_r: on CUDA (`meta.cuda_row_block`; default
+        `block_r`), also the module's `cuda_constexprs` for an ahead-of-time compile.
     Launcher: `launch(*inputs, *row_outputs, *reduced_outputs, *indexed, n_rows, n_cols)`.
     """
     if not stages:
         raise ValueError("a reduction needs at least one stage")
     check_block("block_r", block_r)
+    cuda_block_r = check_block("cuda_block_r", block_r if cuda_block_r is None else cuda_block_r)
     if block_c is None:
         block_c = pow2(n_cols, 16) if n_cols <= max_single_block else 1024
     check_block("block_c", block_c, 16)
@@ -252,6 +261,7 @@ def render_reduction(
         name=name,
         header_lines=header_lines,
         block_r=block_r,
+        cuda_block_r=cuda_block_r,
         block_c=block_c,
         num_warps=num_warps,
         compute_dtype=cd,
@@ -269,6 +279,7 @@ def render_reduction(
         indexed=idx_tensors,
         launch_params=all_names + [t["arg"] for t in idx_tensors],
         tensor_args=all_names,
+        device_arg=(all_names + [t["arg"] for t in idx_tensors])[0],
         wide=wide,
     )
 

@@ -44,7 +44,8 @@ from titanc.ir.schedule import Kernel, prologue_kernel
 
 from titanc.codegen.families.fused import MatmulContraction, render_matmul, render_pointwise
 from titanc.codegen.families.scatter import render_scatter_along, render_segment_sum
-from titanc.codegen.meta import compute_dtype, kernel_split_k, matmul_tiles, needs_int64, pow2, value_dtype
+from titanc.codegen.meta import (compute_dtype, cuda_flat_block, kernel_split_k, matmul_tiles,
+                                 needs_int64, pow2, value_dtype)
 from titanc.codegen.meta import mma16 as mma16_dtype
 from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
 from titanc.codegen.lower.code import KernelCode, TensorArg, code_of, graph_dtype, index_tile, indexed_args, store
@@ -135,7 +136,8 @@ def _pointwise(low: KernelLowering, outs: list[int], header: list[str], dtype: s
     source = render_pointwise(
         kernel.name, inputs=[name for _, name in direct], outputs=outputs, body=sec.stmts,
         rank=1, indexed=low.indexed(), dtype=dtype, header_lines=header,
-        block=min(1024, pow2(numel, 16)))
+        block=min(1024, pow2(numel, 16)),
+        cuda_block=max(16, cuda_flat_block(numel, min(1024, pow2(numel, 16)), 4)))
     args = ([TensorArg(v, (numel,)) for v, _ in direct] + [TensorArg(v, (numel,)) for v in outs]
             + indexed_args(low))
     return code_of(low, "pointwise", source, args, ((numel,),))

@@ -17,7 +17,7 @@ from titanc.codegen.families.fused import ReductionStage, render_reduction
 from titanc.codegen.lower.indexing import Ix, Names, Section, const, delinearize, reshape_coords
 from titanc.codegen.lower.code import KernelCode, TensorArg, code_of, index_tile, indexed_args, store
 from titanc.codegen.lower.nodes import KernelLowering, Val
-from titanc.codegen.meta import needs_int64, pow2
+from titanc.codegen.meta import cuda_row_block, needs_int64, pow2
 
 __all__ = ["MAX_ROW_BLOCK", "lower_cumsum", "lower_reduction"]
 
@@ -130,11 +130,12 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
                   for k, (op, operand, result) in enumerate(stages)]
     block_r, block_c = _row_blocks(n_rows, n_cols)
     n_tensors = len(args) + len(low.indexed())
+    warps = 4 if n_tensors <= MANY_TENSORS else 8
     source = render_reduction(
         kernel.name, inputs=[], stages=stage_objs, n_cols=n_cols, row_epilogue=pre.stmts,
         reduced_outputs=reduced, indexed=low.indexed(), row_stores=row_stores, dtype=dtype,
         header_lines=header, block_r=block_r, block_c=block_c, wide=_wide(low),
-        num_warps=4 if n_tensors <= MANY_TENSORS else 8)
+        num_warps=warps, cuda_block_r=cuda_row_block(n_rows, block_r, block_c, warps))
     return code_of(low, "reduction", source, args + indexed_args(low), (n_rows, n_cols))
 
 
@@ -157,7 +158,8 @@ MANY_TENSORS = 12
 
 def _row_blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_C) of a [rows, cols] kernel: a row in one block up to `MAX_ROW_BLOCK`
-    columns (else a loop over column blocks), rows batched up to ~4096 elements a program."""
+    columns (else a loop over column blocks), rows batched up to ~4096 elements a program
+    (the interpreter's: on CUDA `meta.cuda_row_block` cuts BLOCK_R to spread the rows)."""
     block_c = pow2(n_cols, 16) if n_cols <= MAX_ROW_BLOCK else min(1024, MAX_ROW_BLOCK)
     return max(1, min(pow2(n_rows), 4096 // block_c, 64)), block_c
 
@@ -202,6 +204,7 @@ def lower_cumsum(low: KernelLowering, outs: list[int], header: list[str],
     block_r, block_c = _row_blocks(n_rows, n_cols)
     source = render_cumsum(kernel.name, indexed=low.indexed(), scans=items, n_cols=n_cols,
                            block_r=block_r, block_c=block_c,
+                           cuda_block_r=cuda_row_block(n_rows, block_r, block_c, 4),
                            prologue=prologue, epilogue=sec.stmts, stores=stores,
                            reverse=bool(first.attr("reverse")), dtype=dtype,
                            header_lines=header, wide=_wide(low))

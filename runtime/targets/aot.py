@@ -43,8 +43,8 @@ from typing import Any, Iterable
 from titanc.codegen.render import cache_dir, load_module
 from titanc.config import triton_interpret_mode
 
-__all__ = ["Launch", "SHARED_LIMIT", "compile_launch", "launch_constexprs", "record_launches",
-           "compile_all"]
+__all__ = ["Launch", "SHARED_LIMIT", "compile_launch", "fresh_kernel_modules",
+           "launch_constexprs", "record_launches", "compile_all"]
 
 # Largest dynamic shared memory a block may use (bytes), per compute capability: A100 163 KiB,
 # sm_86/89 99 KiB, H100 227 KiB (the CUDA programming guide's opt-in maxima).
@@ -98,14 +98,54 @@ class Launch:
         return re.search(r"^def tiles_for\(", self.source, re.M) is not None
 
 
+@contextlib.contextmanager
+def fresh_kernel_modules(cuda_blocks: bool = False) -> Any:
+    """Inside, kernel modules load afresh (none loaded before is reused, none loaded inside
+    is kept after), so equal kernels share the module of the first one loaded inside, and
+    the names `record_launches` gives are the same from run to run. `cuda_blocks`: every
+    module launches with the blocks it takes on CUDA off CUDA too (the pointwise, reduction
+    and cumsum families' `BLOCKS`, `codegen.meta.cuda_flat_block` and `cuda_row_block`): the
+    interpreter runs, and `record_launches` records, the grids a GPU would. Yields the list of
+    the modules whose blocks that changed."""
+    from titanc.codegen import render
+    from titanc.runtime.targets import triton_executor
+
+    changed: list[Any] = []
+    load = render.load_module
+
+    def load_fresh(source: str, name: str, interpret: bool | None = None) -> Any:
+        module = load(source, name, interpret)
+        blocks = getattr(module, "BLOCKS", None)
+        if (cuda_blocks and isinstance(blocks, dict) and not isinstance(blocks[True], tuple)
+                and blocks[False] != blocks[True]):
+            module.BLOCKS = {False: blocks[True], True: blocks[True]}
+            changed.append(module)
+        return module
+
+    saved = (render.load_module, render._LOADED, triton_executor.load_module,
+             triton_executor._MODULES)
+    render.load_module = triton_executor.load_module = load_fresh
+    render._LOADED, triton_executor._MODULES = {}, {}
+    try:
+        yield changed
+    finally:
+        (render.load_module, render._LOADED, triton_executor.load_module,
+         triton_executor._MODULES) = saved
+
+
 def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False,
                     grids: dict[str, int] | None = None,
-                    aliases: dict[str, str] | None = None) -> list[Launch]:
+                    aliases: dict[str, str] | None = None,
+                    cuda_blocks: bool = False) -> list[Launch]:
     """Every distinct launch of one run of `plan` on the triton target (interpreter process),
     rendered as `TritonExecutor(plan, allow_tf32=...)` renders it; `grids` gets each kernel's
     largest grid (programs per launch) by kernel name, `aliases` each schedule kernel's name
     -> the name of the kernel whose module it launches (equal sources share one module; a
-    launch group's member: the group's)."""
+    launch group's member: the group's). `cuda_blocks`: the launches (and grids) with the
+    blocks a CUDA launch takes, from fresh modules (`fresh_kernel_modules`)."""
+    if cuda_blocks:
+        with fresh_kernel_modules(cuda_blocks=True):
+            return record_launches(plan, float_dtype, allow_tf32, grids, aliases)
     import inspect
 
     from triton.backends.compiler import BaseBackend

@@ -1,0 +1,145 @@
+"""The blocks of pointwise, reduction and cumsum kernels on a GPU (codegen/meta.py
+`cuda_flat_block`, `cuda_row_block`): small kernels spread over the SMs.
+
+- the rule: a block is cut until the grid has GPU_PROGRAMS programs, never below one element
+  a thread, never above the interpreter's, a row never split;
+- every rendered module carries both blocks, its launch takes the CUDA one on CUDA, and
+  `cuda_constexprs` gives it to the ahead-of-time compile (a launch group: its members');
+- the CUDA blocks compute the same: a training step of the triton target with every module's
+  CUDA blocks (run by the interpreter) equals the step with the interpreter's blocks, bit for
+  bit, and the cpu target in float64.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels are decorated: set first
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tests.reference as R  # noqa: E402
+from titanc import config  # noqa: E402
+from titanc.codegen import render  # noqa: E402
+from titanc.codegen.meta import GPU_PROGRAMS, cuda_flat_block, cuda_row_block  # noqa: E402
+from titanc.compiler import compile_graphs  # noqa: E402
+from titanc.model.spec import load_spec  # noqa: E402
+from titanc.runtime.targets.aot import (fresh_kernel_modules, launch_constexprs,  # noqa: E402
+                                        record_launches)
+from titanc.runtime.targets.executor import ArenaExecutor  # noqa: E402
+from titanc.runtime.targets.triton_executor import TritonExecutor  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# large enough that the CUDA blocks differ from the interpreter's (1,024-element activations,
+# 32-row reductions), small enough to interpret
+SIZES = {"model.d_model": 32, "model.n_layers": 1, "model.seq_len": 16, "model.vocab_size": 32,
+         "model.ffn_hidden": 48, "model.memory.chunk_size": 8, "model.attention.segment": 8,
+         "model.attention.window": 8, "model.attention.persistent_tokens": 2,
+         "train.batch_size": 2, "train.loss_chunk": 0, "train.dtype": "float64"}
+
+
+def test_the_rule_spreads_small_kernels_and_leaves_large_ones() -> None:
+    assert GPU_PROGRAMS == 128
+    # tiny.yaml's segment activations, [8, 35, 64]: 18 programs of 1,024 -> 140 of 128
+    assert cuda_flat_block(17920, 1024, 4) == 128
+    assert cuda_flat_block(64, 64, 4) == 64                 # never above the interpreter's
+    assert cuda_flat_block(2 ** 20, 1024, 4) == 1024        # already over the SMs
+    assert cuda_flat_block(300_000, 1024, 4) == 1024
+    assert cuda_flat_block(40_000, 1024, 8) == 256          # one element a thread of 8 warps
+    # tiny.yaml's conv + SiLU + norm: 512 rows of 32, 64 rows a program -> 4 (128 programs)
+    assert cuda_row_block(512, 64, 32, 4) == 4
+    assert cuda_row_block(512, 64, 64, 4) == 4
+    assert cuda_row_block(16, 16, 256, 8) == 1              # a row is never split
+    assert cuda_row_block(100_000, 64, 64, 4) == 64         # already over the SMs
+    assert cuda_row_block(512, 64, 8, 4) == 16              # one element a thread: 16 rows of 8
+    for n in (1, 3, 100, 4096, 17920, 10 ** 6):
+        for block in (16, 128, 1024):
+            b = cuda_flat_block(n, block, 4)
+            assert b <= block and b & (b - 1) == 0
+            assert b >= min(block, 128)
+
+
+def _compiled(example: str):
+    return compile_graphs(load_spec(ROOT / "examples" / f"{example}.yaml", SIZES))
+
+
+def _inputs(c) -> dict[str, torch.Tensor]:
+    return {"tokens": torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(5)),
+            **R.init_params(c.spec.model, seed=2)}
+
+
+@pytest.mark.parametrize("example", ["tiny_lmm"])
+def test_the_cuda_blocks_compute_the_same(example: str) -> None:
+    c = _compiled(example)
+    plan, inputs = c.plans["training"], _inputs(c)
+    want = TritonExecutor(plan).run(inputs)
+    cpu = ArenaExecutor(plan).run(inputs)
+    with fresh_kernel_modules(cuda_blocks=True) as changed:
+        got = TritonExecutor(plan).run(inputs)
+    families = {("pointwise" if "BLOCK" in m.cuda_constexprs(90) else "rows") for m in changed}
+    assert families == {"pointwise", "rows"}, families      # the test reaches both kinds
+    assert len(changed) >= 10
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k                    # bit for bit: rows never split
+        torch.testing.assert_close(got[k], cpu[k], rtol=1e-9, atol=1e-11,
+                                   msg=lambda m: f"{k}: {m}")
+
+
+def test_the_ahead_of_time_compile_takes_the_cuda_blocks() -> None:
+    """`launch_constexprs` (the precompile's and `titanc.tools.aot`'s) gives every pointwise,
+    reduction and cumsum launch, alone or in a group, its module's CUDA block."""
+    c = _compiled("tiny")
+    seen = {"alone": 0, "group": 0}
+    for launch in record_launches(c.plans["training"]):
+        module = render.load_module(launch.source, launch.name, interpret=False)
+        constexprs, _, _ = launch_constexprs(launch, module, 90)
+        members = getattr(module, "MEMBERS", None)
+        for i, m in enumerate(members if members is not None else [module]):
+            blocks = getattr(m, "BLOCKS", None)
+            if not isinstance(blocks, dict) or isinstance(blocks[True], tuple):
+                continue
+            prefix = f"m{i}_" if members is not None else ""
+            key = prefix + ("BLOCK" if "BLOCK" in m.cuda_constexprs(90) else "BLOCK_R")
+            assert constexprs[key] == blocks[True], (launch.name, key)
+            if blocks[True] != blocks[False]:
+                seen["group" if members is not None else "alone"] += 1
+    assert seen["alone"] and seen["group"], seen
+
+
+def test_recorded_cuda_grids_spread_the_programs() -> None:
+    """`record_launches(cuda_blocks=True)` records the grids a GPU runs: never fewer programs
+    than the interpreter's, more where a block was cut; benchmarks/launches.py `--grids`
+    reports them (its `program_grids`)."""
+    plan = _compiled("tiny_lmm").plans["training"]
+    interp, cuda = {}, {}
+    with fresh_kernel_modules():
+        record_launches(plan, grids=interp)
+    record_launches(plan, grids=cuda, cuda_blocks=True)
+    assert interp.keys() == cuda.keys()
+    assert all(cuda[k] >= interp[k] for k in interp)
+    assert sum(cuda[k] > interp[k] for k in interp) >= 5
+    from tests.test_bench import _load_benchmark
+    table = _load_benchmark("launches").program_grids(_compiled("tiny_lmm"))
+    assert table["cuda"]["kernels"] == table["interpreter"]["kernels"] > 0
+    assert table["cuda"]["median_programs"] > table["interpreter"]["median_programs"]
+
+
+def test_gpu_blocks_off_keeps_the_interpreters_blocks_on_cuda() -> None:
+    """TITANC_GPU_BLOCKS=0 (`config.gpu_blocks`, the GPU check's `*_interp_blocks` rows): every
+    module's CUDA block is the interpreter's."""
+    assert config.Config.from_env({"TITANC_GPU_BLOCKS": "0"}).gpu_blocks is False
+    assert config.Config.from_env({}).gpu_blocks is True
+    plan = _compiled("tiny_lmm").plans["training"]
+    for on in (True, False):
+        with config.override(gpu_blocks=on):
+            launches = record_launches(plan)
+        differ = 0
+        for launch in launches:
+            module = render.load_module(launch.source, launch.name, interpret=False)
+            for m in getattr(module, "MEMBERS", None) or [module]:
+                blocks = getattr(m, "BLOCKS", None)
+                if isinstance(blocks, dict) and not isinstance(blocks[True], tuple):
+                    differ += blocks[True] != blocks[False]
+        assert (differ > 0) == on, (on, differ)
