@@ -7,7 +7,9 @@
   `cuda_constexprs` gives it to the ahead-of-time compile (a launch group: its members');
 - the CUDA blocks compute the same: a training step of the triton target with every module's
   CUDA blocks (run by the interpreter) equals the step with the interpreter's blocks, bit for
-  bit, and the cpu target in float64.
+  bit, and the cpu target in float64;
+- the LM head's cross-entropy kernels cut their vocabulary block on CUDA to bound an exact
+  float32 dot's FMAs a thread, and compute the same with it.
 """
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import tests.reference as R  # noqa: E402
 from titanc import config  # noqa: E402
 from titanc.codegen import render  # noqa: E402
+from titanc.codegen.families.pattern_ops import CE_FMA_PER_THREAD, render_cross_entropy  # noqa: E402
 from titanc.codegen.meta import GPU_PROGRAMS, cuda_flat_block, cuda_row_block  # noqa: E402
 from titanc.compiler import compile_graphs  # noqa: E402
 from titanc.model.spec import load_spec  # noqa: E402
@@ -88,8 +92,8 @@ def test_the_cuda_blocks_compute_the_same(example: str) -> None:
 
 
 def test_the_ahead_of_time_compile_takes_the_cuda_blocks() -> None:
-    """`launch_constexprs` (the precompile's and `titanc.tools.aot`'s) gives every pointwise,
-    reduction and cumsum launch, alone or in a group, its module's CUDA block."""
+    """`launch_constexprs` (the precompile's and `titanc.tools.aot`'s) gives every launch,
+    alone or in a group, its module's CUDA blocks (`cuda_constexprs`)."""
     c = _compiled("tiny")
     seen = {"alone": 0, "group": 0}
     for launch in record_launches(c.plans["training"]):
@@ -97,13 +101,11 @@ def test_the_ahead_of_time_compile_takes_the_cuda_blocks() -> None:
         constexprs, _, _ = launch_constexprs(launch, module, 90)
         members = getattr(module, "MEMBERS", None)
         for i, m in enumerate(members if members is not None else [module]):
-            blocks = getattr(m, "BLOCKS", None)
-            if not isinstance(blocks, dict) or isinstance(blocks[True], tuple):
-                continue
             prefix = f"m{i}_" if members is not None else ""
-            key = prefix + ("BLOCK" if "BLOCK" in m.cuda_constexprs(90) else "BLOCK_R")
-            assert constexprs[key] == blocks[True], (launch.name, key)
-            if blocks[True] != blocks[False]:
+            for k, v in (m.cuda_constexprs(90) if hasattr(m, "cuda_constexprs") else {}).items():
+                assert constexprs[prefix + k] == v, (launch.name, k)
+            blocks = getattr(m, "BLOCKS", None)
+            if isinstance(blocks, dict) and blocks[True] != blocks[False]:
                 seen["group" if members is not None else "alone"] += 1
     assert seen["alone"] and seen["group"], seen
 
@@ -143,3 +145,44 @@ def test_gpu_blocks_off_keeps_the_interpreters_blocks_on_cuda() -> None:
                 if isinstance(blocks, dict) and not isinstance(blocks[True], tuple):
                     differ += blocks[True] != blocks[False]
         assert (differ > 0) == on, (on, differ)
+
+
+def _ce_blocks(**kw) -> dict[bool, int]:
+    src = render_cross_entropy("titanc_tem_fused_ce_0", **kw)
+    return render.load_module(src, "ce_blocks", interpret=False).BLOCKS
+
+
+def test_the_cross_entropy_vocabulary_block_on_cuda_bounds_its_fmas() -> None:
+    """An exact float32 dot is FMAs on a GPU: the LM head's kernels cut BLOCK_V on CUDA to
+    `CE_FMA_PER_THREAD` a thread a step (d_model 128: 64 -> 16, which took the dW kernel's
+    sm_90 spill from 8,784 B a thread to none); tf32 and float64 keep theirs."""
+    assert _ce_blocks(d_model=128) == {False: 64, True: 16}
+    assert _ce_blocks(d_model=64) == {False: 64, True: 32}
+    assert _ce_blocks(d_model=768) == {False: 16, True: 16}
+    assert _ce_blocks(d_model=128, allow_tf32=True) == {False: 64, True: 64}
+    assert _ce_blocks(d_model=128, dtype="float64") == {False: 64, True: 64}
+    assert CE_FMA_PER_THREAD == 256
+
+
+def test_the_cross_entropy_cuda_block_computes_the_same() -> None:
+    """The forward and backward kernels at d_model 128 with their CUDA vocabulary block (16,
+    run by the interpreter) against torch."""
+    N, D, V = 20, 128, 75
+    fwd_src = render_cross_entropy("titanc_tem_fused_ce_0", d_model=D)
+    bwd_src = render_cross_entropy("titanc_tem_fused_ce_bwd_0", d_model=D, backward=True)
+    with fresh_kernel_modules(cuda_blocks=True) as changed:
+        fwd, bwd = render.load_module(fwd_src, "ce_cuda"), render.load_module(bwd_src, "ceb_cuda")
+    assert len(changed) == 2 and fwd.BLOCKS[False] == 16
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(N, D, generator=g).requires_grad_()
+    W = torch.randn(V, D, generator=g).requires_grad_()
+    target = torch.randint(0, V, (N,), generator=g)
+    loss, lse = torch.empty(N), torch.empty(N)
+    fwd.launch(h.detach(), W.detach(), target, loss, lse)
+    ref = F.cross_entropy(h @ W.t(), target, reduction="none")
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    ref.mean().backward()
+    dh, dW = torch.empty_like(h), torch.empty_like(W)
+    bwd.launch(h.detach(), W.detach(), target, lse, torch.tensor(1.0 / N).expand(N), dh, dW)
+    torch.testing.assert_close(dh, h.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dW, W.grad, rtol=1e-5, atol=1e-6)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from titanc.codegen.meta import LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2
+from titanc.codegen.meta import (LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2,
+                                 pow2_floor)
 from titanc.codegen.render import Namer, render, sanitize_comment
 
 __all__ = [
@@ -28,6 +29,13 @@ __all__ = [
 
 MAX_KEY_GROUPS = 16     # key groups a template names locals for (MAC has 3, SWA 2)
 CE_TILE = 16384         # elements of the cross-entropy kernels' W tile (block_d x block_v)
+# An exact float32 dot (tf32 off: the LM head's h and W are float32 in every policy,
+# docs/precision.md) has no tensor-core instruction; Triton unrolls it into FMAs. On CUDA the
+# cross-entropy kernels' BLOCK_V keeps a dot step at most this many FMAs a thread
+# (block_d x block_v x block_n / threads): at d_model 128 the interpreter's 64-wide vocabulary
+# blocks (1,024 a thread) spilled 8,784 B a thread in the dW kernel and 3,232 B in the
+# forward on sm_90; 16-wide (256 a thread) none.
+CE_FMA_PER_THREAD = 256
 
 ATTENTION_KERNEL_LOCALS = frozenset("""
     BLOCKS cuda_constexprs
@@ -192,6 +200,8 @@ def render_cross_entropy(
     kernel adds into dw (a tied embedding gradient, or several chunks of rows). `head_dv`:
     the launcher takes a [d_model, vocab] head (and gradient) and transposes the views;
     `int64`: row and vocabulary offsets in int64 (numel of h, w or rows x vocab >= 2^31).
+    On CUDA the vocabulary block is cut to keep an exact float32 dot step within
+    `CE_FMA_PER_THREAD` FMAs a thread (the module's `BLOCKS`, `cuda_constexprs`).
     """
     check_block("block_n", block_n, 16)
     check_block("block_v", block_v, 16)
@@ -205,6 +215,10 @@ def render_cross_entropy(
     # spilled 1,072 B per thread on 8 warps, 128 and 588 B on 16 (and compiles 20% faster)
     if block_d >= 512:
         num_warps = max(num_warps, 16 if block_d >= 1024 else 8)
+    cuda_block_v = block_v
+    if not allow_tf32 and dtype != "float64":       # FMAs on a GPU (float64: its DMMA)
+        fmas = CE_FMA_PER_THREAD * 32 * num_warps // (block_d * block_n)
+        cuda_block_v = max(16, min(block_v, pow2_floor(fmas)))
     return render(
         "cross_entropy.py.jinja",
         name=name,
@@ -216,6 +230,7 @@ def render_cross_entropy(
         ignore_index=int(ignore_index),
         block_n=block_n,
         block_v=block_v,
+        cuda_block_v=cuda_block_v,
         block_d=block_d,
         acc_dtype=compute_dtype(dtype),
         precision=dot_precision(allow_tf32),
