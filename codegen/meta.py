@@ -11,7 +11,7 @@ from titanc.ir import Graph, Op, OpGroup
 from titanc.ir.schedule import Kernel
 from titanc.ir.shapes import parse_einsum
 
-__all__ = ["CARRY_REGISTER_BYTES", "GPU_PROGRAMS", "cuda_flat_block", "cuda_row_block", "split_k",
+__all__ = ["ACCUMULATOR_REGISTERS", "CARRY_REGISTER_BYTES", "GPU_PROGRAMS", "cuda_flat_block", "cuda_row_block", "split_k",
            "kernel_split_k", "EXACT_F32_TILE", "INT32_LIMIT", "LAUNCH_LOCALS", "MATMUL_TILES", "Tile", "check_block", "compute_dtype",
            "dot_precision", "matmul_tiles", "mma16", "needs_int64", "pow2", "value_dtype"]
 
@@ -143,17 +143,36 @@ MATMUL_TILES[89] = MATMUL_TILES[86]
 EXACT_F32_TILE = Tile(32, 64, 16, 8, 1)
 
 
+# A matmul kernel holds one float32 accumulator tile per contraction it does not share
+# (`codegen/lower/dispatch.py`, up to MAX_CONTRACTIONS). On a GPU the accumulators of a
+# thread are kept within this many registers by halving BLOCK_M (to 64, a wgmma's rows), then
+# BLOCK_N: the FFN's three-contraction kernel at the table's 128 x 64 bf16 tile on 8 warps
+# (96 registers of accumulators) spilled 72 B a thread at tiny.yaml and 336-368 B at d_model
+# 128 on sm_90; at 64 x 64, 108-112 registers and none.
+ACCUMULATOR_REGISTERS = 64
+
+
 def matmul_tiles(itemsize: int, m: int, n: int, k: int,
-                 exact_f32: bool = False) -> dict[int, Tile]:
+                 exact_f32: bool = False, accumulators: int = 1) -> dict[int, Tile]:
     """Each architecture's tile for an [m, k] @ [k, n] contraction of `itemsize`-byte operands
     (`exact_f32`: float32 operands without tf32, `EXACT_F32_TILE` on a GPU): the table's,
-    each side shrunk to the problem (a power of two, >= 16 as tl.dot needs)."""
+    each side shrunk to the problem (a power of two, >= 16 as tl.dot needs), and on a GPU to
+    keep `accumulators` tiles within ACCUMULATOR_REGISTERS a thread."""
     out = {}
     for arch, by_size in MATMUL_TILES.items():
         t = EXACT_F32_TILE if exact_f32 and arch and itemsize == 4 else by_size[itemsize]
-        out[arch] = t._replace(block_m=max(16, min(t.block_m, pow2(m))),
-                               block_n=max(16, min(t.block_n, pow2(n))),
-                               block_k=max(16, min(t.block_k, pow2(k))))
+        t = t._replace(block_m=max(16, min(t.block_m, pow2(m))),
+                       block_n=max(16, min(t.block_n, pow2(n))),
+                       block_k=max(16, min(t.block_k, pow2(k))))
+        while arch and accumulators * t.block_m * t.block_n > \
+                ACCUMULATOR_REGISTERS * 32 * t.num_warps:
+            if t.block_m > 64:
+                t = t._replace(block_m=t.block_m // 2)
+            elif t.block_n > 16:
+                t = t._replace(block_n=t.block_n // 2)
+            else:
+                break
+        out[arch] = t
     return out
 
 

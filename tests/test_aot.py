@@ -415,3 +415,20 @@ def test_a_failed_compile_is_not_cached(tmp_path, monkeypatch) -> None:
         r = aot.compile_launch(launch, 90)
         assert not r["ok"] and "the process, not the kernel" in r["error"]
         assert not list(tmp_path.glob("aot/*.json"))
+
+
+def test_wide_model_head_and_ffn_kernels_fit_the_spill_budget() -> None:
+    """At d_model 128 (the GPU check's medium width) the LM head's cross-entropy kernels (exact
+    float32 dots: FMAs) and the FFN's three-contraction matmul compile for sm_90 within the
+    spill budget: the CUDA vocabulary block (`pattern_ops.CE_FMA_PER_THREAD`; 8,784 B spilled
+    a thread at the interpreter's block) and the accumulator bound on the matmul tile
+    (`meta.ACCUMULATOR_REGISTERS`; 336-368 B at 128 x 64)."""
+    launches = _record(EXAMPLES / "tiny.yaml",
+                       {"model.d_model": 128, "model.n_layers": 1, "model.seq_len": 32,
+                        "model.attention.segment": 16, "model.attention.window": 16,
+                        "train.batch_size": 1, "train.dtype": "bfloat16"}, graphs=("training",))
+    wanted = [l for l in launches if "cross_entropy" in l.name
+              or (l.is_matmul and l.source.count("tl.dot(") >= 3)]
+    assert len([l for l in wanted if "cross_entropy" in l.name]) == 3, [l.name for l in wanted]
+    assert any(l.is_matmul for l in wanted)
+    _check(_compile(None, {}, launches=wanted, archs=(90,)), tensor_cores=False)

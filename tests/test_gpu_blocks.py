@@ -27,7 +27,8 @@ import tests.reference as R  # noqa: E402
 from titanc import config  # noqa: E402
 from titanc.codegen import render  # noqa: E402
 from titanc.codegen.families.pattern_ops import CE_FMA_PER_THREAD, render_cross_entropy  # noqa: E402
-from titanc.codegen.meta import GPU_PROGRAMS, cuda_flat_block, cuda_row_block  # noqa: E402
+from titanc.codegen.meta import (ACCUMULATOR_REGISTERS, GPU_PROGRAMS, cuda_flat_block,  # noqa: E402
+                                 cuda_row_block, matmul_tiles)
 from titanc.compiler import compile_graphs  # noqa: E402
 from titanc.model.spec import load_spec  # noqa: E402
 from titanc.runtime.targets.aot import (fresh_kernel_modules, launch_constexprs,  # noqa: E402
@@ -186,3 +187,17 @@ def test_the_cross_entropy_cuda_block_computes_the_same() -> None:
     bwd.launch(h.detach(), W.detach(), target, lse, torch.tensor(1.0 / N).expand(N), dh, dW)
     torch.testing.assert_close(dh, h.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dW, W.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_matmul_tile_keeps_its_accumulators_within_the_registers_on_a_gpu() -> None:
+    """`matmul_tiles(..., accumulators=k)`: on a GPU BLOCK_M halves (to 64), then BLOCK_N,
+    until k float32 accumulator tiles fit ACCUMULATOR_REGISTERS a thread; the interpreter's
+    tile is unchanged."""
+    one = matmul_tiles(2, 1024, 341, 128)
+    three = matmul_tiles(2, 1024, 341, 128, accumulators=3)
+    assert one[90].block_m == 128 and three[90].block_m == 64      # the FFN kernel's sm_90 tile
+    assert three[0] == one[0]
+    for arch, t in three.items():
+        if arch:
+            assert 3 * t.block_m * t.block_n <= ACCUMULATOR_REGISTERS * 32 * t.num_warps
+            assert t.block_m >= 64 or t.block_m == one[arch].block_m

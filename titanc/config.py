@@ -14,7 +14,7 @@ program that never runs the CLI gets the same settings, read the first time it a
 | `scan_kernels` | `TITANC_SCAN_KERNELS` | 0: the triton target runs every scan as a host loop        |
 | `group_launches` | `TITANC_GROUP_LAUNCHES` | 0: the triton target launches every kernel alone (no launch groups, `codegen/horizontal.py`) |
 | `split_k`      | `TITANC_SPLIT_K`      | 1: split-K for matmuls with few output tiles and a long K (`codegen/meta.py` `split_k`; off by default: not yet measured on a GPU) |
-| `gpu_blocks`   | `TITANC_GPU_BLOCKS`   | 0: pointwise, reduction and cumsum kernels launch on CUDA with the interpreter's blocks, not their own (`codegen/meta.py` `cuda_flat_block`; the A/B of a GPU call) |
+| `gpu_blocks`   | `TITANC_GPU_BLOCKS`   | 0: pointwise, reduction, cumsum and cross-entropy kernels launch on CUDA with the interpreter's blocks, not their own (`codegen/meta.py` `cuda_flat_block`; the A/B of a GPU call) |
 | `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules and compiled programs are written (default: a per-user temp dir) |
 | `compile_cache` | `TITANC_COMPILE_CACHE` | 0: compile every time instead of reading `cache_dir/compiled` (titanc/compile_cache.py) |
 | `threads`      | `TITANC_THREADS`      | torch CPU threads of `titanc train` (a positive integer)  |

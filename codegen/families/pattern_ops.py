@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from titanc.config import current
 from titanc.codegen.meta import (LAUNCH_LOCALS, check_block, compute_dtype, dot_precision, pow2,
                                  pow2_floor)
 from titanc.codegen.render import Namer, render, sanitize_comment
@@ -216,7 +217,8 @@ def render_cross_entropy(
     if block_d >= 512:
         num_warps = max(num_warps, 16 if block_d >= 1024 else 8)
     cuda_block_v = block_v
-    if not allow_tf32 and dtype != "float64":       # FMAs on a GPU (float64: its DMMA)
+    # FMAs on a GPU (float64: its DMMA); TITANC_GPU_BLOCKS=0 keeps the interpreter's block
+    if not allow_tf32 and dtype != "float64" and current().gpu_blocks:
         fmas = CE_FMA_PER_THREAD * 32 * num_warps // (block_d * block_n)
         cuda_block_v = max(16, min(block_v, pow2_floor(fmas)))
     return render(

@@ -207,7 +207,8 @@ def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
                            dtype=dtype, header_lines=header, allow_tf32=allow_tf32,
                            tiles=matmul_tiles(2 if mma16 else _ITEMSIZE[dtype], first.sz["M"],
                                               first.sz["N"], k_max,
-                                              exact_f32=not (mma16 or allow_tf32)),
+                                              exact_f32=not (mma16 or allow_tf32),
+                                              accumulators=len(set(acc_of))),
                            mma16=mma16, split_k=kernel_split_k(g, kernel))
     return code_of(low, "matmul", source, indexed_args(low),
                    (first.sz["batch"], first.sz["M"], first.sz["N"], first.sz["K"]))
