@@ -155,3 +155,18 @@ def test_gpu_profile_prices_a_scan_round(monkeypatch) -> None:
                                              "top": [], "scans": [row]}}}
     text = gc.table(report)
     assert "us/round" in text and str(row["us_per_round"]) in text
+
+
+def test_gpu_run_default_jobs_are_gpu_check_jobs() -> None:
+    """Every job (or group) benchmarks/gpu_run.sh asks benchmarks/gpu_check.py for by default
+    exists there, with its environment where it has one: a misspelt name would cost a device
+    call its row."""
+    import re
+
+    gc = _load_benchmark("gpu_check")
+    text = (ROOT / "benchmarks" / "gpu_run.sh").read_text()
+    only = re.search(r"^ONLY=\$\{ONLY:-([^}]*)\}", text, re.M).group(1).split(",")
+    known = set(gc.GROUPS) | {n for v in gc.GROUPS.values() for n in v}
+    assert set(only) <= known, set(only) - known
+    assert set(gc.JOB_ENV) <= known
+    assert gc.JOB_ENV["tiny_bf16_interp_blocks"] == {"TITANC_GPU_BLOCKS": "0"}
