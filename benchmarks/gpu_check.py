@@ -110,6 +110,10 @@ TITANC = {
     # (TITANC_GPU_BLOCKS=0; docs/gpu_kernels.md): what their GPU blocks save
     "tiny_bf16_interp_blocks": ("tiny", BF16),
     "medium_bf16_interp_blocks": ("medium", BF16),
+    # large_125m with its memory scans as one kernel each (TITANC_SCAN_COST=0): 32 programs
+    # running 257-2,873 serial tile rounds a chunk, where the cost rule gives them host loops
+    # of kernels over the whole chip (codegen/meta.py ROUNDS_PER_LAUNCH; docs/gpu_kernels.md)
+    "large_bf16_scan_kernels": ("large", {**LARGE, **BF16}),
 }
 # a job's own environment (beyond the harness's)
 JOB_ENV = {"tiny_bf16_ungrouped": {"TITANC_GROUP_LAUNCHES": "0"},
@@ -117,7 +121,8 @@ JOB_ENV = {"tiny_bf16_ungrouped": {"TITANC_GROUP_LAUNCHES": "0"},
            "chk_mac_f32_split_k": {"TITANC_SPLIT_K": "1"},
            "medium_bf16_split_k": {"TITANC_SPLIT_K": "1"},
            "tiny_bf16_interp_blocks": {"TITANC_GPU_BLOCKS": "0"},
-           "medium_bf16_interp_blocks": {"TITANC_GPU_BLOCKS": "0"}}
+           "medium_bf16_interp_blocks": {"TITANC_GPU_BLOCKS": "0"},
+           "large_bf16_scan_kernels": {"TITANC_SCAN_COST": "0"}}
 # name: (size, [(matched, autocast bf16)])
 PEER = {
     "peer_tiny": ("tiny", [(False, False), (False, True), (True, False), (True, True)]),

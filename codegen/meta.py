@@ -234,6 +234,21 @@ def cuda_row_block(n_rows: int, block_r: int, block_c: int, num_warps: int) -> i
     return max(min(block_r, floor), min(block_r, pow2_floor(n_rows // GPU_PROGRAMS)))
 
 
+# What a launch costs, in a scan kernel's serial tile rounds (`codegen.scan.kernel.
+# serial_rounds`). Measured on an H200 (2026-11-28, benchmarks/gpu_profile.py): a round of the
+# memory-chunk scans took 0.66-0.73 µs at tiny.yaml and 0.84-0.86 µs at d_model 128, their
+# steps' other kernels 4.4 µs and 6.2 µs on average: a launch is 6.7-7.4 rounds. A chunk
+# recurrence whose one kernel (a program per independent index) would run more rounds than
+# its host loop's launches are worth runs as the loop (`scan_kernel_for`): large_125m's
+# chunk groups ran 726-2,873 rounds an iteration at 3.4 µs each on 32 programs, 6.7 of its
+# 8.6 s of kernels, where the loop is 14-36 launches an iteration, each over the whole chip.
+ROUNDS_PER_LAUNCH = 8
+# ... and only where the loop costs at most 1/LOOP_GAIN of the kernel: a near tie keeps the
+# kernel (fewer launches; a launch's worth in rounds was measured at two sizes only). tiny_lmm
+# at 512 tokens: its chunk groups' backward costs 2,200 rounds as a kernel, 2,144 as a loop.
+LOOP_GAIN = 2
+
+
 # Names bound by the launcher code every template shares (module constants are per family).
 LAUNCH_LOCALS = frozenset("""
     _check _broadcast_strides _as_3d launch grid shape numel ok message pad strides size stride

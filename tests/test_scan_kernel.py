@@ -43,6 +43,9 @@ import torch
 pytest.importorskip("triton")
 
 from tests.helpers import one_step_on_both_targets
+from titanc.codegen.group import groupable
+from titanc.codegen.lowered import lower
+from titanc.codegen.meta import ROUNDS_PER_LAUNCH
 from titanc.codegen.render import load_module
 from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, render_scan
 from titanc.compiler import compile_graphs
@@ -506,17 +509,72 @@ def test_large_memory_scans_take_one_program_per_batch_row_and_head(hoist_groups
     programs running the four heads in turn, on an H100 301 ms a launch, 76% of the step;
     `MAX_WORKSPACE_TOTAL` is 2**28, int32 indices). With compile.hoist_groups the groups'
     forward recompute, hoisted out of that backward (passes/hoist.py), runs every group at
-    once: 4 x 8 x 4 programs."""
+    once: 4 x 8 x 4 programs. (By default these scans run as host loops at this size,
+    `test_scan_cost_picks_the_loop_where_the_state_outgrows_a_program`: the kernels are
+    forced here, `TITANC_SCAN_COST=0`.)"""
     from titanc.runtime.targets.aot import record_launches
 
     c = compile_graphs(load_spec(ROOT / "examples" / "large_125m.yaml", {
         "model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64,
         "compile.hoist_groups": hoist_groups}))
     grids: dict[str, int] = {}
-    record_launches(c.plans["training"], grids=grids)
+    with config.override(scan_cost=False):
+        record_launches(c.plans["training"], grids=grids)
     chunk = {k: v for k, v in grids.items() if "memory_chunk" in k}
     assert any("group_bwd" in k for k in chunk), chunk
     assert sorted(chunk.values()) == [32, 32, 32] + [128] * hoist_groups, chunk
+
+
+def test_scan_cost_picks_the_loop_where_the_state_outgrows_a_program() -> None:
+    """large_125m (one layer, 1,024 tokens, bf16): a memory head's MLP and momentum do not fit
+    one program's chip, and its one kernel would run 257-2,873 serial tile rounds an
+    iteration on 32 programs (3.4 µs a round on an H200: 6.7 of the full model's 8.6 s of
+    kernels). Every memory scan runs as its host loop, says why, and the loop's kernels spread
+    over the chip (most of them 96 programs or more); with `TITANC_SCAN_COST=0` they are
+    kernels again. tiny.yaml's scans (14-30 rounds on tiles that fit) stay kernels."""
+    from titanc.codegen.scan.kernel import serial_cost
+    from titanc.runtime.targets.aot import record_launches
+
+    def forms(c) -> list[dict]:
+        out: list[dict] = []
+        count_launches(c.plans["training"], forms=out)
+        return [f for f in out if f["role"] in ("memory", "memory_group")]
+
+    large = compile_graphs(load_spec(ROOT / "examples" / "large_125m.yaml", {
+        "model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64,
+        "train.dtype": "bfloat16"}))
+    got = forms(large)
+    assert got and all(f["form"] == "host_loop" for f in got), got
+    assert all("serial tile rounds an iteration on 32 programs" in f["why"]
+               and "a loop of kernels over the whole chip is faster" in f["why"] for f in got)
+    assert count_launches(large.plans["training"]) == \
+        count_launches(large.plans["training"], scan_kernels=False)
+    grids: dict[str, int] = {}
+    record_launches(large.plans["training"], grids=grids, cuda_blocks=True)
+    assert not any(k.startswith("titanc_tem_fused_scan_memory") for k in grids)
+    assert sorted(grids.values())[len(grids) // 4] >= 96, sorted(grids.values())
+    with config.override(scan_cost=False):
+        assert {f["form"] for f in forms(large)} == {"kernel"}
+    tiny = compile_graphs(load_spec(ROOT / "examples" / "tiny.yaml", {"train.dtype": "bfloat16"}))
+    assert {f["form"] for f in forms(tiny)} == {"kernel"}
+    plan = tiny.plans["training"]                  # every step a launch: 8 rounds each
+    loops = lower(plan, None, groupable)
+    assert serial_cost(loops) == ROUNDS_PER_LAUNCH * loops.launches() > 0
+
+
+@pytest.mark.slow
+def test_memory_scans_the_cost_rule_loops_match_the_cpu_target(monkeypatch) -> None:
+    """With a launch worth no rounds the rule runs every memory scan as its host loop; one
+    float64 training step of tiny_lmm on the triton target still equals the cpu target's."""
+    from titanc.codegen.scan import kernel
+
+    monkeypatch.setattr(kernel, "ROUNDS_PER_LAUNCH", 0)
+    over = {**SMALL, "model.memory.heads": 1, "train.dtype": "float64"}
+    with config.override(compile_cache=False):      # keep these decisions off the disk
+        progs = one_step_on_both_targets(ROOT / "examples" / "tiny_lmm.yaml", over, batch=1)
+    tri = [ex for ex in progs["triton"]._executors.values() if isinstance(ex, TritonExecutor)]
+    why = [f["reason"] for ex in tri for f in ex.fallbacks if "memory_chunk" in f["scan"]]
+    assert why and all("serial tile rounds" in w for w in why)
 
 
 def _step_launches(example: str, seq_len: int) -> tuple[int, int]:

@@ -14,6 +14,7 @@ program that never runs the CLI gets the same settings, read the first time it a
 | `scan_kernels` | `TITANC_SCAN_KERNELS` | 0: the triton target runs every scan as a host loop        |
 | `group_launches` | `TITANC_GROUP_LAUNCHES` | 0: the triton target launches every kernel alone (no launch groups, `codegen/horizontal.py`) |
 | `split_k`      | `TITANC_SPLIT_K`      | 1: split-K for matmuls with few output tiles and a long K (`codegen/meta.py` `split_k`; off by default: not yet measured on a GPU) |
+| `scan_cost`    | `TITANC_SCAN_COST`    | 0: every chunk recurrence that renders as one scan kernel is one, however many serial rounds it runs (no cost rule: `codegen/scan/kernel.py` `scan_kernel_for`; the A/B of a GPU call) |
 | `gpu_blocks`   | `TITANC_GPU_BLOCKS`   | 0: pointwise, reduction, cumsum and cross-entropy kernels launch on CUDA with the interpreter's blocks, not their own (`codegen/meta.py` `cuda_flat_block`; the A/B of a GPU call) |
 | `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules and compiled programs are written (default: a per-user temp dir) |
 | `compile_cache` | `TITANC_COMPILE_CACHE` | 0: compile every time instead of reading `cache_dir/compiled` (titanc/compile_cache.py) |
@@ -51,6 +52,7 @@ class Config:
     group_launches: bool = True
     split_k: bool = False
     gpu_blocks: bool = True
+    scan_cost: bool = True
     cache_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir())
                             / f"titanc-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     compile_cache: bool = True
@@ -109,6 +111,7 @@ class Config:
                    group_launches=env.get("TITANC_GROUP_LAUNCHES", "1") != "0",
                    split_k=env.get("TITANC_SPLIT_K", "0") == "1",
                    gpu_blocks=env.get("TITANC_GPU_BLOCKS", "1") != "0",
+                   scan_cost=env.get("TITANC_SCAN_COST", "1") != "0",
                    compile_cache=env.get("TITANC_COMPILE_CACHE", "1") != "0", threads=threads, torchrun={k: env[k] for k in TORCHRUN if k in env},
                    invalid=invalid, **more)
 

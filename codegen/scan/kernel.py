@@ -87,19 +87,20 @@ from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.graph import freeze_attrs
 from titanc.passes.flash_attention import expand_attention
 from titanc.ir.buffer_plan import BufferPlan
-from titanc.ir.schedule import Kernel, is_immediate, scan_prologue
+from titanc.ir.schedule import Kernel, is_immediate, prologue_kernel, scan_prologue
 
 from titanc.codegen.group import groupable
 from titanc.config import current
-from titanc.codegen.lowered import lower
+from titanc.codegen.lowered import LaunchGroup, Lowered, ScanLaunch, ScanLoop, lower
 from titanc.codegen.lower.code import graph_dtype
-from titanc.codegen.meta import carry_register_bytes, compute_dtype, dot_precision, needs_int64
+from titanc.codegen.meta import (LOOP_GAIN, ROUNDS_PER_LAUNCH, carry_register_bytes,
+                                 compute_dtype, dot_precision, kernel_split_k, needs_int64)
 from titanc.codegen.render import render, sanitize_identifier
 from titanc.codegen.scan.index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, BodyRefs, _PaxError
 from titanc.codegen.scan.stages import _ScanGen
 
 __all__ = ["KERNEL_ROLES", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
-           "render_scan", "scan_form", "serial_rounds"]
+           "render_scan", "scan_form", "serial_cost", "serial_rounds"]
 
 MAX_WORKSPACE_TOTAL = 1 << 28   # workspace elements of all programs (one workspace per executor)
 MAX_STAGES = 128                # stages of one scan kernel (compile time and registers grow);
@@ -408,6 +409,11 @@ def scan_form(g: Graph, scan_id: int) -> str:
         (the backward sums weight gradients over it): as one kernel they ran on 8 programs, or
         one, of a 132-SM chip, with 50 to 230 stages that took minutes to compile and spilled.
         Inside the step's CUDA graph a launch costs a few microseconds.
+
+    `scan_kernel_for` then weighs (a) against (b) by their serial cost (`serial_cost`): a
+    chunk recurrence whose state is too big for one program's chip (large_125m's memory: a
+    head's MLP and momentum, ~1.2 MB) runs hundreds of tile rounds an iteration on its few
+    programs, and its host loop, a few launches each over the whole chip, is faster.
     """
     n = g.node(scan_id)
     role = n.attr("role")
@@ -427,10 +433,54 @@ def scan_kernel_for(plan: BufferPlan, kern: Kernel, sid: int, dtype: str,
         raise ScanFallback(why)
     outs = set(kern.outputs)
     used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
-    return render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
-                       immediate=lambda v: (float(g.node(v).attr("value"))
-                                            if is_immediate(g, v) else None),
-                       allow_tf32=allow_tf32, prologue=scan_prologue(g, kern))
+    sk = render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
+                     immediate=lambda v: (float(g.node(v).attr("value"))
+                                          if is_immediate(g, v) else None),
+                     allow_tf32=allow_tf32, prologue=scan_prologue(g, kern))
+    if current().scan_cost:
+        length = g.node(sid).attr("length")
+        one = ROUNDS_PER_LAUNCH + sk.rounds * length
+        loop = serial_cost(lower(plan.bodies[sid], _kernel_or_none(dtype, allow_tf32),
+                                 groupable if current().group_launches else None)) * length
+        loop += ROUNDS_PER_LAUNCH * (prologue_kernel(g, kern) is not None)
+        if LOOP_GAIN * loop <= one:
+            raise ScanFallback(
+                f"its one kernel would run {sk.rounds} serial tile rounds an iteration on "
+                f"{sk.grid} programs ({one:,} rounds in all), its host loop costs {loop:,} "
+                f"(a launch counted as {ROUNDS_PER_LAUNCH} rounds, `serial_cost`; at most "
+                f"1/{LOOP_GAIN} of the kernel's): a loop of kernels over the whole chip is "
+                "faster")
+    return sk
+
+
+def _kernel_or_none(dtype: str, allow_tf32: bool
+                    ) -> Callable[[BufferPlan, Kernel, int], "ScanKernel | None"]:
+    def one(plan: BufferPlan, kern: Kernel, sid: int) -> "ScanKernel | None":
+        try:
+            return scan_kernel_for(plan, kern, sid, dtype, allow_tf32)
+        except ScanFallback:
+            return None
+    return one
+
+
+def serial_cost(lowered: Lowered) -> int:
+    """One run of `lowered` in serial tile rounds, the unit of `codegen.meta.
+    ROUNDS_PER_LAUNCH`: a launch (a launch group, a loop's prologue; a split-K matmul two)
+    is ROUNDS_PER_LAUNCH rounds, a scan kernel that plus its serial rounds an iteration
+    times its iterations, a host loop its body's cost times its iterations. What decides
+    between a chunk recurrence's one kernel and its host loop (`scan_kernel_for`)."""
+    g = lowered.graph
+    cost = 0
+    for s in lowered.steps:
+        if isinstance(s, ScanLoop):
+            cost += (ROUNDS_PER_LAUNCH * (s.prologue is not None)
+                     + serial_cost(s.body) * g.node(s.scan).attr("length"))
+        elif isinstance(s, ScanLaunch):
+            cost += ROUNDS_PER_LAUNCH + s.code.rounds * g.node(s.scan).attr("length")
+        else:
+            single = isinstance(s, LaunchGroup) or kernel_split_k(g, s.kernel) < 2
+            cost += ROUNDS_PER_LAUNCH * (1 if single else 2)
+    return cost
 
 
 def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: bool = True,

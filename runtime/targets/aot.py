@@ -157,12 +157,16 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
     if not interpreting():
         raise RuntimeError("record_launches runs under TRITON_INTERPRET=1")
     seen: dict[str, Launch] = {}
+    by_fn: dict[Any, tuple[Any, str]] = {}     # a kernel's parameters and module source, once
 
     def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         names = self.arg_names
         bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
         sig, const, div = [], [], []
-        params = inspect.signature(self.fn).parameters
+        if self.fn not in by_fn:        # a host loop launches the same kernels every iteration
+            by_fn[self.fn] = (inspect.signature(self.fn).parameters,
+                              Path(inspect.getsourcefile(self.fn)).read_text())
+        params, source = by_fn[self.fn]
         fixed = set(getattr(self, "kwargs", {}).get("do_not_specialize") or ())
         for n in names:
             v = bound[n]
@@ -176,7 +180,7 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
             if attr == "D":
                 div.append(n)
             sig.append((n, ty))
-        launch = Launch(self.fn.__name__, Path(inspect.getsourcefile(self.fn)).read_text(),
+        launch = Launch(self.fn.__name__, source,
                         tuple(sig), tuple(const), tuple(div), int(kwargs.get("num_warps", 4)),
                         int(kwargs.get("num_stages", 3)))
         seen.setdefault(launch.key(), launch)

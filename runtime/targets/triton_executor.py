@@ -216,7 +216,7 @@ class TritonExecutor(PlanExecutor):
         # (the same for the same plan)
         cfg = current()
         self._disk_key = (f"{plan_key}|{self.dtype}|{allow_tf32}|split_k={cfg.split_k}"
-                          f"|gpu_blocks={cfg.gpu_blocks}"
+                          f"|gpu_blocks={cfg.gpu_blocks}|scan_cost={cfg.scan_cost}"
                           if plan_key is not None and cfg.compile_cache and not cfg.debug
                           else None)
         self._disk = load_rendered(self._disk_key) if self._disk_key else {}
