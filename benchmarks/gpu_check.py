@@ -114,6 +114,10 @@ TITANC = {
     # running 257-2,873 serial tile rounds a chunk, where the cost rule gives them host loops
     # of kernels over the whole chip (codegen/meta.py ROUNDS_PER_LAUNCH; docs/gpu_kernels.md)
     "large_bf16_scan_kernels": ("large", {**LARGE, **BF16}),
+    # every memory scan as its host loop (TITANC_SCAN_KERNELS=0) where the rule keeps kernels:
+    # what ROUNDS_PER_LAUNCH is measured against at these sizes
+    "tiny_bf16_scan_loops": ("tiny", BF16),
+    "medium_bf16_scan_loops": ("medium", BF16),
 }
 # a job's own environment (beyond the harness's)
 JOB_ENV = {"tiny_bf16_ungrouped": {"TITANC_GROUP_LAUNCHES": "0"},
@@ -122,7 +126,9 @@ JOB_ENV = {"tiny_bf16_ungrouped": {"TITANC_GROUP_LAUNCHES": "0"},
            "medium_bf16_split_k": {"TITANC_SPLIT_K": "1"},
            "tiny_bf16_interp_blocks": {"TITANC_GPU_BLOCKS": "0"},
            "medium_bf16_interp_blocks": {"TITANC_GPU_BLOCKS": "0"},
-           "large_bf16_scan_kernels": {"TITANC_SCAN_COST": "0"}}
+           "large_bf16_scan_kernels": {"TITANC_SCAN_COST": "0"},
+           "tiny_bf16_scan_loops": {"TITANC_SCAN_KERNELS": "0"},
+           "medium_bf16_scan_loops": {"TITANC_SCAN_KERNELS": "0"}}
 # name: (size, [(matched, autocast bf16)])
 PEER = {
     "peer_tiny": ("tiny", [(False, False), (False, True), (True, False), (True, True)]),

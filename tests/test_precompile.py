@@ -104,6 +104,11 @@ def test_a_second_process_finds_the_markers(tmp_path, monkeypatch) -> None:
         second = precompile(plans2[1:2], 90, jit=False, progress=False, keys=keys2[1:2])
         marker = pc._marker(plans2[1], keys2[1], 90, False, False)
         assert marker.exists() and pc._marker(plans2[1], "other", 90, False, False) != marker
+        # a switch that changes which kernels launch keys its own marker
+        for switch in ({"scan_kernels": False}, {"scan_cost": False}, {"split_k": True},
+                       {"gpu_blocks": False}, {"group_launches": False}):
+            with config.override(**switch):
+                assert pc._marker(plans2[1], keys2[1], 90, False, False) != marker, switch
     assert not first["cached"] and second["cached"]
     assert second["kernels"] == first["kernels"] >= 1
     # each executor's own precompile (a graph bound later: evaluation at another batch) is

@@ -83,7 +83,8 @@ def recorded_launches(plans: Any, allow_tf32: bool = False, float_dtype: Any = N
                                 TITANC_GROUP_LAUNCHES="1" if current().group_launches else "0",
                                 TITANC_SPLIT_K="1" if current().split_k else "0",
                                 TITANC_GPU_BLOCKS="1" if current().gpu_blocks else "0",
-                                TITANC_SCAN_COST="1" if current().scan_cost else "0")
+                                TITANC_SCAN_COST="1" if current().scan_cost else "0",
+                                TITANC_SCAN_KERNELS="1" if current().scan_kernels else "0")
         cmd = module_command("titanc.runtime.targets.precompile_worker", "--record", str(src),
                              str(out), *(["--allow-tf32"] if allow_tf32 else []))
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -104,7 +105,7 @@ def _marker(plan: Any, key: str | None, arch: int, allow_tf32: bool, jit: bool) 
     digest = hashlib.sha256(what + f"{arch}|{allow_tf32}|{jit}|{triton.__version__}|"
                             f"{_code_hash()}|{current().group_launches}|"
                             f"{current().split_k}|{current().gpu_blocks}|"
-                            f"{current().scan_cost}".encode()
+                            f"{current().scan_cost}|{current().scan_kernels}".encode()
                             ).hexdigest()[:24]
     return cache_dir() / "precompiled" / f"{digest}.json"
 
