@@ -234,6 +234,33 @@ def cuda_row_block(n_rows: int, block_r: int, block_c: int, num_warps: int) -> i
     return max(min(block_r, floor), min(block_r, pow2_floor(n_rows // GPU_PROGRAMS)))
 
 
+# Column reductions on a GPU. A reduction whose rows include its input's last axis (the
+# contiguous one: a weight gradient's or a gate's sum over the tokens of [batch, tokens,
+# channels]) has its rows side by side in memory and its columns strided. The interpreter's
+# layout, a whole row a program, then makes every warp load 32 elements a row apart: 32
+# sectors of 32 bytes for 64 useful ones. large_125m's segment backward has such a group
+# (768 rows of 4,096 tokens, ten tensors), which took 2.2 ms a launch on an H200, and its
+# layer backward one of 768 x 32,768 at 6.3 ms. On CUDA a kernel of at least
+# COLUMN_ELEMENTS elements takes COLUMN_ROWS adjacent rows a program (32 bytes of bf16, the
+# sector) and loops over its columns in blocks of COLUMN_TILE / COLUMN_ROWS: Triton lays the
+# tile out along the contiguous rows, so a warp reads whole sectors. Smaller kernels keep a
+# row a program (tiny.yaml's, 64 rows of 256: their latency, not their bytes, is the cost).
+# The columns are summed block by block: another order than the interpreter's one block.
+COLUMN_ELEMENTS = 1 << 18
+COLUMN_ROWS = 16
+COLUMN_TILE = 2048
+
+
+def cuda_column_blocks(n_rows: int, n_cols: int) -> tuple[int, int] | None:
+    """(BLOCK_R, BLOCK_C) on CUDA of a reduction whose rows are contiguous in memory, or None
+    where it keeps the interpreter's (fewer than COLUMN_ELEMENTS elements, a row that fits
+    one column block, or `TITANC_GPU_BLOCKS=0`)."""
+    block_c = COLUMN_TILE // COLUMN_ROWS
+    if not current().gpu_blocks or n_rows * n_cols < COLUMN_ELEMENTS or n_cols <= block_c:
+        return None
+    return min(COLUMN_ROWS, pow2(n_rows)), block_c
+
+
 # What a launch costs, in a scan kernel's serial tile rounds (`codegen.scan.kernel.
 # serial_rounds`). Measured on an H200 (2026-11-28, benchmarks/gpu_profile.py): a round of the
 # memory-chunk scans took 0.66-0.73 µs at tiny.yaml and 0.84-0.86 µs at d_model 128, their
@@ -252,7 +279,7 @@ LOOP_GAIN = 2
 # Names bound by the launcher code every template shares (module constants are per family).
 LAUNCH_LOCALS = frozenset("""
     _check _broadcast_strides _as_3d launch grid shape numel ok message pad strides size stride
-    full tensor TILES tiles_for _tiles num_warps num_stages NUM_WARPS NUM_STAGES arch BLOCKS
+    full tensor TILES tiles_for _tiles num_warps num_stages NUM_WARPS NUM_STAGES arch BLOCKS COLS
     cuda_constexprs
 """.split())
 

@@ -432,3 +432,22 @@ def test_wide_model_head_and_ffn_kernels_fit_the_spill_budget() -> None:
     assert len([l for l in wanted if "cross_entropy" in l.name]) == 3, [l.name for l in wanted]
     assert any(l.is_matmul for l in wanted)
     _check(_compile(None, {}, launches=wanted, archs=(90,)), tensor_cores=False)
+
+
+def test_column_reductions_compile_for_sm90_within_the_spill_budget() -> None:
+    """large_125m's column reductions (sums over the tokens, rows contiguous: 16 rows a
+    program, 128-column blocks on CUDA, `meta.cuda_column_blocks`) compile for sm_90 within
+    the spill budget, and the compile takes that layout."""
+    launches = _record(EXAMPLES / "large_125m.yaml",
+                       {"model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64,
+                        "train.dtype": "bfloat16"}, graphs=("training",))
+    column = re.compile(r"COLS = \{False: (\d+), True: (\d+)\}")
+    wanted = [l for l in launches
+              if any(a != b for a, b in column.findall(l.source.replace("\\n", "\n")))]
+    assert wanted, "no column reduction at large_125m's sizes"
+    results = _compile(None, {}, launches=wanted, archs=(90,))
+    _check(results, tensor_cores=False)
+    for l in wanted:
+        module = load_module(l.source, l.name, interpret=False)
+        constexprs, _, _ = aot.launch_constexprs(l, module, 90)
+        assert 128 in [v for k, v in constexprs.items() if k.endswith("BLOCK_C")], l.name

@@ -201,3 +201,50 @@ def test_a_matmul_tile_keeps_its_accumulators_within_the_registers_on_a_gpu() ->
         if arch:
             assert 3 * t.block_m * t.block_n <= ACCUMULATOR_REGISTERS * 32 * t.num_warps
             assert t.block_m >= 64 or t.block_m == one[arch].block_m
+
+
+def test_a_column_reduction_takes_adjacent_rows_and_column_blocks_on_cuda() -> None:
+    """A reduction whose rows are contiguous in memory (its input's last axis kept: a sum
+    over tokens) with at least COLUMN_ELEMENTS elements takes COLUMN_ROWS rows a program on
+    CUDA and loops over column blocks (`meta.cuda_column_blocks`); smaller ones, and every
+    one with TITANC_GPU_BLOCKS=0, keep the interpreter's. large_125m's layer backward
+    (768 channels x 32,768 tokens): 16 rows of 128-column blocks, no spill on sm_90."""
+    from titanc.codegen.meta import COLUMN_ELEMENTS, COLUMN_ROWS, cuda_column_blocks
+
+    assert cuda_column_blocks(768, 32768) == (COLUMN_ROWS, 128)
+    assert cuda_column_blocks(64, 256) is None                  # tiny.yaml's: latency-bound
+    assert cuda_column_blocks(8, COLUMN_ELEMENTS) == (8, 128)   # fewer rows than COLUMN_ROWS
+    assert cuda_column_blocks(COLUMN_ELEMENTS, 64) is None      # a row is one column block
+    with config.override(gpu_blocks=False):
+        assert cuda_column_blocks(768, 32768) is None
+    c = compile_graphs(load_spec(ROOT / "examples" / "large_125m.yaml", {
+        "model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64,
+        "train.dtype": "bfloat16"}))
+    seen = []
+    with fresh_kernel_modules():
+        for launch in record_launches(c.plans["training"]):
+            module = render.load_module(launch.source, launch.name, interpret=False)
+            for m in getattr(module, "MEMBERS", None) or [module]:
+                cols = getattr(m, "COLS", None)
+                if cols and cols[True] != cols[False]:
+                    seen.append((launch.name, m.BLOCKS[True], cols[True]))
+    assert seen and all(r == COLUMN_ROWS and c == 128 for _, r, c in seen), seen
+
+
+def test_column_blocks_compute_the_same(monkeypatch) -> None:
+    """Every column reduction of tiny_lmm at the test sizes with the CUDA column layout
+    (COLUMN_ELEMENTS lowered so that they qualify), run by the interpreter: the cpu target's
+    results in float64 (the columns are summed block by block, another order)."""
+    from titanc.codegen import meta
+
+    monkeypatch.setattr(meta, "COLUMN_ELEMENTS", 1)
+    monkeypatch.setattr(meta, "COLUMN_TILE", 16 * meta.COLUMN_ROWS)   # 16-column blocks
+    c = _compiled("tiny_lmm")
+    plan, inputs = c.plans["training"], _inputs(c)
+    cpu = ArenaExecutor(plan).run(inputs)
+    with fresh_kernel_modules(cuda_blocks=True) as changed:
+        got = TritonExecutor(plan).run(inputs)
+    looped = [m for m in changed if getattr(m, "COLS", {False: 0, True: 0})[True] == 16]
+    assert looped, "no column reduction took the column layout"
+    for k, v in cpu.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-11, msg=lambda m: f"{k}: {m}")

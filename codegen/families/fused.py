@@ -174,6 +174,7 @@ def render_reduction(
     num_warps: int = 4,
     wide: bool = False,
     cuda_block_r: int | None = None,
+    cuda_block_c: int | None = None,
 ) -> str:
     """Row reduction(s) over the last axis of [rows, cols] views with prologue and epilogues.
 
@@ -193,6 +194,8 @@ def render_reduction(
     wide: row and column indices in int64 (a tensor of >= 2**31 elements, `meta.needs_int64`).
     block_r: rows a program off CUDA; cuda_block_r: on CUDA (`meta.cuda_row_block`; default
         `block_r`), also the module's `cuda_constexprs` for an ahead-of-time compile.
+        cuda_block_c: the column block on CUDA (`meta.cuda_column_blocks`; default `block_c`):
+        the kernel loops over column blocks if either device's block is shorter than a row.
     Launcher: `launch(*inputs, *row_outputs, *reduced_outputs, *indexed, n_rows, n_cols)`.
     """
     if not stages:
@@ -202,7 +205,9 @@ def render_reduction(
     if block_c is None:
         block_c = pow2(n_cols, 16) if n_cols <= max_single_block else 1024
     check_block("block_c", block_c, 16)
-    single_pass = block_c >= n_cols
+    cuda_block_c = check_block("cuda_block_c", block_c if cuda_block_c is None else cuda_block_c,
+                               16)
+    single_pass = min(block_c, cuda_block_c) >= n_cols
     cd = compute_dtype(dtype)
     scope = Scope(REDUCTION_KERNEL_LOCALS | LAUNCH_LOCALS)
     derived = ["{}_ptr", "stride_{}_row", "stride_{}_col"]
@@ -263,6 +268,7 @@ def render_reduction(
         block_r=block_r,
         cuda_block_r=cuda_block_r,
         block_c=block_c,
+        cuda_block_c=cuda_block_c,
         num_warps=num_warps,
         compute_dtype=cd,
         single_pass=single_pass,

@@ -17,7 +17,7 @@ from titanc.codegen.families.fused import ReductionStage, render_reduction
 from titanc.codegen.lower.indexing import Ix, Names, Section, const, delinearize, reshape_coords
 from titanc.codegen.lower.code import KernelCode, TensorArg, code_of, index_tile, indexed_args, store
 from titanc.codegen.lower.nodes import KernelLowering, Val
-from titanc.codegen.meta import cuda_row_block, needs_int64, pow2
+from titanc.codegen.meta import cuda_column_blocks, cuda_row_block, needs_int64, pow2
 
 __all__ = ["MAX_ROW_BLOCK", "lower_cumsum", "lower_reduction"]
 
@@ -131,11 +131,15 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
     block_r, block_c = _row_blocks(n_rows, n_cols)
     n_tensors = len(args) + len(low.indexed())
     warps = 4 if n_tensors <= MANY_TENSORS else 8
+    # rows side by side in memory (the input's last axis is kept): on CUDA, adjacent rows a
+    # program and a loop over column blocks (`meta.cuda_column_blocks`)
+    column = cuda_column_blocks(n_rows, n_cols) if kept and kept[-1] == len(x) - 1 else None
+    cuda_r, cuda_c = column or (cuda_row_block(n_rows, block_r, block_c, warps), block_c)
     source = render_reduction(
         kernel.name, inputs=[], stages=stage_objs, n_cols=n_cols, row_epilogue=pre.stmts,
         reduced_outputs=reduced, indexed=low.indexed(), row_stores=row_stores, dtype=dtype,
         header_lines=header, block_r=block_r, block_c=block_c, wide=_wide(low),
-        num_warps=warps, cuda_block_r=cuda_row_block(n_rows, block_r, block_c, warps))
+        num_warps=warps, cuda_block_r=cuda_r, cuda_block_c=cuda_c)
     return code_of(low, "reduction", source, args + indexed_args(low), (n_rows, n_cols))
 
 

@@ -116,9 +116,12 @@ def fresh_kernel_modules(cuda_blocks: bool = False) -> Any:
     def load_fresh(source: str, name: str, interpret: bool | None = None) -> Any:
         module = load(source, name, interpret)
         blocks = getattr(module, "BLOCKS", None)
+        cols = getattr(module, "COLS", None)            # a reduction's column blocks
         if (cuda_blocks and isinstance(blocks, dict) and not isinstance(blocks[True], tuple)
-                and blocks[False] != blocks[True]):
+                and (blocks[False] != blocks[True] or (cols and cols[False] != cols[True]))):
             module.BLOCKS = {False: blocks[True], True: blocks[True]}
+            if cols:
+                module.COLS = {False: cols[True], True: cols[True]}
             changed.append(module)
         return module
 
