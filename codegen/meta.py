@@ -261,6 +261,18 @@ def cuda_column_blocks(n_rows: int, n_cols: int) -> tuple[int, int] | None:
     return min(COLUMN_ROWS, pow2(n_rows)), block_c
 
 
+def attention_cuda_blocks(n_queries: int) -> tuple[tuple[int, int] | None,
+                                                 tuple[int, int] | None]:
+    """(forward, backward) (BLOCK_M, BLOCK_N) of a flash attention with 16-bit q, k, v on CUDA
+    (None: the interpreter's, or the exact dots' 32 x 32 for the forward): tiles wgmma
+    multiplies (64 rows a warpgroup, 8 warps) where there are at least 64 queries, the
+    forward 128 x 64 from 128 queries; fewer queries, or `TITANC_GPU_BLOCKS=0`, keep the
+    blocks from before (32 x 32 on mma.sync)."""
+    if not current().gpu_blocks or n_queries < 64:
+        return None, None
+    return ((128, 64) if n_queries >= 128 else (64, 64)), (64, 64)
+
+
 # What a launch costs, in a scan kernel's serial tile rounds (`codegen.scan.kernel.
 # serial_rounds`). Measured on an H200 (2026-11-28, benchmarks/gpu_profile.py): a round of the
 # memory-chunk scans took 0.66-0.73 µs at tiny.yaml and 0.84-0.86 µs at d_model 128, their

@@ -434,20 +434,31 @@ def test_wide_model_head_and_ffn_kernels_fit_the_spill_budget() -> None:
     _check(_compile(None, {}, launches=wanted, archs=(90,)), tensor_cores=False)
 
 
-def test_column_reductions_compile_for_sm90_within_the_spill_budget() -> None:
-    """large_125m's column reductions (sums over the tokens, rows contiguous: 16 rows a
-    program, 128-column blocks on CUDA, `meta.cuda_column_blocks`) compile for sm_90 within
-    the spill budget, and the compile takes that layout."""
+def test_large_bf16_column_reductions_and_attention_compile_for_sm90() -> None:
+    """At large_125m's sizes in bf16 (one layer, 1,024 tokens), the column reductions (sums
+    over the tokens, rows contiguous: 16 rows a program, 128-column blocks on CUDA,
+    `meta.cuda_column_blocks`) and the flash attention's kernels (128 x 64 and 64 x 64 on 8
+    warps, `meta.attention_cuda_blocks`) compile for sm_90 within the spill budget, the compile
+    takes those blocks, and the attention multiplies with wgmma."""
     launches = _record(EXAMPLES / "large_125m.yaml",
                        {"model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64,
                         "train.dtype": "bfloat16"}, graphs=("training",))
     column = re.compile(r"COLS = \{False: (\d+), True: (\d+)\}")
-    wanted = [l for l in launches
-              if any(a != b for a, b in column.findall(l.source.replace("\\n", "\n")))]
-    assert wanted, "no column reduction at large_125m's sizes"
-    results = _compile(None, {}, launches=wanted, archs=(90,))
+    columns = [l for l in launches if any(a != b for a, b in column.findall(l.source))]
+    attention = [l for l in launches if "_attention" in l.name]
+    assert columns, "no column reduction at large_125m's sizes"
+    assert {l.name.rsplit("_", 1)[-1] for l in attention} >= {"dq", "dkdv"}, \
+        [l.name for l in attention]
+    results = _compile(None, {}, launches=columns + attention, archs=(90,))
     _check(results, tensor_cores=False)
-    for l in wanted:
+    assert all(r["wgmma"] for r in results if "_attention" in r["name"]), \
+        [(r["name"], r["wgmma"]) for r in results]
+    for l in columns + attention:
         module = load_module(l.source, l.name, interpret=False)
         constexprs, _, _ = aot.launch_constexprs(l, module, 90)
-        assert 128 in [v for k, v in constexprs.items() if k.endswith("BLOCK_C")], l.name
+        blocks = {k.rsplit("_", 1)[-1] if "_" in k else k: v for k, v in constexprs.items()
+                  if "BLOCK" in k}
+        if l in columns:
+            assert 128 in [v for k, v in constexprs.items() if k.endswith("BLOCK_C")], l.name
+        else:
+            assert constexprs["BLOCK_N"] == 64 and constexprs["BLOCK_M"] in (64, 128), blocks

@@ -162,16 +162,21 @@ def render_attention_bwd(
     block_n: int = 64,
     num_warps: int = 4,
     wide: bool = False,
+    cuda_blocks: tuple[int, int] | None = None,
 ) -> str:
     """Flash-attention backward (dq kernel, then a dk/dv kernel per key group).
 
     Launcher: `launch(q, k_<group>..., v_<group>..., o, lse, do, dq, dk_<group>...,
     dv_<group>..., delta, n_<group>..., sm_scale)`;
     `delta` is a [batch, head, queries] scratch tensor. `wide`: as the forward's.
+    `cuda_blocks`: as the forward's (both kernels take them).
     """
     ctx = _attention_context(name, groups, head_dim, dtype, allow_tf32, block_m, block_n,
                              num_warps, header_lines, wide)
-    return render("attention_bwd.py.jinja", **ctx)
+    cuda_m, cuda_n = cuda_blocks or (block_m, block_n)
+    check_block("cuda block_m", cuda_m, 16)
+    check_block("cuda block_n", cuda_n, 16)
+    return render("attention_bwd.py.jinja", cuda_block_m=cuda_m, cuda_block_n=cuda_n, **ctx)
 
 
 # --- cross-entropy ----------------------------------------------------------------------------

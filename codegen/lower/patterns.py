@@ -33,7 +33,7 @@ from titanc.codegen.families.pattern_ops import (KeyGroup, render_attention_bwd,
                              render_cross_entropy)
 from titanc.codegen.lower.code import KernelCode, TensorArg
 from titanc.codegen.lower.lowerings import TRITON_KERNEL
-from titanc.codegen.meta import compute_dtype, needs_int64, pow2
+from titanc.codegen.meta import attention_cuda_blocks, compute_dtype, needs_int64, pow2
 from titanc.codegen.render import render
 
 __all__ = ["SCRATCH", "element_args", "key_groups", "render_template"]
@@ -91,18 +91,27 @@ def _attention(g: Graph, n: Node, kernel: Kernel, header: list[str], dtype: str,
     # 32 x 32 blocks at every width (tiny.yaml's, head_dim 16, compiles for sm_90 in 1.95 CPU-s
     # instead of 5.8 s); the interpreter keeps 64 x 64 (half the programs and loop steps).
     exact = dtype == "float64" or (dtype == "float32" and not allow_tf32)
+    # 16-bit q, k, v (a bf16 program's) multiply on tensor cores on CUDA: the exact dots'
+    # 32 x 32 blocks would keep them on mma.sync with 32-row tiles. With at least 64 queries
+    # they take wgmma's tiles on 8 warps (`meta.attention_cuda_blocks`; large_125m, head_dim
+    # 64, sm_90: forward 128 x 64, 127 registers; dq and dk/dv 64 x 64, 123 and 164; no spill)
+    low, nq = q.dtype in ("bf16", "f16"), q.shape[2]
+    fwd_cuda, bwd_cuda = attention_cuda_blocks(nq) if low else (None, None)
     wide_fma = exact and pow2(q.shape[3], 16) >= 64
-    kw["num_warps"] = 8 if wide_fma else 4
+    kw["num_warps"] = 8 if wide_fma or fwd_cuda else 4
     if n.op is Op.ATTENTION:
         source = render_attention_fwd(kernel.name, block_m=64, block_n=64,
-                                      cuda_blocks=(32, 32) if exact else None, **kw)
+                                      cuda_blocks=fwd_cuda or ((32, 32) if exact else None),
+                                      **kw)
         return KernelCode(kernel.name, kernel.category, "attention_fwd", g.name, source,
                           (*ins, *outs), sizes)
     if any(a_.value == SCRATCH for a_ in outs):
         raise NotImplementedError(f"{kernel.name}: every gradient of ATTENTION_BWD must be read")
     # 32 x 32 blocks: the dk/dv kernel holds two accumulators and recomputes p and ds per
     # block; at 64 x 64 it spilled ~0.5 KB/thread on sm_90 (tests/test_aot.py budget 256 B)
-    source = render_attention_bwd(kernel.name, block_m=32, block_n=32, **kw)
+    # as exact dots (FMAs); 16-bit operands on CUDA take 64 x 64 (above)
+    source = render_attention_bwd(kernel.name, block_m=32, block_n=32, cuda_blocks=bwd_cuda,
+                                  **kw)
     delta = TensorArg(SCRATCH, q.shape[:3])
     return KernelCode(kernel.name, kernel.category, "attention_bwd", g.name, source,
                       (*ins, *outs, delta), sizes)

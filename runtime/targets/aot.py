@@ -99,14 +99,16 @@ class Launch:
 
 
 @contextlib.contextmanager
-def fresh_kernel_modules(cuda_blocks: bool = False) -> Any:
+def fresh_kernel_modules(cuda_blocks: bool = False, attention: bool = False) -> Any:
     """Inside, kernel modules load afresh (none loaded before is reused, none loaded inside
     is kept after), so equal kernels share the module of the first one loaded inside, and
     the names `record_launches` gives are the same from run to run. `cuda_blocks`: every
     module launches with the blocks it takes on CUDA off CUDA too (the pointwise, reduction
     and cumsum families' `BLOCKS`, `codegen.meta.cuda_flat_block` and `cuda_row_block`): the
-    interpreter runs, and `record_launches` records, the grids a GPU would. Yields the list of
-    the modules whose blocks that changed."""
+    interpreter runs, and `record_launches` records, the grids a GPU would; `attention`: the
+    flash-attention kernels' (BLOCK_M, BLOCK_N) too (`meta.attention_cuda_blocks`: another
+    summation order, so off where a test wants the same bits). Yields the list of the modules
+    whose blocks that changed."""
     from titanc.codegen import render
     from titanc.runtime.targets import triton_executor
 
@@ -117,7 +119,8 @@ def fresh_kernel_modules(cuda_blocks: bool = False) -> Any:
         module = load(source, name, interpret)
         blocks = getattr(module, "BLOCKS", None)
         cols = getattr(module, "COLS", None)            # a reduction's column blocks
-        if (cuda_blocks and isinstance(blocks, dict) and not isinstance(blocks[True], tuple)
+        if (cuda_blocks and isinstance(blocks, dict)
+                and (attention or not isinstance(blocks[True], tuple))
                 and (blocks[False] != blocks[True] or (cols and cols[False] != cols[True]))):
             module.BLOCKS = {False: blocks[True], True: blocks[True]}
             if cols:
