@@ -60,8 +60,9 @@ tile; CUMSUM is `tl.cumsum` along the columns; a nested SCAN becomes a nested lo
 carries are slots of the same workspace). MASK and ROPE tables are computed once on the host
 (`tables`) and passed in.
 
-Which scans are one kernel is `scan_form`'s rule (a chunk recurrence with independent axes);
-every other scan runs as its host loop. No kernel holds more than `MAX_STAGES` stages. A
+Which scans are one kernel is `scan_form`'s rule (a chunk recurrence with independent axes),
+then the cost rule of `scan_kernel_for` (the kernel's serial rounds against its host loop's
+launches, `serial_cost`); every other scan runs as its host loop. No kernel holds more than `MAX_STAGES` stages. A
 gather in the kernel's prologue (the embedding rows a carry starts from) is read through: the
 carry's initial value is the table's row at the index. Anything else (a TAKE in a body,
 INDEX_ADD, integer casts, no independent axes, tiles or a workspace beyond the caps) raises

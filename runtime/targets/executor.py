@@ -100,7 +100,7 @@ class Storage:
 
     def view(self, offset: int, t: TensorType, float_dtype: torch.dtype | None) -> Tensor:
         dt = _dtype(t.dtype, float_dtype)
-        size = t.numel * torch.empty((), dtype=dt).element_size()
+        size = t.numel * dt.itemsize
         if offset + size > self.nbytes:
             raise ValueError(f"view [{offset}, {offset + size}) beyond {self.nbytes} bytes")
         return self.data[offset:offset + size].view(dt).view(t.shape)
