@@ -434,22 +434,27 @@ def test_wide_model_head_and_ffn_kernels_fit_the_spill_budget() -> None:
     _check(_compile(None, {}, launches=wanted, archs=(90,)), tensor_cores=False)
 
 
-def test_large_bf16_column_reductions_and_attention_compile_for_sm90() -> None:
+def test_large_bf16_column_reductions_attention_and_head_compile_for_sm90() -> None:
     """At large_125m's sizes in bf16 (one layer, 1,024 tokens), the column reductions (sums
     over the tokens, rows contiguous: 16 rows a program, 128-column blocks on CUDA,
-    `meta.cuda_column_blocks`) and the flash attention's kernels (128 x 64 and 64 x 64 on 8
-    warps, `meta.attention_cuda_blocks`) compile for sm_90 within the spill budget, the compile
-    takes those blocks, and the attention multiplies with wgmma."""
+    `meta.cuda_column_blocks`), the flash attention's kernels (128 x 64 and 64 x 64 on 8
+    warps, `meta.attention_cuda_blocks`) and the LM head's cross-entropy kernels (the width
+    768 in slices of CE_MAX_BLOCK_D; as one 1,024 block the dW kernel spilled 644 B) compile
+    for sm_90 within the spill budget, the compile takes those blocks, and the attention
+    multiplies with wgmma."""
     launches = _record(EXAMPLES / "large_125m.yaml",
                        {"model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64,
                         "train.dtype": "bfloat16"}, graphs=("training",))
     column = re.compile(r"COLS = \{False: (\d+), True: (\d+)\}")
     columns = [l for l in launches if any(a != b for a, b in column.findall(l.source))]
     attention = [l for l in launches if "_attention" in l.name]
+    head = [l for l in launches if "cross_entropy" in l.name]
+    assert len(head) == 3 and all("BLOCK_D = 256" in l.source for l in head), \
+        [l.name for l in head]
     assert columns, "no column reduction at large_125m's sizes"
     assert {l.name.rsplit("_", 1)[-1] for l in attention} >= {"dq", "dkdv"}, \
         [l.name for l in attention]
-    results = _compile(None, {}, launches=columns + attention, archs=(90,))
+    results = _compile(None, {}, launches=columns + attention + head, archs=(90,))
     _check(results, tensor_cores=False)
     assert all(r["wgmma"] for r in results if "_attention" in r["name"]), \
         [(r["name"], r["wgmma"]) for r in results]

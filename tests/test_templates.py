@@ -570,6 +570,43 @@ def test_cross_entropy_fused_head(dtype: torch.dtype, tied: bool, int64: bool) -
     close(dW - dW0, W.grad, dtype)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_cross_entropy_over_slices_of_the_model_width(tied: bool) -> None:
+    """A model wider than `max_block_d` (large_125m's 768 > CE_MAX_BLOCK_D) is summed in
+    slices of it, the backward kernels taking a slice a program (40 = 16 + 16 + 8 here, the
+    last one masked), together with the dW kernel's row slices: loss, lse, dh and the
+    accumulated dW equal torch's in float64, and one slice is the unsliced kernel's source."""
+    N, D, V = 140, 40, 75
+    kw = dict(d_model=D, block_v=32, dtype="float64", max_block_d=16)
+    fwd = load_module(render_cross_entropy("titanc_tem_fused_ce_0", **kw), "ce_width")
+    bwd = load_module(render_cross_entropy("titanc_tem_fused_ce_bwd_0", backward=True,
+                                           accumulate_dw=True, **kw), "ceb_width")
+    assert fwd.BLOCK_D == bwd.BLOCK_D == 16
+    assert render_cross_entropy("x", d_model=D) == render_cross_entropy("x", d_model=D,
+                                                                        max_block_d=64)
+    g = gen(8)
+    h = torch.randn(N, D, dtype=torch.float64, generator=g).requires_grad_()
+    W = torch.randn((V, D) if tied else (D, V), dtype=torch.float64, generator=g)
+    W.requires_grad_()
+    Wv = W if tied else W.t()
+    target = torch.randint(0, V, (N,), generator=g)
+    target[5] = -100
+    loss, lse = torch.empty(N, dtype=torch.float64), torch.empty(N, dtype=torch.float64)
+    fwd.launch(h.detach(), Wv.detach(), target, loss, lse)
+    logits = h @ Wv.t()
+    ref = F.cross_entropy(logits, target, reduction="none", ignore_index=-100)
+    close(loss, ref.detach(), torch.float64)
+    close(lse, torch.logsumexp(logits, -1).detach(), torch.float64)
+    ref.mean().backward()
+    dh, dW0 = torch.empty_like(h), torch.randn(W.shape, dtype=torch.float64, generator=g)
+    dW = dW0.clone()
+    bwd.launch(h.detach(), Wv.detach(), target, lse,
+               torch.tensor(1.0 / N, dtype=torch.float64).expand(N), dh,
+               dW if tied else dW.t())
+    close(dh, h.grad, torch.float64)
+    close(dW - dW0, W.grad, torch.float64)
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("programs", [1, 256])
 def test_cross_entropy_dw_over_row_slices(accumulate: bool, programs: int) -> None:

@@ -30,6 +30,12 @@ __all__ = [
 
 MAX_KEY_GROUPS = 16     # key groups a template names locals for (MAC has 3, SWA 2)
 CE_TILE = 16384         # elements of the cross-entropy kernels' W tile (block_d x block_v)
+# The widest slice of the model width the cross-entropy kernels hold in registers (BLOCK_D):
+# a wider model is summed in slices of it, and the backward kernels take a slice a program
+# (each recomputing its logits over the whole width). With the whole width one block,
+# large_125m's (768 -> 1,024) dW kernel held 255 registers and spilled 644-1,072 B a thread
+# on 8-16 warps on sm_90.
+CE_MAX_BLOCK_D = 256
 # An exact float32 dot (tf32 off: the LM head's h and W are float32 in every policy,
 # docs/precision.md) has no tensor-core instruction; Triton unrolls it into FMAs. On CUDA the
 # cross-entropy kernels' BLOCK_V keeps a dot step at most this many FMAs a thread
@@ -196,11 +202,14 @@ def render_cross_entropy(
     block_n: int = 16,
     block_v: int = 64,
     num_warps: int = 4,
+    max_block_d: int = CE_MAX_BLOCK_D,
 ) -> str:
     """Chunked LM-head cross-entropy with the head matmul fused in (forward or backward).
 
-    The whole model width is one block (BLOCK_D = next power of two >= d_model), so h rows
-    and W rows are loaded once per tile and no [rows, vocab] logits exist beyond one block.
+    A model width of at most `max_block_d` is one block (BLOCK_D = next power of two >=
+    d_model): h rows and W rows are loaded once per tile. A wider one is summed in slices of
+    `max_block_d` (a power of two), and the backward kernels take a slice of the width a
+    program. No [rows, vocab] logits exist beyond one block.
     Forward launcher: `launch(h, w, target, loss, lse)`.
     Backward launcher: `launch(h, w, target, lse, dloss, dh, dw)`; with `accumulate_dw` the
     kernel adds into dw (a tied embedding gradient, or several chunks of rows). `head_dv`:
@@ -213,14 +222,11 @@ def render_cross_entropy(
     check_block("block_v", block_v, 16)
     if d_model < 1:
         raise ValueError(f"d_model={d_model} must be >= 1")
-    block_d = pow2(d_model, 16)
+    check_block("max_block_d", max_block_d, 16)
+    block_d = min(pow2(d_model, 16), max_block_d)
     # a W tile (block_d x block_v) of at most CE_TILE elements: at d_model 768 a 1024 x 64
     # tile asked for 576 KiB of shared memory (the limit is 227) and spilled 98 KB per thread
     block_v = max(16, min(block_v, CE_TILE // block_d))
-    # warps for a wide model: large_125m's (block_d 1024) dW kernel held 255 registers and
-    # spilled 1,072 B per thread on 8 warps, 128 and 588 B on 16 (and compiles 20% faster)
-    if block_d >= 512:
-        num_warps = max(num_warps, 16 if block_d >= 1024 else 8)
     cuda_block_v = block_v
     # FMAs on a GPU (float64: its DMMA); TITANC_GPU_BLOCKS=0 keeps the interpreter's block
     if not allow_tf32 and dtype != "float64" and current().gpu_blocks:
