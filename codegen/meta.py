@@ -290,7 +290,7 @@ LOOP_GAIN = 2
 
 # Names bound by the launcher code every template shares (module constants are per family).
 LAUNCH_LOCALS = frozenset("""
-    _check _broadcast_strides _as_3d launch grid shape numel ok message pad strides size stride
+    _check _cdiv block _broadcast_strides _as_3d launch grid shape numel ok message pad strides size stride
     full tensor TILES tiles_for _tiles num_warps num_stages NUM_WARPS NUM_STAGES arch BLOCKS COLS
     cuda_constexprs
 """.split())

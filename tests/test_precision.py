@@ -206,9 +206,17 @@ def test_cpu_and_triton_executors_agree_in_bf16(block: str, layers: int) -> None
     lc, gc = cpu.grads(toks)
     lt, gt = tri.grads(toks)
     assert abs(lc - lt) <= 1e-3 * abs(lc)
-    for k in gc:      # 0.002 .. 0.008 measured: bf16 products rounded at other places
-        err = float((gt[k] - gc[k]).norm() / (gc[k].norm() + 1e-12))
-        assert err < 0.03, (k, err)
+    _, g64 = _program(block, "float64", **two).grads(toks)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b.double()).norm() / (b.double().norm() + 1e-12))
+
+    # 0.002 .. 0.013 measured (bf16 products rounded at other places), or within what bf16
+    # itself costs that gradient: lmm's decay bias (mem_alpha_b, a sum with cancellation) is
+    # 11% from float64 on the cpu target and 15% on triton, 4.5% apart
+    for k in gc:
+        assert rel(gt[k], gc[k]) < max(0.03, rel(gc[k], g64[k])), \
+            (k, rel(gt[k], gc[k]), rel(gc[k], g64[k]))
 
 
 def _cast_kernels(plan) -> int:
@@ -227,11 +235,17 @@ def _cast_kernels(plan) -> int:
     return n + sum(_cast_kernels(b) for b in plan.bodies.values())
 
 
-@pytest.mark.parametrize("block", ["mac", *(pytest.param(b, marks=pytest.mark.slow)
-                                            for b in ("attn", "lmm", "mag", "mal"))])
-@pytest.mark.xfail(strict=True, reason="issue 27, open: host-loop scan bodies (scan_form) launch "
-                   "their casts as kernels of their own under bf16, so a bf16 step launches "
-                   "more than a float32 step (e.g. tiny mac training 506 vs 474)")
+# MAC's and attn's host-loop scan bodies (the layer and segment scans, `scan_form`) launch
+# casts as kernels of their own under bf16, so their bf16 step launches more than a float32
+# step (tiny mac training 506 vs 474); lmm, mag and mal launch the same
+_CASTS_IN_HOST_LOOPS = pytest.mark.xfail(strict=True, reason="host-loop scan bodies launch "
+                                         "their casts as kernels of their own under bf16")
+
+
+@pytest.mark.parametrize("block", [
+    pytest.param("mac", marks=_CASTS_IN_HOST_LOOPS),
+    pytest.param("attn", marks=[pytest.mark.slow, _CASTS_IN_HOST_LOOPS]),
+    *(pytest.param(b, marks=pytest.mark.slow) for b in ("lmm", "mag", "mal"))])
 def test_bf16_steps_launch_what_float32_steps_launch(block: str) -> None:
     """Scan kernels render bf16 casts (rounded to nearest even, held in float32) and read bf16
     tensors, so a bf16 program's scans are kernels exactly where float32's are (the same

@@ -141,9 +141,16 @@ class _TritonBuilder(_Binder):
         first iteration read the broadcast and the others a dense carry would be compiled
         twice (tiny.yaml: 13 of 109 compiles, 35 s of 165)."""
         broadcast = any(st == 0 and sz > 1 for st, sz in zip(x.stride(), x.shape))
-        if broadcast and self._is_constant(vid):
-            return self._const(x.contiguous())
-        return x
+        if not (broadcast and self._is_constant(vid)):
+            return x
+        # one dense copy per scan operand, whichever iteration of an enclosing host loop binds
+        # it (read only: the first iteration reads it, the others their carry slots);
+        # large_125m's nested memory scans made 2.2 GB of copies of the zero state otherwise
+        key = (id(self.plan), vid)
+        dense = self.owner.dense_carries.get(key)
+        if dense is None:
+            dense = self.owner.dense_carries[key] = self._const(x.contiguous())
+        return dense
 
     def _launch(self, kern: Any, code: KernelCode | None = None) -> None:
         """One launch of a rendered (non-scan) kernel, or of a launch group's `code`."""
@@ -210,6 +217,7 @@ class TritonExecutor(PlanExecutor):
         self.fallbacks: list[dict[str, str]] = []     # scans run as host loops, and why
         self.scan_kernels = current().scan_kernels
         self.scan_ws: Tensor | None = None            # shared by every scan kernel
+        self.dense_carries: dict[tuple[int, int], Tensor] = {}   # `_TritonBuilder.carry_init`
         # `plan_key`: what the plan was compiled from (a Program passes it, `_plan_key`).
         # The precompile's marker and the rendered kernels of an earlier process are found
         # under it; a plan's scan bodies are told apart by the order binding meets them
