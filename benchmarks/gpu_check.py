@@ -93,6 +93,9 @@ TITANC = {
     "large_bf16": ("large", {**LARGE, **BF16}),
     # the chunk groups' forward recompute hoisted out of their backward (docs/gpu.md)
     "large_bf16_hoist": ("large", {**LARGE, **BF16, "compile.hoist_groups": True}),
+    # every memory chunk's state saved (compile.chunk_groups: false): no chunk recomputed in
+    # the backward, 27,681 launches for 35,265 and a 2,468 MiB arena for 2,042 (docs/gpu.md)
+    "large_bf16_no_chunk_groups": ("large", {**LARGE, **BF16, "compile.chunk_groups": False}),
     # every kernel its own launch (no launch groups, docs/gpu.md): what the groups save
     "tiny_bf16_ungrouped": ("tiny", BF16),
     # tiny.yaml saving every activation instead of re-running each layer's segments in the

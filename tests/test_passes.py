@@ -83,6 +83,26 @@ def test_chunk_groups_hoist_their_recompute_and_keep_values(block: str) -> None:
                for m in n.attr("body"))
 
 
+def test_chunk_groups_off_saves_every_chunk_state_and_keeps_values() -> None:
+    """compile.chunk_groups: false leaves eight-chunk memory scans whole (no memory_group
+    scan, so the backward recomputes no chunk from a group's state): the final training
+    graph computes the loss and gradients of the grouped one (float64, interpreter)."""
+    def final(groups: bool):
+        spec = tiny_spec(**{**spec_overrides("lmm"), "compile.chunk_groups": groups})
+        return spec, compile_graphs(spec).graph("training").graph
+
+    spec, grouped = final(True)
+    _, whole = final(False)
+    roles = lambda g: {n.attr("role") for _, n in _walk(g) if n.op is Op.SCAN}  # noqa: E731
+    assert "memory_group" in roles(grouped)
+    assert "memory_group" not in roles(whole) and "memory" in roles(whole)
+    inputs = {"tokens": tokens(spec, seed=5), **R.init_params(spec.model, seed=4)}
+    want, got = _run(grouped, inputs), _run(whole, inputs)
+    assert set(want) == set(got)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-13, msg=lambda m: f"{k}: {m}")
+
+
 def spec_overrides(block: str) -> dict:
     """Eight memory chunks per scan (chunk groups of two)."""
     return {"model.block": block, "model.seq_len": 32, "model.attention.segment": 32,

@@ -223,7 +223,8 @@ PIPELINE: dict[str, tuple[Step, ...]] = {
                      "compile.fused_loss and patterns",
                      lambda c: c.spec.compile.fused_loss and c.patterns),
                 Step("chunked_loss", lambda c: ChunkedLoss(c.spec.train.loss_chunk)),
-                Step("checkpoint_chunks", lambda c: CheckpointChunks(c.spec.train.remat_group),
+                Step("checkpoint_chunks", lambda c: CheckpointChunks(
+                    c.spec.train.remat_group, c.spec.compile.chunk_groups),
                      "train.remat != none", lambda c: c.spec.train.remat != "none"),
                 *_MIXED),
     # forward + backward (scans recompute what the policy does not save), then the shared

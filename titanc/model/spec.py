@@ -324,6 +324,12 @@ class CompileSpec:
     # x memory heads), for the activations of every group at once (passes/hoist.py;
     # large_125m's training arena 3.61 -> 4.13 GiB, tiny_lmm's 15.5 -> 24.7 MB)
     hoist_groups: bool = False
+    # the memory's chunk scans of >= 8 chunks checkpointed in groups of about sqrt(n) chunks
+    # (train.remat; passes/checkpoint_chunks.py); false: every chunk's state saved, and the
+    # backward recomputes no chunk (large_125m bf16: training arena 2,042 -> 2,468 MiB,
+    # 35,265 -> 27,681 triton launches a step, its memory scans host loops; tiny_lmm: 15.0
+    # -> 21.3 MiB, and 65 -> 79 launches: a group's scan kernel held its chunks' recompute)
+    chunk_groups: bool = True
 
     def __post_init__(self) -> None:
         _check_fields(self)
