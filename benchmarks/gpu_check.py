@@ -96,6 +96,12 @@ TITANC = {
     # every memory chunk's state saved (compile.chunk_groups: false): no chunk recomputed in
     # the backward, 27,681 launches for 35,265 and a 2,468 MiB arena for 2,042 (docs/gpu.md)
     "large_bf16_no_chunk_groups": ("large", {**LARGE, **BF16, "compile.chunk_groups": False}),
+    # the forward chunk scans' gates hoisted out of their host loops (compile.hoist_gates):
+    # 27,873 launches for 35,265 (a 2,208 MiB arena); with the line above too, 22,593 (2,478)
+    "large_bf16_hoist_gates": ("large", {**LARGE, **BF16, "compile.hoist_gates": True}),
+    "large_bf16_hoist_gates_no_chunk_groups": ("large", {**LARGE, **BF16,
+                                                         "compile.hoist_gates": True,
+                                                         "compile.chunk_groups": False}),
     # every kernel its own launch (no launch groups, docs/gpu.md): what the groups save
     "tiny_bf16_ungrouped": ("tiny", BF16),
     # tiny.yaml saving every activation instead of re-running each layer's segments in the

@@ -20,7 +20,9 @@ and so do views at the edge of the hoisted set (free index arithmetic in a scan 
 Only a scan with a hoistable einsum is rewritten: a forward chunk scan multiplies by the
 carried W in every product, and what it could hoist (the gates' cumsums, a few exps) costs
 less in its loop than the kernels it would add (tiny.yaml: five, about 3 s of sm_90 compile,
-for a forward scan kernel about 1 s cheaper).
+for a forward scan kernel about 1 s cheaper). Where the scans run as host loops (large_125m,
+`codegen.scan.kernel.scan_kernel_for`'s cost rule) the gates cost 3 of a chunk's 7 launches:
+`gates` (spec `compile.hoist_gates`, off by default) rewrites those scans too (docs/gpu.md).
 
 Cost: what the body reads of the hoisted work is stored for every iteration at once (the
 new xs, [length, ...] each) instead of in the kernel's per-program workspace for one chunk
@@ -88,15 +90,17 @@ class HoistScanInvariants:
     (module docstring).
 
     Pre: `g` verifies. Post: the same outputs; chunk-recurrence bodies hold no hoistable node.
-    `nested`: nested scans are hoistable too (compile.hoist_groups)."""
+    `nested`: nested scans are hoistable too (compile.hoist_groups); `gates`: a scan whose
+    hoistable work holds no einsum is rewritten too (compile.hoist_gates)."""
     nested: bool = False
+    gates: bool = False
     name: ClassVar[str] = "hoist_scan_invariants"
 
     def __call__(self, g: Graph) -> Graph:
-        return hoist_scan_invariants(g, self.nested)
+        return hoist_scan_invariants(g, self.nested, self.gates)
 
 
-def hoist_scan_invariants(g: Graph, nested: bool = False) -> Graph:
+def hoist_scan_invariants(g: Graph, nested: bool = False, gates: bool = False) -> Graph:
     if not any(n.op is Op.SCAN for n in g):
         return g
     out = Graph(g.name)
@@ -106,16 +110,17 @@ def hoist_scan_invariants(g: Graph, nested: bool = False) -> Graph:
         if n.op is not Op.SCAN:
             env[n.id] = out.add_like(n, ins)
             continue
-        body = hoist_scan_invariants(n.attr("body"), nested)
+        body = hoist_scan_invariants(n.attr("body"), nested, gates)
         if n.attr("role", "loop") in HOIST_ROLES:
-            env[n.id] = _hoist(out, n, body, ins, nested)
+            env[n.id] = _hoist(out, n, body, ins, nested, gates)
         else:
             env[n.id] = out.add_like(n, ins, body=body)
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
     return out
 
 
-def _hoist(out: Graph, n: Node, body: Graph, ins: list[int], nested: bool) -> int:
+def _hoist(out: Graph, n: Node, body: Graph, ins: list[int], nested: bool,
+           gates: bool = False) -> int:
     """Scan `n` (body `body`, operands `ins` in `out`) rebuilt in `out` with its hoistable
     nodes computed before it; returns the new scan's id."""
     a = n.attr_dict
@@ -146,7 +151,7 @@ def _hoist(out: Graph, n: Node, body: Graph, ins: list[int], nested: bool) -> in
                     u not in hoisted for u in body.users(v)):
                 hoisted.discard(v)
                 changed = True
-    if not any(body.node(v).op is Op.EINSUM for v in hoisted):
+    if not hoisted or not (gates or any(body.node(v).op is Op.EINSUM for v in hoisted)):
         return out.add_like(n, ins, body=body)
     # the hoisted values the body still reads, in body order: the new xs
     frontier = [v for v in body.order() if v in hoisted and (

@@ -103,6 +103,30 @@ def test_chunk_groups_off_saves_every_chunk_state_and_keeps_values() -> None:
         torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-13, msg=lambda m: f"{k}: {m}")
 
 
+def test_hoist_gates_moves_the_chunk_scans_gates_out_and_keeps_values() -> None:
+    """compile.hoist_gates: a forward chunk scan's carry-independent work (its gates'
+    cumulative decay and each token's gradient weight: cumsums, exps, sums) runs before the
+    scan for every chunk at once, though it holds no einsum; the training graph computes the
+    same loss and gradients (float64, interpreter)."""
+    def final(hoist: bool):
+        spec = tiny_spec(**{**spec_overrides("lmm"), "compile.hoist_gates": hoist})
+        return spec, compile_graphs(spec).graph("training").graph
+
+    def cumsums_in_forward_chunk_scans(g: Graph) -> int:
+        return sum(m.op is Op.CUMSUM for _, n in _walk(g)
+                   if n.op is Op.SCAN and n.attr("role") == "memory" and not n.attr("reverse")
+                   for m in n.attr("body"))
+
+    spec, kept = final(False)
+    _, hoisted = final(True)
+    assert cumsums_in_forward_chunk_scans(kept) > 0
+    assert cumsums_in_forward_chunk_scans(hoisted) == 0
+    inputs = {"tokens": tokens(spec, seed=5), **R.init_params(spec.model, seed=4)}
+    want, got = _run(kept, inputs), _run(hoisted, inputs)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-13, msg=lambda m: f"{k}: {m}")
+
+
 def spec_overrides(block: str) -> dict:
     """Eight memory chunks per scan (chunk groups of two)."""
     return {"model.block": block, "model.seq_len": 32, "model.attention.segment": 32,

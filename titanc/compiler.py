@@ -139,7 +139,8 @@ class Compiled:
             if step.test(self):
                 g = log.apply(step.make(self), g)
         persistent = self._persistent()
-        return _finish(log, kind, g, persistent, start, self.spec.compile.hoist_groups)
+        return _finish(log, kind, g, persistent, start, self.spec.compile.hoist_groups,
+                       self.spec.compile.hoist_gates)
 
     def graph_key(self, cg: CompiledGraph) -> str | None:
         """What compiled graph `cg` (one of this compile's) was compiled from, as text: the
@@ -276,11 +277,12 @@ def pipeline_text() -> str:
 
 
 def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int,
-            hoist_groups: bool = False) -> CompiledGraph:
+            hoist_groups: bool = False, hoist_gates: bool = False) -> CompiledGraph:
     # a chunk recurrence's carry-independent work (its backward's forward recompute) runs
     # once over every chunk before the scan, not in its serial loop (with
-    # compile.hoist_groups, a chunk group's recompute scan too, over every group)
-    g = log.apply(HoistScanInvariants(nested=hoist_groups), g)
+    # compile.hoist_groups, a chunk group's recompute scan too, over every group; with
+    # compile.hoist_gates, a forward chunk scan's gates too)
+    g = log.apply(HoistScanInvariants(nested=hoist_groups, gates=hoist_gates), g)
     # a cast of an input read by several kernels: one copy per reader, which fusion loads cast
     # (mixed precision's parameter casts launch nothing of their own)
     g = log.apply(SplitCasts(), g)

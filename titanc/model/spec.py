@@ -330,6 +330,10 @@ class CompileSpec:
     # 35,265 -> 27,681 triton launches a step, its memory scans host loops; tiny_lmm: 15.0
     # -> 21.3 MiB, and 65 -> 79 launches: a group's scan kernel held its chunks' recompute)
     chunk_groups: bool = True
+    # a memory scan's carry-independent work hoisted before it even where it holds no einsum
+    # (passes/hoist.py): the forward chunk scans' gates (their cumulative decay and the
+    # weights of each token's gradient), computed for every chunk at once
+    hoist_gates: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)
