@@ -58,11 +58,16 @@ def _runs(s: Schedule) -> list[tuple[int, int]]:
 
 def _waves(g: Graph, kernels: list[Kernel]) -> list[int]:
     """A kernel of views alone (a lone reshape, which the plan makes a no-op: its output
-    shares its operand's storage) takes its operand's wave, so it adds no wave of its own."""
+    shares its operand's storage) takes its operand's wave, so it adds no wave of its own.
+    One that writes a graph output (a scan body's y or carry, a program output) is a copy
+    into the output's own storage, so it takes a wave like any kernel: in its operand's wave
+    the plan could lend the operand's bytes to a kernel of the next wave that runs beside it."""
     made: dict[int, int] = {}
     wave = []
+    outs = {v for _, v in g.outputs}
     for kern in kernels:
-        step = 0 if all(g.node(n).op in OpGroup.VIEW for n in kern.nodes) else 1
+        view = all(g.node(n).op in OpGroup.VIEW for n in kern.nodes)
+        step = 0 if view and not outs.intersection(kern.outputs) else 1
         w = max((made[v] + step for v in kern.inputs if v in made), default=0)
         wave.append(w)
         for v in kern.outputs:
