@@ -23,8 +23,9 @@ device, jobs, what finished) and a table ($OUT/summary.txt, printed).
 
 Checks (quick sizes; triton vs cpu target, same weights and tokens): a training step (loss and
 every parameter after AdamW) in float32 (1e-4), tf32 and bfloat16 (2e-2); decoding token by
-token against the parallel forward (1e-3; bfloat16 5e-2). Throughput: tokens/s, MFU, peak
-CUDA memory of one optimizer step, titanc (one CUDA graph per step) in float32, tf32 and
+token against the parallel forward (1e-3; bfloat16 5e-2). Throughput: tokens/s, MFU (the
+model's FLOPs, `Compiled.model_flops`: nothing recomputed) and HFU (the kernels' FLOPs, what
+`train.remat` recomputes included), peak CUDA memory of one optimizer step, titanc (one CUDA graph per step) in float32, tf32 and
 bfloat16, titans-pytorch's MemoryAsContextTransformer (its default chunking and titanc's
 memory semantics, "matched"; float32 and bf16 autocast) and torch.compile of tests/reference,
 at tiny.yaml, the CPU benchmark's larger size (benchmarks/train_step.py --size large) and, for
@@ -377,12 +378,14 @@ def run_titanc(name: str) -> None:
     med = statistics.median(times)
     torch.backends.cuda.matmul.allow_tf32 = bool(prog.spec.compile.allow_tf32)
     fl = peak_flops(device_name("triton"), str(prog.spec.train.dtype))
-    flops = step_flops(prog.compiled)
+    flops = step_flops(prog.compiled)                 # executed, recompute included: HFU
+    model = prog.compiled.model_flops()              # forward + backward, none recomputed: MFU
     launches = sum(getattr(ex, "launches_per_run", lambda: 0)()
                    for ex in prog._executors.values())
     emit(name, "result", ms_median=round(1e3 * med, 4), ms_min=round(1e3 * min(times), 4),
          tokens_per_s=round(ntok / med), step_gflop=round(flops / 1e9, 3),
-         mfu=(flops / med / fl) if fl else None, peak_cuda_mib=peak_mib(),
+         model_gflop=round(model / 1e9, 3), mfu=(model / med / fl) if fl else None,
+         hfu=(flops / med / fl) if fl else None, peak_cuda_mib=peak_mib(),
          loss_first=loss0, loss_after=prog.last["loss"], host_us_per_step=round(host_us, 1),
          launches_per_step=launches, **waits)
 
@@ -621,6 +624,8 @@ def table(report: dict[str, Any]) -> str:
                         ("host_us_per_step", "us host/step"), ("launches_per_step", "launches")):
             if r.get(k) is not None:
                 notes.append(f"{r[k]} {unit}")
+        if r.get("hfu"):
+            notes.append(f"HFU {100 * r['hfu']:.2f}% (recompute counted)")
         if r.get("host_quiet") is False:
             notes.append(f"timed while {len(r.get('compiling', []))} jobs compiled")
         if r["phase"] == "error":

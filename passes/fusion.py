@@ -137,6 +137,13 @@ def node_flops(n: Node, g: Graph, body_flops: int = 0) -> int:
     return 0
 
 
+def graph_flops(g: Graph) -> int:
+    """Work of a whole graph as `node_flops` counts it, a scan's body once per iteration
+    (before fusion: what the graph computes, whichever kernels will run it)."""
+    return sum(node_flops(n, g, graph_flops(n.attr("body")) if n.op is Op.SCAN else 0)
+               for n in g)
+
+
 def matmul_tile(g: Graph, e: Node) -> tuple | None:
     """The output tile of a two-operand einsum as the matmul family iterates it: its output
     shape and, per output axis, whether its letter is a batch letter (in both operands), an M

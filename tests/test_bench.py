@@ -56,16 +56,17 @@ def test_bench_one_step_prints_every_category(tmp_path: Path,
 
 def test_profile_summary_json_and_mfu() -> None:
     prof = {c: 0.1 for c in PROFILE_CATEGORIES}
-    s = profile_summary(prof, steps=2, tokens=4096, seconds=1.0, peak_bytes=2**30,
-                        flops_per_step=5e14, device="NVIDIA H100 80GB HBM3", dtype="bfloat16")
+    kw = dict(flops_per_step=5e14, model_flops_per_step=3e14, device="NVIDIA H100 80GB HBM3",
+              dtype="bfloat16")
+    s = profile_summary(prof, steps=2, tokens=4096, seconds=1.0, peak_bytes=2**30, **kw)
     json.dumps(s)
     assert s["tokens_per_s"] == 4096
     assert s["outside_kernels_seconds"] == pytest.approx(1.0 - 0.1 * len(PROFILE_CATEGORIES))
-    assert s["mfu"] == pytest.approx(1e15 / 989.5e12)
-    text = profile_table(prof, 2, 4096, 1.0, 2**30, flops_per_step=5e14,
-                         device="NVIDIA H100 80GB HBM3", dtype="bfloat16")
-    assert f"  MFU              {100e15 / 989.5e12:.2f}% of NVIDIA H100 80GB HBM3 990TFLOP/s " \
-           f"(bfloat16)" in text
+    assert s["mfu"] == pytest.approx(6e14 / 989.5e12)      # the model's FLOPs
+    assert s["hfu"] == pytest.approx(1e15 / 989.5e12)      # the executed ones
+    text = profile_table(prof, 2, 4096, 1.0, 2**30, **kw)
+    assert f"  MFU / HFU        {100 * 6e14 / 989.5e12:.2f}% MFU, {100e15 / 989.5e12:.2f}% HFU " \
+           f"of NVIDIA H100 80GB HBM3 990TFLOP/s (bfloat16)" in text
     assert "peak memory      1.0 GiB (CUDA allocator)" in text
 
 
@@ -170,3 +171,21 @@ def test_gpu_run_default_jobs_are_gpu_check_jobs() -> None:
     assert set(only) <= known, set(only) - known
     assert set(gc.JOB_ENV) <= known
     assert gc.JOB_ENV["tiny_bf16_interp_blocks"] == {"TITANC_GPU_BLOCKS": "0"}
+
+
+def test_mfu_counts_the_models_flops_not_the_recompute() -> None:
+    """`Compiled.model_flops()` (MFU) is the step with nothing recomputed: under `remat:
+    per_layer` the kernels execute more (`step_flops`, HFU: the layers' forwards again), and
+    the model's FLOPs are those a `remat: none` compile executes (its casts aside: 1%)."""
+    from titanc.compiler import compile_graphs
+    from titanc.model.spec import load_spec
+    from titanc.tools.bench import step_flops
+
+    small = {"model.d_model": 16, "model.n_layers": 2, "model.seq_len": 32,
+             "model.vocab_size": 32, "train.batch_size": 2, "train.grad_accum": 2}
+    c = {remat: compile_graphs(load_spec(TINY, {**small, "train.remat": remat}),
+                               verify_each=False) for remat in ("per_layer", "none")}
+    none = step_flops(c["none"])
+    assert c["none"].model_flops() == pytest.approx(none, rel=0.01)
+    assert c["per_layer"].model_flops() == pytest.approx(none, rel=0.01)
+    assert step_flops(c["per_layer"]) > 1.2 * c["per_layer"].model_flops()

@@ -5,12 +5,14 @@
         with sp.step():
             prog.train_step(tokens)
     print(profile_table(sp, sp.steps, tokens=sp.steps * tokens_per_step, seconds=sp.wall,
-                        peak_bytes=peak_rss_bytes(), flops_per_step=step_flops(prog.compiled)))
+                        peak_bytes=peak_rss_bytes(), flops_per_step=step_flops(prog.compiled),
+                        model_flops_per_step=prog.compiled.model_flops()))
 
 The summary gives exclusive time per kernel category (pointwise, reduction, matmul,
 attention, memory update, optimizer, other; "outside kernels" is the wall time no kernel
-accounts for: host glue between graphs), tokens/s, achieved FLOP/s and MFU where the
-device's peak is known (the NVIDIA H100/H200 datasheet peaks below; CPUs have no reliable
+accounts for: host glue between graphs), tokens/s, achieved FLOP/s, MFU (the model's FLOPs:
+forward and backward, nothing recomputed) and HFU (the FLOPs the kernels execute, what
+`train.remat` recomputes included) where the device's peak is known (the NVIDIA H100/H200 datasheet peaks below; CPUs have no reliable
 peak, so MFU is "n/a"), and peak memory (process RSS, or CUDA's allocator peak, plus the
 planned arena + persistent bytes). Category times are host wall time around each kernel's
 ops: exact on the CPU executor; a CUDA executor must synchronise per kernel while profiling
@@ -117,19 +119,25 @@ def _seconds_calls(prof: Any) -> tuple[dict[str, float], dict[str, int]]:
 
 
 def profile_summary(prof: Any, steps: int, tokens: int, seconds: float, peak_bytes: int, *,
-                    flops_per_step: float | None = None, device: str = "cpu",
+                    flops_per_step: float | None = None,
+                    model_flops_per_step: float | None = None, device: str = "cpu",
                     dtype: str = "float32", planned_bytes: int | None = None,
                     threads: int | None = None) -> dict[str, Any]:
     """The profile as a dict (what `--json` prints). `prof` is a `Profiler` (or a mapping
     category -> seconds), `tokens` the tokens processed in all `steps`, `seconds` their wall
-    time, `peak_bytes` the peak memory to report (RSS or CUDA allocator peak)."""
+    time, `peak_bytes` the peak memory to report (RSS or CUDA allocator peak).
+    `flops_per_step` is what the kernels execute (`titanc.tools.bench.step_flops`: HFU),
+    `model_flops_per_step` the model's (`Compiled.model_flops`: MFU)."""
     secs, calls = _seconds_calls(prof)
     inside = sum(secs.values())
     categories = {c: {"seconds": secs[c], "share": secs[c] / seconds if seconds > 0 else 0.0,
                       "calls_per_step": calls.get(c, 0) / max(steps, 1)}
                   for c in PROFILE_CATEGORIES}
     outside = max(0.0, seconds - inside)
-    achieved = flops_per_step * steps / seconds if flops_per_step and seconds > 0 else None
+    def per_s(flops: float | None) -> float | None:
+        return flops * steps / seconds if flops and seconds > 0 else None
+
+    achieved, model = per_s(flops_per_step), per_s(model_flops_per_step)
     peak = peak_flops(device, dtype)
     return {
         "steps": steps, "tokens": tokens, "seconds": seconds,
@@ -138,9 +146,11 @@ def profile_summary(prof: Any, steps: int, tokens: int, seconds: float, peak_byt
         "categories": categories,
         "outside_kernels_seconds": outside,
         "flops_per_step": flops_per_step, "achieved_flops_per_s": achieved,
+        "model_flops_per_step": model_flops_per_step, "model_flops_per_s": model,
         "device": device, "dtype": dtype, "threads": threads,
         "peak_flops_per_s": peak,
-        "mfu": achieved / peak if achieved is not None and peak else None,
+        "mfu": model / peak if model is not None and peak else None,
+        "hfu": achieved / peak if achieved is not None and peak else None,
         "peak_memory_bytes": peak_bytes, "planned_bytes": planned_bytes,
     }
 
@@ -167,11 +177,15 @@ def format_summary(s: dict[str, Any]) -> str:
                  f"({1e3 * s['seconds_per_step']:.1f} ms/step)")
     tps = s["tokens_per_s"]
     lines.append(f"  tokens/s         {tps:,.0f}" if tps is not None else "  tokens/s         n/a")
+    if s.get("model_flops_per_step"):
+        lines.append(f"  FLOPs/step       {format_count(s['model_flops_per_step'])} model "
+                     f"(achieved {format_count(s['model_flops_per_s'])}FLOP/s)")
     if s["flops_per_step"]:
-        lines.append(f"  FLOPs/step       {format_count(s['flops_per_step'])} "
+        lines.append(f"  executed/step    {format_count(s['flops_per_step'])} with recompute "
                      f"(achieved {format_count(s['achieved_flops_per_s'])}FLOP/s)")
-    if s["mfu"] is not None:
-        lines.append(f"  MFU              {100 * s['mfu']:.2f}% of {s['device']} "
+    if s["mfu"] is not None or s.get("hfu") is not None:
+        parts = [f"{100 * s[k]:.2f}% {k.upper()}" for k in ("mfu", "hfu") if s.get(k) is not None]
+        lines.append(f"  MFU / HFU        {', '.join(parts)} of {s['device']} "
                      f"{format_count(s['peak_flops_per_s'])}FLOP/s ({s['dtype']})")
     else:
         lines.append(f"  MFU              n/a (no known peak FLOP/s for {s['device']})")

@@ -13,8 +13,10 @@ __all__ = ["run_bench", "bench_table", "step_flops"]
 
 
 def step_flops(compiled: Any) -> int:
-    """FLOPs of one optimizer step: the training schedule's top-level kernels (a scan counts
-    its body times its length) per micro-batch, times grad_accum, plus the optimizer's."""
+    """FLOPs one optimizer step executes: the training schedule's top-level kernels (a scan
+    counts its body times its length) per micro-batch, times grad_accum, plus the
+    optimizer's. What `train.remat` recomputes counts (HFU); the model's own FLOPs, for MFU,
+    are `Compiled.model_flops()`."""
     accum = int(getattr(compiled.spec.train, "grad_accum", 1))
     train = sum(k.flops for k in compiled.schedules["training"].kernels)
     opt = sum(k.flops for k in compiled.schedules["optimizer"].kernels)
@@ -60,7 +62,8 @@ def run_bench(spec: Any, steps: int = 5, warmup: int = 1, threads: int | None = 
     mem = buffer_report(prog.compiled.plans["training"], s.model.vocab_size)
     summary = profile_summary(
         prof, steps, steps * rows * s.model.seq_len, prof.wall, peak,
-        flops_per_step=step_flops(prog.compiled), device=device,
+        flops_per_step=step_flops(prog.compiled),
+        model_flops_per_step=prog.compiled.model_flops(), device=device,
         dtype=str(s.train.dtype), planned_bytes=mem["arena_bytes"] + mem["persistent_bytes"],
         threads=threads if device == "cpu" else None)
     summary.update(name=s.name, compile_seconds=compile_s, warmup_steps=warmup,
