@@ -104,7 +104,7 @@ def _int(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | N
     if not _is_int(v):
         raise _bad(key, f"expected an integer in [{lo}, {hi}], got {_show(v)}")
     if not lo <= v <= hi:
-        raise _bad(key, f"{v} is out of range; expected an integer in [{lo}, {hi}]")
+        raise _bad(key, f"{_show(v)} is out of range; expected an integer in [{lo}, {hi}]")
     return v
 
 
@@ -113,11 +113,13 @@ def _float(body: dict, key: str, default: float | None, lo: float, hi: float,
     v = body.get(key, default)
     if v is None:
         return default
-    if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
+    # an integer is finite however many digits it has (math.isfinite would overflow
+    # converting one beyond float's range); the range check below refuses it
+    if not (_is_int(v) or (isinstance(v, float) and math.isfinite(v))):
         raise _bad(key, f"expected a number, got {_show(v)}")
     if v > hi or v < lo or (open_lo and v == lo):
         rng = f"({lo}, {hi}]" if open_lo else f"[{lo}, {hi}]"
-        raise _bad(key, f"{v} is out of range; expected a number in {rng}")
+        raise _bad(key, f"{_show(v)} is out of range; expected a number in {rng}")
     return float(v)
 
 
@@ -196,7 +198,7 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
         raise _bad(unknown[0], "unrecognized request argument")
     prompts, texts = _prompts(body, codec, limits)
     n = _int(body, "n", 1, 1, MAX_N)
-    best_of = body.get("best_of")
+    best_of = _int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise _bad("best_of", "is not supported (leave it out or equal to n)")
     if body.get("suffix") is not None:
@@ -224,7 +226,8 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
         _text(model, "model")
     return CompletionParams(
         prompts=prompts, prompt_texts=texts,
-        max_tokens=_int(body, "max_tokens", 16, 0, limits.max_tokens),
+        # the default, 16 (OpenAI's), never exceeds the server's --max-tokens
+        max_tokens=_int(body, "max_tokens", min(16, limits.max_tokens), 0, limits.max_tokens),
         temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_float(body, "top_p", None, 0.0, 1.0, open_lo=True),
         top_k=top_k if top_k and top_k > 0 else None,
@@ -237,5 +240,5 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
 
 def check_model(params_model: Any, served: Sequence[str]) -> None:
     if params_model is not None and params_model not in served:
-        raise ApiError(404, f"model {params_model!r} does not exist; this server serves "
+        raise ApiError(404, f"model {_show(params_model)} does not exist; this server serves "
                             f"{', '.join(served)}", param="model", code="model_not_found")

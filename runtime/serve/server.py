@@ -37,6 +37,7 @@ from titanc.runtime.serve.generate import Sampling
 from titanc.runtime.serve.sessions import SessionStore, add_routes
 
 POLL_S = 0.25                      # how often a waiting non-streaming handler checks the client
+BODY_IDLE_S = 30.0                 # the longest wait for the next part of a request body
 
 
 class Metrics:
@@ -142,6 +143,17 @@ class _Choice:
                 "top_logprobs": self.lp_top, "text_offset": self.lp_offset}
 
 
+ENDPOINTS = ("POST /v1/completions, GET /v1/models, GET /v1/models/ID, GET /health, "
+             "GET /metrics, POST /v1/sessions, GET and DELETE /v1/sessions/ID, "
+             "POST /v1/sessions/ID/snapshot")
+
+
+def _printable(text: str, limit: int = 80) -> str:
+    """A path as it may be quoted in an error: short, and valid UTF-8."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _error_response(err: ApiError, metrics: Metrics | None = None) -> JSONResponse:
     if metrics is not None:
         metrics.requests.labels(str(err.status)).inc()
@@ -156,8 +168,20 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise too_big if length.isdigit() else ApiError(400, "bad Content-Length header")
     chunks, size = [], 0
+    stream = request.stream()
     try:
-        async for chunk in request.stream():
+        while True:
+            # a client that stops sending mid-body (fewer bytes than its Content-Length)
+            # would otherwise hold its connection and this handler forever
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), BODY_IDLE_S)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the client sent no more of the request body for "
+                                    f"{BODY_IDLE_S:g} s after {size} bytes (is Content-Length "
+                                    f"right?); send the whole body", code="body_timeout",
+                               headers={"Connection": "close"}) from None
             size += len(chunk)
             if size > limit:
                 raise too_big
@@ -165,6 +189,8 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
     except ClientDisconnect:                 # the client's fault, not the server's: a 4xx
         raise ApiError(400, f"the client closed the connection after {size} bytes of the body",
                        code="incomplete_body") from None
+    finally:
+        await stream.aclose()
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:
@@ -179,7 +205,8 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
     app = FastAPI(title="titanc", docs_url=None, redoc_url=None, openapi_url=None)
     if sessions is None:
         sessions = SessionStore(engine.gen, 64)
-    add_routes(app, sessions, lambda request: _read_json(request, limits.max_body_bytes))
+    add_routes(app, sessions, lambda request: _read_json(request, limits.max_body_bytes),
+               admitting=lambda: _admitting(engine))
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -187,9 +214,24 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
         return _error_response(exc, metrics)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(ApiError(exc.status_code, str(exc.detail),
-                                        code="not_found" if exc.status_code == 404 else None))
+    async def _http_error(request: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own 404 / 405 say only "Not Found" / "Method Not Allowed": name the
+        # route asked for and the ones there are (a client of the chat API learns that this
+        # server has none), and keep the Allow header of a 405
+        message, path = str(exc.detail), str(request.scope.get("path", ""))
+        route = f"{_printable(request.method, 16)} {_printable(path)}"
+        if exc.status_code == 404:
+            message = f"there is no {route}; this server serves {ENDPOINTS}"
+            if path.rstrip("/").endswith("/chat/completions"):
+                message += (" (a base language model without a chat template: send the "
+                            "conversation as a prompt to POST /v1/completions, or keep it "
+                            "on the server with POST /v1/sessions)")
+        elif exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+            message = f"{route} is not allowed" + (f"; use {allow}" if allow else "")
+        return _error_response(ApiError(exc.status_code, message,
+                                        code="not_found" if exc.status_code == 404 else None,
+                                        headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def _internal(_: HttpRequest, exc: Exception) -> JSONResponse:   # a bug, still JSON
@@ -213,6 +255,12 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": created, "owned_by": "titanc"}]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        check_model(model, [model_name])
+        return JSONResponse({"id": model_name, "object": "model", "created": created,
+                             "owned_by": "titanc"})
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:
@@ -238,8 +286,7 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
                            headers={"Retry-After": "1"}) from None
         except Draining:
             sessions.release(session)
-            raise ApiError(503, "the server is shutting down", kind="server_error",
-                           code="draining") from None
+            raise _draining() from None
         metrics.prompt_tokens.inc(sum(map(len, params.prompts)))
         metrics.requests.labels("200").inc()
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
@@ -251,6 +298,16 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
         return await _complete(engine, codec, params, reqs, choices, channel, head, request)
 
     return app
+
+
+def _draining() -> ApiError:
+    return ApiError(503, "the server is shutting down", kind="server_error", code="draining")
+
+
+def _admitting(engine: Engine) -> None:
+    """Refuse new work (a session) while the engine drains or after it stopped."""
+    if engine.draining:
+        raise _draining()
 
 
 def _make_requests(params: CompletionParams, codec: Any, channel: asyncio.Queue) -> tuple[list[Request], list[_Choice]]:
@@ -292,18 +349,27 @@ def _usage(params: CompletionParams, choices: list[_Choice]) -> dict[str, int]:
 async def _complete(engine: Engine, codec: Any, params: CompletionParams, reqs: list[Request],
                     choices: list[_Choice], channel: asyncio.Queue, head: dict,
                     request: HttpRequest) -> JSONResponse:
-    """Wait for every choice; a client that goes away cancels them."""
+    """Wait for every choice; a client that goes away cancels them. The client is checked
+    every POLL_S seconds whether or not tokens keep arriving (a check only when none came
+    for POLL_S would never happen while a long completion streams in)."""
+    loop = asyncio.get_running_loop()
     try:
         left = len(choices)
+        check_at = loop.time() + POLL_S
         while left:
-            try:
-                i, up = await asyncio.wait_for(channel.get(), POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return JSONResponse({}, status_code=499)
-                continue
-            choices[i].add(up, codec)
-            left -= up.finish_reason is not None
+            wait = check_at - loop.time()
+            if wait > 0:
+                try:
+                    i, up = await asyncio.wait_for(channel.get(), wait)
+                except asyncio.TimeoutError:
+                    pass
+                else:
+                    choices[i].add(up, codec)
+                    left -= up.finish_reason is not None
+                    continue
+            if await request.is_disconnected():
+                return JSONResponse({}, status_code=499)
+            check_at = loop.time() + POLL_S
     finally:
         for r in reqs:
             if not r.done:

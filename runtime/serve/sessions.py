@@ -76,17 +76,13 @@ class SessionStore:
 
     def get(self, sid: Any) -> Session:
         """The session `sid`, from memory or else from its file in the sessions directory."""
-        if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
-            raise ApiError(400, f"session: {str(sid)[:80]!r} is not a session id (sess_ and 32 "
-                                f"hex digits, from POST /v1/sessions)", param="session",
-                           code="invalid_session_id")
+        self._check_id(sid)
         if sid in self._live:
             self._live.move_to_end(sid)
             return self._live[sid]
         path = self._path(sid)
         if path is None or not path.is_file():
-            raise ApiError(404, f"session {sid} does not exist (deleted, or never created on "
-                                f"this server)", param="session", code="session_not_found")
+            raise self._not_found(sid)
         try:
             state = load_session(path, self.gen)
         except TitancError as exc:
@@ -96,13 +92,29 @@ class SessionStore:
         return s
 
     def delete(self, sid: str) -> None:
-        s = self.get(sid)
-        if s.busy:
+        """Free a session and remove its file. A session only on disk is not loaded first
+        (that could evict another one, or fail on a damaged file the client wants gone);
+        the file is removed before the session leaves memory, so a file that cannot be
+        removed leaves the session whole and is a one-line error naming it."""
+        self._check_id(sid)
+        s = self._live.get(sid)
+        if s is not None and s.busy:
             raise self._busy(s)
-        del self._live[sid]
         path = self._path(sid)
-        if path is not None:
-            path.unlink(missing_ok=True)
+        on_disk = path is not None and (path.is_file() or path.is_symlink())
+        if s is None and not on_disk:
+            raise self._not_found(sid)
+        if on_disk:
+            try:
+                path.unlink()                                   # type: ignore[union-attr]
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise ApiError(500, f"could not remove session file {path}: "
+                                    f"{exc.strerror or type(exc).__name__}; check the "
+                                    f"permissions of --sessions-dir",
+                               kind="server_error", code="session_file_error") from None
+        self._live.pop(sid, None)
 
     def snapshot(self, sid: str) -> dict[str, Any]:
         """Write the session to DIR/ID.safetensors (its state before a turn in progress)."""
@@ -165,17 +177,34 @@ class SessionStore:
             del self._live[idle.id]
 
     @staticmethod
+    def _check_id(sid: Any) -> None:
+        if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
+            raise ApiError(400, f"session: {str(sid)[:80]!r} is not a session id (sess_ and 32 "
+                                f"hex digits, from POST /v1/sessions)", param="session",
+                           code="invalid_session_id")
+
+    @staticmethod
+    def _not_found(sid: str) -> ApiError:
+        return ApiError(404, f"session {sid} does not exist (deleted, or never created on "
+                             f"this server)", param="session", code="session_not_found")
+
+    @staticmethod
     def _busy(s: Session) -> ApiError:
         return ApiError(409, f"session {s.id} is in use by another completion; wait for it "
                              f"to finish", param="session", code="session_busy")
 
 
 def add_routes(app: FastAPI, store: SessionStore,
-               read_json: Callable[[HttpRequest], Awaitable[Any]]) -> None:
-    """POST /v1/sessions, GET and DELETE /v1/sessions/ID, POST /v1/sessions/ID/snapshot."""
+               read_json: Callable[[HttpRequest], Awaitable[Any]],
+               admitting: Callable[[], None] | None = None) -> None:
+    """POST /v1/sessions, GET and DELETE /v1/sessions/ID, POST /v1/sessions/ID/snapshot.
+    `admitting` raises the server's refusal (503 while it drains) before a session is made:
+    a session the server could never continue is no use to a client."""
 
     @app.post("/v1/sessions")
     async def create(request: HttpRequest) -> JSONResponse:
+        if admitting is not None:
+            admitting()
         if request.headers.get("content-length", "0") != "0":
             body = await read_json(request)
             if body not in ({}, None):
