@@ -12,8 +12,8 @@ directory, fsynced, then `os.replace`d over the old one, so a crash or a full di
 previous checkpoint whole. Temporary files of processes that no longer exist (a `kill -9`
 during a save) are removed by the next save into the directory. Resuming compares the checkpoint's spec with the new one field by field:
 
-- run-control fields (`RUN_CONTROL`: train.steps, eval/checkpoint cadence, remat, compile, name)
-  never matter;
+- run-control fields (`RUN_CONTROL`: train.steps, eval/checkpoint/log cadence, remat, every
+  `compile.*` field, name) never matter;
 - `model.*` decides the tensors. Differences are allowed only as an *upgrade*: every tensor of
   the checkpoint fits the new spec with the same shape, and the new spec may add tensors (say
   `model.memory.adaptive` or `output_gate` turned on), which keep their fresh initialisation;
@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titanc.errors import TitancError
+from titanc.errors import TitancError, printable
 from titanc.model.spec import spec_hash, spec_to_dict
 
 __all__ = [
@@ -50,12 +50,18 @@ FORMAT = "titanc-checkpoint"
 VERSION = "1"
 CHECKPOINT_NAME = "checkpoint.safetensors"
 RNG_KEY = "rng.data"
+# the metadata entries save_checkpoint writes (`checksum` since issue 17)
+META_KEYS = frozenset({"format", "version", "step", "spec", "spec_hash", "titanc_version",
+                       "extra", "checksum"})
 # Spec fields that steer a run without touching its state: they may differ on resume.
+# Every field of the `compile` section is one (RUN_CONTROL_SECTIONS).
 RUN_CONTROL = frozenset({
     "name", "train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
-    "train.remat", "train.remat_budget_mb", "train.loss_chunk", "compile.target",
+    "train.log_every", "train.memory_stats_every", "train.remat", "train.remat_budget_mb",
+    "train.remat_rows", "train.remat_group", "train.loss_chunk", "compile.target",
     "train.bucket_mb", "train.zero", "train.dist_timeout_s",
 })
+RUN_CONTROL_SECTIONS = ("compile.",)
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -182,6 +188,8 @@ def _titanc_version() -> str:
 def checkpoint_path(run_or_file: str | os.PathLike, flag: str = "--resume") -> Path:
     """The checkpoint of a run directory (RUN/checkpoint.safetensors), or the file itself.
     `flag` names the option the path came from, for the error message."""
+    if not os.fspath(run_or_file):       # Path("") would be the current directory
+        raise TitancError(f"{flag} is empty; pass a run directory or a checkpoint file")
     p = Path(run_or_file)
     if p.is_dir():
         ckpt = p / CHECKPOINT_NAME
@@ -218,6 +226,13 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[st
         raise TitancError(f"{path} is a safetensors file but not a titanc checkpoint "
                           f"(no '{FORMAT}' metadata)")
     recorded = raw_meta.get("checksum")
+    unknown = sorted(set(raw_meta) - META_KEYS)
+    if recorded is None and unknown:
+        # a checkpoint older than the checksum has none, but only the entries above; an entry
+        # of another name is the `checksum` entry's name damaged, never to be skipped
+        raise TitancError(f"{path} is damaged: it has no checksum but an unknown metadata entry "
+                          f"{printable(unknown[0], 40)}; resume from another copy or train "
+                          f"from scratch")
     if recorded is not None and recorded != checksum(tensors, raw_meta):
         raise TitancError(f"{path} is damaged: its content does not match the checksum it "
                           f"was written with; resume from another copy or train from scratch")
@@ -261,8 +276,10 @@ def spec_differences(old: dict[str, Any], new: dict[str, Any],
     """(dotted field, old value, new value) for every leaf that differs, in schema order."""
     a, b = _flatten(old), _flatten(new)
     keys = list(b) + [k for k in a if k not in b]
+    sections = RUN_CONTROL_SECTIONS if ignore is RUN_CONTROL else ()
     return [(k, a.get(k), b.get(k)) for k in keys
-            if k not in ignore and _norm(a.get(k)) != _norm(b.get(k))]
+            if k not in ignore and not k.startswith(sections)
+            and _norm(a.get(k)) != _norm(b.get(k))]
 
 
 def _norm(v: Any) -> Any:

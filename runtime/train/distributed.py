@@ -193,6 +193,12 @@ class GradReducer:
         self._all_reduce(t, "averaging the loss")
         return float(t) / self.dist.world
 
+    def count(self, flag: bool, what: str) -> int:
+        """How many ranks passed `flag` true (every rank calls it: a synchronisation point)."""
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.prog.device)
+        self._all_reduce(t, what)
+        return round(float(t))
+
     def _all_reduce(self, t: Tensor, what: str) -> None:
         t0 = time.perf_counter()
         try:

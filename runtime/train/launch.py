@@ -8,18 +8,28 @@ A rank that exits non-zero stops the job: the others normally fail their next co
 once (gloo sees the closed connection) and exit with their own one-line error; any still
 running after train.dist_timeout_s are terminated. The launcher then prints one line naming
 the first rank that failed and how, and where the last checkpoint is, and exits 1.
+
+Rank 0 prints to the launcher's terminal (its progress bar, its lines); the other ranks'
+stderr is passed on line by line as it comes, except their `titanc: error: ...` lines, which
+are held until the job ends, so that a job prints one error line, not one per rank: bad input
+(a --resume that does not exist, a locked --out: every rank sees it, or rank 0 alone and the
+others then lose it) and a non-finite loss are rank 0's own line, exit 2; a rank other than 0
+that failed on its own with status 2 has its line shown, exit 2; a rank killed or crashing is
+the launcher's line, exit 1.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import IO, Sequence
 
 from titanc.config import child_environment, current, module_command
 from titanc.errors import DistributedError, TitancError
@@ -67,12 +77,52 @@ def _kept(out: Path) -> str:
                  f"continue with --resume {out}")
 
 
+class _Relay:
+    """A rank's stderr, copied to the launcher's line by line as it comes, except its titanc
+    error lines (`titanc: error: ...`, `titanc: interrupted`), which are held in `held`."""
+
+    HELD = (b"titanc: error:", b"titanc: interrupted")
+
+    def __init__(self, stream: IO[bytes]):
+        self.stream, self.held = stream, []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for line in iter(self.stream.readline, b""):
+                if line.startswith(self.HELD):
+                    self.held.append(line.decode("utf-8", "replace").rstrip("\n"))
+                else:
+                    _write_stderr(line)
+        except (OSError, ValueError):             # the launcher's stderr went away
+            pass
+
+    def join(self) -> None:
+        # a grandchild (a compile worker) may hold the pipe a little longer than its rank
+        self.thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            self.stream.close()
+
+
+def _write_stderr(line: bytes) -> None:
+    buffer = getattr(sys.stderr, "buffer", None)
+    if buffer is not None:
+        buffer.write(line)
+    else:
+        sys.stderr.write(line.decode("utf-8", "replace"))
+    sys.stderr.flush()
+
+
 def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
     """Run `python -m titanc.train *argv` as `nproc` local ranks; returns 0 when every rank
-    succeeded, else raises DistributedError with the one-line reason."""
+    succeeded, 2 when a rank stopped on a titanc error of its own (bad input, a non-finite
+    loss: its one line is printed), 128 + the signal when the launcher was stopped, else
+    raises DistributedError with the one-line reason."""
     env = child_environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     procs: list[subprocess.Popen] = []
+    relays: dict[int, _Relay] = {}                # rank -> its stderr (ranks other than 0)
     first: tuple[int, int] | None = None          # (rank, exit code) of the first failure
     deadline = None
     stopped: set[int] = set()                     # ranks the launcher killed itself
@@ -81,7 +131,10 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
             procs.append(subprocess.Popen(
                 module_command("titanc.train", *argv),
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stderr=subprocess.PIPE if rank else None,
                 preexec_fn=functools.partial(die_with_parent, os.getpid())))
+            if rank:
+                relays[rank] = _Relay(procs[-1].stderr)
         while any(p.poll() is None for p in procs) and stop.signum is None:
             if first is None:
                 failed = [(r, p.returncode) for r, p in enumerate(procs)
@@ -99,10 +152,16 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
                 if p.poll() is None:
                     p.send_signal(stop.signum)
             reap(procs, timeout_s)
+            for relay in relays.values():
+                relay.join()
             print(f"titanc: stopped by {stop.name}: the {nproc} ranks were stopped; "
                   f"{_kept(Path(out))}", file=sys.stderr)
             return 128 + stop.signum
+    for relay in relays.values():
+        relay.join()
     codes = [p.returncode for p in procs]
+    if codes[0] == 2:           # rank 0 printed its own one-line error (bad input, non-finite)
+        return 2
     # status 1 is a rank reporting that a peer failed: name the rank that failed first-hand
     # (killed, crashed, bad input) when there is one
     cause = [(r, c) for r, c in enumerate(codes) if c not in (0, 1) and r not in stopped]
@@ -114,6 +173,9 @@ def launch(argv: Sequence[str], nproc: int, out: str, timeout_s: float) -> int:
             return 0
         first = bad[0]
     rank, code = first
+    if code == 2 and rank in relays and relays[rank].held:   # bad input only this rank saw
+        _write_stderr((relays[rank].held[-1] + "\n").encode("utf-8"))
+        return 2
     kept = _kept(Path(out))
     late = (f" (rank {', '.join(map(str, sorted(stopped)))} did not stop within "
             f"train.dist_timeout_s={timeout_s:g} s and was killed)" if stopped else "")

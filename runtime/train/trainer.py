@@ -63,11 +63,16 @@ from titanc.runtime.diagnostics.timing import peak_rss_bytes, profile_table
 from titanc.files import write_text_atomic, writing_into
 from titanc.runtime.train.rundir import LOCK_NAME, RunDir
 from titanc.runtime.train.distributed import Dist, DistributedError, GradReducer
-from titanc.runtime.data.tokenizer import check_same_tokenizer, check_vocab, load_tokenizer, save_tokenizer
+from titanc.runtime.data.tokenizer import (TOKENIZER_FILE, check_same_tokenizer, check_vocab,
+                                          load_tokenizer, save_tokenizer)
 
 __all__ = ["Trainer", "run_training", "write_loss_plot", "read_metrics"]
 
 Tensor = torch.Tensor
+# the files a run writes into its directory besides the checkpoint (tokenizer.json: copied, or
+# removed for a byte-level run), with their temporaries
+RUN_FILES = ("spec.yaml", "metrics.jsonl", "loss.png", TOKENIZER_FILE, "spec.yaml.tmp",
+             "metrics.jsonl.tmp", TOKENIZER_FILE + ".tmp")
 EVAL_SEED_OFFSET = 1_000_003   # eval batches come from their own generator, reset every eval
 
 
@@ -92,6 +97,8 @@ class Trainer:
         if not isinstance(spec, Spec) or overrides:
             spec = load_spec(spec, overrides)
         self.spec = spec
+        if not os.fspath(out):           # Path("") would be the current directory
+            raise TitancError("--out is empty; pass a directory for the run")
         self.out = Path(out)
         self.profile = profile
         self.dist = dist
@@ -167,6 +174,16 @@ class Trainer:
         if ckpt.exists() and not self._resuming_in_place:
             raise TitancError(f"--out {self.out} already holds a run ({ckpt}); continue it with "
                               f"--resume {self.out} or choose another --out")
+        # a directory no trainer made (no .lock): the files a run writes (or, tokenizer.json,
+        # removes) there are someone else's, never to be overwritten
+        if (self.out.is_dir() and not self._resuming_in_place
+                and not os.path.lexists(self.out / LOCK_NAME)):
+            theirs = [n for n in RUN_FILES if os.path.lexists(self.out / n)]
+            if theirs:
+                raise TitancError(
+                    f"--out {self.out} is not a titanc run directory and holds "
+                    f"{', '.join(theirs)}, which a run would overwrite; choose a new or empty "
+                    f"directory for --out, or move those files away")
 
     def _start_metrics(self) -> None:
         """Fresh run: an empty metrics.jsonl. Resume: keep the history up to the restored step
@@ -206,7 +223,9 @@ class Trainer:
         micro-batch; the sampler's generator is not advanced) must be finite."""
         gen = torch.Generator()
         gen.set_state(self.gen.get_state())
-        tokens, docs = draw(self.data, self.spec, self.rows, "train", gen)
+        # as step() draws it: this rank's rows of the next global batch
+        tokens, docs = draw(self.data, self.spec, self.global_rows, "train", gen,
+                            rows=self.my_rows)
         first = slice(0, self.spec.train.batch_size)
         docs = {k: v[first] for k, v in docs.items()} if docs else None
         loss, grads = self.prog._grads(tokens[first], docs)   # its own buffers: no copies
@@ -231,21 +250,48 @@ class Trainer:
         if self.reducer is not None:
             self.reducer.gather_state()           # ZeRO-1: every shard's moments
         try:
-            if self.prog.step > self._start_step:
-                self._checked_last()              # the steps since the last log
-            bad = first_nonfinite(self.prog.state_dict())
-            if bad is not None:
-                raise self._nonfinite(f"{bad} after the update", "not finite")
-            self._probe_next_step()
+            failure: TitancError | None = None
+            try:
+                if self.prog.step > self._start_step:
+                    self._checked_last()          # the steps since the last log
+                bad = first_nonfinite(self.prog.state_dict())
+                if bad is not None:
+                    raise self._nonfinite(f"{bad} after the update", "not finite")
+                self._probe_next_step()
+            except DistributedError:
+                raise
+            except TitancError as exc:
+                failure = exc
+            if self.reducer is not None:          # each rank tried its own rows of the next
+                #                                   batch: rank 0 writes only if all passed
+                failed = self.reducer.count(failure is not None, "checking the checkpoint")
+                if failure is None and failed:
+                    failure = self._nonfinite(
+                        f"the next batch's loss or gradient norm on {failed} other "
+                        f"rank{'s' if failed > 1 else ''}", "not finite")
+            if failure is not None:
+                raise failure
             if self.main:
                 save_checkpoint(self.ckpt, self.prog, self.gen.get_state(),
                                 extra={"data": self.spec.data.source,
                                        "tokenizer_hash": self.tokenizer.hash,
                                        "tokens_seen": self.prog.step * self.tokens_per_step})
+                self._write_spec()                # the spec this checkpoint was trained with
+            if self.reducer is not None:          # every rank waits for rank 0's write (a
+                #                                   rank 0 that failed makes this fail): only
+                #                                   a written checkpoint is the last one
+                self.reducer.count(True, "writing the checkpoint")
         finally:
             if self.reducer is not None:
                 self.reducer.release_state()
         self.last_ckpt_step = self.prog.step
+
+    def _write_spec(self) -> None:
+        """spec.yaml: the spec as trained. A run resumed in place with another model (an
+        upgrade) writes it with its first checkpoint, so a run stopped before that keeps the
+        spec.yaml its checkpoint was trained with (generate, serve and eval check the pair)."""
+        write_text_atomic(self.out / "spec.yaml", yaml.safe_dump(
+            spec_to_dict(self.spec), sort_keys=False, default_flow_style=None))
 
     def _nonfinite(self, what: str, value: float) -> TitancError:
         step, lr = self.prog.step, self.prog.last.get("lr", self.spec.train.lr)
@@ -327,8 +373,8 @@ class Trainer:
     def _run(self) -> dict[str, Any]:
         spec, prog = self.spec, self.prog
         if self.main:
-            write_text_atomic(self.out / "spec.yaml", yaml.safe_dump(
-                spec_to_dict(spec), sort_keys=False, default_flow_style=None))
+            if not self._resuming_in_place:   # in place: the spec.yaml of the checkpoint on
+                self._write_spec()            # disk stays until a checkpoint replaces it
             save_tokenizer(self.tokenizer, self.out)
             self._start_metrics()
         self._report_start()
