@@ -19,7 +19,7 @@ from typing import Any
 
 from titanc.errors import TitancError
 
-__all__ = ["Bound", "SEED", "PORT", "VOCAB_SIZE", "MIN_FREQUENCY", "SLOTS", "QUEUE",
+__all__ = ["Bound", "SEED", "TRAIN_SEED", "PORT", "VOCAB_SIZE", "MIN_FREQUENCY", "SLOTS", "QUEUE",
            "TOKENS", "PROMPT_TOKENS", "BODY_BYTES", "WORKERS", "THREADS", "STEPS", "BATCHES",
            "NPROC", "TOP_K", "DISTANCE", "LIMIT", "finite_float"]
 
@@ -84,6 +84,7 @@ def finite_float(lo: float, hi: float, what: str):  # noqa: ANN201 - an argparse
 
 
 SEED = Bound(0, 2**64 - 1, "a seed")                          # torch.Generator.manual_seed
+TRAIN_SEED = Bound(0, 2**63 - 1, "a seed")                # train.seed: loaders seed seed + split
 PORT = Bound(0, 65535, "a TCP port (0 picks a free one)")
 VOCAB_SIZE = Bound(257, 1 << 21, "a vocabulary size")         # 256 bytes + end-of-text, ...
 MIN_FREQUENCY = Bound(1, 2**32 - 1, "a pair count")          # tokenizers' trainer: u32..u64

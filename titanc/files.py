@@ -1,19 +1,29 @@
 """Writing files: `write_text_atomic` is the one text writer of run and artifact directories (a
 failed write leaves no `.tmp` behind and the old file unchanged), and every write failure is a
 one-line `TitancError` naming the path and the OS's reason (`writing_into`), never a traceback.
+
+A directory that is replaced whole (`titanc compile -o`, `titanc data prepare -o`) is built in
+`staging_dir(final)` beside it and put in place by `swap_in`: the old directory is renamed
+aside, the new one renamed in, then the old one's entries the writer does not own move into
+the new one and the rest is deleted. `recover_swap` finishes a swap a killed process left
+half done; `holds_cwd` says when a directory cannot be swapped (the shell is in it).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from titanc.errors import TitancError
+from titanc.errors import TitancError, printable
 
-__all__ = ["os_reason", "writing_into", "write_text_atomic"]
+__all__ = ["os_reason", "writing_into", "write_text_atomic", "check_file_target", "pid_alive",
+           "holds_cwd",
+           "staging_dir", "swap_in", "recover_swap"]
 
 
 def os_reason(exc: OSError) -> str:
@@ -32,6 +42,18 @@ def writing_into(directory: str | os.PathLike, what: str = "the run directory") 
                else "choose a writable directory")
         raise TitancError(f"cannot write {what} {directory}: {where}: {os_reason(exc)}; "
                           f"{fix}") from None
+
+
+def check_file_target(path: Path, flag: str, example: str) -> None:
+    """`path` (given as `flag`) can be written as a file: not a directory, device, FIFO or
+    socket; `example` is a file name to suggest."""
+    shown = printable(str(path))
+    if path.is_dir():
+        raise TitancError(f"{flag} {shown} is a directory; pass a file such as "
+                          f"{printable(str(path / example))}")
+    if path.exists() and not path.is_file():
+        raise TitancError(f"{flag} {shown} is not a regular file (a device, FIFO or socket); "
+                          f"pass a file such as {example}")
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -82,3 +104,85 @@ def trim_directory(directory: Path, pattern: str, max_bytes: int, keep: Path) ->
             continue
         p.unlink(missing_ok=True)
         total -= size
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (owned by anyone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def holds_cwd(directory: str | os.PathLike) -> bool:
+    """Whether `directory` is the working directory or holds it (a rename would pull it from
+    under the shell)."""
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:                               # the working directory was deleted
+        return False
+    real = os.path.realpath(directory)
+    return cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep)
+
+
+def _left_by_the_dead(final: Path, kind: str) -> Iterator[Path]:
+    """`.NAME.<kind>-PID` beside `final` of processes that no longer exist."""
+    for p in final.parent.glob(f"{glob.escape('.' + final.name)}.{kind}-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            yield p
+
+
+def staging_dir(final: Path) -> Path:
+    """A path for a fresh `.NAME.partial-PID` beside `final` (same filesystem: the swap is a
+    rename), not yet created; the staging directories of dead processes are removed."""
+    final = Path(os.path.abspath(final))
+    for stale in _left_by_the_dead(final, "partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+    stage = final.parent / f".{final.name}.partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    return stage
+
+
+MoveOthers = Callable[[Path, Path], None]      # (old directory, new one): what to carry over
+
+
+def swap_in(new: Path, final: Path, move_others: MoveOthers, last: str) -> None:
+    """Make the complete directory `new` the one at `final`. An empty `final` (maybe the
+    working directory) is filled in place, the entry `last` (the one readers check for)
+    last; otherwise the old directory is renamed aside, `new` renamed into place, then
+    `move_others(old, final)` carries over what the writer does not own and the rest is
+    deleted. A kill between the renames or inside the move is finished by `recover_swap`."""
+    final = Path(os.path.abspath(final))
+    if not final.exists():
+        os.replace(new, final)
+        return
+    if next(os.scandir(final), None) is None:
+        for entry in sorted(new.iterdir(), key=lambda e: e.name == last):
+            os.replace(entry, final / entry.name)
+        return
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    os.replace(final, old)
+    try:
+        os.replace(new, final)
+    except BaseException:
+        os.replace(old, final)                    # the previous directory stays whole
+        raise
+    move_others(old, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_swap(final: Path, move_others: MoveOthers) -> None:
+    """Finish a `swap_in` into `final` that a killed process left half done."""
+    final = Path(os.path.abspath(final))
+    if not final.parent.is_dir():
+        return
+    for old in _left_by_the_dead(final, "old"):
+        if not final.exists():
+            os.replace(old, final)                # killed between the two renames
+        else:
+            move_others(old, final)               # killed while moving the other files
+            shutil.rmtree(old, ignore_errors=True)

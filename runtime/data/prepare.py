@@ -35,6 +35,7 @@ import numpy as np
 
 from titanc.config import set_worker_environment
 from titanc.errors import TitancError
+from titanc.files import holds_cwd, recover_swap, staging_dir, swap_in
 
 from titanc.runtime.children import die_with_parent
 from titanc.runtime.data.corpus import PIECE_BYTES, Piece, plan, read_piece
@@ -87,52 +88,25 @@ def _tokenize(piece: Piece, text_field: str, dtype: str,
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise TitancError(f"-o {out} is a file; pass a directory for the shards")
+    if out.is_dir() and next(os.scandir(out), None) is not None and holds_cwd(out):
+        raise TitancError(f"-o {out} is the current directory or holds it, and the new shard "
+                          f"set replaces a directory that holds files by a rename; choose a "
+                          f"subdirectory (-o shards) or run from outside it")
     existing = [n for n in (HEADER, "train.bin", "val.bin") if (out / n).exists()]
     if existing and not overwrite:
         raise TitancError(f"-o {out} already holds shards ({', '.join(existing)}); choose "
                           f"another directory or pass --overwrite")
 
 
-def _staging(out: Path) -> Path:
-    """The directory the new shard set is built in, beside `out` (same filesystem, so the
-    swap is a rename); those of runs that no longer exist are removed."""
-    out = Path(os.path.abspath(out))
-    for old in out.parent.glob(f".{out.name}.partial-*"):
-        pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    return out.parent / f".{out.name}.partial-{os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _is_shard_file(name: str) -> bool:
     return name == HEADER or name.startswith(("train.", "val."))
 
 
-def _swap_in(new: Path, out: Path) -> None:
-    """Make the complete shard set in `new` the one in `out`. The old set stays whole until
-    the new one is: `out` is renamed aside, `new` renamed into place, then the old one is
-    deleted; other files the old directory held (not shards) move into the new one."""
-    out = Path(os.path.abspath(out))
-    if not out.exists():
-        os.replace(new, out)
-        return
-    for entry in out.iterdir():
-        if not _is_shard_file(entry.name) and not (new / entry.name).exists():
-            os.replace(entry, new / entry.name)
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.replace(out, old)
-    os.replace(new, out)
-    shutil.rmtree(old, ignore_errors=True)
+def _move_others(old: Path, out: Path) -> None:
+    """Move the entries of `old` that are not shards (and not in `out`) into `out`."""
+    for entry in old.iterdir():
+        if not _is_shard_file(entry.name) and not (out / entry.name).exists():
+            os.replace(entry, out / entry.name)
 
 
 def _results(pieces: list[Piece], tok: Tokenizer, tok_name: str, text_field: str, dtype: str,
@@ -199,7 +173,12 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     """Tokenize `inputs` into shards in `out`; returns the header written (plus "seconds")."""
     if not 0 <= val_fraction < 1:
         raise TitancError(f"--val-fraction: {val_fraction} must be in [0, 1)")
+    if not os.fspath(out):
+        raise TitancError("-o: an empty path; pass the directory for the shards, e.g. -o "
+                          "data/corpus")
     out = Path(out)
+    with _writing(out):
+        recover_swap(out, _move_others)
     _check_out(out, overwrite)
     tok = load_tokenizer(tokenizer)
     dtype = dtype_for(tok.vocab_size)
@@ -207,9 +186,13 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     if workers is None:  # a worker costs ~0.3 s to start: give each at least two pieces
         total = sum(p.size for p in pieces)
         workers = min(os.cpu_count() or 1, max(1, total // (2 * PIECE_BYTES)))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = _staging(out)                   # the old shards stay valid until the swap
-    stage.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = staging_dir(out)            # the old shards stay valid until the swap
+        stage.mkdir()
+    except OSError as exc:
+        raise TitancError(f"cannot create -o {out}: {exc.filename or out}: "
+                          f"{exc.strerror or exc}; choose a writable directory") from None
     train_tmp, val_tmp = stage / "train.bin", stage / "val.bin"
     from tqdm import tqdm
 
@@ -251,7 +234,7 @@ def prepare(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
         with _writing(stage / HEADER):
             (stage / HEADER).write_text(json.dumps(header, indent=2) + "\n")
         with _writing(out):
-            _swap_in(stage, out)
+            swap_in(stage, out, _move_others, last=HEADER)
     finally:
         bar.close()
         shutil.rmtree(stage, ignore_errors=True)

@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from titanc.errors import TitancError
+from titanc.files import check_file_target
 
 __all__ = [
     "Tokenizer", "ByteTokenizer", "BPETokenizer", "StreamDecoder", "BYTE", "TOKENIZER_FILE", "EOT_TOKEN",
@@ -319,12 +320,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | os.PathLike,
 
     VOCAB_SIZE.check(vocab_size, "--vocab-size")
     out = Path(out)
-    if out.is_dir():
-        raise TitancError(f"-o {out} is a directory; pass a file name such as "
-                          f"{out / TOKENIZER_FILE}")
-    if out.exists() and not out.is_file():
-        raise TitancError(f"-o {out} is not a regular file (a device, FIFO or socket); pass "
-                          f"a file name such as {TOKENIZER_FILE}")
+    check_file_target(out, "-o", TOKENIZER_FILE)
+    if out.is_file() and not _is_tokenizer_file(out):   # a corpus file, a typo: never lost
+        raise TitancError(f"-o {out} already exists and is not a tokenizer.json, so it "
+                          f"would be overwritten; choose a new file name such as "
+                          f"{out.with_name(TOKENIZER_FILE)} (or remove {out} first)")
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -348,6 +348,24 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | os.PathLike,
         raise TitancError(f"could not write tokenizer {out}: {reason}; pick a writable path "
                           f"with space for it") from None
     return BPETokenizer(out)
+
+
+_MAX_TOKENIZER_BYTES = 1 << 30
+
+
+def _is_tokenizer_file(path: Path) -> bool:
+    """Whether `path` holds a tokenizers JSON document (one `train_bpe` may replace)."""
+    try:
+        if path.stat().st_size > _MAX_TOKENIZER_BYTES:
+            return False
+        with open(path, "rb") as f:
+            if f.read(64).lstrip()[:1] != b"{":
+                return False
+            f.seek(0)
+            doc = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("model"), dict)
 
 
 def _nonempty(texts: Iterable[str], seen: list[int]) -> Iterator[str]:

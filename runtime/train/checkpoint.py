@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from titanc.errors import TitancError, printable
+from titanc.files import pid_alive
 from titanc.model.spec import spec_hash, spec_to_dict
 
 __all__ = [
@@ -128,16 +129,6 @@ def first_nonfinite(tensors: dict[str, Tensor]) -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, owned by someone else
-        return True
-    return True
-
-
 def remove_stale_temps(path: str | os.PathLike, *, keep_live: bool = True) -> list[Path]:
     """Delete the temporary files `.NAME.<pid>.tmp` that saves of `path` left behind.
 
@@ -155,7 +146,7 @@ def remove_stale_temps(path: str | os.PathLike, *, keep_live: bool = True) -> li
         m = pattern.fullmatch(entry.name)
         if not m or int(m.group(1)) == os.getpid():
             continue
-        if keep_live and _pid_alive(int(m.group(1))):
+        if keep_live and pid_alive(int(m.group(1))):
             continue
         with contextlib.suppress(OSError):
             entry.unlink()

@@ -41,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from titanc.bounds import TOKENS, TRAIN_SEED
 from titanc.errors import SpecError
 
 __all__ = [
@@ -78,7 +79,8 @@ _F32_MAX = 3.4028234663852886e38
 
 
 def _field(default: Any = MISSING, **bounds: Any) -> Any:
-    """A dataclass field with validation bounds: ge, gt, lt, le (numbers) or choices
+    """A dataclass field with validation bounds: ge, gt, lt, le (numbers), most (a cap on
+    what the code downstream takes, stated on its own: `must be at most N`) or choices
     (strings)."""
     return field(default=default, metadata=bounds)
 
@@ -141,7 +143,9 @@ class ModelSpec:
     d_model: int = _field(ge=1)
     n_layers: int = _field(ge=1)
     block: str = _field(choices=BLOCKS)
-    seq_len: int = _field(ge=1)
+    # at most 2**20 tokens (bounds.TOKENS: a sequence's tokens everywhere); past it the
+    # compile's per-chunk work runs for hours before the memory check could refuse it
+    seq_len: int = _field(ge=1, most=TOKENS.hi)
     tie_embeddings: bool = True
     ffn_hidden: int | None = _field(None, ge=1)  # None: the multiple of 8 nearest 8/3 * d_model
     attention: AttentionSpec = _section(AttentionSpec)
@@ -226,7 +230,7 @@ class TrainSpec:
     weight_decay: float = _field(0.1, ge=0)
     betas: tuple[float, float] = _field((0.9, 0.95), ge=0, lt=1)
     grad_clip: float = _field(1.0, ge=0)         # global-norm clip; 0 disables
-    seed: int = _field(0, ge=0)
+    seed: int = _field(0, ge=0, most=TRAIN_SEED.hi)  # the loaders add the split to it
     dtype: str = _field("float32", choices=DTYPES)
     remat: str = _field("per_layer", choices=REMAT_POLICIES)
     remat_budget_mb: float | None = _field(None, gt=0)  # required when remat is budget
@@ -505,6 +509,8 @@ def _check_bounds(value: Any, bounds: Mapping[str, Any], path: str) -> None:
           and ("le" not in bounds or value <= bounds["le"]))
     if not ok:
         raise SpecError(f"{path}: {_show(value)} must be {_bounds_text(bounds)}")
+    if "most" in bounds and value > bounds["most"]:
+        raise SpecError(f"{path}: {_show(value)} must be at most {bounds['most']}")
 
 
 def _check_fields(obj: Any) -> None:
@@ -711,9 +717,14 @@ def _plain(value: Any, memo: dict[int, Any] | None = None) -> Any:
         return value
     memo = {} if memo is None else memo
     if id(value) not in memo:
-        memo[id(value)] = (
-            {k: _plain(v, memo) for k, v in value.items()} if isinstance(value, Mapping)
-            else [_plain(v, memo) for v in value])
+        # the copy is in the memo before its items are copied: a value that contains itself
+        # (`--set 'model.d_model=&a [*a]'`) is copied as such, not recursed into forever
+        if isinstance(value, Mapping):
+            out: Any = memo.setdefault(id(value), {})
+            out.update((k, _plain(v, memo)) for k, v in value.items())
+        else:
+            out = memo.setdefault(id(value), [])
+            out.extend(_plain(v, memo) for v in value)
     return memo[id(value)]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,8 @@ from titanc.ir import format_graph, graph_stats
 from titanc.config import debug_level
 from titanc.passes.buffer_plan import buffer_report
 
-from titanc.files import write_text_atomic, writing_into
+from titanc.files import (holds_cwd, recover_swap, staging_dir, swap_in, write_text_atomic,
+                          writing_into)
 
 from titanc.compiler import GRAPH_KINDS, Compiled, compile_graphs, launches_per_step
 from titanc.fit import lower_bound_bytes, planned_bytes
@@ -134,20 +136,79 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False,
     tok = load_tokenizer(spec)
     check_vocab(spec, tok)
     out = Path(out_dir)
+    final = Path(os.path.realpath(out))          # a symlinked -o: the directory it names
+    with writing_into(out, "the artifact directory"):
+        recover_swap(final, _move_others)
+    _check_out(out)
     if not force:
         check_fits(lower_bound_bytes(spec), spec, _device(spec), force_hint=True, lower=True)
     try:
-        (out / "ir").mkdir(parents=True, exist_ok=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        stage = staging_dir(final)
+        (stage / "ir").mkdir(parents=True)
     except OSError as e:
-        raise TitancError(f"cannot create output directory {out}: {e.strerror}; choose a "
+        raise TitancError(f"cannot create output directory {out}: {e.strerror or e}; choose a "
                           f"writable directory with -o") from None
-    t0 = time.perf_counter()
-    c = compile_graphs(spec)
-    seconds = time.perf_counter() - t0
-    if not force:
-        check_fits(planned_bytes(c), spec, _device(spec), force_hint=True)
-    with writing_into(out, "the artifact directory"):
-        return _write_files(spec, c, out, seconds, tok, arch)
+    try:
+        t0 = time.perf_counter()
+        c = compile_graphs(spec)
+        seconds = time.perf_counter() - t0
+        if not force:
+            check_fits(planned_bytes(c), spec, _device(spec), force_hint=True)
+        with writing_into(out, "the artifact directory"):
+            report = _write_files(spec, c, stage, seconds, tok, arch)
+            swap_in(stage, final, _move_others, last="manifest.json")
+        return report
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+# What `titanc compile` writes: the entries an artifact directory's next compile replaces
+# (ir/*.txt and kernels/*.py, kernels/index.json inside the two folders). Everything else in
+# the directory (graphs `inspect --graph` drew, notes) is carried into the new artifact.
+_OURS = frozenset({"ir", "kernels", "report.json", "manifest.json", "program.py",
+                   "memory_plan.txt", "tokenizer.json"})
+_OURS_INSIDE = {"ir": lambda n: n.endswith(".txt"),
+                "kernels": lambda n: n.endswith(".py") or n in ("index.json", "__pycache__")}
+
+
+def _is_artifact(d: Path) -> bool:
+    return (d / "manifest.json").is_file() or (d / "report.json").is_file()
+
+
+def _check_out(out: Path) -> None:
+    """-o must be a new or empty directory, or an artifact an earlier compile wrote: files
+    of anything else (a run directory, a source tree) are never replaced or deleted."""
+    if out.exists() and not out.is_dir():
+        raise TitancError(f"cannot create output directory {out}: it is a file; choose a "
+                          f"directory with -o")
+    if not out.is_dir():
+        return
+    try:
+        empty = next(os.scandir(out), None) is None
+    except OSError as e:
+        raise TitancError(f"cannot read output directory {out}: {e.strerror or e}; choose a "
+                          f"readable directory with -o") from None
+    if not empty and not _is_artifact(out):
+        raise TitancError(f"-o {out} holds files and is not a titanc artifact (no "
+                          f"manifest.json): compile would replace report.json, program.py, "
+                          f"ir/ and kernels/ in it; choose a new or empty directory")
+    if not empty and holds_cwd(out):
+        raise TitancError(f"-o {out} is the current directory or holds it, and compile "
+                          f"replaces an artifact directory by a rename; choose a "
+                          f"subdirectory (-o build) or run from outside it")
+
+
+def _move_others(old: Path, final: Path) -> None:
+    """Move what `old` holds that compile did not write into `final`."""
+    for entry in old.iterdir():
+        if entry.name not in _OURS:
+            os.replace(entry, final / entry.name)
+        elif entry.name in _OURS_INSIDE and entry.is_dir():
+            for inner in entry.iterdir():
+                if not _OURS_INSIDE[entry.name](inner.name) and not (
+                        final / entry.name / inner.name).exists():
+                    os.replace(inner, final / entry.name / inner.name)
 
 
 def _on_device(arch: int) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 from titanc import bounds as B
 from titanc import config
 from titanc.errors import TitancError, printable
+from titanc.files import check_file_target
 from titanc.model.spec import Spec, load_spec, parse_set_args
 
 __all__ = ["main", "build_parser"]
@@ -380,6 +381,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.session is not None and len(args.prompt) != 1:
         raise TitancError(f"--session continues one conversation: give one --prompt, not "
                           f"{len(args.prompt)}")
+    if args.session is not None:
+        _check_session_path(args.session)       # before the model loads and the turn runs
     prog = titanc.load(args.source)
     tokenizer = run_tokenizer(args.source)        # the run's own, checked against its record
     prompts = [tokenizer.encode(_text(p, "--prompt")) for p in args.prompt]
@@ -407,6 +410,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if state is not None:
         save_session(args.session, gen, state)
     return 0
+
+
+def _check_session_path(path: str) -> None:
+    """--session names a file this turn can be saved to: not empty, not a directory, device
+    or FIFO, in a place that takes a new file. Checked before the turn runs, so a turn is
+    never computed and then lost to a session that cannot be written."""
+    import tempfile
+
+    if not path:
+        raise TitancError("--session: an empty path; pass a file such as conv.safetensors")
+    p = Path(path)
+    shown = printable(path)
+    check_file_target(p, "--session", "conv.safetensors")
+    where = Path(os.path.abspath(p)).parent
+    while not where.exists() and where != where.parent:
+        where = where.parent                    # save_session creates the folders below
+    try:
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".titanc-session-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise TitancError(f"--session {shown}: cannot write in {printable(str(where))} "
+                          f"({exc.strerror or exc}); choose a writable place for the session "
+                          f"file") from None
 
 
 def _text(arg: str, flag: str) -> str:
