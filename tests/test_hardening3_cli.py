@@ -295,3 +295,16 @@ def test_a_train_seed_past_int64_is_refused_by_the_spec(
     assert code == 2 and err == ("titanc: error: train.seed: 18446744073709551615 must be at "
                                  "most 9223372036854775807")
     assert load_spec(LMM, {"train.seed": 2 ** 63 - 1}).train.seed == 2 ** 63 - 1
+
+
+def test_nproc_ranks_get_the_threads_flag() -> None:
+    """`titanc train --nproc 2 --threads 2` started its ranks without --threads, so each
+    rank took the automatic count instead of the one asked for."""
+    from titanc.tools.cli import _train_argv, build_parser
+
+    args = build_parser().parse_args(["train", str(LMM), "--out", "r", "--nproc", "2",
+                                      "--threads", "2", "--steps", "3"])
+    argv = _train_argv(args)
+    assert argv[argv.index("--threads") + 1] == "2" and "--nproc" not in argv
+    assert "--threads" not in _train_argv(build_parser().parse_args(
+        ["train", str(LMM), "--out", "r", "--nproc", "2"]))

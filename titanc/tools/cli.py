@@ -361,7 +361,7 @@ def _train_argv(args: argparse.Namespace) -> list[str]:
     argv = [args.spec, "--out", args.out]
     for kv in args.overrides:
         argv += ["--set", kv]
-    for flag in ("data", "steps", "resume", "until"):
+    for flag in ("data", "steps", "resume", "until", "threads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag}", str(getattr(args, flag))]
     argv += [f for f, on in (("--strict", args.strict), ("--profile", args.profile)) if on]
