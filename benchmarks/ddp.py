@@ -40,6 +40,7 @@ def worker(result: str, spec_path: str, sets: dict, warmup: int, steps: int) -> 
     with tempfile.TemporaryDirectory() as out:
         t = Trainer(spec, out, progress=False, log=lambda _: None, dist=dist)
         t._metrics = None                                  # no run directory: steps only
+        t._log_mark = (t.prog.step, time.perf_counter())   # what Trainer.run sets first
         for _ in range(warmup):
             t.step()
         t.times.clear()
