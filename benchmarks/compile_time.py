@@ -10,8 +10,8 @@ compiles each with Triton for the architectures (ptxas from the wheel, no driver
 and architecture: kernels, the sum and maximum of per-kernel compile seconds (CPU seconds of
 the compiling process and its ptxas, `compile_cpu_s`: a shared machine's load stretches the
 wall time, not this; on an idle core they are equal; the wall sum is kept too), the largest
-register count, spill bytes and shared memory, and the kernels over the budgets (DESIGN.md
-§7: > 10 s of compile, > 256 B spilled per thread). The JSON (every kernel's row too) goes
+register count, spill bytes and shared memory, and the kernels over the budgets
+(docs/gpu_kernels.md: > 10 s of compile, > 256 B spilled per thread). The JSON (every kernel's row too) goes
 to `--out`; a table to stdout. `--jobs` compiles that many kernels at once: the sum is CPU
 seconds of compile either way, the wall time shrinks. Quote the load average with it.
 

@@ -12,9 +12,11 @@ after the step), read by polling; the process is then stopped (its evaluation an
 not timed). Prints one JSON object: per run the seconds to the first step, the loss, the
 process's exit status, its output stamped with the seconds since the start (`timeline`: where
 the time went), and the kernels Triton compiled in the training process itself rather than
-in the precompile's pool (`compiled_in_process`, their seconds: a second run should have none). On a machine without CUDA
-it runs the triton target under Triton's interpreter (`compile.target: triton`; pass toy
-sizes with --set): the same code path, without the precompile.
+in the precompile's pool (`compiled_in_process`, their seconds: a second run should have none). It runs the spec's
+`compile.target` (`auto`: the cpu target without CUDA); on a machine without CUDA the triton
+target runs under Triton's interpreter with `TRITON_INTERPRET=1` and `--set
+compile.target=triton` (pass toy sizes with --set): the same code path, without the
+precompile.
 """
 from __future__ import annotations
 

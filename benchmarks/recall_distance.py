@@ -65,6 +65,7 @@ import torch
 import yaml
 
 import titanc
+from titanc.errors import TitancError
 from titanc.model.params import param_count
 from titanc.runtime.data.datasets import RecallLayout, SyntheticRecall
 from titanc.runtime.diagnostics.neural_memory import memory_stats
@@ -516,4 +517,9 @@ def report(out: Path, result: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TitancError as exc:       # a bad --set: one line, as the CLI says it
+        hint = ("; an option of one block goes in as --set BLOCK:key=value"
+                if "block" in str(exc) else "")
+        raise SystemExit(f"recall_distance: error: {exc}{hint}") from None

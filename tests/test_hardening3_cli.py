@@ -308,3 +308,27 @@ def test_nproc_ranks_get_the_threads_flag() -> None:
     assert argv[argv.index("--threads") + 1] == "2" and "--nproc" not in argv
     assert "--threads" not in _train_argv(build_parser().parse_args(
         ["train", str(LMM), "--out", "r", "--nproc", "2"]))
+
+
+def test_a_reader_that_closes_stdout_gets_no_error_line(tmp_path: Path) -> None:
+    """`titanc inspect --pipeline | head -1`: the reader goes away while titanc still writes;
+    that was `titanc: error: Broken pipe` on stderr (exit 2). Now it stops quietly with 141
+    (128 + SIGPIPE, as a shell reports a command its reader closed)."""
+    proc = subprocess.Popen([sys.executable, "-m", "titanc", "inspect", "--pipeline"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    proc.stdout.close()                                  # the reader is gone before it writes
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141 and err.decode() == "", (proc.returncode, err)
+
+
+def test_the_inspect_help_names_a_kernel_every_artifact_has() -> None:
+    """`titanc inspect --help`'s `--kernel` example named a kernel no artifact had any more."""
+    from titanc.compiler import compile_graphs
+    from titanc.tools.cli import INSPECT_KERNEL_EXAMPLE
+
+    c = compile_graphs(load_spec(LMM), verify_each=False)
+    names = {k.name for s in c.schedules.values() for k in s.kernels}
+    assert INSPECT_KERNEL_EXAMPLE in names

@@ -17,6 +17,7 @@ trainer) are imported inside the commands, so `titanc --help` and spec errors st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -67,6 +68,10 @@ def _add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="path to a YAML model spec (see examples/)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help=_SET_HELP)
+
+
+# a kernel every spec's artifact has (the optimizer's), so the help's example stays true
+INSPECT_KERNEL_EXAMPLE = "titanc_tem_fused_adamw_0"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the pattern passes.",
         epilog="examples:\n"
                "  titanc inspect build/tiny\n"
-               "  titanc inspect build/tiny --kernel titanc_red_fused_mul_sum_add_rsqrt_73\n"
+               f"  titanc inspect build/tiny --kernel {INSPECT_KERNEL_EXAMPLE}\n"
                "  titanc inspect build/tiny --graph --pass aggregate\n"
                "  titanc inspect build/tiny --memory\n"
                "  titanc inspect --pipeline",
@@ -512,6 +517,10 @@ def _main(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         print("titanc: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed by its reader (`titanc inspect DIR | head`)
+        with contextlib.suppress(OSError):  # nothing more reaches it, not even Python's flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                          # 128 + SIGPIPE, as a shell reports it
     except OSError as exc:  # a write or read the command did not expect to fail (disk full)
         where = f"{printable(str(exc.filename))}: " if exc.filename is not None else ""
         print(f"titanc: error: {where}{exc.strerror or exc}", file=sys.stderr)
