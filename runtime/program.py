@@ -10,6 +10,8 @@ training step allocates nothing.
 """
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,6 +24,19 @@ from titanc.model.params import init_params
 from titanc.runtime.train.lr_schedule import lr_at
 
 Tensor = torch.Tensor
+
+# steps of the learning-rate schedule the device table holds at once: a longer schedule is
+# refilled from the host when a step leaves the window (`Program._lr_window`), so the table
+# and its build cost stay bounded however large `train.steps` is
+LR_WINDOW = 4096
+
+
+def check_state_tensor(t: Any, what: str) -> None:
+    """A tensor of a state dict (`what` names it): a torch.Tensor that holds values."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "meta":
+        raise TitancError(f"{what} is on the meta device and holds no values")
 
 
 def resolve_target(target: str) -> str:
@@ -49,6 +64,9 @@ def check_token_ids(tokens: Tensor, vocab_size: int, what: str = "tokens",
     if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
         raise TitancError(f"{what} must hold integer token ids, got a {tokens.dtype} tensor; "
                           f"convert with .long() only if the values are ids")
+    if tokens.device.type == "meta":
+        raise TitancError(f"{what} is a tensor on the meta device, which holds no values; "
+                          f"pass the token ids themselves")
     if tokens.numel():
         if (scratch is not None and tokens.dtype == scratch.dtype and tokens.dim() == 2
                 and tokens.device == scratch.device):
@@ -117,9 +135,14 @@ class Program:
                          for k in ("lr", "step", "grad_scale")}
         self._scalars["grad_scale"].fill_(1.0 / self.accum)
         train = self.spec.train
+        # lr_at(s) for s in [_lr_base, _lr_base + len): the whole schedule when it fits
+        # LR_WINDOW, else a window that `_lr_window` moves along with the steps
+        self._lr_end = max(train.steps, train.warmup) + 1      # past it the lr stays constant
+        self._lr_base = 0
         self._lr_table = torch.tensor([lr_at(s, train) for s in
-                                       range(max(train.steps, train.warmup) + 1)],
+                                       range(min(self._lr_end, LR_WINDOW))],
                                       dtype=self.dtype).to(self.device)
+        self._lr_base_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._step_index = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._step_clamped = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._step_synced = 0              # the host step the device counter holds
@@ -137,6 +160,9 @@ class Program:
         self._token_range = torch.zeros(2, dtype=torch.int64)   # check_token_ids' min, max
         self.step = 0
         self._last: dict[str, Any] = {}
+        # one call at a time: every graph's executor runs in one arena, whose outputs the next
+        # call overwrites, so two threads would read each other's results
+        self._lock = threading.RLock()
         self._by_batch: dict[int, Any] = {self.batch_size: compiled}
 
     # -- state ----------------------------------------------------------------------------------
@@ -152,7 +178,11 @@ class Program:
         self._v = None if v is None else _views(v, self._params)
 
     def state_dict(self) -> dict[str, Tensor]:
-        assert self._m is not None, "AdamW moments are sharded (ZeRO-1): gather them first"
+        """The parameters, AdamW moments (`param.*`, `opt.m.*`, `opt.v.*`: the program's own
+        tensors, not copies) and `opt.step`."""
+        if self._m is None:
+            raise TitancError("state_dict: the AdamW moments are sharded over ranks (ZeRO-1); "
+                              "gather them first (bind_moments with full buffers)")
         sd = {f"param.{n}": t for n, t in self._params.items()}
         sd.update({f"opt.m.{n}": t for n, t in self._m.items()})
         sd.update({f"opt.v.{n}": t for n, t in self._v.items()})
@@ -162,29 +192,69 @@ class Program:
     def load_state_dict(self, sd: dict[str, Tensor], strict: bool = True) -> dict[str, list[str]]:
         """Copy matching tensors in place. Returns {'new': [...], 'unused': [...]}: names this
         program has that `sd` lacks (kept at their fresh initialisation) and names of `sd` this
-        program does not use. `strict` refuses any difference; a shape mismatch always fails."""
+        program does not use. `strict` refuses any difference; a shape mismatch, a tensor that
+        is not floating point or holds a NaN or an inf, and an `opt.step` that is not an
+        integer >= 0 always fail, before anything is copied."""
+        from titanc.runtime.train.checkpoint import first_nonfinite
+
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"load_state_dict: state_dict must be a mapping of names to "
+                            f"tensors (Program.state_dict() or a checkpoint's), got "
+                            f"{type(sd).__name__}")
         mine = self.state_dict()
         new = sorted(k for k in mine if k not in sd and k != "opt.step")
-        unused = sorted(k for k in sd if k not in mine)
+        unused = sorted((k for k in sd if k not in mine), key=str)
         for k, t in sd.items():
-            if k in mine and k != "opt.step" and tuple(t.shape) != tuple(mine[k].shape):
+            if k not in mine or (k == "opt.step" and isinstance(t, int)):
+                continue
+            check_state_tensor(t, f"load_state_dict: state_dict[{k!r}]")
+            if k == "opt.step":
+                continue
+            if tuple(t.shape) != tuple(mine[k].shape):
                 raise TitancError(f"checkpoint tensor {k} has shape {list(t.shape)}, "
                                   f"the spec needs {list(mine[k].shape)}")
+            if not t.is_floating_point():
+                raise TitancError(f"checkpoint tensor {k} is {t.dtype}, the spec needs a "
+                                  f"floating-point tensor ({mine[k].dtype})")
+        step = self._checked_step(sd["opt.step"]) if "opt.step" in sd else None
         if strict and (new or unused):
             raise TitancError(f"checkpoint does not match the spec (--strict): "
                               f"missing {new[:5]}, unexpected {unused[:5]}")
-        with torch.no_grad():
+        bad = first_nonfinite({k: t for k, t in sd.items() if k in mine and k != "opt.step"})
+        if bad is not None:
+            raise TitancError(f"checkpoint tensor {bad} holds a NaN or an inf; load a finite "
+                              f"state (every checkpoint titanc writes is)")
+        with torch.no_grad(), self._lock:
             for k, t in sd.items():
                 if k in mine and k != "opt.step":
                     mine[k].copy_(t.to(mine[k].dtype))
-        if "opt.step" in sd:
-            self.step = int(sd["opt.step"])
+        if step is not None:
+            self.step = step
         return {"new": new, "unused": unused}
+
+    @staticmethod
+    def _checked_step(t: Any) -> int:
+        """`opt.step` of a state dict: an integer >= 0 (a Python int or a one-element
+        integer tensor)."""
+        if isinstance(t, Tensor):
+            ok = t.numel() == 1 and not (t.is_floating_point() or t.is_complex()
+                                         or t.dtype == torch.bool)
+            value = int(t.reshape(())) if ok else None
+        else:
+            value = t if isinstance(t, int) and not isinstance(t, bool) else None
+        if value is None or value < 0:
+            shown = (f"a {t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, Tensor)
+                     else repr(t)[:40])
+            raise TitancError(f"checkpoint entry opt.step must be one integer >= 0 (the "
+                              f"optimizer steps taken), got {shown}"
+                              + (f" = {value}" if value is not None else ""))
+        return value
 
     def storages(self) -> list[Tensor]:
         """Every tensor storage this program and its executors own (for allocation probes)."""
         own = [*(t for t in self.flat.values() if t is not None), self._grad_flat_tmp,
-               *self._scalars.values(), self._token_range, self._lr_table, self._step_index,
+               *self._scalars.values(), self._token_range, self._lr_table, self._lr_base_dev,
+               self._step_index,
                self._step_clamped, self._loss]
         own += [self._tokens_dev] if self._tokens_dev is not None else []
         own += list(self._extra_dev.values())
@@ -204,9 +274,9 @@ class Program:
     def _check_tokens(self, tokens: Tensor) -> Tensor:
         if not isinstance(tokens, Tensor):
             raise TitancError(f"tokens must be an int64 tensor, got {type(tokens).__name__}")
-        if tokens.dim() != 2 or tokens.shape[1] != self.seq_len + 1:
-            raise TitancError(f"tokens must be int64 [batch, seq_len + 1 = {self.seq_len + 1}], "
-                              f"got {list(tokens.shape)}")
+        if tokens.dim() != 2 or tokens.shape[1] != self.seq_len + 1 or tokens.shape[0] == 0:
+            raise TitancError(f"tokens must be int64 [batch >= 1, seq_len + 1 = "
+                              f"{self.seq_len + 1}], got {list(tokens.shape)}")
         check_token_ids(tokens, self.spec.model.vocab_size, scratch=self._token_range)
         return tokens.to(torch.int64)
 
@@ -288,6 +358,9 @@ class Program:
         """The graph inputs of `data.documents` for a batch: `docs` may hold `doc_start` and
         `loss_mask` [B, T] (the loader's, runtime/data/datasets.py); absent ones default to
         one document per row and every target counted."""
+        if docs is not None and not isinstance(docs, Mapping):
+            raise TypeError(f"docs must be a mapping {{'doc_start': tensor, 'loss_mask': "
+                            f"tensor}} or None, got {type(docs).__name__}")
         if not self.spec.data.documents:
             if docs:
                 raise TitancError(f"{', '.join(sorted(docs))} given, but the program has no "
@@ -307,6 +380,12 @@ class Program:
             t = docs.get(name)
             if t is None:
                 t = torch.full(shape, fill, dtype=self.dtype)
+            elif not isinstance(t, Tensor):
+                raise TypeError(f"docs[{name!r}] must be a torch.Tensor [batch, seq_len], got "
+                                f"{type(t).__name__}")
+            elif t.device.type == "meta" or t.is_complex():
+                raise TitancError(f"{name} must be a real tensor holding values, got a "
+                                  f"{t.dtype} tensor on {t.device}")
             elif tuple(t.shape) != shape:
                 raise TitancError(f"{name} must be [batch, seq_len] = {list(shape)}, "
                                   f"got {list(t.shape)}")
@@ -314,17 +393,20 @@ class Program:
         return out
 
     def loss(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
-        tokens = self._check_tokens(tokens)
-        cg = self.graph("forward", tokens.shape[0])
-        extra = self.document_inputs(tokens, docs)
-        return float(self._run(cg, {"tokens": tokens, **extra, **self._params})["loss"])
+        with self._lock:
+            tokens = self._check_tokens(tokens)
+            cg = self.graph("forward", tokens.shape[0])
+            extra = self.document_inputs(tokens, docs)
+            return float(self._run(cg, {"tokens": tokens, **extra, **self._params})["loss"])
 
     def _forward_output(self, tokens: Tensor, output: str,
                         docs: dict[str, Tensor] | None = None) -> Tensor:
-        tokens = self._check_tokens(tokens)
-        cg = self.graph(output, tokens.shape[0])
-        extra = self.document_inputs(tokens, docs, loss=False)
-        return self._run(cg, {"tokens": tokens, **extra, **self._params})[output]
+        """A copy of graph output `output`: the executor's own buffer is the next call's."""
+        with self._lock:
+            tokens = self._check_tokens(tokens)
+            cg = self.graph(output, tokens.shape[0])
+            extra = self.document_inputs(tokens, docs, loss=False)
+            return self._run(cg, {"tokens": tokens, **extra, **self._params})[output].clone()
 
     def logits(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> Tensor:
         """Next-token logits [B, T, V] for tokens [B, T+1] (the last column is ignored)."""
@@ -337,8 +419,9 @@ class Program:
     def grads(self, tokens: Tensor, docs: dict[str, Tensor] | None = None
               ) -> tuple[float, dict[str, Tensor]]:
         """Loss and gradients of one batch (copies: the program's buffers stay private)."""
-        loss, g = self._grads(tokens, docs)
-        return loss, {n: t.clone() for n, t in g.items()}
+        with self._lock:
+            loss, g = self._grads(tokens, docs)
+            return loss, {n: t.clone() for n, t in g.items()}
 
     def _grads(self, tokens: Tensor, docs: dict[str, Tensor] | None = None
                ) -> tuple[float, dict[str, Tensor]]:
@@ -353,8 +436,9 @@ class Program:
         (tokens: [grad_accum·batch_size, seq_len+1]; `docs`: `data.documents`' doc_start and
         loss_mask rows, as `loss`). Returns the mean micro-batch loss, which reads it back from
         the device; `advance` is the same step reading nothing back."""
-        self.advance(tokens, docs)
-        return self.last["loss"]
+        with self._lock:
+            self.advance(tokens, docs)
+            return self.last["loss"]
 
     @property
     def last(self) -> dict[str, float]:
@@ -367,6 +451,10 @@ class Program:
         the loss and the gradient norm stay there (`last` reads them). On CUDA with
         `compile.cuda_graphs` the whole step is one CUDA graph, captured at the second call
         and replayed after (the first compiles the kernels)."""
+        with self._lock:
+            self._advance(tokens, docs)
+
+    def _advance(self, tokens: Tensor, docs: dict[str, Tensor] | None) -> None:
         tokens = self._check_tokens(tokens)
         if tokens.shape[0] != self.accum * self.batch_size:
             raise TitancError(f"train_step needs {self.accum}·{self.batch_size} rows "
@@ -377,6 +465,8 @@ class Program:
             return
         if self.step != self._step_synced:           # set from outside (a checkpoint)
             self._step_index.fill_(self.step)
+        if not 0 <= self.step - self._lr_base < self._lr_table.shape[0]:
+            self._lr_window()
         if self.device != "cpu":                     # one copy in, where the graph reads it
             if self._tokens_dev is None or self._tokens_dev.shape != tokens.shape:
                 self._tokens_dev, self._step_graph = torch.empty_like(tokens,
@@ -400,6 +490,19 @@ class Program:
         self.step += 1
         self._step_synced = self.step
         self._last = {"loss": self._loss, "lr": self._lr, "grad_norm": self._grad_norm}
+
+    def _lr_window(self) -> None:
+        """Move the lr table's window to hold this step (a schedule longer than LR_WINDOW);
+        past the schedule's end the window holds its last steps, whose last entry the step
+        clamps to."""
+        n = self._lr_table.shape[0]
+        base = max(0, min(self.step, self._lr_end - n))
+        if base == self._lr_base:
+            return
+        self._lr_table.copy_(torch.tensor([lr_at(s, self.spec.train)
+                                           for s in range(base, base + n)], dtype=self.dtype))
+        self._lr_base_dev.fill_(base)
+        self._lr_base = base
 
     def _inputs_on_device(self, extra: dict[str, Tensor]) -> dict[str, Tensor]:
         """The document inputs copied into fixed device buffers (what a captured step reads);
@@ -436,7 +539,8 @@ class Program:
                 self._loss.add_(out["loss"])
         if self.accum > 1:
             self._loss.mul_(1.0 / self.accum)
-        torch.clamp(self._step_index, max=self._lr_table.shape[0] - 1, out=self._step_clamped)
+        torch.sub(self._step_index, self._lr_base_dev, out=self._step_clamped)
+        self._step_clamped.clamp_(0, self._lr_table.shape[0] - 1)
         torch.index_select(self._lr_table, 0, self._step_clamped,
                            out=self._scalars["lr"].view(1))
         torch.add(self._step_index, 1, out=self._scalars["step"].view(1))

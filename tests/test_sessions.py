@@ -164,6 +164,10 @@ def test_a_session_over_5_turns_equals_one_request_with_the_transcript(
     assert got == want
     info = server.request("GET", f"/v1/sessions/{sid}")[2]
     assert info["tokens"] == len(transcript) and info["bytes"] > 0 and not info["busy"]
+    # a conversation's state does not grow: its bytes are a new session's, plus its one unfed
+    # token (they grew 8 bytes a token of the transcript before: a count taken for storage)
+    fresh = server.request("POST", "/v1/sessions")[2]
+    assert fresh["bytes"] <= info["bytes"] <= fresh["bytes"] + 8, (fresh, info)
     # the same as one request with the whole transcript, through the server
     last = len(transcript) - 8
     whole = client.completions.create(model=MODEL, prompt=transcript[:last], max_tokens=8,

@@ -46,11 +46,23 @@ def load(path: Any, **overrides: Any) -> "Program":
     """Reopen a run directory / checkpoint (weights included) or a compiled artifact
     directory (fresh weights from its spec)."""
     import json
+    import os
     from pathlib import Path
 
     from titanc.runtime.train.checkpoint import checkpoint_path, load_checkpoint, restore
 
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise TypeError(f"titanc.load: path must be a str or os.PathLike naming a run "
+                        f"directory, a checkpoint file or a compiled artifact directory, got "
+                        f"{type(path).__name__}")
+    if os.fspath(path) == "":
+        raise TitancError("titanc.load: path is empty; pass a run directory, a checkpoint "
+                          "file or a compiled artifact directory ('.' for this one)")
     p = Path(path)
+    if p.suffix in (".yaml", ".yml", ".json") and p.is_file():
+        raise TitancError(f"titanc.load: {p} is a spec or metadata file, not a run, checkpoint "
+                          f"or artifact; compile a spec with titanc.compile({str(p)!r}), or "
+                          f"load the directory that holds it")
     manifest = p / "manifest.json"
     if p.is_dir() and manifest.exists() and not (p / "checkpoint.safetensors").exists():
         try:
@@ -60,7 +72,13 @@ def load(path: Any, **overrides: Any) -> "Program":
         if not isinstance(spec_dict, dict):
             raise TitancError(f"{manifest} is not a titanc manifest (no spec mapping); "
                               f"recompile with 'titanc compile'")
-        return compile({**spec_dict, "name": spec_dict.get("name", "spec")}, **overrides)
+        spec_dict = {**spec_dict, "name": spec_dict.get("name", "spec")}
+        try:
+            load_spec(spec_dict)             # the artifact's own spec, before the overrides
+        except SpecError as exc:
+            raise SpecError(f"{manifest}: its spec is invalid ({exc}); recompile with "
+                            f"'titanc compile'") from None
+        return compile(spec_dict, **overrides)
     ckpt = checkpoint_path(p, flag="load")
     tensors, meta = load_checkpoint(ckpt)
     prog = compile(meta["spec"], **overrides)

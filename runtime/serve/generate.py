@@ -12,6 +12,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -51,8 +52,11 @@ class DecodeState:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the state holds: its tensors, and 8 a position and an unfed token (a count of
+        the transcript's tokens is no storage: a conversation's state does not grow)."""
         ts = [*self.tensors.values(), *self.pending.values(), self.slot_pos]
-        return sum(t.numel() * t.element_size() for t in ts) + 8 * sum(self.tokens)
+        return (sum(t.numel() * t.element_size() for t in ts)
+                + 8 * (len(self.pos) + sum(len(u) for u in self.unfed)))
 
     @staticmethod
     def cat(states: Sequence["DecodeState"]) -> "DecodeState":
@@ -125,19 +129,71 @@ class Sampling:
     stop: Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise TitancError(f"temperature: {t!r} must be a finite number >= 0 (0 is greedy)")
-        if self.top_k is not None and (isinstance(self.top_k, bool)
-                                       or not isinstance(self.top_k, int) or self.top_k < 1):
-            raise TitancError(f"top_k: {self.top_k!r} must be a positive integer")
-        p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
-                              or not 0 < p <= 1):
-            raise TitancError(f"top_p: {p!r} must be in (0, 1]")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
-                or not 0 <= self.seed < 2**64:
-            raise TitancError(f"seed: {str(self.seed)[:30]} must be an integer in [0, 2**64)")
+        # numbers of any numeric type (numpy's too) are taken as Python int / float
+        t = _real(self.temperature)
+        if t is None or not 0 <= t < math.inf:
+            raise TitancError(f"temperature: {_shown(self.temperature)} must be a finite "
+                              f"number >= 0 (0 is greedy)")
+        self.temperature = t
+        if self.top_k is not None:
+            k = _integer(self.top_k)
+            if k is None or k < 1:
+                raise TitancError(f"top_k: {_shown(self.top_k)} must be a positive integer")
+            self.top_k = k
+        if self.top_p is not None:
+            p = _real(self.top_p)
+            if p is None or not 0 < p <= 1:
+                raise TitancError(f"top_p: {_shown(self.top_p)} must be in (0, 1]")
+            self.top_p = p
+        seed = _integer(self.seed)
+        if seed is None or not 0 <= seed < 2**64:
+            raise TitancError(f"seed: {_shown(self.seed)} must be an integer in [0, 2**64)")
+        self.seed = seed
+        self.stop = _stops(self.stop)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _integer(value: Any) -> int | None:
+    """`value` as an int when it is an integer (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a float when it is a real number (not a bool), else None (nan stays nan)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:                    # an int past float's range
+        return math.inf
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    """Stop sequences as a tuple of strings: one string is one stop sequence (not one per
+    character), None is none; each must be valid Unicode."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if isinstance(stops, (bytes, Mapping)) or not isinstance(stops, Iterable):
+        raise TitancError(f"stop: expected a string or a list of strings, got "
+                          f"{type(stop).__name__}")
+    stops = tuple(stops)
+    for x in stops:
+        if not isinstance(x, str):
+            raise TitancError(f"stop: expected a string or a list of strings, got an item "
+                              f"{_shown(x)}; decode bytes first")
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TitancError(f"stop: {ascii(x)[:40]} is not valid Unicode (a lone "
+                              f"surrogate)") from None
+    return stops
 
 
 def _flushing_denormals() -> bool:
@@ -160,6 +216,11 @@ def _flush_denormals(restore: bool) -> Iterator[None]:
 class Generator:
     def __init__(self, prog: Any, tokenizer: Any = None):
         """`tokenizer` (runtime/data/tokenizer.py; default bytes) decodes output for stop sequences."""
+        from titanc.runtime.program import Program
+
+        if not isinstance(prog, Program):
+            raise TypeError(f"Generator: prog must be a titanc Program (from titanc.compile or "
+                            f"titanc.load), got {type(prog).__name__}")
         self.prog = prog
         self.tokenizer = tokenizer
         self.spec = prog.spec
@@ -173,6 +234,10 @@ class Generator:
 
     # -- graphs -------------------------------------------------------------------------------
     def new_state(self, batch: int) -> DecodeState:
+        """The state of `batch` sequences at position 0."""
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+            raise TitancError(f"new_state: batch {_shown(batch)} must be an integer >= 1")
+        batch = int(batch)
         L = self.m.n_layers
         tensors = self._zeros("decode_step", batch, "state.")
         pending: dict[str, Tensor] = {}
@@ -239,6 +304,10 @@ class Generator:
         the next step overwrites (clone to keep it). Allocates nothing after warm-up.
 
         The n tokens must lie in one memory chunk (n = 1, or a whole aligned chunk)."""
+        with self.prog._lock:             # the program's executors, and this one's host inputs
+            return self._step(st, tokens)
+
+    def _step(self, st: DecodeState, tokens: Tensor) -> Tensor:
         B, n = tokens.shape
         if n > self.chunk or (n > 1 and any(p % self.chunk for p in st.pos)):
             raise TitancError(f"a {n}-token step must start a memory chunk of {self.chunk}")
@@ -362,12 +431,11 @@ class Generator:
         not been reached yet. Without `state` from position 0; with a batch-1 `state` (a
         conversation, left unchanged) its unfed tokens, then the prompt, continue it. Returns
         the new state and the logits of every prompt position (1, T, V)."""
-        if len(prompt) == 0:
-            raise TitancError("an empty prompt has nothing to condition on; give at least one token")
         toks = _prompt_tensor(prompt, self.m.vocab_size)
         if state is None:
             st, carry = self.new_state(1), 0
         else:
+            _check_state(state)
             if state.batch != 1:
                 raise TitancError(f"a conversation state holds one sequence, this one holds "
                                   f"{state.batch}")
@@ -379,7 +447,8 @@ class Generator:
         while s < T:
             aligned = st.pos[0] % self.chunk == 0 and s + self.chunk <= T
             n = self.chunk if aligned else 1
-            logits.append(self.step(st, toks[:, s:s + n]).clone())
+            with self.prog._lock:                # the view, copied before another step
+                logits.append(self.step(st, toks[:, s:s + n]).clone())
             s += n
         return st, torch.cat(logits, 1)[:, carry:]
 
@@ -392,13 +461,18 @@ class Generator:
         one prompt continues it, and once the stream is exhausted `state` holds the
         conversation after this turn (its last sampled token unfed); a stream closed early
         leaves it unchanged."""
-        s = sampling or Sampling()
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 0:
-            raise TitancError(f"max_new_tokens: {max_new_tokens!r} must be an integer >= 0")
-        if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
-            raise TitancError("prompts: expected a non-empty list of prompts, each a list of "
-                              "token ids")
+        s = Sampling() if sampling is None else sampling
+        if not isinstance(s, Sampling):
+            raise TypeError(f"sampling must be a Sampling (titanc.runtime.serve.generate."
+                            f"Sampling(temperature=..., top_k=...)), got {type(s).__name__}")
+        n = _integer(max_new_tokens)
+        if n is None or n < 0:
+            raise TitancError(f"max_new_tokens: {_shown(max_new_tokens)} must be an integer "
+                              f">= 0")
+        max_new_tokens = n
+        prompts = _prompt_list(prompts)
+        if state is not None:
+            _check_state(state)
         if state is not None and len(prompts) != 1:
             raise TitancError(f"a conversation state continues one prompt, got {len(prompts)}")
         gen = torch.Generator().manual_seed(s.seed)
@@ -427,7 +501,8 @@ class Generator:
                     alive[i] = False
             if not any(alive) or k == max_new_tokens - 1:
                 break
-            logits = self.step(st, nxt[:, None])[:, -1]
+            with self.prog._lock:                # the view, copied before another step
+                logits = self.step(st, nxt[:, None])[:, -1].clone()
         if state is not None:                    # every token but the last sampled is in
             state.put(0, st)
             state.unfed[0] = outs[0][-1:]
@@ -436,6 +511,7 @@ class Generator:
                  sampling: Sampling | None = None,
                  state: DecodeState | None = None) -> list[list[int]]:
         """The tokens `stream` yields, per prompt (with `state`: the turn of a conversation)."""
+        prompts = _prompt_list(prompts)
         out: list[list[int]] = [[] for _ in prompts]
         for i, tok in self.stream(prompts, max_new_tokens, sampling, state):
             out[i].append(tok)
@@ -446,6 +522,7 @@ class Generator:
     def state_dict(self, state: DecodeState) -> dict[str, Tensor]:
         """The tensors of a conversation (a batch-1 state), as copies: `state.<name>` and
         `pending.<name>` (the step and write graphs' inputs), `pos`, `slot_pos` and `unfed`."""
+        _check_state(state)
         if state.batch != 1:
             raise TitancError(f"state_dict: a conversation state holds one sequence, this one "
                               f"holds {state.batch}; take one with state.take(b)")
@@ -460,6 +537,12 @@ class Generator:
     def load_state_dict(self, sd: dict[str, Tensor], what: str = "state_dict") -> DecodeState:
         """A conversation state from `state_dict`'s tensors, checked name by name against
         this model's (a state of another model is one TitancError naming `what`)."""
+        from titanc.runtime.program import check_state_tensor
+        from titanc.runtime.train.checkpoint import first_nonfinite
+
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"load_state_dict: sd must be a mapping of names to tensors (from "
+                            f"Generator.state_dict), got {type(sd).__name__}")
         want = self.state_dict(self.new_state(1))
         missing = sorted(set(want) - set(sd))
         extra = sorted(set(sd) - set(want))
@@ -469,12 +552,20 @@ class Generator:
                               f"of this model")
         for k, w in want.items():
             t = sd[k]
+            check_state_tensor(t, f"{what}: tensor {k!r}")
             if t.dtype != w.dtype or (k != "unfed" and t.shape != w.shape) or t.dim() != w.dim():
                 raise TitancError(f"{what}: tensor {k!r} is {t.dtype}{list(t.shape)}, this model's "
                                   f"is {w.dtype}{list(w.shape)}; it is a state of another model")
         pos, unfed = int(sd["pos"][0]), sd["unfed"].tolist()
         if pos < 0 or any(not 0 <= u < self.m.vocab_size for u in unfed):
             raise TitancError(f"{what}: position {pos} or unfed ids {unfed[:4]} out of range")
+        held = sd["slot_pos"]
+        if bool(((held < -1) | (held >= pos)).any()):
+            raise TitancError(f"{what}: tensor 'slot_pos' holds positions outside [-1, {pos}) "
+                              f"for a conversation at position {pos}; it is damaged")
+        bad = first_nonfinite({k: t for k, t in sd.items() if k not in ("pos", "unfed")})
+        if bad is not None:
+            raise TitancError(f"{what}: tensor {bad!r} holds a NaN or an inf; it is damaged")
         st = self.new_state(1)
         for d, prefix in ((st.tensors, "state."), (st.pending, "pending.")):
             for k, t in d.items():
@@ -492,22 +583,56 @@ class Generator:
         return {"spec_hash": spec_hash(self.spec), "model": self.spec.name,
                 "tokenizer": tok.hash}
 
+def _check_state(state: Any) -> None:
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"state must be a DecodeState (Generator.new_state(1) or "
+                        f"Generator.load_state_dict), got {type(state).__name__}")
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """`prompts` as a list of prompts (each a sequence of ids, a 1-D tensor or array); a
+    flat list of ids (or a 1-D tensor) is refused, not taken as one prompt per id."""
+    if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Iterable):
+        raise TitancError(f"prompts: expected a non-empty list of prompts, each a list of "
+                          f"token ids, got {type(prompts).__name__}")
+    if isinstance(prompts, Tensor) and prompts.dim() != 2:
+        raise TitancError(f"prompts: a tensor of prompts must be [batch, T], got "
+                          f"{list(prompts.shape)}; wrap one prompt's ids as [ids]")
+    out = list(prompts)
+    if not out:
+        raise TitancError("prompts: expected a non-empty list of prompts, each a list of "
+                          "token ids")
+    for p in out:
+        if isinstance(p, numbers.Integral) or (isinstance(p, Tensor) and p.dim() == 0):
+            raise TitancError("prompts: expected a list of prompts, got a flat list of token "
+                              "ids; wrap one prompt as [ids]")
+    return out
+
+
 def _prompt_tensor(prompt: Sequence[int], vocab_size: int) -> Tensor:
     """A prompt as a (1, T) int64 tensor of ids checked against the vocabulary."""
     from titanc.runtime.program import check_token_ids
 
     if isinstance(prompt, Tensor):
+        if not (prompt.dim() == 1 or (prompt.dim() == 2 and prompt.shape[0] == 1)):
+            raise TitancError(f"a prompt tensor must be 1-D [T] (or [1, T]), got "
+                              f"{list(prompt.shape)}; pass several prompts as a list")
         toks = prompt.reshape(1, -1)
     else:
-        if isinstance(prompt, (str, bytes)) or any(
-                isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in prompt):
+        if isinstance(prompt, (str, bytes, Mapping)) or not isinstance(prompt, Iterable):
+            raise TitancError(f"a prompt must be a sequence of integer token ids, got "
+                              f"{type(prompt).__name__}")
+        prompt = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in prompt):
             raise TitancError("a prompt must be a sequence of integer token ids; encode text "
                               "with the run's tokenizer first")
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise TitancError(f"prompt: id {str(bad)[:24]} is outside the vocabulary "
                               f"[0, {vocab_size}) of model.vocab_size={vocab_size}")
-        toks = torch.tensor([list(prompt)], dtype=torch.int64)
+        toks = torch.tensor([[int(t) for t in prompt]], dtype=torch.int64)
+    if toks.numel() == 0:
+        raise TitancError("an empty prompt has nothing to condition on; give at least one token")
     check_token_ids(toks, vocab_size, "prompt")
     return toks.to(torch.int64)
 
@@ -521,7 +646,9 @@ def sample(logits: Tensor, s: Sampling, gen: torch.Generator) -> Tensor:
     logits = logits.to(torch.float64)
     if s.temperature <= 0:
         return logits.argmax(-1)
-    logits = logits / s.temperature
+    # shifted to a maximum of 0 first: divided by a tiny temperature the logits then reach
+    # -inf at worst, never inf (whose softmax is nan); softmax does not change
+    logits = (logits - logits.amax(-1, keepdim=True)) / s.temperature
     if s.top_k:
         kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, NEG_INF)
