@@ -16,8 +16,10 @@ adds `grids`: the programs of each distinct pointwise / reduction / cumsum launc
 training graph (alone, or a launch group of them: its members' together) with the
 interpreter's blocks and with the blocks a CUDA launch takes (`codegen.meta.cuda_flat_block`,
 `cuda_row_block`; recorded under the interpreter, `runtime.targets.aot.fresh_kernel_modules`),
-and how many run fewer programs than a quarter of an H100's SMs. Prints JSON, then the
-tables.
+and how many run fewer programs than a quarter of an H100's SMs; and `flops`: the share of
+the step's FLOPs in launches of fewer than 132 programs with CUDA blocks (the budget of
+docs/gpu_kernels.md: a kernel with a real share of the FLOPs fills the chip). Prints JSON,
+then the tables.
 """
 from __future__ import annotations
 
@@ -60,6 +62,19 @@ def launches(path: str, overrides: dict[str, object], grids: bool = False) -> di
 QUARTER_SMS = 33          # a quarter of an H100's 132 SMs
 
 
+def flops_by_grid(c, grids: dict[str, int], aliases: dict[str, str]) -> dict[str, object]:
+    """The share of the training step's modeled FLOPs in launches of fewer programs than an
+    H100 has SMs, CUDA blocks (`titanc.tools.cost_model.grid_shares`, as report.json
+    `occupancy` without the AOT compile), and the kernels of more than 1% among them."""
+    from titanc.tools.cost_model import SMS, grid_shares
+
+    rows = grid_shares(c, grids, aliases)
+    return {"under_sms_share": round(sum(r["flops_share"] for r in rows
+                                         if (r["programs"] or 0) < SMS), 4),
+            "under_sms_kernels": {r["name"]: [r["programs"], r["flops_share"]]
+                                  for r in rows if "why_under" in r}}
+
+
 def program_grids(c) -> dict[str, object]:
     """Programs per distinct non-scan launch of the training graph, interpreter vs CUDA
     blocks (module docstring)."""
@@ -70,13 +85,16 @@ def program_grids(c) -> dict[str, object]:
     out: dict[str, object] = {}
     for mode, cuda in (("interpreter", False), ("cuda", True)):
         grids: dict[str, int] = {}
+        aliases: dict[str, str] = {}
         with fresh_kernel_modules(cuda_blocks=cuda):
-            launches = record_launches(c.plans["training"], grids=grids)
+            launches = record_launches(c.plans["training"], grids=grids, aliases=aliases)
         programs = sorted(grids[l.name] for l in {l.name: l for l in launches}.values()
                           if not l.name.startswith("titanc_tem_") and not l.uses_dot)
         out[mode] = {"kernels": len(programs), "median_programs": median(programs),
                      "under_quarter": sum(p < QUARTER_SMS for p in programs),
                      "programs": programs}
+        if cuda:
+            out["flops"] = flops_by_grid(c, grids, aliases)
     return out
 
 
@@ -104,9 +122,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{'spec':32} {'blocks':12} {'kernels':>8} {'median programs':>16} "
               f"{'under ' + str(QUARTER_SMS) + ' programs':>19}")
         for r in rows:
-            for mode, g in r["grids"].items():
+            for mode in ("interpreter", "cuda"):
+                g = r["grids"][mode]
                 print(f"{r['spec']:32} {mode:12} {g['kernels']:>8} {g['median_programs']:>16} "
                       f"{g['under_quarter']:>19}")
+        print(f"\n{'spec':32} {'FLOPs in launches under 132 programs':>36} "
+              f"{'kernels over 1% of them':>24}")
+        for r in rows:
+            f = r["grids"]["flops"]
+            print(f"{r['spec']:32} {100 * f['under_sms_share']:>35.1f}% "
+                  f"{len(f['under_sms_kernels']):>24}")
     sys.stdout.flush()
 
 

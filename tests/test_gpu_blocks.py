@@ -127,6 +127,12 @@ def test_recorded_cuda_grids_spread_the_programs() -> None:
     table = _load_benchmark("launches").program_grids(_compiled("tiny_lmm"))
     assert table["cuda"]["kernels"] == table["interpreter"]["kernels"] > 0
     assert table["cuda"]["median_programs"] > table["interpreter"]["median_programs"]
+    # the FLOPs share on fewer programs than an H100's SMs (report.json `occupancy`'s rows):
+    # every launch of this toy size is small, its chunk scans among the kernels over 1%
+    flops = table["flops"]
+    assert 0.9 < flops["under_sms_share"] <= 1.0
+    assert any("scan_memory_chunk" in n for n in flops["under_sms_kernels"])
+    assert all(p < 132 and share > 0.01 for p, share in flops["under_sms_kernels"].values())
 
 
 def test_gpu_blocks_off_keeps_the_interpreters_blocks_on_cuda() -> None:

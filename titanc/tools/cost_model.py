@@ -203,6 +203,37 @@ def kernel_rows(compiled: Any) -> list[dict[str, Any]]:
 SMS = 132      # streaming multiprocessors of an H100 SXM: a grid below this leaves SMs idle
 
 
+def grid_shares(compiled: Any, grids: dict[str, int], aliases: dict[str, str]
+                ) -> list[dict[str, Any]]:
+    """Every kernel a training step launches, from a recording of its launches (`grids`:
+    programs by launched kernel, `aliases`: schedule kernel -> launched module, as
+    `runtime.targets.aot.record_launches` or the precompile fill them): its grid (`programs`,
+    the largest of its launches; a template of several kernels, such as attention's
+    backward, the largest of theirs), its runs a step and its share of the step's modeled
+    FLOPs (a scan kernel: its body's); `why_under` for a kernel holding more than 1% of the
+    FLOPs on fewer than `SMS` programs."""
+    rows = kernel_rows(compiled)
+    total = max(1, sum(r["flops"] * r["launches"] for r in rows if not r["scan"]))
+    out = []
+    for r in rows:
+        if r["name"] not in aliases:          # inside a scan kernel: no launch of its own
+            continue
+        module = aliases[r["name"]]     # its module's kernels: <module>, or <module>_<part>
+        parts = [k for k in grids if k == module or k.startswith(module + "_")]
+        share = r["flops"] * r["launches"] / total
+        row = {"name": r["name"], "programs": max((grids[k] for k in parts), default=None),
+               "launches": r["launches"], "flops_share": round(share, 4)}
+        if share > 0.01 and (row["programs"] or 0) < SMS:
+            row["why_under"] = (
+                f"a chunk recurrence: one program per independent (batch, memory head) pair, "
+                f"{row['programs']} at these sizes; column tiles of W (several programs per "
+                f"head) are not implemented" if r["scan"] else
+                f"its grid tiles its output: {row['programs']} tiles at these sizes (a larger "
+                "batch, sequence or width gives more)")
+        out.append(row)
+    return out
+
+
 def occupancy(compiled: Any, arch: int, jit: bool = False) -> dict[str, Any]:
     """report.json `occupancy` (`titanc compile --arch`): every kernel a training step
     launches (training and optimizer programs at the compiled shapes) with its grid
@@ -210,8 +241,9 @@ def occupancy(compiled: Any, arch: int, jit: bool = False) -> dict[str, Any]:
     attention's backward, the largest of theirs), its share of the step's modeled
     FLOPs (a scan kernel: its body's), and, compiled ahead of time for sm_`arch`
     (`runtime.targets.precompile`; not when `jit`: compiled through the device's JIT instead), its
-    registers, spill bytes and shared memory. `why_under` says, for a kernel holding more
-    than 1% of the FLOPs on fewer than `SMS` programs, why its grid is that small."""
+    registers, spill bytes and shared memory (`grid_shares` for the rest; `why_under` says,
+    for a kernel holding more than 1% of the FLOPs on fewer than `SMS` programs, why its
+    grid is that small)."""
     from titanc.runtime.targets.precompile import precompile
 
     grids: dict[str, int] = {}
@@ -227,27 +259,11 @@ def occupancy(compiled: Any, arch: int, jit: bool = False) -> dict[str, Any]:
                 old = built.get(r["name"], {})
                 built[r["name"]] = {k: max(old.get(k, 0), r[k] or 0)
                                     for k in ("registers", "spill_bytes", "shared")}
-    rows = kernel_rows(compiled)
-    total = max(1, sum(r["flops"] * r["launches"] for r in rows if not r["scan"]))
-    out = []
-    for r in rows:
-        if r["name"] not in aliases:          # inside a scan kernel: no launch of its own
-            continue
-        module = aliases[r["name"]]     # its module's kernels: <module>, or <module>_<part>
-        parts = [k for k in grids if k == module or k.startswith(module + "_")]
-        share = r["flops"] * r["launches"] / total
-        row = {"name": r["name"], "programs": max((grids[k] for k in parts), default=None),
-               "launches": r["launches"], "flops_share": round(share, 4)}
-        for k in parts:
+    out = grid_shares(compiled, grids, aliases)
+    for row in out:
+        module = aliases[row["name"]]
+        for k in [k for k in grids if k == module or k.startswith(module + "_")]:
             for key, v in built.get(k, {}).items():
                 row[key] = max(row.get(key, 0), v)
-        if share > 0.01 and (row["programs"] or 0) < SMS:
-            row["why_under"] = (
-                f"a chunk recurrence: one program per independent (batch, memory head) pair, "
-                f"{row['programs']} at these sizes; column tiles of W (several programs per "
-                f"head) are not implemented" if r["scan"] else
-                f"its grid tiles its output: {row['programs']} tiles at these sizes (a larger "
-                "batch, sequence or width gives more)")
-        out.append(row)
     return {"arch": arch, "sms": SMS, "kernels": out,
             "under": sum("why_under" in r for r in out)}
