@@ -70,8 +70,11 @@ def check_token_ids(tokens: Tensor, vocab_size: int, what: str = "tokens",
     if tokens.numel():
         if (scratch is not None and tokens.dtype == scratch.dtype and tokens.dim() == 2
                 and tokens.device == scratch.device):
-            torch.amin(tokens, dim=(0, 1), out=scratch[0])
-            torch.amax(tokens, dim=(0, 1), out=scratch[1])
+            if tokens.is_contiguous():         # one pass over the ids (about half the time)
+                torch.aminmax(tokens.view(-1), dim=0, out=(scratch[0], scratch[1]))
+            else:
+                torch.amin(tokens, dim=(0, 1), out=scratch[0])
+                torch.amax(tokens, dim=(0, 1), out=scratch[1])
             lo, hi = scratch.tolist()
         else:
             lo, hi = int(tokens.min()), int(tokens.max())
@@ -465,7 +468,8 @@ class Program:
             return
         if self.step != self._step_synced:           # set from outside (a checkpoint)
             self._step_index.fill_(self.step)
-        if not 0 <= self.step - self._lr_base < self._lr_table.shape[0]:
+        if (self._lr_end > self._lr_table.shape[0]          # a schedule longer than the table
+                and not 0 <= self.step - self._lr_base < self._lr_table.shape[0]):
             self._lr_window()
         if self.device != "cpu":                     # one copy in, where the graph reads it
             if self._tokens_dev is None or self._tokens_dev.shape != tokens.shape:
