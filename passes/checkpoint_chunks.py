@@ -15,6 +15,7 @@ unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import isqrt
 from typing import Any, ClassVar
 
 from titanc.ir import Graph, Op
@@ -24,11 +25,10 @@ def _split_factor(n: int) -> int:
     """The divisor of n closest to sqrt(n) (1 when n is small or prime)."""
     if n < 8:
         return 1
-    best = 1
-    for k in range(2, n):
-        if n % k == 0 and abs(k - n ** 0.5) < abs(best - n ** 0.5):
-            best = k
-    return best
+    # the divisors pair up around sqrt(n): d <= sqrt(n) <= n / d, so O(sqrt n) candidates;
+    # ties go to the smaller
+    ks = [k for d in range(2, isqrt(n) + 1) if n % d == 0 for k in (d, n // d)]
+    return min(ks, key=lambda k: (abs(k - n ** 0.5), k), default=1)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,22 @@ def test_chunk_groups_hoist_their_recompute_and_keep_values(block: str) -> None:
                for m in n.attr("body"))
 
 
+def test_the_chunk_group_size_is_the_divisor_nearest_sqrt_n_in_sqrt_n_steps() -> None:
+    """`_split_factor(n)`: the divisor of n closest to sqrt(n), ties to the smaller, 1 below
+    8 or for a prime; found among the divisor pairs up to sqrt(n) (it looped to n before: a
+    2**36-chunk scan took hours to compile)."""
+    from titanc.passes.checkpoint_chunks import _split_factor
+
+    def brute(n: int) -> int:
+        ks = [k for k in range(2, n) if n % k == 0]
+        return 1 if n < 8 else min(ks, key=lambda k: (abs(k - n ** 0.5), k), default=1)
+
+    assert [_split_factor(n) for n in range(1, 600)] == [brute(n) for n in range(1, 600)]
+    assert (_split_factor(8), _split_factor(12), _split_factor(13), _split_factor(36)) == \
+        (2, 3, 1, 6)
+    assert _split_factor(2 ** 36) == 2 ** 18                    # at once, not 2**36 steps
+
+
 def test_chunk_groups_off_saves_every_chunk_state_and_keeps_values() -> None:
     """compile.chunk_groups: false leaves eight-chunk memory scans whole (no memory_group
     scan, so the backward recomputes no chunk from a group's state): the final training
