@@ -7,7 +7,9 @@ A *piece* is a unit of work small enough for one worker call: a byte range of a 
 (cut after a newline, never inside a UTF-8 character), a range of whole lines of a .jsonl
 file, or one row group of a .parquet file. `read_piece` yields `(text, doc_end)`: `doc_end` is
 True where a document ends (the end of a text file, every .jsonl record and parquet row), which
-is where `titanc data prepare` appends the end-of-text token.
+is where `titanc data prepare` appends the end-of-text token. A .jsonl record or parquet row
+whose text is null or "" holds no document and is skipped (a parquet text column may be
+dictionary-encoded, as pandas writes a Categorical).
 
 Directories are walked in sorted order, skipping hidden entries and `__pycache__`; `ext`
 (e.g. `{"md", "py"}`) keeps only files with those suffixes there. Every problem is a
@@ -200,6 +202,8 @@ def _jsonl(piece: Piece, field: str) -> Iterator[tuple[str, bool]]:
     for k, line in enumerate(raw.split(b"\n")):
         where = f":{piece.line + k}"
         text = _utf8(line, piece.path, offset, where)
+        if offset == 0 and text.startswith("\ufeff"):   # a byte-order mark (Windows tools
+            text = text[1:]                              # write one) is no part of the JSON
         offset += len(line) + 1
         if not text.strip():
             continue
@@ -218,7 +222,8 @@ def _jsonl(piece: Piece, field: str) -> Iterator[tuple[str, bool]]:
             raise TitancError(f"input {piece.path}{where}: field {field!r} is "
                               f"{type(value).__name__}, not a string; name the text field "
                               f"with --text-field")
-        yield value, True
+        if value:               # "" is no document (as in parquet): under the byte tokenizer
+            yield value, True   # it would be a zero-length one, a repeated document start
 
 
 def _parquet(piece: Piece, field: str) -> Iterator[tuple[str, bool]]:
@@ -230,13 +235,22 @@ def _parquet(piece: Piece, field: str) -> Iterator[tuple[str, bool]]:
         raise TitancError(f"input {piece.path}: no column {field!r} (columns: "
                           f"{', '.join(names[:8])}); name the text column with --text-field")
     column = pf.schema_arrow.field(field)
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+    kind = column.type
+    if pa.types.is_dictionary(kind):          # dictionary-encoded text (pandas Categorical)
+        kind = kind.value_type
+    if not _is_string(pa, kind):
         raise TitancError(f"input {piece.path}: column {field!r} has type {column.type}, not "
                           f"string; name the text column with --text-field")
     table = pf.read_row_group(piece.start, columns=[field])
     for value in table.column(0).to_pylist():
         if value:
             yield value, True
+
+
+def _is_string(pa, kind) -> bool:  # noqa: ANN001 - pyarrow module and type
+    view = getattr(pa.types, "is_string_view", None)
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or (view is not None and view(kind)))
 
 
 def read_piece(piece: Piece, text_field: str = "text") -> Iterator[tuple[str, bool]]:

@@ -8,7 +8,8 @@ stream of batches.
     data = make_data(spec)                   # from data.source: a file or synthetic:recall
     tokens = data.batch(8, "train", gen)     # (8, T+1) int64
 
-`TextData` reads any file as UTF-8 bytes (vocab 256); the last `val_fraction` of the bytes is
+`TextData` reads a UTF-8 text file as bytes (vocab 256; a file that is not UTF-8, a .jsonl or
+.parquet file, or a shard of a shard set is refused naming the fix); the last `val_fraction` of the bytes is
 the held-out split, and `unigram_entropy()` is the loss a model that knows only byte
 frequencies would get on it, the baseline a trained model must beat.
 
@@ -160,6 +161,7 @@ def _read_bytes(path: str) -> bytes:
     if not stat.S_ISREG(os.stat(path).st_mode):     # /dev/zero never ends; a FIFO blocks
         raise TitancError(f"data file {path} is not a regular file (a device, FIFO or "
                           f"socket); pass a text file")
+    _check_not_prepared_input(path)
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -168,7 +170,45 @@ def _read_bytes(path: str) -> bytes:
     if not raw:
         raise TitancError(f"data file {path} is empty; pass a text file with at least one "
                           f"training window of text")
+    _check_utf8(raw, path)
     return raw
+
+
+_RECORD_SUFFIXES = (".jsonl", ".parquet")
+_UTF8_BLOCK = 1 << 24
+
+
+def _check_not_prepared_input(path: str) -> None:
+    """A file read as bytes must be text: a shard of a token-shard set, or a .jsonl /
+    .parquet file (whose text is a field of each record), would train on its raw bytes."""
+    parent = os.path.dirname(os.path.abspath(path))
+    name = os.path.basename(path)
+    if name.endswith((".bin", ".docs")) and os.path.isfile(os.path.join(parent, "header.json")):
+        raise TitancError(f"data file {path} is a token shard of the shard set in {parent}; "
+                          f"pass the directory: --data {parent}")
+    if name.lower().endswith(_RECORD_SUFFIXES):
+        raise TitancError(f"data file {path} holds records, not plain text (only their text "
+                          f"field is text); prepare shards with 'titanc data prepare {path} "
+                          f"-o DIR' and pass --data DIR")
+
+
+def _check_utf8(raw: bytes, path: str) -> None:
+    """The bytes are UTF-8 text (a block at a time, cut at character starts)."""
+    i, n = 0, len(raw)
+    while i < n:
+        j = min(n, i + _UTF8_BLOCK)
+        while i < j < n and (raw[j] & 0xC0) == 0x80:      # do not split a character
+            j -= 1
+        if j == i:
+            j = min(n, i + _UTF8_BLOCK)
+        try:
+            raw[i:j].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TitancError(
+                f"data file {path} is not UTF-8 text (byte 0x{raw[i + exc.start]:02x} at offset "
+                f"{i + exc.start}); convert it to UTF-8, or prepare shards of text files with "
+                f"'titanc data prepare'") from None
+        i = j
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,7 +372,9 @@ def draw(data: Any, spec: Any, n: int, split: str, generator: torch.Generator | 
          rows: slice | None = None) -> tuple[Tensor, dict[str, Tensor] | None]:
     """A batch as the program takes it: tokens, and with `data.documents` the rows'
     doc_start / loss_mask (`ShardData.batch_documents`, packed or not per `data.pack`)."""
-    if not spec.data.documents:
+    if not spec.data.documents or not hasattr(data, "batch_documents"):
+        # synthetic:recall: every sequence is one document, the program's default for a
+        # batch without document inputs (every target counts)
         return data.batch(n, split, generator, rows=rows), None
     return data.batch_documents(n, split, generator, rows=rows, pack=spec.data.pack)
 

@@ -75,7 +75,46 @@ def read_header(directory: str | os.PathLike) -> dict[str, Any]:
     if header.get("version") != VERSION:
         raise TitancError(f"{path} has shard format version {header.get('version')}, this "
                           f"titanc reads version {VERSION}; {_PREPARE.format(d=d)}")
+    _check_fields(header, path, d)
     return header
+
+
+def _count(value: Any) -> bool:
+    """A token or offset count as titanc writes it: a non-negative JSON integer."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_fields(header: dict[str, Any], path: Path, d: Path) -> None:
+    """The fields the loader reads have the types `titanc data prepare` writes: a damaged or
+    hand-edited header is one line naming the field, never a traceback."""
+    def bad(field: str, want: str, value: Any) -> TitancError:
+        return TitancError(f"{path}: {field} is {json.dumps(value)[:40]}, not {want}; the "
+                           f"header is damaged; {_PREPARE.format(d=d)}")
+
+    vocab = header["tokenizer"].get("vocab_size", 0)
+    if not _count(vocab):
+        raise bad("tokenizer.vocab_size", "a non-negative integer", vocab)
+    for split, entry in header["splits"].items():
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise bad(f"splits.{split}", "an object {file, tokens}", entry)
+        if not _count(entry.get("tokens", 0)):
+            raise bad(f"splits.{split}.tokens", "a non-negative integer", entry.get("tokens"))
+        if not isinstance(entry.get("file", ""), str):
+            raise bad(f"splits.{split}.file", "a file name", entry.get("file"))
+    docs = header.get("docs")
+    if docs is None:
+        return
+    if not isinstance(docs, dict):
+        raise bad("docs", "an object {split: {file, count}}", docs)
+    for split, entry in docs.items():
+        if not isinstance(entry, dict):
+            raise bad(f"docs.{split}", "an object {file, count}", entry)
+        if not _count(entry.get("count", 0)):
+            raise bad(f"docs.{split}.count", "a non-negative integer", entry.get("count"))
+        if not isinstance(entry.get("file"), str):
+            raise bad(f"docs.{split}.file", "a file name", entry.get("file"))
 
 
 class ShardData:
@@ -200,6 +239,10 @@ class ShardData:
     def doc_starts(self, split: str) -> np.ndarray:
         """The split's document starts (int64, sorted, the first 0), from `<split>.docs`."""
         if split not in self._docs:
+            if split in SPLITS and not len(self.split_array(split)):
+                raise TitancError(f"{self.directory / HEADER} lists no {split} tokens, so "
+                                  f"there is no {split} split; prepare the shards with a "
+                                  f"larger --val-fraction")
             entry = (self.header.get("docs") or {}).get(split)
             if not isinstance(entry, dict):
                 raise TitancError(
@@ -212,10 +255,13 @@ class ShardData:
                 raise TitancError(f"document starts {path} are missing or not {count} int64 "
                                   f"offsets; {_PREPARE.format(d=self.directory)}")
             arr = np.fromfile(path, dtype="<i8")
-            if arr[0] != 0 or np.any(np.diff(arr) <= 0) or arr[-1] >= len(self.split_array(split)):
+            if arr[0] != 0 or np.any(np.diff(arr) < 0) or arr[-1] >= len(self.split_array(split)):
                 raise TitancError(f"document starts {path} are not increasing offsets from 0 "
                                   f"inside the split; {_PREPARE.format(d=self.directory)}")
-            self._docs[split] = arr
+            # an empty document (a .jsonl record of "" under the byte tokenizer, in shards
+            # prepared before those were skipped) repeats its successor's start: it holds no
+            # token, so it is no document (pack=false would draw it as a row of padding)
+            self._docs[split] = arr if np.all(np.diff(arr) > 0) else np.unique(arr)
         return self._docs[split]
 
     def window_documents(self, split: str, starts: np.ndarray) -> dict[str, "torch.Tensor"]:
@@ -248,13 +294,23 @@ class ShardData:
             starts = self._window_starts(n, split, generator, rows)
             return self.windows(split, starts), self.window_documents(split, starts)
         docs = self.doc_starts(split)
-        arr = self.split_array(split)
-        T = self.seq_len
         gen = generator if generator is not None else self._gens[split]
         pick = torch.randint(0, len(docs), (n,), generator=gen)
         if rows is not None:
             pick = pick[rows]
-        k = pick.numpy()
+        return self.document_rows(split, pick.numpy())
+
+    def document_rows(self, split: str, k: np.ndarray
+                      ) -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
+        """Rows of `data.pack: false` for the split's documents number `k` (as
+        `batch_documents(pack=False)`): each from its document's first token, truncated to
+        the row or padded with id 0, and the loss mask of the targets inside the document."""
+        import torch
+
+        docs = self.doc_starts(split)
+        arr = self.split_array(split)
+        T = self.seq_len
+        k = np.asarray(k, dtype=np.int64)
         starts = docs[k]
         ends = np.where(k + 1 < len(docs), docs[np.minimum(k + 1, len(docs) - 1)], len(arr))
         idx = starts[:, None] + np.arange(T + 1)

@@ -5,7 +5,11 @@
 
 The windows are fixed, not sampled: `batches x train.batch_size` windows of seq_len + 1 tokens
 with evenly spaced starts over the whole split (disjoint when the split is long enough), so two
-evaluations of the same run and data agree exactly. Loss is the mean next-token cross-entropy in
+evaluations of the same run and data agree exactly. A run trained with `data.documents` is
+scored as it trained: the windows carry their document starts and loss mask, and under
+`data.pack: false` each row is one document (evenly spaced over the split's documents) from
+its first token, padding masked; only the targets the mask keeps count, in the loss, the
+token count and the bytes. Loss is the mean next-token cross-entropy in
 nats; perplexity is exp(loss); bits per byte is the summed loss over ln 2 divided by the UTF-8
 bytes the target tokens stand for (`Tokenizer.token_bytes`), comparable across tokenizers.
 `recall=True` adds the synthetic associative-recall accuracy (runtime/data/datasets.py) over as many
@@ -85,25 +89,46 @@ def evaluate(prog: Any, data: EvalData, tok: Tokenizer, *,
         tokens = _split_tokens(data, split)
         if len(tokens) < T + 1:
             where = getattr(data, "path", None) or data.directory
+            fix = ("a larger --val-fraction when preparing it" if isinstance(data, ShardData)
+                   else "a larger data.val_fraction, or --split train")
             raise TitancError(f"the {split} split of {where} has {len(tokens)} tokens, fewer "
                               f"than one window of model.seq_len+1 = {T + 1}; use more data or "
-                              f"a larger --val-fraction when preparing it")
-        starts = _windows(tokens, T, batches * B)
+                              f"{fix}")
+        documents = isinstance(data, ShardData) and spec.data.documents
+        per_doc = documents and not spec.data.pack
+        if per_doc:       # data.pack: false trained one document per row: score it so
+            n_docs = len(data.doc_starts(split))
+            starts = np.linspace(0, n_docs - 1, batches * B).round().astype(np.int64)
+        else:
+            starts = _windows(tokens, T, batches * B)
         nbytes = tok.token_bytes()
-        loss_sum, n_bytes = 0.0, 0
+        loss_sum, n_tok, n_bytes = 0.0, 0, 0
         for b in range(batches):
             idx = starts[b * B:(b + 1) * B]
             docs = None
-            if isinstance(data, ShardData):
+            if per_doc:
+                rows, docs = data.document_rows(split, idx)
+            elif isinstance(data, ShardData):
                 rows = data.windows(split, idx)
-                if spec.data.documents:        # the windows' document starts and loss mask
+                if documents:                  # the windows' document starts and loss mask
                     docs = data.window_documents(split, idx)
             else:
                 rows = torch.from_numpy(tokens[idx[:, None] + np.arange(T + 1)].astype(np.int64))
-            loss_sum += (prog.loss(rows) if docs is None else prog.loss(rows, docs)) * B * T
-            targets = rows[:, 1:].numpy()
-            n_bytes += int(nbytes[np.clip(targets, 0, len(nbytes) - 1)].sum())
-        n_tok = batches * B * T
+            target_bytes = nbytes[np.clip(rows[:, 1:].numpy(), 0, len(nbytes) - 1)]
+            if docs is None:
+                kept = B * T
+                loss_sum += prog.loss(rows) * kept
+            else:                              # the program's loss is the mean over the
+                mask = docs["loss_mask"].numpy() > 0       # targets the mask keeps
+                kept = int(mask.sum())
+                target_bytes = target_bytes[mask]
+                if kept:
+                    loss_sum += prog.loss(rows, docs) * kept
+            n_tok += kept
+            n_bytes += int(target_bytes.sum())
+        if n_tok == 0:
+            raise TitancError(f"the {split} split's evaluated rows hold no target to score "
+                              f"(every document is one token long); use more data")
         loss = loss_sum / n_tok
         out.update(tokens=n_tok, bytes=n_bytes, loss=loss, perplexity=math.exp(min(loss, 700)),
                    bits_per_byte=loss_sum / math.log(2) / max(n_bytes, 1))
