@@ -280,3 +280,26 @@ def test_synthetic_recall_with_documents_draws_one_document_per_row() -> None:
         tokens, docs = draw(data, spec, 4, "train", torch.Generator().manual_seed(1))
         assert docs is None and torch.equal(
             tokens, data.batch(4, "train", torch.Generator().manual_seed(1)))
+
+
+def test_the_trainers_held_out_loss_weights_each_kept_target_once(tmp_path: Path) -> None:
+    """`Trainer.evaluate` averaged its batches' means: with `data.documents` the batches keep
+    different numbers of targets, so a target of a short batch weighed more. It is now the
+    mean over every kept target, as `titanc eval` (and the plain mean without documents)."""
+    from types import SimpleNamespace
+
+    from titanc.runtime.train.trainer import Trainer
+
+    data = _doc_shards(tmp_path)
+    spec = _spec(**{"data.documents": True, "train.eval_batches": 4})
+    prog = _Recorder(spec)
+    out = Trainer.evaluate(SimpleNamespace(data=data, spec=spec, prog=prog))
+    masks = [d["loss_mask"].numpy() > 0 for _, d in prog.calls]
+    kept = sum(int(m.sum()) for m in masks)
+    total = sum(int(rows[:, 1:].numpy()[m].sum()) for (rows, _), m in zip(prog.calls, masks))
+    assert len({int(m.sum()) for m in masks}) > 1        # the batches keep different counts
+    assert out["eval_loss"] == pytest.approx(total / kept / 100)
+    plain = _Recorder(_spec(**{"train.eval_batches": 2}))
+    out = Trainer.evaluate(SimpleNamespace(data=data, spec=plain.spec, prog=plain))
+    means = [float(rows[:, 1:].double().mean()) / 100 for rows, _ in plain.calls]
+    assert out["eval_loss"] == pytest.approx(sum(means) / 2)

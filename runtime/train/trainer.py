@@ -207,13 +207,20 @@ class Trainer:
         if hasattr(self.data, "has_split") and not self.data.has_split("val"):
             return {}
         gen = torch.Generator().manual_seed(self.spec.train.seed + EVAL_SEED_OFFSET)
-        losses, accs = [], []
+        total, kept, accs = 0.0, 0.0, []
         for _ in range(self.spec.train.eval_batches):
             tokens, docs = draw(self.data, self.spec, self.spec.train.batch_size, "val", gen)
-            losses.append(self.prog.loss(tokens, docs))
+            # a batch's loss is the mean over the targets it keeps (with data.documents, its
+            # loss mask): weighted by them, every kept target of the evaluation counts once
+            n = 1.0 if docs is None else float(docs["loss_mask"].sum())
+            if n:
+                total += self.prog.loss(tokens, docs) * n
+                kept += n
             if isinstance(self.data, SyntheticRecall) and hasattr(self.prog, "logits"):
                 accs.append(self.data.accuracy(self.prog, tokens))
-        out = {"eval_loss": sum(losses) / len(losses)}
+        if not kept:
+            return {}
+        out = {"eval_loss": total / kept}
         if accs:
             out["eval_accuracy"] = sum(accs) / len(accs)
         return out
