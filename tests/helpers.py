@@ -141,3 +141,16 @@ def one_step_on_both_targets(path: Any, over: dict[str, Any], batch: int) -> dic
         torch.testing.assert_close(progs["triton"].parameters()[name], p, rtol=1e-10,
                                    atol=1e-12, msg=lambda m: f"parameter {name}: {m}")
     return progs
+
+
+def set_at(*path_value: Any) -> Any:
+    """A function that sets `value` at the nested key path of a JSON document in place:
+    `set_at("splits", "train", "tokens", "abc")` (the damaged-file tests)."""
+    *keys, value = path_value
+
+    def mutate(doc: Any) -> None:
+        d = doc
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+    return mutate

@@ -22,6 +22,8 @@ from titanc.runtime.data.tokenizer import ByteTokenizer
 from titanc.runtime.train.evaluate import evaluate
 from titanc.tools.cli import main
 
+from tests.helpers import set_at
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.yaml"
 T, B = 32, 2
@@ -81,24 +83,13 @@ def test_repeated_document_starts_of_older_shards_load(tmp_path: Path) -> None:
 # --- damaged headers ----------------------------------------------------------------------------
 
 
-def _set(*path_value):
-    *keys, value = path_value
-
-    def mutate(h: dict) -> None:
-        d = h
-        for k in keys[:-1]:
-            d = d[k]
-        d[keys[-1]] = value
-    return mutate
-
-
 @pytest.mark.parametrize("mutate, field", [
-    (_set("splits", "train", "tokens", "abc"), "splits.train.tokens"),
-    (_set("splits", "train", "tokens", None), "splits.train.tokens"),
-    (_set("splits", "train", 5), "splits.train"),
-    (_set("tokenizer", "vocab_size", "x"), "tokenizer.vocab_size"),
-    (_set("docs", "train", "count", "x"), "docs.train.count"),
-    (_set("docs", [1]), "docs"),
+    (set_at("splits", "train", "tokens", "abc"), "splits.train.tokens"),
+    (set_at("splits", "train", "tokens", None), "splits.train.tokens"),
+    (set_at("splits", "train", 5), "splits.train"),
+    (set_at("tokenizer", "vocab_size", "x"), "tokenizer.vocab_size"),
+    (set_at("docs", "train", "count", "x"), "docs.train.count"),
+    (set_at("docs", [1]), "docs"),
 ])
 def test_damaged_header_field_is_one_line(tmp_path: Path, mutate, field: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:

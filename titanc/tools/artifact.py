@@ -62,9 +62,11 @@ def build_report(spec: Any, c: Compiled, seconds: float) -> dict[str, Any]:
                                          else "_with_matmuls"),
         "passes": [r for r in c.passes if "nodes_before" in r],
         "steps": [r for r in c.passes if "nodes_before" not in r],
-        # the kernels a step runs (no-ops left out: views and constants bound without a kernel)
-        "kernels": [{k: r[k] for k in ("name", "category", "flops", "bytes", "nodes")}
-                    for r in kernel_rows(c)],
+        # the kernels a step runs (no-ops left out: views and constants bound without a
+        # kernel), each with its scan nesting and runs a step (`titanc inspect` reads them
+        # rather than lowering the spec again)
+        "kernels": [{k: r[k] for k in ("name", "category", "flops", "bytes", "nodes", "depth",
+                                       "launches", "scan")} for r in kernel_rows(c)],
         # kernels per graph that run something, scan bodies included, no-ops (views and
         # constants bound without a kernel) left out: step.after.kernels_all, per graph
         "kernel_counts": {name: launched_kernels(p) for name, p in c.plans.items()},

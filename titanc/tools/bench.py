@@ -6,6 +6,7 @@ import os
 import time
 from typing import Any
 
+from titanc.errors import printable
 from titanc.runtime.diagnostics.timing import (StepProfiler, device_name, format_summary, peak_rss_bytes,
                                     profile_summary)
 
@@ -73,7 +74,7 @@ def run_bench(spec: Any, steps: int = 5, warmup: int = 1, threads: int | None = 
 
 
 def bench_table(result: dict[str, Any]) -> str:
-    head = (f"{result['name']}: compiled in {result['compile_seconds']:.2f} s, "
+    head = (f"{printable(result['name'])}: compiled in {result['compile_seconds']:.2f} s, "
             f"{result['warmup_steps']} warm-up steps in {result['warmup_seconds']:.2f} s, "
             f"loss {result['loss']:.4f}")
     text = head + "\n" + format_summary(result)

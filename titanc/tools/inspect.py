@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from titanc.errors import TitancError
+from titanc.errors import TitancError, printable
 from titanc.runtime.diagnostics.timing import format_bytes, format_count
 
 __all__ = ["BuildDir", "open_artifact", "kernel_rows", "resolved_rows", "category_totals",
@@ -54,7 +54,8 @@ class BuildDir:
 
 
 def open_artifact(path: str | Path) -> BuildDir:
-    """Check that `path` is a `titanc compile` output directory and parse its report."""
+    """Check that `path` is a `titanc compile` output directory and parse its report: every
+    field inspect reads is checked here, so a damaged report is one line naming the field."""
     p = Path(path)
     fix = f"create one with 'titanc compile SPEC -o {p}'"
     if not p.exists():
@@ -63,10 +64,14 @@ def open_artifact(path: str | Path) -> BuildDir:
         raise TitancError(f"{p}: not a directory; pass the directory 'titanc compile -o' wrote")
     report = p / "report.json"
     if not report.exists():
+        if (p / "spec.yaml").is_file() and (p / "metrics.jsonl").exists():
+            raise TitancError(f"{p}: a run directory ('titanc train' wrote it), not a compiled "
+                              f"artifact; compile its spec with 'titanc compile "
+                              f"{p / 'spec.yaml'} -o build/NAME' and inspect that")
         raise TitancError(f"{p}: not a titanc artifact (no report.json); {fix}")
     try:
         data = json.loads(report.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise TitancError(f"{report}: unreadable ({exc}); recompile with "
                           f"'titanc compile'") from None
     if not isinstance(data, dict) or not isinstance(data.get("kernels", []), list):
@@ -76,16 +81,100 @@ def open_artifact(path: str | Path) -> BuildDir:
             raise TitancError(f"{report}: kernels[{i}] is malformed (name and category must be "
                               f"strings, flops, bytes and nodes numbers); recompile with "
                               f"'titanc compile'")
+        bad = _bad_row_field(k)
+        if bad:
+            raise TitancError(f"{report}: kernels[{i}].{bad}; recompile with "
+                              f"'titanc compile'")
+    bad = _bad_report_field(data)
+    if bad:
+        raise TitancError(f"{report}: {bad}; recompile with 'titanc compile'")
     return BuildDir(p, data)
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _kernel_row_ok(k: Any) -> bool:
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
     return (isinstance(k, dict) and isinstance(k.get("name"), str)
             and isinstance(k.get("category"), str)
-            and all(number(k.get(f)) for f in ("flops", "bytes", "nodes"))
-            and all(number(k.get(f, 0)) for f in ("launches", "depth")))
+            and all(_number(k.get(f)) for f in ("flops", "bytes", "nodes"))
+            and all(_number(k.get(f, 0)) for f in ("launches", "depth")))
+
+
+MAX_COUNT = 2 ** 63        # FLOPs, bytes, launches: what an int64 counter holds
+MAX_DEPTH = 64             # scans nested in scans (a model nests two or three)
+
+
+def _count_ok(v: Any, integral: bool = False) -> bool:
+    """A finite, non-negative number below MAX_COUNT (an integer when `integral`)."""
+    if not _number(v) or not 0 <= v < MAX_COUNT:       # NaN fails both comparisons
+        return False
+    return not integral or float(v).is_integer()
+
+
+def _bad_row_field(k: dict[str, Any]) -> str:
+    """'' or '<field> is <value>, expected ...' for a kernel row's first bad number."""
+    for f in ("flops", "bytes", "nodes", "launches"):
+        if f in k and not _count_ok(k[f], integral=f in ("nodes", "launches")):
+            return (f"{f} is {_show(k[f])}, expected a non-negative "
+                    f"{'integer' if f in ('nodes', 'launches') else 'number'} below 2**63")
+    if "depth" in k and not (_count_ok(k["depth"], integral=True) and k["depth"] <= MAX_DEPTH):
+        return f"depth is {_show(k['depth'])}, expected an integer in [0, {MAX_DEPTH}]"
+    return ""
+
+
+def _bad_report_field(r: dict[str, Any]) -> str:
+    """'' or the first field of report.json (besides `kernels`) that inspect reads and that
+    has the wrong type: the header's name, hash, parameters and kernel counts, the memory
+    sections and the step section."""
+    for f in ("name", "spec_hash"):
+        if f in r and not isinstance(r[f], str):
+            return f"{f} is {_show(r[f])}, expected a string"
+    if "parameters" in r and not (r["parameters"] is None or _count_ok(r["parameters"])):
+        return f"parameters is {_show(r['parameters'])}, expected a non-negative number"
+    counts = r.get("kernel_counts", {})
+    if not isinstance(counts, dict):
+        return f"kernel_counts is {_show(counts)}, expected a mapping of graph to count"
+    for g, v in counts.items():
+        if not _count_ok(v, integral=True):
+            return f"kernel_counts.{printable(g, 40)} is {_show(v)}, expected a count"
+    for sec in ("memory", "memory_forward"):
+        m = r.get(sec)
+        if m is None:
+            continue
+        if not isinstance(m, dict):
+            return f"{sec} is {_show(m)}, expected a mapping of field to bytes"
+        for f in _MEMORY_FIELDS:                     # the fields memory_summary reads
+            if f in m and not _count_ok(m[f]):
+                return f"{sec}.{f} is {_show(m[f])}, expected a number of bytes"
+    step = r.get("step")
+    if isinstance(step, dict) and all(isinstance(step.get(k), dict) for k in ("before", "after")):
+        for side in ("before", "after"):
+            s = step[side]
+            for f in ("kernels", "kernels_all", "bytes", "flops"):
+                if f in s and not (s[f] is None or _count_ok(s[f])):
+                    return f"step.{side}.{f} is {_show(s[f])}, expected a count"
+            fams = s.get("families", {})
+            if not isinstance(fams, dict):
+                return f"step.{side}.families is {_show(fams)}, expected a mapping"
+            for fam, row in fams.items():
+                where = f"step.{side}.families.{printable(fam, 40)}"
+                if not isinstance(row, dict):
+                    return f"{where} is {_show(row)}, expected a mapping"
+                for f in ("kernels", "launches", "bytes", "flops"):
+                    if not _count_ok(row.get(f)):
+                        return f"{where}.{f} is {_show(row.get(f))}, expected a count"
+    return ""
+
+
+_MEMORY_FIELDS = ("arena_bytes", "lower_bound_bytes", "peak_activation_bytes",
+                  "persistent_bytes", "logits_bytes")
+
+
+def _show(v: Any) -> str:
+    text = ascii(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # -- formatting -------------------------------------------------------------------------------
@@ -105,21 +194,72 @@ def kernel_rows(compiled: Any) -> list[dict[str, Any]]:
 def resolved_rows(art: BuildDir) -> tuple[list[dict[str, Any]], str]:
     """The kernel rows with `depth` and `launches`: from report.json when it has them, else
     by re-lowering manifest.json's spec (a compile, seconds) when that reproduces the
-    report's kernel names. Returns (rows, note); the note says why counts are missing."""
+    report's kernel names. Returns (rows, note); the note says why counts are missing: among
+    others, a spec that is not the one report.json records, or one this machine cannot
+    re-lower (`_relowerable`)."""
     rows = art.kernels
     if all("launches" in r for r in rows):
         return rows, ""
     if not art.file("manifest.json").exists():
         return rows, "no launch counts in report.json and no manifest.json to recompute them"
     try:
-        from titanc.compiler import compile_graphs
-        fresh = kernel_rows(compile_graphs(_manifest_spec(art), verify_each=False))
+        fresh = kernel_rows(_relower(art))
     except TitancError as exc:
         return rows, f"no launch counts: the recorded spec does not compile here ({exc})"
     if sorted(r["name"] for r in fresh) != sorted(r["name"] for r in rows):
         return rows, ("no launch counts: re-lowering the recorded spec gives other kernels "
                       "(the artifact comes from another titanc version); recompile it")
     return fresh, ""
+
+
+def _relower(art: BuildDir) -> Any:
+    """`compile_graphs` of manifest.json's spec, checked first: it must be the spec report.json
+    records (`spec_hash`) and small enough to lower here (`_relowerable`); an overflow in
+    the planner of sizes past what torch indexes is a TitancError too."""
+    from titanc.compiler import compile_graphs
+
+    spec = _manifest_spec(art)
+    _relowerable(art, spec)
+    try:
+        return compile_graphs(spec, verify_each=False)
+    except (OverflowError, MemoryError, RuntimeError, TypeError) as exc:
+        if isinstance(exc, (RuntimeError, TypeError)) and "overflow" not in str(exc).lower():
+            raise
+        raise TitancError(f"{art.file('manifest.json')}: its spec's sizes overflow when "
+                          f"re-lowered ({type(exc).__name__}); recompile with 'titanc compile "
+                          f"SPEC -o {art.path}'") from None
+
+
+def _relowerable(art: BuildDir, spec: Any) -> None:
+    """Raise TitancError unless `spec` is the one report.json was compiled from (its
+    `spec_hash`: that compile ran, so re-lowering it is as feasible here, however large the
+    model), or, for a report without a hash, unless its lower bound
+    (`titanc.fit.lower_bound_bytes`, plus the batch's tokens and one hidden state) fits this
+    machine's memory: a manifest edited to d_model 10**30 or n_layers 10**9 must not send
+    the compiler into an int64 overflow or hours of lowering."""
+    from titanc.fit import lower_bound_bytes
+    from titanc.model.spec import spec_hash
+    from titanc.runtime.capacity import machine_bytes
+
+    manifest = art.file("manifest.json")
+    recorded = art.report.get("spec_hash")
+    if isinstance(recorded, str) and recorded:
+        if spec_hash(spec) != recorded:
+            raise TitancError(f"{manifest}: its spec is not the one report.json was compiled "
+                              f"from (spec_hash {printable(recorded[:12])}; a file was edited "
+                              f"or damaged); recompile with 'titanc compile SPEC -o "
+                              f"{art.path}'")
+        return
+    m, t = spec.model, spec.train
+    itemsize = 8 if t.dtype == "float64" else 4
+    needed = (lower_bound_bytes(spec)
+              + t.batch_size * (m.seq_len + 1) * (8 + m.d_model * itemsize))
+    have = machine_bytes()
+    if needed > have:
+        raise TitancError(f"{manifest}: its spec needs at least {needed:,} bytes, more than "
+                          f"this machine's {have:,}, and report.json has no spec_hash that "
+                          f"says a compile of it ran; recompile with 'titanc compile SPEC -o "
+                          f"{art.path}'")
 
 
 def is_scan(row: dict[str, Any]) -> bool:
@@ -161,18 +301,18 @@ def kernel_table(art: BuildDir, limit: int | None = None,
     head = (f"{'kernel':<{width}}  {'category':<9} {'launches':>8} {'FLOPs':>9} {'bytes':>10} "
             f"{'FLOP/B':>7} {'nodes':>5}")
     counts = r.get("kernel_counts", {})
-    lines = [f"{r.get('name', '?')}: {len(rows)} kernels "
-             f"({', '.join(f'{k} {v}' for k, v in counts.items())}); "
-             f"spec {str(r.get('spec_hash', '?'))[:12]}, {format_count(r.get('parameters'))} "
-             f"parameters", "", head, "-" * len(head)]
+    lines = [f"{printable(r.get('name', '?'))}: {len(rows)} kernels "
+             f"({', '.join(f'{printable(k, 40)} {v}' for k, v in counts.items())}); "
+             f"spec {printable(str(r.get('spec_hash', '?'))[:12])}, "
+             f"{format_count(r.get('parameters'))} parameters", "", head, "-" * len(head)]
     shown = rows if limit is None else rows[:limit]
     for k in shown:
-        name = "  " * int(k.get("depth", 0)) + k["name"]
+        name = "  " * int(k.get("depth", 0)) + printable(k["name"], 10 ** 4)
         if len(name) > width:
             name = name[:width - 1] + "…"
         flops = format_count(k["flops"]) + ("*" if is_scan(k) else "")
         launches = str(k["launches"]) if "launches" in k else "?"
-        lines.append(f"{name:<{width}}  {k['category']:<9} {launches:>8} {flops:>9} "
+        lines.append(f"{name:<{width}}  {printable(k['category'], 40):<9} {launches:>8} {flops:>9} "
                      f"{format_bytes(k['bytes']):>10} {_intensity(k['flops'], k['bytes']):>7} "
                      f"{k['nodes']:>5}")
     if len(shown) < len(rows):
@@ -187,7 +327,8 @@ def kernel_table(art: BuildDir, limit: int | None = None,
         flops = format_count(t["flops"]) + ("*" if cat == "template" else "")
         share = f"{100 * t['flops'] / max(all_flops, 1):5.1f}%"
         ai = _intensity(t["flops"], t["bytes"])
-        lines.append(f"{cat:<10} {t['kernels']:>7} {flops:>10} {format_bytes(t['bytes']):>10} "
+        lines.append(f"{printable(cat, 40):<10} {t['kernels']:>7} {flops:>10} "
+                     f"{format_bytes(t['bytes']):>10} "
                      f"{ai:>7} {share:>6}")
     all_bytes = sum(t["bytes"] for t in totals.values())
     lines.append(f"{'all':<10} {len(rows):>7} {format_count(all_flops):>10} "
@@ -221,18 +362,21 @@ def kernel_source(art: BuildDir, name: str) -> str:
     graph, _, kname = name.rpartition("/")
     files = sorted(f.stem for f in kdir.glob("*.py"))
     index = _kernel_index(kdir)
-    known = sorted({n for m in index.values() for n in m} | set(files))
+    # with an index, the kernels are the ones it lists: another file in kernels/ is not one
+    known = sorted({n for m in index.values() for n in m} if index else set(files))
     if not _NAME.fullmatch(kname) or (graph and not _NAME.fullmatch(graph)):
-        raise TitancError(f"unknown kernel {name!r}; {_choices(kname, known, 'kernels/')}")
+        raise TitancError(f"unknown kernel {printable(repr(name))}; "
+                          f"{_choices(kname, known, 'kernels/')}")
     if graph and index and graph not in index:
-        raise TitancError(f"unknown graph {graph!r} in --kernel {name}; choose one of "
+        raise TitancError(f"unknown graph {printable(repr(graph))} in --kernel "
+                          f"{printable(name)}; choose one of "
                           f"{', '.join(sorted(index))}")
     order = [graph] if graph else [*GRAPH_ORDER, *sorted(set(index) - set(GRAPH_ORDER))]
     for g in order:
         module = index.get(g, {}).get(kname)
         if module is None or not _NAME.fullmatch(module) or module not in files:
             continue
-        text = (kdir / f"{module}.py").read_text()
+        text = _read(kdir / f"{module}.py", art)
         head = text.split("# Generated by titanc", 1)[0]
         scan = "scan.py.jinja" in text and not re.search(rf"\b{re.escape(kname)}\b", head)
         notes = [] if module == kname else [
@@ -248,22 +392,36 @@ def kernel_source(art: BuildDir, name: str) -> str:
         return body
     if not index and not graph:
         if kname in files:
-            return (kdir / f"{kname}.py").read_text()
+            return _read(kdir / f"{kname}.py", art)
         for stem in files:                           # deduplicated: another file's header
-            text = (kdir / f"{stem}.py").read_text()
+            text = _read(kdir / f"{stem}.py", art)
             if re.search(rf"\b{re.escape(kname)}\b", text.split("\n\n", 1)[0]):
                 return f"# {kname}: identical source deduplicated into kernels/{stem}.py\n" + text
     if not graph and kname in {k["name"] for k in art.kernels}:
         raise TitancError(f"kernel {kname} is in report.json but {kdir} has no source for it "
                           f"(an older or partial emission); recompile with "
                           f"'titanc compile SPEC -o {art.path}'")
-    raise TitancError(f"unknown kernel {name!r}; {_choices(kname, known, 'kernels/')}")
+    if kname in files and not graph:
+        raise TitancError(f"kernels/{kname}.py is not a kernel of this artifact "
+                          f"(kernels/index.json does not list it: a file 'titanc compile' did "
+                          f"not write); {_choices(kname, known, 'kernels/index.json')}")
+    raise TitancError(f"unknown kernel {printable(repr(name))}; "
+                      f"{_choices(kname, known, 'kernels/')}")
+
+
+def _read(path: Path, art: BuildDir) -> str:
+    """A text file of the artifact; one that is not UTF-8 is damaged (TitancError)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TitancError(f"{path}: not UTF-8 text (byte {exc.start}: the file is damaged); "
+                          f"recompile with 'titanc compile SPEC -o {art.path}'") from None
 
 
 def _kernel_index(kdir: Path) -> dict[str, dict[str, str]]:
     try:
         data = json.loads((kdir / "index.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(data, dict):
         return {}
@@ -276,7 +434,7 @@ def _scan_body(art: BuildDir, graphs: Sequence[str], name: str) -> str | None:
     program = art.file("program.py")
     if not program.exists():
         return None
-    lines = program.read_text().splitlines()
+    lines = _read(program, art).splitlines()
     for g in graphs:
         head = f"def {g}_{name}_body("
         for i, line in enumerate(lines):
@@ -293,7 +451,7 @@ def _scan_body(art: BuildDir, graphs: Sequence[str], name: str) -> str | None:
 def _choices(name: str, names: Sequence[str], where: str) -> str:
     if not names:
         return f"{where} is empty"
-    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    close = difflib.get_close_matches(name[:200], names, n=3, cutoff=0.5)
     if close:
         return f"did you mean {', '.join(close)}? ({len(names)} in {where})"
     if len(names) <= 8:
@@ -310,7 +468,7 @@ def _manifest_spec(art: BuildDir) -> Any:
     manifest = art.file("manifest.json")
     try:
         spec = json.loads(manifest.read_text())["spec"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         spec = None
     if not isinstance(spec, dict):
         raise TitancError(f"{manifest}: missing or not a titanc manifest; recompile with "
@@ -320,9 +478,7 @@ def _manifest_spec(art: BuildDir) -> Any:
 
 def pass_dumps(art: BuildDir) -> list[tuple[str, Any]]:
     """(NN_<pass>_<graph>, Graph) for every dump of the pipeline, re-lowered from the spec."""
-    from titanc.compiler import compile_graphs
-
-    c = compile_graphs(_manifest_spec(art), verify_each=False)
+    c = _relower(art)
     return [(f"{k:02d}_{stage}", g) for k, (stage, g) in enumerate(c.log.dumps)]
 
 
@@ -389,7 +545,8 @@ def step_table(art: BuildDir) -> str:
         return ""
     b, a = step["before"], step["after"]
     fams = list(dict.fromkeys([*a.get("families", {}), *b.get("families", {})]))
-    head = (f"{'family':<14} {'kernels':>15} {'launches':>15} {'bytes':>23} {'FLOPs':>19}")
+    w = max([14, *(len(printable(f, 40)) for f in fams)])      # linear_cross_entropy_bwd
+    head = (f"{'family':<{w}} {'kernels':>15} {'launches':>15} {'bytes':>23} {'FLOPs':>19}")
     lines = ["per training step, before -> after the pattern passes "
              "(report.json step; titanc/tools/cost_model.py):", head, "-" * len(head)]
     zero = {"kernels": 0, "launches": 0, "bytes": 0, "flops": 0}
@@ -399,11 +556,11 @@ def step_table(art: BuildDir) -> str:
 
     for f in fams:
         x, y = b.get("families", {}).get(f, zero), a.get("families", {}).get(f, zero)
-        lines.append(f"{f:<14} {pair(x['kernels'], y['kernels']):>15} "
+        lines.append(f"{printable(f, 40):<{w}} {pair(x['kernels'], y['kernels']):>15} "
                      f"{pair(x['launches'], y['launches']):>15} "
                      f"{pair(x['bytes'], y['bytes'], format_bytes):>23} "
                      f"{pair(x['flops'], y['flops'], format_count):>19}")
-    lines.append(f"{'all':<14} {pair(b.get('kernels_all'), a.get('kernels_all')):>15} "
+    lines.append(f"{'all':<{w}} {pair(b.get('kernels_all'), a.get('kernels_all')):>15} "
                  f"{'':>15} {pair(b.get('bytes', 0), a.get('bytes', 0), format_bytes):>23} "
                  f"{pair(b.get('flops', 0), a.get('flops', 0), format_count):>19}")
     lines.append(f"kernels launched per step on the triton target (a scan kernel once): "
@@ -439,7 +596,7 @@ def memory_summary(art: BuildDir, head: int = 40) -> str:
                      f"'titanc compile'")
     plan = art.file("memory_plan.txt")
     if plan.exists():
-        text = plan.read_text().splitlines()
+        text = _read(plan, art).splitlines()
         lines += ["", f"{plan} (first {min(head, len(text))} of {len(text)} lines):"]
         lines += text[:head]
         if len(text) > head:
