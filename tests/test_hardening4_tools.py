@@ -284,3 +284,18 @@ def test_bench_table_escapes_the_spec_name(monkeypatch: pytest.MonkeyPatch) -> N
                               "warmup_steps": 1, "warmup_seconds": 0.1, "loss": 1.0})
     assert "\x1b" not in text
     assert text.splitlines()[0].startswith("'evil\\n\\x1b[2J': compiled in 0.10 s")
+
+
+@pytest.mark.parametrize("override", [
+    "model.d_model=1000000000000000000000000000000",    # TypeError: Overflow when unpacking
+    "train.batch_size=1000000000000000000",             # RuntimeError: Storage size ... overflowed
+])
+def test_compile_force_of_sizes_past_torch_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str) -> None:
+    """`titanc compile --force` writes the plan of a spec that does not fit; sizes past what
+    torch indexes were a torch traceback from the buffer planner. Nothing is written."""
+    tiny_attn = Path(__file__).resolve().parent.parent / "examples" / "tiny_attn.yaml"
+    code = main(["compile", str(tiny_attn), "-o", str(tmp_path / "out"), "--set", override,
+                 "--force"])
+    one_line_error(code, capsys.readouterr().err, "past what torch can index", "--force")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))

@@ -9,7 +9,7 @@ use `assert`; they are bugs, not user errors.
 
 from __future__ import annotations
 
-__all__ = ["TitancError", "SpecError", "DistributedError", "printable"]
+__all__ = ["TitancError", "SpecError", "DistributedError", "printable", "size_overflow"]
 
 
 def printable(text: str, limit: int = 200) -> str:
@@ -17,6 +17,15 @@ def printable(text: str, limit: int = 200) -> str:
     NUL shown as escapes, never sent raw); at most `limit` characters."""
     text = text if text.isprintable() else repr(text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def size_overflow(exc: BaseException) -> bool:
+    """Whether `exc` is a size past what torch or Python can index or allocate (a spec's
+    dimension of 10**30 reaching `torch.empty`: "Overflow when unpacking long long", "Storage
+    size calculation overflowed"), not a bug to show as a traceback."""
+    if isinstance(exc, (OverflowError, MemoryError)):
+        return True
+    return isinstance(exc, (RuntimeError, TypeError)) and "overflow" in str(exc).lower()
 
 
 class TitancError(Exception):

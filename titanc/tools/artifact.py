@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from titanc.errors import TitancError
+from titanc.errors import TitancError, size_overflow
 from titanc.ir import format_graph, graph_stats
 
 from titanc.config import debug_level
@@ -153,7 +153,15 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False,
                           f"writable directory with -o") from None
     try:
         t0 = time.perf_counter()
-        c = compile_graphs(spec)
+        try:
+            c = compile_graphs(spec)
+        except (OverflowError, MemoryError, RuntimeError, TypeError) as exc:
+            if not size_overflow(exc):
+                raise
+            raise TitancError(f"the spec's sizes are past what torch can index or this "
+                              f"process can hold ({type(exc).__name__} while compiling), "
+                              f"even with --force; reduce model.d_model, model.n_layers or "
+                              f"train.batch_size") from None
         seconds = time.perf_counter() - t0
         if not force:
             check_fits(planned_bytes(c), spec, _device(spec), force_hint=True)

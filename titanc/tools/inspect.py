@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from titanc.errors import TitancError, printable
+from titanc.errors import TitancError, printable, size_overflow
 from titanc.runtime.diagnostics.timing import format_bytes, format_count
 
 __all__ = ["BuildDir", "open_artifact", "kernel_rows", "resolved_rows", "category_totals",
@@ -223,7 +223,7 @@ def _relower(art: BuildDir) -> Any:
     try:
         return compile_graphs(spec, verify_each=False)
     except (OverflowError, MemoryError, RuntimeError, TypeError) as exc:
-        if isinstance(exc, (RuntimeError, TypeError)) and "overflow" not in str(exc).lower():
+        if not size_overflow(exc):
             raise
         raise TitancError(f"{art.file('manifest.json')}: its spec's sizes overflow when "
                           f"re-lowered ({type(exc).__name__}); recompile with 'titanc compile "
