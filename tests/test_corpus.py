@@ -296,7 +296,7 @@ def _bad_cases(tmp_path: Path, bpe: BPETokenizer) -> dict[str, tuple[list[str], 
             f"tokenizer file {t / 'no.json'} does not exist; train one with 'titanc tokenizer "
             f"train CORPUS --vocab-size N -o {t / 'no.json'}' or use data.tokenizer: byte"),
         # --vocab-size out of [257, 2**21] is a usage error (titanc/bounds.py):
-        # tests/test_hardening2.py test_07
+        # tests/test_data_input.py test_vocabulary_size_is_bounded
         "train: missing shard": (
             _train(missing, t),
             f"shard {missing / 'train.bin'} does not exist (the header lists "

@@ -1,4 +1,4 @@
-"""Hardening, third pass, training side: what a user of `titanc train` hits with an --out that
+"""`titanc train` under bad input: what a user of `titanc train` hits with an --out that
 is not a run directory, a damaged checkpoint header, a distributed run's checkpoint guard and
 the launcher's error lines. Each test failed before its fix."""
 

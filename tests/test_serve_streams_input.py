@@ -1,7 +1,7 @@
-"""Issue 32 (hardening II), the serving defects of its table: a client that hangs up mid-body
-is not a server error (13), a second SIGTERM ends open streams with their final chunks (14),
-and one large request cannot hold a small one back beyond a fair share (16); plus the text
-policy: invalid Unicode in a JSON body is a 400 naming the field, never an encoder's exception.
+"""The HTTP server's streams under odd clients: a client that hangs up mid-body is not a
+server error, a second SIGTERM ends open streams with their final chunks, and one large request
+cannot hold a small one back beyond a fair share; plus the text policy: invalid Unicode in a
+JSON body is a 400 naming the field, never an encoder's exception.
 
 One server subprocess on 127.0.0.1 (a free port), every request with a timeout; the
 scheduling test drives the engine in-process."""
@@ -28,7 +28,7 @@ def _req(prompt: list[int], max_tokens: int, seed: int = 0) -> Request:
                    on_update=lambda u: None)
 
 
-def test_16_a_large_request_cannot_hold_a_small_one_back(artifact: Path) -> None:  # noqa: F811
+def test_a_large_request_cannot_hold_a_small_one_back(artifact: Path) -> None:  # noqa: F811
     """Two slots held by long requests: a short one that arrives later starts within about
     one quantum of decode steps (it is swapped in, a long one swapped out), and every
     request's tokens equal its solo run (a swap keeps the sequence and its sampler)."""
@@ -70,7 +70,7 @@ def _raw(port: int, head: bytes, body: bytes) -> bytes:
     return out
 
 
-def test_13_14_and_invalid_unicode(artifact: Path) -> None:  # noqa: F811
+def test_hangups_a_second_sigterm_and_invalid_unicode(artifact: Path) -> None:  # noqa: F811
     server = Server(artifact, "--slots", "4", "--max-tokens", "4000", "--grace", "60")
     try:
         # 13: Content-Length 100, 10 bytes, half-close: a 4xx, not an internal error

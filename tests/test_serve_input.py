@@ -1,4 +1,4 @@
-"""Hardening III of the HTTP server: defects a client of the OpenAI-compatible API hit.
+"""The HTTP server under bad input: defects a client of the OpenAI-compatible API hit.
 
 - a number field given an integer beyond float's range (`"temperature": 1e400` written out
   as digits) was an internal error (500), not a 400 naming the field;

@@ -1,4 +1,4 @@
-"""Hardening, third round: the command line, spec validation and the data tools.
+"""The command line under bad input: spec validation, compile and the data tools' outputs.
 
 Each test reproduces one bug a user could hit: a traceback or a hang where one line and exit
 2 were due, or files lost (a compile or a tokenizer written over someone's files, an output

@@ -1,6 +1,6 @@
 """The Python API (`titanc.compile`, `titanc.load`, `Program`, `Generator`, `Sampling`) under
 bad input and odd use: one clear error naming the argument, never a deep torch error, a hang
-or a silently wrong result (issue: hardening 3, the API)."""
+or a silently wrong result."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Hardening of the compiler's tools (issue 4 of the hardening series): `titanc inspect` on
+"""The compiler's tools under bad input: `titanc inspect` on
 damaged or edited artifacts, `python -m titanc.tools.aot` on bad input and failed kernels,
 `titanc bench`'s table. Every bad input is one line naming the file or field and the fix,
 exit 2, never a traceback, never a hang.

@@ -1,6 +1,7 @@
-"""Issue 17, one regression test (or a few) per item: hostile input, damaged files and failing
-writes end in a one-line error (exit 2 from the CLI), never a traceback, a hang or a
-non-finite result with exit 0; the checkpoint on disk is always one a run can continue from.
+"""A run and its files under hostile input: damaged checkpoints and run files, failing writes,
+a second trainer on one run directory, non-finite losses. Each ends in a one-line error (exit 2
+from the CLI), never a traceback, a hang or a non-finite result with exit 0; the checkpoint on
+disk is always one a run can continue from.
 
 Tests that would hang or exhaust memory on a broken build (an alias bomb, /dev/zero, a FIFO)
 run the CLI in a subprocess with a timeout and a memory limit."""
@@ -21,16 +22,19 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 
 import titanc
+from titanc import bounds
 from titanc.tools.cli import main
 from titanc.errors import TitancError
 from titanc.runtime.train import checkpoint as ckpt_module
 from titanc.runtime.train.checkpoint import (CHECKPOINT_NAME, RNG_KEY, load_checkpoint,
                                        remove_stale_temps, save_checkpoint)
 from titanc.runtime.serve.generate import Generator, Sampling
-from titanc.runtime.train.rundir import LOCK_NAME, RunDir
+from titanc.runtime.data.tokenizer import ByteTokenizer, train_bpe
+from titanc.runtime.train.rundir import LOCK_NAME, RunDir, run_tokenizer
 from titanc import config
 from titanc.runtime.train.threads import ENV, free_cores, model_threads, resolve_threads
 from titanc.runtime.train.trainer import Trainer, read_metrics
@@ -41,6 +45,8 @@ from .test_trainer import one_thread, tiny, train  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "examples" / "tiny.yaml"
+SMALL = ["--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.ffn_hidden=64",
+         "--set", "train.batch_size=1"]
 QUIET = {"progress": False, "log": lambda _: None}
 
 
@@ -77,7 +83,7 @@ def tokens(prog: Any, vocab: int = 256, seed: int = 0) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(seed))
 
 
-# ---------------------------------------------------------------- 1. the last good checkpoint
+# ---------------------------------------------------------------- the last good checkpoint
 
 
 def test_a_diverging_run_leaves_a_checkpoint_that_resumes(tmp_path: Path) -> None:
@@ -144,7 +150,7 @@ def test_a_checkpoint_with_non_finite_state_is_refused(tmp_path: Path) -> None:
         load_checkpoint(path)
 
 
-# -------------------------------------------------------------------------- 2. alias bombs
+# -------------------------------------------------------------------------- alias bombs
 
 
 def _bomb() -> str:
@@ -166,7 +172,7 @@ def test_an_alias_bomb_is_refused_quickly(tmp_path: Path) -> None:
             "titanc: error: train.betas: expected a list of 2 numbers, got the list [[1, 1, 1")
 
 
-# ------------------------------------------------------------------------- 3. write failures
+# ------------------------------------------------------------------------- write failures
 
 
 def test_a_checkpoint_write_error_of_safetensors_is_one_line(tmp_path: Path,
@@ -239,7 +245,7 @@ def test_compile_onto_a_full_disk_is_one_line_and_leaves_no_tmp(
     assert not list(out.rglob("*.tmp"))
 
 
-# ------------------------------------------------------------------------------ 4. the lock
+# ------------------------------------------------------------------------------ the lock
 
 
 def test_a_second_trainer_into_a_locked_run_directory_is_refused(tmp_path: Path) -> None:
@@ -274,7 +280,7 @@ def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
     RunDir(run).acquire().release()
 
 
-# ------------------------------------------------------------ 5. generate, any vocabulary
+# ------------------------------------------------------------ generate, any vocabulary
 
 
 @pytest.mark.parametrize("vocab", [64, 300])
@@ -293,7 +299,7 @@ def test_generate_with_a_vocabulary_other_than_256(tmp_path: Path, vocab: int,
         assert code == 0
 
 
-# --------------------------------------------------------------- 6. numbers that reach torch
+# --------------------------------------------------------------- numbers that reach torch
 
 
 @pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "-1"),
@@ -337,7 +343,7 @@ def test_force_writes_the_plan_of_a_spec_too_large_to_run(tmp_path: Path,
     assert code == 0 and (tmp_path / "b" / "memory_plan.txt").exists()
 
 
-# -------------------------------------------------------------------- 7. unbounded reads
+# -------------------------------------------------------------------- unbounded reads
 
 
 def test_specs_that_are_not_regular_files_are_refused(tmp_path: Path) -> None:
@@ -362,7 +368,7 @@ def test_data_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
                                         "file (a device, FIFO or socket); pass a text file")
 
 
-# ------------------------------------------------------------------- 8. damaged run files
+# ------------------------------------------------------------------- damaged run files
 
 
 def test_damaged_metrics_files(tmp_path: Path) -> None:
@@ -410,7 +416,7 @@ def test_damaged_manifest_and_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert code == 2
 
 
-# --------------------------------------------------------------------- 9. leftover temps
+# --------------------------------------------------------------------- leftover temps
 
 
 def test_temporary_files_of_dead_saves_are_removed(tmp_path: Path) -> None:
@@ -427,7 +433,7 @@ def test_temporary_files_of_dead_saves_are_removed(tmp_path: Path) -> None:
     assert remove_stale_temps(path, keep_live=False) == [live]   # what a lock holder may do
 
 
-# ------------------------------------------------------------------- 10. terminal output
+# ------------------------------------------------------------------- terminal output
 
 
 def test_train_never_prints_the_spec_name_raw(tmp_path: Path,
@@ -442,7 +448,7 @@ def test_train_never_prints_the_spec_name_raw(tmp_path: Path,
     assert "threads=1" in err                 # item 12: the thread count is on screen
 
 
-# --------------------------------------------------------------------- 11. Python API
+# --------------------------------------------------------------------- Python API
 
 
 def test_token_tensors_are_checked() -> None:
@@ -476,7 +482,7 @@ def test_help_of_titanc_compile_documents_it() -> None:
         assert word in doc
 
 
-# ------------------------------------------------------------------------------ 12. threads
+# ------------------------------------------------------------------------------ threads
 
 
 def test_train_threads_flag_env_and_default(monkeypatch: pytest.MonkeyPatch,
@@ -507,3 +513,111 @@ def test_train_threads_flag_env_and_default(monkeypatch: pytest.MonkeyPatch,
     assert model_threads(big) > 4 and resolve_threads(big, None)[0] == 4
     monkeypatch.setattr(threads, "free_cores", lambda: 1)
     assert resolve_threads(big, None)[0] == 1
+
+
+# ---------------------------------------------------------------- identity
+
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Path:
+    """A byte-level run directory as `titanc train` leaves it: checkpoint, spec.yaml."""
+    spec = tiny("attn")
+    prog = titanc.compile(spec)
+    run = tmp_path / "run"
+    save_checkpoint(run / CHECKPOINT_NAME, prog, torch.Generator().get_state(),
+                    extra={"tokenizer_hash": ByteTokenizer.hash})
+    (run / "spec.yaml").write_text(yaml.safe_dump(spec_to_dict(spec), sort_keys=False))
+    return run
+
+
+def test_a_replaced_tokenizer_is_refused_on_every_load(run_dir: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    assert isinstance(run_tokenizer(run_dir), ByteTokenizer)
+    other = train_bpe(["the cat sat on the mat"] * 50, 300, tmp_path / "other.json")
+    (run_dir / "tokenizer.json").write_text(other.text)
+    want = (f"tokenizer {run_dir / 'tokenizer.json'} (hash {other.hash[:12]}) is not the one "
+            f"{run_dir / CHECKPOINT_NAME} was made with")
+    for argv in (["generate", run_dir, "--prompt", "hi"],
+                 ["serve", run_dir, "--port", "0"],
+                 ["eval", run_dir, "--data", "synthetic:recall"],
+                 ["eval", run_dir / CHECKPOINT_NAME, "--task", "recall"]):
+        code, _, err = cli(argv, capsys)
+        assert code == 2 and want in err, argv
+    # (resume compares the spec's data.tokenizer with the checkpoint's record: test_corpus)
+
+
+def test_a_replaced_spec_yaml_is_refused(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    doc = yaml.safe_load((run_dir / "spec.yaml").read_text())
+    doc["model"]["d_model"] *= 2
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump(doc))
+    code, _, err = cli(["generate", run_dir, "--prompt", "hi"], capsys)
+    assert code == 2 and f"{run_dir / 'spec.yaml'} does not describe the model" in err
+    assert "model.d_model" in err
+
+
+def test_an_artifact_tokenizer_is_checked_against_its_manifest(tmp_path: Path) -> None:
+    art = tmp_path / "art"
+    assert main(["compile", str(SPEC), *SMALL, "-o", str(art)]) == 0
+    run_tokenizer(art)
+    other = train_bpe(["the cat sat on the mat"] * 50, 300, tmp_path / "other.json")
+    (art / "tokenizer.json").write_text(other.text)
+    with pytest.raises(TitancError, match="manifest.json was made with"):
+        run_tokenizer(art)
+
+
+# ---------------------------------------------------------------- bounds
+
+def test_serve_slots_are_bounded_and_fit_checked(run_dir: Path, capsys: pytest.CaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    code, _, err = cli(["serve", run_dir, "--slots", "100000", "--port", "0"], capsys)
+    assert code == 2 and "--slots" in err and "[1, 4096]" in err
+    import titanc.runtime.capacity as capacity
+    monkeypatch.setattr(capacity, "machine_bytes", lambda device="cpu": 64 << 20)
+    code, _, err = cli(["serve", run_dir, "--slots", "4096", "--port", "0"], capsys)
+    assert code == 2 and "reduce --slots (4096)" in err
+    code, _, err = cli(["generate", run_dir, "--prompt", "hi", "--max-new-tokens", "1048576"],
+                       capsys)
+    assert code == 2 and "reduce --max-new-tokens" in err
+
+
+def test_until_behind_the_checkpoint_blames_until(run_dir: Path, tmp_path: Path) -> None:
+    prog = titanc.compile(tiny("attn"))
+    prog.step = 20
+    save_checkpoint(run_dir / CHECKPOINT_NAME, prog, torch.Generator().get_state(),
+                    extra={"tokenizer_hash": ByteTokenizer.hash})
+    with pytest.raises(TitancError) as e:
+        Trainer(tiny("attn", train__steps=100), tmp_path / "o", resume=run_dir, until=10,
+                progress=False)
+    assert str(e.value).startswith("--until 10: the checkpoint is already at step 20")
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "RUN", "--port", "70000"],
+    ["serve", "RUN", "--port", "-1"],
+    ["generate", "RUN", "--prompt", "x", "--seed", str(2**64)],
+    ["generate", "RUN", "--prompt", "x", "--top-k", str(2**62)],
+    ["generate", "RUN", "--prompt", "x", "--max-new-tokens", str(2**40)],
+    ["data", "prepare", "IN", "-o", "OUT", "--workers", "100000"],
+    ["data", "prepare", "IN", "-o", "OUT", "--val-fraction", "nan"],
+    ["eval", "RUN", "--batches", str(10**30)],
+    ["eval", "RUN", "--task", "recall", "--distances", "8," + "9" * 5000],
+    ["eval", "RUN", "--task", "recall", "--recall-layout", "n_pairs=" + "9" * 40],
+    ["train", "SPEC", "--out", "O", "--nproc", "100000"],
+    ["train", "SPEC", "--out", "O", "--steps", "1" + "0" * 30],
+    ["bench", "SPEC", "--threads", str(2**31)],
+])
+def test_numeric_flags_are_range_checked_where_parsed(argv: list[str], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    code, _, err = cli([a.replace("RUN", str(tmp_path)).replace("SPEC", str(SPEC)) for a in argv],
+                       capsys)
+    assert code == 2, err
+    line = one_error_line(err)
+    assert "out of range" in line or "expected" in line, line
+
+
+def test_bounds_table_checks_types_and_ranges() -> None:
+    assert bounds.SEED.check(2**64 - 1, "seed") == 2**64 - 1
+    for bad in (2**64, -1, True, 1.0, "3"):
+        with pytest.raises(TitancError, match="seed"):
+            bounds.SEED.check(bad, "seed")
+    with pytest.raises(TitancError, match="expected a TCP port"):
+        bounds.PORT.parse("８０", "--port")        # fullwidth digits are not a port

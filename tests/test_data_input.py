@@ -1,9 +1,11 @@
-"""Hardening, wave 4: data loading for training and evaluation (text files, .jsonl and .parquet
+"""Data loading under bad input for training and evaluation (text files, .jsonl and .parquet
 inputs, token shards, documents, `titanc eval`). Each test failed before its fix."""
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,14 +17,17 @@ import torch
 from titanc.errors import TitancError
 from titanc.model.spec import load_spec
 from titanc.runtime.data import datasets
+from titanc.runtime.data import prepare as prepare_module
+from titanc.runtime.data import tokenizer as tokenizer_module
 from titanc.runtime.data.datasets import TextData
 from titanc.runtime.data.prepare import prepare
-from titanc.runtime.data.shards import HEADER, ShardData
-from titanc.runtime.data.tokenizer import ByteTokenizer
+from titanc.runtime.data.shards import HEADER, ShardData, read_header
+from titanc.runtime.data.tokenizer import ByteTokenizer, train_bpe
 from titanc.runtime.train.evaluate import evaluate
 from titanc.tools.cli import main
 
 from tests.helpers import set_at
+from tests.test_run_input import cli, one_error_line
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -294,3 +299,127 @@ def test_the_trainers_held_out_loss_weights_each_kept_target_once(tmp_path: Path
     out = Trainer.evaluate(SimpleNamespace(data=data, spec=plain.spec, prog=plain))
     means = [float(rows[:, 1:].double().mean()) / 100 for rows, _ in plain.calls]
     assert out["eval_loss"] == pytest.approx(sum(means) / 2)
+
+
+# ---------------------------------------------------------------- data prepare
+
+def _corpus(d: Path, name: str = "corpus.txt") -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / name
+    p.write_text("the cat sat on the mat\n" * 400)
+    return p
+
+
+def _shard_bytes(d: Path) -> dict[str, bytes]:
+    return {n: (d / n).read_bytes() for n in ("header.json", "train.bin", "val.bin")}
+
+
+def test_overwrite_keeps_the_old_shards_until_the_new_ones_are_complete(tmp_path: Path) -> None:
+    good = _corpus(tmp_path / "in")
+    out = tmp_path / "dp" / "ow"
+    prepare([good], out, progress=False)
+    before = _shard_bytes(out)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine text\n" * 100 + b"\xff\xfe not utf-8\n")   # fails mid-way
+    with pytest.raises(TitancError, match="not UTF-8"):
+        prepare([good, bad], out, progress=False, overwrite=True)
+    assert _shard_bytes(out) == before and read_header(out)["splits"]["train"]["tokens"] > 0
+    with pytest.raises(TitancError, match="does not exist"):
+        prepare([tmp_path / "nope.txt"], out, progress=False, overwrite=True)
+    assert _shard_bytes(out) == before
+    (out / "NOTES.md").write_text("mine")                    # not a shard: kept
+    prepare([good, good], out, progress=False, overwrite=True)
+    assert read_header(out)["text_bytes"] == 2 * good.stat().st_size
+    assert (out / "NOTES.md").read_text() == "mine"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["ow"]   # no staging left
+
+
+def test_a_killed_prepare_leaves_the_old_shards(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    good = _corpus(tmp_path / "in")
+    out = tmp_path / "ow"
+    prepare([good], out, progress=False)
+    before = _shard_bytes(out)
+
+    def die(*_: object) -> None:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_module, "_move_tail", die)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([good, good], out, progress=False, overwrite=True)
+    assert _shard_bytes(out) == before
+
+
+def test_inputs_holding_a_shard_set_or_the_output_are_skipped(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    corp = tmp_path / "corp"
+    text = _corpus(corp, "a.txt")
+    assert main(["data", "prepare", str(corp), "-o", str(corp / "shards"), "--no-progress"]) == 0
+    assert main(["data", "prepare", str(corp), "-o", str(tmp_path / "x"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"titanc: note: skipping {corp / 'shards'}: it is a token-shard set" in err
+    header = read_header(tmp_path / "x")
+    assert [s["path"] for s in header["sources"]] == [str(text)]
+    # the output inside the input tree, overwritten: skipped as the output
+    assert main(["data", "prepare", str(corp), "-o", str(corp / "shards"), "--overwrite",
+                 "--no-progress"]) == 0
+    assert [s["path"] for s in read_header(corp / "shards")["sources"]] == [str(text)]
+    # a shard file named explicitly is skipped too
+    code, _, err = cli(["data", "prepare", text, corp / "shards" / "train.bin", "-o",
+                        tmp_path / "y", "--no-progress"], capsys)
+    assert code == 0 and "it is in a token-shard set" in err
+
+
+def test_a_device_is_not_called_an_empty_directory(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    code, _, err = cli(["data", "prepare", "/dev/zero", "-o", tmp_path / "z"], capsys)
+    assert code == 2 and "input /dev/zero is not a regular file or a directory" in err
+    code, _, err = cli(["tokenizer", "train", "/dev/null", "--vocab-size", "300",
+                        "-o", tmp_path / "t.json"], capsys)
+    assert code == 2 and "/dev/null is not a regular file or a directory" in err
+
+
+def test_a_failed_write_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = _corpus(tmp_path / "in")
+
+    def full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(prepare_module, "_move_tail", full)
+    with pytest.raises(TitancError) as e:
+        prepare([good], tmp_path / "out", progress=False)
+    assert "val.bin: No space left on device" in str(e.value) and "could not write" in str(e.value)
+    assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == ["in"]
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def test_vocabulary_size_is_bounded(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    text = _corpus(tmp_path)
+    code, _, err = cli(["tokenizer", "train", text, "--vocab-size", "1000000000",
+                        "-o", tmp_path / "t.json"], capsys)
+    assert code == 2 and "[257, 2097152]" in one_error_line(err)
+    with pytest.raises(TitancError, match="--vocab-size"):
+        train_bpe(["text"], 10**9, tmp_path / "t.json")
+    code, _, err = cli(["tokenizer", "train", text, "--vocab-size", "300", "--min-frequency",
+                        "99999999999999999999", "-o", tmp_path / "t.json"], capsys)
+    assert code == 2 and "--min-frequency" in err
+
+
+def test_tokenizer_write_failure_is_one_line_and_leaves_no_temp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(tokenizer_module.os, "replace", full)
+    with pytest.raises(TitancError) as e:
+        train_bpe(["the cat sat on the mat"] * 50, 300, tmp_path / "t.json")
+    assert str(e.value).startswith(f"could not write tokenizer {tmp_path / 't.json'}: No space")
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(TitancError, match="not a regular file"):
+        train_bpe(["the cat"], 300, "/dev/full")
+
+
+def test_an_empty_corpus_is_refused_like_data_prepare(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    code, _, err = cli(["tokenizer", "train", tmp_path / "empty.txt", "--vocab-size", "300",
+                        "-o", tmp_path / "t.json"], capsys)
+    assert code == 2 and "holds no text" in err and not (tmp_path / "t.json").exists()
