@@ -20,10 +20,11 @@ and every `--every` steps prints one JSON line:
     .venv/bin/python benchmarks/recall_mac_diag.py --block mal --seed 1 --dist 8,top \
         --curriculum 32:1500,128:600,272:400 --every 300
 
-The runs behind benchmarks/results/recall_distance_experiments.md ("MAC") are in
-benchmarks/results/recall_mac_diag.jsonl; the variants there that are not spec options were
-one-line edits of the MAC body in titanc/model/blocks.py (benchmarks/results/recall_mac_variants.patch,
-switched by environment variables; not part of titanc). "cpu" includes the probes.
+The runs behind benchmarks/results/recall_distance_experiments.md ("MAC") are the records
+"recall_mac_diag" of benchmarks/results/recall_distance_experiments.jsonl; the variants there
+that are not spec options were one-line edits of the MAC body, switched by environment
+variables and not part of titanc (`git show c01c1ec:benchmarks/results/recall_mac_variants.patch`).
+"cpu" includes the probes.
 """
 from __future__ import annotations
 

@@ -1,15 +1,17 @@
-"""Probe: train lmm on NIAH sequences holding 4 needles and 4 queries (prose filler), score on
-the benchmark's 1-needle held-out NIAH. Is the single query's weak signal the cause?
-(eleventh session; the run is in recall_distance_experiments.md)
+"""NIAH with four needles per training sequence: train on NIAH sequences holding 4 needles and
+4 queries (prose filler, the pairs layout, in training only), score on benchmarks/recall_distance.py's
+one-needle held-out NIAH. Measures whether the single query's sparse signal, not the prose, is
+what stops binding (the runs: benchmarks/results/recall_distance_experiments.md, "Four needles").
+Every other flag is recall_distance.py's.
 
-    .venv/bin/python benchmarks/results/recall_niah_four_needles_probe.py --blocks lmm --seeds 0
+    .venv/bin/python benchmarks/recall_niah_four_needles.py --blocks lmm --seeds 0
 """
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recall_distance as rd  # noqa: E402
 
 orig = rd.NeedleRecall.batch
