@@ -14,6 +14,8 @@ register count, spill bytes and shared memory, and the kernels over the budgets
 (docs/gpu_kernels.md: > 10 s of compile, > 256 B spilled per thread). The JSON (every kernel's row too) goes
 to `--out`; a table to stdout. `--jobs` compiles that many kernels at once: the sum is CPU
 seconds of compile either way, the wall time shrinks. Quote the load average with it.
+Each result carries the date it was measured; benchmarks/results/compile_time.json holds the
+latest result of each example (and large_125m in bf16) that docs/gpu_kernels.md quotes.
 
 CPU seconds are not comparable across hosts: the same tree measured 80.1 s for tiny.yaml on
 one day's machine and 38-44 s on the next day's (docs/gpu_kernels.md). Each result therefore
@@ -112,7 +114,8 @@ def measure(spec: str, archs: list[int], jobs: int, sets: list[str]) -> dict[str
     if not rows:
         raise SystemExit(f"{spec}: no kernel compiled (exit {r.returncode}):\n"
                          f"{r.stderr[-2000:]}")
-    out: dict[str, Any] = {"spec": spec, "set": sets, "wall_s": round(wall, 1), "jobs": jobs,
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "spec": spec, "set": sets,
+                           "wall_s": round(wall, 1), "jobs": jobs,
                            "load_average": os.getloadavg(), "archs": {}, "kernels": rows}
     ref = host_reference(max(archs))
     out["host_reference_cpu_s"] = ref
