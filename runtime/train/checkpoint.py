@@ -60,7 +60,7 @@ RUN_CONTROL = frozenset({
     "name", "train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
     "train.log_every", "train.memory_stats_every", "train.remat", "train.remat_budget_mb",
     "train.remat_rows", "train.remat_group", "train.loss_chunk", "compile.target",
-    "train.bucket_mb", "train.zero", "train.dist_timeout_s",
+    "train.bucket_mb", "train.zero", "train.dist_timeout_s", "train.tensorboard",
 })
 RUN_CONTROL_SECTIONS = ("compile.",)
 

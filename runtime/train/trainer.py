@@ -200,6 +200,8 @@ class Trainer:
             return
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
+        if self._tb is not None:                  # train.tensorboard
+            self._tb.write(record)
 
     def evaluate(self) -> dict[str, float]:
         """Mean held-out loss over train.eval_batches batches (the same batches every time);
@@ -391,6 +393,8 @@ class Trainer:
         last: dict[str, float] = {}
         evals: dict[str, float] = {}
         bar = _progress(self.until, start_step, self.name, enabled=self.progress)
+        from titanc.integrations.tensorboard import open_tensorboard
+        self._tb = open_tensorboard(spec, self.out, start_step) if self.main else None
         self._metrics = open(self.metrics_path, "a") if self.main else None
         from titanc.runtime.targets.executor import profiling
         profiler = profiling() if self.profile else None
@@ -434,6 +438,8 @@ class Trainer:
             if profiler:
                 profiler.__exit__(None, None, None)
             bar.close()
+            if self._tb is not None:
+                self._tb.close()
             if self._metrics is not None:
                 self._metrics.close()
                 self._timed("plot", self._plot)

@@ -253,6 +253,9 @@ class TrainSpec:
     dist_timeout_s: float = _field(300.0, gt=0)  # a collective waiting longer fails the job
     # steps between memory diagnostics in metrics.jsonl (runtime/diagnostics/neural_memory.py); 0 = never
     memory_stats_every: int = _field(0, ge=0)
+    # also write the metrics as TensorBoard scalars under DIR/<run directory name>
+    # (titanc/integrations/tensorboard.py); null = none
+    tensorboard: str | None = None
 
     @property
     def master_dtype(self) -> str:
@@ -272,6 +275,9 @@ class TrainSpec:
                 if getattr(self, name) > _F32_MAX:
                     raise SpecError(f"train.{name}: {getattr(self, name):g} overflows float32 "
                                     f"(largest {_F32_MAX:.4g}); use a smaller value")
+        if self.tensorboard is not None and not self.tensorboard.strip():
+            raise SpecError("train.tensorboard: must not be empty; name a directory (e.g. "
+                            "--set train.tensorboard=tb) or use null for none")
         if self.zero not in (0, 1):
             raise SpecError(f"train.zero: {self.zero} must be 0 (all-reduce) or 1 (ZeRO-1 "
                             f"optimizer sharding); e.g. --set train.zero=1")
