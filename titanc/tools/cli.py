@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from titanc.tools.corpus_cli import add_commands   # tokenizer train, data prepare, eval
     add_commands(commands)
+    from titanc.integrations.hf_export import add_command as add_export   # export --hf
+    add_export(commands)
     return parser
 
 
