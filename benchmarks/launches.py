@@ -3,7 +3,7 @@ launch groups.
 
     python benchmarks/launches.py examples/tiny.yaml examples/tiny_lmm.yaml [--set k=v ...]
 
-Counted from the compiled plans (`runtime.triton_executor.count_launches`, the same figure
+Counted from the compiled plans (`runtime.targets.triton_executor.count_launches`, the same figure
 `TritonExecutor.launches_per_run()` reports after binding): the training graph (forward +
 backward) plus the optimizer. A scan that runs as a host loop counts its body's launches once
 per iteration; the scans that still do are listed with the reason. `launch_groups` is the triton

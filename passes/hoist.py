@@ -8,7 +8,7 @@ cotangents the reverse scan carries, yet it ran inside the serial loop, once per
 program per (batch, head): a third of tiny.yaml's chunk-backward kernel (the largest kernel
 to compile) and work a GPU could spread over every chunk.
 
-Rule. In the body of a SCAN whose role is a chunk recurrence (`codegen.scan.KERNEL_ROLES`), a
+Rule. In the body of a SCAN whose role is a chunk recurrence (`codegen.scan.kernel.KERNEL_ROLES`), a
 node is *hoisted* when an xs slice reaches it and no carry does, and it and every node on the
 way have a batching rule (elementwise ops, reductions, cumsums, einsums and views: each
 computes the same over a new leading axis of `length`; a nested scan whose body batches
@@ -57,7 +57,7 @@ from titanc.ir import Graph, Node, Op, OpGroup
 
 __all__ = ["HoistScanInvariants", "hoist_scan_invariants", "HOIST_ROLES"]
 
-# scan roles whose bodies are rewritten (`codegen.scan.KERNEL_ROLES`: one kernel per scan)
+# scan roles whose bodies are rewritten (`codegen.scan.kernel.KERNEL_ROLES`: one kernel per scan)
 HOIST_ROLES = frozenset({"memory", "memory_group"})
 _WORK = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM, Op.EINSUM})
 _AXIS_OPS = frozenset({Op.SLICE, Op.PAD, Op.CONCAT, Op.CUMSUM})

@@ -7,7 +7,7 @@ specific to Titans: a changed memory rule is a changed body graph, and it compil
 Independent axes. The grid is the product of the scan's *independent leading axes* (e.g.
 [B, Nm] of a memory-chunk body): the longest prefix `P` of the carries' shape such that no body
 op mixes those axes. Every body value gets a `pax` (where the axes of `P` sit in its shape, or
-None when it does not vary along them); the rules, per op, are in `_Analysis.pax_of`: einsum
+None when it does not vary along them); the rules, per op, are in `_ScanEmitter.pax_of`: einsum
 letters of P appear in the output, reductions, cumsums, slices, pads and concats leave them
 alone, reshapes keep them as whole axes, permutes move them. A value with a `pax` is computed
 per program on its local slice (the P axes dropped); a value without one ("shared": scalars,

@@ -1,7 +1,7 @@
 """The tokenizer behind the server: one object with encode / decode / token_str.
 
 `codec_for` is the one place the server chooses: the tokenizer the run or artifact directory
-names (`runtime.tokenizer.load_tokenizer`: its tokenizer.json, else the spec's
+names (`runtime.data.tokenizer.load_tokenizer`: its tokenizer.json, else the spec's
 `data.tokenizer`, byte-level by default), wrapped with the per-token text that logprobs need.
 """
 from __future__ import annotations

@@ -3,7 +3,11 @@ exists (and a heading that exists, for `#anchor` links), and the README stays a 
 newcomer reads in one sitting."""
 from __future__ import annotations
 
+import ast
+import functools
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -55,3 +59,175 @@ def test_a_broken_link_is_seen(tmp_path: Path) -> None:
 
 def test_the_readme_fits_on_a_screen_or_two() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+# ---------------------------------------------------------------- references to the code
+# A doc (README.md, docs/*.md) or a docstring or comment of the product packages and
+# benchmarks/ that cites code names something that exists. Cited in backticks:
+# - a dotted name under a package root, `titanc.runtime.program.Program` or
+#   `runtime.targets.aot` (`titanc.X` and `X` are the same package for ir, passes, codegen and
+#   runtime): its module file exists and defines the first name after it; every further
+#   name (a method, an attribute) is defined somewhere in the product;
+# - a path, `runtime/program.py`, `tests/test_x.py::test_y`, `scan/kernel.py` (a path under a
+#   package, found by its tail), optionally followed by a name in backticks
+#   (`runtime/program.py` `Program`): the file exists and defines the name;
+# - `Class.attribute` of a class of ours (CamelCase): the class and the attribute exist.
+# "Defines" is read from the syntax tree: a def, a class, an assignment, an import, a field.
+
+PRODUCT = ("titanc", "ir", "passes", "codegen", "runtime")
+TOP = {*PRODUCT, "tests", "benchmarks", "docs", "examples"}
+# names a walkthrough asks the reader to create
+EXAMPLES = {"ir/tril.py", "codegen/templates/foo.py.jinja", "Value.softplus()"}
+# classes of other libraries cited as Class.method
+EXTERNAL = {"JITFunction", "InterpretedFunction"}
+SPAN = re.compile(r"`([^`\n]+)`(?:\s+`([A-Za-z_]\w*(?:\.\w+)*)`)?")
+DOTTED = re.compile(r"^(?:titanc|ir|passes|codegen|runtime)(?:\.[A-Za-z_]\w*)+(?:\(\))?$")
+CLASS_ATTR = re.compile(r"^_?[A-Z][a-z]\w*(?:\.[A-Za-z_]\w*)+(?:\(\))?$")
+PATH = re.compile(r"^((?:[\w.-]+/)+[\w.-]+\.(?:py|jinja|sh|yaml|md))(?:::(\w+)(?:::(\w+))?)?$")
+
+
+def _sources() -> list[Path]:
+    return [*(p for pkg in PRODUCT for p in sorted((ROOT / pkg).rglob("*.py"))),
+            *sorted((ROOT / "benchmarks").glob("*.py"))]
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.AST:
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _defined(path: Path) -> frozenset[str]:
+    """Every name `path` defines: functions, classes, assigned and annotated names (fields,
+    `self.x = ...`), imports, loop targets."""
+    names: set[str] = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+    return frozenset(names)
+
+
+@functools.lru_cache(maxsize=None)
+def _defined_anywhere() -> frozenset[str]:
+    return frozenset().union(*map(_defined, _sources()))
+
+
+@functools.lru_cache(maxsize=None)
+def _classes() -> frozenset[str]:
+    return frozenset(n.name for p in _sources() for n in ast.walk(_tree(p))
+                     if isinstance(n, ast.ClassDef))
+
+
+@functools.lru_cache(maxsize=None)
+def _files() -> tuple[str, ...]:
+    return tuple(p.relative_to(ROOT).as_posix() for d in (*PRODUCT, "benchmarks", "tests")
+                 for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def _module(parts: list[str]) -> tuple[Path | None, list[str]]:
+    """The file of the longest module prefix of `parts`, and the names after it."""
+    if parts[0] == "titanc" and len(parts) > 1 and parts[1] in PRODUCT[1:]:
+        parts = parts[1:]
+    path, i = ROOT / parts[0], 1
+    while i < len(parts) and (path / parts[i]).is_dir():
+        path, i = path / parts[i], i + 1
+    if i < len(parts) and (path / f"{parts[i]}.py").is_file():
+        return path / f"{parts[i]}.py", parts[i + 1:]
+    init = path / "__init__.py"
+    return (init if init.is_file() else None), parts[i:]
+
+
+def _path(cited: str) -> Path | None | bool:
+    """The file a cited path names; None if it names none; False if it is not a path into
+    the repository (an output such as `out_dir/program.py`)."""
+    head = cited.split("/")[0]
+    if head in TOP:
+        return ROOT / cited if (ROOT / cited).exists() else None
+    if not any(f"/{head}/" in f"/{f}" for f in _files()):
+        return False
+    hits = [f for f in _files() if f.endswith("/" + cited)]
+    return ROOT / hits[0] if hits else None
+
+
+def _check(span: str, name: str | None) -> str | None:
+    """Why the cited `span` (and the `name` cited right after it) resolves to nothing."""
+    if span in EXAMPLES:
+        return None
+    if DOTTED.match(span):
+        file, rest = _module(span.removesuffix("()").split("."))
+        if file is None:
+            return "no such module"
+        if rest and rest[0] not in _defined(file):
+            return f"{file.relative_to(ROOT)} defines no {rest[0]}"
+        missing = [a for a in rest[1:] if a not in _defined_anywhere()]
+        return f"nothing defines {missing[0]}" if missing else None
+    if m := PATH.match(span):
+        file = _path(m.group(1))
+        if file is None:
+            return "no such file"
+        if file is False or file.suffix != ".py":
+            return None
+        for n in filter(None, (m.group(2), m.group(3), name)):
+            if n.split(".")[0] not in _defined(file):
+                return f"{m.group(1)} defines no {n.split('.')[0]}"
+        return None
+    if CLASS_ATTR.match(span):
+        cls, *attrs = span.removesuffix("()").split(".")
+        if cls in EXTERNAL:
+            return None
+        if cls not in _classes():
+            return f"no class {cls}"
+        missing = [a for a in attrs if a not in _defined_anywhere()]
+        return f"nothing defines {missing[0]}" if missing else None
+    return None
+
+
+def stale_references(text: str) -> list[str]:
+    """Every cited name of `text` that resolves to nothing, with the reason."""
+    bad = []
+    for m in SPAN.finditer(text):
+        why = _check(m.group(1).strip(), m.group(2))
+        if why:
+            bad.append(f"`{m.group(1)}`: {why}")
+    return bad
+
+
+def _prose(path: Path) -> str:
+    """The comments and docstrings (triple-quoted strings) of a Python file."""
+    toks = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return "\n".join(t.string for t in toks if t.type == tokenize.COMMENT or (
+        t.type == tokenize.STRING and t.string.lstrip("rbuRBUfF").startswith(('"""', "'''"))))
+
+
+def test_every_name_a_doc_cites_exists() -> None:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    bad = [f"{doc.relative_to(ROOT)}: {b}" for doc in docs
+           for b in stale_references(FENCE.sub("", doc.read_text()))]
+    assert bad == [], ("stale references (a walkthrough's new file goes in EXAMPLES):\n"
+                       + "\n".join(bad))
+
+
+def test_every_name_a_docstring_or_comment_cites_exists() -> None:
+    bad = [f"{p.relative_to(ROOT)}: {b}" for p in _sources() for b in stale_references(_prose(p))]
+    assert bad == [], "stale references:\n" + "\n".join(bad)
+
+
+def test_the_reference_check_catches_stale_names() -> None:
+    """Each kind of stale reference the check exists for, as they were found in the tree."""
+    stale = ["`_Analysis.pax_of`", "`runtime.tokenizer.load_tokenizer`",
+             "`runtime.triton_executor.count_launches`", "`codegen.scan.KERNEL_ROLES`",
+             "`passes/memory_plan.py`", "`ir/shapes.py` `infer_type`",
+             "`tests/test_hardening.py`", "`tests/test_bench.py::test_no_such_test`"]
+    for cited in stale:
+        assert stale_references(cited), cited
+    fine = ["`titanc.runtime.program.Program`", "`runtime/program.py` `Program`",
+            "`codegen.scan.kernel.KERNEL_ROLES`", "`scan/kernel.py`", "`Program.advance`",
+            "`ir/infer.py` `infer_type`", "`titanc.tools.aot`", "`out_dir/program.py`",
+            "`tests/test_bench.py::test_mfu_counts_the_models_flops_not_the_recompute`"]
+    assert [c for c in fine if stale_references(c)] == []
