@@ -77,7 +77,8 @@ def test_the_readme_fits_on_a_screen_or_two() -> None:
 PRODUCT = ("titanc", "ir", "passes", "codegen", "runtime")
 TOP = {*PRODUCT, "tests", "benchmarks", "docs", "examples"}
 # names a walkthrough asks the reader to create
-EXAMPLES = {"ir/tril.py", "codegen/templates/foo.py.jinja", "Value.softplus()"}
+EXAMPLES = {"ir/tril.py", "codegen/templates/foo.py.jinja", "Value.softplus()",
+            "codegen/templates/memory_state.py.jinja", "codegen/lower/memory.py"}
 # classes of other libraries cited as Class.method
 EXTERNAL = {"JITFunction", "InterpretedFunction"}
 SPAN = re.compile(r"`([^`\n]+)`(?:\s+`([A-Za-z_]\w*(?:\.\w+)*)`)?")
