@@ -6,8 +6,8 @@
 Trains the same spec twice on the cpu target (same seed, same batches), `train.dtype:
 float32` and `bfloat16`, and compares the training loss at the end (mean of the last 10
 steps, and the last evaluation) and the activation arena of each compiled graph
-(`plan.arena_bytes`, what report.json calls `graphs.<kind>.arena_bytes`). Acceptance (issue
-13): the bf16 loss within 3% of float32's at the end. Prints JSON and writes it to
+(`plan.arena_bytes`, what report.json calls `graphs.<kind>.arena_bytes`). The target:
+the bf16 loss within 3% of float32's at the end. Prints JSON and writes it to
 benchmarks/results/bf16_loss.json (unless --no-save).
 """
 from __future__ import annotations

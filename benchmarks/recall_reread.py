@@ -10,7 +10,7 @@ each distance, the benchmark's task and seed.
     .venv/bin/python benchmarks/recall_reread.py DIR mal 0 512,1024 \\
         ";model.memory.chunk_size=2;alpha_shift=-2"
 
-The runs are in benchmarks/results/recall_distance_experiments.md (issue 30).
+The runs are in benchmarks/results/recall_distance_experiments.md.
 """
 from __future__ import annotations
 
