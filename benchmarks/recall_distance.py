@@ -24,7 +24,7 @@ the largest block's (mag) at `model.ffn_hidden`.
     .venv/bin/python benchmarks/recall_distance.py                     # all five blocks, 3 seeds
     .venv/bin/python benchmarks/recall_distance.py --set model.memory.lr_max=1
 
-The defaults are the recipe (issues 18 and 30): train.lr 3e-3 (at 1e-2 AdamW collapses the
+The defaults are the recipe: train.lr 3e-3 (at 1e-2 AdamW collapses the
 adaptive gates θ, η before a binding forms), memory.qk_activation none (zero-mean keys),
 memory.chunk_size 4 (at chunk 8 the initial θ = 1 with η 0.9 is past the chunked momentum
 write's stability bound for mag and mal, and bindings learned at 32 tokens were lost at
