@@ -3,11 +3,8 @@ exists (and a heading that exists, for `#anchor` links), and the README stays a 
 newcomer reads in one sitting."""
 from __future__ import annotations
 
-import ast
 import functools
-import io
 import re
-import tokenize
 from pathlib import Path
 
 import pytest
@@ -92,25 +89,28 @@ def _sources() -> list[Path]:
             *sorted((ROOT / "benchmarks").glob("*.py"))]
 
 
-@functools.lru_cache(maxsize=None)
-def _tree(path: Path) -> ast.AST:
-    return ast.parse(path.read_text(), str(path))
+# what a line of Python defines: a def or class, an assignment or annotation (a field, a
+# constant, `self.x = ...`, a tuple's names), a loop target, an import (read without parsing:
+# parsing every module took seconds)
+DEFINES = re.compile(
+    r"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+(\w+)"
+    r"|^[ \t]*((?:self\.)?\w+(?:[ \t]*,[ \t]*\*?\w+)*)[ \t]*(?::[^=\n]*)?=(?!=)"
+    r"|^[ \t]*(\w+)[ \t]*:"
+    r"|\bself\.(\w+)[ \t]*(?::[^=\n]*)?=(?!=)"
+    r"|^[ \t]*for[ \t]+([\w, ]+?)[ \t]+in\b"
+    r"|^[ \t]*(?:from[ \t]+\S+[ \t]+)?import[ \t]+(\([^)]*\)|.+)", re.M)
 
 
 @functools.lru_cache(maxsize=None)
 def _defined(path: Path) -> frozenset[str]:
-    """Every name `path` defines: functions, classes, assigned and annotated names (fields,
-    `self.x = ...`), imports, loop targets."""
+    """Every name `path` defines (DEFINES)."""
     names: set[str] = set()
-    for node in ast.walk(_tree(path)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            names.add(node.attr)
-        elif isinstance(node, ast.alias):
-            names.add((node.asname or node.name).split(".")[0])
+    for m in DEFINES.finditer(path.read_text()):
+        text = next(g for g in m.groups() if g is not None)
+        if m.group(6) is not None:                       # an import: its names, `as` names
+            text = re.sub(r"\b\w+[ \t]+as[ \t]+", "", re.sub(r"#.*", "", text))
+        names.update(w.split(".")[0] for w in re.findall(r"[A-Za-z_][\w.]*", text)
+                     if w not in ("self", "as"))
     return frozenset(names)
 
 
@@ -121,8 +121,8 @@ def _defined_anywhere() -> frozenset[str]:
 
 @functools.lru_cache(maxsize=None)
 def _classes() -> frozenset[str]:
-    return frozenset(n.name for p in _sources() for n in ast.walk(_tree(p))
-                     if isinstance(n, ast.ClassDef))
+    return frozenset(m for p in _sources()
+                     for m in re.findall(r"^[ \t]*class[ \t]+(\w+)", p.read_text(), re.M))
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,11 +199,14 @@ def stale_references(text: str) -> list[str]:
     return bad
 
 
+TRIPLE = re.compile(r'"""(.*?)"""|\'\'\'(.*?)\'\'\'', re.S)
+
+
 def _prose(path: Path) -> str:
-    """The comments and docstrings (triple-quoted strings) of a Python file."""
-    toks = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-    return "\n".join(t.string for t in toks if t.type == tokenize.COMMENT or (
-        t.type == tokenize.STRING and t.string.lstrip("rbuRBUfF").startswith(('"""', "'''"))))
+    """The docstrings (triple-quoted strings) and comments of a Python file."""
+    text = path.read_text()
+    strings = [a or b for a, b in TRIPLE.findall(text)]
+    return "\n".join([*strings, *re.findall(r"#[^\n]*", TRIPLE.sub("", text))])
 
 
 def test_every_name_a_doc_cites_exists() -> None:
