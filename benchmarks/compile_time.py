@@ -14,8 +14,9 @@ register count, spill bytes and shared memory, and the kernels over the budgets
 (docs/gpu_kernels.md: > 10 s of compile, > 256 B spilled per thread). The JSON (every kernel's row too) goes
 to `--out`; a table to stdout. `--jobs` compiles that many kernels at once: the sum is CPU
 seconds of compile either way, the wall time shrinks. Quote the load average with it.
-Each result carries the date it was measured; benchmarks/results/compile_time.json holds the
-latest result of each example (and large_125m in bf16) that docs/gpu_kernels.md quotes.
+Each result carries the date it was measured and replaces the entry of the same spec and
+`--set` in an existing `--out` (the others stay): benchmarks/results/compile_time.json holds
+the latest result of each example (and large_125m in bf16) that docs/gpu_kernels.md quotes.
 
 CPU seconds are not comparable across hosts: the same tree measured 80.1 s for tiny.yaml on
 one day's machine and 38-44 s on the next day's (docs/gpu_kernels.md). Each result therefore
@@ -162,14 +163,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--set", action="append", default=[], help="spec override key=value")
     ap.add_argument("--out", default="benchmarks/results/compile_time.json")
     args = ap.parse_args(argv)
-    results = []
+    results: list[dict[str, Any]] = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # an existing --out keeps its other entries: each result replaces the one of its spec and
+    # --set (the latest measurement of each, dated), so the file stays one entry per measurement
+    earlier = json.loads(out.read_text()) if out.is_file() else []
     for spec in args.specs:                # the JSON after each spec: a cut-off run keeps some
         res = measure(spec, args.arch, args.jobs, args.set)
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "kernels"}), flush=True)
-        out.write_text(json.dumps(results, indent=1) + "\n")
+        mine = {(r["spec"], tuple(r["set"])) for r in results}
+        kept = [e for e in earlier if (e["spec"], tuple(e["set"])) not in mine or e.get("variant")]
+        out.write_text(json.dumps(kept + results, indent=1) + "\n")
     print(table(results))
     over = [(Path(r["spec"]).name, arch) for r in results for arch, a in r["archs"].items()
             if a["over_10s"] or a["spilling_over_256"] or a["failed"]]
