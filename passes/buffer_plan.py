@@ -71,6 +71,7 @@ fits in less. `peak_activation_bytes` is the same peak with workspaces at their 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
 import torch
@@ -381,53 +382,17 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
 
     # where values that are not activations live
     external = dict(names) if body else {}
-    pers_vals: dict[int, list[str]] = {}
-    pers_slots: dict[str, tuple[int, int]] = {}
     reshaped: dict[int, int] = {}        # an output -> the kernel output it reshapes, homed there
-    if not body:
-        top = 0
-        for vid, name in [(i, names[i]) for i in g.inputs] + [(v, n) for n, v in g.outputs]:
-            if name in persistent and name not in pers_slots:
-                size = _align(value_bytes(g, vid), alignment)
-                pers_slots[name] = (top, size)
-                top += size
-                src = _reshaped_source(g, vid, live, names, pers_vals)
-                if src is not None:
-                    reshaped[vid] = src
-                pers_vals.setdefault(vid if src is None else src, []).append(name)
-            elif name in persistent and _updates_in_place(g, vid, name):
-                pers_vals.setdefault(vid, []).append(name)    # the input's slot, updated
-    if body:                                 # outputs written where the scan wants them
-        outs = {v for _, v in g.outputs}
-        for name, v in g.outputs:
-            node = g.node(v)
-            if v in external:
-                continue
-            if not (node.op is Op.RESHAPE and node.inputs[0] in live):
-                external[v] = OUTPUT_PREFIX + name
-                continue
-            src = node.inputs[0]             # a reshaped kernel output: written there, viewed
-            if (src not in external and src not in outs and src not in names
-                    and g.node(src).op not in OpGroup.VIEW):
-                external[src] = OUTPUT_PREFIX + name
-                reshaped[v] = src
+    pers_slots: dict[str, tuple[int, int]] = {}
+    pers_vals: dict[int, list[str]] = {}
+    if body:
+        _body_output_homes(g, live, external, reshaped)
+    else:
+        pers_slots, pers_vals = _persistent_homes(g, persistent, alignment, live, names, reshaped)
     elsewhere = set(pers_vals) | set(external)
 
-    # views (strided, of a stored value or a constant), then aliases: a RESHAPE written by a
-    # kernel whose operand already has dense storage
     views = _views(schedule, live, {v for _, v in g.outputs}, elsewhere, strided_in)
-    aliases: dict[int, int] = {v: root for v, (root, _) in views.items()}
-    for kern in kernels:
-        for v in kern.outputs:
-            node = g.node(v)
-            src = node.inputs[0] if node.op is Op.RESHAPE else None
-            if (src is not None and src in live and v not in pers_vals and v not in views
-                    and src not in views and src not in strided_in):
-                aliases[v] = aliases.get(src, src)
-    for v in views:                      # a view of a dense reshape: the storage's owner
-        aliases[v] = aliases.get(aliases[v], aliases[v])
-    aliases.update(reshaped)
-    aliases.update(_carry_in_place(schedule, live, aliases, elsewhere, names, strided_in))
+    aliases = _aliases(schedule, live, views, pers_vals, reshaped, elsewhere, names, strided_in)
     constants = frozenset(r for r, _ in views.values()
                           if g.node(r).op in OpGroup.GENERATOR and (r in views or r not in live))
     span = {v: list(iv) for v, iv in live.items() if v not in aliases and v not in elsewhere}
@@ -438,20 +403,112 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
 
     # buffers: values, then one workspace per scan kernel
     entries: list[tuple[int, str, str]] = []                     # (value, producer, kind)
-    sizes: list[int] = []
-    spans: list[tuple[int, int]] = []
+    intervals: list[tuple[int, int, int]] = []                   # (bytes, first, last)
     for v in sorted(span):
         is_input = v in names
         entries.append((v, f"input:{names[v]}" if is_input else kernels[kernel_of[v]].name,
                         "input" if is_input else "value"))
-        sizes.append(_align(value_bytes(g, v), alignment))
-        spans.append((span[v][0], span[v][1]))
-    bodies: dict[int, BufferPlan] = {}
-    carry: dict[int, list[tuple[int, int]]] = {}
-    lent: dict[int, frozenset[int]] = {}
-    in_place: dict[int, frozenset[int]] = {}
+        intervals.append((_align(value_bytes(g, v), alignment), span[v][0], span[v][1]))
+    ws = _scan_workspaces(schedule, alignment, live, views, aliases, elsewhere, names,
+                          strided_in, clobber)
     ws_low: dict[int, int] = {}                                  # workspace at the lower bound
-    for k, kern in enumerate(kernels):
+    for sid, kname, size, low_size, k in ws.rows:
+        entries.append((sid, kname, "workspace"))
+        intervals.append((size, k, k))
+        ws_low[len(intervals) - 1] = low_size
+
+    offsets, arena = place(intervals)
+    low = [(ws_low.get(i, s), a, b) for i, (s, a, b) in enumerate(intervals)]
+    buffers = sorted((Buffer(v, off, s, a, b, prod, kind)
+                      for (v, prod, kind), off, (s, a, b) in zip(entries, offsets, intervals)),
+                     key=lambda b: (b.first, b.offset, b.value))
+    return BufferPlan(schedule, buffers, aliases, pers_slots, pers_vals, external, arena,
+                      lower_bound(low), lower_bound(intervals),
+                      sum(s for _, s in pers_slots.values()), alignment, ws.bodies, ws.carry,
+                      views, frozenset(views) | strided_in, constants, ws.lent, ws.in_place)
+
+
+def _persistent_homes(g: Graph, persistent: set[str], alignment: int,
+                      live: dict[int, tuple[int, int]], names: dict[int, str],
+                      reshaped: dict[int, int],
+                      ) -> tuple[dict[str, tuple[int, int]], dict[int, list[str]]]:
+    """Slots of the persistent region (parameters, gradients, optimizer state) in input then
+    output order, and the values homed in them; a reshaped output is recorded in `reshaped`."""
+    pers_slots: dict[str, tuple[int, int]] = {}
+    pers_vals: dict[int, list[str]] = {}
+    top = 0
+    for vid, name in [(i, names[i]) for i in g.inputs] + [(v, n) for n, v in g.outputs]:
+        if name in persistent and name not in pers_slots:
+            size = _align(value_bytes(g, vid), alignment)
+            pers_slots[name] = (top, size)
+            top += size
+            src = _reshaped_source(g, vid, live, names, pers_vals)
+            if src is not None:
+                reshaped[vid] = src
+            pers_vals.setdefault(vid if src is None else src, []).append(name)
+        elif name in persistent and _updates_in_place(g, vid, name):
+            pers_vals.setdefault(vid, []).append(name)    # the input's slot, updated
+    return pers_slots, pers_vals
+
+
+def _body_output_homes(g: Graph, live: dict[int, tuple[int, int]], external: dict[int, str],
+                       reshaped: dict[int, int]) -> None:
+    """A scan body's outputs are written where the scan wants them (`external`); a reshaped
+    kernel output is written there and viewed (`reshaped`)."""
+    outs = {v for _, v in g.outputs}
+    for name, v in g.outputs:
+        node = g.node(v)
+        if v in external:
+            continue
+        if not (node.op is Op.RESHAPE and node.inputs[0] in live):
+            external[v] = OUTPUT_PREFIX + name
+            continue
+        src = node.inputs[0]
+        if (src not in external and src not in outs and src not in g.inputs
+                and g.node(src).op not in OpGroup.VIEW):
+            external[src] = OUTPUT_PREFIX + name
+            reshaped[v] = src
+
+
+def _aliases(schedule: Schedule, live: dict[int, tuple[int, int]], views: dict,
+             pers_vals: dict[int, list[str]], reshaped: dict[int, int], elsewhere: set[int],
+             names: dict[int, str], strided_in: frozenset[int]) -> dict[int, int]:
+    """Values stored in another value's buffer: views (strided, of a stored value or a
+    constant), a RESHAPE written by a kernel whose operand already has dense storage, reshaped
+    outputs and carries updated in place."""
+    g = schedule.graph
+    aliases: dict[int, int] = {v: root for v, (root, _) in views.items()}
+    for kern in schedule.kernels:
+        for v in kern.outputs:
+            node = g.node(v)
+            src = node.inputs[0] if node.op is Op.RESHAPE else None
+            if (src is not None and src in live and v not in pers_vals and v not in views
+                    and src not in views and src not in strided_in):
+                aliases[v] = aliases.get(src, src)
+    for v in views:                      # a view of a dense reshape: the storage's owner
+        aliases[v] = aliases.get(aliases[v], aliases[v])
+    aliases.update(reshaped)
+    aliases.update(_carry_in_place(schedule, live, aliases, elsewhere, names, strided_in))
+    return aliases
+
+
+@dataclass
+class _Workspaces:
+    """One workspace per scan kernel: its body's plan, carry slots, lent and in-place carries,
+    and a row (scan node, kernel name, bytes, bytes at the lower bound, kernel index)."""
+    rows: list[tuple[int, str, int, int, int]] = field(default_factory=list)
+    bodies: dict[int, BufferPlan] = field(default_factory=dict)
+    carry: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    lent: dict[int, frozenset[int]] = field(default_factory=dict)
+    in_place: dict[int, frozenset[int]] = field(default_factory=dict)
+
+
+def _scan_workspaces(schedule: Schedule, alignment: int, live: dict[int, tuple[int, int]],
+                     views: dict, aliases: dict[int, int], elsewhere: set[int],
+                     names: dict[int, str], strided_in: frozenset[int],
+                     clobber: frozenset[int]) -> _Workspaces:
+    g, ws = schedule.graph, _Workspaces()
+    for k, kern in enumerate(schedule.kernels):
         for sid in kern.nodes:
             if sid not in schedule.bodies:
                 continue
@@ -463,33 +520,22 @@ def _plan(schedule: Schedule, persistent: set[str], alignment: int, body: bool,
             read = {g.node(u).attr("index") for u in g.users(sid) if u in kern.outputs}
             free = _dead_carries(g, sid, k, read, live, aliases, elsewhere, names,
                                  strided_in | strided, clobber)
-            lent[sid] = frozenset(free)
+            ws.lent[sid] = frozenset(free)
             sub = _plan(schedule.bodies[sid], set(), alignment, body=True, strided_in=strided,
                         clobber=frozenset(bg.inputs[j] for j in free))
-            bodies[sid] = sub
+            ws.bodies[sid] = sub
             slots, off = [], 0
-            in_place[sid] = frozenset(j for j in free if _carry_in_place_each_iteration(sub, j))
-            layout = ScanHomes.of(g, sid, read, lent[sid], in_place[sid])
+            ws.in_place[sid] = frozenset(j for j in free
+                                         if _carry_in_place_each_iteration(sub, j))
+            layout = ScanHomes.of(g, sid, read, ws.lent[sid], ws.in_place[sid])
             for q, t in enumerate(2 * node.type[:nc]):              # slots A, then slots B
                 used = layout.slot_used(q // nc, q % nc)            # (an unused one: 0 bytes)
                 slots.append((off, _align(t.nbytes, alignment) if used else 0))
                 off += slots[-1][1]
-            carry[sid] = slots
-            entries.append((sid, kern.name, "workspace"))
-            sizes.append(off + sub.arena_bytes)
-            spans.append((k, k))
-            ws_low[len(sizes) - 1] = off + sub.lower_bound_bytes
-
-    intervals = [(s, a, b) for s, (a, b) in zip(sizes, spans)]
-    offsets, arena = place(intervals)
-    low = [(ws_low.get(i, s), a, b) for i, (s, a, b) in enumerate(intervals)]
-    buffers = sorted((Buffer(v, off, s, a, b, prod, kind)
-                      for (v, prod, kind), off, (s, a, b) in zip(entries, offsets, intervals)),
-                     key=lambda b: (b.first, b.offset, b.value))
-    return BufferPlan(schedule, buffers, aliases, pers_slots, pers_vals, external, arena,
-                      lower_bound(low), lower_bound(intervals),
-                      sum(s for _, s in pers_slots.values()), alignment, bodies, carry, views,
-                      frozenset(views) | strided_in, constants, lent, in_place)
+            ws.carry[sid] = slots
+            ws.rows.append((sid, kern.name, off + sub.arena_bytes,
+                            off + sub.lower_bound_bytes, k))
+    return ws
 
 
 def holds_logits(g: Graph, vid: int, vocab_size: int) -> bool:
