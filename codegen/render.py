@@ -10,10 +10,17 @@ Every string that reaches a generated kernel passes through this module:
 - `render(template, **context)` renders `codegen/templates/<template>` with `StrictUndefined`:
   a variable the hook forgot is an error, never empty text.
 - `load_module(source, name)` writes a rendered module into the kernel cache (Triton's JIT
-  reads kernel source through `inspect`, so it must live in a real file) and imports it.
+  reads kernel source through `inspect`, so it must live in a real file) and runs it: the
+  source it was given, never what the file holds (a file that differs, is damaged or is not a
+  regular file is written again). The cache holds at most `KERNELS_MAX_BYTES` of kernel
+  files, the least recently used dropped first.
 - `load_rendered(key)` / `store_rendered(key, entries)`: what a target rendered for one plan,
   kept in `<cache_dir>/rendered/` under a key the caller vouches for (the triton target: what
-  the plan was compiled from, its dtype and tf32), so a later process binds without rendering.
+  the plan was compiled from, its dtype and tf32), so a later process binds without rendering;
+  sealed with the user's key (`titanc/cache_files.py`), so only an entry this user's titanc
+  wrote for that key is ever unpickled.
+
+The cache directory is `cache_files.private_directory`: this user's, 0700, or refused.
 
 Rendering is deterministic: the same context gives byte-identical source.
 """
@@ -26,10 +33,10 @@ import dataclasses
 import hashlib
 import importlib.util
 import keyword
+import linecache
 import os
 import pickle
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -37,8 +44,10 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from titanc.cache_files import private_directory, read_regular, seal, unseal
 from titanc.config import current, triton_interpret, triton_interpret_mode
-from titanc.files import trim_directory, write_bytes_atomic
+from titanc.errors import TitancError, printable
+from titanc.files import os_reason, trim_directory, write_bytes_atomic
 
 __all__ = [
     "TEMPLATE_DIR",
@@ -160,21 +169,32 @@ def render(template: str, **context: Any) -> str:
 
 def cache_dir() -> Path:
     """Where `load_module` writes kernel files: `config.current().cache_dir`
-    (`TITANC_CACHE_DIR`, else a per-user temp dir), created if missing."""
+    (`TITANC_CACHE_DIR`, else a per-user temp dir), created 0700 if missing; TitancError if
+    another user owns it or may write it, or it cannot be created."""
     path = current().cache_dir
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    try:
+        return private_directory(path)
+    except OSError as e:
+        raise TitancError(f"cannot create the cache directory {printable(str(path))}: "
+                          f"{os_reason(e)}; set TITANC_CACHE_DIR to a writable directory"
+                          ) from None
 
 
 _LOADED: dict[str, ModuleType] = {}
+KERNELS_MAX_BYTES = 256 << 20      # kernel files kept in the cache, least recently used dropped
+KERNEL_MAX_BYTES = 16 << 20        # one kernel file read back (a larger one is written again)
+_TRIM_EVERY = 64                   # new kernel files between two trims of the directory
+_written = [0]
 
 
 def load_module(source: str, name: str, interpret: bool | None = None) -> ModuleType:
     """Write `source` to `<cache_dir>/<name>_<hash>.py` and import it as a module.
 
     The file name carries a hash of the source, so identical sources share one file and one
-    module object, and a changed source never reuses a stale import. The write is atomic
-    (temp file + rename), so concurrent processes can share the cache.
+    module object, and a changed source never reuses a stale import. What runs is `source`
+    itself (compiled under the file's name, and handed to `inspect` through `linecache`), so
+    a file changed behind this process's back runs nothing; a file that does not hold exactly
+    `source` is written again (atomically: concurrent processes share the cache).
 
     Triton decides when a kernel is decorated whether it runs under its interpreter, from
     `TRITON_INTERPRET`: `interpret` (True / False) sets that variable for the import only and
@@ -187,21 +207,43 @@ def load_module(source: str, name: str, interpret: bool | None = None) -> Module
     key = f"{mod_name}:{'interpret' if interpreted else 'compile'}"
     if key in _LOADED:
         return _LOADED[key]
-    path = cache_dir() / f"{mod_name}.py"
-    if not path.exists() or path.read_text() != source:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
+    path = _kernel_file(source, mod_name)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    lines = source.splitlines(keepends=True)
+    linecache.cache[str(path)] = (len(source), None, lines, str(path))   # what inspect reads
+    code = compile(source, str(path), "exec")
     with triton_interpret_mode(interpreted):
-        spec.loader.exec_module(module)
+        exec(code, module.__dict__)
     if interpreted:
         _drop_dead_overflow_checks()
     _LOADED[key] = module
     return module
+
+
+def _kernel_file(source: str, mod_name: str) -> Path:
+    """`<cache_dir>/<mod_name>.py` holding exactly `source`: kept when it does (marked most
+    recently used), else written again; the directory trimmed to `KERNELS_MAX_BYTES` now and
+    then. A disk that refuses the write is a one-line TitancError."""
+    root = cache_dir()
+    path = root / f"{mod_name}.py"
+    data = source.encode()
+    if read_regular(path, KERNEL_MAX_BYTES) == data:
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return path
+    try:
+        write_bytes_atomic(path, data)
+    except OSError as e:
+        raise TitancError(f"cannot write the kernel module {printable(str(path))}: "
+                          f"{os_reason(e)}; free some space or set TITANC_CACHE_DIR to a "
+                          f"writable directory") from None
+    if _written[0] % _TRIM_EVERY == 0:
+        with contextlib.suppress(OSError):
+            trim_directory(root, "titanc_kernel_*.py", KERNELS_MAX_BYTES, keep=path)
+    _written[0] += 1
+    return path
 
 
 RENDERED_MAX_BYTES = 256 << 20     # the rendered/ folder keeps its most recently used entries
@@ -212,11 +254,15 @@ def _rendered_path(key: str) -> Path:
 
 
 def load_rendered(key: str) -> dict[Any, Any]:
-    """The entries `store_rendered` kept under `key`, or {} (none, or unreadable)."""
+    """The entries `store_rendered` kept under `key`, or {} (none, damaged, another key's,
+    or not sealed by this user's titanc: nothing else is unpickled)."""
     path = _rendered_path(key)
+    payload = unseal(path.parent.parent, "rendered", key, read_regular(path, RENDERED_MAX_BYTES))
+    if payload is None:
+        return {}
     try:
-        entries = pickle.loads(path.read_bytes())
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        entries = pickle.loads(payload)
+    except Exception:                  # sealed by an older titanc whose classes moved
         return {}
     with contextlib.suppress(OSError):
         os.utime(path)                 # most recently used
@@ -224,12 +270,13 @@ def load_rendered(key: str) -> dict[Any, Any]:
 
 
 def store_rendered(key: str, entries: dict[Any, Any]) -> None:
-    """Keep `entries` (rendered kernels, picklable) under `key`; best effort: a full or
-    read-only disk leaves things as they were."""
+    """Keep `entries` (rendered kernels, picklable) under `key`, sealed; best effort: a full
+    or read-only disk leaves things as they were."""
     path = _rendered_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL))
+        payload = pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL)
+        write_bytes_atomic(path, seal(path.parent.parent, "rendered", key, payload))
         trim_directory(path.parent, "*.pickle", RENDERED_MAX_BYTES, keep=path)
     except OSError:
         return

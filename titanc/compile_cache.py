@@ -16,7 +16,14 @@ The key (`compile_key`) is everything a compile's result depends on:
   per process) and the Python version (the pickle format).
 So an edited pass never meets an entry of the code before it. Entries are written atomically
 (temp file + rename: concurrent processes share the directory) and the directory keeps the
-`MAX_BYTES` most recently used. `TITANC_COMPILE_CACHE=0` (`config.compile_cache`) turns it
+`MAX_BYTES` most recently used.
+
+An entry is trusted only as far as `titanc/cache_files.py` checks it: the cache directory is
+this user's and private (else a one-line TitancError), the entry a regular file of at most
+`MAX_BYTES` (a FIFO, a symlink or a device is a miss, never read), sealed with the user's
+key for this very key (an entry copied from another spec's name, damaged, or planted by
+anyone else is a miss and never unpickled) and recording its key. A miss compiles, and the
+compile's entry replaces the bad one. `TITANC_COMPILE_CACHE=0` (`config.compile_cache`) turns it
 off; `TITANC_DEBUG` does too (a compile then prints what it does), and a caller that asks for
 per-pass dumps (`titanc compile`) always compiles.
 """
@@ -33,6 +40,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from titanc.cache_files import private_directory, read_regular, seal, unseal
 from titanc.config import current
 from titanc.files import trim_directory, write_bytes_atomic
 from titanc.model.spec import Spec, spec_to_dict
@@ -84,6 +92,7 @@ def source_fingerprint() -> str:
 class Entry:
     compiled: Any
     verified: bool          # compiled with verify_each: every pass's output was verified
+    key: str = ""           # what it was compiled from: the source fingerprint and the key
 
 
 def enabled(dumps: bool) -> bool:
@@ -91,36 +100,55 @@ def enabled(dumps: bool) -> bool:
     return cfg.compile_cache and not cfg.debug and not dumps
 
 
-def _path(key: str) -> Path:
-    digest = hashlib.sha256(f"{source_fingerprint()}\n{key}".encode()).hexdigest()[:32]
-    return current().cache_dir / "compiled" / f"{digest}.pickle"
+def _where(key: str) -> tuple[Path, Path, str]:
+    """(the cache root, the entry's file, its full key: the source fingerprint and `key`);
+    TitancError when the cache directory is not this user's alone."""
+    full = f"{source_fingerprint()}\n{key}"
+    root = private_directory(current().cache_dir)
+    digest = hashlib.sha256(full.encode()).hexdigest()[:32]
+    return root, root / "compiled" / f"{digest}.pickle", full
 
 
 def load(key: str, verify_each: bool) -> Any | None:
-    """The cached `Compiled` of `key`, or None (absent, unreadable, or unverified where the
-    caller asks for verification)."""
-    path = _path(key)
+    """The cached `Compiled` of `key`, or None (absent, not a regular file, damaged, sealed
+    for another key or by someone else, or unverified where the caller asks for
+    verification)."""
     try:
-        entry = pickle.loads(path.read_bytes())
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        root, path, full = _where(key)
+        payload = unseal(root, "compiled", full, read_regular(path, MAX_BYTES))
+    except OSError:                     # no cache directory or key (a read-only disk): compile
         return None
-    if not isinstance(entry, Entry) or (verify_each and not entry.verified):
+    if payload is None:
         return None
-    os.utime(path)                      # most recently used
+    try:
+        entry = pickle.loads(payload)
+    except Exception:                   # sealed by this user's titanc, yet unreadable now
+        return None
+    if not isinstance(entry, Entry) or entry.key != full or (verify_each and not entry.verified):
+        return None
+    try:
+        os.utime(path)                  # most recently used
+    except OSError:
+        pass
     return entry.compiled
 
 
 def store(key: str, compiled: Any, verified: bool) -> None:
-    """Write `compiled` (without its pass log's dumps and callbacks) under `key`; best effort:
-    a full or read-only disk leaves the compile as it was."""
+    """Write `compiled` (without its pass log's dumps and callbacks) under `key`, sealed;
+    best effort: a full or read-only disk leaves the compile as it was."""
     log = dataclasses.replace(compiled.log, callbacks=[], dumps=[])
-    _write(_path(key), pickle.dumps(Entry(dataclasses.replace(compiled, log=log), verified),
-                                    protocol=pickle.HIGHEST_PROTOCOL))
+    try:
+        root, path, full = _where(key)
+        data = pickle.dumps(Entry(dataclasses.replace(compiled, log=log), verified, full),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        _write(path, seal(root, "compiled", full, data))
+    except OSError:
+        return
 
 
 def _write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically, then keep the directory's `MAX_BYTES` most recently
-    used entries."""
+    """Write `data` to `path` atomically (replacing whatever was there, a FIFO or a symlink
+    too), then keep the directory's `MAX_BYTES` most recently used entries."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(path, data)

@@ -16,7 +16,7 @@ program that never runs the CLI gets the same settings, read the first time it a
 | `split_k`      | `TITANC_SPLIT_K`      | 1: split-K for matmuls with few output tiles and a long K (`codegen/meta.py` `split_k`; off by default: not yet measured on a GPU) |
 | `scan_cost`    | `TITANC_SCAN_COST`    | 0: every chunk recurrence that renders as one scan kernel is one, however many serial rounds it runs (no cost rule: `codegen/scan/kernel.py` `scan_kernel_for`; the A/B of a GPU call) |
 | `gpu_blocks`   | `TITANC_GPU_BLOCKS`   | 0: pointwise, reduction, cumsum and cross-entropy kernels launch on CUDA with the interpreter's blocks, not their own (`codegen/meta.py` `cuda_flat_block`; the A/B of a GPU call) |
-| `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules and compiled programs are written (default: a per-user temp dir) |
+| `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules and compiled programs are written (default: a per-user temp dir); created 0700, refused when another user owns it or may write it (titanc/cache_files.py) |
 | `compile_cache` | `TITANC_COMPILE_CACHE` | 0: compile every time instead of reading `cache_dir/compiled` (titanc/compile_cache.py) |
 | `threads`      | `TITANC_THREADS`      | torch CPU threads of `titanc train` (a positive integer)  |
 | `compile_jobs` | `TITANC_COMPILE_JOBS` | the most kernel-compile workers at once on this machine, over every titanc process (a positive integer; default: this process's cores) |

@@ -48,8 +48,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from titanc.cache_files import private_directory
 from titanc.codegen.render import cache_dir
 from titanc.config import child_environment, current, module_command
+from titanc.errors import TitancError
 
 __all__ = ["precompile", "precompile_for_device", "recorded_launches"]
 
@@ -214,18 +216,28 @@ def precompile_for_device(plans: Any, allow_tf32: bool = False, float_dtype: Any
 class CompileSlots:
     """`count` slots that every titanc process on this machine shares (a user's, through
     the temp dir): slot i is an exclusive `flock` on `<dir>/<i>.lock`, dropped when its file
-    is closed, so a killed process frees its slots."""
+    is closed, so a killed process frees its slots. The directory is private to its user
+    (`cache_files.private_directory`: another user's, or one others may write, is a one-line
+    TitancError from `check`: they could hold every slot or point a lock at another file), and
+    a lock file is never opened through a symlink."""
 
     def __init__(self, count: int, root: Path | None = None) -> None:
         uid = os.getuid() if hasattr(os, "getuid") else "user"
         self.count = max(1, count)
         self.root = root or Path(tempfile.gettempdir()) / f"titanc-compile-slots-{uid}"
 
+    def check(self) -> None:
+        """Create the directory 0700, or refuse one that is not this user's alone
+        (TitancError); OSError when it cannot be made (the pool then runs unlimited)."""
+        private_directory(self.root, "compile-slots directory",
+                          "remove it, or run titanc as the user who owns it")
+
     def try_acquire(self) -> int | None:
         """A free slot's open file descriptor (hold it; `release` it), or None."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.check()
         for i in range(self.count):
-            fd = os.open(self.root / f"{i}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.root / f"{i}.lock",
+                         os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return fd
@@ -269,15 +281,21 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
     results: list[dict[str, Any]] = []
     lock = threading.Lock()
     env = child_environment(TRITON_INTERPRET="0", TITANC_CACHE_DIR=str(cache_dir()))
+    slots = CompileSlots(current().compile_slots())
+    try:
+        slots.check()          # a directory another user may write: one line, no pool
+    except OSError:
+        pass                   # none can be made: each worker finds out and runs unlimited
     bar = tqdm(total=len(launches), desc=f"compiling {len(launches)} kernels for sm_{arch}",
                disable=not progress, file=sys.stderr)
-    slots = CompileSlots(current().compile_slots())
 
     def serve() -> None:
         try:
             slot = slots.acquire(give_up=todo.empty)
         except OSError:        # no lock files (an unwritable temp dir): compile unlimited
             slot = -1
+        except TitancError:    # the directory was handed to someone else since `check`
+            return
         if slot is None:
             return
         try:

@@ -23,6 +23,7 @@ PACKAGE_DIRS = {"ir", "passes", "codegen", "runtime"}
 LAYER_OF = {                       # module prefix -> layer; the longest prefix wins
     "titanc": "facade", "titanc.errors": "base", "titanc.config": "base",
     "titanc.files": "base", "titanc.version": "base", "titanc.bounds": "base",
+    "titanc.cache_files": "base",
     "titanc.ir": "ir", "titanc.passes": "passes", "titanc.codegen": "codegen",
     "titanc.model": "model", "titanc.model.spec": "model.spec", "titanc.model.params": "model.spec",
     "titanc.compiler": "compiler", "titanc.fit": "compiler", "titanc.compile_cache": "compiler",
