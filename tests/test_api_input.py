@@ -14,6 +14,7 @@ import torch
 
 import titanc
 from tests.helpers import TINY, tokens
+from tests.test_trainer import tiny
 from titanc.errors import SpecError, TitancError
 from titanc.runtime.serve.generate import Generator, Sampling, sample
 
@@ -310,3 +311,37 @@ def test_damaged_conversation_states_are_refused(gen: Generator) -> None:
     for bad, error, match in cases:
         with pytest.raises(error, match=match):
             gen.load_state_dict(bad)
+
+
+# ---------------------------------------------------------------- token tensors, the docstring
+
+def test_token_tensors_are_checked() -> None:
+    spec = tiny("lmm", model__vocab_size=64)
+    prog = titanc.compile(spec)
+    good = tokens(spec)
+    prog.loss(good)
+    cases = {"float": (good.float(), "must hold integer token ids, got a torch.float32"),
+             "bool": (good > 3, "must hold integer token ids, got a torch.bool"),
+             "too large": (good + 64, "id [0-9]+ is outside the vocabulary \\[0, 64\\)"),
+             "negative": (good - 64, "id -[0-9]+ is outside the vocabulary")}
+    for t, msg in cases.values():
+        for fn in (prog.loss, prog.train_step):
+            with pytest.raises(TitancError, match=msg):
+                fn(t)
+    gen = Generator(prog)
+    with pytest.raises(TitancError, match="max_new_tokens: -1 must be an integer >= 0"):
+        gen.generate([[1, 2]], -1)
+    with pytest.raises(TitancError, match="expected a non-empty list of prompts"):
+        gen.generate([], 3)
+    with pytest.raises(TitancError, match="prompt: id 64 is outside"):
+        gen.generate([[1, 64]], 3)
+    with pytest.raises(TitancError, match="integer token ids"):
+        gen.generate([[1.5, 2]], 3)
+    assert gen.generate([[1, 2]], 0) == [[]]
+
+
+def test_help_of_titanc_compile_documents_it() -> None:
+    doc = titanc.compile.__doc__ or ""
+    assert len(doc.splitlines()) > 10
+    for word in ("Args:", "overrides", "Returns:", "Raises:", "SpecError", "Example:"):
+        assert word in doc
