@@ -148,7 +148,8 @@ class TitancForCausalLM(PreTrainedModel, GenerationMixin):
             B, T = input_ids.shape
             keep = T if not logits_to_keep else min(int(logits_to_keep), T)
             V = self.spec.model.vocab_size
-            logits = torch.zeros(B, keep, V, dtype=self._program.dtype)
+            logits = torch.zeros(B, keep, V, dtype=self._program.dtype,
+                                 device=self._program.device)
             seen = []
             for b in range(B):
                 where = (torch.arange(T) if attention_mask is None
@@ -162,6 +163,7 @@ class TitancForCausalLM(PreTrainedModel, GenerationMixin):
                 ok = at >= 0
                 logits[b, at[ok]] = row[-int(ok.sum()):] if ok.any() else row[:0]
             self._seen = seen
+            logits = logits.to(input_ids.device)
         loss = None
         if labels is not None:
             if keep != T:
