@@ -136,8 +136,7 @@ class _Binder:
     """Binds one lowered program (a graph's or a scan body's, `codegen.lowered`) to storage
     and emits its steps: what every target shares (planned storage, constants, the host loop
     of a scan). A target's builder says how a `Launch` runs (`step`). `node` is the cpu
-    target's per-node lowering (its `_Builder` calls it; it stays here, where the per-target
-    lowering tables will take it over)."""
+    target's per-node lowering (its `_Builder` calls it)."""
 
     def __init__(self, plan: BufferPlan, arena: Storage, persistent: Storage,
                  bound: dict[str, Tensor], external: dict[str, Tensor], scratch: Scratch,
