@@ -74,7 +74,7 @@ def test_hangups_a_second_sigterm_and_invalid_unicode(artifact: Path) -> None:  
     server = Server(artifact, "--slots", "4", "--max-tokens", "4000", "--grace", "60")
     try:
         # 13: Content-Length 100, 10 bytes, half-close: a 4xx, not an internal error
-        reply = _raw(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+        reply = _raw(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n",
                      b'{"prompt":')
         assert reply == b"" or reply.startswith(b"HTTP/1.1 400"), reply[:200]

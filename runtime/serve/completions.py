@@ -69,6 +69,7 @@ class Limits:
     max_prompt_tokens: int = 8192
     max_tokens: int = 4096                   # per choice
     max_body_bytes: int = 1 << 20
+    max_response_bytes: int = 32 << 20       # a request whose response could be larger: 400
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ class Update:
     logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob] | None = None   # once, with echo and logprobs
     finish_reason: str | None = None          # "stop" | "length" | "abort" at the end
+    error: str | None = None                  # with "abort": why the engine ended it (one line)
 
 
 @dataclass
@@ -153,7 +154,8 @@ class Engine:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None             # what stopped the loop, if any
+        self.failures = 0                                   # iterations that raised, recovered
         self._outbox: list[tuple[Request, Update]] = []
         # called on the engine thread with each iteration's (request, update) pairs; it must
         # not block and must arrange for each request's on_update to be called
@@ -225,7 +227,10 @@ class Engine:
                         self._cv.wait()
                     if self._stop:
                         break
-                self.iterate()
+                try:
+                    self.iterate()
+                except Exception as exc:                    # noqa: BLE001 - keep serving
+                    self._recover(exc)
         except BaseException as exc:                        # never leave clients hanging
             self.error = exc
             with self._cv:
@@ -235,6 +240,27 @@ class Engine:
             self._reap()
             self._flush()
             raise
+
+    def _recover(self, exc: Exception) -> None:
+        """An iteration raised outside any one request (a batched step): end every request in
+        a slot with the error, start the slots afresh and go on serving the queue."""
+        msg = _one_line(exc, "the engine failed on a batched step")
+        print(f"titanc engine: {msg}; ending the requests in its slots", file=sys.stderr)
+        self.failures += 1
+        with self._cv:
+            for s, r in enumerate(self.slots):
+                if r is not None:
+                    self._fail(r, msg)
+                    self.slots[s] = None
+            self._prefills.clear()
+            self._samplers.clear()
+            self.state = self.gen.new_state(self.n_slots)
+        self._flush()
+
+    def _fail(self, r: Request, msg: str) -> None:
+        """End one request with an error ("abort": a conversation keeps its state)."""
+        r.cancelled = True
+        self._finish(r, "abort", error=msg)
 
     def iterate(self) -> None:
         """One engine iteration (public so tests can drive the engine without its thread)."""
@@ -333,9 +359,14 @@ class Engine:
         for s in sorted(self._prefills, key=lambda s: self._prefills[s].req.t_submit):
             p = self._prefills[s]
             r = p.req
-            while budget > 0 and (n := self._prefill_size(p)):
-                self._prefill_chunk(p, n)
-                budget -= n
+            try:
+                while budget > 0 and (n := self._prefill_size(p)):
+                    self._prefill_chunk(p, n)
+                    budget -= n
+            except Exception as exc:                        # noqa: BLE001 - this request only
+                del self._prefills[s]
+                self._fail(r, _one_line(exc, "the engine failed on this prompt"))
+                continue
             if not self._prefill_size(p):
                 del self._prefills[s]
                 self.state.put(s, p.state)
@@ -395,6 +426,10 @@ class Engine:
         """Sample the next token of slot s from its logits (1, V) and tell the request."""
         r = self.slots[s]
         assert r is not None
+        if not bool(torch.isfinite(logits).all()):
+            self._fail(r, "the model's output for this sequence is not finite (a NaN or an "
+                          "inf): its state is damaged")
+            return
         tok = int(sample(logits, r.sampling, self._samplers[s])[0])
         lp = [self._logprob(logits[0], tok, r.logprobs)] if r.logprobs is not None else []
         now = time.perf_counter()
@@ -473,14 +508,20 @@ class Engine:
         return out
 
     def _finish(self, r: Request, reason: str, lp: list[TokenLogprob] | None = None,
-                tokens: list[int] | None = None) -> None:
+                tokens: list[int] | None = None, error: str | None = None) -> None:
         if r.done:
             return
         r.finish_reason = reason
         if self.observer is not None:
             self.observer.finished(reason, len(r.tokens))
         self._notify(r, Update(self._take_text(r, final=True), tokens or [], lp or [],
-                           finish_reason=reason))
+                           finish_reason=reason, error=error))
+
+
+def _one_line(exc: BaseException, what: str) -> str:
+    """`what` and the exception's first line, for a client and the log (no traceback)."""
+    first = (str(exc).splitlines() or [""])[0][:160]
+    return f"{what} ({type(exc).__name__}{': ' + first if first else ''})"
 
 
 def random_seed() -> int:

@@ -3,15 +3,16 @@
 The host keeps, per sequence, its position, the ring buffers the step graph reads, and the
 pending items of the memory chunk in progress; when a chunk completes it runs the write
 graph (and, for mac, starts the next segment). Nothing here grows with context length.
+`Sampling` and `sample` live in runtime/serve/sampling.py, conversation files
+(`save_session`, `load_session`) in runtime/serve/session_file.py; both are importable from
+here too.
 """
 from __future__ import annotations
 
 import math
 import numbers
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Iterator, Sequence
 
@@ -19,6 +20,7 @@ import torch
 
 from titanc.errors import TitancError
 from titanc.ir.tables import rope_inv_freq
+from titanc.runtime.serve.sampling import Sampling, as_integer, sample, short_repr  # noqa: F401
 
 Tensor = torch.Tensor
 NEG_INF = -math.inf
@@ -118,84 +120,6 @@ class _HostInputs:
         self.slot = torch.zeros(B, dtype=torch.int64)
 
 
-@dataclass
-class Sampling:
-    """How the next token is drawn; every field is checked here, so a bad value is one
-    TitancError, never a torch error (or a NaN temperature silently sampling greedily)."""
-    temperature: float = 1.0                 # 0: greedy
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int = 0                            # in [0, 2**64)
-    stop: Sequence[str] = field(default_factory=tuple)
-
-    def __post_init__(self) -> None:
-        # numbers of any numeric type (numpy's too) are taken as Python int / float
-        t = _real(self.temperature)
-        if t is None or not 0 <= t < math.inf:
-            raise TitancError(f"temperature: {_shown(self.temperature)} must be a finite "
-                              f"number >= 0 (0 is greedy)")
-        self.temperature = t
-        if self.top_k is not None:
-            k = _integer(self.top_k)
-            if k is None or k < 1:
-                raise TitancError(f"top_k: {_shown(self.top_k)} must be a positive integer")
-            self.top_k = k
-        if self.top_p is not None:
-            p = _real(self.top_p)
-            if p is None or not 0 < p <= 1:
-                raise TitancError(f"top_p: {_shown(self.top_p)} must be in (0, 1]")
-            self.top_p = p
-        seed = _integer(self.seed)
-        if seed is None or not 0 <= seed < 2**64:
-            raise TitancError(f"seed: {_shown(self.seed)} must be an integer in [0, 2**64)")
-        self.seed = seed
-        self.stop = _stops(self.stop)
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _integer(value: Any) -> int | None:
-    """`value` as an int when it is an integer (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return None
-    return int(value)
-
-
-def _real(value: Any) -> float | None:
-    """`value` as a float when it is a real number (not a bool), else None (nan stays nan)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    try:
-        return float(value)
-    except OverflowError:                    # an int past float's range
-        return math.inf
-
-
-def _stops(stop: Any) -> tuple[str, ...]:
-    """Stop sequences as a tuple of strings: one string is one stop sequence (not one per
-    character), None is none; each must be valid Unicode."""
-    if stop is None:
-        return ()
-    stops = (stop,) if isinstance(stop, str) else stop
-    if isinstance(stops, (bytes, Mapping)) or not isinstance(stops, Iterable):
-        raise TitancError(f"stop: expected a string or a list of strings, got "
-                          f"{type(stop).__name__}")
-    stops = tuple(stops)
-    for x in stops:
-        if not isinstance(x, str):
-            raise TitancError(f"stop: expected a string or a list of strings, got an item "
-                              f"{_shown(x)}; decode bytes first")
-        try:
-            x.encode("utf-8")
-        except UnicodeEncodeError:
-            raise TitancError(f"stop: {ascii(x)[:40]} is not valid Unicode (a lone "
-                              f"surrogate)") from None
-    return stops
-
-
 def _flushing_denormals() -> bool:
     """Does the CPU flush subnormal floats to zero now (torch has no getter)?"""
     return float(torch.tensor(5e-324, dtype=torch.float64) * 2.0) == 0.0
@@ -231,13 +155,17 @@ class Generator:
         self._flush_after = _flushing_denormals()        # the caller's setting, restored
         self.chunk = self.m.memory.chunk_size if self.has_memory else 16
         self._graphs: dict[tuple, Any] = {}
+        self._weights: tuple[tuple[int, int, int], str] | None = None   # identity's cache
+        self._one_state_bytes = 0                        # bytes of one sequence's state
 
     # -- graphs -------------------------------------------------------------------------------
     def new_state(self, batch: int) -> DecodeState:
         """The state of `batch` sequences at position 0."""
         if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
-            raise TitancError(f"new_state: batch {_shown(batch)} must be an integer >= 1")
+            raise TitancError(f"new_state: batch {short_repr(batch)} must be an integer >= 1")
         batch = int(batch)
+        if batch > 1:
+            self._check_state_fits(batch)
         L = self.m.n_layers
         tensors = self._zeros("decode_step", batch, "state.")
         pending: dict[str, Tensor] = {}
@@ -252,6 +180,23 @@ class Generator:
         window = self.m.attention.window if self.kind.window else 1
         return DecodeState(tensors, pending, [0] * batch,
                            torch.full((batch, window), -1, dtype=torch.int64))
+
+    def state_bytes(self, batch: int = 1) -> int:
+        """Bytes a decoding state of `batch` sequences holds (one sequence's, measured, times
+        `batch`: every tensor of a state has the batch as a dimension)."""
+        if not self._one_state_bytes:
+            st = self.new_state(1)
+            self._one_state_bytes = sum(t.numel() * t.element_size() for t in
+                                        [*st.tensors.values(), *st.pending.values(),
+                                         st.slot_pos])
+        return self._one_state_bytes * batch
+
+    def _check_state_fits(self, batch: int) -> None:
+        """TitancError naming the batch when its state cannot fit this machine's memory."""
+        from titanc.runtime.capacity import check_fits
+
+        check_fits(self.state_bytes(batch), self.spec, str(self.prog.device), lower=True,
+                   reduce=f"the new_state batch ({batch})")
 
     def _zeros(self, kind: str, batch: int, prefix: str) -> dict[str, Tensor]:
         """Zeros shaped like the `prefix`-named inputs of a compiled graph, by short name."""
@@ -465,9 +410,9 @@ class Generator:
         if not isinstance(s, Sampling):
             raise TypeError(f"sampling must be a Sampling (titanc.runtime.serve.generate."
                             f"Sampling(temperature=..., top_k=...)), got {type(s).__name__}")
-        n = _integer(max_new_tokens)
+        n = as_integer(max_new_tokens)
         if n is None or n < 0:
-            raise TitancError(f"max_new_tokens: {_shown(max_new_tokens)} must be an integer "
+            raise TitancError(f"max_new_tokens: {short_repr(max_new_tokens)} must be an integer "
                               f">= 0")
         max_new_tokens = n
         prompts = _prompt_list(prompts)
@@ -538,7 +483,7 @@ class Generator:
         """A conversation state from `state_dict`'s tensors, checked name by name against
         this model's (a state of another model is one TitancError naming `what`)."""
         from titanc.runtime.program import check_state_tensor
-        from titanc.runtime.train.checkpoint import first_nonfinite
+        from titanc.runtime.serve.session_file import check_loaded_state
 
         if not isinstance(sd, Mapping):
             raise TypeError(f"load_state_dict: sd must be a mapping of names to tensors (from "
@@ -556,16 +501,8 @@ class Generator:
             if t.dtype != w.dtype or (k != "unfed" and t.shape != w.shape) or t.dim() != w.dim():
                 raise TitancError(f"{what}: tensor {k!r} is {t.dtype}{list(t.shape)}, this model's "
                                   f"is {w.dtype}{list(w.shape)}; it is a state of another model")
+        check_loaded_state(dict(sd), self.m.vocab_size, what)
         pos, unfed = int(sd["pos"][0]), sd["unfed"].tolist()
-        if pos < 0 or any(not 0 <= u < self.m.vocab_size for u in unfed):
-            raise TitancError(f"{what}: position {pos} or unfed ids {unfed[:4]} out of range")
-        held = sd["slot_pos"]
-        if bool(((held < -1) | (held >= pos)).any()):
-            raise TitancError(f"{what}: tensor 'slot_pos' holds positions outside [-1, {pos}) "
-                              f"for a conversation at position {pos}; it is damaged")
-        bad = first_nonfinite({k: t for k, t in sd.items() if k not in ("pos", "unfed")})
-        if bad is not None:
-            raise TitancError(f"{what}: tensor {bad!r} holds a NaN or an inf; it is damaged")
         st = self.new_state(1)
         for d, prefix in ((st.tensors, "state."), (st.pending, "pending.")):
             for k, t in d.items():
@@ -575,13 +512,20 @@ class Generator:
         return st
 
     def identity(self) -> dict[str, str]:
-        """What a saved state is only valid with: the spec (its sha256) and the tokenizer."""
+        """What a saved state is only valid with: the spec (its sha256), the tokenizer and the
+        weights (their sha256, hashed again only when the parameters changed: a training
+        step or an in-place write since the last call)."""
         from titanc.model.spec import spec_hash
         from titanc.runtime.data.tokenizer import ByteTokenizer
+        from titanc.runtime.serve.session_file import weights_hash
 
         tok = self.tokenizer if self.tokenizer is not None else ByteTokenizer()
+        flat = self.prog.flat["param"]
+        key = (self.prog.step, flat._version, flat.data_ptr())
+        if self._weights is None or self._weights[0] != key:
+            self._weights = (key, weights_hash(self.prog))
         return {"spec_hash": spec_hash(self.spec), "model": self.spec.name,
-                "tokenizer": tok.hash}
+                "tokenizer": tok.hash, "weights": self._weights[1]}
 
 def _check_state(state: Any) -> None:
     if not isinstance(state, DecodeState):
@@ -641,89 +585,7 @@ def _decode_bytes(tokens: Sequence[int]) -> str:
     return bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
 
 
-def sample(logits: Tensor, s: Sampling, gen: torch.Generator) -> Tensor:
-    """Next token per row of logits (B, V): greedy at temperature 0, else top-k / top-p."""
-    logits = logits.to(torch.float64)
-    if s.temperature <= 0:
-        return logits.argmax(-1)
-    # shifted to a maximum of 0 first: divided by a tiny temperature the logits then reach
-    # -inf at worst, never inf (whose softmax is nan); softmax does not change
-    logits = (logits - logits.amax(-1, keepdim=True)) / s.temperature
-    if s.top_k:
-        kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, NEG_INF)
-    if s.top_p is not None and s.top_p < 1.0:
-        sorted_l, idx = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_l, -1)
-        drop = probs.cumsum(-1) - probs > s.top_p                  # keep the smallest prefix > p
-        sorted_l = sorted_l.masked_fill(drop, NEG_INF)
-        logits = torch.full_like(logits, NEG_INF).scatter(-1, idx, sorted_l)
-    return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
+# -- conversation files (runtime/serve/session_file.py; here for `from ...generate import`) ---
 
-
-
-# -- conversation files --------------------------------------------------------------------------
-
-SESSION_FORMAT = "titanc-session"
-SESSION_VERSION = "1"
-
-
-def save_session(path: str | os.PathLike, gen: Generator, state: DecodeState) -> Path:
-    """Write a conversation state as safetensors, atomically (a temporary file, then a
-    rename). Metadata: format, version, the model's spec hash and name, the tokenizer's
-    hash, and a sha256 checksum over everything else."""
-    from safetensors.torch import save_file
-
-    from titanc.runtime.train.checkpoint import checksum
-
-    path = Path(path)
-    tensors = gen.state_dict(state)
-    meta = {"format": SESSION_FORMAT, "version": SESSION_VERSION, **gen.identity()}
-    meta["checksum"] = checksum(tensors, meta)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    except Exception as exc:                    # OSError, or safetensors' own on a full disk
-        tmp.unlink(missing_ok=True)
-        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
-        raise TitancError(f"could not write session file {path}: {reason}") from None
-    return path
-
-
-def load_session(path: str | os.PathLike, gen: Generator) -> DecodeState:
-    """Read a conversation file written by `save_session` for this model; every problem (a
-    missing, truncated or damaged file, another model's or tokenizer's state) is one
-    TitancError naming the file."""
-    from safetensors import safe_open
-
-    from titanc.runtime.train.checkpoint import checksum
-
-    path = Path(path)
-    if not path.is_file():
-        raise TitancError(f"session file {path} does not exist")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as exc:                    # safetensors' error on a truncated header/data
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
-        raise TitancError(f"session file {path} is truncated or not a safetensors file "
-                          f"({first})") from None
-    if meta.get("format") != SESSION_FORMAT:
-        raise TitancError(f"{path} is not a titanc session file (format "
-                          f"{meta.get('format')!r}); write one with a session snapshot")
-    if meta.get("checksum") != checksum(tensors, meta):
-        raise TitancError(f"session file {path} is damaged (its checksum does not match)")
-    mine = gen.identity()
-    if meta.get("spec_hash") != mine["spec_hash"]:
-        raise TitancError(f"session file {path} holds a state of model {meta.get('model')!r} "
-                          f"(spec {str(meta.get('spec_hash'))[:12]}), not of this model "
-                          f"{mine['model']!r} (spec {mine['spec_hash'][:12]}); load it into "
-                          f"the model that wrote it")
-    if meta.get("tokenizer") != mine["tokenizer"]:
-        raise TitancError(f"session file {path} was written with another tokenizer "
-                          f"({str(meta.get('tokenizer'))[:12]}, this one is "
-                          f"{mine['tokenizer'][:12]}); load it with the run's own tokenizer")
-    return gen.load_state_dict(tensors, f"session file {path}")
+from titanc.runtime.serve.session_file import (SESSION_FORMAT, SESSION_VERSION,  # noqa: E402,F401
+                                               load_session, save_session)

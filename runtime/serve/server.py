@@ -11,16 +11,22 @@ the sessions of `runtime/serve/sessions.py` (POST /v1/sessions, GET and DELETE
 /v1/sessions/ID, POST /v1/sessions/ID/snapshot; a completion continues one with "session").
 The engine runs in its own thread; its per-request updates reach the handler through
 `loop.call_soon_threadsafe` into an asyncio queue.
+
+Around the routes: `runtime/serve/guard.py` (API key, Host and Origin checks, JSON bodies only),
+`runtime/serve/responses.py` (a choice assembled in linear time; the response-size bound
+checked before a request runs; bodies rendered off the event loop, never with NaN), and
+`runtime/serve/process.py` (draining shutdown, header-read timeout). A session's turn is
+committed only once its response is made; on shutdown `serve` writes every live session to
+`--sessions-dir`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import uvicorn
@@ -31,10 +37,15 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from titanc.runtime.serve.completions import ApiError, CompletionParams, Limits, check_model, parse_completion
-from titanc.runtime.serve.engine import Draining, Engine, QueueFull, Request, TokenLogprob, Update, random_seed
-from titanc.runtime.serve.generate import Sampling
-from titanc.runtime.serve.sessions import SessionStore, add_routes
+from titanc.runtime.serve.completions import (ApiError, CompletionParams, Limits, check_model,
+                                               parse_completion)
+from titanc.runtime.serve.engine import Draining, Engine, QueueFull, Request, Update, random_seed
+from titanc.runtime.serve.generate import Generator, Sampling
+from titanc.runtime.serve.guard import Access, Guard, exposure_warning
+from titanc.runtime.serve.process import (HEADER_TIMEOUT_S, DrainingServer, check_address,
+                                          header_timeout_protocol)
+from titanc.runtime.serve.responses import Choice, render, response_bound
+from titanc.runtime.serve.sessions import Session, SessionStore, StoreLimits, add_routes
 
 POLL_S = 0.25                      # how often a waiting non-streaming handler checks the client
 BODY_IDLE_S = 30.0                 # the longest wait for the next part of a request body
@@ -85,62 +96,6 @@ class _Observer:
     def __init__(self, m: Metrics):
         self.first_token, self.next_token, self.finished = \
             m.first_token, m.next_token, m.finished_hook
-
-
-# -- responses ---------------------------------------------------------------------------------
-
-@dataclass
-class _Choice:
-    """One choice being assembled from engine updates."""
-    index: int
-    prompt: list[int]
-    prompt_text: str
-    echo: bool
-    logprobs: bool
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    lp_tokens: list[str] = field(default_factory=list)
-    lp_values: list[float | None] = field(default_factory=list)
-    lp_top: list[dict[str, float] | None] = field(default_factory=list)
-    lp_offset: list[int] = field(default_factory=list)
-    started: bool = False
-
-    def add(self, up: Update, codec: Any) -> tuple[str, dict | None]:
-        """Absorb an update; returns the text delta and the logprobs of this delta."""
-        delta = up.text
-        if not self.started:
-            self.started = True
-            if self.echo:
-                delta = self.prompt_text + delta
-        self.text += delta
-        self.tokens += up.tokens
-        if self.finish_reason is None:
-            self.finish_reason = up.finish_reason
-        if not self.logprobs:
-            return delta, None
-        n0 = len(self.lp_tokens)
-        base = len(self.prompt_text) if self.echo else 0
-        if up.prompt_logprobs is not None:
-            self._add_lp(up.prompt_logprobs, codec, self.prompt, 0)
-        self._add_lp(up.logprobs, codec, self.tokens, base, len(self.tokens) - len(up.tokens))
-        return delta, {"tokens": self.lp_tokens[n0:], "token_logprobs": self.lp_values[n0:],
-                       "top_logprobs": self.lp_top[n0:], "text_offset": self.lp_offset[n0:]}
-
-    def _add_lp(self, lps: list[TokenLogprob], codec: Any, seq: list[int], base: int,
-                start: int = 0) -> None:
-        for i, lp in enumerate(lps):
-            self.lp_tokens.append(codec.token_str(lp.token))
-            self.lp_values.append(lp.logprob)
-            self.lp_top.append(None if lp.top is None else
-                               {codec.token_str(t): v for t, v in lp.top.items()})
-            self.lp_offset.append(base + len(codec.decode(seq[:start + i])))
-
-    def logprobs_body(self) -> dict | None:
-        if not self.logprobs:
-            return None
-        return {"tokens": self.lp_tokens, "token_logprobs": self.lp_values,
-                "top_logprobs": self.lp_top, "text_offset": self.lp_offset}
 
 
 ENDPOINTS = ("POST /v1/completions, GET /v1/models, GET /v1/models/ID, GET /health, "
@@ -200,15 +155,22 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
 
 
 def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
-               metrics: Metrics, sessions: SessionStore | None = None) -> FastAPI:
-    """The ASGI app of one engine (sessions: memory only, 64 at most, unless given)."""
+               metrics: Metrics, sessions: SessionStore | None = None,
+               access: Access | None = None) -> Any:
+    """The ASGI app of one engine behind its `Guard` (runtime/serve/guard.py: default, no key,
+    Host and Origin checks for 127.0.0.1); sessions: memory only, 64 at most, unless given."""
     app = FastAPI(title="titanc", docs_url=None, redoc_url=None, openapi_url=None)
     if sessions is None:
         sessions = SessionStore(engine.gen, 64)
     add_routes(app, sessions, lambda request: _read_json(request, limits.max_body_bytes),
                admitting=lambda: _admitting(engine))
-    created = int(time.time())
+    _add_error_handlers(app, metrics)
+    _add_info_routes(app, engine, model_name, metrics)
+    _add_completions(app, engine, codec, model_name, limits, metrics, sessions)
+    return Guard(app, access if access is not None else Access())
 
+
+def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
         return _error_response(exc, metrics)
@@ -239,12 +201,17 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
         return _error_response(ApiError(500, "internal server error", kind="server_error"),
                                metrics)
 
+
+def _add_info_routes(app: FastAPI, engine: Engine, model_name: str, metrics: Metrics) -> None:
+    created = int(time.time())
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "titanc"}
+
     @app.get("/health")
     async def health() -> JSONResponse:
         status = ("error" if engine.error is not None else
                   "draining" if engine.draining else "ok")
         body = {"status": status, "slots": engine.n_slots, "active": engine.active,
-                "queued": engine.queued, "steps": engine.steps}
+                "queued": engine.queued, "steps": engine.steps, "failures": engine.failures}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
@@ -253,20 +220,22 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created, "owned_by": "titanc"}]})
+        return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
         check_model(model, [model_name])
-        return JSONResponse({"id": model_name, "object": "model", "created": created,
-                             "owned_by": "titanc"})
+        return JSONResponse(card)
 
+
+def _add_completions(app: FastAPI, engine: Engine, codec: Any, model_name: str, limits: Limits,
+                     metrics: Metrics, sessions: SessionStore) -> None:
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:
         body = await _read_json(request, limits.max_body_bytes)
         params = parse_completion(body, codec, limits)
         check_model(body.get("model"), [model_name])
+        _check_response_size(params, codec, limits)
         loop = asyncio.get_running_loop()
         if engine.deliver is None:
             engine.deliver = _deliverer(loop)
@@ -275,29 +244,36 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
         if len(reqs) > engine.max_queue:
             raise ApiError(400, f"prompts x n = {len(reqs)} completions is more than the "
                                 f"server queues at once ({engine.max_queue})", param="n")
-        session = (sessions.begin(params.session, reqs[0]) if params.session is not None
-                   else None)
+        turn = _Turn(sessions, sessions.begin(params.session, reqs[0])
+                     if params.session is not None else None, reqs[0])
         try:
             engine.submit(reqs)
         except QueueFull as exc:
-            sessions.release(session)
+            turn.end(False)
             raise ApiError(429, f"the server is busy ({exc}); retry later",
                            kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         except Draining:
-            sessions.release(session)
+            turn.end(False)
             raise _draining() from None
         metrics.prompt_tokens.inc(sum(map(len, params.prompts)))
         metrics.requests.labels("200").inc()
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model_name}
+        work = _Work(engine, params, reqs, choices, channel, head, turn)
         if params.stream:
-            return _SSEResponse(_stream(engine, codec, params, reqs, choices, channel, head),
-                                media_type="text/event-stream",
+            return _SSEResponse(_stream(work), media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache"})
-        return await _complete(engine, codec, params, reqs, choices, channel, head, request)
+        return await _complete(work, request)
 
-    return app
+
+def _check_response_size(params: CompletionParams, codec: Any, limits: Limits) -> None:
+    bound = response_bound(params, codec)
+    if bound > limits.max_response_bytes:
+        raise ApiError(400, f"this request's response could take {bound:,} bytes, more than "
+                            f"the server's limit of {limits.max_response_bytes:,} "
+                            f"(--max-response-bytes); lower max_tokens, n or logprobs, or "
+                            f"leave out echo", code="response_too_large")
 
 
 def _draining() -> ApiError:
@@ -310,7 +286,8 @@ def _admitting(engine: Engine) -> None:
         raise _draining()
 
 
-def _make_requests(params: CompletionParams, codec: Any, channel: asyncio.Queue) -> tuple[list[Request], list[_Choice]]:
+def _make_requests(params: CompletionParams, codec: Any,
+                   channel: asyncio.Queue) -> tuple[list[Request], list[Choice]]:
     """One engine request per (prompt, choice); choice i of a seeded request uses seed + i."""
     reqs, choices = [], []
     for p, (prompt, text) in enumerate(zip(params.prompts, params.prompt_texts)):
@@ -321,7 +298,8 @@ def _make_requests(params: CompletionParams, codec: Any, channel: asyncio.Queue)
             reqs.append(Request(prompt, params.max_tokens, sampling,
                                 on_update=lambda up, i=index: channel.put_nowait((i, up)),
                                 logprobs=params.logprobs, echo=params.echo))
-            choices.append(_Choice(index, prompt, text, params.echo, params.logprobs is not None))
+            choices.append(Choice(index, prompt, text, params.echo, params.logprobs is not None,
+                                  codec))
     return reqs, choices
 
 
@@ -340,67 +318,133 @@ def _deliverer(loop: asyncio.AbstractEventLoop) -> Any:
     return deliver
 
 
-def _usage(params: CompletionParams, choices: list[_Choice]) -> dict[str, int]:
+@dataclass
+class _Turn:
+    """A completion's hold on its session (if any): committed once the response is made,
+    released otherwise (runtime/serve/sessions.py: a turn is all or nothing)."""
+    store: SessionStore
+    session: Session | None
+    req: Request
+    ended: bool = False
+
+    def end(self, made: bool) -> None:
+        """Commit (`made`) or release, once; later calls do nothing."""
+        if self.ended:
+            return
+        self.ended = True
+        if made:
+            self.store.commit(self.session, self.req.end)
+        else:
+            self.store.release(self.session)
+
+
+@dataclass
+class _Work:
+    """One completion request in flight: its engine requests and the choices they fill."""
+    engine: Engine
+    params: CompletionParams
+    reqs: list[Request]
+    choices: list[Choice]
+    channel: asyncio.Queue
+    head: dict
+    turn: _Turn
+
+    async def absorb(self, i: int, up: Update) -> tuple[str, dict | None]:
+        """Add an update to choice i; an echoed prompt's logprobs (thousands of tokens at
+        once) are worked off the event loop, so /health and the other streams go on."""
+        if up.prompt_logprobs:
+            return await asyncio.to_thread(self.choices[i].add, up)
+        return self.choices[i].add(up)
+
+    def error(self) -> str | None:
+        return next((c.error for c in self.choices if c.error), None)
+
+    def cancel_rest(self) -> None:
+        for r in self.reqs:
+            if not r.done:
+                self.engine.cancel(r)
+
+
+def _usage(params: CompletionParams, choices: list[Choice]) -> dict[str, int]:
     prompt = sum(map(len, params.prompts))
     done = sum(len(c.tokens) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-async def _complete(engine: Engine, codec: Any, params: CompletionParams, reqs: list[Request],
-                    choices: list[_Choice], channel: asyncio.Queue, head: dict,
-                    request: HttpRequest) -> JSONResponse:
+def _engine_error(message: str) -> ApiError:
+    return ApiError(500, message, kind="server_error", code="engine_error")
+
+
+async def _complete(work: _Work, request: HttpRequest) -> Response:
     """Wait for every choice; a client that goes away cancels them. The client is checked
     every POLL_S seconds whether or not tokens keep arriving (a check only when none came
-    for POLL_S would never happen while a long completion streams in)."""
+    for POLL_S would never happen while a long completion streams in). The body is
+    rendered off the event loop; the session's turn is committed only once it is."""
     loop = asyncio.get_running_loop()
+    made = False
     try:
-        left = len(choices)
+        left = len(work.choices)
         check_at = loop.time() + POLL_S
         while left:
             wait = check_at - loop.time()
             if wait > 0:
                 try:
-                    i, up = await asyncio.wait_for(channel.get(), wait)
+                    i, up = await asyncio.wait_for(work.channel.get(), wait)
                 except asyncio.TimeoutError:
                     pass
                 else:
-                    choices[i].add(up, codec)
+                    await work.absorb(i, up)
                     left -= up.finish_reason is not None
                     continue
             if await request.is_disconnected():
                 return JSONResponse({}, status_code=499)
             check_at = loop.time() + POLL_S
+        if work.error() is not None:
+            raise _engine_error(work.error() or "")
+        body = dict(work.head, choices=[{"text": c.text, "index": c.index,
+                                         "logprobs": c.logprobs_body(),
+                                         "finish_reason": c.finish_reason}
+                                        for c in work.choices],
+                    usage=_usage(work.params, work.choices))
+        try:
+            data = await asyncio.to_thread(render, body)
+        except ValueError as exc:                 # a number JSON cannot carry: a bug upstream
+            raise _engine_error(f"the response could not be written as JSON ({exc})") from None
+        made = True
     finally:
-        for r in reqs:
-            if not r.done:
-                engine.cancel(r)
-    body = dict(head, choices=[{"text": c.text, "index": c.index,
-                                "logprobs": c.logprobs_body(),
-                                "finish_reason": c.finish_reason} for c in choices],
-                usage=_usage(params, choices))
-    return JSONResponse(body)
+        work.cancel_rest()
+        work.turn.end(made)
+    return Response(data, media_type="application/json")
 
 
-async def _stream(engine: Engine, codec: Any, params: CompletionParams, reqs: list[Request],
-                  choices: list[_Choice], channel: asyncio.Queue,
-                  head: dict) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, one per token, then `data: [DONE]`."""
+def _event(body: Any) -> bytes:
+    return b"data: " + render(body) + b"\n\n"
+
+
+async def _stream(work: _Work) -> AsyncIterator[bytes]:
+    """Server-sent events in OpenAI's chunk format, one per token, then `data: [DONE]`; a
+    request the engine ended with an error sends an error event before [DONE]. The session's
+    turn is committed once its last chunk is sent (before [DONE]: a client that sends the
+    next turn on reading [DONE] finds the session free)."""
     try:
-        left = len(choices)
+        left = len(work.choices)
         while left:
-            i, up = await channel.get()
-            delta, lp = choices[i].add(up, codec)
-            chunk = dict(head, choices=[{"text": delta, "index": i, "logprobs": lp,
-                                         "finish_reason": up.finish_reason}])
-            yield f"data: {json.dumps(chunk)}\n\n"
+            i, up = await work.channel.get()
+            delta, lp = await work.absorb(i, up)
+            yield _event(dict(work.head, choices=[{"text": delta, "index": i, "logprobs": lp,
+                                                   "finish_reason": up.finish_reason}]))
             left -= up.finish_reason is not None
-        if params.include_usage:
-            yield f"data: {json.dumps(dict(head, choices=[], usage=_usage(params, choices)))}\n\n"
-        yield "data: [DONE]\n\n"
+        if work.error() is not None:
+            yield _event(_engine_error(work.error() or "").body())
+        else:
+            work.turn.end(True)
+        if work.params.include_usage:
+            yield _event(dict(work.head, choices=[],
+                              usage=_usage(work.params, work.choices)))
+        yield b"data: [DONE]\n\n"
     finally:
-        for r in reqs:
-            if not r.done:
-                engine.cancel(r)
+        work.cancel_rest()
+        work.turn.end(False)                      # a turn not committed above: released
 
 
 class _SSEResponse(StreamingResponse):
@@ -416,125 +460,89 @@ class _SSEResponse(StreamingResponse):
 
 # -- the process -------------------------------------------------------------------------------
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn's Server with a draining shutdown: the first SIGTERM/SIGINT stops admission
-    (new requests get 503), lets running requests finish for up to `grace` seconds, cancels
-    what is left (finish_reason "abort"), then stops uvicorn, and the process exits 0. A
-    second signal cancels every request at once (each stream still ends with its "abort"
-    chunk and `[DONE]`) and stops; a third stops without waiting. It prints the address it listens on (useful with port 0)."""
-
-    def __init__(self, config: uvicorn.Config, engine: Engine, grace: float):
-        super().__init__(config)
-        self.engine, self.grace, self.draining, self.stopping = engine, grace, False, False
-
-    def _stop_soon(self) -> None:
-        deadline = time.monotonic() + 2.0
-        while not self.engine.idle and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.1)                       # let the abort chunks reach their clients
-        self.should_exit = True
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        # unlike uvicorn's, this does not re-raise the signal after shutdown: exit status 0
-        if self.stopping:                    # a third signal: now
-            self.should_exit = self.force_exit = True
-            return
-        if self.draining:                    # a second: end every request now, as "abort"
-            self.stopping = True             # chunks and [DONE], then stop
-            self.engine.cancel_all()
-            threading.Thread(target=self._stop_soon, name="titanc-stop", daemon=True).start()
-            return
-        self.draining = True
-        self.engine.drain()
-        threading.Thread(target=self._drain, name="titanc-drain", daemon=True).start()
-
-    def _drain(self) -> None:
-        for limit, action in ((self.grace, self.engine.cancel_all), (5.0, None)):
-            deadline = time.monotonic() + limit
-            while not self.engine.idle and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if action is not None:
-                action()
-        time.sleep(0.1)                       # let the last events reach their clients
-        self.should_exit = True
-
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
-        for server in self.servers:
-            for sock in server.sockets:
-                host, port = sock.getsockname()[:2]
-                print(f"titanc serve: listening on http://{host}:{port}", flush=True)
-
-
 def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8,
           max_queue: int = 64, limits: Limits = Limits(), grace: float = 30.0,
           model_name: str | None = None, prefill_budget: int | None = None,
           log_level: str = "warning", max_sessions: int = 64,
-          sessions_dir: str | None = None) -> int:
-    """Load a run or artifact, warm the engine up and serve until SIGTERM; returns 0."""
+          sessions_dir: str | None = None, access: Access | None = None,
+          store_limits: StoreLimits = StoreLimits(),
+          header_timeout: float = HEADER_TIMEOUT_S) -> int:
+    """Load a run or artifact, warm the engine up and serve until SIGTERM, then write every
+    live session to `sessions_dir`; returns 0 (1 when a session could not be written)."""
     import titanc
 
+    from titanc.errors import TitancError
     from titanc.runtime.serve.codec import TokenizerCodec
-    from titanc.runtime.serve.generate import Generator
     from titanc.runtime.train.rundir import run_tokenizer
 
-    _check_address(host, port)
+    access = access if access is not None else Access(bound_host=host)
+    if access.api_key is not None and not access.api_key.strip():
+        raise TitancError("--api-key: the key is empty; pass a secret, or leave the flag and "
+                          "TITANC_API_KEY out to serve without one")
+    check_address(host, port)
     tok = run_tokenizer(source)                  # the run's own, checked against its record
     prog = titanc.load(source)
     codec = TokenizerCodec(tok, prog.spec.model.vocab_size)
     engine_ref: list[Engine] = []
     metrics = Metrics(engine_ref)
     gen = Generator(prog, codec.tok)
-    check_serving_fits(gen, slots, limits, max_queue)
-    sessions = SessionStore(gen, max_sessions, sessions_dir)
+    check_serving_fits(gen, slots, limits, max_queue, max_sessions)
+    sessions = SessionStore(gen, max_sessions, sessions_dir, store_limits)
     engine = Engine(gen, codec, slots, max_queue, prefill_budget, observer=_Observer(metrics))
     engine_ref.append(engine)
     warm_up(engine)
     engine.start()
-    name = model_name or prog.spec.name
-    app = create_app(engine, codec, name, limits, metrics, sessions)
+    app = create_app(engine, codec, model_name or prog.spec.name, limits, metrics, sessions,
+                     access)
+    warning = exposure_warning(host, port, access.api_key)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=5, lifespan="off")
+                            timeout_graceful_shutdown=5, lifespan="off",
+                            http=header_timeout_protocol(header_timeout))
     server = DrainingServer(config, engine, grace)
     try:
         server.run()
     finally:
         engine.stop()
-    return 0
+        failed = _write_sessions(sessions)
+    return 1 if failed else 0
 
 
-def check_serving_fits(gen: Generator, slots: int, limits: Limits, max_queue: int = 0) -> None:
+def _write_sessions(sessions: SessionStore) -> int:
+    """Shutdown: every live session to the sessions directory; returns the failures."""
+    if sessions.directory is None:
+        if len(sessions):
+            print(f"titanc serve: {len(sessions)} sessions held in memory end with the "
+                  f"server (no --sessions-dir)", file=sys.stderr)
+        return 0
+    done, failed = sessions.save_all()
+    for line in failed:
+        print(f"titanc serve: {line}", file=sys.stderr)
+    if done:
+        print(f"titanc serve: wrote {done} live sessions to --sessions-dir", flush=True)
+    return len(failed)
+
+
+def check_serving_fits(gen: Generator, slots: int, limits: Limits, max_queue: int = 0,
+                       max_sessions: int = 0) -> None:
     """The slot pool and the slots' prefill states (measured on a batch-1 decoding state of
-    `gen`), a step's logits, and the longest requests the limits admit (running and queued)
-    must fit in memory, checked before the pool is allocated."""
+    `gen`), a step's logits, the longest requests the limits admit (running and queued) and
+    the sessions held in memory must fit, checked before anything is allocated."""
     from titanc.runtime.capacity import TOKEN_BYTES, check_fits
+    from titanc.runtime.serve.session_file import MAX_UNFED
 
-    st = gen.new_state(1)
-    one = sum(t.numel() * t.element_size()
-              for t in [*st.tensors.values(), *st.pending.values(), st.slot_pos])
+    one = gen.state_bytes(1)
     spec = gen.prog.spec
     per_request = limits.max_prompt_tokens + limits.max_tokens
     need = (2 * slots * one + slots * spec.model.vocab_size * 4
             + (slots + max_queue) * per_request * TOKEN_BYTES)
-    check_fits(need, spec, lower=True,
-               reduce=f"--slots ({slots}), --max-queue, --max-prompt-tokens or --max-tokens")
-
-
-def _check_address(host: str, port: int) -> None:
-    """Fail early, in one line, when the address cannot be listened on."""
-    import socket
-
-    from titanc.errors import TitancError, printable
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(infos[0][4])
-    except (OSError, UnicodeError, ValueError) as exc:   # a host name idna cannot encode
-        reason = getattr(exc, "strerror", None) or type(exc).__name__
-        raise TitancError(f"--host/--port: cannot listen on {printable(host, 60)}:{port} "
-                          f"({reason}); pick another port or --port 0") from None
+    sessions = max_sessions * (one + 8 * (MAX_UNFED + 1))
+    device = str(gen.prog.device)
+    check_fits(need + sessions, spec, device, lower=True,
+               reduce=f"--max-sessions ({max_sessions}: {sessions:,} bytes at most)"
+               if sessions > need else
+               f"--slots ({slots}), --max-queue, --max-prompt-tokens or --max-tokens")
 
 
 def warm_up(engine: Engine) -> None:
