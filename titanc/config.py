@@ -19,6 +19,7 @@ program that never runs the CLI gets the same settings, read the first time it a
 | `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules and compiled programs are written (default: a per-user temp dir); created 0700, refused when another user owns it or may write it (titanc/cache_files.py) |
 | `compile_cache` | `TITANC_COMPILE_CACHE` | 0: compile every time instead of reading `cache_dir/compiled` (titanc/compile_cache.py) |
 | `threads`      | `TITANC_THREADS`      | torch CPU threads of `titanc train` (a positive integer)  |
+| `api_key`    | `TITANC_API_KEY`      | the key `titanc serve` requires as `Authorization: Bearer KEY` when no `--api-key` is given (runtime/serve/guard.py) |
 | `compile_jobs` | `TITANC_COMPILE_JOBS` | the most kernel-compile workers at once on this machine, over every titanc process (a positive integer; default: this process's cores) |
 | `torchrun`     | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | the process group torchrun (or `titanc train --nproc`) describes |
 
@@ -58,6 +59,7 @@ class Config:
     compile_cache: bool = True
     threads: int | None = None
     compile_jobs: int | None = None
+    api_key: str | None = field(default=None, repr=False)     # TITANC_API_KEY, never printed
     torchrun: Mapping[str, str] = field(default_factory=dict)
     invalid: Mapping[str, str] = field(default_factory=dict)   # variable -> its bad value
 
@@ -105,6 +107,8 @@ class Config:
                 invalid["TITANC_COMPILE_JOBS"] = jobs
             else:
                 more["compile_jobs"] = int(jobs)
+        if env.get("TITANC_API_KEY", "").strip():
+            more["api_key"] = env["TITANC_API_KEY"].strip()
         if env.get("TITANC_CACHE_DIR"):
             more["cache_dir"] = Path(env["TITANC_CACHE_DIR"])
         return cls(debug=debug, scan_kernels=env.get("TITANC_SCAN_KERNELS", "1") != "0",

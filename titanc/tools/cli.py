@@ -7,7 +7,7 @@
     titanc tokenizer train | data prepare | eval     (titanc/tools/corpus_cli.py)
     titanc generate RUN --prompt TEXT [--max-new-tokens N] [--session FILE] ...
     titanc serve RUN [--host H] [--port N] [--slots N] [--max-queue N] [--grace S]
-                     [--max-sessions N] [--sessions-dir DIR]
+                     [--max-sessions N] [--sessions-dir DIR] [--api-key KEY] ...
 
 `main` returns the exit status: 0 on success, 2 for bad input. A `TitancError` is printed as
 one line, `titanc: error: <message>`, never as a traceback. The heavy modules (artifact writer,
@@ -271,6 +271,8 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--sessions-dir", default=None, metavar="DIR",
                        help="where session snapshots and evicted sessions are written; a "
                             "server restarted on it continues them")
+    from titanc.runtime.serve.options import add_trust_arguments
+    add_trust_arguments(serve)            # --api-key, --allowed-host, the size limits, ...
     serve.set_defaults(run=_cmd_serve)
 
 
@@ -286,10 +288,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.model_name is not None:
         _text(args.model_name, "--model-name")          # it goes out in every JSON reply
-    limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes)
+    from titanc.runtime.serve.options import trust_kwargs
+    limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_body_bytes,
+                    args.max_response_bytes)
     return serve(args.source, args.host, args.port, args.slots, args.max_queue, limits,
                  args.grace, args.model_name, max_sessions=args.max_sessions,
-                 sessions_dir=args.sessions_dir)
+                 sessions_dir=args.sessions_dir, **trust_kwargs(args))
 
 
 def _load(args: argparse.Namespace) -> Spec:
