@@ -330,3 +330,24 @@ def test_kernel_files_are_trimmed_to_their_bound(cache: Path, monkeypatch) -> No
         assert sum(f.stat().st_size for f in files) <= 3000 + 1100
     newest = sorted(cache.glob("titanc_kernel_trim7_*.py"))
     assert len(newest) == 1 and len(list(cache.glob("titanc_kernel_*.py"))) <= 3
+
+
+def test_a_damaged_precompile_marker_is_compiled_again(tmp_path: Path, monkeypatch) -> None:
+    """A plan's precompile marker (`<cache>/precompiled/*.json`) that is damaged, a FIFO or
+    not a summary is not cached: the plan is precompiled again and the marker rewritten."""
+    from titanc.runtime.targets import precompile as pc
+
+    marker = tmp_path / "marker.json"
+    monkeypatch.setattr(pc, "_marker", lambda *a: marker)
+    monkeypatch.setattr(pc, "recorded_launches", lambda *a: ([], {"grids": {}, "aliases": {}}))
+    monkeypatch.setattr(pc, "_pool", lambda *a: [])
+    for bad in (b"\xff\xfe", b'{"kernels": "x"}', b"[1]", None):
+        marker.unlink(missing_ok=True)
+        if bad is None:
+            os.mkfifo(marker)
+        else:
+            marker.write_bytes(bad)
+        assert pc._read_marker(marker) is None
+        assert pc.precompile(object(), 90, jit=False, progress=False)["cached"] is False
+        assert pc._read_marker(marker) is not None
+        assert pc.precompile(object(), 90, jit=False, progress=False)["cached"] is True

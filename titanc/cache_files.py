@@ -83,7 +83,7 @@ def private_directory(path: Path, what: str = "cache directory",
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != _uid():
         raise _refuse(path, what, f"belongs to uid {st.st_uid}, not to you (uid {_uid()})",
-                      f"remove it or {fix}")
+                      f"have it removed, or {fix}")
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise _refuse(path, what, f"may be written by other users (mode {mode:04o})",
                       f"remove it (its entries cannot be trusted) or {fix}")

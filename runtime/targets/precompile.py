@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from titanc.cache_files import private_directory
+from titanc.cache_files import private_directory, read_regular
 from titanc.codegen.render import cache_dir
 from titanc.config import child_environment, current, module_command
 from titanc.errors import TitancError
@@ -127,15 +127,17 @@ def precompile(plans: Any, arch: int, *, allow_tf32: bool = False, float_dtype: 
     if len(keys) != len(plans):
         raise ValueError(f"precompile: {len(keys)} keys for {len(plans)} plans")
     markers = [_marker(p, k, arch, allow_tf32, jit) for p, k in zip(plans, keys)]
-    todo = [i for i, m in enumerate(markers) if not m.exists()]
+    done = [_read_marker(m) for m in markers]
+    todo = [i for i, d in enumerate(done) if d is None]
     if not todo:
-        return _merge([json.loads(m.read_text()) for m in markers]) | {"cached": True}
+        return _merge(done) | {"cached": True}
     # one process compiles a plan at a time (the ranks of `titanc train --nproc` precompile
     # the same plans at once): the others wait for its marker instead of compiling it again
     with _plan_locks([markers[i] for i in todo], progress):
-        todo = [i for i in todo if not markers[i].exists()]
+        done = [_read_marker(m) for m in markers]
+        todo = [i for i, d in enumerate(done) if d is None]
         if not todo:
-            return _merge([json.loads(m.read_text()) for m in markers]) | {"cached": True}
+            return _merge(done) | {"cached": True}
         t0 = time.perf_counter()
         launches, shape = recorded_launches([plans[i] for i in todo], allow_tf32, float_dtype)
         results = _pool(launches, arch, jit, jobs or current().compile_slots(), progress)
@@ -149,6 +151,28 @@ def precompile(plans: Any, arch: int, *, allow_tf32: bool = False, float_dtype: 
                 tmp.write_text(json.dumps(summary))
                 os.replace(tmp, markers[i])
     return summary | {"cached": False}
+
+
+MARKER_MAX_BYTES = 64 << 20
+
+
+def _read_marker(path: Path) -> dict[str, Any] | None:
+    """A plan's marker, or None when it is missing, not a regular file of this user, larger
+    than `MARKER_MAX_BYTES` or damaged: the plan is then precompiled and the marker written
+    again."""
+    data = read_regular(path, MARKER_MAX_BYTES)
+    try:
+        summary = json.loads(data) if data is not None else None
+    except ValueError:                 # not JSON, or not UTF-8
+        return None
+    types = {"kernels": int, "compiled": int, "seconds": (int, float), "failed": list,
+             "results": list, "aliases": dict, "grids": dict, "arch": int}
+    if not isinstance(summary, dict) or not all(isinstance(summary.get(k), t)
+                                                for k, t in types.items()):
+        return None
+    if not all(isinstance(v, int) for v in summary["grids"].values()):
+        return None
+    return summary
 
 
 @contextmanager
@@ -230,7 +254,7 @@ class CompileSlots:
         """Create the directory 0700, or refuse one that is not this user's alone
         (TitancError); OSError when it cannot be made (the pool then runs unlimited)."""
         private_directory(self.root, "compile-slots directory",
-                          "remove it, or run titanc as the user who owns it")
+                          "set TMPDIR to a directory of your own")
 
     def try_acquire(self) -> int | None:
         """A free slot's open file descriptor (hold it; `release` it), or None."""
