@@ -152,57 +152,16 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
     if cuda_blocks:
         with fresh_kernel_modules(cuda_blocks=True):
             return record_launches(plan, float_dtype, allow_tf32, grids, aliases)
-    import inspect
-
-    from triton.backends.compiler import BaseBackend
     from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import native_specialize_impl
 
     from titanc.runtime.targets.triton_executor import TritonExecutor, interpreting, module_for
 
     if not interpreting():
         raise RuntimeError("record_launches runs under TRITON_INTERPRET=1")
-    seen: dict[str, Launch] = {}
-    by_fn: dict[Any, tuple[frozenset[str], str]] = {}   # a kernel's constexprs and source, once
-    by_spec: dict[tuple[Any, ...], Launch] = {}   # a specialisation met before
+    recorder = _LaunchRecorder(grids)
 
     def record(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        names = self.arg_names
-        bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-        sig, const, div = [], [], []
-        if self.fn not in by_fn:        # a host loop launches the same kernels every iteration
-            params = inspect.signature(self.fn).parameters
-            by_fn[self.fn] = (frozenset(n for n in names
-                                        if "constexpr" in str(params[n].annotation)),
-                              Path(inspect.getsourcefile(self.fn)).read_text())
-        constexpr, source = by_fn[self.fn]
-        fixed = set(getattr(self, "kwargs", {}).get("do_not_specialize") or ())
-        for n in names:
-            v = bound[n]
-            if n in constexpr:
-                sig.append((n, "constexpr"))
-                const.append((n, v))
-                continue
-            ty, attr = native_specialize_impl(BaseBackend, v, False, n not in fixed, True)
-            if ty == "constexpr":
-                const.append((n, attr))
-            if attr == "D":
-                div.append(n)
-            sig.append((n, ty))
-        warps, stages = int(kwargs.get("num_warps", 4)), int(kwargs.get("num_stages", 3))
-        # a host loop repeats its launches: hash the specialisation, not the module's text
-        # (`Launch.key` serialises it: 13 of large_125m's 27 s of recording)
-        fast = (self.fn, tuple(sig), repr(const), tuple(div), warps, stages)
-        if fast not in by_spec:
-            launch = Launch(self.fn.__name__, source, tuple(sig), tuple(const), tuple(div),
-                            warps, stages)
-            by_spec[fast] = seen.setdefault(launch.key(), launch)
-        launch = by_spec[fast]
-        if grids is not None:
-            shape = grid(bound) if callable(grid) else grid
-            programs = math.prod(int(x) for x in (shape if isinstance(shape, tuple) else
-                                                  (shape,)))
-            grids[launch.name] = max(grids.get(launch.name, 0), programs)
+        recorder.record(self, args, grid, kwargs)
 
     saved = InterpretedFunction.run
     InterpretedFunction.run = record
@@ -219,7 +178,63 @@ def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False
             aliases[name] = module.__name__.removeprefix("titanc_kernel_").rsplit("_", 1)[0]
         for group, members in ex.grouped.items():    # a group's members launch in its launch
             aliases.update({m: aliases[group] for m in members})
-    return list(seen.values())
+    return list(recorder.seen.values())
+
+
+class _LaunchRecorder:
+    """Stands in for the interpreter's launch: records each distinct specialisation once (and
+    each kernel's largest grid) instead of running it."""
+
+    def __init__(self, grids: dict[str, int] | None) -> None:
+        self.grids = grids
+        self.seen: dict[str, Launch] = {}
+        self.by_fn: dict[Any, tuple[frozenset[str], str]] = {}  # constexprs and source, once
+        self.by_spec: dict[tuple[Any, ...], Launch] = {}        # a specialisation met before
+
+    def _constexprs_and_source(self, jit: Any) -> tuple[frozenset[str], str]:
+        import inspect
+        if jit.fn not in self.by_fn:     # a host loop launches the same kernels every iteration
+            params = inspect.signature(jit.fn).parameters
+            self.by_fn[jit.fn] = (frozenset(n for n in jit.arg_names
+                                            if "constexpr" in str(params[n].annotation)),
+                                  Path(inspect.getsourcefile(jit.fn)).read_text())
+        return self.by_fn[jit.fn]
+
+    def record(self, jit: Any, args: tuple[Any, ...], grid: Any, kwargs: dict[str, Any]) -> None:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+
+        names = jit.arg_names
+        bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        sig, const, div = [], [], []
+        constexpr, source = self._constexprs_and_source(jit)
+        fixed = set(getattr(jit, "kwargs", {}).get("do_not_specialize") or ())
+        for n in names:
+            v = bound[n]
+            if n in constexpr:
+                sig.append((n, "constexpr"))
+                const.append((n, v))
+                continue
+            ty, attr = native_specialize_impl(BaseBackend, v, False, n not in fixed, True)
+            if ty == "constexpr":
+                const.append((n, attr))
+            if attr == "D":
+                div.append(n)
+            sig.append((n, ty))
+        warps, stages = int(kwargs.get("num_warps", 4)), int(kwargs.get("num_stages", 3))
+        # a host loop repeats its launches: hash the specialisation, not the module's text
+        # (`Launch.key` serialises it: 13 of large_125m's 27 s of recording)
+        fast = (jit.fn, tuple(sig), repr(const), tuple(div), warps, stages)
+        if fast not in self.by_spec:
+            launch = Launch(jit.fn.__name__, source, tuple(sig), tuple(const), tuple(div),
+                            warps, stages)
+            self.by_spec[fast] = self.seen.setdefault(launch.key(), launch)
+        launch = self.by_spec[fast]
+        if self.grids is not None:
+            shape = grid(bound) if callable(grid) else grid
+            programs = math.prod(int(x) for x in (shape if isinstance(shape, tuple) else
+                                                  (shape,)))
+            self.grids[launch.name] = max(self.grids.get(launch.name, 0), programs)
 
 
 _PTXAS = re.compile(r"Used (\d+) registers")
