@@ -21,6 +21,8 @@ from titanc.ir import Interpreter
 from titanc.ir.types import DTYPES, dtype_name
 from titanc.model.params import init_params
 
+from titanc.runtime.api_checks import (check_dense, check_document_values, check_state_tensor,
+                                       check_token_ids)
 from titanc.runtime.train.lr_schedule import lr_at
 
 Tensor = torch.Tensor
@@ -29,14 +31,6 @@ Tensor = torch.Tensor
 # refilled from the host when a step leaves the window (`Program._lr_window`), so the table
 # and its build cost stay bounded however large `train.steps` is
 LR_WINDOW = 4096
-
-
-def check_state_tensor(t: Any, what: str) -> None:
-    """A tensor of a state dict (`what` names it): a torch.Tensor that holds values."""
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type == "meta":
-        raise TitancError(f"{what} is on the meta device and holds no values")
 
 
 def resolve_target(target: str) -> str:
@@ -54,34 +48,6 @@ def _executor_class(target: str) -> Any:
         return TritonExecutor
     from titanc.runtime.targets.executor import ArenaExecutor
     return ArenaExecutor
-
-
-def check_token_ids(tokens: Tensor, vocab_size: int, what: str = "tokens",
-                    scratch: Tensor | None = None) -> None:
-    """Token ids are integers in [0, vocab_size): a float or bool tensor would be truncated
-    into ids silently, and an id out of range fails deep inside torch. `scratch`, an int64
-    tensor of 2 elements, holds the min and max of int64 tokens without allocating."""
-    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-        raise TitancError(f"{what} must hold integer token ids, got a {tokens.dtype} tensor; "
-                          f"convert with .long() only if the values are ids")
-    if tokens.device.type == "meta":
-        raise TitancError(f"{what} is a tensor on the meta device, which holds no values; "
-                          f"pass the token ids themselves")
-    if tokens.numel():
-        if (scratch is not None and tokens.dtype == scratch.dtype and tokens.dim() == 2
-                and tokens.device == scratch.device):
-            if tokens.is_contiguous():         # one pass over the ids (about half the time)
-                torch.aminmax(tokens.view(-1), dim=0, out=(scratch[0], scratch[1]))
-            else:
-                torch.amin(tokens, dim=(0, 1), out=scratch[0])
-                torch.amax(tokens, dim=(0, 1), out=scratch[1])
-            lo, hi = scratch.tolist()
-        else:
-            lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise TitancError(f"{what}: id {bad} is outside the vocabulary [0, {vocab_size}) "
-                              f"of model.vocab_size={vocab_size}")
 
 
 def _views(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -392,6 +358,9 @@ class Program:
             elif tuple(t.shape) != shape:
                 raise TitancError(f"{name} must be [batch, seq_len] = {list(shape)}, "
                                   f"got {list(t.shape)}")
+            else:
+                check_dense(t, f"docs[{name!r}]")
+                check_document_values(name, t)
             out[name] = t.to(self.dtype)
         return out
 

@@ -3,6 +3,7 @@ inputs, token shards, documents, `titanc eval`). Each test failed before its fix
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -72,15 +73,17 @@ def test_repeated_document_starts_of_older_shards_load(tmp_path: Path) -> None:
     document were absent (never drawn as a row of padding)."""
     _jsonl(tmp_path / "c.jsonl", ["a" * 40, "b" * 40, "c" * 40])
     prepare([tmp_path / "c.jsonl"], tmp_path / "s", progress=False, val_fraction=0.0)
-    np.asarray([0, 40, 40, 80, 80], dtype="<i8").tofile(tmp_path / "s" / "train.docs")
-    h = json.loads((tmp_path / "s" / HEADER).read_text())
-    h["docs"]["train"]["count"] = 5
-    (tmp_path / "s" / HEADER).write_text(json.dumps(h))
+    def write_docs(starts: list[int]) -> None:          # the offsets and the header's count
+        raw = np.asarray(starts, dtype="<i8").tobytes()  # and checksum of them
+        (tmp_path / "s" / "train.docs").write_bytes(raw)
+        h = json.loads((tmp_path / "s" / HEADER).read_text())
+        h["docs"]["train"].update(count=len(starts), sha256=hashlib.sha256(raw).hexdigest())
+        (tmp_path / "s" / HEADER).write_text(json.dumps(h))
+
+    write_docs([0, 40, 40, 80, 80])
     data = ShardData(tmp_path / "s", 8, 256)
     assert data.doc_starts("train").tolist() == [0, 40, 80]
-    np.asarray([0, 40, 30], dtype="<i8").tofile(tmp_path / "s" / "train.docs")
-    h["docs"]["train"]["count"] = 3
-    (tmp_path / "s" / HEADER).write_text(json.dumps(h))
+    write_docs([0, 40, 30])
     with pytest.raises(TitancError, match="not increasing offsets"):   # still refused
         ShardData(tmp_path / "s", 8, 256).doc_starts("train")
 

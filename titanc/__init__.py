@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from titanc.errors import SpecError, TitancError
+from titanc.errors import SpecError, TitancError, size_overflow
 from titanc.model.spec import Spec, load_spec
 from titanc.version import __version__
 
@@ -39,7 +39,16 @@ def compile(spec: Any, **overrides: Any) -> "Program":
 
     spec = load_spec(spec, overrides or None)
     check_fits(lower_bound_bytes(spec), spec, lower=True)   # before any time is spent
-    return Program(compile_graphs(spec, dumps=False))
+    try:
+        compiled = compile_graphs(spec, dumps=False)
+    except (OverflowError, MemoryError, RuntimeError, TypeError) as exc:
+        if not size_overflow(exc):        # each field is bounded (titanc/bounds.py); their
+            raise                         # product may still pass what torch indexes
+        raise TitancError(f"the spec's sizes are past what torch can index or this process "
+                          f"can hold ({type(exc).__name__} while compiling); reduce "
+                          f"train.batch_size, model.seq_len, model.d_model or "
+                          f"model.vocab_size") from None
+    return Program(compiled)
 
 
 def load(path: Any, **overrides: Any) -> "Program":

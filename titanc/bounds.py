@@ -9,6 +9,12 @@ trainer's u32 frequencies) or a cap that keeps one input from asking for unbound
 time (a vocabulary of 2**21 tokens, 2**20 tokens generated per sequence); memory beyond the
 range is the fit check's job (titanc/fit.py). Text is parsed with at most `MAX_DIGITS` digits,
 so a flag of a million digits costs nothing.
+
+Every numeric field of the spec has its range here too (the spec section at the end):
+titanc/model/spec.py declares `most=BOUND.hi` next to each field, and `SPEC_FLOAT_MAX` caps
+the floats that become graph scalars (float32 when the masters are), so no spec value reaches
+torch as a size or a scalar it cannot hold; tests/test_input_trust.py checks that no numeric
+field of the schema is left without one.
 """
 from __future__ import annotations
 
@@ -21,7 +27,9 @@ from titanc.errors import TitancError
 
 __all__ = ["Bound", "SEED", "TRAIN_SEED", "PORT", "VOCAB_SIZE", "MIN_FREQUENCY", "SLOTS", "QUEUE",
            "TOKENS", "PROMPT_TOKENS", "BODY_BYTES", "WORKERS", "THREADS", "STEPS", "BATCHES",
-           "NPROC", "TOP_K", "DISTANCE", "LIMIT", "finite_float"]
+           "NPROC", "TOP_K", "DISTANCE", "LIMIT", "finite_float", "WIDTH", "FFN_WIDTH", "LAYERS",
+           "HEADS", "PERSISTENT", "MEMORY_DEPTH", "EXPANSION", "CONV_TAPS", "BATCH_SIZE",
+           "GRAD_ACCUM", "LOSS_CHUNK", "EVERY", "SPEC_FLOAT_MAX", "MEGABYTES", "SECONDS"]
 
 MAX_DIGITS = 24
 
@@ -101,3 +109,24 @@ NPROC = Bound(1, 1024, "a number of ranks")
 TOP_K = Bound(1, 1 << 30, "a number of tokens")
 DISTANCE = Bound(1, 1 << 20, "a distance in tokens")
 LIMIT = Bound(1, 1 << 30, "a count")
+
+# -- the spec's fields (titanc/model/spec.py: `most=BOUND.hi`) ------------------------------------
+# caps on what one field may ask for; a spec within them whose product of sizes does not fit
+# the machine is the fit check's to refuse (titanc/fit.py), before or after compiling
+WIDTH = Bound(1, 1 << 16, "a width")                          # model.d_model
+FFN_WIDTH = Bound(1, 1 << 18, "a width")                      # model.ffn_hidden: 4 x WIDTH
+LAYERS = Bound(1, 1024, "a number of layers")                 # the compile is linear in them
+HEADS = Bound(1, 1 << 16, "a number of heads")                # they divide model.d_model
+PERSISTENT = Bound(0, 1 << 16, "a number of persistent tokens")
+MEMORY_DEPTH = Bound(1, 64, "a number of memory layers")
+EXPANSION = Bound(1, 64, "a width multiplier")
+CONV_TAPS = Bound(1, 1024, "a number of convolution taps")
+BATCH_SIZE = Bound(1, 1 << 16, "a number of sequences")       # x seq_len <= 2**36 tokens
+GRAD_ACCUM = Bound(1, 1 << 12, "a number of micro-batches")
+LOSS_CHUNK = Bound(0, 1 << 36, "a number of tokens")          # BATCH_SIZE x TOKENS
+EVERY = Bound(0, STEPS.hi, "a number of steps")               # cadences; 0: never
+SPEC_FLOAT_MAX = 3.4028234663852886e38   # train.lr, weight_decay, grad_clip, memory.lr_max:
+#                                          graph scalars, float32 when the masters are
+MEGABYTES = float(1 << 30)               # train.remat_budget_mb, bucket_mb (a petabyte)
+SECONDS = 1e7                            # train.dist_timeout_s (116 days; torch's timedelta
+#                                          and c10d's millisecond count overflow far past it)

@@ -6,7 +6,14 @@ A directory that is replaced whole (`titanc compile -o`, `titanc data prepare -o
 `staging_dir(final)` beside it and put in place by `swap_in`: the old directory is renamed
 aside, the new one renamed in, then the old one's entries the writer does not own move into
 the new one and the rest is deleted. `recover_swap` finishes a swap a killed process left
-half done; `holds_cwd` says when a directory cannot be swapped (the shell is in it).
+half done; `holds_cwd` says when a directory cannot be swapped (the shell is in it). A
+destination that is a symbolic link is resolved first: the directory it points to is the
+one replaced (its user files carried over), the link itself stays as it was.
+
+A writer that goes through `.NAME.<pid>.tmp` files (checkpoints, session files) removes the
+ones its killed predecessors left with `remove_stale_temps`: a temp file is stale when no
+process with its pid exists, or when that process started after the file was last written
+(the pid was reused: the writer is gone).
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import contextlib
 import errno
 import glob
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,7 +30,7 @@ from typing import Callable, Iterator
 from titanc.errors import TitancError, printable
 
 __all__ = ["os_reason", "writing_into", "write_text_atomic", "check_file_target", "pid_alive",
-           "holds_cwd",
+           "holds_cwd", "temp_writer_alive", "remove_stale_temps", "target_of",
            "staging_dir", "swap_in", "recover_swap"]
 
 
@@ -117,6 +125,61 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _started_at(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), where /proc tells; else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")   # field 22: starttime
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def temp_writer_alive(pid: int, written_at: float) -> bool:
+    """Whether the process that wrote a temp file named after `pid`, last modified at
+    `written_at`, may still be writing it: a process `pid` exists and started before then
+    (a later process under a reused pid, this one included, is not its writer). Without
+    /proc a live pid counts as the writer."""
+    if not 0 < pid < 1 << 31:                    # no process has it (0: the process group)
+        return False
+    if pid != os.getpid() and not pid_alive(pid):
+        return False
+    started = _started_at(pid)
+    return started is None or started <= written_at + 1.0   # /proc counts clock ticks
+
+
+def remove_stale_temps(directory: str | os.PathLike, pattern: str | re.Pattern[str], *,
+                       keep_live: bool = True) -> list[Path]:
+    """Delete the temp files in `directory` whose names `pattern` matches in full, its group
+    `pid` the writer's pid: those of writers that are gone (`temp_writer_alive`), or, without
+    `keep_live` (a caller that holds the directory's lock, so no other process writes
+    there), every one but this process's own live writes. Returns the paths removed; a
+    directory that cannot be listed or a file that cannot be removed is left as it is."""
+    regex = re.compile(pattern) if isinstance(pattern, str) else pattern
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = regex.fullmatch(entry.name)
+        if not m:
+            continue
+        pid = int(m.group("pid"))
+        try:
+            written_at = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        if (pid == os.getpid() or keep_live) and temp_writer_alive(pid, written_at):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+    return removed
+
+
 def holds_cwd(directory: str | os.PathLike) -> bool:
     """Whether `directory` is the working directory or holds it (a rename would pull it from
     under the shell)."""
@@ -126,6 +189,12 @@ def holds_cwd(directory: str | os.PathLike) -> bool:
         return False
     real = os.path.realpath(directory)
     return cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep)
+
+
+def target_of(final: str | os.PathLike) -> Path:
+    """The absolute path a directory swap replaces: `final` with every symbolic link on the
+    way resolved (a link to a directory that does not exist yet names where to create it)."""
+    return Path(os.path.realpath(final))
 
 
 def _left_by_the_dead(final: Path, kind: str) -> Iterator[Path]:
@@ -138,8 +207,9 @@ def _left_by_the_dead(final: Path, kind: str) -> Iterator[Path]:
 
 def staging_dir(final: Path) -> Path:
     """A path for a fresh `.NAME.partial-PID` beside `final` (same filesystem: the swap is a
-    rename), not yet created; the staging directories of dead processes are removed."""
-    final = Path(os.path.abspath(final))
+    rename), not yet created; the staging directories of dead processes are removed. A
+    `final` that is a symbolic link stands for the directory it points to."""
+    final = target_of(final)
     for stale in _left_by_the_dead(final, "partial"):
         shutil.rmtree(stale, ignore_errors=True)
     stage = final.parent / f".{final.name}.partial-{os.getpid()}"
@@ -155,8 +225,10 @@ def swap_in(new: Path, final: Path, move_others: MoveOthers, last: str) -> None:
     working directory) is filled in place, the entry `last` (the one readers check for)
     last; otherwise the old directory is renamed aside, `new` renamed into place, then
     `move_others(old, final)` carries over what the writer does not own and the rest is
-    deleted. A kill between the renames or inside the move is finished by `recover_swap`."""
-    final = Path(os.path.abspath(final))
+    deleted. A kill between the renames or inside the move is finished by `recover_swap`.
+    A `final` that is a symbolic link is resolved: the directory it points to is replaced
+    and the link keeps pointing there."""
+    final = target_of(final)
     if not final.exists():
         os.replace(new, final)
         return
@@ -177,7 +249,7 @@ def swap_in(new: Path, final: Path, move_others: MoveOthers, last: str) -> None:
 
 def recover_swap(final: Path, move_others: MoveOthers) -> None:
     """Finish a `swap_in` into `final` that a killed process left half done."""
-    final = Path(os.path.abspath(final))
+    final = target_of(final)
     if not final.parent.is_dir():
         return
     for old in _left_by_the_dead(final, "old"):

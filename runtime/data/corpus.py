@@ -14,8 +14,9 @@ dictionary-encoded, as pandas writes a Categorical).
 Directories are walked in sorted order, skipping hidden entries and `__pycache__`; `ext`
 (e.g. `{"md", "py"}`) keeps only files with those suffixes there. Every problem is a
 `TitancError` naming the file (and line or byte offset) and the fix: a missing input, text that
-is not UTF-8, a .jsonl line that is not JSON or lacks the text field, a .parquet file that is
-not parquet or lacks the column.
+is not UTF-8, a .jsonl line that is not JSON or lacks the text field or whose text holds a lone
+surrogate (`"\\ud800"`: valid JSON, no Unicode), a .parquet file that is not parquet or lacks
+the column.
 """
 from __future__ import annotations
 
@@ -222,8 +223,21 @@ def _jsonl(piece: Piece, field: str) -> Iterator[tuple[str, bool]]:
             raise TitancError(f"input {piece.path}{where}: field {field!r} is "
                               f"{type(value).__name__}, not a string; name the text field "
                               f"with --text-field")
+        if "\\u" in text:      # JSON escapes may spell a lone surrogate, which is no text
+            _check_unicode(value, f"{piece.path}{where}", field)
         if value:               # "" is no document (as in parquet): under the byte tokenizer
             yield value, True   # it would be a zero-length one, a repeated document start
+
+
+def _check_unicode(value: str, where: str, field: str) -> None:
+    """`value` is Unicode text: a JSON escape such as "\\ud800" (half of a surrogate pair,
+    alone) is valid JSON but encodes to no UTF-8; refused as non-UTF-8 text is."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TitancError(f"input {where}: field {field!r} holds a lone surrogate "
+                          f"{ascii(value[exc.start])} (a JSON escape that is no Unicode "
+                          f"character; its pair is missing); fix or drop the record") from None
 
 
 def _parquet(piece: Piece, field: str) -> Iterator[tuple[str, bool]]:

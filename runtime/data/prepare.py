@@ -21,6 +21,7 @@ read back as text.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -152,17 +153,19 @@ def _move_tail(train: Path, val: Path, n_train: int, n_val: int, dtype: np.dtype
 
 def _write_docs(out: Path, starts: np.ndarray, n_train: int, n_val: int) -> dict[str, dict]:
     """`train.docs` / `val.docs`: each split's document starts (int64 token offsets, the
-    first 0: a split's first token starts a document); the header's `docs` entries."""
+    first 0: a split's first token starts a document); the header's `docs` entries, each
+    with the file's sha256 (a damaged offset would train on wrong document boundaries)."""
     entries = {}
     for split, lo, hi in (("train", 0, n_train), ("val", n_train, n_train + n_val)):
         if hi == lo:
             continue
         mine = starts[(starts > lo) & (starts < hi)] - lo
-        arr = np.concatenate([np.zeros(1, np.int64), mine]).astype("<i8")
+        raw = np.concatenate([np.zeros(1, np.int64), mine]).astype("<i8").tobytes()
         tmp = out / f"{split}.docs.tmp"
-        arr.tofile(tmp)
+        tmp.write_bytes(raw)
         os.replace(tmp, out / f"{split}.docs")
-        entries[split] = {"file": f"{split}.docs", "count": int(len(arr))}
+        entries[split] = {"file": f"{split}.docs", "count": len(raw) // 8,
+                          "sha256": hashlib.sha256(raw).hexdigest()}   # checked on open
     return entries
 
 

@@ -7,7 +7,7 @@
     DIR/train.bin     the token ids, raw little-endian uint16 (uint32 when the vocabulary
     DIR/val.bin       does not fit in 16 bits), documents separated by the tokenizer's eot id
     DIR/train.docs    each split's document starts, little-endian int64 token offsets, the
-    DIR/val.docs      first 0 (header "docs": {split: {file, count}}; `data.documents`)
+    DIR/val.docs      first 0 (header "docs": {split: {file, count, sha256}}; `data.documents`)
 
 `titanc data prepare` writes them (runtime/data/prepare.py); `ShardData` reads them by
 `numpy.memmap`, so a corpus of any size costs only the pages the sampled windows touch.
@@ -19,12 +19,14 @@ token's document start and the loss mask (docs/data.md "Documents").
 Opening checks, each a one-line `TitancError` naming the file and the fix: the header exists
 and parses; each shard exists, is non-empty and has exactly `tokens x itemsize` bytes (a
 truncated or padded file is refused); the tokenizer's hash matches the one the shards were
-prepared with; the vocabulary fits the model; each split holds at least one window. The first
+prepared with; the vocabulary fits the model; each split holds at least one window; a split's
+document starts (`data.documents`) match the sha256 the header records for them. The first
 million tokens of each shard are range-checked when opened, and every batch is checked
 before it is returned, so a corrupt shard never trains silently on out-of-range ids.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -250,12 +252,9 @@ class ShardData:
                     f"(shards prepared before titanc wrote them); prepare them again with "
                     f"'titanc data prepare INPUT... -o {self.directory} --overwrite', or set "
                     f"data.documents=false")
-            path, count = self.directory / str(entry.get("file")), int(entry.get("count", 0))
-            if not path.exists() or path.stat().st_size != count * 8 or count == 0:
-                raise TitancError(f"document starts {path} are missing or not {count} int64 "
-                                  f"offsets; {_PREPARE.format(d=self.directory)}")
-            arr = np.fromfile(path, dtype="<i8")
+            arr = self._read_docs(split, entry)
             if arr[0] != 0 or np.any(np.diff(arr) < 0) or arr[-1] >= len(self.split_array(split)):
+                path = self.directory / str(entry.get("file"))
                 raise TitancError(f"document starts {path} are not increasing offsets from 0 "
                                   f"inside the split; {_PREPARE.format(d=self.directory)}")
             # an empty document (a .jsonl record of "" under the byte tokenizer, in shards
@@ -263,6 +262,29 @@ class ShardData:
             # token, so it is no document (pack=false would draw it as a row of padding)
             self._docs[split] = arr if np.all(np.diff(arr) > 0) else np.unique(arr)
         return self._docs[split]
+
+    def _read_docs(self, split: str, entry: dict[str, Any]) -> np.ndarray:
+        """The offsets of `<split>.docs`, their count and sha256 as the header records them."""
+        path, count = self.directory / str(entry.get("file")), int(entry.get("count", 0))
+        again = (f"prepare them again with 'titanc data prepare INPUT... -o {self.directory} "
+                 f"--overwrite'")
+        if not isinstance(entry.get("sha256"), str):
+            raise TitancError(f"{self.directory / HEADER} records no checksum of {split}'s "
+                              f"document starts (shards prepared before titanc checked them), "
+                              f"so a damaged offset would go unseen; {again}, or set "
+                              f"data.documents=false")
+        try:
+            whole = count > 0 and path.is_file() and path.stat().st_size == count * 8
+            raw = path.read_bytes() if whole else b""
+        except OSError:
+            raw = b""
+        if len(raw) != count * 8 or count == 0:
+            raise TitancError(f"document starts {path} are missing or not {count} int64 "
+                              f"offsets; {_PREPARE.format(d=self.directory)}")
+        if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
+            raise TitancError(f"document starts {path} do not match the checksum in "
+                              f"{HEADER} (the file is damaged or was edited); {again}")
+        return np.frombuffer(raw, dtype="<i8")
 
     def window_documents(self, split: str, starts: np.ndarray) -> dict[str, "torch.Tensor"]:
         """doc_start and loss_mask float64 [len(starts), seq_len] of the windows at `starts`

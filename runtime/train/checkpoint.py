@@ -9,8 +9,10 @@ recomputes it, so a damaged file is an error naming it, never weights loaded sil
 
 A checkpoint is written atomically: into a temporary file `.NAME.<pid>.tmp` in the same
 directory, fsynced, then `os.replace`d over the old one, so a crash or a full disk leaves the
-previous checkpoint whole. Temporary files of processes that no longer exist (a `kill -9`
-during a save) are removed by the next save into the directory. Resuming compares the checkpoint's spec with the new one field by field:
+previous checkpoint whole. Temporary files of writers that are gone (a `kill -9` during a
+save; titanc.files.remove_stale_temps, which also knows a reused pid) are removed by the next
+save into the directory and by the next read of a checkpoint there (a resume, `generate`,
+`eval`, into whatever --out). Resuming compares the checkpoint's spec with the new one field by field:
 
 - run-control fields (`RUN_CONTROL`: train.steps, eval/checkpoint/log cadence, remat, every
   `compile.*` field, name) never matter;
@@ -29,6 +31,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from titanc.errors import TitancError, printable
-from titanc.files import pid_alive
+from titanc.files import remove_stale_temps as _remove_temps
 from titanc.model.spec import spec_hash, spec_to_dict
 
 __all__ = [
@@ -132,26 +135,13 @@ def first_nonfinite(tensors: dict[str, Tensor]) -> str | None:
 def remove_stale_temps(path: str | os.PathLike, *, keep_live: bool = True) -> list[Path]:
     """Delete the temporary files `.NAME.<pid>.tmp` that saves of `path` left behind.
 
-    With `keep_live` (the default) only those of processes that no longer exist; without it
-    every one but this process's own (for a caller that holds the run directory's lock, so no
+    With `keep_live` (the default) only those of writers that are gone (no process with the
+    pid, or one started after the file was written: a reused pid); without it every one but
+    this process's own live ones (for a caller that holds the run directory's lock, so no
     other process can be saving into it). Returns the paths removed."""
     path = Path(path)
-    pattern = re.compile(re.escape(f".{path.name}.") + r"(\d+)\.tmp")
-    removed = []
-    try:
-        entries = list(path.parent.iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        m = pattern.fullmatch(entry.name)
-        if not m or int(m.group(1)) == os.getpid():
-            continue
-        if keep_live and pid_alive(int(m.group(1))):
-            continue
-        with contextlib.suppress(OSError):
-            entry.unlink()
-            removed.append(entry)
-    return removed
+    pattern = re.escape(f".{path.name}.") + r"(?P<pid>\d{1,12})\.tmp"
+    return _remove_temps(path.parent, pattern, keep_live=keep_live)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -184,6 +174,7 @@ def checkpoint_path(run_or_file: str | os.PathLike, flag: str = "--resume") -> P
     p = Path(run_or_file)
     if p.is_dir():
         ckpt = p / CHECKPOINT_NAME
+        remove_stale_temps(ckpt)              # a save killed before the first checkpoint
         if not ckpt.exists():
             fix = ("train without --resume to start a new run" if flag == "--resume"
                    else "train it first with 'titanc train'")
@@ -205,6 +196,10 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[st
     if not path.is_file():                       # a FIFO would block, a device never end
         raise TitancError(f"checkpoint {path} is not a regular file; pass a checkpoint file "
                           f"or a run directory")
+    remove_stale_temps(path)                     # what killed saves left beside it
+    if not _safetensors_head(path):
+        raise TitancError(f"{path} is not a checkpoint (not a safetensors file); pass a run "
+                          f"directory or the checkpoint.safetensors a run wrote")
     unreadable = (f"{path} is not a readable checkpoint (truncated or corrupt); resume from "
                   f"another copy or train from scratch")
     try:
@@ -246,6 +241,23 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[st
         raise TitancError(f"{path} holds non-finite values in {bad}; it is not a good "
                           f"checkpoint: resume from another copy or train from scratch")
     return tensors, meta
+
+
+def _safetensors_head(path: Path) -> bool:
+    """False when `path` cannot be a safetensors file, even a truncated one: its first 8
+    bytes (the little-endian header length) are larger than the file and no JSON object
+    follows them (a text file, an image, a pickle). Short and damaged files pass: the
+    reader calls them truncated or corrupt."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return True                              # let the reader say what is wrong
+    if len(head) < 9:
+        return True
+    (n,) = struct.unpack("<Q", head[:8])
+    return n <= size or head[8:9] == b"{"
 
 
 # ---------------------------------------------------------------------------------- resuming

@@ -41,7 +41,10 @@ from typing import Any
 
 import yaml
 
-from titanc.bounds import TOKENS, TRAIN_SEED
+from titanc.bounds import (BATCHES, BATCH_SIZE, CONV_TAPS, EVERY, EXPANSION, FFN_WIDTH,
+                           GRAD_ACCUM, HEADS, LAYERS, LOSS_CHUNK, MEGABYTES, MEMORY_DEPTH,
+                           PERSISTENT, SECONDS, SPEC_FLOAT_MAX, STEPS, TOKENS, TRAIN_SEED,
+                           VOCAB_SIZE, WIDTH)
 from titanc.errors import SpecError
 
 __all__ = [
@@ -94,10 +97,11 @@ def _section(cls: type) -> Any:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AttentionSpec:
-    heads: int = _field(4, ge=1)
-    window: int = _field(64, ge=1)               # sliding window W (attn, mag, mal)
-    segment: int = _field(32, ge=1)              # segment length S (mac)
-    persistent_tokens: int = _field(4, ge=0)     # P learned tokens every query attends to
+    heads: int = _field(4, ge=1, most=HEADS.hi)
+    window: int = _field(64, ge=1, most=TOKENS.hi)  # sliding window W (attn, mag, mal)
+    segment: int = _field(32, ge=1, most=TOKENS.hi)  # segment length S (mac)
+    # P learned tokens every query attends to
+    persistent_tokens: int = _field(4, ge=0, most=PERSISTENT.hi)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -105,18 +109,21 @@ class AttentionSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemorySpec:
-    heads: int = _field(2, ge=1)
-    depth: int = _field(2, ge=1)                 # layers of the memory MLP
-    expansion: int = _field(2, ge=1)             # hidden width = expansion * head dim
-    chunk_size: int = _field(16, ge=1)           # b; 1 = exact token-by-token memory
+    heads: int = _field(2, ge=1, most=HEADS.hi)
+    depth: int = _field(2, ge=1, most=MEMORY_DEPTH.hi)  # layers of the memory MLP
+    # hidden width = expansion * head dim
+    expansion: int = _field(2, ge=1, most=EXPANSION.hi)
+    # b; 1 = exact token-by-token memory
+    chunk_size: int = _field(16, ge=1, most=TOKENS.hi)
     adaptive: bool = True                        # data-dependent theta/eta/alpha, else constants
-    lr_max: float = _field(0.01, gt=0)           # theta_max (or the constant theta)
+    # theta_max (or the constant theta)
+    lr_max: float = _field(0.01, gt=0, most=SPEC_FLOAT_MAX)
     momentum: float = _field(0.9, gt=0, lt=1)    # constant eta when not adaptive
     decay: float = _field(0.01, ge=0, lt=1)      # constant alpha when not adaptive, else
     #                                              alpha's starting value
     decay_max: float = _field(1.0, gt=0, le=1)   # top of the adaptive alpha's range
     output_gate: bool = True
-    conv_kernel: int = _field(4, ge=1)
+    conv_kernel: int = _field(4, ge=1, most=CONV_TAPS.hi)
     # activation of the q/k streams before l2norm: silu (the paper) or none (zero-mean keys)
     qk_activation: str = _field("silu", choices=("silu", "none"))
     # the momentum of the write: heavy_ball (the paper, S_t = η S_{t-1} - θ g_t) or ema
@@ -139,15 +146,16 @@ class MemorySpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
-    vocab_size: int = _field(256, ge=1)
-    d_model: int = _field(ge=1)
-    n_layers: int = _field(ge=1)
+    vocab_size: int = _field(256, ge=1, most=VOCAB_SIZE.hi)
+    d_model: int = _field(ge=1, most=WIDTH.hi)
+    n_layers: int = _field(ge=1, most=LAYERS.hi)
     block: str = _field(choices=BLOCKS)
     # at most 2**20 tokens (bounds.TOKENS: a sequence's tokens everywhere); past it the
     # compile's per-chunk work runs for hours before the memory check could refuse it
     seq_len: int = _field(ge=1, most=TOKENS.hi)
     tie_embeddings: bool = True
-    ffn_hidden: int | None = _field(None, ge=1)  # None: the multiple of 8 nearest 8/3 * d_model
+    # None: the multiple of 8 nearest 8/3 * d_model
+    ffn_hidden: int | None = _field(None, ge=1, most=FFN_WIDTH.hi)
     attention: AttentionSpec = _section(AttentionSpec)
     memory: MemorySpec = _section(MemorySpec)
 
@@ -223,36 +231,43 @@ class ModelSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainSpec:
-    batch_size: int = _field(8, ge=1)
-    steps: int = _field(200, ge=1)
-    lr: float = _field(3e-3, gt=0)
-    warmup: int = _field(20, ge=0)
-    weight_decay: float = _field(0.1, ge=0)
+    batch_size: int = _field(8, ge=1, most=BATCH_SIZE.hi)
+    steps: int = _field(200, ge=1, most=STEPS.hi)
+    lr: float = _field(3e-3, gt=0, most=SPEC_FLOAT_MAX)
+    warmup: int = _field(20, ge=0, most=STEPS.hi)
+    weight_decay: float = _field(0.1, ge=0, most=SPEC_FLOAT_MAX)
     betas: tuple[float, float] = _field((0.9, 0.95), ge=0, lt=1)
-    grad_clip: float = _field(1.0, ge=0)         # global-norm clip; 0 disables
+    grad_clip: float = _field(1.0, ge=0, most=SPEC_FLOAT_MAX)  # global-norm clip; 0 disables
     seed: int = _field(0, ge=0, most=TRAIN_SEED.hi)  # the loaders add the split to it
     dtype: str = _field("float32", choices=DTYPES)
     remat: str = _field("per_layer", choices=REMAT_POLICIES)
-    remat_budget_mb: float | None = _field(None, gt=0)  # required when remat is budget
+    # required when remat is budget
+    remat_budget_mb: float | None = _field(None, gt=0, most=MEGABYTES)
     # per_segment, block mac: sequences per group of the MAC scans (0: the fewest whose
     # segment [rows, S, D] reaches 1 MiB in float32, blocks.ROW_GROUP_BYTES)
-    remat_rows: int = _field(0, ge=0)
+    remat_rows: int = _field(0, ge=0, most=BATCH_SIZE.hi)
     # per_layer / per_segment: layers per checkpoint group; the residual stream is saved every
     # `remat_group` layers and the backward re-runs a group's layers (n_layers/k + k
     # checkpoints live instead of n_layers; 1: every layer)
-    remat_group: int = _field(1, ge=1)
-    loss_chunk: int = _field(1024, ge=0)         # tokens per LM-head chunk; 0 = unchunked
-    grad_accum: int = _field(1, ge=1)            # micro-batches per optimizer step
-    eval_every: int = _field(50, ge=0)           # steps between evaluations; 0 = never
-    eval_batches: int = _field(4, ge=1)
-    checkpoint_every: int = _field(100, ge=0)    # steps between checkpoints; 0 = only at the end
+    remat_group: int = _field(1, ge=1, most=LAYERS.hi)
+    # tokens per LM-head chunk; 0 = unchunked
+    loss_chunk: int = _field(1024, ge=0, most=LOSS_CHUNK.hi)
+    # micro-batches per optimizer step
+    grad_accum: int = _field(1, ge=1, most=GRAD_ACCUM.hi)
+    # steps between evaluations; 0 = never
+    eval_every: int = _field(50, ge=0, most=EVERY.hi)
+    eval_batches: int = _field(4, ge=1, most=BATCHES.hi)
+    # steps between checkpoints; 0 = only at the end
+    checkpoint_every: int = _field(100, ge=0, most=EVERY.hi)
     # steps between metrics lines (loss, grad norm: the only reads from the device)
-    log_every: int = _field(1, ge=1)
-    bucket_mb: float = _field(25.0, gt=0)        # gradient all-reduce bucket size (distributed)
+    log_every: int = _field(1, ge=1, most=EVERY.hi)
+    # gradient all-reduce bucket size (distributed)
+    bucket_mb: float = _field(25.0, gt=0, most=MEGABYTES)
     zero: int = _field(0, ge=0)                  # 1 = ZeRO-1: shard AdamW state over ranks
-    dist_timeout_s: float = _field(300.0, gt=0)  # a collective waiting longer fails the job
+    # a collective waiting longer fails the job
+    dist_timeout_s: float = _field(300.0, gt=0, most=SECONDS)
     # steps between memory diagnostics in metrics.jsonl (runtime/diagnostics/neural_memory.py); 0 = never
-    memory_stats_every: int = _field(0, ge=0)
+    memory_stats_every: int = _field(0, ge=0, most=EVERY.hi)
     # also write the metrics as TensorBoard scalars under DIR/<run directory name>
     # (titanc/integrations/tensorboard.py); null = none
     tensorboard: str | None = None
@@ -516,7 +531,10 @@ def _check_bounds(value: Any, bounds: Mapping[str, Any], path: str) -> None:
     if not ok:
         raise SpecError(f"{path}: {_show(value)} must be {_bounds_text(bounds)}")
     if "most" in bounds and value > bounds["most"]:
-        raise SpecError(f"{path}: {_show(value)} must be at most {bounds['most']}")
+        if bounds["most"] == SPEC_FLOAT_MAX:    # a graph scalar: float32 when the masters are
+            raise SpecError(f"{path}: {value:g} overflows float32 (largest {_F32_MAX:.4g}); "
+                            f"use a smaller value")
+        raise SpecError(f"{path}: {_show(value)} must be at most {_show(bounds['most'])}")
 
 
 def _check_fields(obj: Any) -> None:
