@@ -88,7 +88,7 @@ def source_fingerprint() -> str:
     return h.hexdigest()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Entry:
     compiled: Any
     verified: bool          # compiled with verify_each: every pass's output was verified
