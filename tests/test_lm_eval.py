@@ -173,3 +173,6 @@ def test_model_arguments_are_checked(setup: dict[str, Any]) -> None:
     with pytest.raises(TitancError, match=r"^prefix_token: 999 is outside the vocabulary "
                                           r"\[0, 256\); pass prefix_token=ID$"):
         TitancLM(program=prog, prefix_token=999)
+    with pytest.raises(TitancError, match=r"^max_gen_toks: 'many' is not an integer; "
+                                          r"pass max_gen_toks=N$"):
+        TitancLM(program=prog, max_gen_toks="many")

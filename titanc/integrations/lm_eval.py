@@ -65,13 +65,15 @@ class TitancLM(TemplateLM):
         self.gen = Generator(program, self.tok)
         self.vocab_size = program.spec.model.vocab_size
         eot = getattr(self.tok, "eot", None)
-        prefix = int(prefix_token) if prefix_token is not None else (
-            eot if eot is not None else BYTE_PREFIX)
+        prefix = (_integer(prefix_token, "prefix_token") if prefix_token is not None
+                  else eot if eot is not None else BYTE_PREFIX)
         if not 0 <= prefix < self.vocab_size:
             raise TitancError(f"prefix_token: {prefix} is outside the vocabulary "
                               f"[0, {self.vocab_size}); pass prefix_token=ID")
         self._prefix = prefix
-        self.max_gen_toks = int(max_gen_toks)
+        self.max_gen_toks = _integer(max_gen_toks, "max_gen_toks")
+        if self.max_gen_toks < 0:
+            raise TitancError(f"max_gen_toks: {self.max_gen_toks} must be >= 0")
         self._contexts: OrderedDict[tuple[int, ...], tuple[Any, torch.Tensor]] = OrderedDict()
 
     # -- what TemplateLM needs ---------------------------------------------------------------
@@ -160,6 +162,16 @@ class TitancLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", (context, req.args[1]), text)
             out.append(text)
         return out
+
+
+def _integer(value: Any, name: str) -> int:
+    """A model argument as an int (lm-eval passes model_args strings through as text)."""
+    try:
+        if isinstance(value, bool) or isinstance(value, float):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise TitancError(f"{name}: {value!r} is not an integer; pass {name}=N") from None
 
 
 def main() -> None:
