@@ -44,7 +44,8 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from titanc.cache_files import private_directory, read_regular, seal, unseal
+from titanc.cache_files import (drop_stale_temporaries, private_directory, read_regular,
+                                seal, unseal)
 from titanc.config import current, triton_interpret, triton_interpret_mode
 from titanc.errors import TitancError, printable
 from titanc.files import os_reason, trim_directory, write_bytes_atomic
@@ -242,6 +243,7 @@ def _kernel_file(source: str, mod_name: str) -> Path:
     if _written[0] % _TRIM_EVERY == 0:
         with contextlib.suppress(OSError):
             trim_directory(root, "titanc_kernel_*.py", KERNELS_MAX_BYTES, keep=path)
+            drop_stale_temporaries(root)
     _written[0] += 1
     return path
 
@@ -278,6 +280,7 @@ def store_rendered(key: str, entries: dict[Any, Any]) -> None:
         payload = pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL)
         write_bytes_atomic(path, seal(path.parent.parent, "rendered", key, payload))
         trim_directory(path.parent, "*.pickle", RENDERED_MAX_BYTES, keep=path)
+        drop_stale_temporaries(path.parent)
     except OSError:
         return
 

@@ -351,3 +351,22 @@ def test_a_damaged_precompile_marker_is_compiled_again(tmp_path: Path, monkeypat
         assert pc.precompile(object(), 90, jit=False, progress=False)["cached"] is False
         assert pc._read_marker(marker) is not None
         assert pc.precompile(object(), 90, jit=False, progress=False)["cached"] is True
+
+
+def test_temporaries_of_killed_writers_are_dropped(cache: Path) -> None:
+    """A `.tmp` a writer killed before its rename left is removed by a later write once it
+    is an hour old; a fresh one (a live writer's) stays."""
+    spec = _small()
+    compile_graphs(spec, dumps=False)
+    old, fresh = cache / "compiled" / "tmpa.tmp", cache / "compiled" / "tmpb.tmp"
+    kernel_tmp = cache / "tmpc.tmp"
+    for p in (old, fresh, kernel_tmp):
+        p.write_bytes(b"x" * 100)
+    for p in (old, kernel_tmp):
+        os.utime(p, (1, 1))
+    compile_cache.store(compile_cache.compile_key(spec, None, True),
+                        compile_graphs(spec, dumps=False), True)
+    render._written[0] = 0
+    render._LOADED.clear()
+    render.load_module("X = 3\n", "tmp")
+    assert not old.exists() and not kernel_tmp.exists() and fresh.exists()

@@ -26,11 +26,13 @@ import os
 import secrets
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from titanc.errors import TitancError, printable
 
-__all__ = ["private_directory", "read_regular", "seal", "unseal", "KEY_NAME"]
+__all__ = ["private_directory", "read_regular", "seal", "unseal", "drop_stale_temporaries",
+           "KEY_NAME"]
 
 KEY_NAME = ".titanc-key"
 MAGIC = b"TITANC\x01\n"
@@ -118,6 +120,19 @@ def read_regular(path: Path, limit: int) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+STALE_TMP_S = 3600
+
+
+def drop_stale_temporaries(directory: Path, age_s: float = STALE_TMP_S) -> None:
+    """Remove `*.tmp` files older than `age_s` from `directory`: what a writer killed between
+    its temporary file and the rename left (a live writer renames within seconds)."""
+    cutoff = time.time() - age_s
+    for p in directory.glob("*.tmp"):
+        with contextlib.suppress(OSError):
+            if os.lstat(p).st_mtime < cutoff:
+                p.unlink()
 
 
 def _new_key(path: Path, replace: bool) -> bytes | None:

@@ -40,7 +40,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from titanc.cache_files import private_directory, read_regular, seal, unseal
+from titanc.cache_files import (drop_stale_temporaries, private_directory, read_regular,
+                                seal, unseal)
 from titanc.config import current
 from titanc.files import trim_directory, write_bytes_atomic
 from titanc.model.spec import Spec, spec_to_dict
@@ -153,5 +154,6 @@ def _write(path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(path, data)
         trim_directory(path.parent, "*.pickle", MAX_BYTES, keep=path)
+        drop_stale_temporaries(path.parent)
     except OSError:
         return
