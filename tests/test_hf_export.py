@@ -2,7 +2,8 @@
 (offline): `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` gives the same
 next-token log-probabilities as titanc's own program (float32, 1e-5) and the same greedy tokens
 as `titanc generate`; the weights file holds the parameters only; rows with padding match
-their solo runs; a weight edited in the HF module reaches the compiled program."""
+their solo runs; a weight edited in the HF module reaches the compiled program;
+save_pretrained writes a directory that loads back to the same logits."""
 
 from __future__ import annotations
 
@@ -173,6 +174,16 @@ def test_an_edited_weight_reaches_the_program(hf: tuple[Any, Any]) -> None:
         with torch.no_grad():
             norm.div_(2.0)
     torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=1e-6)
+
+
+def test_save_pretrained_round_trip(hf: tuple[Any, Any], tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, tok = hf
+    ids = torch.tensor([tok.encode(PROMPTS[1])])
+    model.save_pretrained(tmp_path / "again")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", trust_remote_code=True)
+    assert torch.equal(again(ids).logits, model(ids).logits)
 
 
 def test_byte_runs_export_a_tokenizer_of_utf8_bytes() -> None:
