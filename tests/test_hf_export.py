@@ -130,8 +130,17 @@ def test_greedy_generate_equals_titanc_generate(hf: tuple[Any, Any], titanc_gen:
     model, tok = hf
     text = PROMPTS[0]
     ids = tok.encode(text)
-    out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    gen = model.titanc_generator
+    fed: list[int] = []
+    prefill = gen.prefill
+    gen.prefill = lambda prompt, state=None: (fed.append(len(prompt)), prefill(prompt, state))[1]
+    try:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    finally:
+        del gen.prefill
     new = out[0, len(ids):].tolist()
+    # each step runs only its new token (the prompt once, unless a forward already ran it)
+    assert fed[-7:] == [1] * 7 and fed[:-7] in ([], [len(ids)])
     assert new == titanc_gen.generate([ids], 8, Sampling(temperature=0))[0]
     capsys.readouterr()
     assert main(["generate", str(run), "--prompt", text, "--max-new-tokens", "8",
