@@ -1,6 +1,8 @@
 # titanc: `make demo` and `make test` each build .venv from nothing, then run.
 # The venv is (re)built only when pyproject.toml or constraints.txt change (stamp file);
-# constraints.txt pins torch, so the CPU build is installed and no CUDA wheels are pulled.
+# constraints.txt pins torch's version; which build (CPU or CUDA) is the one the package index
+# serves: PyPI serves the CUDA build on Linux x86-64. `make demo TORCH_INDEX=URL` installs torch
+# from URL first, e.g. https://download.pytorch.org/whl/cpu for the CPU-only build.
 # Installed modules are byte-compiled once: this environment sets PYTHONDONTWRITEBYTECODE, so
 # without .pyc files every process a test starts would compile torch's modules again on import
 # (3-4 CPU-s each). pip compiles them one at a time (about 50 s of a 109 s build here);
@@ -9,6 +11,7 @@
 # file for a newer Python that no 3.11 compiles; pip skips it the same way).
 
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
@@ -17,7 +20,7 @@ STAMP  := $(VENV)/.installed
 
 demo: $(STAMP)
 	$(BIN)/titanc compile examples/tiny.yaml -o build/tiny
-	$(BIN)/python -m titanc.tools.demo
+	$(BIN)/python -m titanc.tools.demo --out runs/demo
 
 # `make test-fast`: tests/unit/ alone, by layer, under a minute (no whole-example compiles).
 # `make test`: every tier but `slow` (CI; under 12 minutes on a 2-core machine), one pytest
@@ -45,6 +48,7 @@ gpu-check: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(BIN)/pip install --no-compile -c constraints.txt torch --index-url $(TORCH_INDEX))
 	$(BIN)/pip install --no-compile -c constraints.txt -e '.[dev]'
 	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') > /dev/null || true
 	touch $@

@@ -45,11 +45,13 @@ shorter curriculum (it steps slowest; the same CPU budget).
 `--task-set n_pairs=6 --task-set n_values=12 --set model.vocab_size=48` varies the task.
 The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
 
-Writes benchmarks/results/recall_distance.json (config, one row per model, summary) and
+Writes runs/recall_distance.json (config, one row per model, summary; `--out` elsewhere) and
 recall_distance.png next to it (accuracy vs distance, one line per block: the mean over seeds
 with the min-max band, chance dashed), prints the JSON and a table (mean and min over seeds).
+The committed figure and JSON the README shows are benchmarks/results/recall_distance.*:
+`--out benchmarks/results/recall_distance.json` replaces them on purpose.
 Runs made in separate processes (one per block and seed, `--out` each) become one sweep with
-`--merge A.json B.json ... --out benchmarks/results/recall_distance.json`.
+`--merge A.json B.json ... --out runs/recall_distance.json`.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ from titanc.runtime.diagnostics.neural_memory import memory_stats
 from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent
+DEFAULT_OUT = "runs/recall_distance.json"     # the committed results are replaced only by name
 SPEC: dict[str, Any] = {
     "name": "recall_distance",
     "model": {
@@ -382,7 +385,9 @@ def main() -> None:
                          "or always the longest (pairs at the start)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke settings: curriculum 32:100, distances 8,16,64")
-    ap.add_argument("--out", default=str(ROOT / "results" / "recall_distance.json"))
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help=f"the sweep's JSON, its plot beside it (default {DEFAULT_OUT}, outside "
+                         f"the committed benchmarks/results/)")
     ap.add_argument("--append", action="store_true",
                     help="add to the rows already in --out (same configuration) instead of "
                          "starting over")
@@ -454,6 +459,7 @@ def write_results(out: Path, config: dict[str, Any], rows: list[dict[str, Any]],
     distances = config["distances"]
     summary = summarize(rows, distances)
     result = {"config": config, "results": rows, "summary": summary}
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     own = sorted(b for b in config.get("block_curriculum", {}) if b in {r["block"] for r in rows})
     title = (f"recall vs distance ({task}): curriculum {config['curriculum']}"

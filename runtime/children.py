@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 __all__ = ["die_with_parent", "forward_signals", "reap", "StopRequest", "stop_on_term"]
 
@@ -96,10 +97,12 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_on_term(enabled: bool = True) -> Iterator[StopRequest]:
-    """While inside, the first SIGTERM only sets the request's `signum` (the caller stops at
-    its next boundary); a second one exits with status 143 at once. Disabled (or outside the
-    main thread) the request is never set."""
+def stop_on_term(enabled: bool = True,
+                 signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[StopRequest]:
+    """While inside, the first of `signals` (SIGTERM by default) only sets the request's
+    `signum` (the caller stops at its next boundary); a second one exits at once with status
+    128 + its number (143, or 130 for SIGINT). Disabled (or outside the main thread) the
+    request is never set."""
     req = StopRequest()
 
     def handler(signum: int, _frame: object) -> None:
@@ -107,12 +110,14 @@ def stop_on_term(enabled: bool = True) -> Iterator[StopRequest]:
             os._exit(128 + signum)
         req.signum = signum
 
+    old: dict[int, Any] = {}
     try:
-        old = signal.signal(signal.SIGTERM, handler) if enabled else None
+        for sig in signals if enabled else ():
+            old[sig] = signal.signal(sig, handler)
     except ValueError:                                  # not the main thread
-        old = None
+        pass
     try:
         yield req
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for sig, prev in old.items():
+            signal.signal(sig, prev)

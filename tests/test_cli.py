@@ -153,10 +153,12 @@ def test_train_calls_run_training(monkeypatch: pytest.MonkeyPatch) -> None:
     (spec, kwargs), = calls
     assert spec.train.seed == 3
     assert kwargs == {"out": "runs/t", "data": "a.txt", "steps": 5, "resume": "runs/old",
-                      "strict": True, "profile": True, "until": 3, "dist": None}
-    assert main(["train", str(TINY), "--out", "r"]) == 0
+                      "strict": True, "profile": True, "until": 3, "dist": None,
+                      "reschedule": False, "explicit": {"train.seed"}}
+    assert main(["train", str(TINY), "--out", "r", "--reschedule"]) == 0
     assert calls[-1][1] == {"out": "r", "data": None, "steps": None, "resume": None,
-                            "strict": False, "profile": False, "until": None, "dist": None}
+                            "strict": False, "profile": False, "until": None, "dist": None,
+                            "reschedule": True, "explicit": set()}
 
 
 def test_missing_backend_is_a_clean_error(monkeypatch: pytest.MonkeyPatch,

@@ -156,6 +156,8 @@ def evaluate_run(run: str | os.PathLike, data: str, *, batches: int = 8, split: 
 
     tok = run_tokenizer(run)                       # checked against the checkpoint's record
     _check_text_source(os.fspath(data), tok)       # before paying for a compile
+    from titanc.runtime.train.shard_source import check_eval_shards
+    check_eval_shards(os.fspath(data), tok, os.fspath(run))
     prog = titanc.load(run)
     dataset = open_eval_data(os.fspath(data), prog.spec, tok)
     result = evaluate(prog, dataset, tok, batches=batches, split=split, recall=recall)

@@ -23,8 +23,10 @@ tokens/s counts the whole job.
 
 Resuming (`resume=RUN`) restores the parameters, the AdamW moments, the step (which drives the
 learning-rate schedule) and the sampler's generator, so N steps straight and N/2 + resume +
-N/2 give identical parameters. `train.steps` is the total the schedule spans, counted from
-the start of the run, not from the resume point.
+N/2 give identical parameters. `train.steps` is the total the run trains to, counted from the
+start of the run, not from the resume point; the warmup + cosine schedule keeps the span the
+checkpoint was trained with (a longer run continues at its final learning rate), unless
+`reschedule`. SIGTERM and SIGINT (Ctrl-C) stop at the next step boundary with a checkpoint.
 
 A non-finite loss, gradient norm or held-out loss stops the run with a TitancError, and the
 checkpoint on disk is always one a run can continue from: before the state of step k replaces
@@ -37,14 +39,15 @@ same --out fails with an error naming the process that holds it.
 """
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any, Callable
 
 import torch
@@ -65,6 +68,9 @@ from titanc.runtime.train.rundir import LOCK_NAME, RunDir
 from titanc.runtime.train.distributed import Dist, DistributedError, GradReducer
 from titanc.runtime.data.tokenizer import (TOKENIZER_FILE, check_same_tokenizer, check_vocab,
                                           load_tokenizer, save_tokenizer)
+from titanc.runtime.train.metrics import PLOT_EXTRA, read_metrics, write_loss_plot
+from titanc.runtime.train.lr_schedule import lr_at
+from titanc.runtime.train.shard_source import from_shards
 
 __all__ = ["Trainer", "run_training", "write_loss_plot", "read_metrics"]
 
@@ -81,14 +87,20 @@ class Trainer:
     checkpoint, the run directory) is checked in `__init__`, before anything is written.
 
     `until` stops the run early at that step (checkpointed there) while the learning-rate
-    schedule still spans train.steps: a run cut short, as if interrupted. `log` receives the
-    human-readable lines (default: stdout, without tearing the progress bar)."""
+    schedule still spans train.steps: a run cut short, as if interrupted. Resumed with a
+    train.steps other than the checkpoint's, the run trains to the new total while the schedule
+    keeps the checkpoint's span (past its end, its final learning rate); `reschedule` spreads
+    the warmup + cosine over the new total instead. `explicit`: the dotted spec fields the user
+    set on the command line, which a shard header may not replace (runtime/train/shard_source.py).
+    `log` receives the human-readable lines (default: stdout, without tearing the progress
+    bar)."""
 
     def __init__(self, spec: Spec | str | os.PathLike, out: str | os.PathLike, *,
                  data: str | None = None, steps: int | None = None,
                  resume: str | os.PathLike | None = None, strict: bool = False,
                  profile: bool = False, until: int | None = None, progress: bool = True,
-                 log: Callable[[str], None] | None = None, dist: Dist | None = None):
+                 log: Callable[[str], None] | None = None, dist: Dist | None = None,
+                 reschedule: bool = False, explicit: Collection[str] = ()):
         overrides: dict[str, Any] = {}
         if data is not None:
             overrides["data.source"] = data
@@ -96,7 +108,8 @@ class Trainer:
             overrides["train.steps"] = steps
         if not isinstance(spec, Spec) or overrides:
             spec = load_spec(spec, overrides)
-        self.spec = spec
+        spec, self.notes = from_shards(spec, explicit)
+        self.notes = [self.notes] if self.notes else []
         if not os.fspath(out):           # Path("") would be the current directory
             raise TitancError("--out is empty; pass a directory for the run")
         self.out = Path(out)
@@ -110,41 +123,26 @@ class Trainer:
         self.data = make_data(spec)
         self.resume_path: Path | None = None
         self.restored: dict[str, Any] | None = None
-        self.until = spec.train.steps if until is None else min(until, spec.train.steps)
-        start = 0
+        target, start = spec.train.steps, 0
         if resume is not None:  # check the checkpoint before paying for a compile
-            self.resume_path = checkpoint_path(resume)
-            tensors, meta = load_checkpoint(self.resume_path)
-            if RNG_KEY not in tensors:
-                raise TitancError(f"{self.resume_path} has no sampler state ({RNG_KEY}); it "
-                                  f"cannot be resumed bit for bit")
+            tensors, meta = self._load_resume(resume)
+            spec = self._keep_schedule(spec, meta, reschedule)
             check_resumable(tensors, meta, spec, strict=strict, path=self.resume_path)
-            check_same_tokenizer(self.tokenizer, meta["extra"].get("tokenizer_hash"),
-                                 self.resume_path)
             start = meta["step"]
-        if until is not None and start >= self.until and until < spec.train.steps:
-            raise TitancError(f"--until {until}: the checkpoint is already at step {start}; "
-                              f"pass --until N with N > {start}, or leave --until out")
-        if until is not None and start >= self.until and until < spec.train.steps:
+        self.spec = spec
+        self.until = target if until is None else min(until, target)
+        if until is not None and start >= self.until and until < target:
             raise TitancError(f"--until {until}: the checkpoint is already at step {start}; "
                               f"pass --until N with N > {start}, or leave --until out")
         if start >= self.until:
             raise TitancError(
-                f"the checkpoint is at step {start} and train.steps is {spec.train.steps}: "
+                f"the checkpoint is at step {start} and train.steps is {target}: "
                 f"nothing to train; pass --steps N with a total N > {start}")
         self._check_out_dir(probe_lock=self.main)  # rank 0 holds the lock of a distributed run
         self.prog = titanc.compile(spec)
         self.gen = torch.Generator().manual_seed(spec.train.seed)
         if resume is not None:
-            self.restored = restore(self.prog, tensors, meta, strict=strict,
-                                    path=self.resume_path)
-            try:
-                self.gen.set_state(tensors[RNG_KEY])
-            except (RuntimeError, TypeError):   # wrong size or dtype
-                raise TitancError(f"{self.resume_path}: its sampler state {RNG_KEY} is damaged "
-                                  f"({list(tensors[RNG_KEY].shape)}, "
-                                  f"{tensors[RNG_KEY].dtype}); it cannot be resumed bit for "
-                                  f"bit") from None
+            self._restore(tensors, meta, strict)
         self.rows = spec.train.grad_accum * spec.train.batch_size          # this rank's
         world = dist.world if dist else 1
         self.global_rows = world * self.rows
@@ -157,7 +155,43 @@ class Trainer:
         self.last_ckpt_step: int | None = start if self._resuming_in_place else None
         self.times: dict[str, float] = defaultdict(float)
         self.name = printable(spec.name, 60)       # the spec name as it may reach a terminal
-        self._stop = StopRequest()                 # set by SIGTERM while run() runs
+        self._stop = StopRequest()                 # set by SIGTERM or SIGINT while run() runs
+
+    def _load_resume(self, resume: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The checkpoint's tensors and metadata, with a sampler state and this tokenizer."""
+        self.resume_path = checkpoint_path(resume)
+        tensors, meta = load_checkpoint(self.resume_path)
+        if RNG_KEY not in tensors:
+            raise TitancError(f"{self.resume_path} has no sampler state ({RNG_KEY}); it "
+                              f"cannot be resumed bit for bit")
+        check_same_tokenizer(self.tokenizer, meta["extra"].get("tokenizer_hash"),
+                             self.resume_path)
+        return tensors, meta
+
+    def _keep_schedule(self, spec: Spec, meta: dict[str, Any], reschedule: bool) -> Spec:
+        """`spec` with the checkpoint's train.steps as the schedule's span (unless
+        `reschedule`), so a longer or shorter run continues the learning rate it had."""
+        theirs = (meta.get("spec") or {}).get("train", {}).get("steps")
+        if reschedule or not isinstance(theirs, int) or theirs == spec.train.steps:
+            return spec
+        kept = load_spec(spec, {"train.steps": theirs})
+        end = lr_at(max(theirs, kept.train.warmup), kept.train)
+        after = (f"then {end:.3g} to step {spec.train.steps}" if spec.train.steps > theirs
+                 else f"stopping at step {spec.train.steps}")
+        self.notes.append(
+            f"train.steps {spec.train.steps}: the learning-rate schedule keeps the "
+            f"checkpoint's {theirs} steps (warmup + cosine, {after}); --reschedule spreads "
+            f"it over {spec.train.steps} steps instead (the learning rate rises again)")
+        return kept
+
+    def _restore(self, tensors: dict[str, Any], meta: dict[str, Any], strict: bool) -> None:
+        self.restored = restore(self.prog, tensors, meta, strict=strict, path=self.resume_path)
+        try:
+            self.gen.set_state(tensors[RNG_KEY])
+        except (RuntimeError, TypeError):   # wrong size or dtype
+            raise TitancError(f"{self.resume_path}: its sampler state {RNG_KEY} is damaged "
+                              f"({list(tensors[RNG_KEY].shape)}, {tensors[RNG_KEY].dtype}); "
+                              f"it cannot be resumed bit for bit") from None
 
     # -- setup ----------------------------------------------------------------------------------
     @property
@@ -370,10 +404,12 @@ class Trainer:
         """Train from the current step to `until`; returns the summary (see run_training)."""
         if not self.main:                          # rank 0 locks and writes the directory
             return self._run()
-        # SIGTERM (a scheduler, `kill`) to a single process: the step in flight finishes, is
-        # checkpointed, and the run stops with one line (exit 0); ranks stop with their job
+        # SIGTERM (a scheduler, `kill`) or SIGINT (Ctrl-C) to a single process: the step in
+        # flight finishes, is checkpointed, and the run stops with one line (summary
+        # "stopped"); a second one exits at once; ranks stop with their job
         with RunDir(self.out), writing_into(self.out), \
-                stop_on_term(enabled=self.dist is None) as self._stop:
+                stop_on_term(enabled=self.dist is None,
+                             signals=(signal.SIGTERM, signal.SIGINT)) as self._stop:
             self._check_out_dir(probe_lock=False)  # again, under the lock: another run may
             #                                        have finished meanwhile
             remove_stale_temps(self.ckpt, keep_live=False)   # the lock: no one else saves here
@@ -421,7 +457,7 @@ class Trainer:
                     self._timed("eval", self._memory_stats)
                 if self._due(spec.train.checkpoint_every):
                     self._timed("checkpoint", self._checkpoint)
-                if self._stop.signum is not None:     # SIGTERM: stop here, checkpointed
+                if self._stop.signum is not None:     # SIGTERM, SIGINT: stop, checkpointed
                     if self.last_ckpt_step != prog.step:
                         self._timed("checkpoint", self._checkpoint)
                     bar.close()
@@ -443,7 +479,12 @@ class Trainer:
             if self._metrics is not None:
                 self._metrics.close()
                 self._timed("plot", self._plot)
-        seconds = time.perf_counter() - t_start
+        return self._summary(start_step, time.perf_counter() - t_start, last, evals)
+
+    def _summary(self, start_step: int, seconds: float, last: dict[str, float],
+                 evals: dict[str, float]) -> dict[str, Any]:
+        """The run's summary (see run_training); the last line unless a signal stopped it."""
+        prog = self.prog
         steps_run = prog.step - start_step
         train_seconds = (self.times["train_step"] + self.times["data"]
                          + self.times.get("communication", 0.0))
@@ -460,6 +501,8 @@ class Trainer:
             summary["profile"] = self._profile(seconds)
         if self._stop.signum is None:              # stopped: its one line is printed
             self._report_end(summary)
+        else:
+            summary["stopped"] = self._stop.name
         return summary
 
     # -- reporting ------------------------------------------------------------------------------
@@ -471,6 +514,8 @@ class Trainer:
                 self.log(f"  {field}: {old!r} in the checkpoint, {new!r} now")
             if r["new"]:
                 self.log(f"  new parameters (fresh initialisation): {', '.join(r['new'])}")
+        for note in self.notes:
+            self.log(f"note: {note}")
         ranks = (f" on {self.dist.world} ranks ({self.dist.backend}"
                  f"{', ZeRO-1' if self.reducer.zero else ''})" if self.dist else "")
         self.log(f"training {self.name} on {printable(self.data.description)}{ranks}: steps "
@@ -511,8 +556,9 @@ class Trainer:
         baseline = (self.data.unigram_entropy("val") if isinstance(self.data, TextData)
                     else None)
         try:
-            write_loss_plot(self.metrics_path, self.out / "loss.png", title=self.name,
-                            baseline=baseline)
+            if not write_loss_plot(self.metrics_path, self.out / "loss.png", title=self.name,
+                                   baseline=baseline):
+                self.log(f"note: no loss.png: matplotlib is not installed ({PLOT_EXTRA})")
         except Exception as exc:  # a plot must never hide the run's own outcome
             self.log(f"note: could not write {self.out / 'loss.png'}: {exc}")
 
@@ -533,72 +579,12 @@ def _progress(total: int, initial: int, desc: str, enabled: bool) -> Any:
                 dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
 
 
-# ---------------------------------------------------------------------------------- metrics
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl: JSON objects with an integer `step` ([] when the file
-    does not exist). A torn last line, undecodable bytes and lines that are not such records
-    are skipped; a metrics.jsonl that cannot be read at all is a TitancError."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    try:
-        if not p.is_file():                        # a directory; a FIFO would block
-            raise IsADirectoryError(errno.EISDIR, "not a regular file")
-        text = p.read_bytes().decode("utf-8", errors="replace")
-    except OSError as exc:
-        raise TitancError(f"{p} cannot be read ({exc.strerror or exc}); move it away to start "
-                          f"the metrics afresh") from None
-    out = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) \
-                and not isinstance(rec["step"], bool):
-            out.append(rec)
-    return out
-
-
-def write_loss_plot(metrics: str | os.PathLike, png: str | os.PathLike, title: str = "",
-                    baseline: float | None = None) -> bool:
-    """Plot training and held-out loss from `metrics` into `png`. Returns False (and writes
-    nothing) when matplotlib is not installed."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
-    records = read_metrics(metrics)
-    train = [(m["step"], m["loss"]) for m in records if "loss" in m]
-    evals = [(m["step"], m["eval_loss"]) for m in records if "eval_loss" in m]
-    fig = Figure(figsize=(6, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=1)
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out loss", ms=3)
-    if baseline is not None:
-        ax.axhline(baseline, color="gray", ls="--", lw=1, label="unigram baseline")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if train or evals or baseline is not None:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.fspath(png))
-    return True
-
-
 def run_training(spec: Spec | str | os.PathLike, out: str | os.PathLike, data: str | None = None,
                  steps: int | None = None, resume: str | os.PathLike | None = None,
                  strict: bool = False, profile: bool = False, **kwargs: Any) -> dict[str, Any]:
     """Train `spec` into the run directory `out` (see the module docstring); returns a summary
     {out, steps, steps_run, loss, eval_loss, eval_accuracy, seconds, tokens_per_s,
-    new_parameters[, unigram_loss][, profile]}. Extra keyword arguments go to `Trainer`."""
+    new_parameters[, unigram_loss][, profile][, stopped: "SIGTERM" | "SIGINT" when a signal
+    stopped it at a step boundary]}. Extra keyword arguments go to `Trainer`."""
     return Trainer(spec, out, data=data, steps=steps, resume=resume, strict=strict,
                    profile=profile, **kwargs).run()

@@ -152,6 +152,12 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False,
         raise TitancError(f"cannot create output directory {out}: {e.strerror or e}; choose a "
                           f"writable directory with -o") from None
     try:
+        from titanc.tools import artifact_cache
+        report = artifact_cache.restore(spec, tok.hash, force, arch, stage)   # a copy
+        if report is not None:
+            with writing_into(out, "the artifact directory"):
+                swap_in(stage, final, _move_others, last="manifest.json")
+            return report
         t0 = time.perf_counter()
         try:
             c = compile_graphs(spec)
@@ -167,6 +173,7 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False,
             check_fits(planned_bytes(c), spec, _device(spec), force_hint=True)
         with writing_into(out, "the artifact directory"):
             report = _write_files(spec, c, stage, seconds, tok, arch)
+            artifact_cache.save(spec, tok.hash, force, arch, stage)
             swap_in(stage, final, _move_others, last="manifest.json")
         return report
     finally:

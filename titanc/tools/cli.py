@@ -2,8 +2,10 @@
 
     titanc compile SPEC [-o DIR] [--set KEY=VALUE ...]
     titanc train SPEC --out RUN [--set KEY=VALUE ...] [--data SRC] [--steps N] [--resume RUN]
+                 [--reschedule] [--until STEP] [--nproc N]
     titanc inspect DIR [--kernel NAME | --graph [--pass NAME] | --memory] | --pipeline
     titanc bench SPEC [--set KEY=VALUE ...] [--steps N] [--warmup N] [--threads N] [--json]
+                      [--predict h100|h200]
     titanc tokenizer train | data prepare | eval     (titanc/tools/corpus_cli.py)
     titanc generate RUN --prompt TEXT [--max-new-tokens N] [--session FILE] ...
     titanc serve RUN [--host H] [--port N] [--slots N] [--max-queue N] [--grace S]
@@ -31,8 +33,9 @@ from titanc import config
 from titanc.errors import TitancError, printable
 from titanc.files import check_file_target
 from titanc.model.spec import Spec, load_spec, parse_set_args
+from titanc.tools.inspect_cli import INSPECT_KERNEL_EXAMPLE, add_inspect_commands
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "INSPECT_KERNEL_EXAMPLE"]
 
 _DESCRIPTION = """\
 titanc compiles Titans-style language models (attention plus a neural long-term memory that
@@ -70,8 +73,15 @@ def _add_spec_args(parser: argparse.ArgumentParser) -> None:
                         metavar="KEY=VALUE", help=_SET_HELP)
 
 
-# a kernel every spec's artifact has (the optimizer's), so the help's example stays true
-INSPECT_KERNEL_EXAMPLE = "titanc_tem_fused_adamw_0"
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own usage error (with its
+    usage line), not the top-level parser's."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,13 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"titanc {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
-                                     required=True)
+                                     required=True, parser_class=_CommandParser)
+    for add in (_add_compile_parser, _add_train_parser, _add_generate_parser,
+                _add_serve_parser, add_inspect_commands):
+        add(commands)
+    from titanc.tools.corpus_cli import add_commands   # tokenizer train, data prepare, eval
+    add_commands(commands)
+    from titanc.integrations.hf_export import add_command as add_export   # export --hf
+    add_export(commands)
+    return parser
 
+
+def _add_compile_parser(commands: Any) -> None:
     compile_ = commands.add_parser(
         "compile", help="validate a spec and write the compiled artifact to a directory",
         description="Validate SPEC, lower it to the IR and write the compiled artifact to DIR:\n"
                     "report.json (graph sizes, spec hash), manifest.json (spec hash, versions)\n"
-                    "and the IR as text under DIR/ir/.",
+                    "and the IR as text under DIR/ir/. A spec compiled before is copied from\n"
+                    "the compile cache (TITANC_CACHE_DIR; TITANC_COMPILE_CACHE=0 compiles).",
         epilog="example:\n  titanc compile examples/tiny.yaml -o build/tiny --set model.n_layers=4",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_spec_args(compile_)
@@ -103,12 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
                                "registers, spills); no GPU needed")
     compile_.set_defaults(run=_cmd_compile)
 
+
+def _add_train_parser(commands: Any) -> None:
     train = commands.add_parser(
         "train", help="train the model a spec describes and write a run directory",
-        description="Compile SPEC and train it, writing metrics, plots and checkpoints to RUN.",
+        description="Compile SPEC and train it, writing metrics, plots and checkpoints to RUN.\n"
+                    "Ctrl-C (SIGINT) or SIGTERM stops at the next step with a checkpoint.",
         epilog="examples:\n"
                "  titanc train examples/tiny.yaml --out runs/tiny\n"
                "  titanc train examples/tiny.yaml --data notes.txt --steps 500 --out runs/notes\n"
+               "  titanc train examples/tiny.yaml --data data/corpus --out runs/corpus  "
+               "(shards: tokenizer and vocabulary from their header)\n"
                "  titanc train examples/tiny.yaml --resume runs/tiny --steps 400 --out runs/tiny\n"
                "  titanc train examples/tiny.yaml --nproc 2 --out runs/ddp   (2 local ranks)\n"
                "  torchrun --nproc-per-node 2 -m titanc.train examples/tiny.yaml --out runs/ddp",
@@ -117,15 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", metavar="FILE|DIR|synthetic:recall", default=None,
                        help="training data, instead of the spec's data.source: a UTF-8 text "
                             "file (byte-level tokens), a token-shard directory from 'titanc "
-                            "data prepare' or synthetic:recall, an associative-recall "
-                            "task that needs a working memory")
+                            "data prepare' (data.tokenizer and model.vocab_size are taken from "
+                            "its header) or synthetic:recall, an associative-recall task that "
+                            "needs a working memory")
     train.add_argument("--steps", metavar="N", type=B.STEPS.arg, default=None,
-                       help="number of optimizer steps, instead of the spec's train.steps")
+                       help="total optimizer steps of the run, instead of the spec's "
+                            "train.steps; with --resume, the step to train to (the "
+                            "learning-rate schedule keeps the checkpoint's span)")
     train.add_argument("--out", metavar="RUN", required=True,
-                       help="run directory for metrics.jsonl, loss.png and checkpoints")
+                       help="run directory for metrics.jsonl, checkpoints and loss.png "
+                            "(loss.png needs matplotlib: pip install 'titanc[plot]')")
     train.add_argument("--resume", metavar="RUN", default=None,
                        help="continue from the last checkpoint in RUN; parameters the spec adds "
                             "are initialised fresh and listed")
+    train.add_argument("--reschedule", action="store_true",
+                       help="with --resume and a new --steps: spread the warmup + cosine "
+                            "schedule over the new total instead of keeping the checkpoint's "
+                            "(the learning rate rises again)")
     train.add_argument("--strict", action="store_true",
                        help="with --resume: refuse any difference between the checkpoint and "
                             "the spec instead of loading the tensors that match")
@@ -144,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "machines use torchrun ... -m titanc.train")
     train.set_defaults(run=_cmd_train)
 
+
+def _add_generate_parser(commands: Any) -> None:
     gen = commands.add_parser(
         "generate", help="sample text from a trained run (or a compiled artifact)",
         description="Load RUN (a run directory or checkpoint file) and continue PROMPT.\n"
@@ -171,66 +207,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a conversation file: continue the state it holds (if it exists) "
                           "with the one --prompt, then save the state after this turn into it")
     gen.set_defaults(run=_cmd_generate)
-
-    _add_serve_parser(commands)
-
-    inspect = commands.add_parser(
-        "inspect", help="show the kernels, IR graphs and buffer plan of a compiled artifact",
-        description="Read the artifact 'titanc compile' wrote to DIR. Without options: a table of\n"
-                    "kernels (category, FLOPs, bytes, arithmetic intensity, IR nodes), totals\n"
-                    "per category, and the training step by kernel family before and after\n"
-                    "the pattern passes.",
-        epilog="examples:\n"
-               "  titanc inspect build/tiny\n"
-               f"  titanc inspect build/tiny --kernel {INSPECT_KERNEL_EXAMPLE}\n"
-               "  titanc inspect build/tiny --graph --pass aggregate\n"
-               "  titanc inspect build/tiny --memory\n"
-               "  titanc inspect --pipeline",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    inspect.add_argument("dir", metavar="DIR", nargs="?", default=None,
-                         help="artifact directory ('titanc compile -o DIR')")
-    what = inspect.add_mutually_exclusive_group()
-    what.add_argument("--pipeline", action="store_true",
-                      help="print the compile pipeline: each graph kind's lowering and passes "
-                           "(with their conditions), then what every kind goes through; no DIR")
-    what.add_argument("--kernel", metavar="NAME",
-                      help="print one kernel's source with its header (DIR/kernels/NAME.py)")
-    what.add_argument("--graph", action="store_true",
-                      help="write the IR after a pass as DIR/graph_<pass>.dot (and .png when "
-                           "Graphviz is installed)")
-    what.add_argument("--memory", action="store_true",
-                      help="print the buffer plan summary (arena, lower bound, persistent, "
-                           "peak activation, logits) and the head of memory_plan.txt")
-    inspect.add_argument("--pass", dest="pass_name", metavar="NAME", default=None,
-                         help="with --graph: the pass whose output to draw, by pass name "
-                              "(aggregate: its last run) or dump name (02_aggregate_forward); "
-                              "default: the final training graph")
-    inspect.add_argument("--limit", type=B.LIMIT.arg, default=None, metavar="N",
-                         help="list only the first N kernels (totals still cover all)")
-    inspect.set_defaults(run=_cmd_inspect)
-
-    bench = commands.add_parser(
-        "bench", help="time compiled training steps and print a profile per kernel category",
-        description="Compile SPEC, run warm-up steps, then N training steps on random tokens\n"
-                    "under the profiler: time per kernel category, tokens/s, MFU where the\n"
-                    "device peak is known, peak memory.",
-        epilog="example:\n  titanc bench examples/tiny.yaml --steps 3 --threads 2 --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_spec_args(bench)
-    bench.add_argument("--steps", type=B.STEPS.arg, default=5, metavar="N",
-                       help="profiled training steps (default 5)")
-    bench.add_argument("--warmup", type=B.Bound(0, 1 << 20, "a number of steps").arg, default=1, metavar="N",
-                       help="unprofiled warm-up steps first (default 1)")
-    bench.add_argument("--threads", type=B.THREADS.arg, default=None, metavar="N",
-                       help="torch CPU threads (default: torch's default); always reported")
-    bench.add_argument("--json", action="store_true", help="print the result as JSON")
-    bench.set_defaults(run=_cmd_bench)
-
-    from titanc.tools.corpus_cli import add_commands   # tokenizer train, data prepare, eval
-    add_commands(commands)
-    from titanc.integrations.hf_export import add_command as add_export   # export --hf
-    add_export(commands)
-    return parser
 
 
 def _add_serve_parser(commands: Any) -> None:
@@ -328,7 +304,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     spec = _load(args)
     out = Path(args.out) if args.out else Path("build") / spec.safe_name
     write_artifact = _import("titanc.tools.artifact", "write_artifact", "titanc compile")
-    report = write_artifact(spec, out, force=args.force, arch=args.arch)
+    from titanc.tools.status import status
+    with status(f"compiling {printable(spec.name)} into {printable(str(out))} (lowering, "
+                f"passes, kernels; a spec compiled before is read from the cache)"):
+        report = write_artifact(spec, out, force=args.force, arch=args.arch)
     forward = (report or {}).get("graphs", {}).get("forward", {})
     nodes = forward.get("nodes", "?")
     nodes = len(nodes) if isinstance(nodes, (list, dict)) else nodes
@@ -357,14 +336,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" in config.current().torchrun:     # a rank under torchrun or --nproc
         from titanc.runtime.train.distributed import init_from_env
         dist = init_from_env(spec)
+    explicit = set(parse_set_args(args.overrides))     # fields a shard header may not replace
     try:
-        run_training(spec, out=args.out, data=args.data, steps=args.steps, resume=args.resume,
-                     strict=args.strict, profile=args.profile, until=args.until, dist=dist)
+        summary = run_training(spec, out=args.out, data=args.data, steps=args.steps,
+                               resume=args.resume, strict=args.strict, profile=args.profile,
+                               until=args.until, dist=dist, reschedule=args.reschedule,
+                               explicit=explicit)
     finally:
         if dist is not None:
             from titanc.runtime.train.distributed import shutdown
             shutdown()
-    return 0
+    # Ctrl-C stopped it (checkpointed): 130 as for any interrupted command; SIGTERM: 0
+    return 130 if isinstance(summary, dict) and summary.get("stopped") == "SIGINT" else 0
 
 
 def _train_argv(args: argparse.Namespace) -> list[str]:
@@ -375,7 +358,8 @@ def _train_argv(args: argparse.Namespace) -> list[str]:
     for flag in ("data", "steps", "resume", "until", "threads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag}", str(getattr(args, flag))]
-    argv += [f for f, on in (("--strict", args.strict), ("--profile", args.profile)) if on]
+    argv += [f for f, on in (("--strict", args.strict), ("--profile", args.profile),
+                             ("--reschedule", args.reschedule)) if on]
     return argv
 
 
@@ -457,50 +441,6 @@ def _text(arg: str, flag: str) -> str:
                           f"0x{ord(arg[exc.start]) & 0xFF:02x} at character {exc.start}); "
                           f"pass UTF-8 text") from None
     return arg
-
-
-def _cmd_inspect(args: argparse.Namespace) -> int:
-    from titanc.tools import inspect
-
-    if args.pass_name is not None and not args.graph:
-        raise TitancError("--pass selects the graph to draw; use it with --graph")
-    if args.pipeline:
-        from titanc.compiler import pipeline_text
-        if args.dir is not None:
-            raise TitancError("--pipeline prints the compiler's table and reads no DIR; "
-                              "leave DIR out")
-        sys.stdout.write(pipeline_text())
-        return 0
-    if args.dir is None:
-        raise TitancError("inspect needs DIR, the directory 'titanc compile -o DIR' wrote "
-                          "(or --pipeline)")
-    art = inspect.open_artifact(args.dir)
-    if args.kernel is not None:
-        sys.stdout.write(inspect.kernel_source(art, args.kernel).rstrip("\n") + "\n")
-    elif args.graph:
-        stage, written, note = inspect.write_graph(art, args.pass_name)
-        print(f"{stage}: wrote {', '.join(map(str, written))}")
-        if note:
-            print(note)
-    elif args.memory:
-        print(inspect.memory_summary(art))
-    else:
-        rows, note = inspect.resolved_rows(art)
-        print(inspect.kernel_table(art, args.limit, rows, note))
-        step = inspect.step_table(art)
-        if step:
-            print("\n" + step)
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
-    from titanc.tools.bench import bench_table, run_bench
-
-    result = run_bench(_load(args), steps=args.steps, warmup=args.warmup, threads=args.threads)
-    print(json.dumps(result, indent=2) if args.json else bench_table(result))
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,11 +37,18 @@ def _add_corpus_args(p: argparse.ArgumentParser) -> None:
 
 def add_commands(commands: Any) -> None:
     """Register `tokenizer`, `data` and `eval` on the CLI's subparsers object."""
+    _add_tokenizer(commands)
+    _add_data(commands)
+    _add_eval(commands)
+
+
+def _add_tokenizer(commands: Any) -> None:
     tok = commands.add_parser(
         "tokenizer", help="train a byte-level BPE tokenizer on a corpus",
         description="Tokenizers through the Hugging Face 'tokenizers' library.",
         formatter_class=_RAW)
-    tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="COMMAND", required=True)
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="COMMAND", required=True,
+                                 title="commands")
     train = tok_sub.add_parser(
         "train", help="train a byte-level BPE and write tokenizer.json",
         description="Train a byte-level BPE (GPT-2 style: 256 byte symbols, then merges,\n"
@@ -50,7 +57,9 @@ def add_commands(commands: Any) -> None:
         epilog="example:\n  titanc tokenizer train docs/ README.md --ext md --vocab-size 4096 "
                "-o tok.json",
         formatter_class=_RAW)
-    train.add_argument("inputs", nargs="+", metavar="CORPUS")
+    train.add_argument("inputs", nargs="+", metavar="CORPUS",
+                       help="text files, directories (read recursively), .jsonl or .parquet "
+                            "files to learn the merges from")
     train.add_argument("--vocab-size", type=B.VOCAB_SIZE.arg, required=True, metavar="N",
                        help="vocabulary size, including the 256 byte symbols and <|endoftext|>")
     train.add_argument("-o", "--out", required=True, metavar="FILE",
@@ -60,9 +69,16 @@ def add_commands(commands: Any) -> None:
     _add_corpus_args(train)
     train.set_defaults(run=_cmd_tokenizer_train)
 
-    data = commands.add_parser("data", help="prepare token shards (train.bin/val.bin) from text",
-                               formatter_class=_RAW)
-    data_sub = data.add_subparsers(dest="data_command", metavar="COMMAND", required=True)
+
+def _add_data(commands: Any) -> None:
+    data = commands.add_parser(
+        "data", help="prepare token shards (train.bin/val.bin) from text",
+        description="Token shards: a corpus tokenized once into train.bin / val.bin and\n"
+                    "header.json, which 'titanc train --data DIR' and 'titanc eval' read.",
+        epilog="example:\n  titanc data prepare corpus/ -o data/corpus --tokenizer tok.json",
+        formatter_class=_RAW)
+    data_sub = data.add_subparsers(dest="data_command", metavar="COMMAND", required=True,
+                                   title="commands")
     prep = data_sub.add_parser(
         "prepare", help="tokenize a corpus into train.bin / val.bin + header.json",
         description="Tokenize text files, directories, .jsonl and .parquet in parallel worker\n"
@@ -71,8 +87,12 @@ def add_commands(commands: Any) -> None:
                     "counts, sources). Train on them with data.source: DIR.",
         epilog="example:\n  titanc data prepare corpus/ -o data/corpus --tokenizer tok.json",
         formatter_class=_RAW)
-    prep.add_argument("inputs", nargs="+", metavar="INPUT")
-    prep.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT",
+                      help="text files, directories (read recursively), .jsonl or .parquet "
+                           "files to tokenize")
+    prep.add_argument("-o", "--out", required=True, metavar="DIR",
+                      help="output directory for the shards, outside the input folders "
+                           "(e.g. data/corpus)")
     prep.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
                       help="byte (default) or a tokenizer.json from 'titanc tokenizer train'")
     prep.add_argument("--val-fraction", type=B.finite_float(0.0, 0.99, "a fraction"), default=0.1, metavar="F",
@@ -85,6 +105,8 @@ def add_commands(commands: Any) -> None:
     _add_corpus_args(prep)
     prep.set_defaults(run=_cmd_data_prepare)
 
+
+def _add_eval(commands: Any) -> None:
     ev = commands.add_parser(
         "eval", help="held-out loss, perplexity and bits per byte of a trained run (JSON)",
         description="Load RUN (run directory, checkpoint or compiled artifact) with its\n"
@@ -92,13 +114,15 @@ def add_commands(commands: Any) -> None:
                     "perplexity, bits per byte; --recall adds synthetic recall accuracy.",
         epilog="example:\n  titanc eval runs/corpus --data data/corpus --batches 8",
         formatter_class=_RAW)
-    ev.add_argument("run_dir", metavar="RUN")
+    ev.add_argument("run_dir", metavar="RUN",
+                    help="run directory, checkpoint or compiled artifact to evaluate")
     ev.add_argument("--data", metavar="DIR|FILE|synthetic:recall",
                     help="a token-shard directory, a text file (byte tokenizer) or "
                          "synthetic:recall")
     ev.add_argument("--batches", type=B.BATCHES.arg, default=8, metavar="N",
                     help="batches of train.batch_size windows (default 8)")
-    ev.add_argument("--split", choices=("val", "train"), default="val")
+    ev.add_argument("--split", choices=("val", "train"), default="val",
+                    help="which split of DATA to score: val (held out, the default) or train")
     ev.add_argument("--recall", action="store_true",
                     help="also report the synthetic associative-recall accuracy")
     ev.add_argument("--task", choices=("lm", "recall"), default="lm",

@@ -17,7 +17,6 @@ import argparse
 import math
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,12 +26,17 @@ import torch
 from titanc.errors import TitancError
 from titanc.ir import graph_stats
 from titanc.model.params import param_count
+from titanc.runtime.train.rundir import LOCK_NAME
 from titanc.runtime.train.trainer import Trainer, read_metrics
 from titanc.model.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "examples" / "tiny.yaml"
 DEMO_STEPS = 250
+DEMO_OUT = "runs/demo"
+# what a demo run leaves in its directory (the trainer's files and the corpus), removed by the next
+DEMO_FILES = ("corpus.txt", "checkpoint.safetensors", "metrics.jsonl", "loss.png", "spec.yaml",
+              "tokenizer.json")
 DEMO_OVERRIDES: dict[str, Any] = {
     "train.lr": 5e-3,
     "train.warmup": 10,
@@ -93,8 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titanc.tools.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=DEMO_STEPS, help="training steps")
-    parser.add_argument("--out", default=None,
-                        help="run directory (default: a new temporary directory)")
+    parser.add_argument("--out", default=DEMO_OUT,
+                        help=f"run directory, replaced by each run of the demo (default: "
+                             f"{DEMO_OUT})")
     args = parser.parse_args(argv)
     try:
         return _demo(args.steps, args.out)
@@ -103,16 +108,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _demo(steps: int, out: str | None) -> int:
+def fresh_run_dir(out: str) -> Path:
+    """`out` emptied of an earlier demo's run (the files the demo and the trainer write), so
+    the demo can run again; a directory holding anything else is refused."""
+    run = Path(out)
+    if run.exists() and not run.is_dir():
+        raise TitancError(f"--out {run} is a file; pass a directory for the demo's run")
+    if run.is_dir():
+        others = sorted(p.name for p in run.iterdir()
+                        if p.name not in DEMO_FILES and p.name != LOCK_NAME)   # lock: the trainer's
+        if others:
+            raise TitancError(f"--out {run} holds {', '.join(others[:4])}, which the demo did "
+                              f"not write; choose another --out or empty it")
+        for name in DEMO_FILES:
+            (run / name).unlink(missing_ok=True)
+    run.mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def _demo(steps: int, out: str) -> int:
     # The demo's tensors are tiny: one intra-op thread is fastest, and it does not collapse
     # when other processes share the cores (2 threads spin-wait there, often 5x slower).
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    run = Path(out) if out else Path(tempfile.mkdtemp(prefix="titanc-demo-"))
-    run.mkdir(parents=True, exist_ok=True)
+    run = fresh_run_dir(out)
     corpus = run / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text(make_corpus())
+    corpus.write_text(make_corpus())
     spec = load_spec(SPEC, {**DEMO_OVERRIDES, "data.source": str(corpus), "train.steps": steps})
     m = spec.model
     print(f"titanc demo: {spec.name} ({SPEC.name} with {len(DEMO_OVERRIDES)} overrides): block "
@@ -139,7 +160,8 @@ def _demo(steps: int, out: str | None) -> int:
     print(f"sample: {sample!r}")
     for line in kernel_memory_summary(trainer.prog.compiled, m.vocab_size):
         print("  " + line)
-    print(f"run directory {run}: metrics.jsonl, loss.png, checkpoint.safetensors "
+    plot = "loss.png, " if (run / "loss.png").exists() else ""
+    print(f"run directory {run}: metrics.jsonl, {plot}checkpoint.safetensors "
           f"({time.perf_counter() - t0:.0f} s in all)")
     return 0
 
