@@ -387,7 +387,24 @@ def run_titanc(name: str) -> None:
          model_gflop=round(model / 1e9, 3), mfu=(model / med / fl) if fl else None,
          hfu=(flops / med / fl) if fl else None, peak_cuda_mib=peak_mib(),
          loss_first=loss0, loss_after=prog.last["loss"], host_us_per_step=round(host_us, 1),
-         launches_per_step=launches, **waits)
+         launches_per_step=launches, **waits, **predicted(prog.compiled))
+
+
+def predicted(compiled: Any) -> dict[str, Any]:
+    """The cost model's step of this job's program on this device (`titanc.tools.cost_model`;
+    the job's own environment is the config it lowers with): `predicted_ms` and per profile
+    category, printed beside what was measured (`table`); the H100's constants on a device
+    the model has none for (the toy run's CPU). Every GPU call re-fits the model
+    (benchmarks/cost_fit.py reads the call once it is in benchmarks/results)."""
+    from titanc.runtime.diagnostics.timing import device_name
+    from titanc.tools import cost_model
+
+    key = cost_model.device_key(device_name("triton")) or "h100"
+    p = cost_model.predict(compiled, key)
+    return {"predicted_device": key, "predicted_ms": round(1e3 * p["seconds"], 4),
+            "predicted_launches": p["launches"],
+            "predicted_categories": {c: round(1e3 * v["seconds"], 4)
+                                     for c, v in p["categories"].items()}}
 
 
 def _titans_model(torch: Any, s: Any, matched: bool) -> Any:
@@ -640,6 +657,7 @@ def table(report: dict[str, Any]) -> str:
         else:
             lines.append(f"{name:34s} {r.get('tokens_per_step', '-'):>11} {'-':>9s} {'-':>10s} "
                          f"{'-':>6s} {'-':>9s}  {', '.join(notes)}")
+    lines += prediction_lines(jobs)
     profiled = [(n, r) for n, r in sorted(jobs.items()) if r["phase"] == "profile"]
     if profiled:                     # benchmarks/gpu_profile.py: no CUDA graph, profiled
         lines += ["", f"{'profiled step (no CUDA graph)':34s} {'kernels':>8s} {'kernel us':>10s} "
@@ -661,6 +679,31 @@ def table(report: dict[str, Any]) -> str:
         lines += ["", "no record (killed before its first phase, or crashed):"]
         lines += [f"  {n}: {report['processes'][n]}" for n in silent]
     return "\n".join(lines) + "\n"
+
+
+def prediction_lines(jobs: dict[str, Any]) -> list[str]:
+    """The cost model beside the measurement: per titanc job its predicted step and error,
+    and per profile category predicted ms against measured (where the call profiled the job:
+    each category's share of the profile's kernel time times the measured step;
+    `titanc.tools.cost_model.measured_categories`)."""
+    from titanc.tools.cost_model import measured_categories
+
+    rows = [(n, r) for n, r in sorted(jobs.items()) if "predicted_ms" in r and "ms_median" in r]
+    if not rows:
+        return []
+    out = ["", f"{'cost model, this program':34s} {'device':>6s} {'measured':>9s} "
+               f"{'predicted':>9s} {'error':>7s}  per category: predicted / measured ms"]
+    for n, r in rows:
+        prof = jobs.get(f"profile_{n}")
+        meas = measured_categories(prof, r["ms_median"]) if prof else {}
+        cats = dict(r["predicted_categories"])
+        cats.update({c: cats.get(c, 0.0) for c in meas})
+        per = "; ".join(f"{c} {v:.3f}" + (f" / {meas[c]:.3f}" if c in meas else "")
+                        for c, v in cats.items())
+        err = 100 * (r["predicted_ms"] / r["ms_median"] - 1)
+        out.append(f"{n:34s} {r['predicted_device']:>6s} {r['ms_median']:9.3f} "
+                   f"{r['predicted_ms']:9.3f} {err:6.1f}%  {per}")
+    return out
 
 
 def run_job(kind: str, name: str, extra: list[str]) -> int:

@@ -18,8 +18,10 @@ interpreter's blocks and with the blocks a CUDA launch takes (`codegen.meta.cuda
 `cuda_row_block`; recorded under the interpreter, `runtime.targets.aot.fresh_kernel_modules`),
 and how many run fewer programs than a quarter of an H100's SMs; and `flops`: the share of
 the step's FLOPs in launches of fewer than 132 programs with CUDA blocks (the budget of
-docs/gpu_kernels.md: a kernel with a real share of the FLOPs fills the chip). Prints JSON,
-then the tables.
+docs/gpu_kernels.md: a kernel with a real share of the FLOPs fills the chip). `--predict
+DEVICE` (h100, h200) adds `predicted`: the cost model's training step on that GPU from the
+same lowered program (`titanc.tools.cost_model.predict`, docs/cost_model.md): ms a step, the
+launches and ms per profile category. Prints JSON, then the tables.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ from titanc.runtime.targets.triton_executor import count_launches  # noqa: E402
 from titanc.model.spec import load_spec, parse_set_args  # noqa: E402
 
 
-def launches(path: str, overrides: dict[str, object], grids: bool = False) -> dict[str, object]:
+def launches(path: str, overrides: dict[str, object], grids: bool = False,
+             predict: str | None = None) -> dict[str, object]:
     c = compile_graphs(load_spec(path, overrides))
     row: dict[str, object] = {"spec": path}
     for mode, scans, groups in (("host_loops", False, False), ("scan_kernels", True, False),
@@ -56,6 +59,15 @@ def launches(path: str, overrides: dict[str, object], grids: bool = False) -> di
                                 for f in forms if f["form"] == "kernel"}.values())
     if grids:
         row["grids"] = program_grids(c)
+    if predict:
+        from titanc.tools.cost_model import predict as predict_step
+        p = predict_step(c, predict)
+        row["predicted"] = {"device": predict, "dtype": p["dtype"],
+                            "ms": round(1e3 * p["seconds"], 4), "launches": p["launches"],
+                            "categories": {k: {"ms": round(1e3 * v["seconds"], 4),
+                                               "launches": v["launches"]}
+                                           for k, v in p["categories"].items()},
+                            "bound_by_ms": {k: round(1e3 * v, 4) for k, v in p["terms"].items()}}
     return row
 
 
@@ -104,9 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--grids", action="store_true",
                     help="programs per launch, interpreter vs CUDA blocks (records a step)")
+    ap.add_argument("--predict", choices=("h100", "h200"), default=None, metavar="DEVICE",
+                    help="the cost model's step on DEVICE (h100, h200) beside the launches")
     args = ap.parse_args(argv)
     overrides = parse_set_args(args.set)
-    rows = [launches(p, overrides, args.grids) for p in args.specs]
+    rows = [launches(p, overrides, args.grids, args.predict) for p in args.specs]
     print(json.dumps(rows, indent=1))
     print(f"\n{'spec':32} {'host loops':>10} {'scan kernels':>12} {'+ launch groups':>15} "
           f"{'+ split-K':>10}")
@@ -132,6 +146,13 @@ def main(argv: list[str] | None = None) -> None:
             f = r["grids"]["flops"]
             print(f"{r['spec']:32} {100 * f['under_sms_share']:>35.1f}% "
                   f"{len(f['under_sms_kernels']):>24}")
+    if args.predict:
+        print(f"\n{'spec':32} {'predicted on ' + args.predict:>16} {'launches':>9}  "
+              f"ms per category")
+        for r in rows:
+            p = r["predicted"]
+            cats = "; ".join(f"{k} {v['ms']:.3f}" for k, v in p["categories"].items())
+            print(f"{r['spec']:32} {p['ms']:>13.3f} ms {p['launches']:>9}  {cats}")
     sys.stdout.flush()
 
 

@@ -1,7 +1,7 @@
 """A launch group's kernel: independent kernels as one launch (`codegen.horizontal` picks them).
 
-`render_group(name, graph, members)` takes the members' rendered kernels (pointwise,
-reduction, cumsum and matmul modules: one `@triton.jit` kernel, one `launch` that calls it
+`render_group(name, graph, members)` takes the members' rendered kernels (of groupable
+families, `KernelFamily.groupable`: one `@triton.jit` kernel, one `launch` that calls it
 once) and gives a `KernelCode` of family "group" whose module
 
 - loads each member's *member module*: its source with two source-to-source rewrites
@@ -34,14 +34,11 @@ from titanc.codegen.lower.code import KernelCode
 from titanc.codegen.render import render
 from titanc.codegen.meta import kernel_split_k
 from titanc.ir import Graph
+from titanc.ir.kernel_family import FAMILIES, family_of
 from titanc.ir.schedule import Kernel
 
-__all__ = ["GROUP_FAMILIES", "MemberSource", "groupable", "member_source", "render_group"]
+__all__ = ["MemberSource", "groupable", "member_source", "render_group"]
 
-# the families whose module is one kernel and one pure `launch` (no allocation, no torch op),
-# and the schedule's kernel categories that always render to one of them (`render_kernel`)
-GROUP_FAMILIES = frozenset({"pointwise", "reduction", "cumsum", "matmul"})
-GROUP_CATEGORIES = frozenset({"pointwise", "reduction", "matmul"})
 PIDS = ("group_pid_0", "group_pid_1", "group_pid_2")
 MEMBER = "member"                 # a member module's kernel
 
@@ -55,8 +52,10 @@ class MemberSource:
 
 def groupable(g: Graph, kernel: Kernel) -> bool:
     """May schedule kernel `kernel` of graph `g` join a launch group (`codegen.horizontal`)?
-    Not a split-K matmul (`meta.kernel_split_k`): its launch is two kernels."""
-    return kernel.category in GROUP_CATEGORIES and kernel_split_k(g, kernel) == 1
+    Its family's record says so (`KernelFamily.groupable`: its module is one kernel and one
+    pure `launch`, no allocation, no torch op); not a split-K matmul (`meta.kernel_split_k`):
+    its launch is two kernels."""
+    return family_of(g, kernel).groupable and kernel_split_k(g, kernel) == 1
 
 
 class _ProgramIds(ast.NodeTransformer):
@@ -79,7 +78,8 @@ def _is_constexpr(a: ast.arg) -> bool:
 
 def member_source(code: KernelCode) -> MemberSource:
     """`code`'s module rewritten as a group member (module docstring)."""
-    if code.family not in GROUP_FAMILIES:
+    fam = FAMILIES.get(code.family)
+    if fam is None or not fam.groupable:
         raise ValueError(f"{code.name}: a {code.family} kernel cannot join a launch group")
     tree = ast.parse(code.source)
     kernel = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == code.name)

@@ -112,8 +112,8 @@ def _flops(n: Any, g: Any) -> int:
 register(
     Structural(Op.LINEAR_CROSS_ENTROPY, _type, lce_ref, _vjp, reads=(0, 1, 2),
                groups=("PATTERN",), flops=_flops, precision="demanding", strided="all",
-               family="linear_cross_entropy"),
+               family="cross_entropy"),
     Structural(Op.LINEAR_CROSS_ENTROPY_BWD, _bwd_type, lce_bwd_ref, groups=("PATTERN",),
                flops=_flops, precision="high", strided="all",
-               family="linear_cross_entropy_bwd"),
+               family="cross_entropy_bwd"),
 )

@@ -26,19 +26,17 @@ from dataclasses import dataclass, field
 from typing import Collection, Iterator
 
 from titanc.ir import Graph, Op
+from titanc.ir.kernel_family import categories, prefix
 from titanc.ir.types import TensorType
-
-CATEGORIES = ("pointwise", "reduction", "matmul", "template")
-PREFIX = {"pointwise": "poi", "reduction": "red", "matmul": "mm", "template": "tem"}
 
 
 @dataclass(frozen=True)
 class Kernel:
     """One launch. `nodes` are IR node ids of the schedule's graph, in topological order.
     What each category may contain (and so what codegen must handle) is listed in
-    `passes/fusion.py`."""
-    name: str                    # titanc_{poi|red|mm|tem}_fused_<ops>_<n>
-    category: str                # "pointwise" | "reduction" | "matmul" | "template"
+    `passes/fusion.py`; which kernel family renders it, `ir.kernel_family.family_of`."""
+    name: str                    # titanc_<its family's prefix>_fused_<ops>_<n>
+    category: str                # a category of `ir.kernel_family` (pointwise, reduction, ...)
     nodes: tuple[int, ...]       # nodes it computes (a SCAN's ITEMs belong to the SCAN's kernel)
     inputs: tuple[int, ...]      # values it reads that other kernels / graph inputs produce
     outputs: tuple[int, ...]     # values it produces that later kernels or graph outputs read
@@ -176,7 +174,8 @@ def verify_schedule(schedule: Schedule) -> Schedule:
        graph is a DAG and the list is a topological order of it);
     5. outputs: a kernel's `outputs` are exactly its values that a graph output names or
        another kernel lists as an input;
-    6. names: unique, `titanc_<prefix>_fused_...` with the prefix of the kernel's category.
+    6. names: unique, `titanc_<prefix>_fused_...` with the prefix of the kernel's category
+       (`ir.kernel_family.prefix`).
     """
     g = schedule.graph
     seen: dict[int, str] = {}
@@ -189,7 +188,8 @@ def verify_schedule(schedule: Schedule) -> Schedule:
         return ScheduleError(f"{rule}: {g.name}: {k.name + ': ' if k else ''}{msg}")
 
     for k in schedule.kernels:
-        if k.category not in PREFIX or not k.name.startswith(f"titanc_{PREFIX[k.category]}_fused_"):
+        if k.category not in categories() or not k.name.startswith(
+                f"titanc_{prefix(k.category)}_fused_"):
             raise fail(k, "names", f"category {k.category!r} does not match the name")
         if k.name in names:
             raise fail(k, "names", "duplicate kernel name")
@@ -294,5 +294,5 @@ def prologue_kernel(g: Graph, kern: Kernel) -> Kernel | None:
         return None
     ops = "_".join(dict.fromkeys(g.node(n).op.name.lower() for n in nodes))
     ins = tuple(dict.fromkeys(i for n in nodes for i in g.node(n).inputs if i not in nodes))
-    return Kernel(f"titanc_{PREFIX['pointwise']}_fused_{ops}_{kern.name.rsplit('_', 1)[-1]}",
+    return Kernel(f"titanc_{prefix('pointwise')}_fused_{ops}_{kern.name.rsplit('_', 1)[-1]}",
                   "pointwise", nodes, ins, prologue_results(g, kern), 0, 0)

@@ -25,7 +25,8 @@ and the facts the passes and tools read about the kernel that runs it (defaults 
                (the memory plan binds a strided view to such an operand without a copy)
     in_place   attrs -> {output element: operand position} it updates where it is (the memory
                plan gives such an element the operand's persistent slot)
-    family     the profile family of its kernel (`titanc.tools.cost_model`; default its name)
+    family     the kernel family its template kernel runs (a `KernelFamily` record's name,
+               `ir/kernel_family.py`): an op naming a template family is alone in its kernel
 
 The arithmetic elementwise ops have their entries in `elementwise.py` (same idea, plus their
 `out=` form and Triton expression). How an op runs on a target is that target's lowering

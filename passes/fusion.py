@@ -74,7 +74,8 @@ from titanc.ir.structural import STRUCTURAL
 from titanc.ir.types import TensorType
 
 from titanc.config import debug_level
-from titanc.ir.schedule import (PREFIX, Kernel, Schedule, is_immediate, peak_live_bytes, prologue_of,
+from titanc.ir.kernel_family import FAMILIES, prefix
+from titanc.ir.schedule import (Kernel, Schedule, is_immediate, peak_live_bytes, prologue_of,
                        value_bytes)
 from titanc.passes.split_casts import splittable
 
@@ -89,11 +90,14 @@ NEIGHBOUR_TENSORS = 12       # tensors a neighbour merge may leave a kernel read
 
 
 class _Templates:
-    """Ops alone in a template kernel: SCAN, the scatter-adds and every pattern op (read at
-    each test, so an op registered later into `OpGroup.PATTERN` counts)."""
+    """Ops alone in a template kernel: those whose record names a kernel family of category
+    "template" (`Structural.family`, `ir.kernel_family`): SCAN, the scatter-adds and every
+    pattern op (read at each test, so an op or family registered later counts)."""
 
     def __contains__(self, op: Op) -> bool:
-        return op in (Op.SCAN, Op.INDEX_ADD, Op.SCATTER_ALONG) or op in OpGroup.PATTERN
+        entry = STRUCTURAL.get(op)
+        fam = FAMILIES.get(entry.family) if entry is not None and entry.family else None
+        return fam is not None and fam.category == "template"
 
 
 TEMPLATES = _Templates()
@@ -726,7 +730,7 @@ def _name(s: Schedule, counter: Iterator[int]) -> Schedule:
     bodies: dict[int, Schedule] = {}
     for k in s.kernels:
         ops = "_".join(kernel_ops(s.graph, k))
-        name = f"titanc_{PREFIX[k.category]}_fused_{ops}_{next(counter)}"
+        name = f"titanc_{prefix(k.category)}_fused_{ops}_{next(counter)}"
         kernels.append(Kernel(name, k.category, k.nodes, k.inputs, k.outputs, k.flops, k.bytes))
         for nid in k.nodes:
             if nid in s.bodies:

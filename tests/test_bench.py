@@ -17,7 +17,7 @@ import yaml
 from tests.helpers import TINY
 from titanc.runtime.diagnostics.timing import peak_flops, profile_summary, profile_table
 from titanc.tools.cli import main
-from titanc.runtime.targets.executor import PROFILE_CATEGORIES
+from titanc.ir.kernel_family import PROFILE_LABELS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,9 +44,9 @@ def test_bench_one_step_prints_every_category(tmp_path: Path,
     assert lines[1].startswith("profile: 1 steps, 32 tokens in ")
     assert "(cpu, 1 thread, float32)" in lines[1]
     rows = {cat: next((l for l in lines if l.startswith(f"  {cat} ")), None)
-            for cat in (*PROFILE_CATEGORIES, "outside kernels", "total")}
+            for cat in (*PROFILE_LABELS, "outside kernels", "total")}
     assert all(rows.values()), rows
-    for cat in PROFILE_CATEGORIES:                 # time, share, launches per step (all ran)
+    for cat in PROFILE_LABELS:                 # time, share, launches per step (all ran)
         assert float(rows[cat].split()[-1]) > 0, rows[cat]
     assert any(l.startswith("  tokens/s ") for l in lines)
     assert "  MFU              n/a (no known peak FLOP/s for cpu)" in lines
@@ -55,13 +55,13 @@ def test_bench_one_step_prints_every_category(tmp_path: Path,
 
 
 def test_profile_summary_json_and_mfu() -> None:
-    prof = {c: 0.1 for c in PROFILE_CATEGORIES}
+    prof = {c: 0.1 for c in PROFILE_LABELS}
     kw = dict(flops_per_step=5e14, model_flops_per_step=3e14, device="NVIDIA H100 80GB HBM3",
               dtype="bfloat16")
     s = profile_summary(prof, steps=2, tokens=4096, seconds=1.0, peak_bytes=2**30, **kw)
     json.dumps(s)
     assert s["tokens_per_s"] == 4096
-    assert s["outside_kernels_seconds"] == pytest.approx(1.0 - 0.1 * len(PROFILE_CATEGORIES))
+    assert s["outside_kernels_seconds"] == pytest.approx(1.0 - 0.1 * len(PROFILE_LABELS))
     assert s["mfu"] == pytest.approx(6e14 / 989.5e12)      # the model's FLOPs
     assert s["hfu"] == pytest.approx(1e15 / 989.5e12)      # the executed ones
     text = profile_table(prof, 2, 4096, 1.0, 2**30, **kw)

@@ -23,7 +23,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from titanc import config  # noqa: E402
-from titanc.codegen.group import GROUP_CATEGORIES, groupable, member_source  # noqa: E402
+from titanc.codegen.group import groupable, member_source  # noqa: E402
+from titanc.ir.kernel_family import family_of  # noqa: E402
 from titanc.codegen.horizontal import MAX_MEMBERS, extents, waves  # noqa: E402
 from titanc.codegen.lower.dispatch import render_kernel  # noqa: E402
 from titanc.codegen.lowered import Launch, LaunchGroup, Lowered, lower  # noqa: E402
@@ -96,7 +97,7 @@ def test_groups_keep_every_hazard(example: str) -> None:
             if isinstance(s, LaunchGroup):
                 n_groups += 1
                 assert 2 <= len(s.members) <= MAX_MEMBERS
-                assert all(m.kernel.category in GROUP_CATEGORIES for m in s.members)
+                assert all(family_of(low.graph, m.kernel).groupable for m in s.members)
         run = _flat(ref)
         for i, a in enumerate(run):
             ra, wa = _touches(low.plan, a.kernel)
@@ -123,7 +124,7 @@ def test_member_source_takes_program_ids_as_arguments() -> None:
     making it."""
     seen = set()
     for plan, kern in _kernels(compiled("tiny_mal").plans["training"]):
-        if kern.category not in GROUP_CATEGORIES:
+        if not family_of(plan.schedule.graph, kern).groupable:
             continue
         code = render_kernel(plan.schedule.graph, kern, dtype="float64",
                              skip=set(plan.aliases), strided=plan.strided)

@@ -231,8 +231,10 @@ def test_template_locals_are_declared() -> None:
         "matmul": [render_matmul("titanc_mm_fused_zz_0", k_scale=True, epilogue_inputs=["zz_b"],
                                  epilogue=["zz_y = acc + zz_b * zz_a"], scalars=["zz_a"],
                                  result="zz_y")],
-        "attention": [render_attention_fwd("titanc_tem_fused_zz_0", groups=groups, head_dim=8),
-                      render_attention_bwd("titanc_tem_fused_zz_1", groups=groups, head_dim=8)],
+        "attention_fwd": [render_attention_fwd("titanc_tem_fused_zz_0", groups=groups,
+                                               head_dim=8)],
+        "attention_bwd": [render_attention_bwd("titanc_tem_fused_zz_1", groups=groups,
+                                               head_dim=8)],
     }
     for family, srcs in sources.items():
         for src in srcs:

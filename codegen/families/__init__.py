@@ -1,5 +1,7 @@
 """The kernel template families: one renderer per `codegen/templates/*.py.jinja`, plain Triton
-in the template, the choice of dtypes, block sizes and layout in the renderer. Hooks that read
+in the template, the choice of dtypes, block sizes and layout in the renderer. Each family's
+record (name, prefix, template, hook, whether it joins launch groups, profile label, cost
+class) is in `ir/kernel_family.py`. Hooks that read
 the IR and pick a family live in `codegen.lower`; the scan kernel in `codegen.scan`.
 
 Fused families (`fused.py`, hook-made statements inside):
@@ -23,19 +25,16 @@ Each renderer returns module source; `render.load_module(source, name)` imports 
 
 from __future__ import annotations
 
+from titanc.ir.kernel_family import FAMILIES, resolve
 from titanc.codegen.meta import LAUNCH_LOCALS
-from titanc.codegen.families.cumsum import CUMSUM_KERNEL_LOCALS, CumsumScan, render_cumsum
+from titanc.codegen.families.cumsum import CumsumScan, render_cumsum
 from titanc.codegen.families.pattern_ops import (
-    ATTENTION_KERNEL_LOCALS,
     KeyGroup,
     render_attention_bwd,
     render_attention_fwd,
     render_cross_entropy,
 )
 from titanc.codegen.families.fused import (
-    MATMUL_KERNEL_LOCALS,
-    POINTWISE_KERNEL_LOCALS,
-    REDUCTION_KERNEL_LOCALS,
     ReductionStage,
     render_matmul,
     render_pointwise,
@@ -59,13 +58,9 @@ __all__ = [
     "render_segment_sum",
 ]
 
-# Names each family's template binds itself (kernel and launcher locals, module constants):
-# a user-derived name never equals one of them (`expr.Scope` prefixes it). A test renders the
-# families and checks that these lists are complete.
+# Names each family's template binds itself (kernel and launcher locals, module constants),
+# from the records (`KernelFamily.locals`, `ir/kernel_family.py`): a user-derived name never
+# equals one of them (`expr.Scope` prefixes it). A test renders the families and checks that
+# these lists are complete.
 TEMPLATE_LOCALS: dict[str, frozenset[str]] = {
-    "pointwise": POINTWISE_KERNEL_LOCALS | LAUNCH_LOCALS,
-    "reduction": REDUCTION_KERNEL_LOCALS | LAUNCH_LOCALS,
-    "matmul": MATMUL_KERNEL_LOCALS | LAUNCH_LOCALS,
-    "attention": ATTENTION_KERNEL_LOCALS | LAUNCH_LOCALS,
-    "cumsum": CUMSUM_KERNEL_LOCALS | LAUNCH_LOCALS,
-}
+    f.name: resolve(f.locals) | LAUNCH_LOCALS for f in FAMILIES.values() if f.locals}

@@ -1,6 +1,7 @@
 """Hooks from the IR to the template families: Triton source for every kernel of a schedule.
 
-`render_kernel(g, kernel)` maps one fused kernel onto a family (docs/conventions.md §7: hooks read the IR,
+`render_kernel(g, kernel)` maps one fused kernel onto its family (`ir.kernel_family.family_of`;
+the family's record names its hook, below; docs/conventions.md §7: hooks read the IR,
 templates hold plain Triton) and returns a `KernelCode`: the module source and how to launch
 it (which values, viewed how, and the trailing size arguments of its `launch`).
 
@@ -32,7 +33,7 @@ naming the kernel and the node; there is no fallback.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Collection, Iterator
 
@@ -40,6 +41,7 @@ from titanc.ir import Graph, Node, Op, format_node
 from titanc.ir.lowering import register_lowering
 from titanc.ir.shapes import parse_einsum
 from titanc.ir.buffer_plan import BufferPlan
+from titanc.ir.kernel_family import family_of, resolve
 from titanc.ir.schedule import Kernel, prologue_kernel
 
 from titanc.codegen.families.fused import MatmulContraction, render_matmul, render_pointwise
@@ -51,9 +53,8 @@ from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
 from titanc.codegen.lower.code import KernelCode, TensorArg, code_of, graph_dtype, index_tile, indexed_args, store
 from titanc.codegen.lower.indexing import Ix, Names, Section, delinearize, reshape_coords
 from titanc.codegen.lower.lowerings import TRITON_KERNEL
+from titanc.codegen.lower import patterns  # noqa: F401  (registers the pattern ops' rules)
 from titanc.codegen.lower.nodes import KernelLowering, Val
-from titanc.codegen.lower.patterns import render_template
-from titanc.codegen.lower.rows import lower_cumsum, lower_reduction
 
 __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
 
@@ -102,24 +103,20 @@ def render_kernel(g: Graph, kernel: Kernel, *, dtype: str = "float32", spec_path
     header = [f"{kernel.name}: {kernel.category} kernel of graph {g.name}",
               f"spec: {spec_path or '(none)'}", "IR nodes:"]
     header += ["  " + format_node(g.node(n)) for n in kernel.nodes]
-    ops = {g.node(n).op for n in kernel.nodes}
-    if kernel.category == "pointwise":
-        return _pointwise(low, outs, header, dtype)
-    if kernel.category == "reduction" and Op.CUMSUM in ops:
-        return lower_cumsum(low, outs, header, dtype)
-    if kernel.category == "reduction":
-        return lower_reduction(low, outs, header, dtype)
-    if kernel.category == "matmul":
-        return _matmul(low, outs, header, dtype, allow_tf32)
-    if Op.SCAN in ops:
-        raise NotImplementedError(low.where("a SCAN is run by the program as a loop over its "
-                                            "body's kernels, not as one Triton kernel"))
-    return render_template(g, kernel, header, dtype, allow_tf32)
+    fam = family_of(g, kernel)
+    if not fam.renderer:
+        raise NotImplementedError(low.where(f"a {fam.name} kernel has no Triton kernel of its "
+                                            f"own (a SCAN runs as a scan kernel, `codegen.scan`, "
+                                            f"or as a loop over its body's kernels)"))
+    code = resolve(fam.renderer)(low, outs, header, dtype, allow_tf32)
+    return code if code.family == fam.name else replace(code, family=fam.name)
 
 
 # -- pointwise -------------------------------------------------------------------------------------
 
-def _pointwise(low: KernelLowering, outs: list[int], header: list[str], dtype: str) -> KernelCode:
+def lower_pointwise(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
+                    allow_tf32: bool = False) -> KernelCode:
+    """The pointwise family's hook (`ir.kernel_family`): one flat index over the kernel."""
     g, kernel = low.g, low.kernel
     computed = [n for n in kernel.nodes if low.computed(n)]
     numel = g.node((computed or outs)[0]).type.numel
@@ -148,10 +145,11 @@ def _pointwise(low: KernelLowering, outs: list[int], header: list[str], dtype: s
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
-            allow_tf32: bool = False) -> KernelCode:
-    """One output tile grid; each einsum of the kernel (fusion gave them equal tiles,
-    `passes.fusion.matmul_tile`) its own K loop and accumulator, then the epilogue."""
+def lower_matmul(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
+                 allow_tf32: bool = False) -> KernelCode:
+    """The matmul family's hook (`ir.kernel_family`): one output tile grid; each einsum of
+    the kernel (fusion gave them equal tiles, `passes.fusion.matmul_tile`) its own K loop and
+    accumulator, then the epilogue."""
     g, kernel = low.g, low.kernel
     einsums = [g.node(n) for n in kernel.nodes if g.node(n).op is Op.EINSUM]
     # 16-bit MMA when the executor stores in 16 bits or every operand holds bf16 values (the

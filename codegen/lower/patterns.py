@@ -33,10 +33,11 @@ from titanc.codegen.families.pattern_ops import (KeyGroup, render_attention_bwd,
                              render_cross_entropy)
 from titanc.codegen.lower.code import KernelCode, TensorArg
 from titanc.codegen.lower.lowerings import TRITON_KERNEL
+from titanc.codegen.lower.nodes import KernelLowering
 from titanc.codegen.meta import attention_cuda_blocks, compute_dtype, needs_int64, pow2
 from titanc.codegen.render import render
 
-__all__ = ["SCRATCH", "element_args", "key_groups", "render_template"]
+__all__ = ["SCRATCH", "element_args", "key_groups", "lower_template", "render_template"]
 
 SCRATCH = -1          # TensorArg.value of a temporary (its shape is the arg's `view`)
 
@@ -65,6 +66,12 @@ def render_template(g: Graph, kernel: Kernel, header: list[str], dtype: str,
     op's rule in `TRITON_KERNEL`."""
     n = next(g.node(i) for i in kernel.nodes if g.node(i).op is not Op.ITEM)
     return TRITON_KERNEL[n.op](g, n, kernel, header, dtype, allow_tf32)
+
+
+def lower_template(low: KernelLowering, outs: list[int], header: list[str], dtype: str,
+                   allow_tf32: bool = False) -> KernelCode:
+    """The template families' hook (`ir.kernel_family`): `render_template` of the kernel."""
+    return render_template(low.g, low.kernel, header, dtype, allow_tf32)
 
 
 @register_lowering(Op.ATTENTION, TRITON_KERNEL)

@@ -45,7 +45,7 @@ def _ancestors(low: KernelLowering, ids: list[int]) -> set[int]:
 
 
 def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
-                    dtype: str) -> KernelCode:
+                    dtype: str, allow_tf32: bool = False) -> KernelCode:
     g, kernel = low.g, low.kernel
     reds = [n for n in kernel.nodes if g.node(n).op in (Op.SUM, Op.AMAX)]
     x = low.shape(g.node(reds[0]).inputs[0])
@@ -169,7 +169,7 @@ def _row_blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
 
 
 def lower_cumsum(low: KernelLowering, outs: list[int], header: list[str],
-                 dtype: str) -> KernelCode:
+                 dtype: str, allow_tf32: bool = False) -> KernelCode:
     g, kernel = low.g, low.kernel
     scans = [n for n in kernel.nodes if g.node(n).op is Op.CUMSUM]
     first = g.node(scans[0])

@@ -26,7 +26,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from titanc.runtime.targets.executor import PROFILE_CATEGORIES, profiling
+from titanc.ir.kernel_family import PROFILE_LABELS
+from titanc.runtime.targets.executor import profiling
 
 __all__ = ["profile_summary", "profile_table", "format_summary", "peak_flops", "device_name",
            "peak_rss_bytes", "StepProfiler", "PEAK_TFLOPS", "format_bytes", "format_count"]
@@ -93,8 +94,8 @@ class StepProfiler:
     """
 
     def __init__(self) -> None:
-        self.seconds = {c: 0.0 for c in PROFILE_CATEGORIES}
-        self.calls = {c: 0 for c in PROFILE_CATEGORIES}
+        self.seconds = {c: 0.0 for c in PROFILE_LABELS}
+        self.calls = {c: 0 for c in PROFILE_LABELS}
         self.steps = 0
         self.wall = 0.0
 
@@ -104,7 +105,7 @@ class StepProfiler:
             t0 = time.perf_counter()
             yield
             self.wall += time.perf_counter() - t0
-        for c in PROFILE_CATEGORIES:
+        for c in PROFILE_LABELS:
             self.seconds[c] += prof.seconds[c]
             self.calls[c] += prof.calls[c]
         self.steps += 1
@@ -112,9 +113,9 @@ class StepProfiler:
 
 def _seconds_calls(prof: Any) -> tuple[dict[str, float], dict[str, int]]:
     if isinstance(prof, Mapping):
-        return {c: float(prof.get(c, 0.0)) for c in PROFILE_CATEGORIES}, {}
-    seconds = {c: float(prof.seconds.get(c, 0.0)) for c in PROFILE_CATEGORIES}
-    calls = {c: int(getattr(prof, "calls", {}).get(c, 0)) for c in PROFILE_CATEGORIES}
+        return {c: float(prof.get(c, 0.0)) for c in PROFILE_LABELS}, {}
+    seconds = {c: float(prof.seconds.get(c, 0.0)) for c in PROFILE_LABELS}
+    calls = {c: int(getattr(prof, "calls", {}).get(c, 0)) for c in PROFILE_LABELS}
     return seconds, calls
 
 
@@ -132,7 +133,7 @@ def profile_summary(prof: Any, steps: int, tokens: int, seconds: float, peak_byt
     inside = sum(secs.values())
     categories = {c: {"seconds": secs[c], "share": secs[c] / seconds if seconds > 0 else 0.0,
                       "calls_per_step": calls.get(c, 0) / max(steps, 1)}
-                  for c in PROFILE_CATEGORIES}
+                  for c in PROFILE_LABELS}
     outside = max(0.0, seconds - inside)
     def per_s(flops: float | None) -> float | None:
         return flops * steps / seconds if flops and seconds > 0 else None

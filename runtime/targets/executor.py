@@ -24,13 +24,15 @@ import time
 
 import torch
 
-from titanc.codegen.lowered import Launch, Lowered, ScanLoop, Step as LoweredStep, lower
+from titanc.codegen.lowered import (Launch, LaunchGroup, Lowered, ScanLoop, Step as LoweredStep,
+                                    lower)
 from titanc.ir import Graph, Node, Op, OpGroup
 from titanc.ir.elementwise import ELEMENTWISE
 from titanc.ir.lowering import register_lowering
 from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.types import DTYPES, ITEMSIZE, TensorType, dtype_name
 from titanc.ir.buffer_plan import OUTPUT_PREFIX, Home, BufferPlan, ScanHomes, view_of
+from titanc.ir.kernel_family import PROFILE_LABELS, family_of
 from titanc.ir.schedule import is_immediate, prologue_results, scan_prologue
 
 from titanc.runtime.targets.lowerings import CPU
@@ -39,17 +41,14 @@ from titanc.runtime.targets.pattern_kernels import pattern_steps
 Tensor = torch.Tensor
 Step = Callable[[], None]
 
-PROFILE_CATEGORIES = ("pointwise", "reduction", "matmul", "attention", "memory update",
-                      "optimizer", "scan", "other")
-
 
 class Profiler:
     """Exclusive wall time per kernel category (a scan's own time excludes its body's, and
     the profiler's own bookkeeping for the body's kernels)."""
 
     def __init__(self) -> None:
-        self.seconds = {c: 0.0 for c in PROFILE_CATEGORIES}
-        self.calls = {c: 0 for c in PROFILE_CATEGORIES}
+        self.seconds = {c: 0.0 for c in PROFILE_LABELS}
+        self.calls = {c: 0 for c in PROFILE_LABELS}
         self._child = [0.0]
 
     def run(self, label: str, fns: list[Step]) -> None:
@@ -71,24 +70,16 @@ _PROFILER: ContextVar["Profiler | None"] = ContextVar("titanc_profiler", default
 
 
 def kernel_label(g: Graph, kernel: Any, role: str = "") -> str:
-    """Profile category: attention (score/value contractions), memory update (kernels in the
-    body of a scan of role "memory"), optimizer, else the kernel's own category; a scan's own
-    time (its loop, excluding its body's kernels) is 'scan', the flash-attention pattern
-    kernels 'attention', other template kernels 'other'."""
+    """Profile category: its family's (`KernelFamily.profile`: attention for the flash
+    attention kernels, scan for a scan's own time, its loop excluding its body's kernels), except
+    where it runs: optimizer (the optimizer graph), memory update (a kernel in the body of a
+    scan of role "memory")."""
     if g.name.startswith("optimizer"):
         return "optimizer"
-    if any(g.node(n).op in (Op.ATTENTION, Op.ATTENTION_BWD) for n in kernel.nodes):
-        return "attention"
-    if kernel.category == "template":
-        return "scan" if any(g.node(n).op is Op.SCAN for n in kernel.nodes) else "other"
-    if role == "memory":
+    fam = family_of(g, kernel)
+    if role == "memory" and fam.category != "template":
         return "memory update"
-    for nid in kernel.nodes:
-        n = g.node(nid)
-        if n.op is Op.MASK or (n.op is Op.EINSUM and "h" in n.attr("spec").split("->")[1]
-                               and "q" in n.attr("spec")):
-            return "attention"
-    return kernel.category
+    return fam.profile
 
 
 class Storage:
@@ -228,7 +219,9 @@ class _Binder:
             first = len(self.steps)
             self.step(st)
             self.order.append(st.kernel.name)
-            self.groups.append((kernel_label(self.g, st.kernel, self.role),
+            # a launch group: its first member's label (its members are of groupable families)
+            one = st.members[0].kernel if isinstance(st, LaunchGroup) else st.kernel
+            self.groups.append((kernel_label(self.g, one, self.role),
                                 self.steps[first:]))
             self.scratch.top = mark
         return self.steps

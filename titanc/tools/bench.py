@@ -1,5 +1,7 @@
 """`titanc bench`: compile a spec, run warm-up and profiled training steps on random tokens and
-print the profile summary (`runtime/diagnostics/timing.py` says what each figure means)."""
+print the profile summary (`runtime/diagnostics/timing.py` says what each figure means);
+`titanc bench --predict h100|h200`: no step runs, the cost model predicts one on that GPU from
+the lowered program (`titanc.tools.cost_model.predict`, docs/cost_model.md)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +12,7 @@ from titanc.errors import printable
 from titanc.runtime.diagnostics.timing import (StepProfiler, device_name, format_summary, peak_rss_bytes,
                                     profile_summary)
 
-__all__ = ["run_bench", "bench_table", "step_flops"]
+__all__ = ["run_bench", "bench_table", "predict_bench", "predict_table", "step_flops"]
 
 
 def step_flops(compiled: Any) -> int:
@@ -84,3 +86,35 @@ def bench_table(result: dict[str, Any]) -> str:
                  f"{threads} threads every small op can wait at a thread barrier for a busy "
                  f"core; compare with --threads 1")
     return text
+
+
+# -- titanc bench --predict ------------------------------------------------------------------
+
+def predict_bench(spec: Any, device: str) -> dict[str, Any]:
+    """The cost model's training step of `spec` on `device` (h100, h200): inside one CUDA
+    graph (as the triton target runs it) and launch by launch without one."""
+    from titanc.compiler import compile_graphs
+    from titanc.tools.cost_model import predict
+
+    c = compile_graphs(spec)
+    tokens = c.spec.train.grad_accum * c.spec.train.batch_size * c.spec.model.seq_len
+    graph = predict(c, device)
+    eager = predict(c, device, graph=False)
+    return {"name": c.spec.name, "device": device, "tokens_per_step": tokens,
+            "model_flops": c.model_flops(), "step_flops": step_flops(c),
+            "graph": graph, "eager": eager,
+            "tokens_per_s": tokens / graph["seconds"] if graph["seconds"] else None}
+
+
+def predict_table(result: dict[str, Any]) -> str:
+    from titanc.runtime.diagnostics.timing import PEAK_TFLOPS
+    from titanc.tools.cost_model import DATASHEET, prediction_table
+
+    g = result["graph"]
+    peak = PEAK_TFLOPS[DATASHEET[result["device"]]["name"]].get(g["dtype"])
+    mfu = (f", MFU {100 * result['model_flops'] / g['seconds'] / (peak * 1e12):.2f}%"
+           if peak and g["seconds"] else "")
+    return (f"{printable(result['name'])}: {result['tokens_per_step']:,} tokens a step, "
+            f"predicted {1e3 * g['seconds']:.3f} ms a step in one CUDA graph "
+            f"({1e3 * result['eager']['seconds']:.3f} ms without){mfu}\n"
+            + prediction_table(g))

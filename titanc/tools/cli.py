@@ -247,6 +247,10 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--sessions-dir", default=None, metavar="DIR",
                        help="where session snapshots and evicted sessions are written; a "
                             "server restarted on it continues them")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template (or a tokenizer_config.json with "
+                            "chat_template) for /v1/chat/completions (default: the run's "
+                            "chat_template.jinja or tokenizer_config.json, else none)")
     from titanc.runtime.serve.options import add_trust_arguments
     add_trust_arguments(serve)            # --api-key, --allowed-host, the size limits, ...
     serve.set_defaults(run=_cmd_serve)
@@ -269,7 +273,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                     args.max_response_bytes)
     return serve(args.source, args.host, args.port, args.slots, args.max_queue, limits,
                  args.grace, args.model_name, max_sessions=args.max_sessions,
-                 sessions_dir=args.sessions_dir, **trust_kwargs(args))
+                 sessions_dir=args.sessions_dir, chat_template=args.chat_template,
+                 **trust_kwargs(args))
 
 
 def _load(args: argparse.Namespace) -> Spec:

@@ -15,8 +15,8 @@ Figures per step:
   cpu target, where every scan is a host loop over its body's kernels); report.json
   `kernel_counts` is the same count per graph (`launched_kernels`), so for one gradient
   accumulation step `kernels_all` = `kernel_counts.training` + `kernel_counts.optimizer`.
-- `families`: per kernel family (pointwise, reduction, matmul, or a template's name:
-  attention_fwd, attention_bwd, adamw_multi, segment_sum, scatter_along, scan) the kernels
+- `families`: per kernel family (`ir.kernel_family`: pointwise, reduction, cumsum, matmul,
+  attention_fwd, ..., scan, in the registry's order) the kernels
   (counted as in `kernels_all`), launches, bytes and FLOPs;
 - `bytes`: the modeled traffic: each kernel's reads and writes (`Kernel.bytes`) times its
   launches per step (a body kernel runs once per iteration of its scan); a scan kernel adds
@@ -40,18 +40,16 @@ segment-sum kernel is a codegen choice, not a pass), so it shows as segment_sum 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from titanc.ir import Graph, Op, OpGroup
 from titanc.ir.buffer_plan import BufferPlan
+from titanc.ir.kernel_family import FAMILIES, family_of, prefix
 from titanc.ir.schedule import scan_prologue
 from titanc.ir.structural import STRUCTURAL
 
 from titanc.compiler import Compiled, compile_graphs
-
-FAMILY_ORDER = ("pointwise", "reduction", "matmul", "attention_fwd", "attention_bwd",
-                "adamw_multi", "segment_sum", "scatter_along", "scan")
-
 
 def _dense_reader(op: Op) -> bool:
     """A template reader that needs some operand dense (its entry's `strided` is not "all")."""
@@ -81,14 +79,8 @@ def copy_reason(plan: BufferPlan, kern: Any) -> str:
 
 
 def kernel_family(plan: BufferPlan, kern: Any) -> str:
-    """pointwise | reduction | matmul, or the template a template kernel runs."""
-    if kern.category != "template":
-        return kern.category
-    g = plan.schedule.graph
-    pro = scan_prologue(g, kern)                     # a scan's gather: the scan's family
-    return next(STRUCTURAL[g.node(n).op].family or g.node(n).op.name.lower()
-                for n in kern.nodes if g.node(n).op is not Op.ITEM and n not in pro)
-
+    """The name of the kernel family that runs `kern` (`ir.kernel_family.family_of`)."""
+    return family_of(plan.schedule.graph, kern).name
 
 def _one_kernel_rule() -> Callable[[BufferPlan, int], bool]:
     """Does the triton target run scan `sid` of `plan` as one scan kernel?"""
@@ -152,9 +144,10 @@ def compiled_cost(c: Compiled) -> dict[str, Any]:
     one = _one_kernel_rule()
     plan_cost(c.plans["training"], c.spec.train.grad_accum, one, acc)
     plan_cost(c.plans["optimizer"], 1, one, acc)
+    order = list(FAMILIES)                         # the registry's order
     fams = dict(sorted(acc["families"].items(),
-                       key=lambda kv: (FAMILY_ORDER.index(kv[0]) if kv[0] in FAMILY_ORDER
-                                       else len(FAMILY_ORDER), kv[0])))
+                       key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order),
+                                       kv[0])))
     return {"kernels": acc["kernels"], "kernels_all": acc["kernels_all"], "families": fams,
             "bytes": sum(f["bytes"] for f in fams.values()),
             "flops": sum(f["flops"] for f in fams.values()), "copy_kernels": acc["copy_kernels"]}
@@ -267,3 +260,242 @@ def occupancy(compiled: Any, arch: int, jit: bool = False) -> dict[str, Any]:
                 row[key] = max(row.get(key, 0), v)
     return {"arch": arch, "sms": SMS, "kernels": out,
             "under": sum("why_under" in r for r in out)}
+
+
+# -- the step's time (`titanc bench --predict`) ---------------------------------------------------
+# A training step's time on a GPU, predicted from its lowered program (`codegen.lowered`, as the
+# triton target lowers it; docs/cost_model.md). Per launch:
+#     time = floor + max(FLOPs / rate[its family's cost class], bytes / bandwidth)
+# (a launch group: the floor once, its members' work summed; a split-K matmul: two floors); a
+# scan kernel: the floor plus its serial tile rounds, each `round_us` plus one program's share
+# of the round's FLOPs at `round_gflops`; a host-loop scan: its body's launches times its
+# iterations. The floor is a launch inside the step's CUDA graph (how the triton target runs
+# a step) or outside one.
+# Every constant below is shared by the devices but their datasheet peaks and bandwidth;
+# `benchmarks/cost_fit.py` fits them to the measured GPU calls and prints the error per call.
+
+FIT: dict[str, Any] = {          # benchmarks/cost_fit.py --fit, 2026-11-28 (docs/cost_model.md)
+    "floor_graph_us": 5.8425,    # a launch inside a CUDA graph
+    "floor_eager_us": 122.6,     # a launch outside one: the executor's host path per launch
+    "bandwidth_share": 0.6581,   # of the datasheet's HBM bandwidth
+    "efficiency": {"tensor": 0.1396, "cuda": 0.1026},   # of the unit's peak (`UNIT`)
+    "round_us": 0.429,           # a scan kernel's serial tile round: its fixed part, µs ...
+    "round_gflops": 194.769,     # ... plus one program's share of its FLOPs at this rate
+}
+# the unit each cost class (`KernelFamily.cost`) runs its FLOPs on
+UNIT = {"matmul": "tensor", "attention": "tensor", "elementwise": "cuda", "reduction": "cuda"}
+DATASHEET: dict[str, dict[str, Any]] = {   # HBM GB/s; the peaks are `timing.PEAK_TFLOPS`'
+    "h100": {"name": "H100", "bandwidth_gbs": 3350.0},
+    "h200": {"name": "H200", "bandwidth_gbs": 4800.0},
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU's constants: its datasheet's and the shared fitted ones (`FIT`)."""
+    key: str
+    bandwidth: float                 # attainable bytes/s
+    peak: dict[str, float]           # dense FLOP/s by compute dtype (datasheet)
+    fit: dict[str, Any]
+
+    def rate(self, cost: str, dtype: str) -> float:
+        """FLOP/s a kernel of cost class `cost` (`KernelFamily.cost`) attains: its unit's peak
+        (`UNIT`: tensor cores in the compute dtype, or the float32 CUDA cores) times the
+        unit's fitted efficiency."""
+        unit = UNIT[cost]
+        return self.peak[dtype if unit == "tensor" else "float32"] * self.fit["efficiency"][unit]
+
+
+def device(key: str, fit: dict[str, Any] | None = None) -> Device:
+    """The constants of device `key` (h100, h200), with `fit` (default `FIT`)."""
+    from titanc.runtime.diagnostics.timing import PEAK_TFLOPS
+
+    if key not in DATASHEET:
+        raise KeyError(f"no cost model for device {key!r}: one of {', '.join(DATASHEET)}")
+    fit = fit or FIT
+    sheet = DATASHEET[key]
+    return Device(key, sheet["bandwidth_gbs"] * 1e9 * fit["bandwidth_share"],
+                  {k: v * 1e12 for k, v in PEAK_TFLOPS[sheet["name"]].items()}, fit)
+
+
+def device_key(name: str) -> str | None:
+    """The cost model's key of a device name (torch's), None when it has none."""
+    low = name.replace(" ", "").lower()
+    return next((k for k in DATASHEET if k in low), None)
+
+
+@dataclass
+class LaunchCost:
+    """One distinct launch of a step and what the model charges it."""
+    name: str
+    category: str               # its family's profile label (`KernelFamily.profile`)
+    cost: str                   # its family's cost class (`KernelFamily.cost`), or "group"
+    count: int                  # launches a step
+    flops: int                  # per launch
+    bytes: int                  # per launch
+    members: tuple[tuple[str, int, int], ...] = ()   # a launch group: (cost, flops, bytes)
+    rounds: int = 0             # a scan kernel: serial tile rounds a launch (all iterations)
+    grid: int = 0               # a scan kernel: its programs
+    split: int = 1              # kernels a launch (a split-K matmul: 2)
+
+
+def step_launches(compiled: Any) -> list[LaunchCost]:
+    """The launches of one training step on the triton target (`grad_accum` runs of the
+    training program, one of the optimizer's), from the lowered programs as the triton
+    target lowers them (`config`: scan kernels and their cost rule, launch groups, split-K)."""
+    from titanc.codegen.group import groupable
+    from titanc.codegen.lower.dispatch import graph_dtype
+    from titanc.codegen.lowered import LaunchGroup, ScanLaunch, ScanLoop, lower
+    from titanc.codegen.meta import kernel_split_k
+    from titanc.codegen.scan.kernel import ScanFallback, scan_kernel_for
+    from titanc.config import current
+
+    rows: dict[str, LaunchCost] = {}
+
+    def one(p: BufferPlan, kern: Any, sid: int) -> Any:
+        if not current().scan_kernels:
+            return None
+        try:
+            return scan_kernel_for(p, kern, sid, graph_dtype(p.schedule.graph))
+        except ScanFallback:
+            return None
+
+    def add(key: str, row: Callable[[], LaunchCost], runs: int) -> None:
+        if key not in rows:
+            rows[key] = row()
+        rows[key].count += runs
+
+    def walk(low: Any, runs: int) -> None:
+        g = low.graph
+        for s in low.steps:
+            key = f"{g.name}/{s.kernel.name}"
+            if isinstance(s, ScanLoop):
+                if s.prologue is not None:
+                    add(key + "/prologue", lambda: _single(g, s.prologue, 1), runs)
+                walk(s.body, runs * int(g.node(s.scan).attr("length")))
+            elif isinstance(s, ScanLaunch):
+                length = int(g.node(s.scan).attr("length"))
+                add(key, lambda: LaunchCost(s.kernel.name, "scan", "scan", 0, s.kernel.flops,
+                                            s.kernel.bytes, rounds=s.code.rounds * length,
+                                            grid=s.code.grid), runs)
+            elif isinstance(s, LaunchGroup):
+                fams = [family_of(g, m.kernel) for m in s.members]
+                add(key, lambda: LaunchCost(
+                    s.kernel.name, fams[0].profile, "group", 0, s.kernel.flops,
+                    s.kernel.bytes, members=tuple((f.cost, m.kernel.flops, m.kernel.bytes)
+                                                  for f, m in zip(fams, s.members))), runs)
+            else:
+                add(key, lambda: _single(g, s.kernel, kernel_split_k(g, s.kernel)), runs)
+
+    for name, runs in (("training", int(compiled.spec.train.grad_accum)), ("optimizer", 1)):
+        walk(lower(compiled.plans[name], one, groupable if current().group_launches else None),
+             runs)
+    return list(rows.values())
+
+
+def _single(g: Graph, kern: Any, split: int) -> LaunchCost:
+    fam = family_of(g, kern)
+    return LaunchCost(kern.name, fam.profile, fam.cost, 0, kern.flops, kern.bytes,
+                      split=max(1, split))
+
+
+TERMS = ("floor", "flops", "bytes", "rounds")
+
+
+def launch_time(dev: Device, row: LaunchCost, dtype: str, graph: bool = True
+                ) -> dict[str, float]:
+    """Seconds of one launch of `row` by term (`TERMS`) and `time`, what the model charges:
+    the floor plus its work (a scan kernel: its rounds; another launch: its FLOPs at its rate
+    or its bytes at bandwidth, whichever is larger, summed over a group's members)."""
+    fit = dev.fit
+    floor = 1e-6 * (fit["floor_graph_us"] if graph else fit["floor_eager_us"]) * row.split
+    if row.cost == "scan":
+        per_round = row.flops / max(1, row.grid * row.rounds)     # one program's share
+        rounds = row.rounds * (1e-6 * fit["round_us"] + per_round / (1e9 * fit["round_gflops"]))
+        return {"floor": floor, "flops": 0.0, "bytes": 0.0, "rounds": rounds,
+                "time": floor + rounds}
+    parts = row.members or ((row.cost, row.flops, row.bytes),)
+    fl = [f / dev.rate(c, dtype) for c, f, _ in parts]
+    by = [b / dev.bandwidth for _, _, b in parts]
+    return {"floor": floor, "flops": sum(fl), "bytes": sum(by), "rounds": 0.0,
+            "time": floor + sum(max(a, b) for a, b in zip(fl, by))}
+
+
+def predict_step(dev: Device, launches: list[LaunchCost], dtype: str, graph: bool = True
+                 ) -> dict[str, Any]:
+    """The predicted step: `seconds` (the sum of its launches' times), the launches a step,
+    `terms` (the floors, and each launch's work under the term that set it: they sum to
+    `seconds`) and per profile category its seconds and launches."""
+    cats: dict[str, dict[str, float]] = {}
+    terms = dict.fromkeys(TERMS, 0.0)
+    total = 0.0
+    for r in launches:
+        t = launch_time(dev, r, dtype, graph)
+        terms["floor"] += r.count * t["floor"]
+        work = t["time"] - t["floor"]            # the work term that binds takes the rest
+        terms[max(TERMS[1:], key=lambda k: t[k])] += r.count * work
+        c = cats.setdefault(r.category, {"seconds": 0.0, "launches": 0})
+        c["seconds"] += r.count * t["time"]
+        c["launches"] += r.count * r.split
+        total += r.count * t["time"]
+    return {"device": dev.key, "dtype": dtype, "graph": graph, "seconds": total,
+            "launches": sum(r.count * r.split for r in launches), "terms": terms,
+            "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1]["seconds"]))}
+
+
+def compute_dtype(spec: Any) -> str:
+    """The dtype a spec's matmuls run in: bfloat16, tf32 (float32 with `allow_tf32`), float32."""
+    dt = str(spec.train.dtype).removeprefix("torch.")
+    return "tf32" if dt == "float32" and spec.compile.allow_tf32 else dt
+
+
+def predict(compiled: Any, key: str, graph: bool = True) -> dict[str, Any]:
+    """`predict_step` of a compiled spec's training step on device `key` (h100, h200)."""
+    return predict_step(device(key), step_launches(compiled), compute_dtype(compiled.spec),
+                        graph)
+
+
+def prediction_table(p: dict[str, Any], measured: dict[str, float] | None = None) -> str:
+    """`predict`'s result as a table: per category, predicted ms and launches (and measured
+    ms beside it where `measured` has the category), then the total and its terms."""
+    measured = measured or {}
+    lines = [f"predicted step on {p['device']} ({p['dtype']}, "
+             f"{'one CUDA graph' if p['graph'] else 'no CUDA graph'}): "
+             f"{1e3 * p['seconds']:.3f} ms, {p['launches']:,} launches",
+             f"{'category':<14} {'launches':>9} {'predicted ms':>13} {'measured ms':>12}"]
+    for c, row in p["categories"].items():
+        m = measured.get(c)
+        lines.append(f"{c:<14} {row['launches']:>9,} {1e3 * row['seconds']:>13.3f} "
+                     f"{'' if m is None else f'{m:.3f}':>12}")
+    lines.append("terms: " + ", ".join(f"{k} {1e3 * v:.3f} ms"
+                                         for k, v in p["terms"].items()))
+    return "\n".join(lines)
+
+
+def measured_categories(profile: dict[str, Any], measured_ms: float) -> dict[str, float]:
+    """A profiled step's kernel time by category (benchmarks/gpu_profile.py's record: each
+    kernel it lists by name, `category_of`; the rest as `rest`), scaled to the job's
+    measured step (a profiled step runs without its CUDA graph, so only its shares count)."""
+    total = profile["kernel_us_per_step"]
+    out: dict[str, float] = {}
+    for k in profile["top"]:
+        c = category_of(k["kernel"])
+        out[c] = out.get(c, 0.0) + k["us_per_step"]
+    out["rest"] = total - sum(out.values())
+    return {c: measured_ms * us / total for c, us in out.items()}
+
+
+def category_of(name: str) -> str:
+    """The profile category of a launched kernel's name (a group: its first member's)."""
+    body = name.replace("titanc_group_of_", "titanc_")
+    for f in FAMILIES.values():
+        if f.category != "template" and body.startswith(f"titanc_{f.prefix}_") and not f.ops:
+            return f.profile
+    if body.startswith(f"titanc_{prefix('template')}_fused_"):
+        rest = body.removeprefix(f"titanc_{prefix('template')}_fused_")
+        ops = sorted(((op, e.family) for op, e in STRUCTURAL.items() if e.family),
+                     key=lambda x: -len(x[0].name))
+        for op, fam in ops:
+            if rest.startswith(op.name.lower() + "_"):
+                return FAMILIES[fam].profile
+    return "other"

@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from titanc.errors import TitancError, printable, size_overflow
+from titanc.ir.kernel_family import categories, prefix
 from titanc.runtime.diagnostics.timing import format_bytes, format_count
 
 __all__ = ["BuildDir", "open_artifact", "kernel_rows", "resolved_rows", "category_totals",
            "is_scan", "kernel_table", "kernel_source", "pass_dumps", "pick_dump", "write_graph",
            "memory_summary", "step_table", "format_count", "format_bytes"]
 
-CATEGORY_ORDER = ("pointwise", "reduction", "matmul", "template")
 _NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
@@ -267,7 +267,8 @@ def is_scan(row: dict[str, Any]) -> bool:
     it, else by name (titanc_tem_fused_scan_<body>_<n>)."""
     if "scan" in row:
         return bool(row["scan"])
-    return row["category"] == "template" and row["name"].startswith("titanc_tem_fused_scan_")
+    return row["category"] == "template" and row["name"].startswith(
+        f"titanc_{prefix('template')}_fused_scan_")
 
 
 def category_totals(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -285,7 +286,8 @@ def category_totals(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float
 
 
 def _category_key(c: str) -> tuple[int, str]:
-    return (CATEGORY_ORDER.index(c) if c in CATEGORY_ORDER else len(CATEGORY_ORDER), c)
+    order = categories()                       # the kernel families' categories, in order
+    return (order.index(c) if c in order else len(order), c)
 
 
 def kernel_table(art: BuildDir, limit: int | None = None,
