@@ -401,6 +401,23 @@ def test_text_offsets_are_linear_and_exact(codec: Any) -> None:
     assert c.lp_values[-1] is None and list(c.lp_top[-1].values()) == [None]   # never NaN
 
 
+def test_incremental_text_equals_decoding_the_whole_sequence(codec: Any) -> None:
+    """The engine's output text and the offsets decode only a tail per token: equal to
+    decoding everything, for valid, invalid and truncated UTF-8 and ids past the bytes."""
+    import random
+
+    from titanc.runtime.serve.codec import IncrementalText
+
+    rng = random.Random(0)
+    pools = [list(range(codec.vocab_size)), list(range(0x80, 0x100)),
+             list("é✓€😀a".encode()) + [0xFF, 0x80, codec.vocab_size - 1]]
+    for trial in range(240):
+        toks = [rng.choice(pools[trial % 3]) for _ in range(rng.randrange(1, 90))]
+        inc = IncrementalText(codec)
+        for i in range(1, len(toks) + 1):
+            assert inc.text(toks[:i]) == codec.decode(toks[:i]), (trial, toks[:i])
+
+
 def test_a_response_past_the_size_limit_is_refused_up_front(gen: Generator, codec: Any) -> None:
     live = Live(gen, codec, limits=Limits(max_prompt_tokens=8192, max_tokens=4096))
     try:

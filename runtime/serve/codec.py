@@ -12,6 +12,55 @@ from typing import Any, Sequence
 from titanc.runtime.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
+REPLACEMENT = "\ufffd"
+SETTLE_AFTER = 16            # tokens a tail may reach before a boundary inside it is looked for
+PENDING = 4                  # the last tokens of such a tail stay pending: a UTF-8 character
+                             # begun before them is decided within its next 3 bytes
+
+
+class IncrementalText:
+    """`text(tokens)` equals `codec.decode(tokens)` for a sequence that only grows, decoding
+    only the tokens since the last settled boundary, each decoded after the token before it
+    (a decoder that treats a sequence's first token apart, SentencePiece's leading space,
+    still sees it inside). A boundary settles where the text ends in a whole character; a
+    tail of SETTLE_AFTER tokens that never does (invalid bytes) settles at its last point k,
+    PENDING tokens or more from its end, where decoding the two sides apart gives the same
+    text as decoding them together."""
+
+    def __init__(self, codec: Any):
+        self.codec = codec
+        self.settled = ""                 # decode(tokens[:n])
+        self.n = 0
+        self._ctx: list[int] = []         # tokens[n - 1:n]
+
+    def text(self, tokens: Sequence[int]) -> str:
+        tail = list(tokens[self.n:])
+        if not tail:
+            return self.settled
+        new = self._after(self._ctx, tail)
+        if not new.endswith(REPLACEMENT):
+            return self._settle(tokens, tail, new)
+        if len(tail) >= SETTLE_AFTER:
+            for k in range(len(tail) - PENDING, 0, -1):
+                head = self._after(self._ctx, tail[:k])
+                if head + self._after(tail[k - 1:k], tail[k:]) == new:
+                    self._settle(tokens[:self.n + k], tail[:k], head)
+                    return self.settled + self._after(self._ctx, tail[k:])
+        return self.settled + new
+
+    def _after(self, ctx: list[int], toks: list[int]) -> str:
+        """The text `toks` add after `ctx` (at most one token)."""
+        if not ctx:
+            return self.codec.decode(toks)
+        return self.codec.decode(ctx + toks)[len(self.codec.decode(ctx)):]
+
+    def _settle(self, tokens: Sequence[int], tail: list[int], new: str) -> str:
+        self.settled += new
+        self.n = len(tokens)
+        self._ctx = tail[-1:]
+        return self.settled
+
+
 class TokenizerCodec:
     """A tokenizer as the server uses it; `vocab_size` is the model's (ids a prompt may use)."""
 

@@ -42,6 +42,7 @@ import torch
 
 from titanc.errors import TitancError
 
+from titanc.runtime.serve.codec import IncrementalText
 from titanc.runtime.serve.generate import DecodeState, Generator, Sampling, sample
 
 Tensor = torch.Tensor
@@ -101,6 +102,7 @@ class Request:
     prompt_lp: list[TokenLogprob] = field(default_factory=list)
     carried: int = 0                          # unfed tokens of `start` fed before the prompt
     text: str = ""                            # decoded output, cut at a stop sequence
+    decoded: IncrementalText | None = None    # decodes `tokens` as they grow
     sent: str = ""                            # the prefix of `text` already sent
     finish_reason: str | None = None
     cancelled: bool = False
@@ -481,7 +483,9 @@ class Engine:
     def _advance_text(self, r: Request) -> str | None:
         """Decode the output; cut it at the first stop sequence (which is not returned)."""
         before = len(r.text)
-        r.text = self.codec.decode(r.tokens)
+        if r.decoded is None:
+            r.decoded = IncrementalText(self.codec)
+        r.text = r.decoded.text(r.tokens)
         stops = [x for x in r.sampling.stop if x]
         if not stops:
             return None

@@ -2,8 +2,8 @@
 
 `Choice` absorbs a choice's updates (text, tokens, logprobs). Each token's `text_offset` (the
 character offset of its text in the choice's text) comes from `Offsets`, which decodes only
-the tokens since the last clean character boundary, so a choice of n tokens costs O(n)
-decoding, not the O(n^2) of decoding every prefix. Log-probabilities that are not finite are
+the tokens since the last whole character (`codec.IncrementalText`), so a choice of n tokens
+costs O(n) decoding, not the O(n^2) of decoding every prefix. Log-probabilities that are not finite are
 sent as null (JSON has no NaN; the engine also ends a request whose output is not finite).
 
 `response_bound` is the most bytes a request's response can take, from its parameters alone
@@ -17,13 +17,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from titanc.runtime.serve.codec import IncrementalText
 from titanc.runtime.serve.completions import CompletionParams
 from titanc.runtime.serve.engine import TokenLogprob, Update
 
 __all__ = ["Choice", "Offsets", "response_bound", "render", "max_token_bytes"]
 
-REPLACEMENT = "\ufffd"
-BOUNDARY_EVERY = 16          # tokens a pending tail may reach before it is taken as settled
 JSON_CHAR = 6                # the most JSON bytes one byte of text becomes (\\u00XX)
 NUMBER = 26                  # a float as JSON with its separator ("-0.12345678901234567, ")
 ENTRY = 8                    # quotes, colon, comma around one top_logprobs entry
@@ -31,22 +30,16 @@ NAME = 16                    # the JSON of a byte token's name, "bytes:\\xNN"
 
 
 class Offsets:
-    """Character offsets of tokens in the text they decode to, incrementally: `decode` of the
-    tail since the last settled boundary (a prefix whose text ends in a whole character) is
-    added to that prefix's length."""
+    """Character offsets of tokens in the text they decode to (`IncrementalText`: O(1)
+    decoding per token), plus `base` characters before them."""
 
     def __init__(self, codec: Any, base: int = 0):
-        self.codec, self.base = codec, base
-        self.settled = 0                  # characters of the tokens up to the boundary
-        self.tail: list[int] = []         # tokens after it
+        self.base, self.tokens, self.decoded = base, [], IncrementalText(codec)
 
     def next(self, token: int) -> int:
         """The offset at which `token` starts; then `token` is part of the text."""
-        start = self.base + self.settled + (len(self.codec.decode(self.tail)) if self.tail else 0)
-        self.tail.append(token)
-        if len(self.tail) >= BOUNDARY_EVERY or not self.codec.decode(self.tail).endswith(REPLACEMENT):
-            self.settled += len(self.codec.decode(self.tail))
-            self.tail = []
+        start = self.base + len(self.decoded.text(self.tokens))
+        self.tokens.append(token)
         return start
 
 
