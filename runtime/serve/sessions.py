@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse
 from titanc.errors import TitancError
 from titanc.files import pid_alive
 from titanc.runtime.serve.completions import ApiError
-from titanc.runtime.serve.engine import Request, Update
+from titanc.runtime.serve.engine import Request
 from titanc.runtime.serve.generate import DecodeState, Generator
 from titanc.runtime.serve.session_file import load_session, save_session
 
