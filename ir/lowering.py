@@ -9,20 +9,24 @@ platform="cuda")`), each target owns a `Lowerings` table and fills it next to it
                                    TRITON_KERNEL    (graph, node, kernel, header, dtype,
                                                     allow_tf32) -> the KernelCode of the
                                                     template kernel holding the node
+                                   TRITON_SCAN      a `ScanRule` record (codegen/scan/
+                                                    rules.py): whether the op stays inside
+                                                    a scan kernel, and how it is emitted
 
 The table class holds no target's facts (the IR imports no target); a rule's signature is
-its table's. `register_lowering(op, table, rule)` adds one (or decorates the rule); looking
-up an op with no rule raises `LoweringError` naming the op and the target.
+its table's (a function, or a record where a target needs several facts per op).
+`register_lowering(op, table, rule)` adds one (or decorates the rule); looking up an op with
+no rule raises `LoweringError` naming the op and the target.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from titanc.ir.ops import Op
 
 __all__ = ["LoweringError", "Lowerings", "register_lowering"]
 
-Rule = TypeVar("Rule", bound=Callable[..., Any])
+Rule = TypeVar("Rule")
 
 
 class LoweringError(NotImplementedError):
@@ -34,12 +38,12 @@ class Lowerings:
 
     def __init__(self, target: str):
         self.target = target
-        self.rules: dict[Op, Callable[..., Any]] = {}
+        self.rules: dict[Op, Any] = {}
 
     def __contains__(self, op: Op) -> bool:
         return op in self.rules
 
-    def __getitem__(self, op: Op) -> Callable[..., Any]:
+    def __getitem__(self, op: Op) -> Any:
         rule = self.rules.get(op)
         if rule is None:
             raise LoweringError(f"the {self.target} target has no lowering rule for "

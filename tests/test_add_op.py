@@ -2,7 +2,9 @@
 structural op (TRIL, an indexing op) and a toy pattern op (ADD_SUB, a tuple-valued template
 kernel), each an `Op`, one `Structural` record and a lowering rule per target, removed again
 after the test. Each runs on the interpreter, through autodiff, on the cpu target and on the
-interpreted triton target, and its gradients match torch autograd."""
+interpreted triton target, and its gradients match torch autograd. Each also says whether a
+scan kernel holds it (its TRITON_SCAN entry): TRIL inside one matches the interpreter, ADD_SUB
+keeps its scan a host loop with the reason, and so does TRIL without its rule."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,7 +13,6 @@ import pytest
 import torch
 
 from titanc.ir import Builder, Graph, Op, interpret
-from titanc.ir.kernel_family import KernelFamily, register_family, unregister_family
 from titanc.ir.lowering import LoweringError, register_lowering
 from titanc.ir.structural import Structural, register, unregister
 from titanc.ir.types import TensorType
@@ -34,7 +35,8 @@ def _remove(op: Op, *tables: Any) -> None:
 @pytest.fixture
 def tril():
     """x[..., i, j] where j <= i + diagonal, else 0 (over the last two axes)."""
-    from titanc.codegen.lower.lowerings import TRITON_INDEX
+    from titanc.codegen.lower.lowerings import TRITON_INDEX, TRITON_SCAN
+    from titanc.codegen.scan.rules import ScanRule
     from titanc.runtime.targets.lowerings import CPU
 
     op = Op.define("TRIL")
@@ -61,8 +63,22 @@ def tril():
                 else literal(0.0)
         return low.read(sec, n.inputs[0], c, valid + (f"{j.expr} <= {i.expr} + ({k})",))
 
+    # 4. codegen/scan/rules.py: the scan-kernel rule, a view (as PAD): index arithmetic on
+    # its reader's loads inside a scan kernel, the independent axes passed through
+    def _scan_pax(n: Any, ins: list, sc: Any, bad: Any) -> Any:
+        q, r = ins[0], n.type.rank
+        if q is not None and {r - 2, r - 1} & set(q):
+            raise bad("runs along")
+        return q
+
+    def _scan_value(em: Any, sec: Any, sc: Any, n: Any, c: list, conds: tuple) -> str:
+        k = n.attr("diagonal")
+        return em.read(sec, sc, n.inputs[0], c, conds + (f"{c[-1]} <= {c[-2]} + ({k})",))
+
+    register_lowering(op, TRITON_SCAN, ScanRule("view", _scan_pax, _scan_value))
+
     yield op
-    _remove(op, CPU, TRITON_INDEX)
+    _remove(op, CPU, TRITON_INDEX, TRITON_SCAN)
 
 
 def _tril_graph(op: Op) -> Graph:
@@ -77,6 +93,50 @@ def _tril_graph(op: Op) -> Graph:
 
 def _tril_want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (torch.tril(x * x, -1) * w + torch.tril(x, 1)).sum()
+
+
+def _scan_graph(apply: Any) -> Graph:
+    """A scan over x [3, 2, 4, 4] whose body applies `apply(b, value)` (a new op) to a carry
+    and to each slice."""
+    b = Builder("forward")
+    x = b.input("x", (3, 2, 4, 4), "f64")
+    h0 = b.input("h0", (2, 4, 4), "f64")
+
+    def body(bb: Builder, c: list, xs: list, k: list) -> tuple[list, list]:
+        (h,), (xt,) = c, xs
+        return [apply(bb, h * 0.5 + xt)], [apply(bb, xt) * h]
+
+    (h,), (y,) = b.scan(body, [h0], [x], name="with_op")
+    b.graph.set_outputs([("h", h.id), ("y", y.id)])
+    return b.graph
+
+
+def _render_and_run(g: Graph) -> Any:
+    """The scan of `g` as one scan kernel, run on random operands: equal to the reference
+    interpreter's scan (float64)."""
+    from titanc.codegen.render import load_module
+    from titanc.codegen.scan.kernel import render_scan
+    from titanc.config import triton_interpret_mode
+    from titanc.ir import Interpreter
+    from titanc.ir.structural import scan_ref
+    from titanc.runtime.targets.triton_executor import interpreting
+
+    n = next(m for m in g if m.op is Op.SCAN)
+    sk = render_scan(g, n.id, dtype="float64")
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(g.node(v).type.shape, generator=gen, dtype=torch.float64)
+          for v in n.inputs]
+    want = scan_ref(n, xs, Interpreter(torch.float64))
+    outs = [torch.full(w.shape, float("nan"), dtype=torch.float64) for w in want]
+    ws = torch.zeros(sk.grid * sk.ws_per_program, dtype=torch.float64)
+    with triton_interpret_mode(interpreting()):     # (on CPU tensors; a GPU runs them too)
+        dev = "cpu" if interpreting() else "cuda"
+        args = [t.to(dev) for t in [ws, *[xs[i] for i in sk.inputs], *[outs[k] for k in sk.outputs]]]
+        load_module(sk.source, sk.name, interpreting()).launch(*args)
+    outs = dict(zip(sk.outputs, args[1 + len(sk.inputs):]))
+    for k in sk.outputs:
+        torch.testing.assert_close(outs[k].cpu(), want[k], rtol=1e-12, atol=1e-12)
+    return sk
 
 
 # -- the pattern op: ADD_SUB (walk-through 2) ------------------------------------------------------
@@ -115,8 +175,9 @@ def _add_sub_vjp(b: Any, a: dict, xs: list, y: Any, cts: list) -> list:
 def add_sub():
     """(x, y) -> (x + y, x − y), one template kernel with its two ITEMs."""
     from titanc.codegen.lower.code import KernelCode, TensorArg
-    from titanc.codegen.lower.lowerings import TRITON_KERNEL
+    from titanc.codegen.lower.lowerings import TRITON_KERNEL, TRITON_SCAN
     from titanc.codegen.lower.patterns import element_args
+    from titanc.codegen.scan.rules import ScanRule
     from titanc.runtime.targets.lowerings import CPU
 
     op = Op.define("ADD_SUB")
@@ -127,9 +188,6 @@ def add_sub():
         vjp=_add_sub_vjp, groups=("PATTERN",),
         flops=lambda n, g: 2 * g.node(n.inputs[0]).type.numel,
         precision="high", family="add_sub"))
-    # ... and its kernel family (ir/kernel_family.py): a template kernel of its op's rule
-    register_family(KernelFamily("add_sub", "template", "tem",
-                                 "titanc.codegen.lower.patterns:lower_template"))
 
     # 2. runtime/targets/pattern_kernels.py: the cpu rule, out= calls into its elements
     @register_lowering(op, CPU)
@@ -149,9 +207,13 @@ def add_sub():
         return KernelCode(kernel.name, kernel.category, "add_sub", g.name, source,
                           tuple(args), (numel,))
 
+    # 5. codegen/scan/rules.py: not in scan kernels (a scan whose body holds one stays a host
+    # loop over its body's kernels, and says why)
+    register_lowering(op, TRITON_SCAN, ScanRule("none", why_not="ADD_SUB is a template "
+                                                "kernel of its own, not in scan kernels"))
+
     yield op
-    _remove(op, CPU, TRITON_KERNEL)
-    unregister_family("add_sub")
+    _remove(op, CPU, TRITON_KERNEL, TRITON_SCAN)
 
 
 def _add_sub_graph(op: Op) -> Graph:
@@ -212,6 +274,26 @@ def test_a_new_structural_op_runs_everywhere(tril) -> None:
     assert sum(n.op is tril for n in gg) >= 3               # forward twice, backward once
 
 
+def test_a_new_op_says_whether_it_stays_inside_a_scan_kernel(tril, add_sub) -> None:
+    """TRIL's TRITON_SCAN rule keeps a scan holding it one kernel (a grid over the carry's
+    leading axis, the values the interpreter's); without the rule, and with ADD_SUB's "not
+    in scan kernels" entry, the scan falls back to its host loop with the reason."""
+    from titanc.codegen.lower.lowerings import TRITON_SCAN
+    from titanc.codegen.scan.kernel import ScanFallback, render_scan
+
+    with_tril = lambda b, v: b.op(tril, v, diagonal=-1)
+    sk = _render_and_run(_scan_graph(with_tril))
+    assert sk.grid == 2 and sk.source.count("@triton.jit") == 1
+    g = _scan_graph(lambda b, v: b.item(b.op(add_sub, v, v), 1))
+    with pytest.raises(ScanFallback, match="ADD_SUB is a template kernel of its own"):
+        render_scan(g, next(m for m in g if m.op is Op.SCAN).id)
+    TRITON_SCAN.remove(tril)
+    g = _scan_graph(with_tril)
+    with pytest.raises(ScanFallback, match=r"no scan-kernel rule for TRIL \(TRITON_SCAN: "
+                                           r"register_lowering\(Op.TRIL, TRITON_SCAN"):
+        render_scan(g, next(m for m in g if m.op is Op.SCAN).id)
+
+
 def test_a_new_pattern_op_runs_everywhere(add_sub) -> None:
     """ADD_SUB, from its record and a rule per target: a template kernel of its own, whose
     cost the fusion pass reads from the record."""
@@ -258,3 +340,10 @@ def test_each_target_has_a_rule_for_every_op_it_lowers_by_rule() -> None:
     free = OpGroup.GENERATOR | OpGroup.INDEXING | {Op.TAKE, Op.TAKE_ALONG, Op.CAST}
     assert [op.name for op in free if op not in TRITON_INDEX] == []
     assert [op.name for op in OpGroup.PATTERN if op not in TRITON_KERNEL] == []
+    # every op says whether a scan kernel holds it: a rule, or an explicit "none" entry
+    import titanc.codegen.scan.rules  # noqa: F401  (fills the scan-kernel table)
+    from titanc.codegen.lower.lowerings import TRITON_SCAN
+    from titanc.ir.elementwise import ELEMENTWISE
+
+    every = set(STRUCTURAL) | set(ELEMENTWISE) | OpGroup.ELEMENTWISE
+    assert [op.name for op in every if op not in TRITON_SCAN] == []

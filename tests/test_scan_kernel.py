@@ -255,7 +255,7 @@ def test_bf16_dots_take_bf16_operands_exactly(example: str, body: str, monkeypat
                 want[i].float().abs().max().clamp_min(1e-30)
             assert err <= 2e-2, f"{g.name} scan %{n.id} output {i}: relative error {err:.2e}"
         with monkeypatch.context() as m:
-            m.setattr("titanc.codegen.scan.stages.mma16", lambda *a: None)
+            m.setattr("titanc.codegen.scan.einsum.mma16", lambda *a: None)
             sk32, got32, _ = _run_low(g, n, seed=k)
         assert "DOT_F32" not in sk32.source and ".to(tl.bfloat16)" not in sk32.source
         for i in sk.outputs:
@@ -407,7 +407,7 @@ def test_one_block_einsums_share_a_stage(monkeypatch) -> None:
     only bf16 dots share (float32 ones spilled: `SHARED_EXACT_DOTS`); forced here for
     float64, the memory-chunk scans (MAC, training graph) still equal the interpreter, and
     the bf16 kernels do share."""
-    from titanc.codegen.scan import stages
+    from titanc.codegen.scan import einsum
 
     def shared(src: str) -> int:
         """Stages with two einsums or more (their comments with no barrier between)."""
@@ -417,12 +417,12 @@ def test_one_block_einsums_share_a_stage(monkeypatch) -> None:
     c = compile_graphs(_spec("tiny", **{"model.memory.chunk_size": 4}))
     found = list(_scans(c.plans["training"], "memory_chunk"))
     assert all(shared(render_scan(g, n.id).source) == 0 for g, n in found)
-    monkeypatch.setattr(stages, "SHARED_EXACT_DOTS", True)
+    monkeypatch.setattr(einsum, "SHARED_EXACT_DOTS", True)
     together = 0
     for g, n in found:
         together += shared(check_scan(g, n, torch.float64).source)
     assert together >= 3, together
-    monkeypatch.setattr(stages, "SHARED_EXACT_DOTS", False)
+    monkeypatch.setattr(einsum, "SHARED_EXACT_DOTS", False)
     low = compile_graphs(_spec("tiny", **{"model.memory.chunk_size": 4,
                                           "train.dtype": "bfloat16"}))
     assert sum(shared(render_scan(g, n.id).source)
@@ -441,7 +441,7 @@ def test_pointwise_chain_is_one_stage(dt, monkeypatch) -> None:
     assert len(stages) == 2, stages            # b1, p, d, q | f, e: split at the transpose
     assert stages[0].count("%") == 4 and stages[1].count("%") == 2, stages
     with monkeypatch.context() as m:
-        m.setattr("titanc.codegen.scan.values._ScanEmitter.drop_dead_stores", lambda self: None)
+        m.setattr("titanc.codegen.scan.kernel.drop_dead_stores", lambda lines: lines)
         kept = check_scan(g, n, dt)
     assert sk.source.count("tl.store(ws_ptr") == kept.source.count("tl.store(ws_ptr") - 1
 
@@ -637,20 +637,26 @@ def test_serial_rounds_counts_dependent_tile_trips() -> None:
     assert serial_rounds(lines) == 1 + 8 + 2 + 6
 
 
+def _caps(monkeypatch, tile: int, block: int) -> None:
+    """Set the scan kernel's tile caps (`codegen.scan.index`) where its stages read them."""
+    from titanc.codegen.scan import einsum, reduce, stages
+
+    for module in (stages, reduce):
+        monkeypatch.setattr(module, "MAX_TILE", tile)
+    monkeypatch.setattr(einsum, "DOT_BLOCK", block)
+
+
 def test_scan_tiles_cut_the_serial_rounds(monkeypatch) -> None:
     """The benchmark's medium memory (d_model 128: heads of 64, a hidden layer of 128), one
     layer: every memory-chunk scan of the training graph takes at most half the serial tile
     rounds an iteration at the caps (4096-element tiles, 64^3 dots) that it took at 1024 /
     32^3 (on an H100 the medium step's scans were 61% of it, 2026-11-27)."""
-    from titanc.codegen.scan import stages
-
     c = compile_graphs(load_spec(ROOT / "examples" / "tiny_lmm.yaml", {
         "model.d_model": 128, "model.n_layers": 1, "model.seq_len": 64, "train.batch_size": 2}))
     found = list(_scans(c.plans["training"], "memory_chunk"))
     assert len(found) >= 2
     now = [render_scan(g, n.id).rounds for g, n in found]
-    monkeypatch.setattr(stages, "MAX_TILE", 1024)
-    monkeypatch.setattr(stages, "DOT_BLOCK", 32)
+    _caps(monkeypatch, 1024, 32)
     before = [render_scan(g, n.id).rounds for g, n in found]
     assert all(r > 0 and 2 * r <= b for r, b in zip(now, before)), (now, before)
 
@@ -660,10 +666,7 @@ def test_looped_tiles_match_reference(budget, monkeypatch) -> None:
     """Caps far below the shapes (16-element tiles along a row loop, 16^3 dots) put every
     stage kind in loops over blocks, with the carries on chip and in the workspace: the
     memory-chunk scans (MAC, d_model 32) still equal the interpreter in float64."""
-    from titanc.codegen.scan import stages
-
-    monkeypatch.setattr(stages, "MAX_TILE", 16)
-    monkeypatch.setattr(stages, "DOT_BLOCK", 16)
+    _caps(monkeypatch, 16, 16)
     c = compile_graphs(_spec("tiny", **{"model.d_model": 32, "model.memory.chunk_size": 4}))
     for g, n in _scans(c.plans["training"], "memory_chunk"):
         sk = check_scan(g, n, torch.float64, carry_budget=budget)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from titanc.ir import Graph, Node, Op
+from titanc.ir import Graph, Node
 
-__all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_UNPACKED", "MAX_WORKSPACE", "Ref",
-           "ScanFallback", "BodyRefs", "StageTile"]
+__all__ = ["DOT_BLOCK", "MAX_CUMSUM", "MAX_TILE", "MAX_UNPACKED", "MAX_WORKSPACE", "BodyRefs",
+           "GroupMiss", "PaxError", "Ref", "RegMiss", "ScanFallback", "StageTile", "TooBig",
+           "bare", "bcast", "delin", "lin", "local_shape", "reshape_coords", "sum_terms"]
 
 # Tile caps. A scan kernel is one program per (batch, memory head) running its chunk loop
 # serially, so its time is the count of dependent tile rounds per iteration (`serial_rounds`),
@@ -26,22 +27,15 @@ MAX_WORKSPACE = 1 << 24         # workspace elements per program (after liveness
 MAX_UNPACKED = 1 << 28          # workspace buffers per program before packing (emission guard)
 DOT_BLOCK = 64                  # largest M / N / K tile of an einsum
 
-# sigmoid spelled out: the same formula as tl.sigmoid, without a nested @jit call (which
-# costs the interpreter a re-patch of triton.language per call)
-_FORMATS = {Op.SIGMOID: "1.0 / (1.0 + tl.exp(-{0}))", Op.SILU: "{0} / (1.0 + tl.exp(-{0}))"}
-
-
 class ScanFallback(Exception):
     """The scan cannot be one kernel; `str(self)` says why (reported to the user)."""
 
 
-
-
-class _PaxError(ScanFallback):
+class PaxError(ScanFallback):
     """The candidate independent axes are mixed somewhere (try a shorter prefix)."""
 
 
-class _RegMiss(Exception):
+class RegMiss(Exception):
     """Carry `k` of scan `scan`, held on chip, is read where its tile does not line up (a
     view, a broadcast, a looped block): emit that scan again with the carry in the workspace."""
 
@@ -50,12 +44,12 @@ class _RegMiss(Exception):
         self.scan, self.k, self.why = scan, k, why
 
 
-class _GroupMiss(Exception):
+class GroupMiss(Exception):
     """A pointwise stage holding several nodes reads one of its own results where the tile
     does not hold it (other coordinates, a pad's condition): end the stage before that node."""
 
 
-class _TooBig(_PaxError):
+class TooBig(PaxError):
     """This choice of independent / shared operands needs too large a workspace (another
     choice may not: operands read whole by every program make whole-size values)."""
 
@@ -73,7 +67,7 @@ class Ref:
     'at': value `node` of the enclosing `scope` at leading coordinates `lead` (an xs slice,
     or a value a nested scan closes over); 'reg': a carry held on chip, the loop-carried
     tile `name` of padded shape `dims` over its local shape (zero off the shape), readable
-    only by a tile whose axes are exactly the carry's (`StageTile.axes`), else `_RegMiss`.
+    only by a tile whose axes are exactly the carry's (`StageTile.axes`), else `RegMiss`.
     """
 
     kind: str
@@ -107,12 +101,12 @@ def _mul(c: str, s: int) -> str | None:
     return f"{c} * {s}"
 
 
-def _sum(terms: list[str | None]) -> str:
+def sum_terms(terms: list[str | None]) -> str:
     ts = [t for t in terms if t is not None and t != "0"]
     return " + ".join(ts) if ts else "0"
 
 
-def _delin(ix: str, shape: tuple[int, ...]) -> list[str]:
+def delin(ix: str, shape: tuple[int, ...]) -> list[str]:
     """Coordinates of flat index `ix` over `shape` (row-major)."""
     out = []
     for j, d in enumerate(shape):
@@ -128,20 +122,46 @@ def _delin(ix: str, shape: tuple[int, ...]) -> list[str]:
     return out
 
 
-def _lin(coords: list[str], shape: tuple[int, ...]) -> str:
-    return _sum([_mul(f"({c})" if " " in c else c, prod(shape[j + 1:]))
+def lin(coords: list[str], shape: tuple[int, ...]) -> str:
+    return sum_terms([_mul(f"({c})" if " " in c else c, prod(shape[j + 1:]))
                  for j, c in enumerate(coords)])
 
 
-def _local(shape: tuple[int, ...], pax: tuple[int, ...] | None) -> tuple[int, ...]:
+def local_shape(shape: tuple[int, ...], pax: tuple[int, ...] | None) -> tuple[int, ...]:
     return tuple(d for i, d in enumerate(shape) if pax is None or i not in pax)
 
 
-def _bcast(coords: list[str], out_shape: tuple[int, ...], shape: tuple[int, ...]) -> list[str]:
+def bcast(coords: list[str], out_shape: tuple[int, ...], shape: tuple[int, ...]) -> list[str]:
     """Coordinates of an operand of `shape` broadcast (numpy rules) to `out_shape`."""
     off = len(out_shape) - len(shape)
     return [coords[off + j] if d == out_shape[off + j] else "0" for j, d in enumerate(shape)]
 
+
+def reshape_coords(c: list[str], out: tuple[int, ...], src: tuple[int, ...]) -> list[str]:
+    """Coordinates in `src` of the element at `c` of its reshape to `out`."""
+    so = [(i, d) for i, d in enumerate(out) if d != 1]
+    ss = [(i, d) for i, d in enumerate(src) if d != 1]
+    if [d for _, d in so] == [d for _, d in ss]:      # only unit axes added or removed
+        res = ["0"] * len(src)
+        for (io, _), (is_, _) in zip(so, ss):
+            res[is_] = c[io]
+        return res
+    flat = lin(c, out)
+    return delin(f"({flat})", src)
+
+
+def bare(c: str) -> str:
+    """`c` without redundant outer parentheses ("(rm3)" -> "rm3")."""
+    c = c.strip()
+    while c.startswith("(") and c.endswith(")"):
+        depth = 0
+        for i, ch in enumerate(c):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0 and i < len(c) - 1:
+                return c
+        c = c[1:-1].strip()
+    return c
 
 
 @dataclass

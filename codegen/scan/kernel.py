@@ -7,10 +7,11 @@ specific to Titans: a changed memory rule is a changed body graph, and it compil
 Independent axes. The grid is the product of the scan's *independent leading axes* (e.g.
 [B, Nm] of a memory-chunk body): the longest prefix `P` of the carries' shape such that no body
 op mixes those axes. Every body value gets a `pax` (where the axes of `P` sit in its shape, or
-None when it does not vary along them); the rules, per op, are in `_ScanEmitter.pax_of`: einsum
-letters of P appear in the output, reductions, cumsums, slices, pads and concats leave them
-alone, reshapes keep them as whole axes, permutes move them. A value with a `pax` is computed
-per program on its local slice (the P axes dropped); a value without one ("shared": scalars,
+None when it does not vary along them); the rules, per op, are the `pax` of each op's
+TRITON_SCAN rule (`rules.py`, driven by `independence.py`): einsum letters of P appear in
+the output, reductions, cumsums, slices, pads and concats leave them alone, reshapes keep
+them as whole axes, permutes move them. A value with a `pax` is computed per program on its
+local slice (the P axes dropped); a value without one ("shared": scalars,
 the causal mask table, shared weights) is computed whole in every program and read at full
 coordinates. Each program runs the whole loop for its slice.
 
@@ -31,7 +32,7 @@ after every read of the old one (no slots, no copy), the final value is stored o
 the loop. A stage reads the tile only where its own tile has exactly the carry's axes (an
 einsum operand whose letters get whole blocks, plain or `tl.trans`posed; a pointwise or
 SUM / AMAX stage re-emitted as one tile of the local shape); any other read (a reshape, a
-broadcast, a looped block) raises `_RegMiss`, and the loop is emitted again with that carry
+broadcast, a looped block) raises `RegMiss`, and the loop is emitted again with that carry
 in the workspace. `ScanKernel.carries` (report.json `scan_carries`) says, per loop and carry,
 which are on chip and why the others are not. Views (reshape,
 permute, expand, slice, pad, concat) cost nothing: they are index arithmetic on the loads of
@@ -62,16 +63,20 @@ carries are slots of the same workspace). MASK and ROPE tables are computed once
 
 Which scans are one kernel is `scan_form`'s rule (a chunk recurrence with independent axes),
 then the cost rule of `scan_kernel_for` (the kernel's serial rounds against its host loop's
-launches, `serial_cost`); every other scan runs as its host loop. No kernel holds more than `MAX_STAGES` stages. A
-gather in the kernel's prologue (the embedding rows a carry starts from) is read through: the
-carry's initial value is the table's row at the index. Anything else (a TAKE in a body,
-INDEX_ADD, integer casts, no independent axes, tiles or a workspace beyond the caps) raises
+launches, `serial_cost`); every other scan runs as its host loop. No kernel holds more than
+`MAX_STAGES` stages. A gather in the kernel's prologue (the embedding rows a carry starts
+from) is read through: the carry's initial value is the table's row at the index. Anything
+else (an op whose TRITON_SCAN rule keeps it out, such as a TAKE in a body or INDEX_ADD, an op
+with no rule, integer casts, no independent axes, tiles or a workspace beyond the caps) raises
 `ScanFallback` with the reason; the executor then keeps the host loop (whose body's scans
 are kernels of their own) and reports the reason.
 
-Modules: `scan_index` (references, coordinates), `scan_values` (the independence analysis and
-values at coordinates), `scan_stages` (stages and loops), `scan_pack` (workspace liveness),
-this one (the kernel and its launch).
+Modules: `rules` (the TRITON_SCAN table: each op's stage, independence and value rules),
+`index` (references, coordinates), `independence` (which axes each program owns), `emitter`
+(the lines, names and workspace being emitted), `values` (a value at coordinates),
+`carries` (carries on chip), `stages` (pointwise stages), `einsum`, `reduce` (their stages),
+`loops` (a body's nodes in order and the scan loops), `tidy` (dead stores dropped), `pack`
+(workspace liveness), this one (the kernel and its launch).
 """
 from __future__ import annotations
 
@@ -83,7 +88,7 @@ from typing import Callable, Collection
 
 import torch
 
-from titanc.ir import Graph, Node, Op, OpGroup
+from titanc.ir import Graph, Node
 from titanc.ir.tables import mask_table, rope_table
 from titanc.ir.graph import freeze_attrs
 from titanc.passes.flash_attention import expand_attention
@@ -97,8 +102,14 @@ from titanc.codegen.lower.code import graph_dtype
 from titanc.codegen.meta import (LOOP_GAIN, ROUNDS_PER_LAUNCH, carry_register_bytes,
                                  compute_dtype, dot_precision, kernel_split_k, needs_int64)
 from titanc.codegen.render import render, sanitize_identifier
-from titanc.codegen.scan.index import MAX_TILE, MAX_WORKSPACE, Ref, ScanFallback, BodyRefs, _PaxError
-from titanc.codegen.scan.stages import _ScanGen
+from titanc.codegen.scan.emitter import ScanEmitter
+from titanc.codegen.scan.independence import prefixes
+from titanc.codegen.scan.index import (MAX_TILE, MAX_WORKSPACE, BodyRefs, PaxError, Ref,
+                                       ScanFallback)
+from titanc.codegen.scan.loops import scan_loop
+from titanc.codegen.scan.pack import BARRIER
+from titanc.codegen.scan.rules import expands, stage_of
+from titanc.codegen.scan.tidy import drop_dead_stores, prune
 
 __all__ = ["KERNEL_ROLES", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
            "render_scan", "scan_form", "serial_cost", "serial_rounds"]
@@ -194,18 +205,6 @@ class ScanKernel:
 
 # -- the kernel -------------------------------------------------------------------------------------
 
-def _prefixes(g: Graph, n: Node) -> list[tuple[int, ...]]:
-    """Candidate independent axes, longest first: leading shapes of the carries."""
-    nc = n.attr("n_carry")
-    seen: dict[tuple[int, ...], None] = {}
-    shapes = [g.node(i).type.shape for i in n.inputs[:nc]]
-    for p in range(max((len(s) for s in shapes), default=0), 0, -1):
-        for s in shapes:
-            if len(s) >= p:
-                seen[tuple(s[:p])] = None
-    return sorted(seen, key=len, reverse=True)
-
-
 def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int] | None = None,
                 name: str | None = None, spec_path: str = "",
                 immediate: Callable[[int], float | None] = lambda v: None,
@@ -224,45 +223,85 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
     (the generator's tests on hand-built loops; `scan_form` never asks for it)."""
     budget = carry_register_bytes() if carry_budget is None else carry_budget
     n = g.node(scan_id)
-    if n.op is not Op.SCAN:
+    if stage_of(n) != "scan":
         raise ValueError(f"%{scan_id} is not a scan")
-    if _pattern_op(n.attr("body")) is not None:      # the kernel computes the chain itself
+    if expands(n.attr("body")):                      # the kernel computes the chain itself
         n = n.replace(attrs=freeze_attrs({**n.attr_dict,
                                           "body": expand_attention(n.attr("body"))}))
-    cd = compute_dtype(dtype)
     used = set(range(len(n.attr("body").outputs))) if used is None else set(used)
-    name = sanitize_identifier(name or f"titanc_scan_{scan_id}")
+    job = _Job(g, n, compute_dtype(dtype), used,
+               sanitize_identifier(name or f"titanc_scan_{scan_id}"), spec_path, immediate,
+               allow_tf32, budget, tuple(prologue))
     why = "no carry with a leading axis"
-    for prefix in _prefixes(g, n):
+    for prefix in prefixes(g, n):
         for shared in (0, 1, 2):     # operands other than carries taken by shape, or not
             try:
-                return _render(g, n, cd, dtype, prefix, used, name, spec_path, immediate,
-                               shared, allow_tf32, budget, prologue)
-            except _PaxError as e:
+                return _render(job, prefix, shared)
+            except PaxError as e:
                 why = str(e)
     if serial:                       # one program (the generator's own tests)
-        return _render(g, n, cd, dtype, (), used, name, spec_path, immediate, 2, allow_tf32,
-                       budget, prologue)
+        return _render(job, (), 2)
     raise ScanFallback(f"no independent leading axes ({why}): one program would run the "
                        "whole scan on one SM")
 
 
-def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], used: set[int],
-            name: str, spec_path: str, immediate: Callable[[int], float | None],
-            shared: int, allow_tf32: bool = False, carry_budget: int = 0,
-            prologue: Collection[int] = ()) -> ScanKernel:
+@dataclass(frozen=True)
+class _Job:
+    """What `render_scan` was asked for (the scan node with its body expanded)."""
+
+    g: Graph
+    n: Node
+    cd: str
+    used: set[int]
+    name: str
+    spec_path: str
+    immediate: Callable[[int], float | None]
+    allow_tf32: bool
+    carry_budget: int
+    prologue: tuple[int, ...]
+
+
+def _render(job: _Job, prefix: tuple[int, ...], shared: int) -> ScanKernel:
     """Render with independent axes `prefix`: the carries whose shape starts with it vary
     per program, and so do the xs (`shared` < 2) and the other operands (`shared` < 1) whose
-    shape does; every other operand is shared (read at full coordinates). Prologue nodes are
-    read through (the table and indices they read are kernel arguments after the operands,
-    read at full coordinates)."""
-    em = _ScanGen(g, n, cd, prefix)
-    em.precision = dot_precision(allow_tf32)
-    em.reg_budget = carry_budget
-    p = len(prefix)
-    nc, nx = n.attr("n_carry"), n.attr("n_xs")
+    shape does (`_bind_inputs`); prologue nodes are read through."""
+    g, n = job.g, job.n
+    em = ScanEmitter(g, n, job.cd, prefix)
+    em.precision = dot_precision(job.allow_tf32)
+    em.reg_budget = job.carry_budget
     sc = BodyRefs(g)
-    for v in prologue:                                # a carry's initial value, gathered
+    inputs, extra = _bind_inputs(job, em, sc, prefix, shared)
+    top = _outputs(job)
+    outputs = list(top)
+    if prefix and not any(sc.pax.get(v) is not None for v in n.inputs[:n.attr("n_carry")]):
+        raise PaxError(f"no carry has the leading axes {list(prefix)}")
+    # the workspace stays under MAX_WORKSPACE_TOTAL < 2**31: only the tensors decide
+    em.index = "tl.int64" if needs_int64(*(prod(g.node(n.inputs[i]).type.shape)
+                                           for i in inputs),
+                                         *(prod(g.node(u).type.shape) for u in extra),
+                                         *(prod(top[k].shape) for k in outputs)) else "tl.int32"
+    scan_loop(em, sc, n, top)
+    _check_and_tidy(em, prefix)
+    rounds = serial_rounds(em.lines)
+    if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
+        raise PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
+                       f"{MAX_WORKSPACE_TOTAL}")
+    ranks = ([g.node(n.inputs[i]).type.rank for i in inputs]
+             + [g.node(u).type.rank for u in extra]
+             + [len(top[k].shape) for k in outputs])
+    source = _source(job, em, prefix, (len(inputs) + len(extra), len(outputs)), ranks, rounds)
+    return ScanKernel(job.name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
+                      tuple(outputs), tuple(em.tables), em.stages,
+                      carries=tuple(em.carry_notes), extra=tuple(extra), rounds=rounds)
+
+
+def _bind_inputs(job: _Job, em: ScanEmitter, sc: BodyRefs, prefix: tuple[int, ...],
+                 shared: int) -> tuple[list[int], list[int]]:
+    """Refs of the scan's operands (kernel tensors `a<k>`, literals, prologue nodes read
+    through) and their pax; the positions passed and the values the prologue reads."""
+    g, n, p = job.g, job.n, len(prefix)
+    nc, nx = n.attr("n_carry"), n.attr("n_xs")
+    for v in job.prologue:                            # a carry's initial value, gathered
         shape = g.node(v).type.shape
         q = tuple(range(p)) if shape[:p] == prefix else None
         sc.refs[v], sc.pax[v] = Ref("node", shape, q, node=g.node(v), scope=sc), q
@@ -271,7 +310,7 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
         shape = g.node(v).type.shape
         if v in sc.refs:                              # the same value passed twice
             continue
-        lit = immediate(v)
+        lit = job.immediate(v)
         if lit is not None:
             sc.refs[v], sc.pax[v] = Ref("lit", shape, None, value=lit), None
             continue
@@ -286,78 +325,80 @@ def _render(g: Graph, n: Node, cd: str, dtype: str, prefix: tuple[int, ...], use
         if g.node(v).type.dtype == "bf16":
             em.low_args.add(f"a{len(inputs)}")
         inputs.append(i)
-    extra = list(dict.fromkeys(u for v in prologue for u in g.node(v).inputs
+    extra = list(dict.fromkeys(u for v in job.prologue for u in g.node(v).inputs
                                if u not in sc.refs))
     for k, u in enumerate(extra):                     # what the prologue gathers read
         arg = f"a{len(inputs) + k}"
         sc.refs[u], sc.pax[u] = Ref("arg", g.node(u).type.shape, None, name=arg), None
         if g.node(u).type.dtype == "bf16":
             em.low_args.add(arg)
+    return inputs, extra
+
+
+def _outputs(job: _Job) -> dict[int, Ref]:
+    """The kernel tensors `o<k>` of the used items: a carry's final value, a stacked y."""
+    n = job.n
     body: Graph = n.attr("body")
     top: dict[int, Ref] = {}
-    outputs = []
     for k, (_, v) in enumerate(body.outputs):
-        if k in used:
-            shape = body.node(v).type.shape if k < nc else (n.attr("length"),) + \
-                body.node(v).type.shape
-            top[k] = Ref("arg", shape, None, name=f"o{len(outputs)}")
-            outputs.append(k)
-    if p and not any(sc.pax.get(v) is not None for v in n.inputs[:nc]):
-        raise _PaxError(f"no carry has the leading axes {list(prefix)}")
-    # the workspace stays under MAX_WORKSPACE_TOTAL < 2**31: only the tensors decide
-    em.index = "tl.int64" if needs_int64(*(prod(g.node(n.inputs[i]).type.shape)
-                                           for i in inputs),
-                                         *(prod(g.node(u).type.shape) for u in extra),
-                                         *(prod(top[k].shape) for k in outputs)) else "tl.int32"
-    em.scan_loop(sc, n, top)
+        if k in job.used:
+            shape = body.node(v).type.shape if k < n.attr("n_carry") else \
+                (n.attr("length"),) + body.node(v).type.shape
+            top[k] = Ref("arg", shape, None, name=f"o{len(top)}")
+    return top
+
+
+def _check_and_tidy(em: ScanEmitter, prefix: tuple[int, ...]) -> None:
+    """Refuse a kernel whose programs mostly repeat shared work or that holds too many
+    stages; then drop dead stores and unread names and pack the workspace."""
     if em.shared * 2 > sum(em.sizes) and prod(prefix) > 1:
-        raise _PaxError(f"with independent axes {list(prefix)} most of the work "
-                        f"({em.shared} of {sum(em.sizes)} workspace elements) would be "
-                        "repeated by every program")
+        raise PaxError(f"with independent axes {list(prefix)} most of the work "
+                       f"({em.shared} of {sum(em.sizes)} workspace elements) would be "
+                       "repeated by every program")
     if em.stages > MAX_STAGES:
         raise ScanFallback(f"{em.stages} > {MAX_STAGES} stages in one kernel (compile time "
                            "and registers grow with them)")
-    em.drop_dead_stores()
-    em.prune()
+    lines = drop_dead_stores(em.lines)
+    if lines is not em.lines:                         # `stages` counts what is left
+        em.lines = lines
+        em.stages = sum(line.strip() == BARRIER for line in lines)
+    em.lines = prune(em.lines)
     em.pack()
-    rounds = serial_rounds(em.lines)
-    if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
-        raise _PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
-                        f"{MAX_WORKSPACE_TOTAL}")
-    tensors = ([f"a{k}" for k in range(len(inputs) + len(extra))]
-               + [f"o{k}" for k in range(len(outputs))]
+
+
+def _source(job: _Job, em: ScanEmitter, prefix: tuple[int, ...], counts: tuple[int, int],
+            ranks: list[int], rounds: int) -> str:
+    """The kernel's module text (template `scan.py.jinja`): header, arguments, body;
+    `counts`: the input and output tensors, `ranks` their ranks."""
+    g, n, p = job.g, job.n, len(prefix)
+    tensors = ([f"a{k}" for k in range(counts[0])] + [f"o{k}" for k in range(counts[1])]
                + [f"g{k}" for k in range(len(em.tables))])
-    ranks = ([g.node(n.inputs[i]).type.rank for i in inputs]
-             + [g.node(u).type.rank for u in extra]
-             + [top[k].shape.__len__() for k in outputs]
-             + [len(_table_shape(op, a)) for op, a in em.tables])
+    ranks = ranks + [len(_table_shape(op, a)) for op, a in em.tables]
     strides = [[f"s_{t}_{d}" for d in range(r)] for t, r in zip(tensors, ranks)]
     pcs = []
     for i in range(p):
         inner = prod(prefix[i + 1:])
         pcs.append(f"pc{i} = (pid // {inner}) % {prefix[i]}" if inner > 1
                    else f"pc{i} = pid % {prefix[i]}")
-    header = [f"{name}: scan kernel of graph {g.name}", f"spec: {spec_path or '(none)'}",
+    nc, nx = n.attr("n_carry"), n.attr("n_xs")
+    header = [f"{job.name}: scan kernel of graph {g.name}", f"spec: {job.spec_path or '(none)'}",
               f"scan %{n.id}: length {n.attr('length')}, {nc} carries, {nx} xs; grid over the "
               f"independent axes {list(prefix)}; {em.stages} stages, {rounds} serial tile "
               "rounds an iteration",
               f"workspace: {em.ws} elements per program, liveness-packed from "
               f"{sum(em.sizes)}"]
-    if prologue:
+    if job.prologue:
         header.append("prologue (carries' initial values read through): " + ", ".join(
-            f"%{v} = {g.node(v).op.name.lower()}" for v in prologue))
+            f"%{v} = {g.node(v).op.name.lower()}" for v in job.prologue))
     on_chip = [f"{c['scan']}.{c['carry']} {c['shape']}" for c in em.carry_notes if c["on_chip"]]
     if on_chip:                      # (a kernel holding none keeps its source, and AOT cache)
-        header.append(f"carries on chip (budget {carry_budget} B of registers per program): "
-                      + ", ".join(on_chip))
-    source = render("scan.py.jinja", name=name, header_lines=header, tensors=tensors,
-                    strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
-                    grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,
-                    round_bf16=any("_bf16(" in line for line in em.lines), dot16=em.dot16,
-                    num_stages=NUM_STAGES)
-    return ScanKernel(name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
-                      tuple(outputs), tuple(em.tables), em.stages,
-                      carries=tuple(em.carry_notes), extra=tuple(extra), rounds=rounds)
+        header.append(f"carries on chip (budget {job.carry_budget} B of registers per "
+                      "program): " + ", ".join(on_chip))
+    return render("scan.py.jinja", name=job.name, header_lines=header, tensors=tensors,
+                  strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
+                  grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,
+                  round_bf16=any("_bf16(" in line for line in em.lines), dot16=em.dot16,
+                  num_stages=NUM_STAGES)
 
 
 def host_table(op: str, a: dict, dtype: torch.dtype) -> torch.Tensor:
@@ -375,18 +416,6 @@ def _table_shape(op: str, a: dict) -> tuple[int, ...]:
         return (a["n_q"], sum(length for _, length, _ in a["groups"]))
     return (a["count"], a["half"])
 
-
-
-def _pattern_op(body: Graph) -> str | None:
-    """The name of a pattern op (`OpGroup.PATTERN`) in `body` or its nested bodies, if any."""
-    for n in body:
-        if n.op in OpGroup.PATTERN:
-            return n.op.name
-        if n.op is Op.SCAN:
-            inner = _pattern_op(n.attr("body"))
-            if inner is not None:
-                return inner
-    return None
 
 
 def scan_form(g: Graph, scan_id: int) -> str:
@@ -492,8 +521,9 @@ def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: boo
     lowered program's, `Lowered.launches`): a scan that renders to a scan kernel is one
     launch, one that runs as a host loop launches its body's kernels once per iteration (its
     reason appended to `fallbacks`); with `groups` (default: `config.group_launches`, as the
-    triton target lowers), a launch group is one launch (`codegen.horizontal`). `carries` gets, per scan kernel, where each loop's carries live
-    (`ScanKernel.carries`, with the graph and kernel names); `forms` gets, per scan, the
+    triton target lowers), a launch group is one launch (`codegen.horizontal`). `carries`
+    gets, per scan kernel, where each loop's carries live (`ScanKernel.carries`, with the
+    graph and kernel names); `forms` gets, per scan, the
     form `scan_form` and the generator gave it (report.json `scan_forms`: graph, scan, role,
     form "kernel" with its grid and serial tile rounds an iteration or "host_loop", its
     iterations (`length`), and why)."""
