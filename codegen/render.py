@@ -259,7 +259,11 @@ def load_rendered(key: str) -> dict[Any, Any]:
     """The entries `store_rendered` kept under `key`, or {} (none, damaged, another key's,
     or not sealed by this user's titanc: nothing else is unpickled)."""
     path = _rendered_path(key)
-    payload = unseal(path.parent.parent, "rendered", key, read_regular(path, RENDERED_MAX_BYTES))
+    try:
+        payload = unseal(path.parent.parent, "rendered", key,
+                         read_regular(path, RENDERED_MAX_BYTES))
+    except OSError:                    # no key can be made (a read-only cache): render
+        return {}
     if payload is None:
         return {}
     try:
