@@ -6,7 +6,8 @@ content type check and no cap on session files (disk fill, DNS rebinding); `--ma
 outside the memory-fit check; a session file continued on other weights; session files with
 an absurd position, a huge or non-finite tensor, 100,000 unfed tokens, or version "99"; a
 read-only sessions directory; echo + logprobs in quadratic time and unbounded size;
-`new_state(2**40)`; no header-read timeout; a GET that evicts.
+`new_state(2**40)`; no header-read timeout; a GET that evicts; temporary files of dead
+writers left in the directory.
 
 The model is tests/conftest.py's `artifact` (a 1-layer MAC of width 32, float64, fresh
 weights). Servers run in-process (uvicorn in a thread on 127.0.0.1, a free port), except the
@@ -472,3 +473,16 @@ def test_a_get_reads_an_evicted_session_without_evicting(gen: Generator, codec: 
     assert files() == [f"{a}.safetensors"]
     assert store.peek(a)["tokens"] == 0 and store.peek(b)["tokens"] == 0
     assert list(store._live) == [b] and files() == [f"{a}.safetensors"]
+
+
+def test_temporary_files_of_dead_writers_are_removed_at_startup(gen: Generator,
+                                                                tmp_path: Path) -> None:
+    sid = "sess_" + "e" * 32
+    dead = [tmp_path / f".{sid}.safetensors.4194999.tmp",      # no such process
+            tmp_path / ".titanc-probe-4194999.safetensors"]
+    for p in dead:
+        p.write_bytes(b"\0" * 1000)
+    mine = tmp_path / "notes.txt"
+    mine.write_text("kept")
+    SessionStore(gen, 2, tmp_path)
+    assert [p for p in dead if p.exists()] == [] and mine.read_text() == "kept"
