@@ -361,9 +361,10 @@ def test_every_bad_input_is_one_line_with_exit_2(bpe: BPETokenizer, tmp_path: Pa
                                        f"{tmp_path / 'emptyshard' / 'train.bin'} is empty (")
     d = tmp_path / "o1_missing_dir_is_made_below"
     assert main(cases["train: not a shard directory"][0]) == 2
-    assert err_line(capsys) == (f"titanc: error: {d} holds no header.json, so it is not a "
-                                f"token-shard directory; prepare them with 'titanc data prepare "
-                                f"INPUT... -o {d}'")
+    assert err_line(capsys) == (f"titanc: error: data.source {d} is a directory without "
+                                f"header.json, so not token shards; prepare it with 'titanc "
+                                f"data prepare {d} -o data/{d.name}' and pass --data "
+                                f"data/{d.name}")   # shards beside the text, never into it
 
 
 def test_eval_bad_inputs(bpe: BPETokenizer, tmp_path: Path,
