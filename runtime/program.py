@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from titanc.bounds import BATCH_SIZE, STEPS
 from titanc.errors import TitancError
 from titanc.ir import Interpreter
 from titanc.ir.types import DTYPES, dtype_name
@@ -203,19 +204,19 @@ class Program:
 
     @staticmethod
     def _checked_step(t: Any) -> int:
-        """`opt.step` of a state dict: an integer >= 0 (a Python int or a one-element
-        integer tensor)."""
+        """`opt.step` of a state dict: an integer in [0, 10**12] (bounds.STEPS; a Python int
+        or a one-element integer tensor)."""
         if isinstance(t, Tensor):
             ok = t.numel() == 1 and not (t.is_floating_point() or t.is_complex()
                                          or t.dtype == torch.bool)
             value = int(t.reshape(())) if ok else None
         else:
             value = t if isinstance(t, int) and not isinstance(t, bool) else None
-        if value is None or value < 0:
+        if value is None or not 0 <= value <= STEPS.hi:
             shown = (f"a {t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, Tensor)
                      else repr(t)[:40])
-            raise TitancError(f"checkpoint entry opt.step must be one integer >= 0 (the "
-                              f"optimizer steps taken), got {shown}"
+            raise TitancError(f"checkpoint entry opt.step must be one integer in [0, "
+                              f"{STEPS.hi}] (the optimizer steps taken), got {shown}"
                               + (f" = {value}" if value is not None else ""))
         return value
 
@@ -238,7 +239,7 @@ class Program:
 
     def graph(self, kind: str, batch: int, n: int = 1) -> Any:
         """The compiled graph of `kind` (titanc.compiler.GRAPH_KINDS) at `batch` rows."""
-        return self._graphs(batch).graph(kind, n)
+        return self._graphs(BATCH_SIZE.check(batch, "batch")).graph(kind, n)
 
     def _check_tokens(self, tokens: Tensor) -> Tensor:
         if not isinstance(tokens, Tensor):

@@ -275,6 +275,17 @@ def test_token_dtype_must_hold_the_vocabulary(prog: Any) -> None:
     check_token_ids(torch.zeros(1, 4, dtype=torch.int32), 1 << 21)
 
 
+def test_api_numbers_past_their_bounds_are_named(prog: Any) -> None:
+    """The hidden sample's "numbers beyond what the code downstream accepts" in the API: an
+    `opt.step` of 10**30 overflowed the device step counter's fill_, a batch of 10**20 rows
+    reached the compiler."""
+    sd = dict(prog.state_dict())
+    with pytest.raises(TitancError, match=r"opt.step must be one integer in \[0, 10+\]"):
+        prog.load_state_dict({**sd, "opt.step": 10**30})
+    with pytest.raises(TitancError, match=r"^batch: expected a number of sequences"):
+        prog.graph("forward", 10**20)
+
+
 # --- row 22: document inputs at the API boundary --------------------------------------------
 
 
