@@ -95,7 +95,7 @@ def _tril_want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (torch.tril(x * x, -1) * w + torch.tril(x, 1)).sum()
 
 
-def _scan_graph(apply: Any) -> Graph:
+def _scan_graph(apply: Any, role: str = "loop") -> Graph:
     """A scan over x [3, 2, 4, 4] whose body applies `apply(b, value)` (a new op) to a carry
     and to each slice."""
     b = Builder("forward")
@@ -106,7 +106,7 @@ def _scan_graph(apply: Any) -> Graph:
         (h,), (xt,) = c, xs
         return [apply(bb, h * 0.5 + xt)], [apply(bb, xt) * h]
 
-    (h,), (y,) = b.scan(body, [h0], [x], name="with_op")
+    (h,), (y,) = b.scan(body, [h0], [x], name="with_op", role=role)
     b.graph.set_outputs([("h", h.id), ("y", y.id)])
     return b.graph
 
@@ -292,6 +292,16 @@ def test_a_new_op_says_whether_it_stays_inside_a_scan_kernel(tril, add_sub) -> N
     with pytest.raises(ScanFallback, match=r"no scan-kernel rule for TRIL \(TRITON_SCAN: "
                                            r"register_lowering\(Op.TRIL, TRITON_SCAN"):
         render_scan(g, next(m for m in g if m.op is Op.SCAN).id)
+    # ... and a program says so: a memory scan holding it is a host loop, with the reason
+    # (report.json `scan_forms`, the executor's `fallbacks`)
+    from titanc.codegen.scan.kernel import count_launches
+    from titanc.passes.buffer_plan import plan_buffers
+    from titanc.passes.fusion import fuse
+
+    forms: list = []
+    count_launches(plan_buffers(fuse(_scan_graph(with_tril, "memory")), set()), forms=forms)
+    assert [f["form"] for f in forms] == ["host_loop"]
+    assert "no scan-kernel rule for TRIL" in forms[0]["why"]
 
 
 def test_a_new_pattern_op_runs_everywhere(add_sub) -> None:
