@@ -88,6 +88,8 @@ class CompletionParams:
     logprobs: int | None
     echo: bool
     session: str | None = None               # continue this session (runtime/serve/sessions.py)
+    presence_penalty: float = 0.0            # runtime/serve/penalties.py, in [-2, 2]
+    frequency_penalty: float = 0.0
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -204,9 +206,6 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
         raise _bad("best_of", "is not supported (leave it out or equal to n)")
     if body.get("suffix") is not None:
         raise _bad("suffix", "is not supported by this model")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _float(body, key, 0.0, -2.0, 2.0) != 0.0:
-            raise _bad(key, "is not supported (only 0)")
     if body.get("logit_bias") not in (None, {}):
         raise _bad("logit_bias", "is not supported")
     top_k = _int(body, "top_k", None, -1, 1 << 30)
@@ -236,7 +235,9 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
         stop=_stop(body), n=n, stream=stream,
         include_usage=bool(opts and opts.get("include_usage")),
         logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),
-        echo=_bool(body, "echo"), session=session)
+        echo=_bool(body, "echo"), session=session,
+        presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0))
 
 
 def check_model(params_model: Any, served: Sequence[str]) -> None:

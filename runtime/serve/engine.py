@@ -44,6 +44,7 @@ from titanc.errors import TitancError
 
 from titanc.runtime.serve.codec import IncrementalText
 from titanc.runtime.serve.generate import DecodeState, Generator, Sampling, sample
+from titanc.runtime.serve.penalties import penalize
 
 Tensor = torch.Tensor
 REPLACEMENT = "\ufffd"
@@ -432,7 +433,8 @@ class Engine:
             self._fail(r, "the model's output for this sequence is not finite (a NaN or an "
                           "inf): its state is damaged")
             return
-        tok = int(sample(logits, r.sampling, self._samplers[s])[0])
+        tok = int(sample(penalize(logits, [r.tokens], r.sampling), r.sampling,
+                         self._samplers[s])[0])
         lp = [self._logprob(logits[0], tok, r.logprobs)] if r.logprobs is not None else []
         now = time.perf_counter()
         if self.observer is not None:

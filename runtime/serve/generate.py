@@ -21,6 +21,7 @@ import torch
 from titanc.errors import TitancError
 from titanc.ir.tables import rope_inv_freq
 from titanc.runtime.serve.sampling import Sampling, as_integer, sample, short_repr  # noqa: F401
+from titanc.runtime.serve.penalties import penalize
 
 Tensor = torch.Tensor
 NEG_INF = -math.inf
@@ -433,7 +434,7 @@ class Generator:
         tail = max((len(x.encode("utf-8")) for x in s.stop), default=0) + 4
         alive = [True] * len(prompts)
         for k in range(max_new_tokens):
-            nxt = sample(logits, s, gen)
+            nxt = sample(penalize(logits, outs, s), s, gen)
             for i, tok in enumerate(nxt.tolist()):
                 if not alive[i]:
                     continue

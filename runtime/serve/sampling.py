@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from titanc.errors import TitancError
+from titanc.runtime.serve.penalties import check_penalty
 
 __all__ = ["Sampling", "sample", "as_integer", "short_repr"]
 
@@ -28,6 +29,8 @@ class Sampling:
     top_p: float | None = None
     seed: int = 0                            # in [0, 2**64)
     stop: Sequence[str] = field(default_factory=tuple)
+    presence_penalty: float = 0.0            # in [-2, 2]: runtime/serve/penalties.py
+    frequency_penalty: float = 0.0           # in [-2, 2]
 
     def __post_init__(self) -> None:
         # numbers of any numeric type (numpy's too) are taken as Python int / float
@@ -51,6 +54,8 @@ class Sampling:
             raise TitancError(f"seed: {short_repr(self.seed)} must be an integer in [0, 2**64)")
         self.seed = seed
         self.stop = _stops(self.stop)
+        self.presence_penalty = check_penalty(self.presence_penalty, "presence_penalty")
+        self.frequency_penalty = check_penalty(self.frequency_penalty, "frequency_penalty")
 
 
 def short_repr(value: Any) -> str:

@@ -37,6 +37,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from titanc.runtime.serve.chat import (ChatShape, ChatTemplate, add_chat_route,
+                                       load_chat_template)
 from titanc.runtime.serve.completions import (ApiError, CompletionParams, Limits, check_model,
                                                parse_completion)
 from titanc.runtime.serve.engine import Draining, Engine, QueueFull, Request, Update, random_seed
@@ -156,9 +158,10 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
 
 def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
                metrics: Metrics, sessions: SessionStore | None = None,
-               access: Access | None = None) -> Any:
+               access: Access | None = None, chat: ChatTemplate | None = None) -> Any:
     """The ASGI app of one engine behind its `Guard` (runtime/serve/guard.py: default, no key,
-    Host and Origin checks for 127.0.0.1); sessions: memory only, 64 at most, unless given."""
+    Host and Origin checks for 127.0.0.1); sessions: memory only, 64 at most, unless given;
+    chat: the run's chat template (runtime/serve/chat.py), without it the chat route is a 404."""
     app = FastAPI(title="titanc", docs_url=None, redoc_url=None, openapi_url=None)
     if sessions is None:
         sessions = SessionStore(engine.gen, 64)
@@ -166,7 +169,7 @@ def create_app(engine: Engine, codec: Any, model_name: str, limits: Limits,
                admitting=lambda: _admitting(engine))
     _add_error_handlers(app, metrics)
     _add_info_routes(app, engine, model_name, metrics)
-    _add_completions(app, engine, codec, model_name, limits, metrics, sessions)
+    _add_completions(app, engine, codec, model_name, limits, metrics, sessions, chat)
     return Guard(app, access if access is not None else Access())
 
 
@@ -229,11 +232,16 @@ def _add_info_routes(app: FastAPI, engine: Engine, model_name: str, metrics: Met
 
 
 def _add_completions(app: FastAPI, engine: Engine, codec: Any, model_name: str, limits: Limits,
-                     metrics: Metrics, sessions: SessionStore) -> None:
+                     metrics: Metrics, sessions: SessionStore,
+                     chat: ChatTemplate | None = None) -> None:
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:
         body = await _read_json(request, limits.max_body_bytes)
-        params = parse_completion(body, codec, limits)
+        return await run(request, body, parse_completion(body, codec, limits), None)
+
+    async def run(request: HttpRequest, body: dict, params: CompletionParams,
+                  shape: ChatShape | None) -> Response:
+        """A checked request through the engine; `shape` writes a chat response."""
         check_model(body.get("model"), [model_name])
         _check_response_size(params, codec, limits)
         loop = asyncio.get_running_loop()
@@ -258,13 +266,16 @@ def _add_completions(app: FastAPI, engine: Engine, codec: Any, model_name: str, 
             raise _draining() from None
         metrics.prompt_tokens.inc(sum(map(len, params.prompts)))
         metrics.requests.labels("200").inc()
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": model_name}
-        work = _Work(engine, params, reqs, choices, channel, head, turn)
+        head = shape.head(model_name, params.stream) if shape else {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": model_name}
+        work = _Work(engine, params, reqs, choices, channel, head, turn, shape)
         if params.stream:
             return _SSEResponse(_stream(work), media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache"})
         return await _complete(work, request)
+    add_chat_route(app, chat, codec, limits,
+                   lambda request: _read_json(request, limits.max_body_bytes), run)
 
 
 def _check_response_size(params: CompletionParams, codec: Any, limits: Limits) -> None:
@@ -294,7 +305,8 @@ def _make_requests(params: CompletionParams, codec: Any,
         for j in range(params.n):
             index = p * params.n + j
             seed = random_seed() if params.seed is None else (params.seed + j) % (1 << 64)
-            sampling = Sampling(params.temperature, params.top_k, params.top_p, seed, params.stop)
+            sampling = Sampling(params.temperature, params.top_k, params.top_p, seed, params.stop,
+                                params.presence_penalty, params.frequency_penalty)
             reqs.append(Request(prompt, params.max_tokens, sampling,
                                 on_update=lambda up, i=index: channel.put_nowait((i, up)),
                                 logprobs=params.logprobs, echo=params.echo))
@@ -348,6 +360,7 @@ class _Work:
     channel: asyncio.Queue
     head: dict
     turn: _Turn
+    shape: ChatShape | None = None            # a chat response (runtime/serve/chat.py)
 
     async def absorb(self, i: int, up: Update) -> tuple[str, dict | None]:
         """Add an update to choice i; an echoed prompt's logprobs (thousands of tokens at
@@ -401,7 +414,8 @@ async def _complete(work: _Work, request: HttpRequest) -> Response:
             check_at = loop.time() + POLL_S
         if work.error() is not None:
             raise _engine_error(work.error() or "")
-        body = dict(work.head, choices=[{"text": c.text, "index": c.index,
+        body = dict(work.head, choices=[work.shape.choice(c) if work.shape else
+                                        {"text": c.text, "index": c.index,
                                          "logprobs": c.logprobs_body(),
                                          "finish_reason": c.finish_reason}
                                         for c in work.choices],
@@ -431,8 +445,10 @@ async def _stream(work: _Work) -> AsyncIterator[bytes]:
         while left:
             i, up = await work.channel.get()
             delta, lp = await work.absorb(i, up)
-            yield _event(dict(work.head, choices=[{"text": delta, "index": i, "logprobs": lp,
-                                                   "finish_reason": up.finish_reason}]))
+            choice = {"text": delta, "index": i, "logprobs": lp,
+                      "finish_reason": up.finish_reason}
+            yield _event(dict(work.head, choices=[work.shape.chunk(choice) if work.shape
+                                                  else choice]))
             left -= up.finish_reason is not None
         if work.error() is not None:
             yield _event(_engine_error(work.error() or "").body())
@@ -466,9 +482,10 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
           log_level: str = "warning", max_sessions: int = 64,
           sessions_dir: str | None = None, access: Access | None = None,
           store_limits: StoreLimits = StoreLimits(),
-          header_timeout: float = HEADER_TIMEOUT_S) -> int:
+          header_timeout: float = HEADER_TIMEOUT_S, chat_template: str | None = None) -> int:
     """Load a run or artifact, warm the engine up and serve until SIGTERM, then write every
-    live session to `sessions_dir`; returns 0 (1 when a session could not be written)."""
+    live session to `sessions_dir`; returns 0 (1 when a session could not be written).
+    `chat_template`: a file for /v1/chat/completions (else the run's, runtime/serve/chat.py)."""
     import titanc
 
     from titanc.errors import TitancError
@@ -480,6 +497,7 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
         raise TitancError("--api-key: the key is empty; pass a secret, or leave the flag and "
                           "TITANC_API_KEY out to serve without one")
     check_address(host, port)
+    chat = load_chat_template(source, chat_template)
     tok = run_tokenizer(source)                  # the run's own, checked against its record
     prog = titanc.load(source)
     codec = TokenizerCodec(tok, prog.spec.model.vocab_size)
@@ -493,7 +511,7 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     warm_up(engine)
     engine.start()
     app = create_app(engine, codec, model_name or prog.spec.name, limits, metrics, sessions,
-                     access)
+                     access, chat)
     warning = exposure_warning(host, port, access.api_key)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
