@@ -188,6 +188,14 @@ _TRIM_EVERY = 64                   # new kernel files between two trims of the d
 _written = [0]
 
 
+def swap_loaded_modules(table: dict[str, ModuleType]) -> dict[str, ModuleType]:
+    """Install `table` as this process's loaded kernel modules and return the table it
+    replaces (`aot.fresh_kernel_modules` loads a step's kernels afresh, then restores)."""
+    global _LOADED
+    previous, _LOADED = _LOADED, table
+    return previous
+
+
 def load_module(source: str, name: str, interpret: bool | None = None) -> ModuleType:
     """Write `source` to `<cache_dir>/<name>_<hash>.py` and import it as a module.
 

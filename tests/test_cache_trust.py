@@ -370,3 +370,19 @@ def test_temporaries_of_killed_writers_are_dropped(cache: Path) -> None:
     render._LOADED.clear()
     render.load_module("X = 3\n", "tmp")
     assert not old.exists() and not kernel_tmp.exists() and fresh.exists()
+
+
+def test_a_damaged_or_foreign_aot_result_is_compiled_again(tmp_path):
+    """runtime/targets/aot.py's per-launch compile results: a damaged JSON, a FIFO, a failed
+    result or a non-object is not a cached result (compiled again), never a traceback."""
+    from titanc.runtime.targets import aot
+    path = tmp_path / "r.json"
+    for data in (b"\xff\xfe{", b"[1, 2]", b'{"ok": false}', b"{" * 10):
+        path.write_bytes(data)
+        assert aot._cached_result(path) is None
+    path.unlink()
+    os.mkfifo(path)
+    assert aot._cached_result(path) is None
+    path.unlink()
+    path.write_text('{"ok": true, "registers": 32}')
+    assert aot._cached_result(path) == {"ok": True, "registers": 32}

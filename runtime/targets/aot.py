@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from titanc.cache_files import read_regular
 from titanc.codegen.render import cache_dir, load_module
 from titanc.config import triton_interpret_mode
 
@@ -128,15 +129,15 @@ def fresh_kernel_modules(cuda_blocks: bool = False, attention: bool = False) -> 
             changed.append(module)
         return module
 
-    saved = (render.load_module, render._LOADED, triton_executor.load_module,
-             triton_executor._MODULES)
+    saved = (render.load_module, triton_executor.load_module)
     render.load_module = triton_executor.load_module = load_fresh
-    render._LOADED, triton_executor._MODULES = {}, {}
+    loaded, modules = render.swap_loaded_modules({}), triton_executor.swap_modules({})
     try:
         yield changed
     finally:
-        (render.load_module, render._LOADED, triton_executor.load_module,
-         triton_executor._MODULES) = saved
+        render.load_module, triton_executor.load_module = saved
+        render.swap_loaded_modules(loaded)
+        triton_executor.swap_modules(modules)
 
 
 def record_launches(plan: Any, float_dtype: Any = None, allow_tf32: bool = False,
@@ -193,11 +194,12 @@ class _LaunchRecorder:
 
     def _constexprs_and_source(self, jit: Any) -> tuple[frozenset[str], str]:
         import inspect
+        import linecache
         if jit.fn not in self.by_fn:     # a host loop launches the same kernels every iteration
             params = inspect.signature(jit.fn).parameters
             self.by_fn[jit.fn] = (frozenset(n for n in jit.arg_names
                                             if "constexpr" in str(params[n].annotation)),
-                                  Path(inspect.getsourcefile(jit.fn)).read_text())
+                                  "".join(linecache.getlines(inspect.getsourcefile(jit.fn))))
         return self.by_fn[jit.fn]
 
     def record(self, jit: Any, args: tuple[Any, ...], grid: Any, kwargs: dict[str, Any]) -> None:
@@ -285,6 +287,17 @@ def launch_constexprs(launch: Launch, module: Any, arch: int) -> tuple[dict[str,
     return constexprs, warps, stages
 
 
+def _cached_result(path: Path) -> dict[str, Any] | None:
+    """A compile result written before, or None when there is none or it is damaged, not a
+    regular file of this user or too large (`cache_files.read_regular`): compiled again."""
+    data = read_regular(path, 1 << 20)
+    try:
+        result = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) and result.get("ok") is True else None
+
+
 def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     """Compile `launch` for sm_`arch` (a process without the interpreter); cached on disk."""
     import triton
@@ -293,8 +306,9 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     path = cache_dir() / "aot" / f"{launch.key()}_sm{arch}_{triton.__version__}_v3.json"
-    if path.exists():
-        return json.loads(path.read_text())
+    cached = _cached_result(path)
+    if cached is not None:
+        return cached
     result: dict[str, Any] = {"name": launch.name, "arch": arch, "uses_dot": launch.uses_dot,
                               "scan": launch.is_scan, "matmul": launch.is_matmul}
     module = load_module(launch.source, launch.name, interpret=False)

@@ -74,6 +74,14 @@ def interpreting() -> bool:
 _MODULES: dict[tuple[str, bool], ModuleType] = {}
 
 
+def swap_modules(table: dict[tuple[str, bool], ModuleType]) -> dict[tuple[str, bool], ModuleType]:
+    """Install `table` as the modules `module_for` hands out and return the table it replaces
+    (`aot.fresh_kernel_modules`)."""
+    global _MODULES
+    previous, _MODULES = _MODULES, table
+    return previous
+
+
 def module_for(code: KernelCode) -> ModuleType:
     """The imported module of `code`; kernels whose sources differ only in their header and
     name (`KernelCode.key`) share the module of the first one loaded."""
