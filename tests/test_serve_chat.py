@@ -141,7 +141,15 @@ def test_stop_and_bad_chat_fields_are_400s_naming_them(live: Live) -> None:
            ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
            ({"messages": MESSAGES, "max_completion_tokens": 10**6}, "max_completion_tokens"),
            ({"messages": MESSAGES, "temperature": 9}, "temperature"),
-           ({"messages": MESSAGES, "frobnicate": 1}, "frobnicate")]
+           ({"messages": MESSAGES, "frobnicate": 1}, "frobnicate"),
+           ({"messages": {"role": "user"}}, "messages"),
+           ({"messages": [{"content": "no role"}]}, "messages"),
+           ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages"),
+           ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+           ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+           ({"messages": MESSAGES, "add_generation_prompt": "yes"}, "add_generation_prompt"),
+           ({"messages": MESSAGES, "logprobs": 3}, "logprobs"),
+           ({"messages": MESSAGES, "presence_penalty": 2.5}, "presence_penalty")]
     for body, param in bad:
         status, reply = live.post("/v1/chat/completions", body)
         assert status == 400 and reply["error"]["param"] == param, (body, reply)

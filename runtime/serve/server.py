@@ -6,7 +6,8 @@ streaming responses for server-sent events, and uvicorn's graceful shutdown. Req
 validated by hand (`runtime/serve/completions.py`) rather than by pydantic models, so every refusal is
 a 400 in OpenAI's error format naming the field, never FastAPI's 422.
 
-Endpoints: POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus), and
+Endpoints: POST /v1/completions, POST /v1/chat/completions (with the run's chat template:
+`runtime/serve/chat.py`), GET /v1/models, GET /health, GET /metrics (Prometheus), and
 the sessions of `runtime/serve/sessions.py` (POST /v1/sessions, GET and DELETE
 /v1/sessions/ID, POST /v1/sessions/ID/snapshot; a completion continues one with "session").
 The engine runs in its own thread; its per-request updates reach the handler through
