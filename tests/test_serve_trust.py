@@ -95,7 +95,8 @@ class Live:
             c.request(method, path, body=data, headers=hdrs)
             r = c.getresponse()
             raw = r.read()
-            return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(raw) if raw else None
+            headers_out = {k.lower(): v for k, v in r.getheaders()}
+            return r.status, headers_out, json.loads(raw) if raw else None
         finally:
             c.close()
 
@@ -147,8 +148,9 @@ def test_sigterm_writes_every_live_session(artifact: Path, gen: Generator,
     sessions = tmp_path / "sessions"
     server = Server(artifact, "--sessions-dir", str(sessions), "--max-sessions", "4")
     try:
-        turn = lambda sid: server.post({"prompt": "Hello", "max_tokens": 5, "temperature": 0,  # noqa: E731
-                                        "session": sid})
+        def turn(sid: str) -> tuple[int, dict, Any]:
+            return server.post({"prompt": "Hello", "max_tokens": 5, "temperature": 0,
+                                "session": sid})
         a = server.request("POST", "/v1/sessions")[2]["id"]
         assert server.request("POST", f"/v1/sessions/{a}/snapshot")[0] == 200
         assert turn(a)[0] == 200

@@ -3,8 +3,9 @@
 `Choice` absorbs a choice's updates (text, tokens, logprobs). Each token's `text_offset` (the
 character offset of its text in the choice's text) comes from `Offsets`, which decodes only
 the tokens since the last whole character (`codec.IncrementalText`), so a choice of n tokens
-costs O(n) decoding, not the O(n^2) of decoding every prefix. Log-probabilities that are not finite are
-sent as null (JSON has no NaN; the engine also ends a request whose output is not finite).
+costs O(n) decoding, not the O(n^2) of decoding every prefix. Log-probabilities that are not
+finite are sent as null (JSON has no NaN; the engine also ends a request whose output is
+not finite).
 
 `response_bound` is the most bytes a request's response can take, from its parameters alone
 (choices x (echoed prompt + max_tokens) x the bytes a token can cost with its logprobs): a

@@ -133,7 +133,7 @@ class SessionStore:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                raise ApiError(500, f"could not remove session file {path.name}: "  # type: ignore[union-attr]
+                raise ApiError(500, f"could not remove session file {sid}.safetensors: "
                                     f"{exc.strerror or type(exc).__name__}; check the "
                                     f"permissions of --sessions-dir",
                                kind="server_error", code="session_file_error") from None
