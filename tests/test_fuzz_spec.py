@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from titanc.tools.cli import main  # noqa: E402
-from titanc.model.spec import _leaf_paths  # noqa: E402
+from titanc.model.spec import leaf_paths  # noqa: E402
 
 BASE: dict[str, Any] = {
     "name": "fuzz",
@@ -36,7 +36,7 @@ BASE: dict[str, Any] = {
               "memory": {"heads": 2, "depth": 1, "expansion": 1, "chunk_size": 4}},
     "train": {"batch_size": 1},
 }
-PATHS = sorted(_leaf_paths())
+PATHS = sorted(leaf_paths())
 LEGAL = {int: [0, 1, 2, 4, 8], float: [0.0, 0.5, 1e-3, 0.99], bool: [True, False],
          str: ["attn", "cpu", "byte", "none", "float64", "synthetic:recall", "x\x1b[0m"]}
 

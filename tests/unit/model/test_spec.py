@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 import titanc.model.spec as spec_module
+import titanc.model.spec_engine as spec_engine
 from titanc.errors import SpecError, TitancError
 from titanc.model.spec import (
     ModelSpec, Spec, load_spec, parse_set_args, spec_hash, spec_to_dict,
@@ -311,7 +312,7 @@ def test_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     def denied(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(spec_module, "open", denied, raising=False)  # tests run as root too
+    monkeypatch.setattr(spec_engine, "open", denied, raising=False)  # tests run as root too
     assert error_of(path) == f"{path}: permission denied; cannot read the spec file"
 
 
