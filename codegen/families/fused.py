@@ -200,13 +200,8 @@ def render_reduction(
     """
     if not stages:
         raise ValueError("a reduction needs at least one stage")
-    check_block("block_r", block_r)
-    cuda_block_r = check_block("cuda_block_r", block_r if cuda_block_r is None else cuda_block_r)
-    if block_c is None:
-        block_c = pow2(n_cols, 16) if n_cols <= max_single_block else 1024
-    check_block("block_c", block_c, 16)
-    cuda_block_c = check_block("cuda_block_c", block_c if cuda_block_c is None else cuda_block_c,
-                               16)
+    cuda_block_r, block_c, cuda_block_c = _reduction_blocks(
+        n_cols, block_r, block_c, cuda_block_r, cuda_block_c, max_single_block)
     single_pass = min(block_c, cuda_block_c) >= n_cols
     cd = compute_dtype(dtype)
     scope = Scope(REDUCTION_KERNEL_LOCALS | LAUNCH_LOCALS)
@@ -216,12 +211,54 @@ def render_reduction(
     red_out_names = [scope.declare(n, derived) for n, _ in reduced_outputs]
     all_names = in_names + row_out_names + red_out_names
     idx_tensors = indexed_tensors(scope, indexed)
+    stage_ctx, prologues = _reduction_stages(scope, stages, cd, single_pass)
+    row_stmts = scope.statements(row_epilogue)
+    ins = [_row_tensor(a, a) for a in in_names]
+    row_outs = [_row_tensor(a, scope.ref(v)) for a, (_, v) in zip(row_out_names, row_outputs)]
+    row_values = [{"arg": a, "ptr": f"{a}_ptr", "var": scope.ref(v),
+                   "strides": [f"stride_{a}_row"], "offset": f"rows * stride_{a}_row"}
+                  for a, (_, v) in zip(red_out_names, reduced_outputs)]
+    for stage in stage_ctx:
+        stage["loads"] = [t for t in ins if t["arg"] in stage["loads"]]
+    stores = _indexed_stores(scope, row_stores, idx_tensors, "row store")
+    wanted = {t["var"] for t in row_outs} | {t["var"] for t in stores} | {
+        t["offset"] for t in stores}
+    final_stmts, final_free = slice_statements(prologues + row_stmts, wanted)
+    launch = all_names + [t["arg"] for t in idx_tensors]
+    return render(
+        "reduction.py.jinja", name=name, header_lines=header_lines, block_r=block_r,
+        cuda_block_r=cuda_block_r, block_c=block_c, cuda_block_c=cuda_block_c,
+        num_warps=num_warps, compute_dtype=cd, single_pass=single_pass, inputs=ins,
+        stages=stage_ctx, row_epilogue=row_stmts, row_outputs=row_outs, row_values=row_values,
+        row_stores=stores, final_stmts=final_stmts,
+        final_loads=[t for t in ins if t["var"] in final_free], tensors=ins + row_outs + row_values,
+        row_tensors=ins + row_outs, indexed=idx_tensors, launch_params=launch,
+        tensor_args=all_names, device_arg=launch[0], wide=wide)
 
-    def row_tensor(arg: str, var: str) -> dict[str, object]:
-        strides = [f"stride_{arg}_row", f"stride_{arg}_col"]
-        return {"arg": arg, "ptr": f"{arg}_ptr", "var": var, "strides": strides,
-                "offset": f"rows * {strides[0]} + cols * {strides[1]}"}
 
+def _reduction_blocks(n_cols: int, block_r: int, block_c: int | None, cuda_block_r: int | None,
+                      cuda_block_c: int | None, max_single_block: int) -> tuple[int, int, int]:
+    """(cuda_block_r, block_c, cuda_block_c) of `render_reduction`, each checked."""
+    check_block("block_r", block_r)
+    cuda_block_r = check_block("cuda_block_r", block_r if cuda_block_r is None else cuda_block_r)
+    if block_c is None:
+        block_c = pow2(n_cols, 16) if n_cols <= max_single_block else 1024
+    check_block("block_c", block_c, 16)
+    cuda_block_c = check_block("cuda_block_c", block_c if cuda_block_c is None else cuda_block_c,
+                               16)
+    return cuda_block_r, block_c, cuda_block_c
+
+
+def _row_tensor(arg: str, var: str) -> dict[str, object]:
+    strides = [f"stride_{arg}_row", f"stride_{arg}_col"]
+    return {"arg": arg, "ptr": f"{arg}_ptr", "var": var, "strides": strides,
+            "offset": f"rows * {strides[0]} + cols * {strides[1]}"}
+
+
+def _reduction_stages(scope: Scope, stages: Sequence[ReductionStage], cd: str,
+                      single_pass: bool) -> tuple[list[dict[str, object]], list[str]]:
+    """Each stage's template context (its `loads`: the input names its prologue reads, made
+    tensors by the caller) and every stage's prologue statements, in order."""
     stage_ctx: list[dict[str, object]] = []
     prologues: list[str] = []
     for st in stages:
@@ -242,52 +279,25 @@ def render_reduction(
                      else f'tl.full([BLOCK_R, 1], float("-inf"), dtype={cd})'),
             "combine": (f"{result} + {reduced}" if st.op == "sum"
                         else f"tl.maximum({result}, {reduced})"),
-            "loads": [a for a in in_names if a in free],
+            "loads": sorted(free),
         })
-    row_stmts = scope.statements(row_epilogue)
-    ins = [row_tensor(a, a) for a in in_names]
-    row_outs = [row_tensor(a, scope.ref(v)) for a, (_, v) in zip(row_out_names, row_outputs)]
-    row_values = [{"arg": a, "ptr": f"{a}_ptr", "var": scope.ref(v),
-                   "strides": [f"stride_{a}_row"], "offset": f"rows * stride_{a}_row"}
-                  for a, (_, v) in zip(red_out_names, reduced_outputs)]
-    for stage in stage_ctx:
-        stage["loads"] = [t for t in ins if t["arg"] in stage["loads"]]
-    stores = []
-    for tensor, offset, var in row_stores:
+    return stage_ctx, prologues
+
+
+def _indexed_stores(scope: Scope, stores: Sequence[tuple[str, str, str]],
+                    idx_tensors: list[dict[str, object]], what: str,
+                    keep: str | None = None) -> list[dict[str, str]]:
+    """`(indexed tensor, offset var, value var)` stores as template context (a value named
+    `keep`, a matmul's accumulator, stays itself); a store into a tensor not indexed is an
+    error."""
+    out = []
+    for tensor, offset, var in stores:
         arg = scope.ref(tensor)
         if not any(t["arg"] == arg for t in idx_tensors):
-            raise ValueError(f"row store into {tensor!r}, which is not an indexed tensor")
-        stores.append({"ptr": f"{arg}_ptr", "offset": scope.ref(offset), "var": scope.ref(var)})
-    wanted = {t["var"] for t in row_outs} | {t["var"] for t in stores} | {
-        t["offset"] for t in stores}
-    final_stmts, final_free = slice_statements(prologues + row_stmts, wanted)
-    return render(
-        "reduction.py.jinja",
-        name=name,
-        header_lines=header_lines,
-        block_r=block_r,
-        cuda_block_r=cuda_block_r,
-        block_c=block_c,
-        cuda_block_c=cuda_block_c,
-        num_warps=num_warps,
-        compute_dtype=cd,
-        single_pass=single_pass,
-        inputs=ins,
-        stages=stage_ctx,
-        row_epilogue=row_stmts,
-        row_outputs=row_outs,
-        row_values=row_values,
-        row_stores=stores,
-        final_stmts=final_stmts,
-        final_loads=[t for t in ins if t["var"] in final_free],
-        tensors=ins + row_outs + row_values,
-        row_tensors=ins + row_outs,
-        indexed=idx_tensors,
-        launch_params=all_names + [t["arg"] for t in idx_tensors],
-        tensor_args=all_names,
-        device_arg=(all_names + [t["arg"] for t in idx_tensors])[0],
-        wide=wide,
-    )
+            raise ValueError(f"{what} into {tensor!r}, which is not an indexed tensor")
+        out.append({"ptr": f"{arg}_ptr", "offset": scope.ref(offset),
+                    "var": var if var == keep else scope.ref(var)})
+    return out
 
 
 # --- matmul -----------------------------------------------------------------------------------
@@ -370,12 +380,7 @@ def render_matmul(
     each a program of grid axis 2 storing its partial tiles into a workspace the launcher
     keeps; `<name>_finish` adds them in slice order, then runs the epilogue and the stores.
     """
-    tiles = dict(tiles or {0: Tile(block_m, block_n, block_k, num_warps, 3)})
-    for arch, t in tiles.items():
-        for label, blk in (("block_m", t.block_m), ("block_n", t.block_n),
-                           ("block_k", t.block_k)):
-            check_block(f"sm_{arch} {label}", blk, 16)  # tl.dot needs every tile side >= 16
-    acc_dtype = compute_dtype(dtype)
+    tiles = _matmul_tiles(tiles or {0: Tile(block_m, block_n, block_k, num_warps, 3)})
     scope = Scope(MATMUL_KERNEL_LOCALS | LAUNCH_LOCALS)
     epi_names = [scope.declare(n, ["{}_ptr", "stride_{}_b", "stride_{}_m", "stride_{}_n"])
                  for n in epilogue_inputs]
@@ -383,6 +388,47 @@ def render_matmul(
     scalar_names = [scope.declare(n) for n in scalars]
     loads = scope.statements(operand_loads)
     a_operand, b_operand = (scope.ref(v) for v in operands) if indexed else operands
+    extra = _contractions(scope, contractions, bool(indexed))
+    stmts = scope.statements(epilogue)
+    res = "acc" if result == "acc" else scope.ref(result)
+    store_ctx = _indexed_stores(scope, stores, idx_tensors, "matmul store", keep="acc")
+    if split_k > 1 and not indexed:
+        raise ValueError("split-K needs the indexed mode")
+    if indexed and (k_scale or epilogue_inputs):
+        raise ValueError("indexed matmuls read scales and epilogue inputs by statements")
+    tensors = ([t["arg"] for t in idx_tensors] if indexed
+               else ["a", "b", "c"] + (["scale"] if k_scale else []) + epi_names)
+    return render(
+        "matmul.py.jinja", name=name, header_lines=header_lines,
+        tiles={arch: tuple(t) for arch, t in sorted(tiles.items())}, group_m=group_m,
+        acc_dtype=compute_dtype(dtype), precision=dot_precision(allow_tf32), k_scale=k_scale,
+        epilogue=stmts, epilogue_inputs=[_epilogue_tensor(n) for n in epi_names],
+        scalars=scalar_names, result=res, indexed=idx_tensors, operand_loads=loads,
+        a_operand=a_operand, b_operand=b_operand, contractions=extra, stores=store_ctx,
+        launch_params=tensors + scalar_names, tensor_args=tensors, mma16=mma16, split_k=split_k,
+        split_accs=["acc"] + [c["acc"] for c in extra if c["init"]])
+
+
+def _epilogue_tensor(n: str) -> dict[str, object]:
+    """An epilogue input broadcast to [batch, M, N] through its strides."""
+    return {"arg": n, "ptr": f"{n}_ptr", "var": n,
+            "strides": [f"stride_{n}_b", f"stride_{n}_m", f"stride_{n}_n"],
+            "offset": f"batch * stride_{n}_b + rows * stride_{n}_m + cols * stride_{n}_n"}
+
+
+def _matmul_tiles(tiles: Mapping[int, Tile]) -> dict[int, Tile]:
+    """The launch configurations, each tile side checked (`tl.dot` needs every side >= 16)."""
+    tiles = dict(tiles)
+    for arch, t in tiles.items():
+        for label, blk in (("block_m", t.block_m), ("block_n", t.block_n),
+                           ("block_k", t.block_k)):
+            check_block(f"sm_{arch} {label}", blk, 16)
+    return tiles
+
+
+def _contractions(scope: Scope, contractions: Sequence[MatmulContraction],
+                  indexed: bool) -> list[dict[str, object]]:
+    """The template context of a matmul's further products (indexed mode only)."""
     extra = []
     for c in contractions:
         if not indexed:
@@ -391,49 +437,4 @@ def render_matmul(
         extra.append({"loads": c_loads, "a": scope.ref(c.a), "b": scope.ref(c.b),
                       "acc": "acc" if c.acc == "acc" else scope.assign(c.acc),
                       "k": int(c.k), "init": c.init})
-    stmts = scope.statements(epilogue)
-    res = "acc" if result == "acc" else scope.ref(result)
-    store_ctx = []
-    for tensor, offset, var in stores:
-        arg = scope.ref(tensor)
-        if not any(t["arg"] == arg for t in idx_tensors):
-            raise ValueError(f"matmul store into {tensor!r}, which is not an indexed tensor")
-        store_ctx.append({"ptr": f"{arg}_ptr", "offset": scope.ref(offset),
-                          "var": "acc" if var == "acc" else scope.ref(var)})
-    epi = [{"arg": n, "ptr": f"{n}_ptr", "var": n,
-            "strides": [f"stride_{n}_b", f"stride_{n}_m", f"stride_{n}_n"],
-            "offset": f"batch * stride_{n}_b + rows * stride_{n}_m + cols * stride_{n}_n"}
-           for n in epi_names]
-    tensors = ["a", "b", "c"] + (["scale"] if k_scale else []) + epi_names
-    if split_k > 1 and not indexed:
-        raise ValueError("split-K needs the indexed mode")
-    split_accs = ["acc"] + [c["acc"] for c in extra if c["init"]]
-    if indexed:
-        if k_scale or epilogue_inputs:
-            raise ValueError("indexed matmuls read scales and epilogue inputs by statements")
-        tensors = [t["arg"] for t in idx_tensors]
-    return render(
-        "matmul.py.jinja",
-        name=name,
-        header_lines=header_lines,
-        tiles={arch: tuple(t) for arch, t in sorted(tiles.items())},
-        group_m=group_m,
-        acc_dtype=acc_dtype,
-        precision=dot_precision(allow_tf32),
-        k_scale=k_scale,
-        epilogue=stmts,
-        epilogue_inputs=epi,
-        scalars=scalar_names,
-        result=res,
-        indexed=idx_tensors,
-        operand_loads=loads,
-        a_operand=a_operand,
-        b_operand=b_operand,
-        contractions=extra,
-        stores=store_ctx,
-        launch_params=tensors + scalar_names,
-        tensor_args=tensors,
-        mma16=mma16,
-        split_k=split_k,
-        split_accs=split_accs,
-    )
+    return extra

@@ -9,6 +9,7 @@ columns. Input-domain nodes are the prologue, nodes after a reduction its epilog
 from __future__ import annotations
 
 from math import prod
+from typing import Callable
 
 from titanc.ir import Op
 
@@ -100,23 +101,54 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
                         f"keep_dims=True)"), epi.dims)
             epi.values[nid] = low.compute(epi, n, delinearize(epi, index_tile(epi, "rows", "r"),
                                                               n.type.shape))
-    # then the input-domain nodes that read the reduced values (fusion checked that each
-    # reads its own row's: the node has the input's shape, the value the keep-dims shape)
+    _late_nodes(low, pre, epi, [n for n in kernel.nodes if low.computed(n) and late(n)],
+                n_rows, in_coords)
+    reduced, row_stores, args = _row_outputs(low, outs, pre, epi, in_coords, n_in, n_cols,
+                                             n_rows)
+    stage_objs = [ReductionStage(op, operand, result,
+                                 prologue=tuple(prologue) if k == 0 else (),
+                                 epilogue=tuple(epi.stmts) if k == len(stages) - 1 else ())
+                  for k, (op, operand, result) in enumerate(stages)]
+    block_r, block_c, warps, cuda_r, cuda_c = _reduction_launch(
+        n_rows, n_cols, len(args) + len(low.indexed()), bool(kept) and kept[-1] == len(x) - 1)
+    source = render_reduction(
+        kernel.name, inputs=[], stages=stage_objs, n_cols=n_cols, row_epilogue=pre.stmts,
+        reduced_outputs=reduced, indexed=low.indexed(), row_stores=row_stores, dtype=dtype,
+        header_lines=header, block_r=block_r, block_c=block_c, wide=_wide(low),
+        num_warps=warps, cuda_block_r=cuda_r, cuda_block_c=cuda_c)
+    return code_of(low, "reduction", source, args + indexed_args(low), (n_rows, n_cols))
+
+
+def _late_nodes(low: KernelLowering, pre: Section, epi: Section, late: list[int], n_rows: int,
+                in_coords: Callable[[tuple[int, ...]], list[Ix]]) -> None:
+    """The input-domain nodes that read the reduced values, into `pre` (fusion checked that
+    each reads its own row's: the node has the input's shape, the value the keep-dims
+    shape)."""
+    g = low.g
     rowwise = {v: val for v, val in epi.values.items()
                if g.node(v).type.numel == n_rows and v not in pre.values}
-    for nid in kernel.nodes:
-        if low.computed(nid) and late(nid):
-            n = g.node(nid)
-            if n.op is Op.EXPAND:              # the row's value, broadcast over its columns
-                pre.values[nid] = rowwise[n.inputs[0]]
-                continue
-            pre.values.update(rowwise)
-            pre.values[nid] = low.compute(pre, n, in_coords(n.type.shape))
-            for v in rowwise:
-                del pre.values[v]
-    reduced, row_stores, args = [], [], []
+    for nid in late:
+        n = g.node(nid)
+        if n.op is Op.EXPAND:              # the row's value, broadcast over its columns
+            pre.values[nid] = rowwise[n.inputs[0]]
+            continue
+        pre.values.update(rowwise)
+        pre.values[nid] = low.compute(pre, n, in_coords(n.type.shape))
+        for v in rowwise:
+            del pre.values[v]
+
+
+def _row_outputs(low: KernelLowering, outs: list[int], pre: Section, epi: Section,
+                 in_coords: Callable[[tuple[int, ...]], list[Ix]], n_in: int, n_cols: int,
+                 n_rows: int) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]],
+                                       list[TensorArg]]:
+    """(reduced outputs, row stores, the reduced outputs' arguments): an output of the input
+    domain is stored per element, one of the rows per row."""
+    reduced: list[tuple[str, str]] = []
+    row_stores: list[tuple[str, str, str]] = []
+    args: list[TensorArg] = []
     for v in outs:
-        if v in pre.values or (v not in epi.values and g.node(v).type.numel == n_in
+        if v in pre.values or (v not in epi.values and low.g.node(v).type.numel == n_in
                                and n_cols > 1):
             store(low, pre, v, in_coords(low.shape(v)), row_stores)
         else:
@@ -124,23 +156,19 @@ def lower_reduction(low: KernelLowering, outs: list[int], header: list[str],
                 epi, v, delinearize(epi, index_tile(epi, "rows", "r"), low.shape(v)))
             reduced.append((f"red{len(reduced)}", low.block(epi, val).expr))
             args.append(TensorArg(v, (n_rows,)))
-    stage_objs = [ReductionStage(op, operand, result,
-                                 prologue=tuple(prologue) if k == 0 else (),
-                                 epilogue=tuple(epi.stmts) if k == len(stages) - 1 else ())
-                  for k, (op, operand, result) in enumerate(stages)]
+    return reduced, row_stores, args
+
+
+def _reduction_launch(n_rows: int, n_cols: int, n_tensors: int, rows_adjacent: bool
+                      ) -> tuple[int, int, int, int, int]:
+    """(block_r, block_c, num_warps, CUDA block_r, CUDA block_c) of a reduction kernel: rows
+    side by side in memory (the input's last axis is kept) take, on CUDA, adjacent rows a
+    program and a loop over column blocks (`meta.cuda_column_blocks`)."""
     block_r, block_c = _row_blocks(n_rows, n_cols)
-    n_tensors = len(args) + len(low.indexed())
     warps = 4 if n_tensors <= MANY_TENSORS else 8
-    # rows side by side in memory (the input's last axis is kept): on CUDA, adjacent rows a
-    # program and a loop over column blocks (`meta.cuda_column_blocks`)
-    column = cuda_column_blocks(n_rows, n_cols) if kept and kept[-1] == len(x) - 1 else None
+    column = cuda_column_blocks(n_rows, n_cols) if rows_adjacent else None
     cuda_r, cuda_c = column or (cuda_row_block(n_rows, block_r, block_c, warps), block_c)
-    source = render_reduction(
-        kernel.name, inputs=[], stages=stage_objs, n_cols=n_cols, row_epilogue=pre.stmts,
-        reduced_outputs=reduced, indexed=low.indexed(), row_stores=row_stores, dtype=dtype,
-        header_lines=header, block_r=block_r, block_c=block_c, wide=_wide(low),
-        num_warps=warps, cuda_block_r=cuda_r, cuda_block_c=cuda_c)
-    return code_of(low, "reduction", source, args + indexed_args(low), (n_rows, n_cols))
+    return block_r, block_c, warps, cuda_r, cuda_c
 
 
 def _wide(low: KernelLowering) -> bool:
