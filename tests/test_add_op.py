@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from titanc.ir import Builder, Graph, Op, interpret
+from titanc.ir.kernel_family import KernelFamily, register_family, unregister_family
 from titanc.ir.lowering import LoweringError, register_lowering
 from titanc.ir.structural import Structural, register, unregister
 from titanc.ir.types import TensorType
@@ -188,6 +189,9 @@ def add_sub():
         vjp=_add_sub_vjp, groups=("PATTERN",),
         flops=lambda n, g: 2 * g.node(n.inputs[0]).type.numel,
         precision="high", family="add_sub"))
+    # ... and its kernel family (ir/kernel_family.py): a template kernel of its op's rule
+    register_family(KernelFamily("add_sub", "template", "tem",
+                                 "titanc.codegen.lower.patterns:lower_template"))
 
     # 2. runtime/targets/pattern_kernels.py: the cpu rule, out= calls into its elements
     @register_lowering(op, CPU)
@@ -214,6 +218,7 @@ def add_sub():
 
     yield op
     _remove(op, CPU, TRITON_KERNEL, TRITON_SCAN)
+    unregister_family("add_sub")
 
 
 def _add_sub_graph(op: Op) -> Graph:
