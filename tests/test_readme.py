@@ -4,7 +4,8 @@ Every command block of README.md (fenced ```sh, ```bash or ```python) runs, in o
 bash process in a temporary directory that links the repository's `examples/`, `docs/` and
 `.venv/` (so `source .venv/bin/activate` works as the README says). Outputs (build/, runs/,
 data/, tok.json) land in the temporary directory, never in the checkout. The first command
-block of each docs/*.md page runs the same way, each page in its own directory.
+block of each docs/*.md page runs the same way, each page in its own directory, with `.venv`
+active (the pages assume the README's setup).
 
 Step counts come from one variable the README documents: `STEPS` (the README's
 `N=${STEPS:-500}`, data.md's `${STEPS:-100}`), set to 4 here. Nothing rewrites a command.
@@ -77,9 +78,10 @@ def command_blocks(path: Path) -> list[Block]:
     return out
 
 
-def script(blocks: list[Block]) -> str:
-    """One bash script running `blocks` in order; each announces itself on stderr."""
-    parts = ["set -eo pipefail"]
+def script(blocks: list[Block], activate: bool = False) -> str:
+    """One bash script running `blocks` in order; each announces itself on stderr. With
+    `activate`, `.venv` is activated first (the docs pages assume it, as the README says)."""
+    parts = ["set -eo pipefail"] + (["source .venv/bin/activate"] if activate else [])
     for b in blocks:
         parts.append(f"echo '>>> {b.path.name}:{b.line}' >&2")
         if b.lang == "python":
@@ -105,11 +107,12 @@ def workdir(tmp: Path) -> Path:
     return tmp
 
 
-def run_blocks(blocks: list[Block], cwd: Path, timeout: float = 900) -> tuple[int, str]:
+def run_blocks(blocks: list[Block], cwd: Path, timeout: float = 900,
+               activate: bool = False) -> tuple[int, str]:
     """Run the blocks; (exit status, the last lines of the output and the failing block)."""
     env = dict(os.environ, STEPS=STEPS, TITANC_THREADS="1", OMP_NUM_THREADS="1")
     env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run(["bash", "-c", script(blocks)], cwd=cwd, env=env, text=True,
+    proc = subprocess.run(["bash", "-c", script(blocks, activate)], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     where = [ln for ln in proc.stderr.splitlines() if ln.startswith(">>> ")]
@@ -192,5 +195,5 @@ def test_the_first_block_of_each_doc_runs(page: str, tmp_path: Path) -> None:
     if block.skip is not None:
         pytest.skip(f"docs/{page}:{block.line}: {block.skip}")
     cwd = workdir(tmp_path / "doc")
-    code, why = run_blocks([block], cwd)
+    code, why = run_blocks([block], cwd, activate=True)
     assert code == 0, why
