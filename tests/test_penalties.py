@@ -33,21 +33,26 @@ def parts(artifact: Path) -> tuple[Generator, Any]:
     return Generator(prog, codec.tok), codec
 
 
-def _run(parts: Any, *reqs: tuple[list[int], Sampling], n: int = 24) -> list[list[int]]:
-    """Tokens of each request, all submitted together to one 2-slot engine."""
-    gen, codec = parts
-    eng = Engine(gen, codec, slots=2)
+@pytest.fixture(scope="module")
+def engine(parts: Any) -> Engine:
+    """One 2-slot engine for the module, driven step by step (a freed slot starts afresh)."""
+    return Engine(*parts, slots=2)
+
+
+def _run(eng: Engine, *reqs: tuple[list[int], Sampling], n: int = 16) -> list[list[int]]:
+    """Tokens of each request, all submitted together to the engine."""
     rs = [Request(p, n, s, on_update=lambda u: None) for p, s in reqs]
     eng.submit(rs)
     for _ in range(10 * n):
         if all(r.done for r in rs):
             break
         eng.iterate()
-    assert all(r.finish_reason == "length" for r in rs)
+    eng.iterate()                                                  # the slots freed
+    assert all(r.finish_reason == "length" for r in rs) and eng.active == 0
     return [r.tokens for r in rs]
 
 
-def test_the_formula_and_zero_is_unchanged(parts: Any) -> None:
+def test_the_formula_and_zero_is_unchanged(engine: Engine) -> None:
     logits = torch.zeros(2, 6)
     out = penalize(logits, [[1, 1, 2], []], Sampling(presence_penalty=0.5,
                                                      frequency_penalty=0.25))
@@ -55,41 +60,40 @@ def test_the_formula_and_zero_is_unchanged(parts: Any) -> None:
     assert logits.eq(0).all()                                      # not changed in place
     assert penalize(logits, [[1, 1, 2], [3]], Sampling()) is logits
     prompt = list(b"The memory of")
-    plain = _run(parts, (prompt, Sampling(0.9, seed=3)))
-    zero = _run(parts, (prompt, Sampling(0.9, seed=3, presence_penalty=0.0,
+    plain = _run(engine, (prompt, Sampling(0.9, seed=3)))
+    zero = _run(engine, (prompt, Sampling(0.9, seed=3, presence_penalty=0.0,
                                          frequency_penalty=0.0)))
     assert plain == zero
 
 
-def test_a_presence_penalty_stops_greedy_repetition(parts: Any) -> None:
+def test_a_presence_penalty_stops_greedy_repetition(engine: Engine) -> None:
     prompt = list(b"The memory of")
-    greedy = _run(parts, (prompt, Sampling(0.0)))[0]
+    greedy = _run(engine, (prompt, Sampling(0.0)))[0]
     assert len(set(greedy)) < len(greedy)                          # greedy repeats
-    penalised = _run(parts, (prompt, Sampling(0.0, presence_penalty=2.0)))[0]
+    penalised = _run(engine, (prompt, Sampling(0.0, presence_penalty=2.0)))[0]
     assert len(set(penalised)) == len(penalised)                   # no token twice
-    freq = _run(parts, (prompt, Sampling(0.0, frequency_penalty=2.0)))[0]
+    freq = _run(engine, (prompt, Sampling(0.0, frequency_penalty=2.0)))[0]
     assert freq != greedy
 
 
-def test_a_requests_tokens_do_not_depend_on_its_neighbours_penalties(parts: Any) -> None:
+def test_a_requests_tokens_do_not_depend_on_its_neighbours_penalties(
+        engine: Engine) -> None:
     a = (list(b"The memory of"), Sampling(0.9, seed=7, presence_penalty=1.5,
                                           frequency_penalty=0.5))
     b = (list(b"Once upon"), Sampling(0.0, frequency_penalty=-1.0))
     c = (list(b"x"), Sampling(0.7, seed=2, presence_penalty=-2.0))
-    alone = _run(parts, a)[0]
-    assert _run(parts, a, b)[0] == alone
-    assert _run(parts, c, a)[1] == alone
+    alone = _run(engine, a)[0]
+    assert _run(engine, a, b)[0] == alone
+    assert _run(engine, c, a)[1] == alone
 
 
-def test_out_of_range_penalties_are_refused_naming_the_field(artifact: Path) -> None:
+def test_out_of_range_penalties_are_refused_naming_the_field(parts: Any) -> None:
     from tests.test_serve_chat import MODEL, Live
 
     for field in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(TitancError, match=field):
             Sampling(**{field: 2.5})
-    prog = titanc.load(artifact)
-    codec = codec_for(prog, artifact)
-    s = Live(Generator(prog, codec.tok), codec, None)
+    s = Live(*parts, None)
     try:
         for field in ("presence_penalty", "frequency_penalty"):
             for value in (2.01, -3, "1"):

@@ -98,14 +98,14 @@ RENDERED = "<s><|system|>Be brief.\n<|user|>Hi there\n<|assistant|>"
 
 
 def test_chat_through_the_openai_client_is_the_rendered_completion(live: Live) -> None:
-    kw = dict(model=MODEL, max_tokens=12, temperature=0.8, seed=5)
+    kw = dict(model=MODEL, max_tokens=8, temperature=0.8, seed=5)
     res = live.client.chat.completions.create(messages=MESSAGES, **kw)
     assert res.object == "chat.completion" and res.id.startswith("chatcmpl-")
     choice = res.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
     plain = live.client.completions.create(prompt=RENDERED, **kw)
     assert choice.message.content == plain.choices[0].text
-    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(RENDERED.encode()), 12)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(RENDERED.encode()), 8)
 
     chunks = list(live.client.chat.completions.create(messages=MESSAGES, stream=True, **kw))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -115,7 +115,7 @@ def test_chat_through_the_openai_client_is_the_rendered_completion(live: Live) -
 
     # max_completion_tokens, n, logprobs with top_logprobs
     lp = live.client.chat.completions.create(messages=MESSAGES, model=MODEL, seed=5,
-                                             temperature=0.8, max_completion_tokens=12, n=2,
+                                             temperature=0.8, max_completion_tokens=8, n=2,
                                              logprobs=True, top_logprobs=2)
     assert [c.index for c in lp.choices] == [0, 1]
     assert lp.choices[0].message.content == choice.message.content
@@ -222,3 +222,4 @@ def test_a_runs_template_is_found_and_a_bad_one_is_one_line(tmp_path: Path, arti
                  str(tmp_path / "missing.jinja")]) == 2
     err = capsys.readouterr().err
     assert "--chat-template" in err and "missing.jinja" in err and err.count("\n") == 1, err
+
