@@ -32,7 +32,8 @@ EXAMPLES = ROOT / "examples"
 # them (longest-processing-time-first). xdist's own reordering sorts files by their number
 # of tests, which put a 3-test file of interpreted training steps last, alone on one worker.
 LONGEST_FIRST = (
-    "test_documents.py", "test_scan_kernel.py", "test_codegen.py", "test_remat_group.py",
+    "test_documents.py", "test_readme.py", "test_scan_kernel.py", "test_codegen.py",
+    "test_remat_group.py",
     "test_flash_attention.py", "test_remat_segment.py", "test_precision.py",
     "test_no_host_sync.py", "test_distributed.py", "test_sessions.py", "test_lowered.py",
     "test_remat.py", "test_corpus_e2e.py", "test_serve.py", "test_aot.py", "test_bench.py",
