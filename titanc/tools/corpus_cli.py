@@ -146,8 +146,9 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
             f" (fewer than the {args.vocab_size} asked for: the corpus has too few distinct "
             f"pairs)")
     print(f"trained a byte-level BPE of {tok.vocab_size} tokens{note} -> {args.out} "
-          f"(hash {tok.hash[:12]}); use it with data.tokenizer: {args.out} and "
-          f"model.vocab_size: {tok.vocab_size}")
+          f"(hash {tok.hash[:12]}); prepare shards with it: 'titanc data prepare INPUT... -o "
+          f"DIR --tokenizer {args.out}' ('titanc train --data DIR' takes the tokenizer and "
+          f"model.vocab_size {tok.vocab_size} from their header)")
     return 0
 
 
