@@ -53,7 +53,8 @@ def _add_tokenizer(commands: Any) -> None:
         "train", help="train a byte-level BPE and write tokenizer.json",
         description="Train a byte-level BPE (GPT-2 style: 256 byte symbols, then merges,\n"
                     "<|endoftext|> as id 0) on text files, directories, .jsonl and .parquet.\n"
-                    "Use it with data.tokenizer: PATH and model.vocab_size equal to its size.",
+                    "Prepare shards with it (data prepare --tokenizer PATH): 'titanc train --data DIR'\n"
+                    "takes data.tokenizer and model.vocab_size from their header.",
         epilog="example:\n  titanc tokenizer train docs/ README.md --ext md --vocab-size 4096 "
                "-o tok.json",
         formatter_class=_RAW)
