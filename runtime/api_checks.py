@@ -29,7 +29,7 @@ import torch
 from titanc.errors import TitancError
 
 __all__ = ["check_dense", "check_token_dtype", "check_token_ids", "check_state_tensor",
-           "check_document_values"]
+           "check_document_values", "first_nonfinite"]
 
 Tensor = torch.Tensor
 
@@ -123,3 +123,12 @@ def check_token_ids(tokens: Tensor, vocab_size: int, what: str = "tokens",
             bad = lo if lo < 0 else hi
             raise TitancError(f"{what}: id {bad} is outside the vocabulary [0, {vocab_size}) "
                               f"of model.vocab_size={vocab_size}")
+
+
+def first_nonfinite(tensors: dict[str, Tensor]) -> str | None:
+    """The name of the first floating-point tensor (in name order) holding a NaN or an inf."""
+    for k in sorted(tensors):
+        t = tensors[k]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return k
+    return None

@@ -22,16 +22,11 @@ from titanc.ir import Interpreter
 from titanc.ir.types import DTYPES, dtype_name
 from titanc.model.params import init_params
 
-from titanc.runtime.api_checks import (check_dense, check_document_values, check_state_tensor,
-                                       check_token_ids)
-from titanc.runtime.train.lr_schedule import lr_at
+from titanc.runtime.api_checks import check_state_tensor, check_token_ids, first_nonfinite
+from titanc.runtime.documents import document_inputs
+from titanc.runtime.lr_schedule import LrTable, lr_at
 
 Tensor = torch.Tensor
-
-# steps of the learning-rate schedule the device table holds at once: a longer schedule is
-# refilled from the host when a step leaves the window (`Program._lr_window`), so the table
-# and its build cost stay bounded however large `train.steps` is
-LR_WINDOW = 4096
 
 
 def resolve_target(target: str) -> str:
@@ -104,17 +99,8 @@ class Program:
         self._scalars = {k: torch.zeros((), dtype=self.dtype, device=self.device)
                          for k in ("lr", "step", "grad_scale")}
         self._scalars["grad_scale"].fill_(1.0 / self.accum)
-        train = self.spec.train
-        # lr_at(s) for s in [_lr_base, _lr_base + len): the whole schedule when it fits
-        # LR_WINDOW, else a window that `_lr_window` moves along with the steps
-        self._lr_end = max(train.steps, train.warmup) + 1      # past it the lr stays constant
-        self._lr_base = 0
-        self._lr_table = torch.tensor([lr_at(s, train) for s in
-                                       range(min(self._lr_end, LR_WINDOW))],
-                                      dtype=self.dtype).to(self.device)
-        self._lr_base_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.lr_table = LrTable(self.spec.train, self.dtype, self.device)
         self._step_index = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._step_clamped = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._step_synced = 0              # the host step the device counter holds
         # what a step leaves on the device, read only when asked (`last`)
         self._loss = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -165,8 +151,6 @@ class Program:
         program does not use. `strict` refuses any difference; a shape mismatch, a tensor that
         is not floating point or holds a NaN or an inf, and an `opt.step` that is not an
         integer >= 0 always fail, before anything is copied."""
-        from titanc.runtime.train.checkpoint import first_nonfinite
-
         if not isinstance(sd, Mapping):
             raise TypeError(f"load_state_dict: state_dict must be a mapping of names to "
                             f"tensors (Program.state_dict() or a checkpoint's), got "
@@ -223,9 +207,8 @@ class Program:
     def storages(self) -> list[Tensor]:
         """Every tensor storage this program and its executors own (for allocation probes)."""
         own = [*(t for t in self.flat.values() if t is not None), self._grad_flat_tmp,
-               *self._scalars.values(), self._token_range, self._lr_table, self._lr_base_dev,
-               self._step_index,
-               self._step_clamped, self._loss]
+               *self._scalars.values(), self._token_range, *self.lr_table.storages(),
+               self._step_index, self._loss]
         own += [self._tokens_dev] if self._tokens_dev is not None else []
         own += list(self._extra_dev.values())
         return own + [t for ex in self._executors.values() for t in ex.storages()]
@@ -323,53 +306,11 @@ class Program:
             options["plan_key"] = self._plan_key(cg)
         return self._executor_cls(cg.plan, bound, **options)
 
-    def document_inputs(self, tokens: Tensor, docs: dict[str, Tensor] | None,
-                        loss: bool = True) -> dict[str, Tensor]:
-        """The graph inputs of `data.documents` for a batch: `docs` may hold `doc_start` and
-        `loss_mask` [B, T] (the loader's, runtime/data/datasets.py); absent ones default to
-        one document per row and every target counted."""
-        if docs is not None and not isinstance(docs, Mapping):
-            raise TypeError(f"docs must be a mapping {{'doc_start': tensor, 'loss_mask': "
-                            f"tensor}} or None, got {type(docs).__name__}")
-        if not self.spec.data.documents:
-            if docs:
-                raise TitancError(f"{', '.join(sorted(docs))} given, but the program has no "
-                                  f"document inputs; set data.documents=true")
-            return {}
-        docs = dict(docs or {})
-        unknown = set(docs) - {"doc_start", "loss_mask"}
-        if unknown:
-            raise TitancError(f"unknown document inputs {sorted(unknown)}; "
-                              f"pass doc_start and loss_mask")
-        shape = (tokens.shape[0], self.seq_len)
-        out = {}
-        names = (["doc_start"] if self.spec.data.pack else []) + (["loss_mask"] if loss else [])
-        for name, fill in (("doc_start", 0.0), ("loss_mask", 1.0)):
-            if name not in names:
-                continue
-            t = docs.get(name)
-            if t is None:
-                t = torch.full(shape, fill, dtype=self.dtype)
-            elif not isinstance(t, Tensor):
-                raise TypeError(f"docs[{name!r}] must be a torch.Tensor [batch, seq_len], got "
-                                f"{type(t).__name__}")
-            elif t.device.type == "meta" or t.is_complex():
-                raise TitancError(f"{name} must be a real tensor holding values, got a "
-                                  f"{t.dtype} tensor on {t.device}")
-            elif tuple(t.shape) != shape:
-                raise TitancError(f"{name} must be [batch, seq_len] = {list(shape)}, "
-                                  f"got {list(t.shape)}")
-            else:
-                check_dense(t, f"docs[{name!r}]")
-                check_document_values(name, t)
-            out[name] = t.to(self.dtype)
-        return out
-
     def loss(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
         with self._lock:
             tokens = self._check_tokens(tokens)
             cg = self.graph("forward", tokens.shape[0])
-            extra = self.document_inputs(tokens, docs)
+            extra = document_inputs(self.spec, self.dtype, tokens, docs)
             return float(self._run(cg, {"tokens": tokens, **extra, **self._params})["loss"])
 
     def _forward_output(self, tokens: Tensor, output: str,
@@ -378,7 +319,7 @@ class Program:
         with self._lock:
             tokens = self._check_tokens(tokens)
             cg = self.graph(output, tokens.shape[0])
-            extra = self.document_inputs(tokens, docs, loss=False)
+            extra = document_inputs(self.spec, self.dtype, tokens, docs, loss=False)
             return self._run(cg, {"tokens": tokens, **extra, **self._params})[output].clone()
 
     def logits(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> Tensor:
@@ -400,7 +341,7 @@ class Program:
                ) -> tuple[float, dict[str, Tensor]]:
         tokens = self._check_tokens(tokens)
         cg = self.graph("training", tokens.shape[0])
-        extra = self.document_inputs(tokens, docs)
+        extra = document_inputs(self.spec, self.dtype, tokens, docs)
         out = self._run(cg, {"tokens": tokens, **extra, **self._params})
         return float(out["loss"]), {n: out[f"grad.{n}"] for n in self._params}
 
@@ -432,15 +373,15 @@ class Program:
         if tokens.shape[0] != self.accum * self.batch_size:
             raise TitancError(f"train_step needs {self.accum}·{self.batch_size} rows "
                               f"(train.grad_accum·train.batch_size), got {tokens.shape[0]}")
-        extra = self.document_inputs(tokens, docs)
-        if self.reducer is not None:
-            self._distributed_step(tokens, extra)
+        extra = document_inputs(self.spec, self.dtype, tokens, docs)
+        if self.reducer is not None:                 # data parallelism: its own step
+            self._last = self.reducer.step(tokens, extra)
+            self.step += 1
+            self._step_synced = -1                   # the device counter did not advance
             return
         if self.step != self._step_synced:           # set from outside (a checkpoint)
             self._step_index.fill_(self.step)
-        if (self._lr_end > self._lr_table.shape[0]          # a schedule longer than the table
-                and not 0 <= self.step - self._lr_base < self._lr_table.shape[0]):
-            self._lr_window()
+        self.lr_table.hold(self.step)
         if self.device != "cpu":                     # one copy in, where the graph reads it
             if self._tokens_dev is None or self._tokens_dev.shape != tokens.shape:
                 self._tokens_dev, self._step_graph = torch.empty_like(tokens,
@@ -464,19 +405,6 @@ class Program:
         self.step += 1
         self._step_synced = self.step
         self._last = {"loss": self._loss, "lr": self._lr, "grad_norm": self._grad_norm}
-
-    def _lr_window(self) -> None:
-        """Move the lr table's window to hold this step (a schedule longer than LR_WINDOW);
-        past the schedule's end the window holds its last steps, whose last entry the step
-        clamps to."""
-        n = self._lr_table.shape[0]
-        base = max(0, min(self.step, self._lr_end - n))
-        if base == self._lr_base:
-            return
-        self._lr_table.copy_(torch.tensor([lr_at(s, self.spec.train)
-                                           for s in range(base, base + n)], dtype=self.dtype))
-        self._lr_base_dev.fill_(base)
-        self._lr_base = base
 
     def _inputs_on_device(self, extra: dict[str, Tensor]) -> dict[str, Tensor]:
         """The document inputs copied into fixed device buffers (what a captured step reads);
@@ -513,10 +441,7 @@ class Program:
                 self._loss.add_(out["loss"])
         if self.accum > 1:
             self._loss.mul_(1.0 / self.accum)
-        torch.sub(self._step_index, self._lr_base_dev, out=self._step_clamped)
-        self._step_clamped.clamp_(0, self._lr_table.shape[0] - 1)
-        torch.index_select(self._lr_table, 0, self._step_clamped,
-                           out=self._scalars["lr"].view(1))
+        self.lr_table.gather(self._step_index, self._scalars["lr"].view(1))
         torch.add(self._step_index, 1, out=self._scalars["step"].view(1))
         self._grad_norm = self._optimizer_graph()
         self._step_index.add_(1)
@@ -538,31 +463,23 @@ class Program:
                     dst.copy_(out[key])
         return out["grad_norm"]
 
-    def _distributed_step(self, tokens: Tensor, extra: dict[str, Tensor]) -> None:
-        """A step under data parallelism (runtime/train/distributed.py): the gradient buckets
-        are launched as the last micro-batch's gradients land, reduced over ranks, and the
-        loss is averaged over ranks (host values: the collectives synchronise anyway)."""
-        reducer, accum, B = self.reducer, self.accum, self.batch_size
-        reducer.start()
-        losses = []
-        for i in range(accum):
+    def accumulate_grads(self, tokens: Tensor, extra: dict[str, Tensor]) -> list[float]:
+        """The gradients of a step's `grad_accum` micro-batches summed into the flat gradient
+        accumulator, for a step finished elsewhere (the distributed step,
+        runtime/train/distributed.py); their losses, read back to the host."""
+        losses, B = [], self.batch_size
+        for i in range(self.accum):
             loss, _ = self._grads(tokens[i * B:(i + 1) * B],
                                   {k: v[i * B:(i + 1) * B] for k, v in extra.items()})
             losses.append(loss)
-            if accum > 1:
+            if self.accum > 1:
                 (self.flat["grad"].copy_ if i == 0 else self.flat["grad"].add_)(
                     self._grad_flat_tmp)
-        for n in reversed(self._params):             # last layers first, as a backward emits
-            reducer.ready(reducer.ranges[n][0])
-        reducer.wait()                               # the mean gradient over ranks
-        lr = lr_at(self.step, self.spec.train)
-        if reducer.zero:
-            grad_norm = reducer.adamw(lr, self.step + 1, 1.0 / accum)
-        else:
-            for k, v in (("lr", lr), ("step", float(self.step + 1))):
-                self._scalars[k].fill_(v)
-            grad_norm = float(self._optimizer_graph())
-        self.step += 1
-        self._step_synced = -1                       # the device counter did not advance
-        self._last = {"loss": reducer.mean(sum(losses) / len(losses)), "lr": lr,
-                      "grad_norm": grad_norm}
+        return losses
+
+    def optimizer_update(self, lr: float, step: int) -> float:
+        """The compiled optimizer over the accumulated gradients at the host's `lr` and
+        1-based `step`; returns the gradient norm (a host read)."""
+        for k, v in (("lr", lr), ("step", float(step))):
+            self._scalars[k].fill_(v)
+        return float(self._optimizer_graph())

@@ -100,11 +100,10 @@ def test_document_inputs_must_be_a_mapping_of_tensors() -> None:
 def test_a_long_schedule_keeps_a_bounded_lr_table() -> None:
     """The lr table held every step of train.steps: 10**12 steps (what --steps admits) never
     finished building it."""
-    from titanc.runtime.program import LR_WINDOW
-    from titanc.runtime.train.lr_schedule import lr_at
+    from titanc.runtime.lr_schedule import LR_WINDOW, lr_at
 
     p = small(**{"train.steps": 10**6, "train.warmup": 10})
-    assert p._lr_table.numel() <= LR_WINDOW
+    assert p.lr_table.table.numel() <= LR_WINDOW
     toks = tokens(p.spec)
     for step in (10**6 - 3, 10**6 + 5):           # near the end and past it
         p.load_state_dict({"opt.step": step}, strict=False)
@@ -114,13 +113,13 @@ def test_a_long_schedule_keeps_a_bounded_lr_table() -> None:
 
 
 def test_a_moving_lr_window_trains_as_the_whole_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    import titanc.runtime.program as program
+    import titanc.runtime.lr_schedule as lr_schedule
 
     over = {"train.steps": 10, "train.warmup": 3}
     whole = small(**over)
-    monkeypatch.setattr(program, "LR_WINDOW", 4)
+    monkeypatch.setattr(lr_schedule, "LR_WINDOW", 4)
     windowed = small(**over)
-    assert windowed._lr_table.numel() == 4
+    assert windowed.lr_table.table.numel() == 4
     toks = tokens(whole.spec)
     for _ in range(13):                           # past the schedule's end
         assert windowed.train_step(toks) == whole.train_step(toks)

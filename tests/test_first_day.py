@@ -20,7 +20,7 @@ import pytest
 from titanc.errors import TitancError
 from titanc.model.spec import Spec, load_spec
 from titanc.runtime.train.checkpoint import load_checkpoint
-from titanc.runtime.train.lr_schedule import MIN_RATIO
+from titanc.runtime.lr_schedule import MIN_RATIO
 from titanc.runtime.train.trainer import Trainer, read_metrics
 from titanc.tools.cli import build_parser, main
 

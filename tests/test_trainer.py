@@ -16,7 +16,7 @@ import titanc
 from titanc.tools.cli import main
 from titanc.errors import TitancError
 from titanc.runtime.train.checkpoint import load_checkpoint
-from titanc.runtime.train.lr_schedule import lr_at
+from titanc.runtime.lr_schedule import lr_at
 from titanc.runtime.train.trainer import Trainer, read_metrics, run_training
 from titanc.model.spec import Spec, load_spec, spec_to_dict
 

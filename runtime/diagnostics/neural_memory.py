@@ -25,6 +25,7 @@ import torch
 
 from titanc.ir import Interpreter
 from titanc.ir.ops import Op
+from titanc.runtime.documents import document_inputs
 
 Tensor = torch.Tensor
 
@@ -94,7 +95,7 @@ def memory_stats(prog: Any, tokens: Tensor) -> dict[str, Any]:
     g = prog.graph("logits", tokens.shape[0]).graph     # the compiled forward, logits out
     watcher = _Watcher()
     inputs = {"tokens": tokens.to(torch.int64).cpu(),
-              **prog.document_inputs(tokens, None, loss=False),   # data.documents: one per row
+              **document_inputs(spec, prog.dtype, tokens, None, loss=False),   # data.documents: one per row
               **{n: t.detach().cpu() for n, t in prog.parameters().items()}}
     with torch.no_grad():
         watcher(g, inputs)

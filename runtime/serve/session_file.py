@@ -48,7 +48,7 @@ def weights_hash(prog: Any) -> str:
 
 def check_loaded_state(sd: dict[str, torch.Tensor], vocab_size: int, what: str) -> None:
     """The bounds of the module docstring's table; TitancError naming `what` and the entry."""
-    from titanc.runtime.train.checkpoint import first_nonfinite
+    from titanc.runtime.api_checks import first_nonfinite
 
     if sd["pos"].numel() != 1:
         raise TitancError(f"{what}: tensor 'pos' holds {sd['pos'].numel()} values, a "

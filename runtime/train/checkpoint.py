@@ -42,11 +42,12 @@ from safetensors.torch import save_file
 from titanc.errors import TitancError, printable
 from titanc.files import remove_stale_temps as _remove_temps
 from titanc.model.spec import spec_hash, spec_to_dict
+from titanc.runtime.api_checks import first_nonfinite
 
 __all__ = [
     "CHECKPOINT_NAME", "RNG_KEY", "RUN_CONTROL", "save_checkpoint", "load_checkpoint",
     "checkpoint_path", "spec_differences", "expected_state", "check_resumable", "restore",
-    "checksum", "first_nonfinite", "remove_stale_temps",
+    "checksum", "remove_stale_temps",
 ]
 
 Tensor = torch.Tensor
@@ -121,15 +122,6 @@ def checksum(tensors: dict[str, Tensor], meta: dict[str, str]) -> str:
         h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode("utf-8"))
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
-
-
-def first_nonfinite(tensors: dict[str, Tensor]) -> str | None:
-    """The name of the first floating-point tensor (in name order) holding a NaN or an inf."""
-    for k in sorted(tensors):
-        t = tensors[k]
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return k
-    return None
 
 
 def remove_stale_temps(path: str | os.PathLike, *, keep_live: bool = True) -> list[Path]:

@@ -2,7 +2,7 @@
 ZeRO-1 optimizer sharding.
 
     dist = init_from_env(spec)                # under torchrun / `titanc train --nproc N`
-    prog.reducer = GradReducer(prog, dist)    # Program.train_step then reduces and steps
+    prog.reducer = GradReducer(prog, dist)    # Program.train_step then hands it the step
 
 A Program keeps its parameters, gradient accumulator and AdamW moments in four flat buffers
 of `prog.numel` elements, in parameter order (runtime/program.py). So
@@ -43,6 +43,7 @@ import torch.distributed as tdist
 from titanc.config import current
 from titanc.errors import DistributedError, TitancError
 from titanc.model.params import param_specs
+from titanc.runtime.lr_schedule import lr_at
 
 __all__ = ["Dist", "DistributedError", "GradReducer", "init_from_env", "backend_for",
            "shutdown"]
@@ -142,6 +143,26 @@ class GradReducer:
             self.m = prog.flat["opt.m"][self.lo:self.hi].clone()      # this rank's moments
             self.v = prog.flat["opt.v"][self.lo:self.hi].clone()
             prog.bind_moments(None, None)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, tokens: Tensor, extra: dict[str, Tensor]) -> dict[str, Any]:
+        """One optimizer step of the program under data parallelism (`Program.advance` hands
+        it here when `prog.reducer` is set): the gradient buckets are launched as the last
+        micro-batch's gradients land, reduced over ranks, and the loss is averaged over ranks
+        (host values: the collectives synchronise anyway). Returns the step's {loss, lr,
+        grad_norm}."""
+        prog = self.prog
+        self.start()
+        losses = prog.accumulate_grads(tokens, extra)
+        for n in reversed(self.ranges):              # last layers first, as a backward emits
+            self.ready(self.ranges[n][0])
+        self.wait()                                  # the mean gradient over ranks
+        lr = lr_at(prog.step, prog.spec.train)
+        if self.zero:
+            grad_norm = self.adamw(lr, prog.step + 1, 1.0 / prog.accum)
+        else:
+            grad_norm = prog.optimizer_update(lr, prog.step + 1)
+        return {"loss": self.mean(sum(losses) / len(losses)), "lr": lr, "grad_norm": grad_norm}
 
     # -- reduction ------------------------------------------------------------------------------
     def start(self) -> None:

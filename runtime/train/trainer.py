@@ -58,9 +58,9 @@ from titanc.errors import TitancError, printable
 from titanc.model.spec import Spec, load_spec, spec_to_dict
 
 from titanc.runtime.children import StopRequest, stop_on_term
+from titanc.runtime.api_checks import first_nonfinite
 from titanc.runtime.train.checkpoint import (CHECKPOINT_NAME, RNG_KEY, check_resumable, checkpoint_path,
-                         first_nonfinite, load_checkpoint, remove_stale_temps, restore,
-                         save_checkpoint)
+                         load_checkpoint, remove_stale_temps, restore, save_checkpoint)
 from titanc.runtime.data.datasets import SyntheticRecall, TextData, draw, make_data
 from titanc.runtime.diagnostics.timing import peak_rss_bytes, profile_table
 from titanc.files import write_text_atomic, writing_into
@@ -69,7 +69,7 @@ from titanc.runtime.train.distributed import Dist, DistributedError, GradReducer
 from titanc.runtime.data.tokenizer import (TOKENIZER_FILE, check_same_tokenizer, check_vocab,
                                           load_tokenizer, save_tokenizer)
 from titanc.runtime.train.metrics import PLOT_EXTRA, read_metrics, write_loss_plot
-from titanc.runtime.train.lr_schedule import lr_at
+from titanc.runtime.lr_schedule import lr_at
 from titanc.runtime.train.shard_source import from_shards
 
 __all__ = ["Trainer", "run_training", "write_loss_plot", "read_metrics"]
