@@ -97,13 +97,15 @@ def test_compile_status_line() -> None:
 def test_compile_reads_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A second `titanc compile` of a spec copies the artifact the first wrote into the
     cache: the same files (manifest.json's argv aside), no compile."""
+    from titanc import config
     from titanc.tools import artifact
 
     spec = small(**{"model.d_model": 24})
-    artifact.write_artifact(spec, tmp_path / "a")
-    monkeypatch.setattr(artifact, "compile_graphs",
-                        lambda *a, **k: pytest.fail("compiled again instead of the cache"))
-    report = artifact.write_artifact(spec, tmp_path / "b")
+    with config.override(compile_cache=True, debug=0):
+        artifact.write_artifact(spec, tmp_path / "a")
+        monkeypatch.setattr(artifact, "compile_graphs",
+                            lambda *a, **k: pytest.fail("compiled again instead of the cache"))
+        report = artifact.write_artifact(spec, tmp_path / "b")
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*")
                    if p.is_file() and "__pycache__" not in p.parts)
     assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*")
