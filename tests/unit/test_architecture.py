@@ -29,7 +29,10 @@ LAYER_OF = {                       # module prefix -> layer; the longest prefix 
     "titanc.model": "model", "titanc.model.spec": "model.spec", "titanc.model.params": "model.spec",
     "titanc.model.spec_engine": "model.spec",
     "titanc.compiler": "compiler", "titanc.fit": "compiler", "titanc.compile_cache": "compiler",
-    "titanc.runtime": "runtime", "titanc.tools": "tools", "titanc.train": "tools",
+    "titanc.runtime": "engine", "titanc.runtime.train": "applications",
+    "titanc.runtime.serve": "applications", "titanc.runtime.data": "applications",
+    "titanc.runtime.diagnostics": "applications",
+    "titanc.tools": "tools", "titanc.train": "tools",
     "titanc.__main__": "tools",
 }
 MAY_IMPORT = {
@@ -40,11 +43,12 @@ MAY_IMPORT = {
     "model.spec": {"base", "ir", "model.spec"},
     "model": {"base", "ir", "passes", "model.spec", "model"},
     "compiler": {"base", "ir", "passes", "codegen", "model.spec", "model", "compiler"},
-    "runtime": {"base", "ir", "codegen", "model.spec", "runtime", "facade"},
-    "facade": {"base", "ir", "passes", "codegen", "model.spec", "model", "compiler", "runtime",
-               "facade"},
-    "tools": {"base", "ir", "passes", "codegen", "model.spec", "model", "compiler", "runtime",
-              "facade", "tools"},
+    "engine": {"base", "ir", "codegen", "model.spec", "engine"},
+    "applications": {"base", "ir", "model.spec", "engine", "applications", "facade"},
+    "facade": {"base", "ir", "passes", "codegen", "model.spec", "model", "compiler", "engine",
+               "applications", "facade"},
+    "tools": {"base", "ir", "passes", "codegen", "model.spec", "model", "compiler", "engine",
+              "applications", "facade", "tools"},
 }
 WHAT = {
     "base": "errors, config (settings from the environment), files (atomic writes), version, "
@@ -60,7 +64,11 @@ WHAT = {
              "neural memory)",
     "compiler": "`compiler.py`, the one pipeline for every graph kind; `compile_cache.py`, "
                 "its results on disk; `fit.py`",
-    "runtime": "targets (cpu, triton), train, data, serve, diagnostics, program.py",
+    "engine": "the runtime's engine, `runtime/*.py` and `runtime/targets/`: `program.py` "
+              "(Program, the compiled model's calls), the targets (cpu, triton) and their "
+              "lowered-program executors, the lr schedule, document inputs, API input checks",
+    "applications": "what runs on the engine: `runtime/train/`, `runtime/serve/`, "
+                    "`runtime/data/`, `runtime/diagnostics/`",
     "facade": "`titanc/__init__.py`: `titanc.compile`, `titanc.load` (the public API)",
     "tools": "the CLI, inspect, bench, demo, artifact, cost model",
 }
@@ -353,8 +361,14 @@ def test_the_checks_see_violations(tmp_path) -> None:
     (tmp_path / "codegen" / "b.py").write_text("from titanc.codegen import a\n")
     (tmp_path / "passes" / "y.py").write_text("from titanc.passes import x\nx._helper()\n")
     (tmp_path / "passes" / "z.py").write_text("from .x import _helper\n")
-    assert any("titanc.runtime.leak (runtime) imports titanc.model.decode (model)" in v
-               for v in layer_violations(tmp_path))
+    (tmp_path / "runtime" / "targets").mkdir()
+    (tmp_path / "runtime" / "targets" / "up.py").write_text(
+        "from titanc.runtime.train.trainer import Trainer\n")
+    bad = layer_violations(tmp_path)
+    assert any("titanc.runtime.leak (engine) imports titanc.model.decode (model)" in v
+               for v in bad)
+    assert any("titanc.runtime.targets.up (engine) imports titanc.runtime.train.trainer "
+               "(applications)" in v for v in bad)
     assert private_imports(tmp_path) == [
         "titanc/model/decode.py:1: titanc.model.decode imports titanc.passes.x._helper",
         "passes/y.py:2: titanc.passes.y uses titanc.passes.x._helper",
