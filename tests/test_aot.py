@@ -291,18 +291,18 @@ def test_int64_path_matches_torch_when_interpreted() -> None:
 
 
 def test_attention_over_2_31_elements_generates_int64_offsets() -> None:
-    """q, k, v of 2**31 elements (tiny_attn at batch 262,144): the flash kernels' query, key and
-    width offsets are int64; at the spec's own batch they stay int32 (batch and head offsets
-    are int64 at every size)."""
+    """q, k, v of 2**31 elements (tiny_attn at batch 65,536 and 512 tokens): the flash kernels'
+    query, key and width offsets are int64; at the spec's own batch they stay int32 (batch and
+    head offsets are int64 at every size)."""
     def attention_sources(batch: int | None) -> list[str]:
-        over = {} if batch is None else {"train.batch_size": batch}
+        over = {} if batch is None else {"train.batch_size": batch, "model.seq_len": 512}
         plan = compile_graphs(load_spec(EXAMPLES / "tiny_attn.yaml", over)).plans["training"]
         codes = [code for _, _, code in plan_kernels(plan)
                  if code.family in ("attention_fwd", "attention_bwd")]
         assert {c.family for c in codes} == {"attention_fwd", "attention_bwd"}
         return [c.source for c in codes]
-    big, small = attention_sources(262144), attention_sources(None)
-    assert 262144 * 128 * 64 >= 2 ** 31 and len(big) == len(small)
+    big, small = attention_sources(65536), attention_sources(None)
+    assert 65536 * 512 * 64 >= 2 ** 31 and len(big) == len(small)
     assert all("arange(0, BLOCK_M).to(tl.int64)" in _kernel_body(s) for s in big)
     assert not any("arange(0, BLOCK_M).to(tl.int64)" in _kernel_body(s) for s in small)
 
