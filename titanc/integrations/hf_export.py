@@ -20,9 +20,10 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:                  # the CLI registers `export` without importing torch
+    import torch
 
 from titanc.errors import TitancError, printable
 
@@ -70,7 +71,7 @@ def titanc_name(hf: str) -> tuple[str, int | None]:
 
 def unstack(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """titanc's parameters (layer tensors stacked on dim 0) as exported tensors, one per layer."""
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, "torch.Tensor"] = {}
     for name, t in params.items():
         if name.startswith(LAYER_PREFIX):
             for i in range(t.shape[0]):
