@@ -44,6 +44,9 @@ def add_trust_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-response-bytes", type=BYTES.arg, default=32 << 20, metavar="N",
                        help="largest response a request may ask for (n x tokens x logprobs; "
                             "default 32 MiB)")
+    serve.add_argument("--no-request-log", dest="request_log", action="store_false",
+                       help="print no line per request (default: client, method, path, "
+                            "status and time on stdout; never a header or a body)")
     serve.add_argument("--header-timeout", type=B.finite_float(0.1, 3600.0, "seconds"),
                        default=10.0, metavar="SECONDS",
                        help="close a connection whose request head takes longer (default 10)")
@@ -60,4 +63,4 @@ def trust_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                              allowed_hosts=tuple(args.allowed_host),
                              allowed_origins=tuple(args.allowed_origin)),
             "store_limits": StoreLimits(args.max_session_files, args.max_session_bytes),
-            "header_timeout": args.header_timeout}
+            "header_timeout": args.header_timeout, "request_log": args.request_log}

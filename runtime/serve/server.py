@@ -48,6 +48,7 @@ from titanc.runtime.serve.guard import Access, Guard, exposure_warning
 from titanc.runtime.serve.process import (HEADER_TIMEOUT_S, DrainingServer, check_address,
                                           header_timeout_protocol)
 from titanc.runtime.serve.responses import Choice, render, response_bound
+from titanc.runtime.serve.request_log import RequestLog
 from titanc.runtime.serve.sessions import Session, SessionStore, StoreLimits, add_routes
 
 POLL_S = 0.25                      # how often a waiting non-streaming handler checks the client
@@ -483,10 +484,12 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
           log_level: str = "warning", max_sessions: int = 64,
           sessions_dir: str | None = None, access: Access | None = None,
           store_limits: StoreLimits = StoreLimits(),
-          header_timeout: float = HEADER_TIMEOUT_S, chat_template: str | None = None) -> int:
+          header_timeout: float = HEADER_TIMEOUT_S, chat_template: str | None = None,
+          request_log: bool = True) -> int:
     """Load a run or artifact, warm the engine up and serve until SIGTERM, then write every
     live session to `sessions_dir`; returns 0 (1 when a session could not be written).
-    `chat_template`: a file for /v1/chat/completions (else the run's, runtime/serve/chat.py)."""
+    `chat_template`: a file for /v1/chat/completions (else the run's, runtime/serve/chat.py);
+    `request_log`: a line per request on stdout (runtime/serve/request_log.py)."""
     import titanc
 
     from titanc.errors import TitancError
@@ -513,6 +516,8 @@ def serve(source: str, host: str = "127.0.0.1", port: int = 8000, slots: int = 8
     engine.start()
     app = create_app(engine, codec, model_name or prog.spec.name, limits, metrics, sessions,
                      access, chat)
+    if request_log:
+        app = RequestLog(app)
     warning = exposure_warning(host, port, access.api_key)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
