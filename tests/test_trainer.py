@@ -143,6 +143,45 @@ def test_nonfinite_before_any_checkpoint(tmp_path: Path, monkeypatch: pytest.Mon
     assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
 
 
+def test_nonfinite_with_a_memory_names_the_inner_step_too(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with a memory can blow up through its inner step (`model.memory.lr_max`), not
+    only train.lr: the message names both."""
+    spec = tiny("lmm")
+    Program = type(titanc.compile(spec))
+    real = Program.advance
+
+    def poisoned(self: Any, tokens: torch.Tensor, docs: Any = None) -> None:
+        real(self, tokens, docs)
+        self._last["loss"] = torch.tensor(math.nan)
+
+    monkeypatch.setattr(Program, "advance", poisoned)
+    with pytest.raises(TitancError) as e:
+        train(spec, tmp_path / "run", steps=5)
+    assert (f"or raise train.warmup, or lower model.memory.lr_max "
+            f"({spec.model.memory.lr_max:.3g}: the memory's inner step), then train again"
+            in str(e.value)), str(e.value)
+
+
+def test_an_evaluation_with_every_target_masked_says_so(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held-out batches whose loss mask keeps no target leave no held-out loss: the trainer
+    says so once instead of dropping it from the summary without a word."""
+    from titanc.runtime.train import trainer as T
+    real = T.draw
+
+    def masked(data: Any, spec: Any, batch: int, split: str, gen: Any, **kw: Any) -> Any:
+        tokens, docs = real(data, spec, batch, split, gen, **kw)
+        return (tokens, {"loss_mask": torch.zeros(1)}) if split == "val" else (tokens, docs)
+
+    monkeypatch.setattr(T, "draw", masked)
+    lines: list[str] = []
+    out = run_training(tiny(train__eval_every=1), tmp_path / "run", steps=3, progress=False,
+                       log=lines.append)
+    said = [l for l in lines if l.startswith("no held-out loss: every target of the ")]
+    assert len(said) == 1 and out["eval_loss"] is None, lines
+
+
 # --- the run directory ------------------------------------------------------------------------
 
 

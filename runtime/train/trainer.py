@@ -254,7 +254,12 @@ class Trainer:
                 kept += n
             if isinstance(self.data, SyntheticRecall) and hasattr(self.prog, "logits"):
                 accs.append(self.data.accuracy(self.prog, tokens))
-        if not kept:
+        if not kept:               # said once: the summary then has no held-out loss
+            if not getattr(self, "_said_all_masked", False):
+                self._said_all_masked = True
+                self.log(f"no held-out loss: every target of the {self.spec.train.eval_batches}"
+                         " evaluation batches is masked (data.documents' loss mask); raise "
+                         "train.eval_batches or use longer documents")
             return {}
         out = {"eval_loss": total / kept}
         if accs:
@@ -345,8 +350,10 @@ class Trainer:
         else:
             kept = f"the last good checkpoint (step {self.last_ckpt_step}) is kept in {self.ckpt}"
             then = f"continue with --resume {self.out}"
+        memory = (f", or lower model.memory.lr_max ({self.spec.model.memory.lr_max:.3g}: the "
+                  "memory's inner step)" if self.spec.model.block != "attn" else "")
         return TitancError(f"step {step}: {what} is {value}; {kept}; lower train.lr (the lr "
-                           f"was {lr:.3g}) or raise train.warmup, then {then}")
+                           f"was {lr:.3g}) or raise train.warmup{memory}, then {then}")
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> dict[str, float] | None:
