@@ -366,7 +366,7 @@ def run_titanc(name: str) -> None:
         prog.advance(toks)
     sync()
     emit(name, "warm", warm2_s=round(time.perf_counter() - t0, 3),
-         cuda_graph=prog._step_graph is not None)
+         cuda_graph=prog.stepper.graph is not None)
     t0 = time.perf_counter()
     n_host = 2 if TOY or size == "large" else 20
     for _ in range(n_host):                          # what the host spends per step (queued)

@@ -96,7 +96,7 @@ def measure(spec: str, seq: int | None, steps: int) -> dict[str, Any]:
         prog.advance(toks)
         launches = count[0]
         launches_s, launches_cpu = _time(lambda: prog.advance(toks), max(1, steps // 10))
-        prog._step_graph = graph = _Replay()        # as after the capture on CUDA
+        prog.stepper.graph = graph = _Replay()      # as after the capture on CUDA
         graphs_s, graphs_cpu = _time(lambda: prog.advance(toks), steps)
         assert graph.replays > 0 and count[0] == launches * (1 + 5 * max(1, steps // 10))
     finally:

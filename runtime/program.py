@@ -11,20 +11,20 @@ training step allocates nothing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from titanc.bounds import BATCH_SIZE, STEPS
+from titanc.bounds import BATCH_SIZE
 from titanc.errors import TitancError
 from titanc.ir import Interpreter
 from titanc.ir.types import DTYPES, dtype_name
 from titanc.model.params import init_params
 
-from titanc.runtime.api_checks import check_state_tensor, check_token_ids, first_nonfinite
+from titanc.runtime.api_checks import check_token_ids
 from titanc.runtime.documents import document_inputs
-from titanc.runtime.lr_schedule import LrTable, lr_at
+from titanc.runtime.optimizer_step import DeviceStep
+from titanc.runtime.state_checks import check_loadable
 
 Tensor = torch.Tensor
 
@@ -73,9 +73,6 @@ class Program:
                                    "allow_tf32": self.spec.compile.allow_tf32}
                                   if self.target == "triton" else {})
         self._executors: dict[Any, Any] = {}
-        # on CUDA the whole optimizer step is one captured graph (`advance`)
-        self.capture_step = (self.target == "triton" and self.device == "cuda"
-                             and self.spec.compile.cuda_graphs is not False)
         check_fits(compiled.planned_bytes(), self.spec, str(self.device))
         init = init_params(self.spec.model, self.spec.train.seed, self.dtype)
         # parameters, the gradient accumulator and the AdamW moments each live in one flat
@@ -91,25 +88,10 @@ class Program:
         self.accum = self.spec.train.grad_accum
         # micro-batch gradients: straight into the accumulator when there is one micro-batch,
         # else into one flat buffer that a single add accumulates per micro-batch
-        self._grad_flat_tmp = (torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.grad_flat_tmp = (torch.zeros(self.numel, dtype=self.dtype, device=self.device)
                                if self.accum > 1 else self.flat["grad"])
-        self._grad_tmp = _views(self._grad_flat_tmp, init)
-        # the optimizer's scalars live on the device and are updated there: `step` (1-based)
-        # from a device step counter, `lr` gathered from the schedule's table at that step
-        self._scalars = {k: torch.zeros((), dtype=self.dtype, device=self.device)
-                         for k in ("lr", "step", "grad_scale")}
-        self._scalars["grad_scale"].fill_(1.0 / self.accum)
-        self.lr_table = LrTable(self.spec.train, self.dtype, self.device)
-        self._step_index = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._step_synced = 0              # the host step the device counter holds
-        # what a step leaves on the device, read only when asked (`last`)
-        self._loss = torch.zeros((), dtype=self.dtype, device=self.device)
-        self._grad_norm: Tensor | float = 0.0
-        self._lr = 0.0
-        self._tokens_dev: Tensor | None = None     # the step's tokens, where the graph reads them
-        self._extra_dev: dict[str, Tensor] = {}    # its document inputs, likewise
-        self._step_graph: Any = None               # the captured optimizer step (CUDA)
-        self._steps_eager = 0
+        self._grad_tmp = _views(self.grad_flat_tmp, init)
+        self.stepper = DeviceStep(self)   # the optimizer step's device state (`advance`)
         self._m = _views(self.flat["opt.m"], init)
         self._v = _views(self.flat["opt.v"], init)
         self.reducer: Any = None        # set by a distributed run (runtime/train/distributed.py)
@@ -151,33 +133,8 @@ class Program:
         program does not use. `strict` refuses any difference; a shape mismatch, a tensor that
         is not floating point or holds a NaN or an inf, and an `opt.step` that is not an
         integer >= 0 always fail, before anything is copied."""
-        if not isinstance(sd, Mapping):
-            raise TypeError(f"load_state_dict: state_dict must be a mapping of names to "
-                            f"tensors (Program.state_dict() or a checkpoint's), got "
-                            f"{type(sd).__name__}")
         mine = self.state_dict()
-        new = sorted(k for k in mine if k not in sd and k != "opt.step")
-        unused = sorted((k for k in sd if k not in mine), key=str)
-        for k, t in sd.items():
-            if k not in mine or (k == "opt.step" and isinstance(t, int)):
-                continue
-            check_state_tensor(t, f"load_state_dict: state_dict[{k!r}]")
-            if k == "opt.step":
-                continue
-            if tuple(t.shape) != tuple(mine[k].shape):
-                raise TitancError(f"checkpoint tensor {k} has shape {list(t.shape)}, "
-                                  f"the spec needs {list(mine[k].shape)}")
-            if not t.is_floating_point():
-                raise TitancError(f"checkpoint tensor {k} is {t.dtype}, the spec needs a "
-                                  f"floating-point tensor ({mine[k].dtype})")
-        step = self._checked_step(sd["opt.step"]) if "opt.step" in sd else None
-        if strict and (new or unused):
-            raise TitancError(f"checkpoint does not match the spec (--strict): "
-                              f"missing {new[:5]}, unexpected {unused[:5]}")
-        bad = first_nonfinite({k: t for k, t in sd.items() if k in mine and k != "opt.step"})
-        if bad is not None:
-            raise TitancError(f"checkpoint tensor {bad} holds a NaN or an inf; load a finite "
-                              f"state (every checkpoint titanc writes is)")
+        new, unused, step = check_loadable(sd, mine, strict)
         with torch.no_grad(), self._lock:
             for k, t in sd.items():
                 if k in mine and k != "opt.step":
@@ -186,31 +143,10 @@ class Program:
             self.step = step
         return {"new": new, "unused": unused}
 
-    @staticmethod
-    def _checked_step(t: Any) -> int:
-        """`opt.step` of a state dict: an integer in [0, 10**12] (bounds.STEPS; a Python int
-        or a one-element integer tensor)."""
-        if isinstance(t, Tensor):
-            ok = t.numel() == 1 and not (t.is_floating_point() or t.is_complex()
-                                         or t.dtype == torch.bool)
-            value = int(t.reshape(())) if ok else None
-        else:
-            value = t if isinstance(t, int) and not isinstance(t, bool) else None
-        if value is None or not 0 <= value <= STEPS.hi:
-            shown = (f"a {t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, Tensor)
-                     else repr(t)[:40])
-            raise TitancError(f"checkpoint entry opt.step must be one integer in [0, "
-                              f"{STEPS.hi}] (the optimizer steps taken), got {shown}"
-                              + (f" = {value}" if value is not None else ""))
-        return value
-
     def storages(self) -> list[Tensor]:
         """Every tensor storage this program and its executors own (for allocation probes)."""
-        own = [*(t for t in self.flat.values() if t is not None), self._grad_flat_tmp,
-               *self._scalars.values(), self._token_range, *self.lr_table.storages(),
-               self._step_index, self._loss]
-        own += [self._tokens_dev] if self._tokens_dev is not None else []
-        own += list(self._extra_dev.values())
+        own = [*(t for t in self.flat.values() if t is not None), self.grad_flat_tmp,
+               self._token_range, *self.stepper.storages()]
         return own + [t for ex in self._executors.values() for t in ex.storages()]
 
     # -- running --------------------------------------------------------------------------------
@@ -300,7 +236,7 @@ class Program:
             if f"opt.m.{n}" in names:
                 bound[f"opt.m.{n}"], bound[f"opt.v.{n}"] = self._m[n], self._v[n]
         options = dict(self._executor_options)
-        if self.capture_step and cg.kind in ("training", "optimizer"):
+        if self.stepper.capture and cg.kind in ("training", "optimizer"):
             options["cuda_graphs"] = False           # inside the step's own graph
         if self.target == "triton":
             options["plan_key"] = self._plan_key(cg)
@@ -376,80 +312,25 @@ class Program:
         extra = document_inputs(self.spec, self.dtype, tokens, docs)
         if self.reducer is not None:                 # data parallelism: its own step
             self._last = self.reducer.step(tokens, extra)
-            self.step += 1
-            self._step_synced = -1                   # the device counter did not advance
-            return
-        if self.step != self._step_synced:           # set from outside (a checkpoint)
-            self._step_index.fill_(self.step)
-        self.lr_table.hold(self.step)
-        if self.device != "cpu":                     # one copy in, where the graph reads it
-            if self._tokens_dev is None or self._tokens_dev.shape != tokens.shape:
-                self._tokens_dev, self._step_graph = torch.empty_like(tokens,
-                                                                      device=self.device), None
-            self._tokens_dev.copy_(tokens, non_blocking=True)
-            tokens = self._tokens_dev
-            extra = self._inputs_on_device(extra)
-        with torch.no_grad():
-            if self._step_graph is not None:
-                self._step_graph.replay()
-            elif self.capture_step and self._steps_eager >= 1:
-                self._step_graph = torch.cuda.CUDAGraph()
-                torch.cuda.synchronize()             # once, at capture
-                with torch.cuda.graph(self._step_graph):
-                    self._device_step(tokens, extra)
-                self._step_graph.replay()
-            else:
-                self._device_step(tokens, extra)
-                self._steps_eager += 1
-        self._lr = lr_at(self.step, self.spec.train)
+            self.stepper.synced = -1                 # the device counter did not advance
+        else:
+            self._last = self.stepper.run(self.step, tokens, extra)
         self.step += 1
-        self._step_synced = self.step
-        self._last = {"loss": self._loss, "lr": self._lr, "grad_norm": self._grad_norm}
 
-    def _inputs_on_device(self, extra: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The document inputs copied into fixed device buffers (what a captured step reads);
-        a new shape drops the captured graph."""
-        for k, v in extra.items():
-            buf = self._extra_dev.get(k)
-            if buf is None or buf.shape != v.shape:
-                self._extra_dev[k], self._step_graph = torch.empty_like(v, device=self.device), None
-            self._extra_dev[k].copy_(v, non_blocking=True)
-        return {k: self._extra_dev[k] for k in extra}
+    def run_micro_batch(self, cg: Any, micro: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The training graph `cg` on one micro-batch of a step (the executor's own outputs);
+        its gradients land in the micro-batch gradient buffer (`grad_flat_tmp`)."""
+        if self.target == "reference":               # the interpreter returns new tensors
+            out = self._run(cg, {**micro, **self._params})
+            for n, t in self._grad_tmp.items():
+                t.copy_(out[f"grad.{n}"])
+            return out
+        return self._executor(cg).run(micro)
 
-    def _device_step(self, tokens: Tensor, extra: dict[str, Tensor]) -> None:
-        """The device work of one optimizer step (what the CUDA graph captures): the
-        micro-batches' gradients summed into the accumulator, the mean loss into `_loss`, the
-        scalars, the optimizer graph, the step counter."""
-        B = self.batch_size
-        cg = self.graph("training", B)
-        for i in range(self.accum):
-            micro = {"tokens": tokens[i * B:(i + 1) * B],
-                     **{k: v[i * B:(i + 1) * B] for k, v in extra.items()}}
-            if self.target == "reference":           # the interpreter returns new tensors
-                out = self._run(cg, {**micro, **self._params})
-                for n, t in self._grad_tmp.items():
-                    t.copy_(out[f"grad.{n}"])
-            else:
-                out = self._executor(cg).run(micro)
-            if self.accum == 1:
-                self._loss.copy_(out["loss"])
-            elif i == 0:
-                self.flat["grad"].copy_(self._grad_flat_tmp)
-                self._loss.copy_(out["loss"])
-            else:
-                self.flat["grad"].add_(self._grad_flat_tmp)
-                self._loss.add_(out["loss"])
-        if self.accum > 1:
-            self._loss.mul_(1.0 / self.accum)
-        self.lr_table.gather(self._step_index, self._scalars["lr"].view(1))
-        torch.add(self._step_index, 1, out=self._scalars["step"].view(1))
-        self._grad_norm = self._optimizer_graph()
-        self._step_index.add_(1)
-
-    def _optimizer_graph(self) -> Tensor:
-        """The compiled optimizer graph over every parameter (lr, step and grad_scale already
-        in their device scalars); returns the gradient norm as a device tensor."""
-        inputs = dict(self._scalars)
+    def optimizer_graph(self, scalars: dict[str, Tensor]) -> Tensor:
+        """The compiled optimizer graph over every parameter at the device `scalars` (lr, step,
+        grad_scale); returns the gradient norm as a device tensor."""
+        inputs = dict(scalars)
         for n in self._params:
             inputs[f"param.{n}"] = self._params[n]
             inputs[f"grad.{n}"] = self._grad_acc[n]
@@ -474,12 +355,13 @@ class Program:
             losses.append(loss)
             if self.accum > 1:
                 (self.flat["grad"].copy_ if i == 0 else self.flat["grad"].add_)(
-                    self._grad_flat_tmp)
+                    self.grad_flat_tmp)
         return losses
 
     def optimizer_update(self, lr: float, step: int) -> float:
         """The compiled optimizer over the accumulated gradients at the host's `lr` and
         1-based `step`; returns the gradient norm (a host read)."""
+        scalars = self.stepper.scalars
         for k, v in (("lr", lr), ("step", float(step))):
-            self._scalars[k].fill_(v)
-        return float(self._optimizer_graph())
+            scalars[k].fill_(v)
+        return float(self.optimizer_graph(scalars))

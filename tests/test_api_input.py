@@ -103,13 +103,13 @@ def test_a_long_schedule_keeps_a_bounded_lr_table() -> None:
     from titanc.runtime.lr_schedule import LR_WINDOW, lr_at
 
     p = small(**{"train.steps": 10**6, "train.warmup": 10})
-    assert p.lr_table.table.numel() <= LR_WINDOW
+    assert p.stepper.lr_table.table.numel() <= LR_WINDOW
     toks = tokens(p.spec)
     for step in (10**6 - 3, 10**6 + 5):           # near the end and past it
         p.load_state_dict({"opt.step": step}, strict=False)
         p.train_step(toks)
         want = lr_at(min(step, 10**6), p.spec.train)
-        assert float(p._scalars["lr"]) == pytest.approx(want, rel=1e-12)
+        assert float(p.stepper.scalars["lr"]) == pytest.approx(want, rel=1e-12)
 
 
 def test_a_moving_lr_window_trains_as_the_whole_table(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,7 +119,7 @@ def test_a_moving_lr_window_trains_as_the_whole_table(monkeypatch: pytest.Monkey
     whole = small(**over)
     monkeypatch.setattr(lr_schedule, "LR_WINDOW", 4)
     windowed = small(**over)
-    assert windowed.lr_table.table.numel() == 4
+    assert windowed.stepper.lr_table.table.numel() == 4
     toks = tokens(whole.spec)
     for _ in range(13):                           # past the schedule's end
         assert windowed.train_step(toks) == whole.train_step(toks)

@@ -483,7 +483,7 @@ class Generator:
     def load_state_dict(self, sd: dict[str, Tensor], what: str = "state_dict") -> DecodeState:
         """A conversation state from `state_dict`'s tensors, checked name by name against
         this model's (a state of another model is one TitancError naming `what`)."""
-        from titanc.runtime.program import check_state_tensor
+        from titanc.runtime.api_checks import check_state_tensor
         from titanc.runtime.serve.session_file import check_loaded_state
 
         if not isinstance(sd, Mapping):
@@ -556,7 +556,7 @@ def _prompt_list(prompts: Any) -> list[Any]:
 
 def _prompt_tensor(prompt: Sequence[int], vocab_size: int) -> Tensor:
     """A prompt as a (1, T) int64 tensor of ids checked against the vocabulary."""
-    from titanc.runtime.program import check_token_ids
+    from titanc.runtime.api_checks import check_token_ids
 
     if isinstance(prompt, Tensor):
         if not (prompt.dim() == 1 or (prompt.dim() == 2 and prompt.shape[0] == 1)):
