@@ -123,7 +123,7 @@ class Scratch:
         return self.storage.view(off, t, self.float_dtype)
 
 
-class _Binder:
+class Binder:
     """Binds one lowered program (a graph's or a scan body's, `codegen.lowered`) to storage
     and emits its steps: what every target shares (planned storage, constants, the host loop
     of a scan). A target's builder says how a `Launch` runs (`step`). `node` is the cpu
@@ -243,7 +243,7 @@ class _Binder:
                 self.steps.append(_copy(dst, src))
                 self.val[v] = dst
 
-    def sub_builder(self, *args: Any) -> "_Binder":
+    def sub_builder(self, *args: Any) -> "Binder":
         """The builder of a scan body (the target's own builder)."""
         raise NotImplementedError
 
@@ -417,7 +417,7 @@ class _Binder:
         self.steps.append(run)
 
 
-class _Builder(_Binder):
+class _Builder(Binder):
     """The cpu target's builder: a kernel is its nodes' out= torch calls, one closure each
     (fusion changes what the triton target launches, not this target's work)."""
 
@@ -705,7 +705,7 @@ class PlanExecutor:
     def lower(self, plan: BufferPlan) -> Lowered:
         return lower(plan)
 
-    def make_builder(self, *args: Any) -> _Binder:
+    def make_builder(self, *args: Any) -> Binder:
         raise NotImplementedError
 
     def _bind(self, scratch: Scratch, measure: bool) -> None:
@@ -746,7 +746,7 @@ class PlanExecutor:
 class ArenaExecutor(PlanExecutor):
     """The cpu target: a kernel is its nodes' out= torch calls; every scan a loop."""
 
-    def make_builder(self, *args: Any) -> _Binder:
+    def make_builder(self, *args: Any) -> Binder:
         return _Builder(*args)
 
 

@@ -48,7 +48,7 @@ from titanc.ir.buffer_plan import BufferPlan
 
 from titanc.codegen.group import groupable, render_group
 from titanc.codegen.lowered import Launch, LaunchGroup, Lowered, ScanLaunch, Step, lower
-from titanc.runtime.targets.executor import PlanExecutor, Tensor, _Binder
+from titanc.runtime.targets.executor import Binder, PlanExecutor, Tensor
 
 __all__ = ["TritonExecutor", "count_launches", "interpreting", "launch_tensors", "module_for",
            "scan_kernel_for"]
@@ -105,8 +105,8 @@ def launch_tensors(code: KernelCode, tensor_of: Any, scratch: Any = None) -> lis
     return out
 
 
-class _TritonBuilder(_Binder):
-    """Binds like the cpu target's builder (`_Binder`); a `Launch` is one launch of its
+class _TritonBuilder(Binder):
+    """Binds as every target's builder does (`Binder`); a `Launch` is one launch of its
     rendered module, a `ScanLaunch` one launch of its scan kernel (`codegen.scan`), a
     `ScanLoop` its prologue kernel's launch then the host loop over its body's launches.
     `launches` counts the kernel launches of one run of the schedule (a host-loop scan: its
@@ -118,7 +118,7 @@ class _TritonBuilder(_Binder):
         self.launches = 0
         self._subs: list[_TritonBuilder] = []
 
-    def sub_builder(self, *args: Any) -> _Binder:
+    def sub_builder(self, *args: Any) -> Binder:
         sub = _TritonBuilder(self.owner, *args)
         self._subs.append(sub)
         return sub
@@ -267,7 +267,7 @@ class TritonExecutor(PlanExecutor):
         self._graph.replay()
         return self.outputs
 
-    def make_builder(self, *args: Any) -> _Binder:
+    def make_builder(self, *args: Any) -> Binder:
         return _TritonBuilder(self, *args)
 
     def lower(self, plan: BufferPlan) -> Lowered:

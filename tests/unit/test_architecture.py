@@ -285,7 +285,6 @@ PRIVATE_LEFT = {
     ("runtime/serve/chat.py", "titanc.runtime.serve.completions._bool"),
     ("runtime/serve/chat.py", "titanc.runtime.serve.completions._int"),
     ("runtime/serve/chat.py", "titanc.runtime.serve.completions._text"),
-    ("runtime/targets/triton_executor.py", "titanc.runtime.targets.executor._Binder"),
 }
 
 
