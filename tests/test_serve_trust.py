@@ -232,7 +232,9 @@ def test_serving_beyond_loopback_without_a_key_warns_and_the_key_comes_from_conf
     monkeypatch.setenv("TITANC_API_KEY", KEY)
     assert main(["serve", str(artifact), "--host", "0.0.0.0", "--port", "0"]) == 0
     assert "warning" not in capsys.readouterr().err
-    assert seen[-1].access.api_key == KEY
+    from titanc.runtime.serve.request_log import RequestLog
+    assert isinstance(seen[-1], RequestLog)             # the request log, around the guard
+    assert seen[-1].app.access.api_key == KEY
     assert main(["serve", str(artifact), "--port", "0", "--api-key", " "]) == 2
     assert "--api-key: the key is empty" in capsys.readouterr().err
 
