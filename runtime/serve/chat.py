@@ -35,8 +35,8 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import Request as HttpRequest
 
 from titanc.errors import TitancError
-from titanc.runtime.serve.completions import (MAX_LOGPROBS, ApiError, Limits, _bool, _int,
-                                               _text, parse_completion)
+from titanc.runtime.serve.completions import (MAX_LOGPROBS, ApiError, Limits, body_bool, body_int,
+                                               body_text, parse_completion)
 
 __all__ = ["ChatTemplate", "ChatShape", "load_chat_template", "add_chat_route",
            "TEMPLATE_FILE", "CONFIG_FILE"]
@@ -219,12 +219,12 @@ def _content(v: Any, i: int) -> str | None:
     """A message's content as text: a string, null, or a list of {"type": "text"} parts."""
     where = f"messages[{i}].content"
     if v is None or isinstance(v, str):
-        return v if v is None else _text(v, "messages")
+        return v if v is None else body_text(v, "messages")
     if isinstance(v, list) and all(isinstance(p, dict) for p in v):
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
             raise _bad("messages", f"{where}: only text parts ({{\"type\": \"text\", "
                                    f"\"text\": ...}}) are supported by this model")
-        return _text("".join(p["text"] for p in v), "messages")
+        return body_text("".join(p["text"] for p in v), "messages")
     raise _bad("messages", f"{where}: expected a string or a list of text parts")
 
 
@@ -242,7 +242,7 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
                                    f"{', '.join(ROLES)}")
         msg: dict[str, Any] = {"role": m["role"], "content": _content(m.get("content"), i)}
         if isinstance(m.get("name"), str):
-            msg["name"] = _text(m["name"], "messages")
+            msg["name"] = body_text(m["name"], "messages")
         out.append(msg)
     return out
 
@@ -258,19 +258,19 @@ def chat_body(body: Any, limits: Limits) -> tuple[dict[str, Any], list[dict[str,
         if key not in OWN and key not in PASSED and key not in UNSUPPORTED:
             raise _bad(key, "unrecognized request argument")
     comp = {k: body[k] for k in PASSED if k in body}
-    mct = _int(body, "max_completion_tokens", None, 0, limits.max_tokens)
+    mct = body_int(body, "max_completion_tokens", None, 0, limits.max_tokens)
     if mct is not None:
         if body.get("max_tokens") not in (None, mct):
             raise _bad("max_completion_tokens", "differs from max_tokens; give one of them")
         comp["max_tokens"] = mct
     elif body.get("max_tokens") is None:
         comp["max_tokens"] = limits.max_tokens          # chat's default: as long as allowed
-    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
-    if _bool(body, "logprobs"):
+    top = body_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if body_bool(body, "logprobs"):
         comp["logprobs"] = top or 0
     elif top is not None:
         raise _bad("top_logprobs", "needs logprobs: true")
-    add_prompt = _bool(body, "add_generation_prompt") if "add_generation_prompt" in body else True
+    add_prompt = body_bool(body, "add_generation_prompt") if "add_generation_prompt" in body else True
     return comp, parse_messages(body.get("messages")), add_prompt
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from titanc.bounds import SEED
+from titanc.errors import printable
 
 # fields accepted and ignored (they change nothing for this server)
 _IGNORED = {"user"}
@@ -52,7 +53,7 @@ def _clean(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _text(value: str, param: str) -> str:
+def body_text(value: str, param: str) -> str:
     """The text policy: a string field must be valid Unicode (no lone surrogates), else a
     400 naming the field; nothing invalid reaches an encoder."""
     try:
@@ -93,14 +94,14 @@ class CompletionParams:
 
 
 def _bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param)
+    return ApiError(400, f"{printable(param, 80)}: {message}", param=param)
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
+def body_int(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
     v = body.get(key, default)
     if v is None:
         return default
@@ -126,7 +127,7 @@ def _float(body: dict, key: str, default: float | None, lo: float, hi: float,
     return float(v)
 
 
-def _bool(body: dict, key: str) -> bool:
+def body_bool(body: dict, key: str) -> bool:
     v = body.get(key, False)
     if v is None:
         return False
@@ -157,7 +158,7 @@ def _prompts(body: dict, codec: Any, limits: Limits) -> tuple[list[list[int]], l
     ids, texts = [], []
     for x in items:
         if isinstance(x, str):
-            toks = codec.encode(_text(x, "prompt"))
+            toks = codec.encode(body_text(x, "prompt"))
             text = x
         else:
             if not x or not all(_is_int(t) for t in x):
@@ -189,7 +190,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise _bad("stop", f"{len(stops)} stop sequences; at most {MAX_STOPS}")
     if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise _bad("stop", f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters")
-    return tuple(_text(s, "stop") for s in stops)
+    return tuple(body_text(s, "stop") for s in stops)
 
 
 def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
@@ -200,20 +201,20 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
     if unknown:
         raise _bad(unknown[0], "unrecognized request argument")
     prompts, texts = _prompts(body, codec, limits)
-    n = _int(body, "n", 1, 1, MAX_N)
-    best_of = _int(body, "best_of", None, 1, MAX_N)
+    n = body_int(body, "n", 1, 1, MAX_N)
+    best_of = body_int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise _bad("best_of", "is not supported (leave it out or equal to n)")
     if body.get("suffix") is not None:
         raise _bad("suffix", "is not supported by this model")
     if body.get("logit_bias") not in (None, {}):
         raise _bad("logit_bias", "is not supported")
-    top_k = _int(body, "top_k", None, -1, 1 << 30)
+    top_k = body_int(body, "top_k", None, -1, 1 << 30)
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage"}
                              or not isinstance(opts.get("include_usage", False), bool)):
         raise _bad("stream_options", 'expected {"include_usage": true|false}')
-    stream = _bool(body, "stream")
+    stream = body_bool(body, "stream")
     if opts is not None and not stream:
         raise _bad("stream_options", "is only allowed with stream: true")
     session = body.get("session")
@@ -223,19 +224,19 @@ def parse_completion(body: Any, codec: Any, limits: Limits) -> CompletionParams:
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"expected a string, got {_show(model)}")
     if model is not None:
-        _text(model, "model")
+        body_text(model, "model")
     return CompletionParams(
         prompts=prompts, prompt_texts=texts,
         # the default, 16 (OpenAI's), never exceeds the server's --max-tokens
-        max_tokens=_int(body, "max_tokens", min(16, limits.max_tokens), 0, limits.max_tokens),
+        max_tokens=body_int(body, "max_tokens", min(16, limits.max_tokens), 0, limits.max_tokens),
         temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_float(body, "top_p", None, 0.0, 1.0, open_lo=True),
         top_k=top_k if top_k and top_k > 0 else None,
-        seed=_int(body, "seed", None, -(1 << 63), SEED.hi),
+        seed=body_int(body, "seed", None, -(1 << 63), SEED.hi),
         stop=_stop(body), n=n, stream=stream,
         include_usage=bool(opts and opts.get("include_usage")),
-        logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS),
-        echo=_bool(body, "echo"), session=session,
+        logprobs=body_int(body, "logprobs", None, 0, MAX_LOGPROBS),
+        echo=body_bool(body, "echo"), session=session,
         presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0))
 

@@ -281,11 +281,7 @@ def test_no_import_cycles_even_through_function_level_imports() -> None:
 
 # private names still used outside their module, in files their owners are restructuring:
 # each becomes a public name of its module (then leaves this list)
-PRIVATE_LEFT = {
-    ("runtime/serve/chat.py", "titanc.runtime.serve.completions._bool"),
-    ("runtime/serve/chat.py", "titanc.runtime.serve.completions._int"),
-    ("runtime/serve/chat.py", "titanc.runtime.serve.completions._text"),
-}
+PRIVATE_LEFT: set[tuple[str, str]] = set()
 
 
 def test_no_private_name_is_used_outside_its_module() -> None:

@@ -153,10 +153,11 @@ def write_artifact(spec: Any, out_dir: str | os.PathLike, force: bool = False,
                           f"writable directory with -o") from None
     try:
         from titanc.tools import artifact_cache
-        report = artifact_cache.restore(spec, tok.hash, force, arch, stage)   # a copy
-        if report is not None:
-            with writing_into(out, "the artifact directory"):
+        with writing_into(out, "the artifact directory"):        # a copy into the stage
+            report = artifact_cache.restore(spec, tok.hash, force, arch, stage)
+            if report is not None:
                 swap_in(stage, final, _move_others, last="manifest.json")
+        if report is not None:
             return report
         t0 = time.perf_counter()
         try:
