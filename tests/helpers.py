@@ -154,3 +154,34 @@ def set_at(*path_value: Any) -> Any:
             d = d[k]
         d[keys[-1]] = value
     return mutate
+
+
+def start_server(app: Any, http: Any = None) -> tuple[Any, Any, int]:
+    """`app` served by uvicorn on 127.0.0.1 and a free port in a daemon thread, started within
+    30 s: (server, thread, port). Stop it with `server.should_exit = True; thread.join()`."""
+    import threading
+    import time
+
+    import uvicorn
+
+    extra = {} if http is None else {"http": http}
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
+                                           lifespan="off", **extra))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "did not start"
+        time.sleep(0.01)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
+
+
+def generator_and_codec(artifact: Any) -> tuple[Any, Any]:
+    """A compiled artifact's Generator with its tokenizer, and its codec."""
+    import titanc
+    from titanc.runtime.serve.codec import codec_for
+    from titanc.runtime.serve.generate import Generator
+
+    prog = titanc.load(artifact)
+    codec = codec_for(prog, artifact)
+    return Generator(prog, codec.tok), codec

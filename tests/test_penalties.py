@@ -16,21 +16,18 @@ from typing import Any
 import pytest
 import torch
 
-import titanc
 from titanc.errors import TitancError
-from titanc.runtime.serve.codec import codec_for
 from titanc.runtime.serve.engine import Engine, Request
 from titanc.runtime.serve.generate import Generator, Sampling
 from titanc.runtime.serve.penalties import penalize
+from tests.helpers import generator_and_codec
 
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
 def parts(artifact: Path) -> tuple[Generator, Any]:
-    prog = titanc.load(artifact)
-    codec = codec_for(prog, artifact)
-    return Generator(prog, codec.tok), codec
+    return generator_and_codec(artifact)
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-import titanc
 from titanc.errors import TitancError
 from titanc.runtime.serve.chat import ChatTemplate, load_chat_template
-from titanc.runtime.serve.codec import codec_for
 from titanc.runtime.serve.completions import Limits
 from titanc.runtime.serve.engine import Engine
 from titanc.runtime.serve.generate import Generator
 from titanc.tools.cli import main
+from tests.helpers import generator_and_codec, start_server
 
 openai = pytest.importorskip("openai")
 
@@ -39,8 +36,6 @@ class Live:
     """The real app on uvicorn in a thread (127.0.0.1, a free port), with its engine."""
 
     def __init__(self, gen: Generator, codec: Any, chat: ChatTemplate | None):
-        import uvicorn
-
         from titanc.runtime.serve.server import Metrics, create_app
 
         ref: list[Engine] = []
@@ -48,17 +43,8 @@ class Live:
         ref.append(self.engine)
         app = create_app(self.engine, codec, MODEL, Limits(max_tokens=64), Metrics(ref),
                          chat=chat)
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
-                                lifespan="off")
-        self.server = uvicorn.Server(config)
         self.engine.start()
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "did not start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.server, self.thread, port = start_server(app)
         self.port = port
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                                     timeout=TIMEOUT, max_retries=0)
@@ -81,9 +67,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def parts(artifact: Path) -> tuple[Generator, Any]:
-    prog = titanc.load(artifact)
-    codec = codec_for(prog, artifact)
-    return Generator(prog, codec.tok), codec
+    return generator_and_codec(artifact)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import http.client
 import json
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,6 +35,7 @@ from titanc.runtime.serve.generate import Generator, load_session, save_session
 from titanc.runtime.serve.guard import Access
 from titanc.runtime.serve.sessions import SessionStore, StoreLimits
 from titanc.tools.cli import main
+from tests.helpers import start_server
 from tests.test_serve import MODEL, TIMEOUT, Server
 
 KEY = "k-test-0123456789"
@@ -64,8 +64,6 @@ class Live:
                  access: Access = Access(), limits: Limits = Limits(),
                  store_limits: StoreLimits = StoreLimits(), max_sessions: int = 4,
                  header_timeout: float = 10.0):
-        import uvicorn
-
         from titanc.runtime.serve.process import header_timeout_protocol
         from titanc.runtime.serve.server import Metrics, create_app
 
@@ -74,17 +72,9 @@ class Live:
         ref.append(self.engine)
         self.store = SessionStore(gen, max_sessions, directory, store_limits)
         app = create_app(self.engine, codec, MODEL, limits, Metrics(ref), self.store, access)
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
-                                lifespan="off", http=header_timeout_protocol(header_timeout))
-        self.server = uvicorn.Server(config)
         self.engine.start()
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "did not start"
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.server, self.thread, self.port = start_server(
+            app, http=header_timeout_protocol(header_timeout))
 
     def request(self, method: str, path: str, body: Any = None,
                 headers: dict[str, str] | None = None) -> tuple[int, dict, Any]:

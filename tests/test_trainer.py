@@ -126,15 +126,20 @@ def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path) -> N
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2]
 
 
-def test_nonfinite_before_any_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    Program = type(titanc.compile(tiny()))
+def _poison_the_loss(monkeypatch: pytest.MonkeyPatch, spec: Spec, value: float) -> None:
+    """Every step of `spec`'s Program reports `value` as its loss."""
+    Program = type(titanc.compile(spec))
     real = Program.advance
 
     def poisoned(self: Any, tokens: torch.Tensor, docs: Any = None) -> None:
         real(self, tokens, docs)
-        self._last["loss"] = torch.tensor(math.inf)
+        self._last["loss"] = torch.tensor(value)
 
     monkeypatch.setattr(Program, "advance", poisoned)
+
+
+def test_nonfinite_before_any_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _poison_the_loss(monkeypatch, tiny(), math.inf)
     with pytest.raises(TitancError) as e:
         train(tiny(), tmp_path / "run", steps=5)
     assert str(e.value) == ("step 1: loss is inf; no good checkpoint was written before it "
@@ -148,14 +153,7 @@ def test_nonfinite_with_a_memory_names_the_inner_step_too(tmp_path: Path,
     """A model with a memory can blow up through its inner step (`model.memory.lr_max`), not
     only train.lr: the message names both."""
     spec = tiny("lmm")
-    Program = type(titanc.compile(spec))
-    real = Program.advance
-
-    def poisoned(self: Any, tokens: torch.Tensor, docs: Any = None) -> None:
-        real(self, tokens, docs)
-        self._last["loss"] = torch.tensor(math.nan)
-
-    monkeypatch.setattr(Program, "advance", poisoned)
+    _poison_the_loss(monkeypatch, spec, math.nan)
     with pytest.raises(TitancError) as e:
         train(spec, tmp_path / "run", steps=5)
     assert (f"or raise train.warmup, or lower model.memory.lr_max "
