@@ -52,7 +52,7 @@ NOT_COMPILED: dict[str, tuple[str, ...]] = {
     "": ("name",),
     "train": ("steps", "lr", "warmup", "seed", "grad_accum", "eval_every", "eval_batches",
               "checkpoint_every", "log_every", "bucket_mb", "zero", "dist_timeout_s",
-              "memory_stats_every"),
+              "memory_stats_every", "tensorboard"),
     "data": ("source", "val_fraction", "tokenizer"),
     "compile": ("target", "cuda_graphs", "allow_tf32"),
 }

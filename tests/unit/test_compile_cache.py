@@ -19,6 +19,7 @@ OTHER = {"name": "other", "train.steps": 7, "train.lr": 0.5, "train.warmup": 3, 
          "train.grad_accum": 3, "train.eval_every": 11, "train.eval_batches": 5,
          "train.checkpoint_every": 13, "train.log_every": 17, "train.bucket_mb": 3.0,
          "train.zero": 1, "train.dist_timeout_s": 99.0, "train.memory_stats_every": 19,
+         "train.tensorboard": "tb",
          "data.source": "corpus.txt", "data.val_fraction": 0.25, "data.tokenizer": "tok.json",
          "compile.target": "cpu", "compile.cuda_graphs": False, "compile.allow_tf32": False}
 
