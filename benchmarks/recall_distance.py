@@ -43,6 +43,9 @@ paper's MAC: written from the segment's input, its read also on the residual str
 shorter curriculum (it steps slowest; the same CPU budget).
 `--set BLOCK:key=value` sets an option for one block (`--set mac:model.memory.gate=memory`);
 `--task-set n_pairs=6 --task-set n_values=12 --set model.vocab_size=48` varies the task.
+`--task niah` (one needle in prose) and `--task passkey` (one needle in a repeated sentence)
+are the paper's S-NIAH shapes; `--train-needles N` trains them on N needles and N queries a
+sequence (`NeedleRecall`), the recipe that teaches retrieval from prose.
 The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
 
 Writes runs/recall_distance.json (config, one row per model, summary; `--out` elsewhere) and
@@ -105,7 +108,8 @@ BLOCK_SET: dict[str, Any] = {
     "mac:model.memory.chunk_size": 8,            # so does the MAC option (seed 0 not at 4)
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
-NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8}
+NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8,
+             "train_needles": 1, "filler": "prose"}
 CURRICULUM = "32:5000,128:500,272:300"
 # a block's own curriculum (`--curriculum` sets every block's): MAC steps slowest, and its
 # later stages are shorter to fit the same CPU budget
@@ -174,36 +178,59 @@ def eval_seq_len(distance: int) -> int:
 # 14 commonest letters get their own token, the other letters share the last)
 HAYSTACK_FILES = ("README.md", "docs/architecture.md", "docs/semantics.md")
 HAYSTACK_CHARS = " etasnroilcdhpm"
+# the passkey task's filler (the paper's S-NIAH-PK: a number in repeated text), in those letters
+PASSKEY_FILLER = ("the grass is green the sky is blue the sun is yellow here we go there and "
+                  "back again ")
 
 
 class NeedleRecall:
     """S-NIAH: one key-value needle (a key token, then a value token) somewhere in a stream of
-    natural-text filler, the key again as the last input token: the model must predict the
-    value. Same vocabulary split as the pairs task (keys, values, then filler tokens for the
-    text); `distance` puts the needle's value `distance` positions before the query key.
-    Training windows come from the first 90 % of the text, held-out ones from the rest."""
+    filler, the key again as the last input token: the model must predict the value. Same
+    vocabulary split as the pairs task (keys, values, then filler tokens for the text);
+    `distance` puts the needle's value `distance` positions before the query key. The filler
+    is natural text (`filler="prose"`, `--task niah`: training windows from the first 90 % of
+    the text, held-out ones from the rest) or one sentence repeated (`filler="repeat"`,
+    `--task passkey`: the paper's S-NIAH-PK, a number hidden in repeated filler, each window
+    starting at a random offset of the repetition).
+
+    `train_needles` > 1 (`--train-needles N`) is the training signal that teaches retrieval:
+    a training sequence holds N needles with distinct keys at random non-overlapping places
+    and ends with the N queries (each key, then its value) in random order, so every
+    sequence carries N recall targets at distances from 1 to the length instead of one;
+    held-out sequences keep the one-needle shape."""
 
     def __init__(self, seq_len: int, vocab_size: int, seed: int = 0, n_keys: int = 8,
-                 n_values: int = 8, **_: Any):
+                 n_values: int = 8, train_needles: int = 1, filler: str = "prose", **_: Any):
         length = seq_len + 1
         f_lo = n_keys + n_values
         if vocab_size - f_lo < len(HAYSTACK_CHARS) + 1:
             raise SystemExit(f"--task niah needs model.vocab_size >= "
                              f"{f_lo + len(HAYSTACK_CHARS) + 1}")
+        if not 1 <= train_needles <= n_keys:
+            raise SystemExit(f"--train-needles {train_needles}: between 1 and the task's "
+                             f"n_keys ({n_keys})")
         self.seq_len = seq_len
+        self.train_needles = train_needles
         self.layout = RecallLayout(length, 1, 1, (0, n_keys), (n_keys, f_lo),
                                    (f_lo, f_lo + len(HAYSTACK_CHARS) + 1))
+        table = {c: f_lo + i for i, c in enumerate(HAYSTACK_CHARS)}
+        other = f_lo + len(HAYSTACK_CHARS)
+        if filler == "repeat":
+            sentence = PASSKEY_FILLER * (2 + 2 * length // len(PASSKEY_FILLER))
+            ids = torch.tensor([table.get(c, other) for c in sentence])
+            self.text = {"train": ids, "val": ids}
+            self.starts = len(PASSKEY_FILLER)   # any offset of the repetition
+            return
         text = "\n".join((ROOT.parent / f).read_text() for f in HAYSTACK_FILES).lower()
         text = re.sub(r"```.*?```|`[^`]*`", " ", text, flags=re.S)     # prose, not code
         words = re.sub(r"[^a-z]+", " ", text).split()
-        table = {c: f_lo + i for i, c in enumerate(HAYSTACK_CHARS)}
-        other = f_lo + len(HAYSTACK_CHARS)
         ids = torch.tensor([table.get(c, other) for c in " ".join(words)])
         cut = int(0.9 * len(ids))
         self.text = {"train": ids[:cut], "val": ids[cut:]}
         if len(self.text["val"]) <= length:
             raise SystemExit(f"--task niah: the held-out text ({len(self.text['val'])} "
                              f"characters) is shorter than a sequence ({length})")
+        self.starts = 0                         # any window of the text
 
     @property
     def chance(self) -> float:
@@ -214,18 +241,43 @@ class NeedleRecall:
     def max_distance(self) -> int:
         return self.layout.length - 3          # needle at positions 0, 1; query key last
 
+    def _filler(self, n: int, split: str, generator: torch.Generator | None) -> torch.Tensor:
+        L = self.layout.length
+        text = self.text["val" if split == "val" else "train"]
+        start = torch.randint(0, self.starts or len(text) - L, (n,), generator=generator)
+        return text[start[:, None] + torch.arange(L)]
+
     def batch(self, n: int, split: str = "train", generator: torch.Generator | None = None,
               distance: int | None = None) -> torch.Tensor:
+        if split == "train" and self.train_needles > 1:
+            return self._needles(n, generator)
         L, lay = self.layout.length, self.layout
-        text = self.text["val" if split == "val" else "train"]
+        out = self._filler(n, split, generator)
         d = self.max_distance if distance is None else distance
-        start = torch.randint(0, len(text) - L, (n,), generator=generator)
-        out = text[start[:, None] + torch.arange(L)]
         keys = torch.randint(*lay.key_range, (n,), generator=generator)
         values = torch.randint(*lay.value_range, (n,), generator=generator)
         p0 = L - 2 - d - 1                      # needle key; its value sits d before the query
         out[:, p0], out[:, p0 + 1] = keys, values
         out[:, L - 2], out[:, L - 1] = keys, values
+        return out
+
+    def _needles(self, n: int, generator: torch.Generator | None) -> torch.Tensor:
+        """A training batch of `train_needles` needles a sequence (the class docstring)."""
+        L, lay, N = self.layout.length, self.layout, self.train_needles
+        out = self._filler(n, "train", generator)
+        rows = torch.arange(n)[:, None]
+        slots = (L - 2 * N) // 2                # needle slots: token pairs before the queries
+        if slots < N:
+            raise SystemExit(f"--train-needles {N}: {N} needles and their queries need "
+                             f"{4 * N} tokens, a training sequence has {L}")
+        place = 2 * torch.rand(n, slots, generator=generator).argsort(-1)[:, :N]
+        n_keys = lay.key_range[1] - lay.key_range[0]
+        keys = torch.rand(n, n_keys, generator=generator).argsort(-1)[:, :N] + lay.key_range[0]
+        values = torch.randint(*lay.value_range, (n, N), generator=generator)
+        out[rows, place], out[rows, place + 1] = keys, values
+        order = torch.rand(n, N, generator=generator).argsort(-1)
+        q = L - 2 * N + 2 * torch.arange(N)
+        out[:, q], out[:, q + 1] = keys.gather(1, order), values.gather(1, order)
         return out
 
     def accuracy(self, prog: Any, tokens: torch.Tensor) -> float:
@@ -235,7 +287,7 @@ class NeedleRecall:
 
 
 def task_for(seq_len: int, seed: int) -> SyntheticRecall | NeedleRecall:
-    kind = NeedleRecall if TASK.get("kind") == "niah" else SyntheticRecall
+    kind = NeedleRecall if TASK.get("kind") in ("niah", "passkey") else SyntheticRecall
     return kind(seq_len, SPEC["model"]["vocab_size"], seed=seed,
                 **{k: v for k, v in TASK.items() if k != "kind"})
 
@@ -254,8 +306,9 @@ def configure(sets: list[str], task_sets: list[str]) -> dict[str, Any]:
         overrides[key] = parse_value(value)
     for item in task_sets:
         key, _, value = item.partition("=")
-        if key not in TASK or key == "kind":
-            raise SystemExit(f"--task-set {item}: the task has {sorted(set(TASK) - {'kind'})}")
+        fixed = {"kind", "filler", "train_needles"}        # set by --task, --train-needles
+        if key not in TASK or key in fixed:
+            raise SystemExit(f"--task-set {item}: the task has {sorted(set(TASK) - fixed)}")
         TASK[key] = int(value)
     SPEC["model"]["vocab_size"] = overrides.pop("model.vocab_size", SPEC["model"]["vocab_size"])
     return overrides
@@ -395,9 +448,13 @@ def main() -> None:
                     help=f"append memory diagnostics (runtime/diagnostics/neural_memory.py) every "
                          f"{METRICS_EVERY} steps to this JSONL file")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--task", choices=("pairs", "niah"), default="pairs",
+    ap.add_argument("--task", choices=("pairs", "niah", "passkey"), default="pairs",
                     help="pairs: 4 key-value pairs, random filler, 4 queries (default); niah: "
-                         "one key-value needle in the repository's prose, the key again last")
+                         "one key-value needle in the repository's prose, the key again last; "
+                         "passkey: the same needle in one sentence repeated")
+    ap.add_argument("--train-needles", type=int, default=1, metavar="N",
+                    help="niah / passkey: N needles and their N queries a training sequence "
+                         "(held-out sequences keep one needle; default 1)")
     ap.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE",
                     help="task override, e.g. n_pairs=6 or n_values=12 (repeatable; with "
                          "--set model.vocab_size=... for a larger vocabulary)")
@@ -412,9 +469,12 @@ def main() -> None:
         report(out, merge(args.merge, out))
         return
     torch.set_num_threads(args.threads)
-    if args.task == "niah":
+    if args.task in ("niah", "passkey"):
         TASK.clear()
-        TASK.update(NIAH_TASK)
+        TASK.update(NIAH_TASK, kind=args.task, train_needles=args.train_needles,
+                    filler="repeat" if args.task == "passkey" else "prose")
+    elif args.train_needles != 1:
+        raise SystemExit("--train-needles: only with --task niah or --task passkey")
     if args.quick:
         args.curriculum, args.distances = "32:100", "8,16,64"
     overrides = configure(args.set, args.task_set)
@@ -462,6 +522,9 @@ def write_results(out: Path, config: dict[str, Any], rows: list[dict[str, Any]],
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     own = sorted(b for b in config.get("block_curriculum", {}) if b in {r["block"] for r in rows})
+    needles = config["task"].get("train_needles", 1)
+    if needles > 1:
+        task += f", {needles} needles a training sequence"
     title = (f"recall vs distance ({task}): curriculum {config['curriculum']}"
              f"{' (' + ', '.join(own) + ': their own)' if own else ''},\n"
              f"≤{config['budget_cpu_s']:.0f} CPU s/model")
@@ -502,7 +565,7 @@ def merge(paths: list[str], out: Path) -> dict[str, Any]:
                             **{k: v for opts, _ in per_block.values() for k, v in opts.items()}},
               "curriculum": default,
               "block_curriculum": {b: cur for b, (_, cur) in per_block.items() if cur != default}}
-    task = "niah" if config["task"].get("kind") == "niah" else "pairs"
+    task = config["task"].get("kind", "pairs")
     return write_results(out, config, [r for run in runs for r in run["results"]], task)
 
 

@@ -218,6 +218,41 @@ def test_needle_task_places_one_needle_in_prose() -> None:
     assert not torch.equal(train[:, 2:-2], val[:, 2:-2])                    # disjoint text
 
 
+def test_needle_task_trains_on_several_needles_and_a_repeated_filler() -> None:
+    """--train-needles N: a training sequence holds N needles with distinct keys at
+    non-overlapping places and ends with their N queries (key, then its value); held-out
+    sequences keep one needle. --task passkey: the filler is one sentence repeated."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import recall_distance as rd
+
+    task = rd.NeedleRecall(64, 32, seed=0, n_keys=8, n_values=8, train_needles=4)
+    b = task.batch(32, "train", torch.Generator().manual_seed(3))
+    L, N = b.shape[1], 4
+    for row in b:
+        body, queries = row[:L - 2 * N], row[L - 2 * N:]
+        where = (body < 8).nonzero().flatten()                    # the needles' keys
+        assert len(where) == N and len(set(body[where].tolist())) == N
+        assert ((body[where + 1] >= 8) & (body[where + 1] < 16)).all()
+        needles = dict(zip(body[where].tolist(), body[where + 1].tolist()))
+        asked = dict(zip(queries[0::2].tolist(), queries[1::2].tolist()))
+        assert asked == needles                                   # every needle asked once
+        rest = torch.ones_like(body, dtype=torch.bool)
+        rest[where], rest[where + 1] = False, False
+        assert (body[rest] >= 16).all()
+    one = task.batch(8, "val", torch.Generator().manual_seed(3), distance=20)
+    assert ((one < 8).sum(1) == 2).all()                          # one needle, its query
+    pk = rd.NeedleRecall(64, 32, seed=0, filler="repeat")
+    a = pk.batch(4, "val", torch.Generator().manual_seed(1), distance=30)
+    period = len(rd.PASSKEY_FILLER)
+    text = pk.text["val"]
+    assert torch.equal(text[:period], text[period:2 * period])   # one sentence repeated
+    for row in a:                                                 # a window of it, then
+        assert any(torch.equal(row[:20], text[o:o + 20]) for o in range(period))   # the needle
+    with pytest.raises(SystemExit, match="train-needles"):
+        rd.NeedleRecall(64, 32, n_keys=8, train_needles=9)
+
+
 def test_benchmark_block_options_apply_to_their_block_only() -> None:
     """recall_distance.py's BLOCK_SET and `--set BLOCK:key=value` reach only that block's spec
     (mac's and mag's options are errors on any other block), a plain `--set` reaches all
