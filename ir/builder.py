@@ -124,6 +124,21 @@ class Builder:
         """`node` (of another graph) rebuilt here on `inputs` (`Graph.add_like`)."""
         return Value(self, self.graph.add_like(node, [v.id for v in inputs], **attrs))
 
+    def inline(self, g: Graph, args: dict[str, Value]) -> dict[str, Value]:
+        """`g`'s nodes emitted here, its inputs bound by name to `args`; its outputs by name
+        (a function called by copying its body: no node refers to `g` afterwards)."""
+        env: dict[int, int] = {}
+        for node in g:
+            if node.op is Op.INPUT:
+                arg = args[node.attr("name")]
+                if arg.type != node.type:
+                    raise ValueError(f"inline {g.name}: input {node.attr('name')} is "
+                                     f"{node.type}, given {arg.type}")
+                env[node.id] = arg.id
+            else:
+                env[node.id] = self.graph.add_like(node, (env[i] for i in node.inputs))
+        return {name: Value(self, env[nid]) for name, nid in g.outputs}
+
     def input(self, name: str, shape: Sequence[int], dtype: str) -> Value:
         return self.op(Op.INPUT, name=name, type=TensorType(tuple(shape), dtype))
 

@@ -273,3 +273,16 @@ def grad_graph(g: Graph, wrt: list[str], loss: str = "loss", name: str = "grad",
         outs.append((f"grad.{nm}", gv.id))
     b.graph.set_outputs(outs)
     return b.graph
+
+
+def derivative(g: Graph, wrt: str, loss: str = "loss") -> Graph:
+    """d `loss` / d input `wrt` as a graph of its own, over all of `g`'s inputs: its one
+    output `grad.<wrt>`, canonicalised (the forward nodes the derivative does not read are
+    gone). A frontend inlines it (`Builder.inline`) where it needs a derivative it does not
+    write by hand: the memory's inner objective (titanc/model/objective.py). Pre: as
+    `grad_graph`; `g` has no scan (nothing here saves a scan's residuals)."""
+    from titanc.passes.canonicalize import Canonicalize
+    full = grad_graph(g, [wrt], loss=loss, name=f"d_{g.name}")
+    keep = full.output(f"grad.{wrt}")
+    full.set_outputs([(f"grad.{wrt}", keep)])
+    return Canonicalize()(full)

@@ -20,7 +20,11 @@ from titanc.ir.elementwise import silu_grad
 
 from titanc.model.documents import gt, positions
 from titanc.model.nn import dwconv, l2norm, log_sigmoid
+from titanc.model.objective import Objective, loss_graph
 from titanc.model.spec import MemorySpec
+from titanc.passes.autodiff import derivative
+
+L2 = Objective()               # the default inner objective (docs/semantics.md)
 
 
 @dataclass(frozen=True)
@@ -108,12 +112,23 @@ def initial_state(b: Builder, p: dict[str, Value], depth: int, B: int) -> tuple[
     return ws, ss
 
 
-def _inner_grads(b: Builder, ws: list[Value], k: Value, v: Value) -> list[Value]:
-    """Per-token inner gradients at the weights ws, direct form: g_u = δ_u ⊗ a_u per layer,
-    (B, Nm, u, o, i)."""
-    B, Nm, U, E = k.shape
+def output_grad(b: Builder, yhat: Value, v: Value, obj: Objective) -> Value:
+    """∂ℓ_u/∂ŷ_u per token (B, Nm, u, e) of the inner objective `obj`: autodiff of its value
+    (`objective.loss_graph`) inlined here; ℓ2 by its closed form (2/e)(ŷ − v), the same
+    numbers (tests/unit/model/test_objective.py) in the graph ℓ2 always had."""
+    if obj.kind == "l2":
+        return (yhat - v) * (2.0 / yhat.shape[-1])
+    d = derivative(loss_graph(obj, yhat.shape, yhat.dtype, total=True), "yhat")
+    return b.inline(d, {"yhat": yhat, "v": v})["grad.yhat"]
+
+
+def _inner_grads(b: Builder, ws: list[Value], k: Value, v: Value,
+                 obj: Objective = L2) -> list[Value]:
+    """Per-token inner gradients of the objective `obj` at the weights ws, direct form:
+    g_u = δ_u ⊗ a_u per layer, (B, Nm, u, o, i); δ at the output is ∂ℓ/∂ŷ
+    (`output_grad`), the MLP's backward is the same for every objective."""
     yhat, zs, acts = mlp(b, ws, k)
-    delta = (yhat - v) * (2.0 / E)                                # ∂ℓ/∂ŷ, (B, Nm, u, e)
+    delta = output_grad(b, yhat, v, obj)                          # ∂ℓ/∂ŷ, (B, Nm, u, e)
     grads: list[Value] = [None] * len(ws)                         # type: ignore[list-item]
     for i in range(len(ws) - 1, -1, -1):
         grads[i] = b.einsum("bnuo,bnui->bnuoi", delta, acts[i])
@@ -123,10 +138,12 @@ def _inner_grads(b: Builder, ws: list[Value], k: Value, v: Value) -> list[Value]
 
 
 def chunk_update(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value,
-                 theta: Value, log_eta: Value, log_keep: Value) -> tuple[list[Value], list[Value]]:
-    """One chunk's write. k, v (B, Nm, u, e); gates (B, Nm, u). Returns new (W, S)."""
+                 theta: Value, log_eta: Value, log_keep: Value,
+                 obj: Objective = L2) -> tuple[list[Value], list[Value]]:
+    """One chunk's write of the objective `obj`. k, v (B, Nm, u, e); gates (B, Nm, u).
+    Returns new (W, S)."""
     B, Nm, U, E = k.shape
-    grads = _inner_grads(b, ws, k, v)
+    grads = _inner_grads(b, ws, k, v, obj)
     # closed form of the per-token recurrences, in log space (products underflow)
     lE = log_eta.cumsum(-1)                                       # log E_t, (B, Nm, u)
     lD = log_keep.cumsum(-1)                                      # log D_t
@@ -150,7 +167,7 @@ def chunk_update(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Valu
 
 def chunk_update_docs(b: Builder, ws: list[Value], ss: list[Value], w0s: list[Value],
                       k: Value, v: Value, theta: Value, log_eta: Value, log_keep: Value,
-                      lo: Value) -> tuple[list[Value], list[Value]]:
+                      lo: Value, obj: Objective = L2) -> tuple[list[Value], list[Value]]:
     """`chunk_update` with documents: lo (B, Nm, u) is each token's document start relative to
     the chunk start (< 0: the document began before the chunk). Token by token the state
     resets to (W⁽⁰⁾, 0) before each document's first token; a token whose document began in
@@ -165,8 +182,8 @@ def chunk_update_docs(b: Builder, ws: list[Value], ss: list[Value], w0s: list[Va
     mask, so the masks multiply (0/1) and nothing overflows."""
     B, Nm, U, E = k.shape
     fresh = gt(lo, -0.5)                                          # (B, Nm, u) began in chunk
-    g_c = _inner_grads(b, ws, k, v)                               # at the chunk-start state
-    g_0 = _inner_grads(b, w0s, k, v)                              # at W⁽⁰⁾
+    g_c = _inner_grads(b, ws, k, v, obj)                          # at the chunk-start state
+    g_0 = _inner_grads(b, w0s, k, v, obj)                         # at W⁽⁰⁾
     lE = log_eta.cumsum(-1)
     lD = log_keep.cumsum(-1)
     lE_b, lD_b = lE.slice(-1, U - 1, U), lD.slice(-1, U - 1, U)
@@ -212,13 +229,14 @@ def _unchunked(y: Value) -> Value:
 
 
 def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, chunk: int,
-                read: Value | None, docs: tuple[Value, list[Value]] | None = None
-                ) -> tuple[list[Value], list[Value], Value]:
+                read: Value | None, docs: tuple[Value, list[Value]] | None = None,
+                obj: Objective = L2) -> tuple[list[Value], list[Value], Value]:
     """Scan over chunks of `chunk` tokens: retrieve `read` (B, Nm, T, e) at chunk-start state,
     then write k, v. Returns final W, S and the retrievals (B, Nm, T, e). `docs` (lo, W⁽⁰⁾):
     lo (B, T) each token's document start relative to its chunk's start (`documents.local`),
     W⁽⁰⁾ the memory's initial weights (Nm, o, i); the state resets at each document start
-    (`chunk_update_docs`) and a token whose document began in its chunk reads W⁽⁰⁾."""
+    (`chunk_update_docs`) and a token whose document began in its chunk reads W⁽⁰⁾. `obj`:
+    the inner objective the writes descend."""
     T = st.k.shape[2]
     n = T // chunk
     L = len(ws)
@@ -238,11 +256,11 @@ def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, ch
         q, k, v, th, le, lk = x[:6]
         y, _, _ = mlp(bb, w, q)                                   # read before this chunk's write
         if docs is None:
-            w2, s2 = chunk_update(bb, w, s, k, v, th, le, lk)
+            w2, s2 = chunk_update(bb, w, s, k, v, th, le, lk, obj)
             return w2 + s2, [y]
         w0 = batched(k0, q.shape[0])
         y = read_initial(bb, y, w0, q, x[6])
-        w2, s2 = chunk_update_docs(bb, w, s, w0, k, v, th, le, lk, x[6])
+        w2, s2 = chunk_update_docs(bb, w, s, w0, k, v, th, le, lk, x[6], obj)
         return w2 + s2, [y]
 
     carry, ys = b.scan(body, ws + ss, xs, consts, length=n, name="memory_chunk", names=names,
