@@ -35,6 +35,9 @@ class RefMemory:
     mac_write: str = "attention"  # mac: 'attention' writes rmsnorm(ỹ) | 'input' writes u_s
     mac_read: str = "context"  # mac: 'context' | 'residual' also adds h to the output
     gate: str = "memory"  # mac, mag: 'memory' read gates the attention output | 'attention' output gates the read
+    objective: str = "l2"  # 'l2' | 'huber' | 'lp': the inner objective's rho(M(k) - v)
+    huber_delta: float | None = None  # huber: the threshold (None: 1)
+    lp_p: float | None = None  # lp: the power (None: 3)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,9 @@ A memory state is a pair of lists (W, S) of (B, N, O, I) tensors, one entry per 
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import torch
 from torch import Tensor
 from torch.func import grad, vmap
@@ -42,16 +45,38 @@ def mem_apply(Ws: list[Tensor] | tuple[Tensor, ...], x: Tensor) -> Tensor:
     return a
 
 
-def inner_loss(Ws: tuple[Tensor, ...], k: Tensor, v: Tensor) -> Tensor:
-    """l_t(W) = mean_c (M(k_t; W) - v_t)_c^2 for one token of one head."""
+Rho = Callable[[Tensor], Tensor]
+
+
+def l2(r: Tensor) -> Tensor:
+    return r.pow(2)
+
+
+def objective(mem) -> Rho:
+    """rho(r), the per-channel inner objective of the residual r = M(k) - v that
+    `memory.objective` names (docs/semantics.md, "Inner objective"): l2 r^2; huber r^2 within
+    delta, 2 delta |r| - delta^2 beyond; lp (r^2 + 1e-6)^(p/2)."""
+    kind = getattr(mem, "objective", "l2")
+    if kind == "huber":
+        d = 1.0 if mem.huber_delta is None else float(mem.huber_delta)
+        return lambda r: torch.where(r.abs() <= d, r.pow(2), 2 * d * r.abs() - d * d)
+    if kind == "lp":
+        p = 3.0 if mem.lp_p is None else float(mem.lp_p)
+        return lambda r: (r.pow(2) + 1e-6).pow(p / 2)
+    assert kind == "l2", kind
+    return l2
+
+
+def inner_loss(Ws: tuple[Tensor, ...], k: Tensor, v: Tensor, rho: Rho = l2) -> Tensor:
+    """l_t(W) = mean_c rho(M(k_t; W) - v_t)_c for one token of one head (rho: `objective`)."""
     # Ws[i] (O, I), k (C,), v (C,)
-    return (mem_apply(Ws, k) - v).pow(2).mean()
+    return rho(mem_apply(Ws, k) - v).mean()
 
 
-def inner_grads(Ws: list[Tensor], k: Tensor, v: Tensor) -> list[Tensor]:
+def inner_grads(Ws: list[Tensor], k: Tensor, v: Tensor, rho: Rho = l2) -> list[Tensor]:
     """Per-token gradients dl_t/dW_i, all at the same weights Ws (the chunk start)."""
     # Ws[i] (B, N, O, I), k/v (B, N, b, C) -> g[i] (B, N, b, O, I)
-    per_token = vmap(grad(inner_loss), in_dims=(None, 0, 0))  # over b; weights shared
+    per_token = vmap(grad(partial(inner_loss, rho=rho)), in_dims=(None, 0, 0))  # over b
     per_head = vmap(per_token, in_dims=(0, 0, 0))  # over N
     per_batch = vmap(per_head, in_dims=(0, 0, 0))  # over B
     return list(per_batch(tuple(Ws), k, v))
@@ -73,14 +98,15 @@ def chunk_token_loop(
 
 def memory_scan(
     state: State, q: Tensor, k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, chunk: int,
-    doc: Tensor | None = None, init: State | None = None,
+    doc: Tensor | None = None, init: State | None = None, rho: Rho = l2,
 ) -> tuple[Tensor, State]:
     """Read then write, chunk by chunk. Returns y_t = M(q_t; W at t's chunk start) and the end state.
 
     `doc` (B, T) int: each token's document start in q's positions (negative: before it).
     A token whose document starts inside its chunk (doc >= the chunk start) reads, and takes
     its inner gradient at, `init` (W^(0), 0) instead of the chunk-start state; the token loop
-    resets the state to `init` before each document's first token."""
+    resets the state to `init` before each document's first token. `rho`: the inner objective
+    (`objective`)."""
     # q/k/v (B, N, T, C); theta/eta/alpha (B, N, T)
     W, S = state
     T = q.shape[2]
@@ -88,14 +114,14 @@ def memory_scan(
     for c0 in range(0, T, chunk):
         sl = slice(c0, c0 + chunk)
         y = mem_apply(W, q[:, :, sl])  # (B, N, b, C)  read at chunk start
-        g = inner_grads(W, k[:, :, sl], v[:, :, sl])  # (B, N, b, O, I) per layer
+        g = inner_grads(W, k[:, :, sl], v[:, :, sl], rho)  # (B, N, b, O, I) per layer
         if doc is None:
             W, S = chunk_token_loop(W, S, g, theta[:, :, sl], eta[:, :, sl], alpha[:, :, sl])
         else:
             W0 = init[0]
             fresh = (doc[:, sl] >= c0)[:, None, :]  # (B, 1, b): the document began in this chunk
             y = torch.where(fresh[..., None], mem_apply(W0, q[:, :, sl]), y)
-            g0 = inner_grads(W0, k[:, :, sl], v[:, :, sl])
+            g0 = inner_grads(W0, k[:, :, sl], v[:, :, sl], rho)
             g = [torch.where(fresh[..., None, None], a, b) for a, b in zip(g0, g)]
             for t in range(c0, min(c0 + chunk, T)):
                 reset = (doc[:, t] == t)[:, None, None, None]  # (B, 1, 1, 1): a document's first token
@@ -164,7 +190,8 @@ def lmm(p: dict[str, Tensor], u: Tensor, cfg, doc: Tensor | None = None) -> Tens
     q, k, v = projections(p, u, cfg, doc)  # (B, N, T, C)
     theta, eta, alpha = gates(p, u, cfg)  # (B, N, T)
     init = initial_state(p, u.shape[0], cfg)
-    y, _ = memory_scan(init, q, k, v, theta, eta, alpha, cfg.memory.chunk_size, doc, init)
+    y, _ = memory_scan(init, q, k, v, theta, eta, alpha, cfg.memory.chunk_size, doc, init,
+                       objective(cfg.memory))
     y = merge_heads(y)  # (B, T, D)
     if cfg.memory.output_gate:
         y = y * silu(u @ p["mem_wg"])

@@ -18,6 +18,7 @@ from titanc.model.documents import local
 from titanc.model.neural_memory import (batched, initial_state, memory_scan, project,
                                         read_initial, retrieve)
 from titanc.model.nn import dwconv, ffn, merge_heads, rmsnorm
+from titanc.model.objective import objective_of
 
 Params = dict[str, Value]
 
@@ -188,7 +189,7 @@ class Parallel(Residuals):
         st = project(b, u, p, mem, conv=doc_conv(doc))
         docs = None if doc is None else (local(doc, mem.chunk_size), self._w0(p))
         ws, ss = initial_state(b, p, mem.depth, u.shape[0])
-        _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q, docs)
+        _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q, docs, objective_of(mem))
         return lmm_output(merge_heads(y), u, p)                 # y (B, T, D)
 
     def mac(self, u: Value, segmented: bool = False) -> Value:
@@ -243,7 +244,7 @@ class Parallel(Residuals):
             yn = mac_input(y, u_s, pp, m)                         # what the memory writes
             st = project(bb, yn, pp, mem, conv=doc_conv(seg_lo))  # segment-local conv history
             docs = None if seg_lo is None else (chunk_lo, self._w0(pp))
-            w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q, docs)
+            w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q, docs, objective_of(mem))
             out = mac_output(y, merge_heads(r), h, pp, m)
             return w2 + s2, [x_s + out if segmented else out]
 

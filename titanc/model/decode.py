@@ -27,6 +27,7 @@ from titanc.model.blocks import Residuals, block, lmm_output, mac_input, mac_out
 from titanc.model.frontend import lm_logits
 from titanc.model.neural_memory import chunk_update, mlp, project
 from titanc.model.nn import merge_heads, rotate
+from titanc.model.objective import objective_of
 from titanc.model.params import memory_shapes, param_specs
 from titanc.model.spec import ModelSpec, Spec
 
@@ -194,7 +195,7 @@ def lower_write(spec: Spec, batch: int, dtype: str | None = None) -> Graph:
         w, s = xs[:depth], xs[depth:2 * depth]
         items = dict(zip(names, xs[2 * depth:]))
         w2, s2 = chunk_update(bb, w, s, items["mk"], items["mv"], items["theta"],
-                              items["log_eta"], items["log_keep"])
+                              items["log_eta"], items["log_keep"], objective_of(mem))
         msk = consts[0]
         return [], [a + (c - a) * msk for a, c in zip(w + s, w2 + s2)]
 

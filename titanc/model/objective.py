@@ -16,7 +16,7 @@ closed form against autodiff of its value.
     huber   ρ(r) = r² for |r| ≤ δ, 2δ|r| − δ² beyond       (ℓ2 inside δ, linear outside)
     lp      ρ(r) = (r² + ε)^(p/2), ε = LP_EPS               (MIRAS's ℓp attentional bias)
 
-Huber is written through c = clamp(r, −δ, δ) as ρ = c (2r − c), and ℓp through exp and log;
+Huber is written through c = clamp(r, −δ, δ) as ρ = c (2r − c), ℓp through exp and log;
 both have a gradient everywhere and a second derivative the outer backward can take.
 """
 from __future__ import annotations

@@ -117,9 +117,21 @@ class MemorySpec:
     # blocks mac and mag: which branch of the paper's y ⊗ M is the sigmoid gate, the memory's
     # read gating the attention output (memory) or the attention output gating the read
     gate: str = bounded("memory", choices=("memory", "attention"))
+    # the inner objective each write descends, mean over channels of ρ(M(k) - v)
+    # (docs/semantics.md, "Inner objective"; titanc/model/objective.py): l2 (the paper, r²),
+    # huber (r² within huber_delta, linear beyond) or lp ((r² + 1e-6)^(lp_p/2), MIRAS's ℓp);
+    # the compiler derives its gradient
+    objective: str = bounded("l2", choices=("l2", "huber", "lp"))
+    huber_delta: float | None = bounded(None, gt=0, most=SPEC_FLOAT_MAX)   # huber; null: 1
+    lp_p: float | None = bounded(None, ge=1, le=8)                         # lp; null: 3
 
     def __post_init__(self) -> None:
         SCHEMA.check(self)
+        for key, owner in (("huber_delta", "huber"), ("lp_p", "lp")):
+            if getattr(self, key) is not None and self.objective != owner:
+                raise SpecError(f"model.memory.{key}: {getattr(self, key)} applies to "
+                                f"model.memory.objective: {owner} only (it is "
+                                f"{self.objective}); remove it or set objective: {owner}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
