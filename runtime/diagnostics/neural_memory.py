@@ -9,8 +9,9 @@ The compiled forward graph (the `logits` kind) runs on the IR interpreter, which
 at every iteration of each memory scan (role `memory`; docs/semantics.md, "Neural memory"):
 its inputs are the chunk-start state (W_1..W_Ld, S_1..S_Ld) and the chunk's streams (q, k, v,
 θ, log η, log(1 − α)), its outputs the state after the write. Per chunk: the inner loss
-ℓ = mean (M(k; W) − v)² over the chunk's tokens at the state before the write and after it (a
-write that helps lowers it), the Frobenius norms of W and S (per batch row and head, summed
+ℓ(M(k; W), v) of the declared `memory.objective` (titanc/model/objective.py: its own value
+graph, evaluated here), averaged over the chunk's tokens, at the state before the write and
+after it (a write that helps lowers it), the Frobenius norms of W and S (per batch row and head, summed
 over the memory MLP's layers, averaged), and the mean gates θ, η, α. The iteration of the scan
 of role `layer` says which layer a chunk belongs to; MAC's chunks (inside its segment scan)
 are seen the same way. Nothing here changes what the compiled program computes: it is a
@@ -23,8 +24,9 @@ from typing import Any
 
 import torch
 
-from titanc.ir import Interpreter
+from titanc.ir import Graph, Interpreter, dtype_name
 from titanc.ir.ops import Op
+from titanc.model.objective import Objective, loss_graph, objective_of
 from titanc.runtime.documents import document_inputs
 
 Tensor = torch.Tensor
@@ -48,10 +50,20 @@ def _norm(ts: list[Tensor]) -> float:
 class _Watcher(Interpreter):
     """The interpreter, with the scans of role `layer` and `memory` observed."""
 
-    def __init__(self) -> None:
+    def __init__(self, objective: Objective) -> None:
         super().__init__()
         self.layer = 0
         self.chunks: list[tuple[int, dict[str, float]]] = []
+        self.objective = objective
+        self._loss: dict[tuple, Graph] = {}
+
+    def inner_loss(self, yhat: Tensor, v: Tensor) -> float:
+        """The objective's ℓ per token (its graph on the interpreter), averaged."""
+        key = (tuple(yhat.shape), yhat.dtype)
+        if key not in self._loss:
+            self._loss[key] = loss_graph(self.objective, yhat.shape, dtype_name(yhat.dtype))
+        (loss,) = Interpreter().run(self._loss[key], [yhat, v])
+        return float(loss.mean())
 
     def _eval(self, node: Any, args: list[Any]) -> Any:
         if node.op is Op.SCAN and node.attr_dict.get("role") in ("layer", "memory"):
@@ -80,8 +92,8 @@ class _Watcher(Interpreter):
         _, k, v, theta, log_eta, log_keep = x[:6]     # (data.documents adds the starts)
         w0, w1, s1 = before[:depth], after[:depth], after[depth:]
         self.chunks.append((self.layer, {
-            "loss_before": float((_mlp(w0, k) - v).pow(2).mean()),
-            "loss_after": float((_mlp(w1, k) - v).pow(2).mean()),
+            "loss_before": self.inner_loss(_mlp(w0, k), v),
+            "loss_after": self.inner_loss(_mlp(w1, k), v),
             "w_norm": _norm(w1), "s_norm": _norm(s1),
             "theta": float(theta.mean()), "eta": float(log_eta.exp().mean()),
             "alpha": float(1 - log_keep.exp().mean()),
@@ -93,7 +105,7 @@ def memory_stats(prog: Any, tokens: Tensor) -> dict[str, Any]:
     Returns {"layers": []} for a model without memory (block attn)."""
     spec = prog.spec
     g = prog.graph("logits", tokens.shape[0]).graph     # the compiled forward, logits out
-    watcher = _Watcher()
+    watcher = _Watcher(objective_of(spec.model.memory))
     inputs = {"tokens": tokens.to(torch.int64).cpu(),
               **document_inputs(spec, prog.dtype, tokens, None, loss=False),   # data.documents: one per row
               **{n: t.detach().cpu() for n, t in prog.parameters().items()}}

@@ -27,7 +27,7 @@ LAYER_OF = {                       # module prefix -> layer; the longest prefix 
     "titanc.cache_files": "base",
     "titanc.ir": "ir", "titanc.passes": "passes", "titanc.codegen": "codegen",
     "titanc.model": "model", "titanc.model.spec": "model.spec", "titanc.model.params": "model.spec",
-    "titanc.model.spec_engine": "model.spec",
+    "titanc.model.spec_engine": "model.spec", "titanc.model.objective": "model.spec",
     "titanc.compiler": "compiler", "titanc.fit": "compiler", "titanc.compile_cache": "compiler",
     "titanc.runtime": "engine", "titanc.runtime.train": "applications",
     "titanc.runtime.serve": "applications", "titanc.runtime.data": "applications",
@@ -59,7 +59,8 @@ WHAT = {
     "passes": "graph passes, fusion, the buffer planner (`passes/buffer_plan.py`)",
     "codegen": "Triton kernels rendered from a schedule and its plan; program.py",
     "model.spec": "the model's description: `model.spec` (the schema), `model.spec_engine` "
-                  "(its validation and YAML engine), `model.params`",
+                  "(its validation and YAML engine), `model.params`, `model.objective` (the "
+                  "memory's inner objective, as IR)",
     "model": "the frontend: lowers a spec to graphs (`frontend`, `decode`, blocks, attention, "
              "neural memory)",
     "compiler": "`compiler.py`, the one pipeline for every graph kind; `compile_cache.py`, "
