@@ -278,7 +278,8 @@ class Generator:
                 st.tensors[k].copy_(out[f"new.{k}"])
         ring = ("k", "v") if m.kind.window else ()
         seg = ("hk", "hv", "uk", "uv") if m.kind.segment else ()
-        items = ("mk", "mv", "theta", "log_eta", "log_keep") if self.has_memory else ()
+        items = tuple(k for k in ("mk", "mv", "theta", "log_eta", "log_keep")
+                      if k in st.pending)    # no log_eta without momentum
         if n == 1 and B > 1:
             self._absorb_one(st, out, ring, seg, items)
         else:
@@ -332,7 +333,8 @@ class Generator:
         batch, so when only some sequences completed a chunk (sequences out of phase, as in a
         serving engine's slots) each of them is written alone through the batch-1 graph."""
         depth, B = self.m.memory.depth, st.batch
-        keys = [f"{k}{i}" for k in ("W", "S") for i in range(1, depth + 1)]
+        keys = [f"{k}{i}" for k in ("W", "S") for i in range(1, depth + 1)
+                if f"{k}{i}" in st.tensors]                  # no S without momentum
         if all(done) or B == 1:
             self._write_rows(st.tensors, st.pending, keys, done)
         else:

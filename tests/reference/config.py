@@ -35,6 +35,11 @@ class RefMemory:
     mac_write: str = "attention"  # mac: 'attention' writes rmsnorm(ỹ) | 'input' writes u_s
     mac_read: str = "context"  # mac: 'context' | 'residual' also adds h to the output
     gate: str = "memory"  # mac, mag: 'memory' read gates the attention output | 'attention' output gates the read
+    fixed: tuple[str, ...] = ()  # adaptive: gates held at their constants (theta, eta, alpha)
+    read: str = "before_write"  # 'before_write' chunk-start state | 'after_write' after the token's write
+    decay_order: str = "after_grad"  # 'after_grad' | 'before_grad': the gradient at (1 - alpha) W
+    decay_form: str = "sigmoid"  # 'sigmoid' | 'mamba2': alpha = 1 - exp(-exp(A) softplus(x))
+    value_width: int | None = None  # per-head width of v and of the read; None: d
     objective: str = "l2"  # 'l2' | 'huber' | 'lp': the inner objective's rho(M(k) - v)
     huber_delta: float | None = None  # huber: the threshold (None: 1)
     lp_p: float | None = None  # lp: the power (None: 3)

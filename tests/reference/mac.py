@@ -80,7 +80,7 @@ def mac_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -
         q, k, v = projections(p, yn, cfg, local)  # (B, N, S, C), conv history zero at segment start
         theta, eta, alpha = gates(p, yn, cfg)  # (B, N, S)
         r, state = memory_scan(state, q, k, v, theta, eta, alpha, cfg.memory.chunk_size,
-                               local, init, objective(cfg.memory))  # (B, N, S, C)
+                               local, init, objective(cfg.memory), cfg.memory)  # (B, N, S, C)
         r = merge_heads(r)  # (B, S, D)
         o = yt * torch.sigmoid(r) if cfg.memory.gate == "memory" else torch.sigmoid(yt) * r
         if cfg.memory.mac_read == "residual":

@@ -26,13 +26,15 @@ State = tuple[list[Tensor], list[Tensor]]
 
 
 def mem_shapes(cfg) -> list[tuple[int, int]]:
-    """(out_i, in_i) of W_1 .. W_Ld: depth 1 is [d, d]; deeper is [h, d], [h, h]..., [d, h]."""
+    """(out_i, in_i) of W_1 .. W_Ld: depth 1 is [dv, d]; deeper is [h, d], [h, h]..., [dv, h]
+    (dv = memory.value_width, else d)."""
     d = cfg.d_model // cfg.memory.heads
+    dv = getattr(cfg.memory, "value_width", None) or d
     h = int(cfg.memory.expansion * d)
     depth = cfg.memory.depth
     if depth == 1:
-        return [(d, d)]
-    return [(h, d)] + [(h, h)] * (depth - 2) + [(d, h)]
+        return [(dv, d)]
+    return [(h, d)] + [(h, h)] * (depth - 2) + [(dv, h)]
 
 
 def mem_apply(Ws: list[Tensor] | tuple[Tensor, ...], x: Tensor) -> Tensor:
@@ -83,14 +85,19 @@ def inner_grads(Ws: list[Tensor], k: Tensor, v: Tensor, rho: Rho = l2) -> list[T
 
 
 def chunk_token_loop(
-    W: list[Tensor], S: list[Tensor], g: list[Tensor], theta: Tensor, eta: Tensor, alpha: Tensor
+    W: list[Tensor], S: list[Tensor], g: list[Tensor], theta: Tensor, eta: Tensor | None,
+    alpha: Tensor,
 ) -> State:
-    """Run one chunk's writes: S_t = eta_t S_{t-1} - theta_t g_t, W_t = (1 - alpha_t) W_{t-1} + S_t."""
+    """Run one chunk's writes: S_t = eta_t S_{t-1} - theta_t g_t, W_t = (1 - alpha_t) W_{t-1} + S_t;
+    without momentum (eta None, S = []) W_t = (1 - alpha_t) W_{t-1} - theta_t g_t."""
     # W[i], S[i] (B, N, O, I); g[i] (B, N, b, O, I); theta/eta/alpha (B, N, b)
     for t in range(theta.shape[2]):
         th = theta[:, :, t, None, None]  # (B, N, 1, 1)
-        et = eta[:, :, t, None, None]
         keep = 1 - alpha[:, :, t, None, None]
+        if eta is None:
+            W = [keep * w - th * gi[:, :, t] for w, gi in zip(W, g)]
+            continue
+        et = eta[:, :, t, None, None]
         S = [et * s - th * gi[:, :, t] for s, gi in zip(S, g)]
         W = [keep * w + s for w, s in zip(W, S)]
     return W, S
@@ -98,7 +105,7 @@ def chunk_token_loop(
 
 def memory_scan(
     state: State, q: Tensor, k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, chunk: int,
-    doc: Tensor | None = None, init: State | None = None, rho: Rho = l2,
+    doc: Tensor | None = None, init: State | None = None, rho: Rho = l2, mem=None,
 ) -> tuple[Tensor, State]:
     """Read then write, chunk by chunk. Returns y_t = M(q_t; W at t's chunk start) and the end state.
 
@@ -106,7 +113,9 @@ def memory_scan(
     A token whose document starts inside its chunk (doc >= the chunk start) reads, and takes
     its inner gradient at, `init` (W^(0), 0) instead of the chunk-start state; the token loop
     resets the state to `init` before each document's first token. `rho`: the inner objective
-    (`objective`)."""
+    (`objective`). `mem` (the memory config; None: the defaults): `read: after_write` reads
+    after the chunk's writes; `decay_order: before_grad` (chunks of one token) decays W first
+    and takes the gradient there; eta None: no momentum."""
     # q/k/v (B, N, T, C); theta/eta/alpha (B, N, T)
     W, S = state
     T = q.shape[2]
@@ -114,9 +123,17 @@ def memory_scan(
     for c0 in range(0, T, chunk):
         sl = slice(c0, c0 + chunk)
         y = mem_apply(W, q[:, :, sl])  # (B, N, b, C)  read at chunk start
+        a = alpha[:, :, sl]
+        if getattr(mem, "decay_order", "after_grad") == "before_grad":
+            assert chunk == 1  # the gradient at the decayed state (1 - alpha_t) W_{t-1}
+            W = [(1 - a)[..., None] * w for w in W]
+            a = torch.zeros_like(a)
         g = inner_grads(W, k[:, :, sl], v[:, :, sl], rho)  # (B, N, b, O, I) per layer
+        et = None if eta is None else eta[:, :, sl]
         if doc is None:
-            W, S = chunk_token_loop(W, S, g, theta[:, :, sl], eta[:, :, sl], alpha[:, :, sl])
+            W, S = chunk_token_loop(W, S, g, theta[:, :, sl], et, a)
+            if getattr(mem, "read", "before_write") == "after_write":
+                y = mem_apply(W, q[:, :, sl])  # read after the chunk's (the token's) write
         else:
             W0 = init[0]
             fresh = (doc[:, sl] >= c0)[:, None, :]  # (B, 1, b): the document began in this chunk
@@ -137,7 +154,7 @@ def memory_scan(
 def initial_state(p: dict[str, Tensor], B: int, cfg) -> State:
     """W^(0) = mem_w{i} broadcast over the batch, S^(0) = 0."""
     W = [p[f"mem_w{i + 1}"].expand(B, -1, -1, -1) for i in range(cfg.memory.depth)]  # (B, N, O, I)
-    S = [torch.zeros_like(w) for w in W]
+    S = [] if cfg.memory.momentum_form == "none" else [torch.zeros_like(w) for w in W]
     return W, S
 
 
@@ -162,25 +179,38 @@ def projections(p: dict[str, Tensor], u: Tensor, cfg,
     return q, k, v
 
 
-def gates(p: dict[str, Tensor], u: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
-    """theta (learning rate, times 1 - eta under momentum_form 'ema'), eta (momentum), alpha
-    (decay), each (B, N, T)."""
+def gates(p: dict[str, Tensor], u: Tensor, cfg) -> tuple[Tensor, Tensor | None, Tensor]:
+    """theta (learning rate, times 1 - eta under momentum_form 'ema'), eta (momentum; None
+    under momentum_form 'none'), alpha (decay), each (B, N, T). A gate named in
+    `memory.fixed` is its constant (theta lr_max, eta momentum, alpha decay); decay_form
+    'mamba2' is alpha = 1 - exp(-exp(A) softplus(x))."""
     m = cfg.memory
     B, T, _ = u.shape
+    shape = (B, m.heads, T)
     ema = m.momentum_form == "ema"  # S_t = eta S_{t-1} - (1 - eta) theta g_t
-    if not m.adaptive:
-        shape = (B, m.heads, T)
-        return (
-            torch.full(shape, float(m.lr_max) * ((1 - m.momentum) if ema else 1.0), dtype=u.dtype),
-            torch.full(shape, float(m.momentum), dtype=u.dtype),
-            torch.full(shape, float(m.decay), dtype=u.dtype),
-        )
-    theta = m.lr_max * torch.sigmoid(u @ p["mem_theta_w"] + p["mem_theta_b"])  # (B, T, N)
-    eta = torch.sigmoid(u @ p["mem_eta_w"] + p["mem_eta_b"])
-    alpha = m.decay_max * torch.sigmoid(u @ p["mem_alpha_w"] + p["mem_alpha_b"])
+    fixed = getattr(m, "fixed", ()) if m.adaptive else ("theta", "eta", "alpha")
+
+    def learned(name: str) -> Tensor:  # (B, N, T)
+        return (u @ p[f"mem_{name}_w"] + p[f"mem_{name}_b"]).transpose(1, 2)
+
+    def const(value: float) -> Tensor:
+        return torch.full(shape, float(value), dtype=u.dtype)
+
+    theta = const(m.lr_max) if "theta" in fixed else m.lr_max * torch.sigmoid(learned("theta"))
+    if m.momentum_form == "none":
+        eta = None
+    else:
+        eta = const(m.momentum) if "eta" in fixed else torch.sigmoid(learned("eta"))
+    if "alpha" in fixed:
+        alpha = const(m.decay)
+    elif getattr(m, "decay_form", "sigmoid") == "mamba2":
+        A = p["mem_alpha_a"][:, None]  # (N, 1)
+        alpha = 1 - torch.exp(-torch.exp(A) * torch.nn.functional.softplus(learned("alpha")))
+    else:
+        alpha = m.decay_max * torch.sigmoid(learned("alpha"))
     if ema:
         theta = theta * (1 - eta)
-    return theta.transpose(1, 2), eta.transpose(1, 2), alpha.transpose(1, 2)
+    return theta, eta, alpha
 
 
 def lmm(p: dict[str, Tensor], u: Tensor, cfg, doc: Tensor | None = None) -> Tensor:
@@ -191,7 +221,7 @@ def lmm(p: dict[str, Tensor], u: Tensor, cfg, doc: Tensor | None = None) -> Tens
     theta, eta, alpha = gates(p, u, cfg)  # (B, N, T)
     init = initial_state(p, u.shape[0], cfg)
     y, _ = memory_scan(init, q, k, v, theta, eta, alpha, cfg.memory.chunk_size, doc, init,
-                       objective(cfg.memory))
+                       objective(cfg.memory), cfg.memory)
     y = merge_heads(y)  # (B, T, D)
     if cfg.memory.output_gate:
         y = y * silu(u @ p["mem_wg"])

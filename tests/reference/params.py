@@ -70,18 +70,22 @@ def param_specs(cfg) -> list[tuple[str, tuple[int, ...], float, float]]:
     if cfg.block in MEMORY_BLOCKS:
         m = cfg.memory
         N, K = m.heads, m.conv_kernel
+        Dv = N * (getattr(m, "value_width", None) or D // N)  # the values' width
         specs.append(("layers.mem_norm", (L, D), 1.0, 0.1))
-        specs += [(f"layers.mem_w{x}", (L, D, D), 0.0, lin(D)) for x in "qkvo"]
-        specs += [(f"layers.mem_conv_{x}", (L, D, K), 0.0, 0.5) for x in "qkv"]
+        specs += [(f"layers.mem_w{x}", (L, D, Dv if x == "v" else D), 0.0, lin(D)) for x in "qkv"]
+        specs.append(("layers.mem_wo", (L, Dv, D), 0.0, lin(Dv)))
+        specs += [(f"layers.mem_conv_{x}", (L, Dv if x == "v" else D, K), 0.0, 0.5) for x in "qkv"]
         if cfg.block != "mac" and m.output_gate:
-            specs.append(("layers.mem_wg", (L, D, D), 0.0, lin(D)))
+            specs.append(("layers.mem_wg", (L, D, Dv), 0.0, lin(D)))
         if m.adaptive:
-            specs += [(f"layers.mem_{x}_w", (L, D, N), 0.0, 0.1) for x in ("theta", "eta", "alpha")]
-            specs += [
-                ("layers.mem_theta_b", (L, N), 0.0, 0.1),
-                ("layers.mem_eta_b", (L, N), _logit(0.9), 0.1),
-                ("layers.mem_alpha_b", (L, N), _logit(0.05), 0.1),
-            ]
+            # the learned gates: not those in memory.fixed, no eta without momentum
+            learned = [x for x in ("theta", "eta", "alpha") if x not in getattr(m, "fixed", ())
+                       and not (x == "eta" and m.momentum_form == "none")]
+            specs += [(f"layers.mem_{x}_w", (L, D, N), 0.0, 0.1) for x in learned]
+            bias = {"theta": 0.0, "eta": _logit(0.9), "alpha": _logit(0.05)}
+            specs += [(f"layers.mem_{x}_b", (L, N), bias[x], 0.1) for x in learned]
+            if getattr(m, "decay_form", "sigmoid") == "mamba2":
+                specs.append(("layers.mem_alpha_a", (L, N), 0.0, 0.1))  # A of the mamba2 decay
         for i, (o, n_in) in enumerate(mem_shapes(cfg)):
             specs.append((f"layers.mem_w{i + 1}", (L, N, o, n_in), 0.0, lin(n_in)))
     if cfg.block == "mac" and cfg.memory.mac_write == "attention":

@@ -188,8 +188,9 @@ class Parallel(Residuals):
         b, p, mem, doc = self.b, self.p, self.m.memory, self.doc
         st = project(b, u, p, mem, conv=doc_conv(doc))
         docs = None if doc is None else (local(doc, mem.chunk_size), self._w0(p))
-        ws, ss = initial_state(b, p, mem.depth, u.shape[0])
-        _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q, docs, objective_of(mem))
+        ws, ss = initial_state(b, p, mem.depth, u.shape[0], mem.momentum_form != "none")
+        _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q, docs, objective_of(mem),
+                              mem)
         return lmm_output(merge_heads(y), u, p)                 # y (B, T, D)
 
     def mac(self, u: Value, segmented: bool = False) -> Value:
@@ -202,7 +203,7 @@ class Parallel(Residuals):
         B, T, D = u.shape
         S, nm, depth, K = att.segment, mem.heads, mem.depth, mem.conv_kernel
         n_seg, e = T // S, D // nm
-        ws, ss = initial_state(b, p, depth, B)
+        ws, ss = initial_state(b, p, depth, B, mem.momentum_form != "none")
         u_seg = u.reshape(B, n_seg, S, D).permute(1, 0, 2, 3)     # (nS, B, S, D)
         if segmented:
             xs = [u_seg]
@@ -244,11 +245,12 @@ class Parallel(Residuals):
             yn = mac_input(y, u_s, pp, m)                         # what the memory writes
             st = project(bb, yn, pp, mem, conv=doc_conv(seg_lo))  # segment-local conv history
             docs = None if seg_lo is None else (chunk_lo, self._w0(pp))
-            w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q, docs, objective_of(mem))
+            w2, s2, r = memory_scan(bb, w, s, st, mem.chunk_size, st.q, docs, objective_of(mem),
+                                    mem)
             out = mac_output(y, merge_heads(r), h, pp, m)
             return w2 + s2, [x_s + out if segmented else out]
 
-        names = [f"W{i}" for i in range(1, depth + 1)] + [f"S{i}" for i in range(1, depth + 1)]
+        names = [f"W{i}" for i in range(1, depth + 1)] + [f"S{i}" for i in range(1, len(ss) + 1)]
         xnames = (["x", "x_prev"][:len(xs)]) if segmented else \
             ["u", "hq", "doc_segment", "doc_chunk"][:len(xs)]
         _, (out,) = b.scan(body, ws + ss, xs, [p[k] for k in keys], length=n_seg,

@@ -25,7 +25,7 @@ from titanc.ir import Builder, Graph, Value, dtype_name
 from titanc.model.attention import attention
 from titanc.model.blocks import Residuals, block, lmm_output, mac_input, mac_output
 from titanc.model.frontend import lm_logits
-from titanc.model.neural_memory import chunk_update, mlp, project
+from titanc.model.neural_memory import chunk_write, mlp, project
 from titanc.model.nn import merge_heads, rotate
 from titanc.model.objective import objective_of
 from titanc.model.params import memory_shapes, param_specs
@@ -37,13 +37,17 @@ def state_shapes(m: ModelSpec, B: int) -> dict[str, tuple[int, ...]]:
     D, att, mem, kind = m.d_model, m.attention, m.memory, m.kind
     out: dict[str, tuple[int, ...]] = {}
     if kind.memory:
-        for i, (o, n) in enumerate(memory_shapes(D // mem.heads, mem.depth, mem.expansion), 1):
-            out[f"W{i}"] = out[f"S{i}"] = (B, mem.heads, o, n)
+        shapes = memory_shapes(D // mem.heads, mem.depth, mem.expansion, m.mem_value_dim)
+        for i, (o, n) in enumerate(shapes, 1):
+            out[f"W{i}"] = (B, mem.heads, o, n)
+            if mem.momentum_form != "none":
+                out[f"S{i}"] = (B, mem.heads, o, n)
             if kind.segment:
                 out[f"Wseg{i}"] = (B, mem.heads, o, n)
         if mem.conv_kernel > 1:
             for c in ("q", "k", "v") + (("hq",) if kind.segment else ()):
-                out[f"conv_{c}"] = (B, mem.conv_kernel - 1, D)
+                width = mem.heads * m.mem_value_dim if c == "v" else D
+                out[f"conv_{c}"] = (B, mem.conv_kernel - 1, width)
     H, e = att.heads, D // att.heads
     if kind.window:
         out["k_cache"] = out["v_cache"] = (B, H, att.window, e)
@@ -109,13 +113,21 @@ class _Step(Residuals):
         return self.attend(u, [u], [("k_cache", "v_cache")])
 
     def memory_read_write(self, u: Value, weights: list[Value]) -> tuple[Value, Any]:
-        """Retrieve with the current (chunk-start) weights; hand the write items to the host."""
+        """Retrieve with the current (chunk-start) weights; hand the write items to the host.
+        With `memory.read: after_write` (chunks of one token, so n = 1) the read is at the
+        state after this token's write, which the step computes for the read alone: the
+        host still writes the state through the write graph."""
         mem = self.m.memory
         st = project(self.b, u, self.p, mem, conv=self.conv)
+        if mem.read == "after_write":
+            ss = self.weights("S") if st.log_eta is not None else []
+            weights, _ = chunk_write(self.b, weights, ss, st.k, st.v, st.theta, st.log_eta,
+                                     st.log_keep, objective_of(mem), mem)
         y, _, _ = mlp(self.b, weights, st.q)
         for k, v in (("mk", st.k), ("mv", st.v), ("theta", st.theta),
                      ("log_eta", st.log_eta), ("log_keep", st.log_keep)):
-            self.new[k] = v
+            if v is not None:
+                self.new[k] = v
         return merge_heads(y), st
 
     def weights(self, prefix: str) -> list[Value]:
@@ -183,25 +195,28 @@ def lower_write(spec: Spec, batch: int, dtype: str | None = None) -> Graph:
     shapes = state_shapes(m, batch)
     L, depth, U = m.n_layers, mem.depth, mem.chunk_size
     ws = [b.input(f"state.W{i}", (L,) + shapes[f"W{i}"], dt) for i in range(1, depth + 1)]
-    ss = [b.input(f"state.S{i}", (L,) + shapes[f"S{i}"], dt) for i in range(1, depth + 1)]
+    momentum = mem.momentum_form != "none"
+    n_s = depth if momentum else 0
+    ss = [b.input(f"state.S{i}", (L,) + shapes[f"S{i}"], dt) for i in range(1, n_s + 1)]
     nm, e = mem.heads, m.d_model // mem.heads
-    pend = {k: b.input(f"pending.{k}", (L, batch, nm, U, e), dt) for k in ("mk", "mv")}
-    pend.update({k: b.input(f"pending.{k}", (L, batch, nm, U), dt)
-                 for k in ("theta", "log_eta", "log_keep")})
+    pend = {k: b.input(f"pending.{k}", (L, batch, nm, U, w), dt)
+            for k, w in (("mk", e), ("mv", m.mem_value_dim))}
+    gate_names = ("theta", "log_eta", "log_keep") if momentum else ("theta", "log_keep")
+    pend.update({k: b.input(f"pending.{k}", (L, batch, nm, U), dt) for k in gate_names})
     mask = b.input("mask", (batch,), dt).reshape(batch, 1, 1, 1)
-    names = ["mk", "mv", "theta", "log_eta", "log_keep"]
+    names = ["mk", "mv", *gate_names]
 
     def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
-        w, s = xs[:depth], xs[depth:2 * depth]
-        items = dict(zip(names, xs[2 * depth:]))
-        w2, s2 = chunk_update(bb, w, s, items["mk"], items["mv"], items["theta"],
-                              items["log_eta"], items["log_keep"], objective_of(mem))
+        w, s = xs[:depth], xs[depth:depth + n_s]
+        items = dict(zip(names, xs[depth + n_s:]))
+        w2, s2 = chunk_write(bb, w, s, items["mk"], items["mv"], items["theta"],
+                             items.get("log_eta"), items["log_keep"], objective_of(mem), mem)
         msk = consts[0]
         return [], [a + (c - a) * msk for a, c in zip(w + s, w2 + s2)]
 
     _, ys = b.scan(body, [], ws + ss + [pend[k] for k in names], [mask], length=L,
                    name="write_layer", role="memory")
     outs = [(f"state.W{i}", ys[i - 1].id) for i in range(1, depth + 1)]
-    outs += [(f"state.S{i}", ys[depth + i - 1].id) for i in range(1, depth + 1)]
+    outs += [(f"state.S{i}", ys[depth + i - 1].id) for i in range(1, n_s + 1)]
     b.graph.set_outputs(outs)
     return b.graph

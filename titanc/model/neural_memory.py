@@ -67,26 +67,50 @@ def project(b: Builder, u: Value, p: dict[str, Value], mem: MemorySpec, want: st
     v = stream("v", False) if "v" in want else None
     theta = log_eta = log_keep = None
     if "g" in want:
-        if mem.adaptive:
-            def gate(name: str) -> Value:          # (B, T, Nm) -> (B, Nm, T)
-                return (u @ p[f"mem_{name}_w"] + p[f"mem_{name}_b"]).permute(0, 2, 1)
-            theta = gate("theta").sigmoid() * mem.lr_max
-            eta = gate("eta")
-            log_eta = log_sigmoid(eta)
-            if mem.decay_max < 1.0:                 # α = decay_max σ(x)
-                log_keep = (1.0 - gate("alpha").sigmoid() * mem.decay_max).log()
-            else:
-                log_keep = log_sigmoid(-gate("alpha"))
-            if mem.momentum_form == "ema":          # θ (1 - η): 1 - σ(x) = σ(-x)
-                theta = theta * (-eta).sigmoid()
-        else:
-            def const(value: float) -> Value:
-                return b.full(value, (), u.dtype).expand(B, nm, T)
-            theta = const(mem.lr_max * (1.0 - mem.momentum if mem.momentum_form == "ema"
-                                        else 1.0))
-            log_eta = const(math.log(mem.momentum))
-            log_keep = const(math.log(1.0 - mem.decay))
+        theta, log_eta, log_keep = gates(b, u, p, mem)
     return MemStreams(q, k, v, theta, log_eta, log_keep)
+
+
+def gates(b: Builder, u: Value, p: dict[str, Value], mem: MemorySpec
+          ) -> tuple[Value, Value | None, Value]:
+    """θ, log η (None with `momentum_form: none`), log(1 − α), each (B, Nm, T). A gate in
+    `memory.fixed` (or every gate, when not adaptive) is its constant."""
+    nm = mem.heads
+    B, T, D = u.shape
+    none = mem.momentum_form == "none"
+
+    def const(value: float) -> Value:
+        return b.full(value, (), u.dtype).expand(B, nm, T)
+
+    if not mem.adaptive:
+        theta = const(mem.lr_max * (1.0 - mem.momentum if mem.momentum_form == "ema" else 1.0))
+        log_eta = None if none else const(math.log(mem.momentum))
+        return theta, log_eta, const(math.log(1.0 - mem.decay))
+
+    def gate(name: str) -> Value:                  # (B, T, Nm) -> (B, Nm, T)
+        return (u @ p[f"mem_{name}_w"] + p[f"mem_{name}_b"]).permute(0, 2, 1)
+
+    theta = const(mem.lr_max) if "theta" in mem.fixed else gate("theta").sigmoid() * mem.lr_max
+    eta = log_eta = None
+    if none:
+        pass
+    elif "eta" in mem.fixed:
+        log_eta = const(math.log(mem.momentum))
+    else:
+        eta = gate("eta")
+        log_eta = log_sigmoid(eta)
+    if "alpha" in mem.fixed:
+        log_keep = const(math.log(1.0 - mem.decay))
+    elif mem.decay_form == "mamba2":                # log(1 − α) = −e^A softplus(x) = e^A log σ(−x)
+        a = p["mem_alpha_a"].exp().reshape(1, nm, 1)
+        log_keep = log_sigmoid(-gate("alpha")) * a
+    elif mem.decay_max < 1.0:                       # α = decay_max σ(x)
+        log_keep = (1.0 - gate("alpha").sigmoid() * mem.decay_max).log()
+    else:
+        log_keep = log_sigmoid(-gate("alpha"))
+    if mem.momentum_form == "ema":                  # θ (1 - η): 1 - σ(x) = σ(-x)
+        theta = theta * (const(1.0 - mem.momentum) if eta is None else (-eta).sigmoid())
+    return theta, log_eta, log_keep
 
 
 def mlp(b: Builder, ws: list[Value], x: Value) -> tuple[Value, list[Value], list[Value]]:
@@ -102,13 +126,16 @@ def mlp(b: Builder, ws: list[Value], x: Value) -> tuple[Value, list[Value], list
     return a, zs, acts
 
 
-def initial_state(b: Builder, p: dict[str, Value], depth: int, B: int) -> tuple[list[Value], list[Value]]:
+def initial_state(b: Builder, p: dict[str, Value], depth: int, B: int, momentum: bool = True
+                  ) -> tuple[list[Value], list[Value]]:
+    """(W⁽⁰⁾, S⁽⁰⁾ = 0) broadcast over the batch; no S without momentum."""
     ws, ss = [], []
     for i in range(1, depth + 1):
         w0 = p[f"mem_w{i}"]                                       # (Nm, o, i)
         shape = (B,) + w0.shape
         ws.append(w0.reshape(1, *w0.shape).expand(*shape))
-        ss.append(b.full(0.0, shape, w0.dtype))
+        if momentum:
+            ss.append(b.full(0.0, shape, w0.dtype))
     return ws, ss
 
 
@@ -228,21 +255,60 @@ def _unchunked(y: Value) -> Value:
     return y.permute(1, 2, 0, 3, 4).reshape(B, Nm, C * U, E)
 
 
+def chunk_update_plain(b: Builder, ws: list[Value], k: Value, v: Value, theta: Value,
+                       log_keep: Value, obj: Objective = L2) -> list[Value]:
+    """One chunk's write without momentum (`memory.momentum_form: none`): token by token
+    W_t = (1 − α_t) W_{t−1} − θ_t g_t, in closed form W' = D_b W − Σ_u θ_u (D_b/D_u) g_u."""
+    B, Nm, U, E = k.shape
+    grads = _inner_grads(b, ws, k, v, obj)
+    lD = log_keep.cumsum(-1)                                      # log D_t, (B, Nm, u)
+    lD_b = lD.slice(-1, U - 1, U)                                 # (B, Nm, 1)
+    w_u = theta * (lD_b - lD).exp()                               # weight of g_u in W
+    decay_w = lD_b.exp().reshape(B, Nm, 1, 1)                     # D_b
+    return [w * decay_w - (g * w_u.reshape(B, Nm, U, 1, 1)).sum((2,)) for w, g in zip(ws, grads)]
+
+
+def chunk_write(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value,
+                theta: Value, log_eta: Value | None, log_keep: Value, obj: Objective = L2,
+                mem: MemorySpec | None = None) -> tuple[list[Value], list[Value]]:
+    """One chunk's write under the memory's write rule: `chunk_update`, or without momentum
+    (log_eta None) `chunk_update_plain`; with `memory.decay_order: before_grad` (chunks of
+    one token) the gradient is taken at the decayed (1 − α_t) W_{t−1}, which then takes no
+    further decay."""
+    if mem is not None and mem.decay_order == "before_grad":
+        B, Nm, U = theta.shape
+        assert U == 1, "decay_order before_grad writes chunks of one token"
+        keep = log_keep.exp().reshape(B, Nm, 1, 1)                # 1 − α_t
+        ws = [w * keep for w in ws]
+        log_keep = b.full(0.0, (), log_keep.dtype).expand(B, Nm, U)
+    if log_eta is None:
+        return chunk_update_plain(b, ws, k, v, theta, log_keep, obj), []
+    return chunk_update(b, ws, ss, k, v, theta, log_eta, log_keep, obj)
+
+
 def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, chunk: int,
                 read: Value | None, docs: tuple[Value, list[Value]] | None = None,
-                obj: Objective = L2) -> tuple[list[Value], list[Value], Value]:
+                obj: Objective = L2, mem: MemorySpec | None = None
+                ) -> tuple[list[Value], list[Value], Value]:
     """Scan over chunks of `chunk` tokens: retrieve `read` (B, Nm, T, e) at chunk-start state,
     then write k, v. Returns final W, S and the retrievals (B, Nm, T, e). `docs` (lo, W⁽⁰⁾):
     lo (B, T) each token's document start relative to its chunk's start (`documents.local`),
     W⁽⁰⁾ the memory's initial weights (Nm, o, i); the state resets at each document start
     (`chunk_update_docs`) and a token whose document began in its chunk reads W⁽⁰⁾. `obj`:
-    the inner objective the writes descend."""
+    the inner objective the writes descend. `mem`: the write rule's knobs (`chunk_write`) and
+    `memory.read: after_write` (the read after the chunk's write; chunks of one token); None
+    is the default rule. Without momentum (st.log_eta None) ss is [] and so is the S returned."""
     T = st.k.shape[2]
     n = T // chunk
     L = len(ws)
-    xs = [_chunked(x, n) for x in (read, st.k, st.v, st.theta, st.log_eta, st.log_keep)]
-    names = [f"W{i}" for i in range(1, L + 1)] + [f"S{i}" for i in range(1, L + 1)]
-    names += ["q", "k", "v", "theta", "log_eta", "log_keep"]
+    momentum = st.log_eta is not None
+    after = mem is not None and mem.read == "after_write"
+    streams = [("q", read), ("k", st.k), ("v", st.v), ("theta", st.theta),
+               ("log_eta", st.log_eta), ("log_keep", st.log_keep)]
+    streams = [(name, x) for name, x in streams if x is not None or name != "log_eta"]
+    xs = [_chunked(x, n) for _, x in streams]
+    names = [f"W{i}" for i in range(1, L + 1)] + [f"S{i}" for i in range(1, len(ss) + 1)]
+    names += [name for name, _ in streams]
     consts: list[Value] = []
     if docs is not None:
         lo, w0s = docs
@@ -253,14 +319,21 @@ def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, ch
 
     def body(bb: Builder, carry: list[Value], x: list[Value], k0: list[Value]):
         w, s = carry[:L], carry[L:]
-        q, k, v, th, le, lk = x[:6]
-        y, _, _ = mlp(bb, w, q)                                   # read before this chunk's write
+        q, k, v, th = x[:4]
+        le, lk = (x[4], x[5]) if momentum else (None, x[4])
+        rest = x[6:] if momentum else x[5:]
         if docs is None:
-            w2, s2 = chunk_update(bb, w, s, k, v, th, le, lk, obj)
+            if after:                                             # read after this chunk's write
+                w2, s2 = chunk_write(bb, w, s, k, v, th, le, lk, obj, mem)
+                y, _, _ = mlp(bb, w2, q)
+                return w2 + s2, [y]
+            y, _, _ = mlp(bb, w, q)                               # read before this chunk's write
+            w2, s2 = chunk_write(bb, w, s, k, v, th, le, lk, obj, mem)
             return w2 + s2, [y]
+        y, _, _ = mlp(bb, w, q)
         w0 = batched(k0, q.shape[0])
-        y = read_initial(bb, y, w0, q, x[6])
-        w2, s2 = chunk_update_docs(bb, w, s, w0, k, v, th, le, lk, x[6], obj)
+        y = read_initial(bb, y, w0, q, rest[0])
+        w2, s2 = chunk_update_docs(bb, w, s, w0, k, v, th, le, lk, rest[0], obj)
         return w2 + s2, [y]
 
     carry, ys = b.scan(body, ws + ss, xs, consts, length=n, name="memory_chunk", names=names,

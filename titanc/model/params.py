@@ -29,12 +29,18 @@ def _logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
-def memory_shapes(d: int, depth: int, expansion: int) -> list[tuple[int, int]]:
-    """(out, in) of each memory MLP layer W_1..W_depth."""
+def memory_shapes(d: int, depth: int, expansion: int, dv: int | None = None
+                  ) -> list[tuple[int, int]]:
+    """(out, in) of each memory MLP layer W_1..W_depth; dv the value width (None: d)."""
+    dv = dv or d
     if depth == 1:
-        return [(d, d)]
+        return [(dv, d)]
     h = expansion * d
-    return [(h, d)] + [(h, h)] * (depth - 2) + [(d, h)]
+    return [(h, d)] + [(h, h)] * (depth - 2) + [(dv, h)]
+
+
+def _softplus_inv(y: float) -> float:
+    return math.log(math.expm1(y))
 
 
 def param_specs(m: ModelSpec) -> list[ParamSpec]:
@@ -62,21 +68,29 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
             lay("attn_persistent", (att.persistent_tokens, D), std=0.02, decay=False)
     if m.kind.memory:
         nm, d, K = mem.heads, D // mem.heads, mem.conv_kernel
+        V = nm * m.mem_value_dim                # the values' width (D unless value_width)
         norm("mem_norm")
         for w in ("wq", "wk", "wv"):
-            lay(f"mem_{w}", (D, D))
-        lay("mem_wo", (D, D), std=out_std)
+            lay(f"mem_{w}", (D, V if w == "wv" else D))
+        lay("mem_wo", (V, D), std=out_std)
         for c in ("q", "k", "v"):
             # identity-like start: the newest tap carries the signal, older taps are small
-            lay(f"mem_conv_{c}", (D, K), std=0.1, decay=False)
+            lay(f"mem_conv_{c}", (V if c == "v" else D, K), std=0.1, decay=False)
         if mem.output_gate and block != "mac":
-            lay("mem_wg", (D, D))
+            lay("mem_wg", (D, V))
         if mem.adaptive:
-            for gate, bias in (("theta", 0.0), ("eta", _logit(mem.momentum)),
-                               ("alpha", _logit(max(mem.decay, 1e-4) / mem.decay_max))):
+            decay = max(mem.decay, 1e-4)
+            alpha = (_softplus_inv(-math.log1p(-decay)) if mem.decay_form == "mamba2"
+                     else _logit(decay / mem.decay_max))   # α starts at memory.decay
+            for gate, bias in (("theta", 0.0), ("eta", _logit(mem.momentum)), ("alpha", alpha)):
+                if gate in mem.fixed or (gate == "eta" and mem.momentum_form == "none"):
+                    continue
                 lay(f"mem_{gate}_w", (D, nm), init="zeros", decay=False)
                 lay(f"mem_{gate}_b", (nm,), init="const", value=bias, decay=False)
-        for i, (o, n) in enumerate(memory_shapes(d, mem.depth, mem.expansion), 1):
+            if mem.decay_form == "mamba2":      # A of α = 1 − exp(−e^A softplus(x))
+                lay("mem_alpha_a", (nm,), init="zeros", decay=False)
+        for i, (o, n) in enumerate(memory_shapes(d, mem.depth, mem.expansion,
+                                                 m.mem_value_dim), 1):
             lay(f"mem_w{i}", (nm, o, n), std=1.0 / math.sqrt(n), decay=False)
     if block == "mac" and mem.mac_write == "attention":
         norm("mac_norm")           # ŷ = rmsnorm(ỹ): the memory's input, as LMM's is x̂

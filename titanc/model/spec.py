@@ -38,7 +38,7 @@ from titanc.model.spec_engine import (F32_MAX, Schema, bounded, not_in_file, pla
 
 __all__ = [
     "AttentionSpec", "MemorySpec", "ModelSpec", "TrainSpec", "DataSpec", "CompileSpec", "Spec",
-    "BLOCK_KINDS", "BLOCKS", "BlockKind", "DTYPES", "REMAT_POLICIES", "TARGETS", "SCHEMA",
+    "BLOCK_KINDS", "BLOCKS", "BlockKind", "DTYPES", "GATES", "REMAT_POLICIES", "TARGETS", "SCHEMA",
     "load_spec", "spec_to_dict", "spec_hash", "parse_set_args", "leaf_paths",
 ]
 
@@ -66,6 +66,7 @@ BLOCK_KINDS: dict[str, BlockKind] = {
 }
 BLOCKS = tuple(BLOCK_KINDS)
 DTYPES = ("float32", "float64", "bfloat16")      # bfloat16: mixed precision, float32 masters
+GATES = ("theta", "eta", "alpha")                # the write's gates (memory.fixed)
 REMAT_POLICIES = ("none", "per_layer", "per_segment", "budget")
 TARGETS = ("auto", "cpu", "triton", "reference")
 
@@ -107,7 +108,8 @@ class MemorySpec:
     # the momentum of the write: heavy_ball (the paper, S_t = η S_{t-1} - θ g_t) or ema
     # (S_t = η S_{t-1} - (1 - η) θ g_t: θ is the step at any η, and the chunked write
     # contracts for every gate value while lr_max <= d / chunk_size; docs/semantics.md)
-    momentum_form: str = bounded("heavy_ball", choices=("heavy_ball", "ema"))
+    # or none: no momentum state, W_t = (1 - α_t) W_{t-1} - θ_t g_t (DeltaNet's write)
+    momentum_form: str = bounded("heavy_ball", choices=("heavy_ball", "ema", "none"))
     # block mac only (docs/semantics.md, "mac"): what the memory is written with, the attention
     # output ŷ = rmsnorm(ỹ) (the paper) or the segment's normalised input u_s; and where the
     # segment-start read h goes, only into the attention as context (the paper) or also onto
@@ -117,6 +119,22 @@ class MemorySpec:
     # blocks mac and mag: which branch of the paper's y ⊗ M is the sigmoid gate, the memory's
     # read gating the attention output (memory) or the attention output gating the read
     gate: str = bounded("memory", choices=("memory", "attention"))
+    # the memory family (docs/semantics.md, "Memory family"): each default is the paper's
+    # with adaptive: the gates held at their constants (theta lr_max, eta momentum, alpha
+    # decay) while the others are learned, e.g. [alpha] for DeltaNet's θ-only adaptivity
+    fixed: tuple[str, ...] = bounded((), choices=GATES)
+    # which state a token reads: the start of its chunk (before_write) or the state after
+    # its own write (after_write, DeltaNet's read; chunk_size 1)
+    read: str = bounded("before_write", choices=("before_write", "after_write"))
+    # when the decay applies: after the gradient, which is taken at W_{t-1} (after_grad, the
+    # paper), or before it, the gradient at (1 - α_t) W_{t-1} (before_grad: Gated DeltaNet;
+    # chunk_size 1)
+    decay_order: str = bounded("after_grad", choices=("after_grad", "before_grad"))
+    # the adaptive α: sigmoid (α = decay_max σ(x)) or mamba2 (α = 1 - exp(-e^A softplus(x)),
+    # A = mem_alpha_a a learned per-head parameter)
+    decay_form: str = bounded("sigmoid", choices=("sigmoid", "mamba2"))
+    # per-head width of v and of the read (null: the key width d = d_model / heads); not mac
+    value_width: int | None = bounded(None, ge=1, most=WIDTH.hi)
     # the inner objective each write descends, mean over channels of ρ(M(k) - v)
     # (docs/semantics.md, "Inner objective"; titanc/model/objective.py): l2 (the paper, r²),
     # huber (r² within huber_delta, linear beyond) or lp ((r² + 1e-6)^(lp_p/2), MIRAS's ℓp);
@@ -211,12 +229,48 @@ class ModelSpec:
             raise SpecError(f"model.memory.decay: {mem.decay} must be below "
                             f"model.memory.decay_max={mem.decay_max} (the adaptive decay "
                             f"starts at memory.decay inside (0, decay_max))")
+        self._check_memory_family()
         for key, default, owner in (("mac_write", "attention", "mac"),
                                     ("mac_read", "context", "mac"), ("gate", "memory", "mac mag")):
             if self.block not in owner.split() and getattr(mem, key) != default:
                 raise SpecError(f"model.memory.{key}: {getattr(mem, key)} applies to block "
                                 f"{owner.replace(' ', ' and ')} only (this model's block is "
                                 f"{self.block}); remove it")
+
+    def _check_memory_family(self) -> None:
+        """The knobs that make DeltaNet, Gated DeltaNet and their kin special cases
+        (docs/semantics.md, "Memory family")."""
+        mem = self.memory
+        if not self.has_memory:
+            return
+        if len(set(mem.fixed)) != len(mem.fixed):
+            raise SpecError(f"model.memory.fixed: {list(mem.fixed)} names a gate twice")
+        if mem.fixed and not mem.adaptive:
+            raise SpecError("model.memory.fixed: every gate is fixed with memory.adaptive: "
+                            "false; remove memory.fixed or set memory.adaptive: true")
+        if mem.momentum_form == "none" and "eta" in mem.fixed:
+            raise SpecError("model.memory.fixed: eta does not exist with memory.momentum_form: "
+                            "none (no momentum); remove it")
+        for key, value in (("read", "after_write"), ("decay_order", "before_grad")):
+            if getattr(mem, key) == value and mem.chunk_size != 1:
+                raise SpecError(f"model.memory.{key}: {value} needs model.memory.chunk_size: 1 "
+                                f"(is {mem.chunk_size}); the chunked form of it does not "
+                                f"exist yet")
+        if mem.decay_form == "mamba2" and (not mem.adaptive or "alpha" in mem.fixed):
+            raise SpecError("model.memory.decay_form: mamba2 parameterises a learned α; it "
+                            "needs memory.adaptive: true and alpha not in memory.fixed")
+        if mem.decay_form == "mamba2" and mem.decay_max < 1.0:
+            raise SpecError(f"model.memory.decay_max: {mem.decay_max} applies to decay_form "
+                            f"sigmoid only; remove it or use decay_form: sigmoid")
+        if mem.value_width is not None and self.block == "mac":
+            raise SpecError(f"model.memory.value_width: {mem.value_width} applies to blocks "
+                            f"lmm, mag and mal (mac gates the attention with the read, width "
+                            f"d_model); remove it")
+
+    @property
+    def mem_value_dim(self) -> int:
+        """Per-head width of the memory's values and read: memory.value_width or d."""
+        return self.memory.value_width or self.mem_head_dim
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -365,6 +419,14 @@ class Spec:
 
     def __post_init__(self) -> None:
         SCHEMA.check(self)
+        mem = self.model.memory
+        token_rules = [f"{key}: {value}" for key, value in (
+            ("momentum_form", "none"), ("read", "after_write"), ("decay_order", "before_grad"))
+            if getattr(mem, key) == value]
+        if self.data.documents and self.model.has_memory and token_rules:
+            raise SpecError(f"data.documents: true is not implemented with model.memory."
+                            f"{token_rules[0]} (the memory's document resets follow the "
+                            f"default write); set data.documents: false")
         k, n = self.train.remat_group, self.model.n_layers
         if k > 1 and n % k:
             raise SpecError(f"train.remat_group: {k} must divide model.n_layers={n}; "

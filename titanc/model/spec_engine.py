@@ -246,6 +246,10 @@ class Schema:
         if origin in (types.UnionType, typing.Union):  # only `X | None` occurs in a schema
             (inner,) = [a for a in args if a is not type(None)]
             return None if value is None else self._check_type(value, inner, path)
+        if origin is tuple and args[1:] == (Ellipsis,):   # tuple[X, ...]: a list of any length
+            if not isinstance(value, (list, tuple)):
+                raise _type_error(path, "a list", value)
+            return tuple(self._check_type(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
         if origin is tuple:
             if not isinstance(value, (list, tuple)) or len(value) != len(args):
                 raise _type_error(path, f"a list of {len(args)} numbers", value)

@@ -84,7 +84,8 @@ def test_tiny_has_the_issue_values(tiny_spec: Spec) -> None:
             m.attention.persistent_tokens) == (4, 64, 32, 4)
     assert dataclasses.astuple(m.memory) == (2, 2, 2, 16, True, 0.01, 0.9, 0.01, 1.0, True, 4,
                                              "silu", "heavy_ball", "attention", "context",
-                                             "memory")
+                                             "memory", (), "before_write", "after_grad",
+                                             "sigmoid", None, "l2", None, None)
     assert (t.batch_size, t.steps, t.lr, t.warmup, t.weight_decay, t.betas) == (
         8, 200, 3e-3, 20, 0.1, (0.9, 0.95))
     assert (t.grad_clip, t.seed, t.dtype, t.remat, t.remat_budget_mb, t.loss_chunk,
@@ -177,7 +178,8 @@ BAD_SPECS = [
     (edited(model__memory={"zzz": 1}),
      "unknown key 'model.memory.zzz'; known keys in model.memory: heads, depth, expansion, "
      "chunk_size, adaptive, lr_max, momentum, decay, decay_max, output_gate, conv_kernel, "
-     "qk_activation, momentum_form, mac_write, mac_read, gate"),
+     "qk_activation, momentum_form, mac_write, mac_read, gate, fixed, read, decay_order, "
+     "decay_form, value_width, objective, huber_delta, lp_p"),
     (edited(memory={}), "unknown key 'memory'; did you mean 'model.memory'?"),
     (edited(train={"heads": 2}),
      "unknown key 'train.heads'; did you mean 'model.attention.heads'?"),
@@ -253,7 +255,7 @@ BAD_SPECS = [
      "model.memory.decay: 0.01 must be below model.memory.decay_max=0.005 (the adaptive decay "
      "starts at memory.decay inside (0, decay_max))"),
     (edited(model__memory={"momentum_form": "nesterov"}),
-     "model.memory.momentum_form: 'nesterov' must be one of heavy_ball, ema"),
+     "model.memory.momentum_form: 'nesterov' must be one of heavy_ball, ema, none"),
     (edited(model__memory={"depth": 0}), "model.memory.depth: 0 must be >= 1"),
     (edited(model__memory={"expansion": 0}), "model.memory.expansion: 0 must be >= 1"),
     (edited(model__memory={"conv_kernel": 0}), "model.memory.conv_kernel: 0 must be >= 1"),

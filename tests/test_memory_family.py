@@ -1,0 +1,118 @@
+"""The memory family's spec knobs (docs/semantics.md, "Memory family"; issue 52): tier (b)/(e)
+float64 parity of the IR (reference interpreter) with the eager reference, loss and every
+gradient, and of token-by-token decoding with the parallel forward; tier (d) their refusals.
+
+Each knob is tested where it changes the model: `memory.read: after_write`,
+`memory.momentum_form: none`, `memory.fixed`, `memory.decay_order: before_grad`,
+`memory.decay_form: mamba2` and `memory.value_width`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tests.reference as R
+import titanc
+from tests.helpers import TINY, tiny_spec, tokens
+from runtime.serve.generate import Generator
+from titanc.errors import SpecError
+from titanc.ir import interpret
+from titanc.model.frontend import lower_forward
+from titanc.passes.autodiff import grad_graph
+
+DELTANET = {"momentum_form": "none", "fixed": ["alpha"], "decay": 0.0, "read": "after_write",
+            "chunk_size": 1, "depth": 1}
+GATED = {"momentum_form": "none", "decay_order": "before_grad", "decay_form": "mamba2",
+         "read": "after_write", "chunk_size": 1, "depth": 1}
+
+CASES = [
+    ("lmm", DELTANET),
+    ("lmm", {**GATED, "value_width": 16}),
+    ("mal", {"momentum_form": "none"}),                      # chunked, depth 2
+    ("mag", {"read": "after_write", "chunk_size": 1}),       # with momentum
+    ("mac", {"decay_order": "before_grad", "chunk_size": 1, "fixed": ["eta", "theta"]}),
+    ("lmm", {"decay_form": "mamba2", "momentum_form": "ema", "value_width": 4, "fixed": ["theta"]}),
+]
+
+
+SMALL = {"model.n_layers": 1, "model.seq_len": 8, "model.attention.segment": 4,
+         "model.attention.window": 4, "train.batch_size": 1}   # a cheap model: the knobs are per layer
+
+
+def _spec(block: str, options: dict):
+    return tiny_spec(**{"model.block": block, **SMALL,
+                        **{f"model.memory.{k}": v for k, v in options.items()}})
+
+
+@pytest.mark.parametrize("block,options", CASES)
+def test_knobs_match_reference(block: str, options: dict) -> None:
+    """Loss to 1e-10 and every gradient to rtol 1e-8 against the eager reference, and the
+    knobs make a different model from the defaults."""
+    spec = _spec(block, options)
+    params = R.init_params(spec.model, seed=6)
+    toks = tokens(spec, seed=7)
+    leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref = R.forward_loss(leaf, toks, spec.model)
+    ref.backward()
+    ref = ref.detach()
+    out = interpret(grad_graph(lower_forward(spec), list(params)), {"tokens": toks, **params})
+    assert abs(float(out["loss"]) - float(ref)) < 1e-10
+    for name, p in leaf.items():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
+                                   msg=lambda m: f"grad of {name}: {m}")
+    plain = {k: v for k, v in options.items() if k in ("chunk_size", "depth")}
+    base = _spec(block, plain)
+    base_params = R.init_params(base.model, seed=6)
+    other = float(R.forward_loss(base_params, toks, base.model))
+    assert abs(other - float(ref)) > 1e-6
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"read": "after_write"}, "model.memory.read: after_write needs model.memory.chunk_size: 1 "
+                              "(is 4); the chunked form of it does not exist yet"),
+    ({"decay_order": "before_grad"}, "model.memory.decay_order: before_grad needs "
+                                     "model.memory.chunk_size: 1 (is 4); the chunked form of "
+                                     "it does not exist yet"),
+    ({"fixed": ["alpha", "alpha"]}, "model.memory.fixed: ['alpha', 'alpha'] names a gate twice"),
+    ({"fixed": ["beta"]}, "model.memory.fixed[0]: 'beta' must be one of theta, eta, alpha"),
+    ({"fixed": ["eta"], "momentum_form": "none"},
+     "model.memory.fixed: eta does not exist with memory.momentum_form: none (no momentum); "
+     "remove it"),
+    ({"fixed": ["theta"], "adaptive": False},
+     "model.memory.fixed: every gate is fixed with memory.adaptive: false; remove "
+     "memory.fixed or set memory.adaptive: true"),
+    ({"decay_form": "mamba2", "fixed": ["alpha"]},
+     "model.memory.decay_form: mamba2 parameterises a learned α; it needs memory.adaptive: "
+     "true and alpha not in memory.fixed"),
+])
+def test_refusals(options: dict, message: str) -> None:
+    with pytest.raises(SpecError) as e:
+        _spec("lmm", options)
+    assert str(e.value) == message
+
+
+def test_value_width_refused_for_mac_and_documents_refused() -> None:
+    with pytest.raises(SpecError, match="model.memory.value_width: 8 applies to blocks lmm"):
+        _spec("mac", {"value_width": 8})
+    with pytest.raises(SpecError, match="data.documents: true is not implemented with "
+                                        "model.memory.momentum_form: none"):
+        tiny_spec(**{"model.memory.momentum_form": "none", "data.documents": True})
+
+
+@pytest.mark.parametrize("block,options", [("lmm", {**GATED, "value_width": 16})])
+def test_decoding_matches_parallel_forward(block: str, options: dict) -> None:
+    """Prefill then token-by-token decoding equals the reference's parallel forward (float64):
+    the step reads after its own write where `read: after_write` says so, and a memory without
+    momentum keeps no S state."""
+    over = {"model.block": block, **SMALL,
+            **{f"model.memory.{k}": v for k, v in options.items()}}
+    prog = titanc.compile(TINY, **over)
+    params = R.init_params(prog.spec.model, seed=3)
+    prog.load_state_dict({f"param.{k}": v for k, v in params.items()}, strict=False)
+    toks = tokens(prog.spec, 1, seed=2)
+    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
+    gen = Generator(prog)
+    st, logits = gen.prefill(toks[0, :5].tolist())
+    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(5, 8)]
+    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+    assert ("S1" in st.tensors) == (options.get("momentum_form") != "none")
