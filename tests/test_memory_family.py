@@ -13,6 +13,7 @@ import torch
 import tests.reference as R
 import titanc
 from tests.helpers import TINY, tiny_spec, tokens
+from runtime.diagnostics.neural_memory import memory_stats
 from runtime.serve.generate import Generator
 from titanc.errors import SpecError
 from titanc.ir import interpret
@@ -116,3 +117,6 @@ def test_decoding_matches_parallel_forward(block: str, options: dict) -> None:
     rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(5, 8)]
     torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
     assert ("S1" in st.tensors) == (options.get("momentum_form") != "none")
+    layer = memory_stats(prog, toks)["layers"][0]           # the diagnostics without S or η
+    assert layer["s_norm"] == 0.0 and layer["eta"] == 0.0
+    assert layer["inner_loss_after"] < layer["inner_loss_before"]

@@ -50,8 +50,9 @@ def _norm(ts: list[Tensor]) -> float:
 class _Watcher(Interpreter):
     """The interpreter, with the scans of role `layer` and `memory` observed."""
 
-    def __init__(self, objective: Objective) -> None:
+    def __init__(self, objective: Objective, depth: int) -> None:
         super().__init__()
+        self.depth = depth
         self.layer = 0
         self.chunks: list[tuple[int, dict[str, float]]] = []
         self.objective = objective
@@ -88,14 +89,17 @@ class _Watcher(Interpreter):
         return tuple(carries) + tuple(stacked)
 
     def _record(self, before: list[Tensor], x: list[Tensor], after: list[Tensor]) -> None:
-        depth = len(before) // 2
-        _, k, v, theta, log_eta, log_keep = x[:6]     # (data.documents adds the starts)
+        depth = self.depth
+        momentum = len(before) > depth                # memory.momentum_form: none has no S, no η
+        _, k, v, theta = x[:4]                        # (data.documents adds the starts)
+        log_eta, log_keep = (x[4], x[5]) if momentum else (None, x[4])
         w0, w1, s1 = before[:depth], after[:depth], after[depth:]
         self.chunks.append((self.layer, {
             "loss_before": self.inner_loss(_mlp(w0, k), v),
             "loss_after": self.inner_loss(_mlp(w1, k), v),
-            "w_norm": _norm(w1), "s_norm": _norm(s1),
-            "theta": float(theta.mean()), "eta": float(log_eta.exp().mean()),
+            "w_norm": _norm(w1), "s_norm": _norm(s1) if momentum else 0.0,
+            "theta": float(theta.mean()),
+            "eta": float(log_eta.exp().mean()) if momentum else 0.0,
             "alpha": float(1 - log_keep.exp().mean()),
         }))
 
@@ -105,7 +109,7 @@ def memory_stats(prog: Any, tokens: Tensor) -> dict[str, Any]:
     Returns {"layers": []} for a model without memory (block attn)."""
     spec = prog.spec
     g = prog.graph("logits", tokens.shape[0]).graph     # the compiled forward, logits out
-    watcher = _Watcher(objective_of(spec.model.memory))
+    watcher = _Watcher(objective_of(spec.model.memory), spec.model.memory.depth)
     inputs = {"tokens": tokens.to(torch.int64).cpu(),
               **document_inputs(spec, prog.dtype, tokens, None, loss=False),   # data.documents: one per row
               **{n: t.detach().cpu() for n, t in prog.parameters().items()}}
