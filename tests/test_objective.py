@@ -25,9 +25,12 @@ import titanc
 from tests.helpers import MEMORY_BLOCKS, tiny_spec, tokens
 from tests.reference.memory import gates, initial_state, objective, projections
 from tests.reference.ops import layer_params, rmsnorm
-from titanc.ir import interpret
+from titanc.ir import Graph, Op, interpret
+from titanc.model.decode import lower_write
 from titanc.model.frontend import lower_forward
+from titanc.passes.aggregate import aggregate
 from titanc.passes.autodiff import grad_graph
+from titanc.passes.canonicalize import canonicalize
 from titanc.runtime.diagnostics.neural_memory import memory_stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,6 +106,29 @@ def test_compiled_huber_matches_reference(block: str, target: str) -> None:
     loss, grads = prog.grads(toks)
     ref_loss, ref_grads = _reference(prog.spec, params, toks)
     _assert_matches(loss, {k: v.cpu() for k, v in grads.items()}, ref_loss, ref_grads)
+
+
+def _outer_products(g: Graph) -> int:
+    """Per-token outer products (B, Nm, u, o, i) left in g and its scan bodies."""
+    n = 0
+    for node in g:
+        if node.op is Op.SCAN:
+            n += _outer_products(node.attr("body"))
+        elif node.op is Op.EINSUM and node.type.rank == 5 and len(node.inputs) == 2:
+            lhs, out = node.attr("spec").split("->")
+            n += set(lhs.replace(",", "")) == set(out)
+    return n
+
+
+@pytest.mark.parametrize("obj", list(OBJECTIVES))
+def test_aggregate_serves_the_objective(obj: str) -> None:
+    """The write's per-token outer products, whatever ∂ℓ/∂ŷ feeds them, become one
+    contraction each (passes/aggregate.py), in the training forward and the decode write."""
+    spec = _spec("lmm", obj)
+    for g in (lower_forward(spec), lower_write(spec, 2)):
+        before = canonicalize(g)
+        assert _outer_products(before) == spec.model.memory.depth   # one per layer (CSE)
+        assert _outer_products(aggregate(before)) == 0
 
 
 @pytest.mark.parametrize("obj", list(OBJECTIVES))
