@@ -80,18 +80,24 @@ def _inputs(dv: int, seed: int):
     return q, k, v, beta, s0, g
 
 
-def _preset(name: str, dv: int) -> MemorySpec:
+def _preset(name: str, dv: int, chunk: int) -> MemorySpec:
+    """The preset's memory with value width dv and chunks of `chunk` tokens."""
     mem = load_spec(ROOT / "examples" / f"{name}.yaml").model.memory
-    assert mem.depth == 1 and mem.chunk_size == 1 and mem.momentum_form == "none"
-    return MemorySpec(**{**{f: getattr(mem, f) for f in mem.__slots__}, "value_width": dv})
+    assert mem.linear                                   # exact at every chunk size
+    return MemorySpec(**{**{f: getattr(mem, f) for f in mem.__slots__}, "value_width": dv,
+                         "chunk_size": chunk})
 
 
-def test_deltanet_equals_fla_delta_rule() -> None:
-    """examples/deltanet.yaml's memory (chunk 1) against fla's delta_rule_recurrence (from an
+CHUNKS = [1, 4, 8]   # token by token; the exact chunked (WY) form, in two chunks and in one
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_deltanet_equals_fla_delta_rule(chunk: int) -> None:
+    """examples/deltanet.yaml's memory (chunks of `chunk` tokens) against fla's delta_rule_recurrence (from an
     initial state) and delta_rule_chunkwise (chunks of 4, from zero), outputs and final
     states, float64, 1e-12."""
     fla = load_fla("ops/delta_rule/naive.py")
-    mem = _preset("deltanet", DK)
+    mem = _preset("deltanet", DK, chunk)
     q, k, v, beta, s0, _ = _inputs(DK, seed=0)
     theta = beta * DK / 2                               # β = θ·2/d_v
     no_decay = torch.zeros_like(beta)
@@ -106,13 +112,15 @@ def test_deltanet_equals_fla_delta_rule() -> None:
     assert (w.transpose(-1, -2) - s).abs().max() <= 1e-12
 
 
-def test_gated_deltanet_equals_fla_gated_delta_rule() -> None:
-    """examples/gated_deltanet.yaml's memory (values twice the key width) against fla's
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_gated_deltanet_equals_fla_gated_delta_rule(chunk: int) -> None:
+    """examples/gated_deltanet.yaml's memory (values twice the key width; chunks of `chunk`
+    tokens) against fla's
     naive_recurrent_gated_delta_rule and naive_chunk_gated_delta_rule (chunks of 4), both
     from an initial state, outputs and final states, float64, 1e-12."""
     fla = load_fla("ops/gated_delta_rule/naive.py")
     dv = 2 * DK
-    mem = _preset("gated_deltanet", dv)
+    mem = _preset("gated_deltanet", dv, chunk)
     q, k, v, beta, s0, g = _inputs(dv, seed=1)
     log_decay = -torch.nn.functional.softplus(torch.randn(B, H, T, generator=g,
                                                           dtype=torch.float64))

@@ -31,10 +31,12 @@ GATED = {"momentum_form": "none", "decay_order": "before_grad", "decay_form": "m
 
 CASES = [
     ("lmm", DELTANET),
+    ("lmm", {**DELTANET, "chunk_size": 4, "read": "before_write"}),     # exact chunks (WY)
     ("lmm", {**GATED, "value_width": 16}),
     ("mal", {"momentum_form": "none"}),                      # chunked, depth 2
     ("mag", {"read": "after_write", "chunk_size": 1}),       # with momentum
     ("mac", {"decay_order": "before_grad", "chunk_size": 1, "fixed": ["eta", "theta"]}),
+    ("mac", {**GATED, "chunk_size": 4}),                                  # exact chunks (WY)
     ("lmm", {"decay_form": "mamba2", "momentum_form": "ema", "value_width": 4, "fixed": ["theta"]}),
 ]
 
@@ -74,10 +76,11 @@ def test_knobs_match_reference(block: str, options: dict) -> None:
 
 @pytest.mark.parametrize("options,message", [
     ({"read": "after_write"}, "model.memory.read: after_write needs model.memory.chunk_size: 1 "
-                              "(is 4); the chunked form of it does not exist yet"),
-    ({"decay_order": "before_grad"}, "model.memory.decay_order: before_grad needs "
-                                     "model.memory.chunk_size: 1 (is 4); the chunked form of "
-                                     "it does not exist yet"),
+                              "(is 4) unless the memory is linear (depth 1, momentum_form none, "
+                              "objective l2: its chunks are exact)"),
+    ({"decay_order": "before_grad", "momentum_form": "none"},
+     "model.memory.decay_order: before_grad needs model.memory.chunk_size: 1 (is 4) unless the "
+     "memory is linear (depth 1, momentum_form none, objective l2: its chunks are exact)"),
     ({"fixed": ["alpha", "alpha"]}, "model.memory.fixed: ['alpha', 'alpha'] names a gate twice"),
     ({"fixed": ["beta"]}, "model.memory.fixed[0]: 'beta' must be one of theta, eta, alpha"),
     ({"fixed": ["eta"], "momentum_form": "none"},
@@ -104,7 +107,7 @@ def test_value_width_refused_for_mac_and_documents_refused() -> None:
         tiny_spec(**{"model.memory.momentum_form": "none", "data.documents": True})
 
 
-@pytest.mark.parametrize("block,options", [("lmm", {**GATED, "value_width": 16})])
+@pytest.mark.parametrize("block,options", [("lmm", {**GATED, "value_width": 16, "chunk_size": 4})])
 def test_decoding_matches_parallel_forward(block: str, options: dict) -> None:
     """Prefill then token-by-token decoding equals the reference's parallel forward (float64):
     the step reads after its own write where `read: after_write` says so, and a memory without
@@ -127,12 +130,12 @@ def test_decoding_matches_parallel_forward(block: str, options: dict) -> None:
 
 
 @pytest.mark.slow   # the interpreted triton target: about 100 s for the two on 2 CPU cores
-@pytest.mark.parametrize("block,options", [("lmm", {**GATED, "value_width": 16}),
+@pytest.mark.parametrize("block,options", [("lmm", {**GATED, "value_width": 16, "chunk_size": 4}),
                                            ("mal", {"momentum_form": "none"})])
 def test_targets_agree(block: str, options: dict) -> None:
     """The cpu and the (interpreted) triton target compute the reference's loss and the same
-    gradients (float64, 1e-10): Gated DeltaNet's knobs at chunk 1, and a chunked write without
-    momentum (its aggregated contraction)."""
+    gradients (float64, 1e-10): Gated DeltaNet's knobs in exact chunks of 4 (the WY form), and
+    a chunked depth-2 write without momentum (its aggregated contraction)."""
     over = {"model.block": block, **SMALL, **{f"model.memory.{k}": v for k, v in options.items()}}
     progs = [titanc.compile(TINY, **over, **{"compile.target": t}) for t in ("cpu", "triton")]
     params = R.init_params(progs[0].spec.model, seed=4)
@@ -147,3 +150,16 @@ def test_targets_agree(block: str, options: dict) -> None:
     for k, g in got[0][1].items():
         torch.testing.assert_close(got[1][1][k], g, rtol=1e-10, atol=1e-10,
                                    msg=lambda m: f"grad of {k}: {m}")
+
+
+@pytest.mark.parametrize("options", [DELTANET, GATED])
+def test_chunk_size_is_a_speed_knob_for_linear_memories(options: dict) -> None:
+    """A linear memory (depth 1, no momentum, l2) is the token-by-token memory at every chunk
+    size (the exact WY chunk): the loss at chunks of 1, 4 and 8 tokens agrees to 1e-12."""
+    losses = []
+    for chunk in (1, 4, 8):
+        spec = _spec("lmm", {**options, "chunk_size": chunk})
+        params = R.init_params(spec.model, seed=8)
+        losses.append(float(interpret(lower_forward(spec),
+                                      {"tokens": tokens(spec, seed=9), **params})["loss"]))
+    assert max(losses) - min(losses) < 1e-12

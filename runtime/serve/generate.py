@@ -154,7 +154,7 @@ class Generator:
         self.kind = self.m.kind                           # what the block kind is made of
         self.has_memory = self.kind.memory
         self._flush_after = _flushing_denormals()        # the caller's setting, restored
-        self.chunk = self.m.memory.chunk_size if self.has_memory else 16
+        self.chunk = self.m.memory.write_chunk if self.has_memory else 16
         self._graphs: dict[tuple, Any] = {}
         self._weights: tuple[tuple[int, int, int], str] | None = None   # identity's cache
         self._one_state_bytes = 0                        # bytes of one sequence's state

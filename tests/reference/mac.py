@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .attention import attend, persistent_kv, same_document
 from .memory import (gates, initial_state, mem_apply, memory_scan, objective, project,
-                     projections)
+                     projections, scan_chunk)
 from .ops import ffn, merge_heads, rmsnorm, rope, split_heads
 
 
@@ -79,7 +79,7 @@ def mac_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -
             yn = u[:, sl]  # memory.mac_write: input -- the segment's normalised input
         q, k, v = projections(p, yn, cfg, local)  # (B, N, S, C), conv history zero at segment start
         theta, eta, alpha = gates(p, yn, cfg)  # (B, N, S)
-        r, state = memory_scan(state, q, k, v, theta, eta, alpha, cfg.memory.chunk_size,
+        r, state = memory_scan(state, q, k, v, theta, eta, alpha, scan_chunk(cfg.memory),
                                local, init, objective(cfg.memory), cfg.memory)  # (B, N, S, C)
         r = merge_heads(r)  # (B, S, D)
         o = yt * torch.sigmoid(r) if cfg.memory.gate == "memory" else torch.sigmoid(yt) * r

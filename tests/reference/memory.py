@@ -151,6 +151,14 @@ def memory_scan(
     return torch.cat(ys, dim=2), (W, S)  # (B, N, T, C)
 
 
+def scan_chunk(mem) -> int:
+    """The chunk the reference scans with: memory.chunk_size, or 1 for a depth-1 memory
+    without momentum under l2, whose chunks are exact (docs/semantics.md, "Memory family")."""
+    linear = (mem.depth == 1 and mem.momentum_form == "none"
+              and getattr(mem, "objective", "l2") == "l2")
+    return 1 if linear else mem.chunk_size
+
+
 def initial_state(p: dict[str, Tensor], B: int, cfg) -> State:
     """W^(0) = mem_w{i} broadcast over the batch, S^(0) = 0."""
     W = [p[f"mem_w{i + 1}"].expand(B, -1, -1, -1) for i in range(cfg.memory.depth)]  # (B, N, O, I)
@@ -220,7 +228,7 @@ def lmm(p: dict[str, Tensor], u: Tensor, cfg, doc: Tensor | None = None) -> Tens
     q, k, v = projections(p, u, cfg, doc)  # (B, N, T, C)
     theta, eta, alpha = gates(p, u, cfg)  # (B, N, T)
     init = initial_state(p, u.shape[0], cfg)
-    y, _ = memory_scan(init, q, k, v, theta, eta, alpha, cfg.memory.chunk_size, doc, init,
+    y, _ = memory_scan(init, q, k, v, theta, eta, alpha, scan_chunk(cfg.memory), doc, init,
                        objective(cfg.memory), cfg.memory)
     y = merge_heads(y)  # (B, T, D)
     if cfg.memory.output_gate:

@@ -193,7 +193,7 @@ def lower_write(spec: Spec, batch: int, dtype: str | None = None) -> Graph:
     dt = dtype_name(dtype or spec.train.master_dtype)
     b = Builder("write")
     shapes = state_shapes(m, batch)
-    L, depth, U = m.n_layers, mem.depth, mem.chunk_size
+    L, depth, U = m.n_layers, mem.depth, mem.write_chunk
     ws = [b.input(f"state.W{i}", (L,) + shapes[f"W{i}"], dt) for i in range(1, depth + 1)]
     momentum = mem.momentum_form != "none"
     n_s = depth if momentum else 0

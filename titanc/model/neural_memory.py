@@ -268,6 +268,61 @@ def chunk_update_plain(b: Builder, ws: list[Value], k: Value, v: Value, theta: V
     return [w * decay_w - (g * w_u.reshape(B, Nm, U, 1, 1)).sum((2,)) for w, g in zip(ws, grads)]
 
 
+def chunk_update_linear(b: Builder, w: Value, k: Value, v: Value, q: Value | None,
+                        theta: Value, log_keep: Value, mem: MemorySpec
+                        ) -> tuple[Value, Value | None]:
+    """The exact chunk of a linear memory (`MemorySpec.linear`: one layer W (B, Nm, dv, dk),
+    no momentum, l2), token by token within the chunk in the WY form fla uses. With
+    β_t = θ_t·2/dv, γ_t = 1 − α_t and ρ_t = γ_t (decay_order before_grad) or 1 (after_grad),
+
+        W_t = γ_t W_{t−1} + δ_t k_tᵀ,   δ_t = β_t (v_t − ρ_t W_{t−1} k_t)
+
+    so with D_t = Π_{s≤t} γ_s from the chunk start and P_t = ρ_t D_{t−1}, the δ solve one
+    unit lower-triangular system (I + A) Δ = R,
+
+        A[t, s] = β_t (k_t·k_s) P_t/D_s  (s < t),   R_t = β_t (v_t − P_t W_0 k_t),
+
+    whose inverse is Σ_{j<b} (−A)^j (A is nilpotent), formed as Π_i (I + (−A)^{2^i}) in
+    ⌈log2 b⌉ squarings. Then W' = D_b W_0 + Σ_s (D_b/D_s) δ_s k_sᵀ and the reads
+    y_t = W_t q_t (after_write) or W_{t−1} q_t (before_write) are
+    D W_0 q_t + Σ_s (D/D_s)(k_s·q_t) δ_s over s ≤ t (s < t). Every ratio is ≤ 1 where the
+    masks keep it (log space, as `chunk_update`). Returns W' and the reads (None if q is)."""
+    B, Nm, U, dk = k.shape
+    dv = v.shape[-1]
+    beta = theta * (2.0 / dv)                                     # (B, Nm, u)
+    lD = log_keep.cumsum(-1)                                      # log D_t
+    lP = lD if mem.decay_order == "before_grad" else lD - log_keep   # log P_t
+    causal = b.mask(U, 0, [("causal", U, None)], k.dtype)         # [t, s]: 0 if s ≤ t
+    eye = b.mask(U, 0, [("causal", U, 1)], k.dtype).exp()         # [t, s]: 1 if s = t
+    strict = causal + (1.0 - eye).log()                           # 0 if s < t, else −inf
+
+    def ratio(l_t: Value, mask: Value) -> Value:                  # exp(l_t − lD_s), masked
+        return (l_t.reshape(B, Nm, U, 1) - lD.reshape(B, Nm, 1, U) + mask).exp()
+
+    kk = b.einsum("bnti,bnsi->bnts", k, k)                        # (B, Nm, u, u)
+    A = kk * ratio(lP, strict) * beta.reshape(B, Nm, U, 1)
+    wk = b.einsum("bnoi,bnti->bnto", w, k)                        # W_0 k_t, (B, Nm, u, dv)
+    R = (v - wk * lP.exp().reshape(B, Nm, U, 1)) * beta.reshape(B, Nm, U, 1)
+    inv = eye - A                                                 # Σ_j (−A)^j, j < 2^i
+    power = -A
+    for _ in range(1, max(1, math.ceil(math.log2(U)))):
+        power = b.einsum("bnts,bnsr->bntr", power, power)
+        inv = b.einsum("bnts,bnsr->bntr", inv, eye + power)
+    delta = b.einsum("bnts,bnso->bnto", inv, R)                   # δ_t, (B, Nm, u, dv)
+    lD_b = lD.slice(-1, U - 1, U)                                 # (B, Nm, 1)
+    tail = delta * (lD_b - lD).exp().reshape(B, Nm, U, 1)         # (D_b/D_s) δ_s
+    new_w = w * lD_b.exp().reshape(B, Nm, 1, 1) + b.einsum("bnso,bnsi->bnoi", tail, k)
+    if q is None:
+        return new_w, None
+    after = mem.read == "after_write"
+    lR, mask = (lD, causal) if after else (lD - log_keep, strict)  # log D_t or log D_{t−1}
+    qk = b.einsum("bnti,bnsi->bnts", q, k)
+    wq = b.einsum("bnoi,bnti->bnto", w, q)
+    y = wq * lR.exp().reshape(B, Nm, U, 1) + b.einsum("bnts,bnso->bnto",
+                                                      qk * ratio(lR, mask), delta)
+    return new_w, y
+
+
 def chunk_write(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value,
                 theta: Value, log_eta: Value | None, log_keep: Value, obj: Objective = L2,
                 mem: MemorySpec | None = None) -> tuple[list[Value], list[Value]]:
@@ -275,6 +330,9 @@ def chunk_write(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value
     (log_eta None) `chunk_update_plain`; with `memory.decay_order: before_grad` (chunks of
     one token) the gradient is taken at the decayed (1 − α_t) W_{t−1}, which then takes no
     further decay."""
+    if mem is not None and mem.linear:
+        new_w, _ = chunk_update_linear(b, ws[0], k, v, None, theta, log_keep, mem)
+        return [new_w], []
     if mem is not None and mem.decay_order == "before_grad":
         B, Nm, U = theta.shape
         assert U == 1, "decay_order before_grad writes chunks of one token"
@@ -322,6 +380,9 @@ def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, ch
         q, k, v, th = x[:4]
         le, lk = (x[4], x[5]) if momentum else (None, x[4])
         rest = x[6:] if momentum else x[5:]
+        if docs is None and mem is not None and mem.linear:        # exact chunks, reads inside
+            w2, y = chunk_update_linear(bb, w[0], k, v, q, th, lk, mem)
+            return [w2], [y]
         if docs is None:
             if after:                                             # read after this chunk's write
                 w2, s2 = chunk_write(bb, w, s, k, v, th, le, lk, obj, mem)

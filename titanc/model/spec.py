@@ -143,6 +143,19 @@ class MemorySpec:
     huber_delta: float | None = bounded(None, gt=0, most=SPEC_FLOAT_MAX)   # huber; null: 1
     lp_p: float | None = bounded(None, ge=1, le=8)                         # lp; null: 3
 
+    @property
+    def linear(self) -> bool:
+        """A depth-1 memory without momentum under the l2 objective: its chunked write is
+        exact (the WY form, `neural_memory.chunk_update_linear`), so chunk_size is a speed
+        knob and the model is the token-by-token memory at every chunk size."""
+        return self.depth == 1 and self.momentum_form == "none" and self.objective == "l2"
+
+    @property
+    def write_chunk(self) -> int:
+        """Tokens per decoding write: chunk_size, or 1 for a linear memory (a token reads the
+        writes of its own chunk's earlier tokens)."""
+        return 1 if self.linear else self.chunk_size
+
     def __post_init__(self) -> None:
         SCHEMA.check(self)
         for key, owner in (("huber_delta", "huber"), ("lp_p", "lp")):
@@ -252,10 +265,10 @@ class ModelSpec:
             raise SpecError("model.memory.fixed: eta does not exist with memory.momentum_form: "
                             "none (no momentum); remove it")
         for key, value in (("read", "after_write"), ("decay_order", "before_grad")):
-            if getattr(mem, key) == value and mem.chunk_size != 1:
+            if getattr(mem, key) == value and mem.chunk_size != 1 and not mem.linear:
                 raise SpecError(f"model.memory.{key}: {value} needs model.memory.chunk_size: 1 "
-                                f"(is {mem.chunk_size}); the chunked form of it does not "
-                                f"exist yet")
+                                f"(is {mem.chunk_size}) unless the memory is linear (depth 1, "
+                                f"momentum_form none, objective l2: its chunks are exact)")
         if mem.decay_form == "mamba2" and (not mem.adaptive or "alpha" in mem.fixed):
             raise SpecError("model.memory.decay_form: mamba2 parameterises a learned α; it "
                             "needs memory.adaptive: true and alpha not in memory.fixed")
