@@ -88,6 +88,21 @@ def matmul_tile(g: Graph, e: Node) -> tuple | None:
     return e.type.shape, roles
 
 
+def matmul_prologue(g: Graph, members: list[int], computed: set[int]) -> set[int]:
+    """The prologue of a matmul kernel: the nodes of `computed` (the kernel's members that
+    are neither free nor INPUT) an einsum of the kernel reads, directly or through other such
+    nodes. The kernel evaluates them as it loads each operand tile, at the tile's coordinates
+    (`codegen.lower.dispatch`), never as values of the output tile."""
+    out: set[int] = set()
+    stack = [i for n in members if g.node(n).op is Op.EINSUM for i in g.node(n).inputs]
+    while stack:
+        v = stack.pop()
+        if v in computed and v not in out and g.node(v).op is not Op.EINSUM:
+            out.add(v)
+            stack.extend(g.node(v).inputs)
+    return out
+
+
 def float_cast(n: Node, node: dict[int, Node]) -> bool:
     """A float-to-float CAST: free where its operand is read from memory (a conversion as the
     value is loaded, like a view's index arithmetic)."""
@@ -146,10 +161,14 @@ class KernelRules:
                 pass                     # a reduced value over its row (`_row_epilogue`)
             elif n.op in OpGroup.INDEXING and n.op is not Op.RESHAPE:
                 return self._refuse(f"%{n.id} ({n.op.name.lower()}) views a computed value")
-            if n.op in GATHERS or n.op is Op.EINSUM:
+            if n.op is Op.EINSUM:
+                if any(i in post for i in bound):
+                    return self._refuse(f"%{n.id} (einsum) reads a value computed after a "
+                                        f"contraction of the kernel (a second pass)")
+            elif n.op in GATHERS:
                 if bound:
                     return self._refuse(f"%{n.id} ({n.op.name.lower()}) reads a computed "
-                                        f"operand (gathers and matmuls read memory)")
+                                        f"operand (gathers read memory)")
             elif n.op in OpGroup.ELEMENTWISE:
                 wide = [i for i in bound if numel(self.node[i]) != numel(n)]
                 if wide and not (reds and all(i in post for i in wide)):   # a row epilogue
@@ -164,6 +183,11 @@ class KernelRules:
             computed.append(n)
         outs = [self.node[v] for v in outputs]
         if einsums:
+            pro = matmul_prologue(self.g, members, inside - free)
+            why = self._prologue(pro, inside, outputs)
+            if why:
+                return self._refuse(why)
+            computed = [n for n in computed if n.id not in pro]
             dom = {numel(einsums[0])}
             kind = "matmul"
         elif reds:
@@ -187,6 +211,21 @@ class KernelRules:
         if kind == "pointwise" and len(dom) != 1:
             return self._refuse("a pointwise kernel over two domains")
         return kind
+
+    def _prologue(self, pro: set[int], inside: set[int], outputs: list[int]) -> str | None:
+        """Why the prologue `pro` of a matmul kernel cannot be computed as its operand tiles
+        are loaded, or None: each of its values must be read only by the prologue and the
+        einsums (the epilogue's domain is the output tile) and by no other kernel (it exists
+        only tile by tile, once per output tile reading it)."""
+        for v in sorted(pro):
+            if v in outputs:
+                return f"%{v} (a matmul operand computed as it is loaded) is read by another kernel"
+            late = [u for u in self.g.users(v) if u in inside and u not in pro
+                    and self.node[u].op is not Op.EINSUM]
+            if late:
+                return (f"%{v} (a matmul operand computed as it is loaded) is read by %{late[0]} "
+                        f"in the epilogue")
+        return None
 
     def _row_epilogue(self, r0: Node, late: list[Node], computed: set[int]) -> str | None:
         """Why input-domain nodes after the reduction cannot be its row epilogue, or None.

@@ -80,7 +80,8 @@ def test_broadcast_of_a_computed_value_is_not_fused() -> None:
 def peak_raising_graph() -> tuple[Graph, int, int]:
     """a = exp(x) feeds an early matmul; c = 2x feeds the last one. Fusing the siblings a and
     c reads x once but makes the [N, K] value c live across the middle, where x and the big
-    product r are live too: the peak grows by N*K*4 bytes."""
+    product r are live too: the peak grows by N*K*4 bytes. (Both are graph outputs too, so
+    neither is a matmul's prologue, computed as its operand tiles load, but a kernel.)"""
     N, K = 64, 32
     b = Builder("peak")
     x, w = b.input("x", (N, K), "f32"), b.input("w", (K,), "f32")
@@ -90,7 +91,7 @@ def peak_raising_graph() -> tuple[Graph, int, int]:
     s = r.sum((1,))
     c = x * 2.0
     f = b.einsum("nk,n->", c, s)
-    b.graph.set_outputs([("f", f.id)])
+    b.graph.set_outputs([("f", f.id), ("a", a.id), ("c", c.id)])
     return verify(b.graph), a.id, c.id
 
 

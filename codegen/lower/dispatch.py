@@ -17,8 +17,10 @@ it (which values, viewed how, and the trailing size arguments of its `launch`).
     reduction (CUMSUM)   scan_cumsum.py.jinja: the scanned axis is the columns (`rows.py`).
     matmul               matmul.py.jinja in indexed mode: the einsum's letters grouped into
                          batch / M / N / K, operand tiles read through their views by index
-                         statements (a concat or a mask operand is never materialized), the
-                         epilogue on the output tile, every output stored at its own offsets.
+                         statements (a concat or a mask operand is never materialized), a
+                         prologue (pointwise work only the einsums read) evaluated as each
+                         operand tile is loaded, the epilogue on the output tile, every output
+                         stored at its own offsets.
     template             its op's rule in the template-kernel table (`lowerings.TRITON_KERNEL`):
                          segment_sum.py.jinja (a sorted segment sum) / scatter_along.py.jinja
                          for INDEX_ADD and SCATTER_ALONG (below); a pattern op's template
@@ -51,10 +53,12 @@ from titanc.codegen.meta import (compute_dtype, cuda_flat_block, kernel_split_k,
 from titanc.codegen.meta import mma16 as mma16_dtype
 from titanc.codegen.scan.kernel import ScanFallback, ScanKernel, scan_kernel_for
 from titanc.codegen.lower.code import KernelCode, TensorArg, code_of, graph_dtype, index_tile, indexed_args, store
-from titanc.codegen.lower.indexing import Ix, Names, Section, delinearize, reshape_coords
+from titanc.codegen.lower.indexing import (Ix, Names, Section, broadcast_coords, delinearize,
+                                           reshape_coords)
 from titanc.codegen.lower.lowerings import TRITON_KERNEL
 from titanc.codegen.lower import patterns  # noqa: F401  (registers the pattern ops' rules)
 from titanc.codegen.lower.nodes import KernelLowering, Val
+from titanc.passes.fusion_rules import matmul_prologue
 
 __all__ = ["KernelCode", "TensorArg", "graph_dtype", "plan_kernels", "render_kernel"]
 
@@ -180,6 +184,7 @@ def lower_matmul(low: KernelLowering, outs: list[int], header: list[str], dtype:
         return reshape_coords(epi, oc, oshape, shape)
 
     acc_of, held = _shared_accumulators(g, kernel, products)
+    pro = matmul_prologue(g, list(kernel.nodes), {n for n in kernel.nodes if low.computed(n)})
     for k, p in enumerate(products):
         epi.values[p.node.id] = Val(acc_of[k], epi.dims)
         if p.node.type.dtype == "bf16":   # the epilogue and the store see the product rounded
@@ -190,7 +195,7 @@ def lower_matmul(low: KernelLowering, outs: list[int], header: list[str], dtype:
         if nid in held:                      # a sum a shared accumulator holds
             if held[nid] is not None:
                 epi.values[nid] = Val(held[nid], epi.dims)
-        elif low.computed(nid) and nid not in ids:
+        elif low.computed(nid) and nid not in ids and nid not in pro:
             epi.values[nid] = low.compute(epi, node, coords(node.type.shape))
     stores: list[tuple[str, str, str]] = []
     for v in outs:
@@ -287,13 +292,37 @@ def _product(low: KernelLowering, e: Node, names: Names, mma16: bool, op16: str)
         outer = group(sec, outer_chars, index_tile(sec, idx[0], dims[0]))
         inner = group(sec, inner_chars, index_tile(sec, idx[1], dims[1]))
         coord = group(sec, batch, Ix("batch")) | outer | inner
-        val = low.read(sec, vid, [coord[ch] for ch in term])
+        val = _operand_tile(low, sec, vid, [coord[ch] for ch in term])
         if mma16:                                 # 16-bit MMA, float32 accumulation
             cast = f".to(tl.{op16})"
         else:
             cast = f".to({low.cd})" if val.literal is not None or low.cd != "tl.float32" else ""
         tiles.append(sec.let(f"tl.where({mask}, {val.expr}, 0.0){cast}", "t"))
     return _Product(e, tc, size, (batch, m, n), sz, roles, loads, tiles)
+
+
+def _operand_tile(low: KernelLowering, sec: Section, vid: int, coords: list[Ix]) -> Val:
+    """Operand `vid` of an einsum at `coords` (its own shape) in an operand tile's section: a
+    kernel input (or a view of one) is loaded; a prologue value (`passes.fusion_rules.
+    matmul_prologue`: computed before any contraction, read only on the way to the einsums)
+    is evaluated here from its own operands, at coordinates of the same element (a reshape
+    keeps the linear index, an elementwise op broadcasts), once per section."""
+    if not low.computed(vid):
+        return low.read(sec, vid, coords)
+    if vid in sec.values:
+        return sec.values[vid]
+    n = low.node(vid)
+    if n.op is Op.RESHAPE:
+        src = n.inputs[0]
+        val = _operand_tile(low, sec, src, reshape_coords(sec, coords, n.type.shape,
+                                                          low.shape(src)))
+    else:
+        for i in dict.fromkeys(n.inputs):
+            if low.computed(i):
+                _operand_tile(low, sec, i, broadcast_coords(coords, n.type.shape, low.shape(i)))
+        val = low.compute(sec, n, coords)
+    sec.values[vid] = val
+    return val
 
 
 # -- scatter-adds ----------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
   (`x * rsqrt(mean(x²))`, the RMSNorm backward's `expand(r) * x`) is the reduction kernel's;
 - several einsums over one output tile in one matmul kernel, each its own K loop (siblings
   reading one operand, a sum of products such as a backward's `dy W1ᵀ + dz W2ᵀ`);
+- a matmul's prologue: pointwise work only its einsums read is evaluated as each operand
+  tile is loaded (`silu(x) * g` before the FFN's down projection), never stored;
 - cousins: pointwise kernels of one domain that read outputs of the same kernel merge, one
   launch instead of several;
 - neighbours: independent kernels of one kind close in the order merge (pointwise of one
@@ -151,21 +153,75 @@ def test_contractions_over_different_tiles_stay_apart() -> None:
     assert categories(s) == ["matmul", "matmul"]
 
 
+# -- a matmul's prologue ---------------------------------------------------------------------------
+
+def test_pointwise_operand_is_computed_as_the_matmul_loads_it() -> None:
+    # y = sigmoid((silu(x) * g) W): the gate is the first operand's prologue, evaluated tile by
+    # tile in the K loop, never stored; the sigmoid is the epilogue: one kernel
+    b = Builder("prologue")
+    x, g, w = b.input("x", (2, 9, 20), DT), b.input("g", (2, 9, 20), DT), b.input("w", (20, 16), DT)
+    y = b.einsum("btf,fd->btd", x.silu() * g, w).sigmoid()
+    b.graph.set_outputs([("y", y.id)])
+    s = check_parity(b.graph)
+    assert categories(s) == ["matmul"]
+    assert ops(s)[0] == ["silu", "mul", "einsum", "sigmoid"]
+
+
+def test_prologues_of_both_operands_through_reshapes() -> None:
+    # the second operand is read transposed ("df": its rows are N) and computed from a
+    # reshaped input times a broadcast row; the first is a reshape of a computed value, and
+    # one prologue value feeds two einsums of the tile
+    b = Builder("prologues")
+    x, s_ = b.input("x", (2, 3, 3, 20), DT), b.input("s", (20,), DT)
+    w1, w2 = b.input("w1", (8, 2, 20), DT), b.input("w2", (16, 20), DT)
+    h = b.op(Op.RESHAPE, x.exp(), shape=[2, 9, 20])
+    wt = b.op(Op.RESHAPE, w1, shape=[16, 20]) * s_
+    y = b.einsum("btf,df->btd", h, wt) + b.einsum("btf,df->btd", h, w2)
+    b.graph.set_outputs([("y", y.id)])
+    s = check_parity(b.graph)
+    assert categories(s) == ["matmul"]
+
+
+def test_a_gram_matrix_of_a_computed_value() -> None:
+    # both operands are the same prologue value, read as rows and as columns
+    b = Builder("gram")
+    x = b.input("x", (3, 12, 10), DT)
+    h = x.sigmoid()
+    y = b.einsum("bik,bjk->bij", h, h)
+    b.graph.set_outputs([("y", y.id)])
+    assert categories(check_parity(b.graph)) == ["matmul"]
+
+
+def test_an_operand_read_elsewhere_is_stored_by_its_own_kernel() -> None:
+    # h is also read by the epilogue (the residual) and by another kernel's reader (an
+    # output): neither can read a value that exists only tile by tile in the K loop
+    for name, extra in (("residual", True), ("output", False)):
+        b = Builder(name)
+        x, w = b.input("x", (2, 9, 16), DT), b.input("w", (16, 16), DT)
+        h = x.silu()
+        y = b.einsum("btf,fd->btd", h, w)
+        outs = [("y", (y + h).id)] if extra else [("y", y.id), ("h", h.id)]
+        b.graph.set_outputs(outs)
+        s = check_parity(b.graph)
+        assert categories(s) == ["pointwise", "matmul"], name
+
+
 # -- cousins -------------------------------------------------------------------------------------
 
 def test_cousin_pointwise_kernels_merge() -> None:
     # one matmul kernel makes p and q; exp(pᵀ) and sigmoid(qᵀ) read them transposed (a view
     # of a computed value, so not in its epilogue) and share no input: one pointwise kernel.
-    # (h, live with p and q during the matmul, keeps the merge from raising the peak.)
+    # (h, which the row sums read too, is stored rather than the matmul's prologue; live with
+    # p and q during the matmul, it keeps the merge from raising the peak.)
     b = Builder("cousins")
     x, w1, w2 = b.input("x", (16, 64), DT), b.input("w1", (64, 16), DT), b.input("w2", (64, 16), DT)
     h = x.exp()
     p, q = b.einsum("mk,kn->mn", h, w1), b.einsum("mk,kn->mn", h, w2)
     u = b.op(Op.PERMUTE, p, perm=[1, 0]).exp()
     v = b.op(Op.PERMUTE, q, perm=[1, 0]).sigmoid()
-    b.graph.set_outputs([("u", u.id), ("v", v.id)])
+    b.graph.set_outputs([("u", u.id), ("v", v.id), ("hs", h.sum((1,)).id)])
     s = check_parity(b.graph)
-    assert categories(s) == ["pointwise", "matmul", "pointwise"]
+    assert categories(s) == ["reduction", "matmul", "pointwise"]
     assert sorted(ops(s)[2]) == ["exp", "permute", "permute", "sigmoid"]
 
 
