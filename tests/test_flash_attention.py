@@ -250,16 +250,19 @@ def test_bf16_attention_ops_match_float64(kind: str, T: int, window: int, P: int
             assert err < 0.03, (target, name, err)
 
 
-@pytest.mark.xfail(strict=True, reason="the CUDA blocks swapped in by fresh_kernel_modules "
-                   "change the attention modules' BLOCKS but the interpreted run gives the base "
-                   "run's bits: which module the launch reads is under investigation")
 def test_bf16_attention_takes_tensor_core_tiles_on_cuda() -> None:
     """16-bit q, k, v on CUDA with at least 64 queries (`meta.attention_cuda_blocks`): the
     forward 128 x 64 from 128 queries, dq and dk/dv 64 x 64, on 8 warps (wgmma's tiles; the
     exact dots' 32 x 32 kept them on mma.sync); the interpreter keeps its blocks. Run with the
-    CUDA blocks by the interpreter, every result is as close to float64 as the interpreter's
-    blocks give (the loss of this case cancels: 5% there either way, gradients 1%)."""
-    from titanc.runtime.targets.aot import fresh_kernel_modules
+    CUDA blocks by the interpreter, the attention kernels launch with them, and every result
+    is as close to float64 as the interpreter's blocks give (the loss of this case cancels: 5%
+    there either way, gradients 1%).
+
+    The launches, not the bits, show that the other blocks ran: the forward keeps BLOCK_N = 64
+    (the same key order), and the backward's other float32 summation order is rounded away by
+    its bf16 dq, dk and dv (every output equal to the bit, with Triton 3.6 and 3.9), so
+    comparing results cannot tell the blocks apart."""
+    from titanc.runtime.targets.aot import fresh_kernel_modules, record_launches
 
     kind, T, window, P = "mac", 136, 0, 4
     g, inputs = _attention_graph(kind, T, window, P, dtype="f32")
@@ -275,12 +278,25 @@ def test_bf16_attention_takes_tensor_core_tiles_on_cuda() -> None:
     assert fwd.BLOCKS == {False: (64, 64), True: (128, 64)}
     assert bwd.BLOCKS == {False: (32, 32), True: (64, 64)}
     assert "num_warps=8" in srcs["attention_fwd"] and "num_warps=8" in srcs["attention_bwd"]
+
+    def attention_blocks() -> set[tuple[str, int, int]]:
+        """(kernel, BLOCK_M, BLOCK_N) of the attention kernels' launches of one run."""
+        out = set()
+        for launch in record_launches(plan):
+            c, name = dict(launch.constexprs), launch.name
+            if "attention" in name:
+                kernel = name.rsplit("_", 1)[1] if name.endswith(("_dq", "_dkdv")) else "fwd"
+                out.add((kernel, c["BLOCK_M"], c["BLOCK_N"]))
+        return out
+
     base = TritonExecutor(plan).run(inputs)
+    assert attention_blocks() == {("fwd", 64, 64), ("dq", 32, 32), ("dkdv", 32, 32)}
     with fresh_kernel_modules(cuda_blocks=True, attention=True) as changed:
         got = TritonExecutor(plan).run(inputs)
+        launched = attention_blocks()           # the modules `got` ran: other blocks did run
     assert {m.BLOCKS[False] for m in changed if isinstance(m.BLOCKS[False], tuple)} == {
         (128, 64), (64, 64)}
-    assert any(not torch.equal(got[k], base[k]) for k in want)     # other blocks did run
+    assert launched == {("fwd", 128, 64), ("dq", 64, 64), ("dkdv", 64, 64)}
     for name, ref in want.items():
         err = lambda r: float((r[name].double() - ref).norm() / ref.norm())
         assert err(got) <= 1.1 * err(base) + 2e-3, (name, err(got), err(base))
