@@ -23,8 +23,10 @@ Kernel families, with what a kernel may contain:
 - matmul: up to MAX_CONTRACTIONS EINSUMs over one output tile (`matmul_tile`: the same output
   shape, each axis a batch, M or N letter alike), each its own K loop and accumulator, with a
   pointwise epilogue on that domain (siblings reading one operand, a sum of products); their
-  operands may be views of kernel inputs (read with remapped indices, never materialized),
-  not computed ones.
+  operands are views of kernel inputs (read with remapped indices, never materialized) or
+  the kernel's prologue (`fusion_rules.matmul_prologue`): pointwise work before any
+  contraction that only the einsums read (no other kernel, not the epilogue), evaluated as
+  each operand tile is loaded (`silu(a) * b` feeding the FFN's down projection).
 - template: a SCAN with its ITEMs and its prologue (`schedule.prologue_of`: gathers, and float
   casts of them, that only its carries read, as their initial values; the embedding gather
   feeding the layer scan is no kernel of its own), a pattern op (`OpGroup.PATTERN`, e.g. ATTENTION) with its ITEMs, an
