@@ -294,7 +294,7 @@ def chunk_update_linear(b: Builder, w: Value, k: Value, v: Value, q: Value | Non
     lP = lD if mem.decay_order == "before_grad" else lD - log_keep   # log P_t
     causal = b.mask(U, 0, [("causal", U, None)], k.dtype)         # [t, s]: 0 if s ≤ t
     eye = b.mask(U, 0, [("causal", U, 1)], k.dtype).exp()         # [t, s]: 1 if s = t
-    strict = causal + (1.0 - eye).log()                           # 0 if s < t, else −inf
+    strict = b.mask(U, -1, [("causal", U, None)], k.dtype)       # [t, s]: 0 if s < t
 
     def ratio(l_t: Value, mask: Value) -> Value:                  # exp(l_t − lD_s), masked
         return (l_t.reshape(B, Nm, U, 1) - lD.reshape(B, Nm, 1, U) + mask).exp()
