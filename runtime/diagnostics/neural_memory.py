@@ -11,8 +11,8 @@ its inputs are the chunk-start state (W_1..W_Ld, S_1..S_Ld) and the chunk's stre
 θ, log η, log(1 − α)), its outputs the state after the write. Per chunk: the inner loss
 ℓ(M(k; W), v) of the declared `memory.objective` (titanc/model/objective.py: its own value
 graph, evaluated here), averaged over the chunk's tokens, at the state before the write and
-after it (a write that helps lowers it), the Frobenius norms of W and S (per batch row and head, summed
-over the memory MLP's layers, averaged), and the mean gates θ, η, α. The iteration of the scan
+after it (a write that helps lowers it), the Frobenius norms of W and S (per batch row and
+head, summed over the memory MLP's layers, averaged), and the mean gates θ, η, α. The iteration of the scan
 of role `layer` says which layer a chunk belongs to; MAC's chunks (inside its segment scan)
 are seen the same way. Nothing here changes what the compiled program computes: it is a
 second, slower look at the same graph, for `train.memory_stats_every` (metrics.jsonl) and

@@ -12,9 +12,9 @@ a new objective is one record. ℓ2 also carries its closed-form derivative (2/e
 default's graphs stay what they were before objectives were a choice, and a test checks the
 closed form against autodiff of its value.
 
-    l2      ρ(r) = r²                                       (the Titans paper)
-    huber   ρ(r) = r² for |r| ≤ δ, 2δ|r| − δ² beyond       (ℓ2 inside δ, linear outside)
-    lp      ρ(r) = (r² + ε)^(p/2), ε = LP_EPS               (MIRAS's ℓp attentional bias)
+    l2      ρ(r) = r²                                      (the Titans paper)
+    huber   ρ(r) = r² for |r| ≤ δ, 2δ|r| − δ² beyond      (ℓ2 inside δ, linear outside)
+    lp      ρ(r) = (r² + ε)^(p/2), ε = LP_EPS              (MIRAS's ℓp attentional bias)
 
 Huber is written through c = clamp(r, −δ, δ) as ρ = c (2r − c), ℓp through exp and log;
 both have a gradient everywhere and a second derivative the outer backward can take.
