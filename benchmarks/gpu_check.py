@@ -381,7 +381,7 @@ def run_titanc(name: str) -> None:
     flops = step_flops(prog.compiled)                 # executed, recompute included: HFU
     model = prog.compiled.model_flops()              # forward + backward, none recomputed: MFU
     launches = sum(getattr(ex, "launches_per_run", lambda: 0)()
-                   for ex in prog._executors.values())
+                   for ex in prog.executors.by_graph.values())
     emit(name, "result", ms_median=round(1e3 * med, 4), ms_min=round(1e3 * min(times), 4),
          tokens_per_s=round(ntok / med), step_gflop=round(flops / 1e9, 3),
          model_gflop=round(model / 1e9, 3), mfu=(model / med / fl) if fl else None,

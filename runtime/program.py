@@ -4,6 +4,7 @@ Graphs run on the arena executor over their kernel schedule and buffer plan (`cp
 target), on the same plan with generated Triton kernels (`triton`: on the GPU with CUDA, else
 under Triton's interpreter, see `runtime/targets/triton_executor.py`), or on the reference
 interpreter (`target: reference`, for debugging). `auto` is `triton` when CUDA is present.
+Each compiled graph's executor is bound on first use (`runtime/targets/executors.py`).
 Parameters, the gradient accumulator and the AdamW moments are allocated once and bound
 into every executor, so tensors handed out by `parameters()` stay live and a steady-state
 training step allocates nothing.
@@ -25,25 +26,9 @@ from titanc.runtime.api_checks import check_token_ids
 from titanc.runtime.documents import document_inputs
 from titanc.runtime.optimizer_step import DeviceStep
 from titanc.runtime.state_checks import check_loadable
+from titanc.runtime.targets.executors import Executors, resolve_target
 
 Tensor = torch.Tensor
-
-
-def resolve_target(target: str) -> str:
-    """auto -> triton with CUDA, else the torch executor ('cpu')."""
-    if target == "auto":
-        return "triton" if torch.cuda.is_available() else "cpu"
-    return target
-
-
-def _executor_class(target: str) -> Any:
-    """The executor of a target (the triton one is imported only when used: importing it
-    selects Triton's interpreter when no CUDA device is present)."""
-    if target == "triton":
-        from titanc.runtime.targets.triton_executor import TritonExecutor
-        return TritonExecutor
-    from titanc.runtime.targets.executor import ArenaExecutor
-    return ArenaExecutor
 
 
 def _views(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -67,12 +52,8 @@ class Program:
         self.seq_len = self.spec.model.seq_len
         self._interp = Interpreter()
         self.target = resolve_target(self.spec.compile.target)
-        self._executor_cls = None if self.target == "reference" else _executor_class(self.target)
-        self.device = getattr(self._executor_cls, "device", "cpu")   # where state lives
-        self._executor_options = ({"cuda_graphs": self.spec.compile.cuda_graphs,
-                                   "allow_tf32": self.spec.compile.allow_tf32}
-                                  if self.target == "triton" else {})
-        self._executors: dict[Any, Any] = {}
+        self.executors = Executors(self, self.target)   # one per compiled graph, bound lazily
+        self.device = self.executors.device             # where state lives
         check_fits(compiled.planned_bytes(), self.spec, str(self.device))
         init = init_params(self.spec.model, self.spec.train.seed, self.dtype)
         # parameters, the gradient accumulator and the AdamW moments each live in one flat
@@ -81,19 +62,21 @@ class Program:
         self.numel = sum(t.numel() for t in init.values())
         self.flat = {k: torch.zeros(self.numel, dtype=self.dtype, device=self.device)
                      for k in ("param", "grad", "opt.m", "opt.v")}
-        self._params = _views(self.flat["param"], init)
+        # `params`, `grad_acc`, `grad_tmp`, `opt_m`, `opt_v`: per-parameter views of them, what
+        # the executors bind (runtime/targets/executors.py `Executors.bind`)
+        self.params = _views(self.flat["param"], init)
         for n, t in init.items():
-            self._params[n].copy_(t)
-        self._grad_acc = _views(self.flat["grad"], init)
+            self.params[n].copy_(t)
+        self.grad_acc = _views(self.flat["grad"], init)
         self.accum = self.spec.train.grad_accum
         # micro-batch gradients: straight into the accumulator when there is one micro-batch,
         # else into one flat buffer that a single add accumulates per micro-batch
         self.grad_flat_tmp = (torch.zeros(self.numel, dtype=self.dtype, device=self.device)
                                if self.accum > 1 else self.flat["grad"])
-        self._grad_tmp = _views(self.grad_flat_tmp, init)
+        self.grad_tmp = _views(self.grad_flat_tmp, init)
         self.stepper = DeviceStep(self)   # the optimizer step's device state (`advance`)
-        self._m = _views(self.flat["opt.m"], init)
-        self._v = _views(self.flat["opt.v"], init)
+        self.opt_m = _views(self.flat["opt.m"], init)
+        self.opt_v = _views(self.flat["opt.v"], init)
         self.reducer: Any = None        # set by a distributed run (runtime/train/distributed.py)
         self._token_range = torch.zeros(2, dtype=torch.int64)   # check_token_ids' min, max
         self.step = 0
@@ -101,29 +84,29 @@ class Program:
         # one call at a time: every graph's executor runs in one arena, whose outputs the next
         # call overwrites, so two threads would read each other's results
         self._lock = threading.RLock()
-        self._by_batch: dict[int, Any] = {self.batch_size: compiled}
+        self.by_batch: dict[int, Any] = {self.batch_size: compiled}   # compiles by rows
 
     # -- state ----------------------------------------------------------------------------------
     def parameters(self) -> dict[str, Tensor]:
-        return dict(self._params)
+        return dict(self.params)
 
     def bind_moments(self, m: Tensor | None, v: Tensor | None) -> None:
         """Replace the flat AdamW moment buffers (`numel` elements each), or drop them (None):
         under ZeRO-1 a rank keeps only its shard, and binds full buffers to checkpoint."""
         for key, flat in (("opt.m", m), ("opt.v", v)):
             self.flat[key] = flat
-        self._m = None if m is None else _views(m, self._params)
-        self._v = None if v is None else _views(v, self._params)
+        self.opt_m = None if m is None else _views(m, self.params)
+        self.opt_v = None if v is None else _views(v, self.params)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The parameters, AdamW moments (`param.*`, `opt.m.*`, `opt.v.*`: the program's own
         tensors, not copies) and `opt.step`."""
-        if self._m is None:
+        if self.opt_m is None:
             raise TitancError("state_dict: the AdamW moments are sharded over ranks (ZeRO-1); "
                               "gather them first (bind_moments with full buffers)")
-        sd = {f"param.{n}": t for n, t in self._params.items()}
-        sd.update({f"opt.m.{n}": t for n, t in self._m.items()})
-        sd.update({f"opt.v.{n}": t for n, t in self._v.items()})
+        sd = {f"param.{n}": t for n, t in self.params.items()}
+        sd.update({f"opt.m.{n}": t for n, t in self.opt_m.items()})
+        sd.update({f"opt.v.{n}": t for n, t in self.opt_v.items()})
         sd["opt.step"] = torch.tensor(self.step, dtype=torch.int64)
         return sd
 
@@ -147,14 +130,14 @@ class Program:
         """Every tensor storage this program and its executors own (for allocation probes)."""
         own = [*(t for t in self.flat.values() if t is not None), self.grad_flat_tmp,
                self._token_range, *self.stepper.storages()]
-        return own + [t for ex in self._executors.values() for t in ex.storages()]
+        return own + self.executors.storages()
 
     # -- running --------------------------------------------------------------------------------
     def _graphs(self, batch: int) -> Any:
         """The compiled program (titanc.compiler.Compiled) at `batch` rows."""
-        if batch not in self._by_batch:
-            self._by_batch[batch] = self.compiled.for_batch(batch)
-        return self._by_batch[batch]
+        if batch not in self.by_batch:
+            self.by_batch[batch] = self.compiled.for_batch(batch)
+        return self.by_batch[batch]
 
     def graph(self, kind: str, batch: int, n: int = 1) -> Any:
         """The compiled graph of `kind` (titanc.compiler.GRAPH_KINDS) at `batch` rows."""
@@ -176,78 +159,15 @@ class Program:
         with torch.no_grad():
             if self.target == "reference":
                 return self._interp(cg.graph, inputs)
-            ex = self._executor(cg)
+            ex = self.executors.of(cg)
             return ex.run({k: v for k, v in inputs.items() if k not in ex.bound})
-
-    def _executor(self, cg: Any) -> Any:
-        """The executor of compiled graph `cg`, bound on first use."""
-        ex = self._executors.get(id(cg))
-        if ex is None:
-            if not self._executors and self.target == "triton" and self.device == "cuda":
-                self.precompile()
-            ex = self._executors[id(cg)] = self._bind(cg)
-        return ex
-
-    def precompile(self, batch: int | None = None) -> None:
-        """On CUDA: compile, in one parallel pool, every kernel a training run launches (the
-        training and optimizer programs, and the forward and logits programs its evaluation
-        runs (held-out loss, recall accuracy), at `batch` rows, default train.batch_size)
-        before the first of them binds, so the first step waits for one pool and a second
-        run compiles nothing (`runtime.targets.precompile`). Called on the first bind; a
-        no-op elsewhere."""
-        if not (self.target == "triton" and self.device == "cuda"):
-            return
-        from titanc.runtime.targets.precompile import precompile_for_device
-
-        plans, keys = self.precompile_plans(batch)
-        precompile_for_device(plans, self.spec.compile.allow_tf32, keys=keys)
-
-    def precompile_plans(self, batch: int | None = None) -> tuple[list[Any], list[str]]:
-        """The plans `precompile` compiles at `batch` rows, and for each what it was compiled
-        from (the compile cache's key, the compiler's sources, the graph): the same in a
-        second process, whose plans the compile cache gives back, so it finds the markers
-        the first one wrote."""
-        b = batch or self.batch_size
-        graphs = [self.graph("training", b), self.compiled.graph("optimizer"),
-                  self.graph("forward", b), self.graph("logits", b)]
-        return [cg.plan for cg in graphs], [self._plan_key(cg) for cg in graphs]
-
-    def _plan_key(self, cg: Any) -> str:
-        """What compiled graph `cg`'s plan was compiled from (`Compiled.graph_key`): the same
-        in every process, so a second run finds the precompile's markers and the rendered
-        kernels the first one kept."""
-        for c in [self.compiled, *self._by_batch.values()]:
-            key = c.graph_key(cg)
-            if key is not None:
-                return key
-        raise KeyError(f"graph {cg.kind} is not one of this program's compiles")
-
-    def _bind(self, cg: Any) -> Any:
-        g = cg.graph
-        names = set(g.input_names()) | {n for n, _ in g.outputs}
-        bound: dict[str, Tensor] = {}
-        for n, t in self._params.items():
-            for alias in (n, f"param.{n}"):
-                if alias in names:
-                    bound[alias] = t
-            if f"grad.{n}" in names:
-                bound[f"grad.{n}"] = self._grad_acc[n] if cg.kind == "optimizer" \
-                    else self._grad_tmp[n]
-            if f"opt.m.{n}" in names:
-                bound[f"opt.m.{n}"], bound[f"opt.v.{n}"] = self._m[n], self._v[n]
-        options = dict(self._executor_options)
-        if self.stepper.capture and cg.kind in ("training", "optimizer"):
-            options["cuda_graphs"] = False           # inside the step's own graph
-        if self.target == "triton":
-            options["plan_key"] = self._plan_key(cg)
-        return self._executor_cls(cg.plan, bound, **options)
 
     def loss(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
         with self._lock:
             tokens = self._check_tokens(tokens)
             cg = self.graph("forward", tokens.shape[0])
             extra = document_inputs(self.spec, self.dtype, tokens, docs)
-            return float(self._run(cg, {"tokens": tokens, **extra, **self._params})["loss"])
+            return float(self._run(cg, {"tokens": tokens, **extra, **self.params})["loss"])
 
     def _forward_output(self, tokens: Tensor, output: str,
                         docs: dict[str, Tensor] | None = None) -> Tensor:
@@ -256,7 +176,7 @@ class Program:
             tokens = self._check_tokens(tokens)
             cg = self.graph(output, tokens.shape[0])
             extra = document_inputs(self.spec, self.dtype, tokens, docs, loss=False)
-            return self._run(cg, {"tokens": tokens, **extra, **self._params})[output].clone()
+            return self._run(cg, {"tokens": tokens, **extra, **self.params})[output].clone()
 
     def logits(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> Tensor:
         """Next-token logits [B, T, V] for tokens [B, T+1] (the last column is ignored)."""
@@ -278,8 +198,8 @@ class Program:
         tokens = self._check_tokens(tokens)
         cg = self.graph("training", tokens.shape[0])
         extra = document_inputs(self.spec, self.dtype, tokens, docs)
-        out = self._run(cg, {"tokens": tokens, **extra, **self._params})
-        return float(out["loss"]), {n: out[f"grad.{n}"] for n in self._params}
+        out = self._run(cg, {"tokens": tokens, **extra, **self.params})
+        return float(out["loss"]), {n: out[f"grad.{n}"] for n in self.params}
 
     def train_step(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
         """One optimizer step on `grad_accum` micro-batches of `batch_size` rows each
@@ -321,25 +241,25 @@ class Program:
         """The training graph `cg` on one micro-batch of a step (the executor's own outputs);
         its gradients land in the micro-batch gradient buffer (`grad_flat_tmp`)."""
         if self.target == "reference":               # the interpreter returns new tensors
-            out = self._run(cg, {**micro, **self._params})
-            for n, t in self._grad_tmp.items():
+            out = self._run(cg, {**micro, **self.params})
+            for n, t in self.grad_tmp.items():
                 t.copy_(out[f"grad.{n}"])
             return out
-        return self._executor(cg).run(micro)
+        return self.executors.of(cg).run(micro)
 
     def optimizer_graph(self, scalars: dict[str, Tensor]) -> Tensor:
         """The compiled optimizer graph over every parameter at the device `scalars` (lr, step,
         grad_scale); returns the gradient norm as a device tensor."""
         inputs = dict(scalars)
-        for n in self._params:
-            inputs[f"param.{n}"] = self._params[n]
-            inputs[f"grad.{n}"] = self._grad_acc[n]
-            inputs[f"opt.m.{n}"] = self._m[n]
-            inputs[f"opt.v.{n}"] = self._v[n]
+        for n in self.params:
+            inputs[f"param.{n}"] = self.params[n]
+            inputs[f"grad.{n}"] = self.grad_acc[n]
+            inputs[f"opt.m.{n}"] = self.opt_m[n]
+            inputs[f"opt.v.{n}"] = self.opt_v[n]
         out = self._run(self.compiled.graph("optimizer"), inputs)
-        for n in self._params:                       # the executor updates in place
-            for dst, key in ((self._params[n], f"param.{n}"), (self._m[n], f"opt.m.{n}"),
-                             (self._v[n], f"opt.v.{n}")):
+        for n in self.params:                       # the executor updates in place
+            for dst, key in ((self.params[n], f"param.{n}"), (self.opt_m[n], f"opt.m.{n}"),
+                             (self.opt_v[n], f"opt.v.{n}")):
                 if out[key].data_ptr() != dst.data_ptr():
                     dst.copy_(out[key])
         return out["grad_norm"]

@@ -48,7 +48,7 @@ def tril():
         vjp=lambda b, a, xs, y, ct: [b.op(op, ct, diagonal=a["diagonal"])],
         zero="all", groups=("INDEXING",)))
 
-    # 2. runtime/targets/executor.py: the cpu rule, an out= call into the planned tensor
+    # 2. runtime/targets/cpu_rules.py: the cpu rule, an out= call into the planned tensor
     @register_lowering(op, CPU)
     def _cpu(b: Any, n: Any, xs: list, o: torch.Tensor) -> list:
         x, k = xs[0], n.attr("diagonal")

@@ -262,19 +262,19 @@ def test_training_step_matches_cpu_target(example: str) -> None:
     toks = torch.randint(0, 16, (1, 9), generator=gen(7))
     losses = {t: p.train_step(toks) for t, p in progs.items()}
     assert abs(losses["triton"] - losses["cpu"]) <= 1e-5 * max(1.0, abs(losses["cpu"]))
-    for name, g in progs["cpu"]._grad_acc.items():          # the step's gradients
-        torch.testing.assert_close(progs["triton"]._grad_acc[name], g, rtol=1e-4, atol=1e-6,
+    for name, g in progs["cpu"].grad_acc.items():          # the step's gradients
+        torch.testing.assert_close(progs["triton"].grad_acc[name], g, rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"grad of {name}: {m}")
     norms = {t: p.last["grad_norm"] for t, p in progs.items()}
     assert abs(norms["triton"] - norms["cpu"]) <= 1e-5 * max(1.0, norms["cpu"])
     for name, p in progs["cpu"].parameters().items():
         torch.testing.assert_close(progs["triton"].parameters()[name], p, rtol=1e-5, atol=1e-7,
                                    msg=lambda m: f"parameter {name} after the step: {m}")
-    assert all(type(ex) is TritonExecutor for ex in progs["triton"]._executors.values())
+    assert all(type(ex) is TritonExecutor for ex in progs["triton"].executors.by_graph.values())
 
 
 def test_auto_target_is_cpu_without_cuda() -> None:
-    from titanc.runtime.program import resolve_target
+    from titanc.runtime.targets.executors import resolve_target
 
     assert resolve_target("auto") == ("triton" if torch.cuda.is_available() else "cpu")
     assert resolve_target("triton") == "triton"

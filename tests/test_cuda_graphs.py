@@ -54,7 +54,7 @@ def test_replayed_steps_equal_eager_steps(examples_dir) -> None:
             "compile.target": "triton", "compile.cuda_graphs": graphs})
         losses = [prog.train_step(tokens) for _ in range(4)]    # eager, capture, replay, replay
         params[graphs] = ({n: t.clone() for n, t in prog.parameters().items()}, losses)
-        assert all(ex.cuda_graphs == graphs for ex in prog._executors.values())
+        assert all(ex.cuda_graphs == graphs for ex in prog.executors.by_graph.values())
     (p0, l0), (p1, l1) = params[False], params[True]
     assert l0 == pytest.approx(l1, rel=1e-6)
     for n in p0:

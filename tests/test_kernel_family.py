@@ -81,7 +81,7 @@ def test_every_consumer_sees_a_toy_family(toy_sum: KernelFamily) -> None:
     from titanc.codegen.group import groupable
     from titanc.codegen.lower.dispatch import plan_kernels
     from titanc.codegen.lowered import LaunchGroup, lower
-    from titanc.runtime.targets.executor import kernel_label
+    from titanc.runtime.targets.profiler import kernel_label
     from titanc.tools.cost_model import compiled_cost
     from titanc.tools.inspect import category_totals
 

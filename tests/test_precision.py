@@ -314,7 +314,7 @@ def test_cpu_and_triton_agree_on_a_bf16_mac_training_step() -> None:
     for k in gc:      # 0 .. 0.026 measured: bf16 products rounded at other places
         err = float((gt[k] - gc[k]).norm() / (gc[k].norm() + 1e-12))
         assert err < 0.05, (k, err)
-    executors = [ex for ex in tri._executors.values() if hasattr(ex, "scan_code")]
+    executors = [ex for ex in tri.executors.by_graph.values() if hasattr(ex, "scan_code")]
     kernels = [sk for ex in executors for sk in ex._scans.values() if not isinstance(sk, str)]
     assert {"memory_chunk", "memory_chunk_bwd"} <= {   # the scans that are kernels (scan_form)
         sk.name.split("_scan_")[1].rsplit("_", 1)[0] for sk in kernels}

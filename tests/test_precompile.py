@@ -78,7 +78,7 @@ def test_precompile_compiles_every_kernel_once(tmp_path, monkeypatch) -> None:
 def test_a_second_process_finds_the_markers(tmp_path, monkeypatch) -> None:
     """A second run of a spec compiles nothing: its plans come back from the compile cache
     (their pickles differ from the fresh ones'), so the markers are keyed by what the plans
-    were compiled from (`Program.precompile_plans`), the same in both."""
+    were compiled from (`Executors.plans`), the same in both."""
     import titanc
     from titanc import compile_cache, config
     from titanc.runtime.program import Program
@@ -88,13 +88,13 @@ def test_a_second_process_finds_the_markers(tmp_path, monkeypatch) -> None:
     over = {**SMALL, "compile.target": "triton"}
     with config.override(cache_dir=tmp_path / "titanc"):
         fresh = titanc.compile(EXAMPLES / "tiny_lmm.yaml", **over)
-        plans, keys = fresh.precompile_plans()
+        plans, keys = fresh.executors.plans()
         # what a second process compiles: the compile cache's copy (this test process
         # memoizes compiles, tests/helpers.py, so it is stored and read back here)
         key = compile_cache.compile_key(fresh.spec, None, True)
         compile_cache.store(key, fresh.compiled, True)
         again = Program(compile_cache.load(key, False))
-        plans2, keys2 = again.precompile_plans()
+        plans2, keys2 = again.executors.plans()
         assert keys == keys2 and plans2[0] is not plans[0]
         # the markers are what this test is about: the pool compiles nothing (its compiles
         # are test_precompile_compiles_every_kernel_once's)
@@ -120,9 +120,9 @@ def test_a_second_process_finds_the_markers(tmp_path, monkeypatch) -> None:
         return object()
 
     for prog in (fresh, again):
-        prog._executor_cls = executor
+        prog.executors.cls = executor
         for cg in (prog.graph("training", prog.batch_size), prog.graph("forward", 3)):
-            prog._bind(cg)
+            prog.executors.bind(cg)
     assert bound[0] == bound[2] == keys[0] and bound[1] == bound[3] != keys[2]
 
 
@@ -138,7 +138,7 @@ def test_a_second_program_binds_without_rendering(tmp_path, monkeypatch) -> None
     over = {**SMALL, "compile.target": "triton", "model.n_layers": 1}
 
     def bind(prog):
-        return prog._executor(prog.graph("training", prog.batch_size))
+        return prog.executors.of(prog.graph("training", prog.batch_size))
 
     with config.override(cache_dir=tmp_path / "titanc", compile_cache=True, debug=0):
         first = bind(titanc.compile(EXAMPLES / "tiny_lmm.yaml", **over))

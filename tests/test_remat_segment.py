@@ -157,7 +157,7 @@ def test_per_segment_triton_matches_cpu_float64(example: str) -> None:
             "model.memory.heads": 1, "train.dtype": "float64", "train.remat": "per_segment",
             "train.remat_rows": 1}
     progs = one_step_on_both_targets(ROOT / "examples" / f"{example}.yaml", over, batch=1)
-    assert all(type(ex) is TritonExecutor for ex in progs["triton"]._executors.values())
+    assert all(type(ex) is TritonExecutor for ex in progs["triton"].executors.by_graph.values())
 
 
 def test_peak_lists_what_the_peak_holds() -> None:

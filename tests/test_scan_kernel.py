@@ -190,7 +190,8 @@ def test_nested_scan_float64() -> None:
 def test_training_step_float64_matches_cpu_target() -> None:
     over = {**SMALL, "model.memory.heads": 1, "train.dtype": "float64"}
     progs = one_step_on_both_targets(ROOT / "examples" / "tiny_lmm.yaml", over, batch=1)
-    tri = [ex for ex in progs["triton"]._executors.values() if isinstance(ex, TritonExecutor)]
+    tri = [ex for ex in progs["triton"].executors.by_graph.values()
+           if isinstance(ex, TritonExecutor)]
     assert tri and not any(f["scan"].find("memory_chunk") >= 0 for ex in tri
                            for f in ex.fallbacks)
 
@@ -572,7 +573,8 @@ def test_memory_scans_the_cost_rule_loops_match_the_cpu_target(monkeypatch) -> N
     over = {**SMALL, "model.memory.heads": 1, "train.dtype": "float64"}
     with config.override(compile_cache=False):      # keep these decisions off the disk
         progs = one_step_on_both_targets(ROOT / "examples" / "tiny_lmm.yaml", over, batch=1)
-    tri = [ex for ex in progs["triton"]._executors.values() if isinstance(ex, TritonExecutor)]
+    tri = [ex for ex in progs["triton"].executors.by_graph.values()
+           if isinstance(ex, TritonExecutor)]
     why = [f["reason"] for ex in tri for f in ex.fallbacks if "memory_chunk" in f["scan"]]
     assert why and all("serial tile rounds" in w for w in why)
 

@@ -1,6 +1,6 @@
 """Profiler-style summaries of training steps (`titanc bench`, `titanc train --profile`).
 
-    sp = StepProfiler()                             # sums executor.profiling() per step
+    sp = StepProfiler()                             # sums profiler.profiling() per step
     for _ in range(steps):
         with sp.step():
             prog.train_step(tokens)
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from titanc.ir.kernel_family import PROFILE_LABELS
-from titanc.runtime.targets.executor import profiling
+from titanc.runtime.targets.profiler import profiling
 
 __all__ = ["profile_summary", "profile_table", "format_summary", "peak_flops", "device_name",
            "peak_rss_bytes", "StepProfiler", "PEAK_TFLOPS", "format_bytes", "format_count"]

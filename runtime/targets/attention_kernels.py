@@ -55,11 +55,11 @@ class StepBuilder(Protocol):
     which passes itself): the graph, its bound values and planned storage, scratch."""
     g: Graph
     val: dict[int, Any]
-    scratch: Any                   # executor.Scratch: `alloc(type)`, `top` (a stack mark)
+    scratch: Any                   # storage.Scratch: `alloc(type)`, `top` (a stack mark)
 
     def located(self, vid: int) -> Tensor: ...
     def operand(self, vid: int) -> Any: ...
-    def _const(self, t: Tensor) -> Tensor: ...
+    def const(self, t: Tensor) -> Tensor: ...
 BLOCK_Q = 64           # queries per block: scratch is O(BLOCK_Q · keys), not O(queries · keys)
 BLOCK_K = 64           # keys per block: the unit of skipping invisible keys
 LOG2E = 1.0 / math.log(2.0)     # exp(x) = exp2(x · log2 e): exp2 is the cheaper ATen call
@@ -157,7 +157,7 @@ def _block_bias(b: "StepBuilder", n: Node, i0: int, i1: int, runs: list[Run],
     if bool(vis.all()):
         return None
     zero, ninf = torch.zeros((), dtype=dtype), torch.tensor(-math.inf, dtype=dtype)
-    return b._const(torch.where(vis, zero, ninf))
+    return b.const(torch.where(vis, zero, ninf))
 
 
 # -- operands as [B·H, rows, cols] --------------------------------------------------------------

@@ -41,7 +41,7 @@ def pattern_steps(b: "StepBuilder", n: Node, outputs: set[int]) -> list[Step]:
     for j, i in enumerate(n.inputs):                 # an inlined scalar (a constant dloss)
         if isinstance(xs[j], float):
             t = b.g.node(i).type
-            xs[j] = b._const(torch.full(t.shape, xs[j], dtype=_TORCH[t.dtype]))
+            xs[j] = b.const(torch.full(t.shape, xs[j], dtype=_TORCH[t.dtype]))
     outs: list[Tensor] = []
     items = {b.g.node(u).attr("index"): u for u in b.g.users(n.id) if u in outputs}
     for k, t in enumerate(n.type):
@@ -165,7 +165,7 @@ def _adamw(b: "StepBuilder", n: Node, xs: list[Tensor], outs: list[Tensor]) -> l
     a = n.attr_dict
     k = a["n"]
     params, grads, ms, vs = (xs[j * k:(j + 1) * k] for j in range(4))
-    lr, step, scale = (x if isinstance(x, Tensor) else b._const(torch.tensor(x))
+    lr, step, scale = (x if isinstance(x, Tensor) else b.const(torch.tensor(x))
                        for x in xs[4 * k:])
     new_p, new_m, new_v = (outs[j * k:(j + 1) * k] for j in range(3))
     norm = outs[3 * k]

@@ -41,14 +41,14 @@ from titanc.codegen.render import load_module, load_rendered, store_rendered
 from titanc.codegen.scan.kernel import (ScanFallback, ScanKernel, count_launches,
                                         host_table, scan_kernel_for)
 from titanc.errors import TitancError
-from titanc.ir import Op
 from titanc.ir.types import TensorType
 from titanc.config import current, debug_level, triton_interpret, triton_interpret_mode
 from titanc.ir.buffer_plan import BufferPlan
 
 from titanc.codegen.group import groupable, render_group
 from titanc.codegen.lowered import Launch, LaunchGroup, Lowered, ScanLaunch, Step, lower
-from titanc.runtime.targets.executor import Binder, PlanExecutor, Tensor
+from titanc.runtime.targets.binder import Binder, Tensor
+from titanc.runtime.targets.executor import PlanExecutor
 
 __all__ = ["TritonExecutor", "count_launches", "interpreting", "launch_tensors", "module_for",
            "scan_kernel_for"]
@@ -138,7 +138,7 @@ class _TritonBuilder(Binder):
             self._launch(st.prologue)
             for v in st.prologue.outputs:
                 self.val[v] = self.located(v)
-        self._scan(self.g.node(st.scan), set(kern.outputs))   # the loop over its body
+        self.scan(self.g.node(st.scan), set(kern.outputs))   # the loop over its body
         self.kernel_outputs(kern)
         self.launches += self._subs[-1].launches * self.g.node(st.scan).attr("length")
 
@@ -149,7 +149,7 @@ class _TritonBuilder(Binder):
         first iteration read the broadcast and the others a dense carry would be compiled
         twice (tiny.yaml: 13 of 109 compiles, 35 s of 165)."""
         broadcast = any(st == 0 and sz > 1 for st, sz in zip(x.stride(), x.shape))
-        if not (broadcast and self._is_constant(vid)):
+        if not (broadcast and self.is_constant(vid)):
             return x
         # one dense copy per scan operand, whichever iteration of an enclosing host loop binds
         # it (read only: the first iteration reads it, the others their carry slots);
@@ -157,7 +157,7 @@ class _TritonBuilder(Binder):
         key = (id(self.plan), vid)
         dense = self.owner.dense_carries.get(key)
         if dense is None:
-            dense = self.owner.dense_carries[key] = self._const(x.contiguous())
+            dense = self.owner.dense_carries[key] = self.const(x.contiguous())
         return dense
 
     def _launch(self, kern: Any, code: KernelCode | None = None) -> None:
@@ -189,7 +189,7 @@ class _TritonBuilder(Binder):
         items = {self.g.node(u).attr("index"): u for u in self.g.users(sid) if u in outs}
         for k in sk.outputs:
             self.val[items[k]] = self.located(items[k])
-        tables = [self._const(host_table(op, a, dt)) for op, a in sk.tables]
+        tables = [self.const(host_table(op, a, dt)) for op, a in sk.tables]
         owner = self.owner
         owner.scan_workspace(sk.grid * sk.ws_per_program, dt, self.arena.data.device)
         module = owner.scan_module(sk)

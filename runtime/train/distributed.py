@@ -67,7 +67,7 @@ class Dist:
 
 def backend_for(spec: Any) -> str:
     """nccl when the program runs on CUDA, else gloo."""
-    from titanc.runtime.program import resolve_target
+    from titanc.runtime.targets.executors import resolve_target
     return "nccl" if resolve_target(spec.compile.target) == "triton" \
         and torch.cuda.is_available() else "gloo"
 

@@ -439,7 +439,7 @@ class Trainer:
         from titanc.integrations.tensorboard import open_tensorboard
         self._tb = open_tensorboard(spec, self.out, start_step) if self.main else None
         self._metrics = open(self.metrics_path, "a") if self.main else None
-        from titanc.runtime.targets.executor import profiling
+        from titanc.runtime.targets.profiler import profiling
         profiler = profiling() if self.profile else None
         self._kernel_profile = profiler.__enter__() if profiler else None
         try:

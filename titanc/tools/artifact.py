@@ -243,7 +243,7 @@ def _device(spec: Any) -> str:
     """Where the program of `spec` would hold its memory."""
     import torch
 
-    from titanc.runtime.program import resolve_target
+    from titanc.runtime.targets.executors import resolve_target
     return "cuda" if resolve_target(spec.compile.target) == "triton" and \
         torch.cuda.is_available() else "cpu"
 
