@@ -16,6 +16,7 @@ import pytest
 from tests.helpers import tiny_spec
 from titanc.tools import inspect
 from titanc.tools.artifact import write_artifact
+from titanc.tools.build_dir import open_artifact
 from titanc.tools.cli import main
 
 
@@ -84,7 +85,7 @@ def test_step_before_and_after_the_pattern_passes(
 
 
 def test_launch_counts_make_leaf_totals_equal_the_top_level_flops(art: Path) -> None:
-    rows, note = inspect.resolved_rows(inspect.open_artifact(art))
+    rows, note = inspect.resolved_rows(open_artifact(art))
     assert note == ""
     assert {r["name"] for r in rows} == {k["name"] for k in json.loads(
         (art / "report.json").read_text())["kernels"]}

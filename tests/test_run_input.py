@@ -402,7 +402,7 @@ def test_damaged_checkpoint_metadata_and_rng_state(tmp_path: Path) -> None:
 
 
 def test_damaged_manifest_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from titanc.tools.inspect import open_artifact
+    from titanc.tools.build_dir import open_artifact
     from titanc.runtime.data.tokenizer import load_tokenizer
 
     (tmp_path / "manifest.json").write_text(json.dumps({"spec": [1, 2]}))

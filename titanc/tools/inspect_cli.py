@@ -94,6 +94,7 @@ def _add_bench_parser(commands: Any) -> None:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from titanc.tools import inspect
+    from titanc.tools.build_dir import open_artifact
 
     if args.pass_name is not None and not args.graph:
         raise TitancError("--pass selects the graph to draw; use it with --graph")
@@ -107,7 +108,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.dir is None:
         raise TitancError("inspect needs DIR, the directory 'titanc compile -o DIR' wrote "
                           "(or --pipeline)")
-    art = inspect.open_artifact(args.dir)
+    art = open_artifact(args.dir)
     if args.kernel is not None:
         sys.stdout.write(inspect.kernel_source(art, args.kernel).rstrip("\n") + "\n")
     elif args.graph:
