@@ -7,7 +7,10 @@ The memory is a scan over chunks carrying (W_1..W_L, S_1..S_L), each (B, Nm, out
 Inside a chunk every inner gradient is taken at the chunk-start weights and the per-token
 momentum/decay recurrences are applied in closed form (log-space cumulative sums). The
 update is emitted in its *direct* form, a weighted sum over the chunk of per-token outer
-products (B, Nm, b, out, in); the `aggregate` pass turns it into one contraction.
+products (B, Nm, b, out, in); the `aggregate` pass turns it into one contraction. A linear
+memory (`MemorySpec.linear`: depth 1, no momentum, l2) is instead written exactly, token by
+token inside the chunk, in the WY form (`chunk_update_linear`); docs/semantics.md, "Memory
+family", names the knobs `chunk_write` and `memory_scan` follow.
 """
 from __future__ import annotations
 
@@ -91,12 +94,10 @@ def gates(b: Builder, u: Value, p: dict[str, Value], mem: MemorySpec
         return (u @ p[f"mem_{name}_w"] + p[f"mem_{name}_b"]).permute(0, 2, 1)
 
     theta = const(mem.lr_max) if "theta" in mem.fixed else gate("theta").sigmoid() * mem.lr_max
-    eta = log_eta = None
-    if none:
-        pass
-    elif "eta" in mem.fixed:
+    eta = log_eta = None                            # no momentum: no η
+    if not none and "eta" in mem.fixed:
         log_eta = const(math.log(mem.momentum))
-    else:
+    elif not none:
         eta = gate("eta")
         log_eta = log_sigmoid(eta)
     if "alpha" in mem.fixed:
