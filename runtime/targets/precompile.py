@@ -40,13 +40,14 @@ import hashlib
 import json
 import os
 import pickle
+import queue
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from titanc.cache_files import private_directory, read_regular
 from titanc.codegen.render import cache_dir
@@ -289,10 +290,9 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
           ) -> list[dict[str, Any]]:
     """Compile `launches` in `jobs` worker processes (`python -m titanc.runtime.targets.precompile
     --worker`, without the interpreter: subprocesses, not multiprocessing, so a user's
-    script is never re-imported), fed one kernel at a time by a thread each. A thread starts
-    its worker once it holds one of the machine's `CompileSlots` and keeps it until the queue
-    is empty; a thread still waiting then gives up."""
-    import queue
+    script is never re-imported), fed one kernel at a time by a thread each (`_feed_worker`).
+    A thread starts its worker once it holds one of the machine's `CompileSlots` and keeps it
+    until the queue is empty; a thread still waiting then gives up."""
     import threading
 
     from tqdm import tqdm
@@ -313,6 +313,11 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
     bar = tqdm(total=len(launches), desc=f"compiling {len(launches)} kernels for sm_{arch}",
                disable=not progress, file=sys.stderr)
 
+    def record(r: dict[str, Any]) -> None:
+        with lock:
+            results.append(r)
+            bar.update(1)
+
     def serve() -> None:
         try:
             slot = slots.acquire(give_up=todo.empty)
@@ -323,42 +328,10 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
         if slot is None:
             return
         try:
-            work()
+            _feed_worker(todo, arch, jit, env, record)
         finally:
             if slot >= 0:
                 slots.release(slot)
-
-    def work() -> None:
-        worker = subprocess.Popen(module_command("titanc.runtime.targets.precompile_worker",
-                                                 "--worker", str(arch), "jit" if jit else "aot"),
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                  env=env)
-        assert worker.stdin is not None and worker.stdout is not None
-        try:
-            while True:
-                try:
-                    launch = todo.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    worker.stdin.write(json.dumps(launch, default=str) + "\n")
-                    worker.stdin.flush()
-                    line = worker.stdout.readline()
-                except OSError:                   # it exited before reading (a broken pipe)
-                    line = ""
-                r = json.loads(line) if line else {"name": launch["name"], "ok": False,
-                                                   "error": "the worker process died"}
-                with lock:
-                    results.append(r)
-                    bar.update(1)
-                if not line:
-                    return
-        finally:
-            try:
-                worker.stdin.close()
-            except OSError:
-                pass
-            worker.wait()
 
     threads = [threading.Thread(target=serve) for _ in range(max(1, min(jobs, len(launches))))]
     for t in threads:
@@ -370,3 +343,36 @@ def _pool(launches: list[dict[str, Any]], arch: int, jit: bool, jobs: int, progr
     # a launch no worker took (a worker that could not start): failed, so no marker claims it
     return results + [{"name": l["name"], "ok": False, "error": "no compile worker ran it"}
                       for l in launches if l["name"] not in done]
+
+
+def _feed_worker(todo: "queue.Queue[dict[str, Any]]", arch: int, jit: bool,
+                 env: dict[str, str], record: Callable[[dict[str, Any]], None]) -> None:
+    """Start one compile worker process and feed it the launches of queue `todo`, one at a
+    time, until the queue is empty or the worker dies; `record` takes each result (the
+    launch a dead worker held fails)."""
+    worker = subprocess.Popen(module_command("titanc.runtime.targets.precompile_worker",
+                                             "--worker", str(arch), "jit" if jit else "aot"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert worker.stdin is not None and worker.stdout is not None
+    try:
+        while True:
+            try:
+                launch = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                worker.stdin.write(json.dumps(launch, default=str) + "\n")
+                worker.stdin.flush()
+                line = worker.stdout.readline()
+            except OSError:                   # it exited before reading (a broken pipe)
+                line = ""
+            record(json.loads(line) if line else {"name": launch["name"], "ok": False,
+                                                  "error": "the worker process died"})
+            if not line:
+                return
+    finally:
+        try:
+            worker.stdin.close()
+        except OSError:
+            pass
+        worker.wait()
