@@ -52,3 +52,14 @@ def _digests(name: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(RECORDED))
 def test_example_graphs_are_unchanged(name: str) -> None:
     assert _digests(name) == RECORDED[name]
+
+
+# the forward with data.documents (the memory scan's other path, the document resets),
+# recorded before the knobs too
+DOCUMENTS = {"tiny": "24b1e86f40976bc3", "tiny_lmm": "98ae5da4347b4c27"}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTS))
+def test_example_graphs_with_documents_are_unchanged(name: str) -> None:
+    s = load_spec(ROOT / "examples" / f"{name}.yaml", {"data.documents": True})
+    assert _digest(str(lower_forward(s, s.train.batch_size))) == DOCUMENTS[name]
