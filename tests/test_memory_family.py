@@ -17,12 +17,12 @@ import torch  # noqa: E402
 import tests.reference as R  # noqa: E402
 import titanc  # noqa: E402
 from tests.helpers import TINY, tiny_spec, tokens  # noqa: E402
-from runtime.diagnostics.neural_memory import memory_stats  # noqa: E402
-from runtime.serve.generate import Generator  # noqa: E402
 from titanc.errors import SpecError  # noqa: E402
 from titanc.ir import interpret  # noqa: E402
 from titanc.model.frontend import lower_forward  # noqa: E402
 from titanc.passes.autodiff import grad_graph  # noqa: E402
+from titanc.runtime.diagnostics.neural_memory import memory_stats  # noqa: E402
+from titanc.runtime.serve.generate import Generator  # noqa: E402
 
 DELTANET = {"momentum_form": "none", "fixed": ["alpha"], "decay": 0.0, "read": "after_write",
             "chunk_size": 1, "depth": 1}
