@@ -286,6 +286,10 @@ ROUNDS_PER_LAUNCH = 8
 # kernel (fewer launches; a launch's worth in rounds was measured at two sizes only). tiny_lmm
 # at 512 tokens: its chunk groups' backward costs 2,200 rounds as a kernel, 2,144 as a loop.
 LOOP_GAIN = 2
+# A split scan kernel's group barrier (its slice's programs meet through an L2 atomic and a
+# spin, `codegen/scan/kernel.py` "Split kernels"), in serial tile rounds: an estimate (about
+# one µs, two rounds), never measured: no split kernel has run on a GPU.
+BARRIER_ROUNDS = 2
 
 
 # Names bound by the launcher code every template shares (module constants are per family).

@@ -15,6 +15,7 @@ program that never runs the CLI gets the same settings, read the first time it a
 | `group_launches` | `TITANC_GROUP_LAUNCHES` | 0: the triton target launches every kernel alone (no launch groups, `codegen/horizontal.py`) |
 | `split_k`      | `TITANC_SPLIT_K`      | 1: split-K for matmuls with few output tiles and a long K (`codegen/meta.py` `split_k`; off by default: not yet measured on a GPU) |
 | `scan_cost`    | `TITANC_SCAN_COST`    | 0: every chunk recurrence that renders as one scan kernel is one, however many serial rounds it runs (no cost rule: `codegen/scan/kernel.py` `scan_kernel_for`; the A/B of a GPU call) |
+| `scan_split`   | `TITANC_SCAN_SPLIT`   | P > 1: a chunk recurrence's scan kernel may split each slice of its independent axes over P programs (at most 132 in all; `codegen/scan/kernel.py`, "Split kernels"), weighed by the cost rule against the unsplit kernel and the host loop; default 1 (off until a GPU measures it) |
 | `gpu_blocks`   | `TITANC_GPU_BLOCKS`   | 0: pointwise, reduction, cumsum and cross-entropy kernels launch on CUDA with the interpreter's blocks, not their own (`codegen/meta.py` `cuda_flat_block`; the A/B of a GPU call) |
 | `cache_dir`    | `TITANC_CACHE_DIR`    | where generated kernel modules and compiled programs are written (default: a per-user temp dir); created 0700, refused when another user owns it or may write it (titanc/cache_files.py) |
 | `compile_cache` | `TITANC_COMPILE_CACHE` | 0: compile every time instead of reading `cache_dir/compiled` (titanc/compile_cache.py) |
@@ -54,6 +55,7 @@ class Config:
     split_k: bool = False
     gpu_blocks: bool = True
     scan_cost: bool = True
+    scan_split: int = 1
     cache_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir())
                             / f"titanc-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     compile_cache: bool = True
@@ -107,6 +109,9 @@ class Config:
                 invalid["TITANC_COMPILE_JOBS"] = jobs
             else:
                 more["compile_jobs"] = int(jobs)
+        split = env.get("TITANC_SCAN_SPLIT", "").strip()
+        if split.isdigit() and 1 <= int(split) <= 132:
+            more["scan_split"] = int(split)
         if env.get("TITANC_API_KEY", "").strip():
             more["api_key"] = env["TITANC_API_KEY"].strip()
         if env.get("TITANC_CACHE_DIR"):

@@ -68,6 +68,9 @@ def reg_why(em: Any, scan: int, k: int, local: tuple[int, ...], nests: bool) -> 
     across it would stay live through every inner stage)."""
     if (scan, k) in em.reg_demoted:
         return em.reg_demoted[(scan, k)]
+    if em.split > 1:
+        return (f"a split kernel ({em.split} programs a slice) keeps its carries in the "
+                "workspace its slice's programs share")
     if nests:
         return "its loop holds a nested scan, whose carries and stages get the registers"
     if len(local) > 2:

@@ -70,6 +70,7 @@ class _OpenEinsum:
     sc: BodyRefs
     base: dict[str, str]          # batch and independent letters' coordinates
     loops: tuple[str, str, str]   # m0, n0, k0 ("0": no loop)
+    flat: bool                    # m0 and n0 from one loop over both (a split kernel's)
     rm: str
     rn: str
     acc: str
@@ -115,9 +116,10 @@ def einsum_stage(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
     """Each einsum of `run` as `tl.dot` on [M, K] x [K, N] tiles, then one barrier. A run
     of several (`loops.joins_einsums`: one block each, none reading another's result) loads
     every member's operands first, then multiplies and stores them all: one round."""
-    opened = [_open(em, sc, n, dest) for n, dest in run]
-    for op in opened:
-        _close(em, op)
+    with em.stage():
+        opened = [_open(em, sc, n, dest) for n, dest in run]
+        for op in opened:
+            _close(em, op)
     em.barrier()
 
 
@@ -129,10 +131,17 @@ def _open(em: Any, sc: BodyRefs, n: Node, dest: Ref) -> _OpenEinsum:
     zb = "0"
     if c.NB > 1:
         zb = em.fresh("zb")
-        em.line(f"for {zb} in range(0, {c.NB}):")
-        em.depth += 1
-    m0 = em.open_loop(em.fresh("m"), c.M, c.BM)
-    n0 = em.open_loop(em.fresh("n"), c.N, c.BN)
+        em.open_batch(zb, c.NB)
+    mb, nb = -(-c.M // c.BM), -(-c.N // c.BN)
+    flat = em.split > 1 and em.undistributed and mb > 1 and nb > 1
+    if flat:                  # a split kernel hands out the M x N blocks
+        mn = em.fresh("mn")
+        em.open_batch(mn, mb * nb)
+        m0 = em.let(f"({mn} // {nb}) * {c.BM}", "m")
+        n0 = em.let(f"({mn} % {nb}) * {c.BN}", "n")
+    else:
+        m0 = em.open_loop(em.fresh("m"), c.M, c.BM, independent=True)
+        n0 = em.open_loop(em.fresh("n"), c.N, c.BN, independent=True)
     rm = em.let(f"({m0} + {em.arange(c.BM)})[:, None]", "rm")
     rn = em.let(f"({n0} + {em.arange(c.BN)})[None, :]", "rn")
     acc = em.let(f"tl.full([{c.BM}, {c.BN}], 0, dtype={em.cd})", "acc")
@@ -147,7 +156,7 @@ def _open(em: Any, sc: BodyRefs, n: Node, dest: Ref) -> _OpenEinsum:
                       ((rm, c.BM, wm), (ka, c.BK, wk)), shape[c.ta]),
              _operand(em, sc, c, base, c.tb, n.inputs[1], kb, rn, c.ks, c.ns, c.K, c.N,
                       ((kb, c.BK, wk), (rn, c.BN, wn)), shape[c.tb])]
-    return _OpenEinsum(n, dest, c, sc, base, (m0, n0, k0), rm, rn, acc, tiles)
+    return _OpenEinsum(n, dest, c, sc, base, (m0, n0, k0), flat, rm, rn, acc, tiles)
 
 
 def _operand(em: Any, sc: BodyRefs, c: Contraction, base: dict[str, str], t: str, v: int,
@@ -184,7 +193,10 @@ def _close(em: Any, op: _OpenEinsum) -> None:
     mask = em.mask(em.in_bounds(op.rm, c.M, c.BM), em.in_bounds(op.rn, c.N, c.BN))
     sec = StageTile(mask, em.let(em.zero_tile(f"[{c.BM}, {c.BN}]"), "z"), vars=(op.rm, op.rn))
     em.store(em.ptr(sec, op.dest, [lmap[ch] for ch in c.out]), em.rounded(n, acc), mask)
-    em.close(n0)
-    em.close(m0)
+    if op.flat:
+        em.depth -= 1
+    else:
+        em.close(n0)
+        em.close(m0)
     if c.NB > 1:
         em.depth -= 1

@@ -21,7 +21,10 @@ from titanc.codegen.scan.index import (MAX_UNPACKED, MAX_WORKSPACE, BodyRefs, Re
 from titanc.codegen.scan.pack import BARRIER, pack, wsoff
 from titanc.codegen.scan.values import value
 
-__all__ = ["ScanEmitter"]
+__all__ = ["SUB_LOOP", "ScanEmitter"]
+
+# a split kernel's stage: the sub-programs this program runs (`ScanEmitter.stage`)
+SUB_LOOP = "for sub in range(sub_lo, sub_hi):"
 
 
 class ScanEmitter:
@@ -54,6 +57,11 @@ class ScanEmitter:
         self.reg_bytes = 0
         self.reg_demoted: dict[tuple[int, int], str] = {}
         self.carry_notes: list[dict] = []
+        # a split kernel (`render_scan(split=)`): the programs sharing a slice, and whether the
+        # stage being emitted is still to hand its blocks out over them (`stage`, `open_loop`)
+        self.split = 1
+        self.in_stage = False
+        self.undistributed = False
 
     # -- lines and names ---------------------------------------------------------------------
     def line(self, s: str) -> None:
@@ -70,13 +78,49 @@ class ScanEmitter:
             self.tiles.add(name)
         return name
 
-    def open_loop(self, var: str, total: int, block: int) -> str:
-        """`var` = start of the block: a loop when `total` needs more than one block."""
+    def open_loop(self, var: str, total: int, block: int, independent: bool = False) -> str:
+        """`var` = start of the block: a loop when `total` needs more than one block. In a
+        split kernel the first `independent` loop of a stage (its blocks write disjoint
+        outputs) hands its blocks out round-robin over the slice's sub-programs (`stage`)."""
         if total > block:
-            self.line(f"for {var} in range(0, {total}, {block}):")
+            if independent and self.undistributed:
+                self.undistributed = False
+                self.line(f"for {var} in range(sub * {block}, {total}, {block * self.split}):")
+            else:
+                self.line(f"for {var} in range(0, {total}, {block}):")
             self.depth += 1
             return var
         return "0"
+
+    def open_batch(self, var: str, total: int) -> None:
+        """`for var in range(0, total)` (total > 1): a batch loop of independent blocks,
+        handed out like `open_loop`'s."""
+        if self.undistributed:
+            self.undistributed = False
+            self.line(f"for {var} in range(sub, {total}, {self.split}):")
+        else:
+            self.line(f"for {var} in range(0, {total}):")
+        self.depth += 1
+
+    @contextmanager
+    def stage(self) -> Iterator[None]:
+        """One stage's work. In a split kernel (`split` > 1) it runs inside
+        `for sub in range(sub_lo, sub_hi):` (`SUB_LOOP`): on a GPU each program of a slice
+        runs its own sub-program (one trip), under SPLIT_SERIAL one program runs all of
+        them in turn; the stage's first independent loop gives sub-program `sub` every
+        `split`-th block from block `sub` (`open_loop`). A stage with no such loop runs on
+        sub-program 0 alone (`kernel.split_stages` rewrites its header). Elsewhere nothing."""
+        if self.split == 1 or self.in_stage:
+            yield
+            return
+        self.line(SUB_LOOP)
+        self.depth += 1
+        self.in_stage = self.undistributed = True
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            self.in_stage = self.undistributed = False
 
     def close(self, opened: str) -> None:
         if opened != "0":

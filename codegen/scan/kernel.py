@@ -61,6 +61,32 @@ tile; CUMSUM is `tl.cumsum` along the columns; a nested SCAN becomes a nested lo
 carries are slots of the same workspace). MASK and ROPE tables are computed once on the host
 (`tables`) and passed in.
 
+Split kernels. `render_scan(split=P)` (`config.scan_split`, `TITANC_SCAN_SPLIT=P`) shares
+each slice of the independent axes (one workspace region) among P programs, at most
+`MAX_SPLIT_GRID` programs in all (the grid's programs spin on each other: every one must be
+resident, so the launcher asserts the device has that many SMs; fewer where the slices leave
+no room, none below 2). Every stage runs inside `for sub in range(sub_lo, sub_hi):`, and its
+first loop over independent output blocks (a flat tile loop, a reduction's rows, a dot's
+M x N blocks in one loop, a batch loop) gives sub-program `sub` every P-th block from block
+`sub`; a SUM or AMAX whose rows are one block hands out its column blocks instead, each
+sub-program storing a partial result and sub-program 0 combining them in order after a
+barrier; a stage with no such loop (one block, a cumsum's one row block) runs on sub-program
+0 alone (`if sub_lo == 0:`). Each barrier between stages becomes a group barrier of the
+slice (`_group_barrier` in the template: a CTA barrier, one thread's gpu-scope acq_rel
+`tl.atomic_add` on the slice's counter in a small int32 tensor the launcher zeroes, a spin
+until the count reaches the barrier's generation x P, a CTA barrier). Carries stay in the
+workspace (none on chip: a register tile belongs to one program). On a GPU program `prog`
+is sub-program `prog % P` of slice `prog // P`. The interpreter runs programs one after
+another, where a spin would never end: there the constexpr SPLIT_SERIAL (set off CUDA) makes
+one program per slice run its P sub-programs' shares of each stage in turn, the same stage
+code between plain barriers, so the split's math (which blocks each sub-program computes, the
+workspace they exchange) is what the interpreter tests for P > 1; the barrier primitive and
+the pid -> sub mapping are what only a GPU runs. `serial_rounds` counts sub-program 0's
+blocks (it has the most), `group_barriers` the barriers an iteration; `scan_kernel_for` keeps
+the split kernel where its rounds plus `codegen.meta.BARRIER_ROUNDS` per group barrier cost
+less than the unsplit kernel's, then weighs it against the host loop as any kernel. No split
+kernel has run on a GPU: `scan_split` is 1 (off) by default.
+
 Which scans are one kernel is `scan_form`'s rule (a chunk recurrence with independent axes),
 then the cost rule of `scan_kernel_for` (the kernel's serial rounds against its host loop's
 launches, `serial_cost`); every other scan runs as its host loop. No kernel holds more than
@@ -99,10 +125,11 @@ from titanc.codegen.group import groupable
 from titanc.config import current
 from titanc.codegen.lowered import LaunchGroup, Lowered, ScanLaunch, ScanLoop, lower
 from titanc.codegen.lower.code import graph_dtype
-from titanc.codegen.meta import (LOOP_GAIN, ROUNDS_PER_LAUNCH, carry_register_bytes,
+from titanc.codegen.meta import (BARRIER_ROUNDS, LOOP_GAIN, ROUNDS_PER_LAUNCH,
+                                 carry_register_bytes,
                                  compute_dtype, dot_precision, kernel_split_k, needs_int64)
 from titanc.codegen.render import render, sanitize_identifier
-from titanc.codegen.scan.emitter import ScanEmitter
+from titanc.codegen.scan.emitter import SUB_LOOP, ScanEmitter
 from titanc.codegen.scan.independence import prefixes
 from titanc.codegen.scan.index import (MAX_TILE, MAX_WORKSPACE, BodyRefs, PaxError, Ref,
                                        ScanFallback)
@@ -111,10 +138,15 @@ from titanc.codegen.scan.pack import BARRIER
 from titanc.codegen.scan.rules import expands, stage_of
 from titanc.codegen.scan.tidy import drop_dead_stores, prune
 
-__all__ = ["KERNEL_ROLES", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE", "ScanFallback", "ScanKernel",
-           "render_scan", "scan_form", "serial_cost", "serial_rounds"]
+__all__ = ["KERNEL_ROLES", "MAX_SPLIT_GRID", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE",
+           "ScanFallback", "ScanKernel", "group_barriers", "render_scan", "scan_form",
+           "serial_cost", "serial_rounds"]
 
 MAX_WORKSPACE_TOTAL = 1 << 28   # workspace elements of all programs (one workspace per executor)
+MAX_SPLIT_GRID = 132            # programs of a split kernel, every one resident at once (an
+                                # H100's or H200's SMs; the launcher checks the device's)
+# a split kernel's barrier between stages: its slice's programs (`scan.py.jinja`)
+GROUP_BARRIER = "_group_barrier(bar_ptr + pid, SPLIT, SPLIT_SERIAL)"
 MAX_STAGES = 128                # stages of one scan kernel (compile time and registers grow);
                                 # a memory-chunk group's backward has 95
 # scan roles (`ir.SCAN_ROLES`) whose body is one chunk of a recurrence (`scan_form`)
@@ -127,6 +159,7 @@ NUM_STAGES = 1
 
 
 _FOR = re.compile(r"for (\w+) in range\(([^,()]+), ([^,()]+)(?:, ([^,()]+))?\):$")
+_SUB_START = re.compile(r"^sub(?: \* \d+)?$")
 
 
 def serial_rounds(lines: list[str]) -> int:
@@ -136,8 +169,13 @@ def serial_rounds(lines: list[str]) -> int:
     loop included; a trip count that is no literal counts 1). One program runs its chunk
     loop serially and each round waits on the workspace, so this count, not the FLOPs, is
     what the kernel's time follows (`MAX_TILE` and `DOT_BLOCK` set it)."""
+    return _per_iteration(lines)[0]
+
+
+def _per_iteration(lines: list[str]) -> tuple[int, int]:
+    """`serial_rounds` and `group_barriers` of `lines`."""
     loops: list[tuple[int, int, int]] = []     # (indent, trips, id) of the open loops
-    inside, segment, ids, blocks = None, 0, 0, {}
+    inside, segment, ids, blocks, barriers = None, 0, 0, {}, 0
     for line in lines:
         body = line.lstrip()
         if not body or body.startswith("#"):
@@ -153,6 +191,7 @@ def serial_rounds(lines: list[str]) -> int:
                 inside = indent
                 continue
             a, b, c = m.group(2), m.group(3), m.group(4) or "1"
+            a = _SUB_START.sub("0", a)     # a split stage's loop: sub-program 0's blocks
             trips = -(-(int(b) - int(a)) // int(c)) if all(
                 x.strip().lstrip("-").isdigit() for x in (a, b, c)) else 1
             ids += 1
@@ -160,12 +199,39 @@ def serial_rounds(lines: list[str]) -> int:
             continue
         if inside is None:
             continue
+        inner = [x for x in loops if x[0] > inside]
         if body.startswith("tl.debug_barrier()"):
             segment += 1
+            barriers += prod(t for _, t, _ in inner)
         elif "tl.load(" in body or "tl.dot(" in body:
-            inner = [x for x in loops if x[0] > inside]
             blocks[(segment, tuple(i for _, _, i in inner))] = prod(t for _, t, _ in inner)
-    return sum(blocks.values())
+    return sum(blocks.values()), barriers
+
+
+def group_barriers(lines: list[str]) -> int:
+    """Barriers one iteration of a scan kernel's loop (`it1`) passes, one program: each
+    once per trip of the loops around it inside the scan loop, counted like
+    `serial_rounds`'s rounds (in a split kernel each is a group barrier)."""
+    return _per_iteration(lines)[1]
+
+
+def split_stages(lines: list[str]) -> list[str]:
+    """A split kernel's lines with the header of every stage that hands out no blocks
+    (`ScanEmitter.stage`: no line of it names `sub`) made `if sub_lo == 0:`: sub-program 0
+    runs it alone."""
+    out = list(lines)
+    for i, line in enumerate(lines):
+        if line.strip() != SUB_LOOP:
+            continue
+        ind = len(line) - len(line.lstrip())
+        j = i + 1
+        while j < len(lines) and (not lines[j].strip()
+                                  or len(lines[j]) - len(lines[j].lstrip()) > ind):
+            j += 1
+        if not any(re.search(r"\bsub\b", x) for x in lines[i + 1:j]
+                   if not x.lstrip().startswith("#")):
+            out[i] = line[:ind] + "if sub_lo == 0:"
+    return out
 
 
 @dataclass(frozen=True)
@@ -194,6 +260,11 @@ class ScanKernel:
     # "why": why it stays in the workspace ("" on chip)}
     carries: tuple[dict, ...] = field(default=(), compare=False)
     rounds: int = field(default=0, compare=False)    # `serial_rounds` of its body
+    # a split kernel: programs a slice of the independent axes (`grid` = slices x split on
+    # a GPU; `ws_per_program` is then a slice's workspace / split, rounded up), and the group
+    # barriers an iteration passes (`group_barriers`; 0 unsplit)
+    split: int = 1
+    barriers: int = field(default=0, compare=False)
 
     @cached_property
     def key(self) -> str:
@@ -209,7 +280,8 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
                 name: str | None = None, spec_path: str = "",
                 immediate: Callable[[int], float | None] = lambda v: None,
                 allow_tf32: bool = False, carry_budget: int | None = None,
-                prologue: Collection[int] = (), serial: bool = False) -> ScanKernel:
+                prologue: Collection[int] = (), serial: bool = False,
+                split: int = 1) -> ScanKernel:
     """One Triton kernel running scan `scan_id` of `g` (raises `ScanFallback` with the reason
     when it cannot). `used`: the item indices the program reads afterwards (default all);
     `prologue`: nodes the kernel computes before the scan (`ir.schedule.scan_prologue`:
@@ -220,7 +292,10 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
     `carry_budget`: bytes of registers per program for carries held on chip (default
     `codegen.meta.carry_register_bytes()`; 0 keeps every carry in the workspace);
     `serial`: a scan without independent axes renders as one program instead of raising
-    (the generator's tests on hand-built loops; `scan_form` never asks for it)."""
+    (the generator's tests on hand-built loops; `scan_form` never asks for it);
+    `split`: programs per slice of the independent axes (the module's docstring, "Split
+    kernels"), at most `MAX_SPLIT_GRID` programs in all (fewer where the slices leave no
+    room: 1 is the unsplit kernel)."""
     budget = carry_register_bytes() if carry_budget is None else carry_budget
     n = g.node(scan_id)
     if stage_of(n) != "scan":
@@ -231,7 +306,7 @@ def render_scan(g: Graph, scan_id: int, *, dtype: str = "float32", used: set[int
     used = set(range(len(n.attr("body").outputs))) if used is None else set(used)
     job = _Job(g, n, compute_dtype(dtype), used,
                sanitize_identifier(name or f"titanc_scan_{scan_id}"), spec_path, immediate,
-               allow_tf32, budget, tuple(prologue))
+               allow_tf32, budget, tuple(prologue), max(1, split))
     why = "no carry with a leading axis"
     for prefix in prefixes(g, n):
         for shared in (0, 1, 2):     # operands other than carries taken by shape, or not
@@ -259,6 +334,7 @@ class _Job:
     allow_tf32: bool
     carry_budget: int
     prologue: tuple[int, ...]
+    split: int = 1
 
 
 def _render(job: _Job, prefix: tuple[int, ...], shared: int) -> ScanKernel:
@@ -269,6 +345,10 @@ def _render(job: _Job, prefix: tuple[int, ...], shared: int) -> ScanKernel:
     em = ScanEmitter(g, n, job.cd, prefix)
     em.precision = dot_precision(job.allow_tf32)
     em.reg_budget = job.carry_budget
+    em.split = split = min(job.split, MAX_SPLIT_GRID // max(1, prod(prefix))) \
+        if prefix and job.split > 1 else 1
+    if split < 2:
+        em.split = split = 1
     sc = BodyRefs(g)
     inputs, extra = _bind_inputs(job, em, sc, prefix, shared)
     top = _outputs(job)
@@ -282,7 +362,9 @@ def _render(job: _Job, prefix: tuple[int, ...], shared: int) -> ScanKernel:
                                          *(prod(top[k].shape) for k in outputs)) else "tl.int32"
     scan_loop(em, sc, n, top)
     _check_and_tidy(em, prefix)
-    rounds = serial_rounds(em.lines)
+    if split > 1:
+        em.lines = split_stages(em.lines)
+    rounds, barriers = _per_iteration(em.lines)
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
         raise PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
                        f"{MAX_WORKSPACE_TOTAL}")
@@ -290,9 +372,11 @@ def _render(job: _Job, prefix: tuple[int, ...], shared: int) -> ScanKernel:
              + [g.node(u).type.rank for u in extra]
              + [len(top[k].shape) for k in outputs])
     source = _source(job, em, prefix, (len(inputs) + len(extra), len(outputs)), ranks, rounds)
-    return ScanKernel(job.name, source, prod(prefix), prefix, max(em.ws, 16), tuple(inputs),
-                      tuple(outputs), tuple(em.tables), em.stages,
-                      carries=tuple(em.carry_notes), extra=tuple(extra), rounds=rounds)
+    return ScanKernel(job.name, source, prod(prefix) * split, prefix,
+                      -(-max(em.ws, 16) // split), tuple(inputs), tuple(outputs),
+                      tuple(em.tables), em.stages, carries=tuple(em.carry_notes),
+                      extra=tuple(extra), rounds=rounds, split=split,
+                      barriers=barriers if split > 1 else 0)
 
 
 def _bind_inputs(job: _Job, em: ScanEmitter, sc: BodyRefs, prefix: tuple[int, ...],
@@ -381,10 +465,12 @@ def _source(job: _Job, em: ScanEmitter, prefix: tuple[int, ...], counts: tuple[i
         pcs.append(f"pc{i} = (pid // {inner}) % {prefix[i]}" if inner > 1
                    else f"pc{i} = pid % {prefix[i]}")
     nc, nx = n.attr("n_carry"), n.attr("n_xs")
+    split = (f" x {em.split} programs a slice (a split kernel: each stage's blocks handed out "
+             "over them, a group barrier between stages)") if em.split > 1 else ""
     header = [f"{job.name}: scan kernel of graph {g.name}", f"spec: {job.spec_path or '(none)'}",
               f"scan %{n.id}: length {n.attr('length')}, {nc} carries, {nx} xs; grid over the "
-              f"independent axes {list(prefix)}; {em.stages} stages, {rounds} serial tile "
-              "rounds an iteration",
+              f"independent axes {list(prefix)}{split}; {em.stages} stages, {rounds} serial "
+              "tile rounds an iteration",
               f"workspace: {em.ws} elements per program, liveness-packed from "
               f"{sum(em.sizes)}"]
     if job.prologue:
@@ -394,9 +480,12 @@ def _source(job: _Job, em: ScanEmitter, prefix: tuple[int, ...], counts: tuple[i
     if on_chip:                      # (a kernel holding none keeps its source, and AOT cache)
         header.append(f"carries on chip (budget {job.carry_budget} B of registers per "
                       "program): " + ", ".join(on_chip))
+    body = em.lines if em.split == 1 else [
+        line.replace(BARRIER, GROUP_BARRIER) if line.strip() == BARRIER else line
+        for line in em.lines]
     return render("scan.py.jinja", name=job.name, header_lines=header, tensors=tensors,
-                  strides=strides, pcs=pcs, body=em.lines, ws=max(em.ws, 16),
-                  grid=prod(prefix), index=em.index, num_warps=NUM_WARPS,
+                  strides=strides, pcs=pcs, body=body, ws=max(em.ws, 16),
+                  grid=prod(prefix), split=em.split, index=em.index, num_warps=NUM_WARPS,
                   round_bf16=any("_bf16(" in line for line in em.lines), dot16=em.dot16,
                   num_stages=NUM_STAGES)
 
@@ -463,23 +552,34 @@ def scan_kernel_for(plan: BufferPlan, kern: Kernel, sid: int, dtype: str,
         raise ScanFallback(why)
     outs = set(kern.outputs)
     used = {g.node(u).attr("index") for u in g.users(sid) if u in outs}
-    sk = render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
-                     immediate=lambda v: (float(g.node(v).attr("value"))
-                                          if is_immediate(g, v) else None),
-                     allow_tf32=allow_tf32, prologue=scan_prologue(g, kern))
+
+    def rendered(split: int) -> ScanKernel:
+        return render_scan(g, sid, dtype=dtype, used=used, name=kern.name,
+                           immediate=lambda v: (float(g.node(v).attr("value"))
+                                                if is_immediate(g, v) else None),
+                           allow_tf32=allow_tf32, prologue=scan_prologue(g, kern), split=split)
+
+    length = g.node(sid).attr("length")
+    cost = lambda k: ROUNDS_PER_LAUNCH + (k.rounds + BARRIER_ROUNDS * k.barriers) * length
+    sk = rendered(1)
+    if current().scan_split > 1:        # the split kernel where it costs less (or no rule)
+        sp = rendered(current().scan_split)
+        if sp.split > 1 and (not current().scan_cost or cost(sp) < cost(sk)):
+            sk = sp
     if current().scan_cost:
-        length = g.node(sid).attr("length")
-        one = ROUNDS_PER_LAUNCH + sk.rounds * length
+        one = cost(sk)
         loop = serial_cost(lower(plan.bodies[sid], _kernel_or_none(dtype, allow_tf32),
                                  groupable if current().group_launches else None)) * length
         loop += ROUNDS_PER_LAUNCH * (prologue_kernel(g, kern) is not None)
         if LOOP_GAIN * loop <= one:
+            split = (f" ({sk.split} a slice, {sk.barriers} group barriers an iteration at "
+                     f"{BARRIER_ROUNDS} rounds each)") if sk.split > 1 else ""
             raise ScanFallback(
                 f"its one kernel would run {sk.rounds} serial tile rounds an iteration on "
-                f"{sk.grid} programs ({one:,} rounds in all), its host loop costs {loop:,} "
-                f"(a launch counted as {ROUNDS_PER_LAUNCH} rounds, `serial_cost`; at most "
-                f"1/{LOOP_GAIN} of the kernel's): a loop of kernels over the whole chip is "
-                "faster")
+                f"{sk.grid} programs{split} ({one:,} rounds in all), its host loop costs "
+                f"{loop:,} (a launch counted as {ROUNDS_PER_LAUNCH} rounds, `serial_cost`; at "
+                f"most 1/{LOOP_GAIN} of the kernel's): a loop of kernels over the whole chip "
+                "is faster")
     return sk
 
 
@@ -497,7 +597,8 @@ def serial_cost(lowered: Lowered) -> int:
     """One run of `lowered` in serial tile rounds, the unit of `codegen.meta.
     ROUNDS_PER_LAUNCH`: a launch (a launch group, a loop's prologue; a split-K matmul two)
     is ROUNDS_PER_LAUNCH rounds, a scan kernel that plus its serial rounds an iteration
-    times its iterations, a host loop its body's cost times its iterations. What decides
+    (and a split kernel's group barriers, `BARRIER_ROUNDS` each) times its iterations, a
+    host loop its body's cost times its iterations. What decides
     between a chunk recurrence's one kernel and its host loop (`scan_kernel_for`)."""
     g = lowered.graph
     cost = 0
@@ -506,7 +607,8 @@ def serial_cost(lowered: Lowered) -> int:
             cost += (ROUNDS_PER_LAUNCH * (s.prologue is not None)
                      + serial_cost(s.body) * g.node(s.scan).attr("length"))
         elif isinstance(s, ScanLaunch):
-            cost += ROUNDS_PER_LAUNCH + s.code.rounds * g.node(s.scan).attr("length")
+            cost += ROUNDS_PER_LAUNCH + (s.code.rounds + BARRIER_ROUNDS * s.code.barriers) \
+                * g.node(s.scan).attr("length")
         else:
             single = isinstance(s, LaunchGroup) or kernel_split_k(g, s.kernel) < 2
             cost += ROUNDS_PER_LAUNCH * (1 if single else 2)
@@ -541,10 +643,13 @@ def count_launches(plan: BufferPlan, dtype: str | None = None, scan_kernels: boo
                 carries.extend({"graph": p.schedule.graph.name, "kernel": kern.name, **c}
                                for c in sk.carries)
             if forms is not None:
+                split = (f", split over {sk.split} programs each ({sk.barriers} group "
+                         "barriers an iteration)") if sk.split > 1 else ""
                 forms.append(row | {"form": "kernel", "grid": sk.grid, "rounds": sk.rounds,
+                                    "split": sk.split,
                                     "why": f"a chunk recurrence: one program per independent "
-                                           f"index {list(sk.prefix)}, its state on chip "
-                                           f"across iterations"})
+                                           f"index {list(sk.prefix)}{split}, its state on "
+                                           f"chip across iterations"})
             return True
         except ScanFallback as e:
             if fallbacks is not None:

@@ -9,7 +9,7 @@ run of reductions alike (`reduce_key`) that read none of each other's results is
 from __future__ import annotations
 
 from math import prod
-from typing import Any
+from typing import Any, Callable
 
 from titanc.ir import Node
 
@@ -36,8 +36,13 @@ def reduce_stage(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
     barrier; where a member reads a carry on chip, each is a stage of its own."""
     mark = (len(em.lines), em.depth)
     try:
-        _reduce_rows(em, sc, run)
+        with em.stage():
+            finish = _reduce_rows(em, sc, run)
         em.barrier()
+        if finish is not None:        # a split kernel's partial sums, combined
+            with em.stage():
+                finish()
+            em.barrier()
         return
     except RegMiss:
         if len(run) == 1:
@@ -57,7 +62,8 @@ def reduce_stage(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
     n, dest = run[0]
     x = n.inputs[0]
     L = local_shape(sc.g.node(x).type.shape, sc.pax.get(x))
-    _reduce_whole(em, sc, n, dest, tuple(pow2(d, 16) for d in L))
+    with em.stage():
+        _reduce_whole(em, sc, n, dest, tuple(pow2(d, 16) for d in L))
     em.barrier()
 
 
@@ -96,8 +102,12 @@ def _reduce_whole(em: Any, sc: BodyRefs, n: Node, dest: Ref, dims: tuple[int, ..
     em.line(f"tl.store({em.ptr(StageTile(mo, zo, vars=()), dest, out_c)}, {y}, mask={mo})")
 
 
-def _reduce_rows(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
-    """Every member of `run` over [rows, cols] tiles of their common input shape."""
+def _reduce_rows(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]]
+                 ) -> Callable[[], None] | None:
+    """Every member of `run` over [rows, cols] tiles of their common input shape. In a split
+    kernel whose rows are one block, the column blocks are handed out instead: each
+    sub-program stores its partial results, and the stage returned (run after a barrier, on
+    sub-program 0) combines them in order (`_combine_partials`)."""
     n = run[0][0]
     xs = sc.g.node(n.inputs[0]).type.shape
     qx = sc.pax.get(n.inputs[0])
@@ -113,25 +123,59 @@ def _reduce_rows(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
     BO = max(2, min(pow2(O, 2), MAX_TILE // BR))
     em.line("# " + sanitize_comment(", ".join(f"%{m.id} = {m.op.name.lower()}" for m, _ in run)
                                     + f": {O} rows of {Rn}"))
-    o = em.open_loop(em.fresh("o"), O, BO)
+    o = em.open_loop(em.fresh("o"), O, BO, independent=True)
     ix = em.let(f"({o} + {em.arange(BO)})[:, None]", "r")
     jx_ = em.fresh("j")
     row_c = dict(zip(rloc, delin(ix, tuple(xs[i] for i in rloc))))
 
-    def in_coords(jx: str, m: Node) -> list[str]:
+    def in_coords(jx: str, m: Node, rows: dict[int, str] = row_c) -> list[str]:
         col_c = dict(zip(axes, delin(jx, tuple(xs[i] for i in axes))))
         if _combine(m) == "cumsum" and m.attr("reverse"):
             col_c = {a: f"({Rn - 1} - {jx})" for a in axes}
         return [em.pc[qx.index(i)] if qx is not None and i in qx else
-                row_c[i] if i in row_c else col_c[i] for i in range(len(xs))]
+                rows[i] if i in rows else col_c[i] for i in range(len(xs))]
 
     rmask = em.in_bounds(ix, O, BO)
     tile = f"[{BO}, {BR}]"
+    partials = None
     if cumsum:
         _cumsum_rows(em, sc, run, rmask, ix, BR, Rn, tile, in_coords)
     else:
-        _reduce_cols(em, sc, run, rmask, ix, jx_, (BO, BR), Rn, kept, len(xs), in_coords)
+        partials = _reduce_cols(em, sc, run, rmask, ix, jx_, (BO, BR), Rn, kept, len(xs),
+                                in_coords)
     em.close(o)
+    if partials is None:
+        return None
+
+    def finish() -> None:
+        ixf = em.let(f"{em.arange(BO)}[:, None]", "r")
+        rows = dict(zip(rloc, delin(ixf, tuple(xs[i] for i in rloc))))
+        _combine_partials(em, run, partials, ixf, O, BO, kept, len(xs),
+                          lambda m: in_coords("0", m, rows))
+    return finish
+
+
+def _combine_partials(em: Any, run: list[tuple[Node, Ref]], partials: list[str], ix: str,
+                      O: int, BO: int, kept: list[int], rank: int, out_coords: Any) -> None:
+    """Each member's result from the split's partial results (`partials`: workspace offsets
+    of [split, BO] buffers), combined in sub-program order."""
+    P = em.split
+    PP = pow2(P, 2)
+    em.line(f"# {', '.join(f'%{m.id}' for m, _ in run)}: the {P} sub-programs' partial "
+            "results combined")
+    jx = em.let(f"{em.arange(PP)}[None, :]", "j")
+    is_max = _combine(run[0][0]) == "max"
+    fill = 'float("-inf")' if is_max else "0.0"
+    cmask = em.in_bounds(jx, P, PP)
+    masking = f", mask={cmask}, other={fill}" if cmask else ""
+    rmask = em.in_bounds(ix, O, BO)
+    sec = StageTile(rmask, em.let(em.zero_tile(f"[{BO}, 1]"), "z"), vars=(ix,))
+    for (m, dest), off in zip(run, partials):
+        x = em.let(f"tl.load(ws_ptr + pbase + {off} + {jx} * {BO} + {ix}{masking})", "x")
+        red = em.let(f"tl.{'max' if is_max else 'sum'}({x}, axis=1, keep_dims=True)", "y")
+        oc = out_coords(m)
+        out_c = [oc[i] for i in range(rank)] if m.attr("keepdim") else [oc[i] for i in kept]
+        em.store(em.ptr(sec, dest, out_c), red, rmask)
 
 
 def _cumsum_rows(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]], rmask: str | None,
@@ -148,14 +192,18 @@ def _cumsum_rows(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]], rmask: str 
 
 def _reduce_cols(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]], rmask: str | None,
                  ix: str, jx_: str, blocks: tuple[int, int], Rn: int, kept: list[int],
-                 rank: int, in_coords: Any) -> None:
-    """Sums or maxima: accumulate [BO, BR] blocks over the columns, then reduce each row."""
+                 rank: int, in_coords: Any) -> list[str] | None:
+    """Sums or maxima: accumulate [BO, BR] blocks over the columns, then reduce each row.
+    In a split kernel whose stage has handed out no blocks yet, the column blocks are
+    handed out and each member's partial result stored at [sub, row] of a workspace buffer
+    of its own: their offsets (`_reduce_rows` combines them)."""
     BO, BR = blocks
     tile = f"[{BO}, {BR}]"
     is_max = _combine(run[0][0]) == "max"
     fill = 'float("-inf")' if is_max else "0.0"
+    split = em.split > 1 and em.undistributed and Rn > BR
     accs = [em.let(f"tl.full({tile}, {fill}, dtype={em.cd})", "acc") for _ in run]
-    r0 = em.open_loop(em.fresh("c"), Rn, BR)
+    r0 = em.open_loop(em.fresh("c"), Rn, BR, independent=split)
     jx = em.let(f"({r0} + {em.arange(BR)})[None, :]", jx_)
     mask = em.mask(rmask, em.in_bounds(jx, Rn, BR))
     sec = StageTile(mask, em.let(em.zero_tile(tile), "z"), vars=(ix, jx))
@@ -164,6 +212,12 @@ def _reduce_cols(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]], rmask: str 
         v = em.masked(v, mask, tile, fill)
         em.line(f"{acc} = tl.maximum({acc}, {v})" if is_max else f"{acc} += {v}")
     em.close(r0)
+    if split:
+        partials = [em.alloc(em.split * BO) for _ in run]
+        for off, acc in zip(partials, accs):
+            red = em.let(f"tl.{'max' if is_max else 'sum'}({acc}, axis=1, keep_dims=True)", "y")
+            em.line(f"tl.store(ws_ptr + pbase + {off} + sub * {BO} + {ix}, {red})")
+        return partials
     sec = StageTile(rmask, em.let(em.zero_tile(f"[{BO}, 1]"), "z"), vars=(ix,))
     for (m, dest), acc in zip(run, accs):
         red = em.let(f"tl.{'max' if is_max else 'sum'}({acc}, axis=1, keep_dims=True)", "y")

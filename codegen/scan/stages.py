@@ -42,9 +42,10 @@ def pointwise_stage(em: Any, label: str, shape: tuple[int, ...], pax: tuple[int,
             raise
         del em.lines[mark[0]:]
         em.depth = mark[1]
-        sec, c, tshape = whole_tile(em, shape, pax, dims, guard)
-        r = expr(sec, c)
-        em.store(em.ptr(sec, dest, list(lead) + c), em.full(r, tshape), sec.mask)
+        with em.stage():
+            sec, c, tshape = whole_tile(em, shape, pax, dims, guard)
+            r = expr(sec, c)
+            em.store(em.ptr(sec, dest, list(lead) + c), em.full(r, tshape), sec.mask)
     em.barrier()
 
 
@@ -56,7 +57,7 @@ def _flat_tile(em: Any, shape: tuple[int, ...], pax: tuple[int, ...] | None,
     L = local_shape(shape, pax)
     N = prod(L)
     B = min(pow2(N, 16), MAX_TILE)
-    o = em.open_loop(em.fresh("o"), N, B)
+    o = em.open_loop(em.fresh("o"), N, B, independent=True)
     ix = em.let(f"{o} + {em.arange(B)}" if o != "0" else f"{em.arange(B)}", "i")
     z = em.let(em.zero_tile(f"[{B}]"), "z")
     m = em.mask(em.in_bounds(ix, N, B), f"((pid + {z}) == 0)" if guard else None)
@@ -68,10 +69,11 @@ def _flat_tile(em: Any, shape: tuple[int, ...], pax: tuple[int, ...] | None,
 
 def _flat_stage(em: Any, shape: tuple[int, ...], pax: tuple[int, ...] | None, dest: Ref,
                 lead: tuple[str, ...], expr: Expr, guard: bool) -> None:
-    sec, c, o, B = _flat_tile(em, shape, pax, guard)
-    r = expr(sec, c)
-    em.store(em.ptr(sec, dest, list(lead) + c), em.full(r, f'[{B}]'), sec.mask)
-    em.close(o)
+    with em.stage():
+        sec, c, o, B = _flat_tile(em, shape, pax, guard)
+        r = expr(sec, c)
+        em.store(em.ptr(sec, dest, list(lead) + c), em.full(r, f'[{B}]'), sec.mask)
+        em.close(o)
 
 
 def pointwise_run(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> None:
@@ -101,27 +103,28 @@ def _flat_run(em: Any, sc: BodyRefs, run: list[tuple[Node, Ref]]) -> int:
     first = run[0][0]
     mark = (len(em.lines), em.depth)
     em.line(_members(run))
-    sec, c, o, B = _flat_tile(em, first.type.shape, sc.pax[first.id])
     took = len(run)
-    for j, (n, dest) in enumerate(run):
-        at = len(em.lines)
-        try:
-            r = node_value(em, sec, sc, n, c, ())
-        except (GroupMiss, RegMiss):
-            del em.lines[at:]
-            took = j
-            break
-        r = r if r in em.tiles else em.let(em.full(r, f"[{B}]"), tile=True)
-        em.store(em.ptr(sec, dest, c), r, sec.mask)
-        sec.cache[("ws", "", dest.base, (), tuple(c), ())] = r
-        sec.written.add(dest.base)
+    with em.stage():
+        sec, c, o, B = _flat_tile(em, first.type.shape, sc.pax[first.id])
+        for j, (n, dest) in enumerate(run):
+            at = len(em.lines)
+            try:
+                r = node_value(em, sec, sc, n, c, ())
+            except (GroupMiss, RegMiss):
+                del em.lines[at:]
+                took = j
+                break
+            r = r if r in em.tiles else em.let(em.full(r, f"[{B}]"), tile=True)
+            em.store(em.ptr(sec, dest, c), r, sec.mask)
+            sec.cache[("ws", "", dest.base, (), tuple(c), ())] = r
+            sec.written.add(dest.base)
+        em.close(o)
     if took < 2:
         del em.lines[mark[0]:]
         em.depth = mark[1]
         return 0
     if took < len(run):                          # the comment names the stage's members
         em.lines[mark[0]] = "    " * mark[1] + _members(run[:took])
-    em.close(o)
     em.barrier()
     return took
 

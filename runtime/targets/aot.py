@@ -272,8 +272,9 @@ def _cpu_seconds() -> float:
 def launch_constexprs(launch: Launch, module: Any, arch: int) -> tuple[dict[str, Any], int, int]:
     """The constexprs, num_warps and num_stages the CUDA launcher passes for `launch` (recorded
     off CUDA): the matmul family's tile of the architecture (`tiles_for`), a template's own
-    CUDA blocks (`cuda_constexprs`; a launch group's members' too, and `cuda_options`), and
-    the 16-bit MMA (`DOT_F32` off)."""
+    CUDA blocks (`cuda_constexprs`; a launch group's members' too, and `cuda_options`), the
+    16-bit MMA (`DOT_F32` off) and a split scan kernel's group barriers (`SPLIT_SERIAL`
+    off)."""
     constexprs, warps, stages = dict(launch.constexprs), launch.num_warps, launch.num_stages
     if hasattr(module, "tiles_for"):
         bm, bn, bk, warps, stages = module.tiles_for(arch)
@@ -284,6 +285,8 @@ def launch_constexprs(launch: Launch, module: Any, arch: int) -> tuple[dict[str,
         warps, stages = module.cuda_options(arch)
     if "DOT_F32" in constexprs:
         constexprs["DOT_F32"] = False
+    if "SPLIT_SERIAL" in constexprs:           # a split scan kernel: its programs meet
+        constexprs["SPLIT_SERIAL"] = False     # at group barriers
     return constexprs, warps, stages
 
 

@@ -268,9 +268,9 @@ def occupancy(compiled: Any, arch: int, jit: bool = False) -> dict[str, Any]:
 #     time = floor + max(FLOPs / rate[its family's cost class], bytes / bandwidth)
 # (a launch group: the floor once, its members' work summed; a split-K matmul: two floors); a
 # scan kernel: the floor plus its serial tile rounds, each `round_us` plus one program's share
-# of the round's FLOPs at `round_gflops`; a host-loop scan: its body's launches times its
-# iterations. The floor is a launch inside the step's CUDA graph (how the triton target runs
-# a step) or outside one.
+# of the round's FLOPs at `round_gflops` (a split one: plus `barrier_us` a group barrier); a
+# host-loop scan: its body's launches times its iterations. The floor is a launch inside the
+# step's CUDA graph (how the triton target runs a step) or outside one.
 # Every constant below is shared by the devices but their datasheet peaks and bandwidth;
 # `benchmarks/cost_fit.py` fits them to the measured GPU calls and prints the error per call.
 
@@ -281,7 +281,8 @@ FIT: dict[str, Any] = {          # benchmarks/cost_fit.py --fit, 2026-11-28 (doc
     "efficiency": {"tensor": 0.1396, "cuda": 0.1026},   # of the unit's peak (`UNIT`)
     "round_us": 0.429,           # a scan kernel's serial tile round: its fixed part, µs ...
     "round_gflops": 194.769,     # ... plus one program's share of its FLOPs at this rate
-}
+    "barrier_us": 1.0,           # a split scan kernel's group barrier: an estimate, not fitted
+}                                # (no split kernel has run on a GPU)
 # the unit each cost class (`KernelFamily.cost`) runs its FLOPs on
 UNIT = {"matmul": "tensor", "attention": "tensor", "elementwise": "cuda", "reduction": "cuda"}
 DATASHEET: dict[str, dict[str, Any]] = {   # HBM GB/s; the peaks are `timing.PEAK_TFLOPS`'
@@ -336,6 +337,7 @@ class LaunchCost:
     members: tuple[tuple[str, int, int], ...] = ()   # a launch group: (cost, flops, bytes)
     rounds: int = 0             # a scan kernel: serial tile rounds a launch (all iterations)
     grid: int = 0               # a scan kernel: its programs
+    barriers: int = 0           # a split scan kernel: group barriers a launch (all iterations)
     split: int = 1              # kernels a launch (a split-K matmul: 2)
 
 
@@ -377,7 +379,8 @@ def step_launches(compiled: Any) -> list[LaunchCost]:
                 length = int(g.node(s.scan).attr("length"))
                 add(key, lambda: LaunchCost(s.kernel.name, "scan", "scan", 0, s.kernel.flops,
                                             s.kernel.bytes, rounds=s.code.rounds * length,
-                                            grid=s.code.grid), runs)
+                                            grid=s.code.grid,
+                                            barriers=s.code.barriers * length), runs)
             elif isinstance(s, LaunchGroup):
                 fams = [family_of(g, m.kernel) for m in s.members]
                 add(key, lambda: LaunchCost(
@@ -412,6 +415,7 @@ def launch_time(dev: Device, row: LaunchCost, dtype: str, graph: bool = True
     if row.cost == "scan":
         per_round = row.flops / max(1, row.grid * row.rounds)     # one program's share
         rounds = row.rounds * (1e-6 * fit["round_us"] + per_round / (1e9 * fit["round_gflops"]))
+        rounds += row.barriers * 1e-6 * fit["barrier_us"]
         return {"floor": floor, "flops": 0.0, "bytes": 0.0, "rounds": rounds,
                 "time": floor + rounds}
     parts = row.members or ((row.cost, row.flops, row.bytes),)
