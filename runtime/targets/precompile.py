@@ -87,6 +87,7 @@ def recorded_launches(plans: Any, allow_tf32: bool = False, float_dtype: Any = N
                                 TITANC_SPLIT_K="1" if current().split_k else "0",
                                 TITANC_GPU_BLOCKS="1" if current().gpu_blocks else "0",
                                 TITANC_SCAN_COST="1" if current().scan_cost else "0",
+                                TITANC_SCAN_SPLIT=str(current().scan_split),
                                 TITANC_SCAN_KERNELS="1" if current().scan_kernels else "0")
         cmd = module_command("titanc.runtime.targets.precompile_worker", "--record", str(src),
                              str(out), *(["--allow-tf32"] if allow_tf32 else []))
@@ -105,10 +106,11 @@ def _marker(plan: Any, key: str | None, arch: int, allow_tf32: bool, jit: bool) 
     import triton
 
     what = key.encode() if key is not None else pickle.dumps(plan)
+    split = f"|split{current().scan_split}" if current().scan_split > 1 else ""
     digest = hashlib.sha256(what + f"{arch}|{allow_tf32}|{jit}|{triton.__version__}|"
                             f"{_code_hash()}|{current().group_launches}|"
                             f"{current().split_k}|{current().gpu_blocks}|"
-                            f"{current().scan_cost}|{current().scan_kernels}".encode()
+                            f"{current().scan_cost}|{current().scan_kernels}{split}".encode()
                             ).hexdigest()[:24]
     return cache_dir() / "precompiled" / f"{digest}.json"
 
