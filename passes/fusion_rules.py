@@ -130,23 +130,13 @@ class KernelRules:
         if len(nodes) > 1 and any(n.op is Op.ROPE for n in nodes):
             return self._refuse("a rotary table stays alone: bound once as a constant table "
                                 "that readers load, never computed per element")
-        tmpl = [n for n in nodes if n.op in TEMPLATES]
-        if tmpl:
-            t = tmpl[0]
-            ok = len(tmpl) == 1 and all(n is t or (n.op is Op.ITEM and n.inputs[0] == t.id)
-                                         or prologue_of(self.g, n.id) == t.id for n in nodes)
-            return "template" if ok else self._refuse("a template kernel holds one template "
-                                                      "node (a scan: and its prologue gathers)")
+        if any(n.op in TEMPLATES for n in nodes):
+            return self._template(nodes)
         einsums = [n for n in nodes if n.op is Op.EINSUM]
         reds = [n for n in nodes if n.op in REDUCTIONS]
-        if einsums and reds:
-            return self._refuse("a contraction and a reduction")
-        if len(einsums) > 1:
-            if len(einsums) > MAX_CONTRACTIONS:
-                return self._refuse(f"more than {MAX_CONTRACTIONS} contractions")
-            tile = matmul_tile(self.g, einsums[0])
-            if tile is None or any(matmul_tile(self.g, e) != tile for e in einsums[1:]):
-                return self._refuse("contractions over different output tiles")
+        why = self._contractions(einsums, reds)
+        if why:
+            return self._refuse(why)
         free: set[int] = set()
         post: set[int] = set()           # depends on a reduction / einsum of this kernel
         computed: list[Node] = []
@@ -211,6 +201,27 @@ class KernelRules:
         if kind == "pointwise" and len(dom) != 1:
             return self._refuse("a pointwise kernel over two domains")
         return kind
+
+    def _template(self, nodes: list[Node]) -> str | None:
+        """A template kernel holds one template node (a scan: its ITEMs and prologue too)."""
+        tmpl = [n for n in nodes if n.op in TEMPLATES]
+        t = tmpl[0]
+        ok = len(tmpl) == 1 and all(n is t or (n.op is Op.ITEM and n.inputs[0] == t.id)
+                                     or prologue_of(self.g, n.id) == t.id for n in nodes)
+        return "template" if ok else self._refuse("a template kernel holds one template "
+                                                  "node (a scan: and its prologue gathers)")
+
+    def _contractions(self, einsums: list[Node], reds: list[Node]) -> str | None:
+        """Why these einsums cannot share one matmul kernel (with these reductions), or None."""
+        if einsums and reds:
+            return "a contraction and a reduction"
+        if len(einsums) > MAX_CONTRACTIONS:
+            return f"more than {MAX_CONTRACTIONS} contractions"
+        if len(einsums) > 1:
+            tile = matmul_tile(self.g, einsums[0])
+            if tile is None or any(matmul_tile(self.g, e) != tile for e in einsums[1:]):
+                return "contractions over different output tiles"
+        return None
 
     def _prologue(self, pro: set[int], inside: set[int], outputs: list[int]) -> str | None:
         """Why the prologue `pro` of a matmul kernel cannot be computed as its operand tiles
