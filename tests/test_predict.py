@@ -104,10 +104,15 @@ def test_the_stored_constants_reproduce_the_small_calls() -> None:
 @pytest.mark.slow
 def test_the_stored_constants_reproduce_large_125m() -> None:
     """large_125m bf16 on the H200 (its program as that call ran it: scan kernels) within
-    25%, and the scans hold most of its predicted step, as the call's profile said."""
-    rows = _check_fit({"large"})
+    25%, and the scans hold most of its predicted step, as the call's profile said. Today's
+    program launches fewer kernels than that call's (5,122 for 5,314: a matmul takes the
+    pointwise work only its einsums read as its prologue), so the anchor is printed, not
+    fitted, until a GPU call measures it again; the stored constants still reproduce it."""
+    import cost_fit
+    rows = cost_fit.evaluate(cost_fit.anchors({"large"}), cm.FIT)
     (r,) = [r for r in rows if r["job"] == "large_bf16"]
-    assert r["fitted"] and r["env"] == {"TITANC_SCAN_COST": "0"}
+    assert r["env"] == {"TITANC_SCAN_COST": "0"} and abs(r["error"]) <= 0.25
+    assert r["fitted"] or r["launches_now"] != r["launches_then"]
     cats = r["categories"]
     assert cats["scan"]["predicted_ms"] > 0.5 * r["predicted_ms"]
     assert cats["scan"]["measured_ms"] > 0.5 * r["measured_ms"]
