@@ -226,7 +226,7 @@ class TritonExecutor(PlanExecutor):
         self.scan_kernels = current().scan_kernels
         self.scan_ws: Tensor | None = None            # shared by every scan kernel
         self.dense_carries: dict[tuple[int, int], Tensor] = {}   # `_TritonBuilder.carry_init`
-        # `plan_key`: what the plan was compiled from (a Program passes it, `_plan_key`).
+        # `plan_key`: what the plan was compiled from (a Program passes it, `Executors.plan_key`).
         # The precompile's marker and the rendered kernels of an earlier process are found
         # under it; a plan's scan bodies are told apart by the order binding meets them
         # (the same for the same plan)
