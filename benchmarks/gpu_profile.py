@@ -80,7 +80,7 @@ def profile(name: str, toy: bool) -> dict[str, Any]:
 
 def scan_rounds(prog: Any, per: dict[str, list[float]], steps: int) -> list[dict[str, Any]]:
     """Each scan kernel of the training program that ran: its serial tile rounds an
-    iteration (`codegen.scan.kernel.serial_rounds`), iterations, launches and µs per step,
+    iteration (`codegen.scan.rounds.serial_rounds`), iterations, launches and µs per step,
     and µs per round (µs / (launches x iterations x rounds)): the figure that says whether
     a scan's time follows its rounds (docs/gpu_kernels.md, "Scan tiles")."""
     from titanc.runtime.targets.triton_executor import count_launches

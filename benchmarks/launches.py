@@ -11,7 +11,7 @@ target's default: scan kernels, and each wave of independent pointwise / reducti
 launches one launch (`codegen/horizontal.py`); `split_k` the same with split-K on
 (`TITANC_SPLIT_K=1`: a split matmul is two launches). `scan_rounds` lists each scan kernel of
 the training graph: its grid (programs) and its serial tile rounds an iteration
-(`codegen.scan.kernel.serial_rounds`: what one program's chunk loop waits on). `--grids`
+(`codegen.scan.rounds.serial_rounds`: what one program's chunk loop waits on). `--grids`
 adds `grids`: the programs of each distinct pointwise / reduction / cumsum launch of the
 training graph (alone, or a launch group of them: its members' together) with the
 interpreter's blocks and with the blocks a CUDA launch takes (`codegen.meta.cuda_flat_block`,

@@ -614,7 +614,7 @@ def test_serial_rounds_counts_dependent_tile_trips() -> None:
     """A block of loads or dots between two barriers is one round per execution: the
     product of the loops around it inside the scan loop (`it1`), nested scans included;
     what lies outside the scan loop is not counted."""
-    from titanc.codegen.scan.kernel import serial_rounds
+    from titanc.codegen.scan.rounds import serial_rounds
     lines = """
     x1 = tl.load(a0_ptr)
     for it1 in range(0, 4):

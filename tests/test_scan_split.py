@@ -33,7 +33,8 @@ from tests.helpers import one_step_on_both_targets
 from tests.test_scan_kernel import ROOT, SMALL, _caps, _scans, _spec, _tables
 from titanc import config
 from titanc.codegen.render import load_module
-from titanc.codegen.scan.kernel import MAX_SPLIT_GRID, ScanKernel, render_scan, serial_rounds
+from titanc.codegen.scan.kernel import MAX_SPLIT_GRID, ScanKernel, render_scan
+from titanc.codegen.scan.rounds import serial_rounds
 from titanc.compiler import compile_graphs
 from titanc.ir import Interpreter
 from titanc.ir.schedule import is_immediate

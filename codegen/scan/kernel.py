@@ -102,11 +102,11 @@ Modules: `rules` (the TRITON_SCAN table: each op's stage, independence and value
 (the lines, names and workspace being emitted), `values` (a value at coordinates),
 `carries` (carries on chip), `stages` (pointwise stages), `einsum`, `reduce` (their stages),
 `loops` (a body's nodes in order and the scan loops), `tidy` (dead stores dropped), `pack`
-(workspace liveness), this one (the kernel and its launch).
+(workspace liveness), `rounds` (serial rounds and barriers counted from the emitted lines),
+this one (the kernel and its launch).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from math import prod
@@ -129,18 +129,18 @@ from titanc.codegen.meta import (BARRIER_ROUNDS, LOOP_GAIN, ROUNDS_PER_LAUNCH,
                                  carry_register_bytes,
                                  compute_dtype, dot_precision, kernel_split_k, needs_int64)
 from titanc.codegen.render import render, sanitize_identifier
-from titanc.codegen.scan.emitter import SUB_LOOP, ScanEmitter
+from titanc.codegen.scan.emitter import ScanEmitter
 from titanc.codegen.scan.independence import prefixes
 from titanc.codegen.scan.index import (MAX_TILE, MAX_WORKSPACE, BodyRefs, PaxError, Ref,
                                        ScanFallback)
 from titanc.codegen.scan.loops import scan_loop
 from titanc.codegen.scan.pack import BARRIER
+from titanc.codegen.scan.rounds import rounds_and_barriers, split_stages
 from titanc.codegen.scan.rules import expands, stage_of
 from titanc.codegen.scan.tidy import drop_dead_stores, prune
 
 __all__ = ["KERNEL_ROLES", "MAX_SPLIT_GRID", "MAX_STAGES", "MAX_TILE", "MAX_WORKSPACE",
-           "ScanFallback", "ScanKernel", "group_barriers", "render_scan", "scan_form",
-           "serial_cost", "serial_rounds"]
+           "ScanFallback", "ScanKernel", "render_scan", "scan_form", "serial_cost"]
 
 MAX_WORKSPACE_TOTAL = 1 << 28   # workspace elements of all programs (one workspace per executor)
 MAX_SPLIT_GRID = 132            # programs of a split kernel, every one resident at once (an
@@ -156,82 +156,6 @@ NUM_WARPS = 8
 # previous stage wrote, and pipelined loads multiply shared memory (tiny.yaml's layer scan:
 # 174 KiB at 3 stages, above A100's 163 KiB; 32 KiB at 1).
 NUM_STAGES = 1
-
-
-_FOR = re.compile(r"for (\w+) in range\(([^,()]+), ([^,()]+)(?:, ([^,()]+))?\):$")
-_SUB_START = re.compile(r"^sub(?: \* \d+)?$")
-
-
-def serial_rounds(lines: list[str]) -> int:
-    """Dependent tile rounds in one iteration of a scan kernel's loop (`it1`), one program:
-    every block of loads or dots between two barriers counts once per execution, the
-    product of the trip counts of the loops around it inside the scan loop (a nested scan's
-    loop included; a trip count that is no literal counts 1). One program runs its chunk
-    loop serially and each round waits on the workspace, so this count, not the FLOPs, is
-    what the kernel's time follows (`MAX_TILE` and `DOT_BLOCK` set it)."""
-    return _per_iteration(lines)[0]
-
-
-def _per_iteration(lines: list[str]) -> tuple[int, int]:
-    """`serial_rounds` and `group_barriers` of `lines`."""
-    loops: list[tuple[int, int, int]] = []     # (indent, trips, id) of the open loops
-    inside, segment, ids, blocks, barriers = None, 0, 0, {}, 0
-    for line in lines:
-        body = line.lstrip()
-        if not body or body.startswith("#"):
-            continue
-        indent = len(line) - len(body)
-        while loops and indent <= loops[-1][0]:
-            loops.pop()
-        if inside is not None and indent <= inside:
-            inside = None
-        m = _FOR.match(body)
-        if m:
-            if inside is None and m.group(1) == "it1":
-                inside = indent
-                continue
-            a, b, c = m.group(2), m.group(3), m.group(4) or "1"
-            a = _SUB_START.sub("0", a)     # a split stage's loop: sub-program 0's blocks
-            trips = -(-(int(b) - int(a)) // int(c)) if all(
-                x.strip().lstrip("-").isdigit() for x in (a, b, c)) else 1
-            ids += 1
-            loops.append((indent, max(trips, 1), ids))
-            continue
-        if inside is None:
-            continue
-        inner = [x for x in loops if x[0] > inside]
-        if body.startswith("tl.debug_barrier()"):
-            segment += 1
-            barriers += prod(t for _, t, _ in inner)
-        elif "tl.load(" in body or "tl.dot(" in body:
-            blocks[(segment, tuple(i for _, _, i in inner))] = prod(t for _, t, _ in inner)
-    return sum(blocks.values()), barriers
-
-
-def group_barriers(lines: list[str]) -> int:
-    """Barriers one iteration of a scan kernel's loop (`it1`) passes, one program: each
-    once per trip of the loops around it inside the scan loop, counted like
-    `serial_rounds`'s rounds (in a split kernel each is a group barrier)."""
-    return _per_iteration(lines)[1]
-
-
-def split_stages(lines: list[str]) -> list[str]:
-    """A split kernel's lines with the header of every stage that hands out no blocks
-    (`ScanEmitter.stage`: no line of it names `sub`) made `if sub_lo == 0:`: sub-program 0
-    runs it alone."""
-    out = list(lines)
-    for i, line in enumerate(lines):
-        if line.strip() != SUB_LOOP:
-            continue
-        ind = len(line) - len(line.lstrip())
-        j = i + 1
-        while j < len(lines) and (not lines[j].strip()
-                                  or len(lines[j]) - len(lines[j].lstrip()) > ind):
-            j += 1
-        if not any(re.search(r"\bsub\b", x) for x in lines[i + 1:j]
-                   if not x.lstrip().startswith("#")):
-            out[i] = line[:ind] + "if sub_lo == 0:"
-    return out
 
 
 @dataclass(frozen=True)
@@ -364,7 +288,7 @@ def _render(job: _Job, prefix: tuple[int, ...], shared: int) -> ScanKernel:
     _check_and_tidy(em, prefix)
     if split > 1:
         em.lines = split_stages(em.lines)
-    rounds, barriers = _per_iteration(em.lines)
+    rounds, barriers = rounds_and_barriers(em.lines)
     if em.ws * prod(prefix) > MAX_WORKSPACE_TOTAL:
         raise PaxError(f"a workspace of {em.ws} x {prod(prefix)} elements is more than "
                        f"{MAX_WORKSPACE_TOTAL}")
