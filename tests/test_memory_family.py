@@ -4,7 +4,8 @@ gradient, and of token-by-token decoding with the parallel forward; tier (d) the
 
 Each knob is tested where it changes the model: `memory.read: after_write`,
 `memory.momentum_form: none`, `memory.fixed`, `memory.decay_order: before_grad`,
-`memory.decay_form: mamba2` and `memory.value_width`."""
+`memory.decay_form: mamba2`, `memory.value_width`, `memory.inner: ln_residual` and
+`memory.post_norm`."""
 from __future__ import annotations
 
 import os
@@ -28,6 +29,8 @@ DELTANET = {"momentum_form": "none", "fixed": ["alpha"], "decay": 0.0, "read": "
             "chunk_size": 1, "depth": 1}
 GATED = {"momentum_form": "none", "decay_order": "before_grad", "decay_form": "mamba2",
          "read": "after_write", "chunk_size": 1, "depth": 1}
+TITANS = {"inner": "ln_residual", "post_norm": True, "read": "after_write", "chunk_size": 1,
+          "depth": 1}                                  # examples/titans_fla.yaml's memory
 
 CASES = [
     ("lmm", DELTANET),
@@ -38,6 +41,9 @@ CASES = [
     ("mac", {"decay_order": "before_grad", "chunk_size": 1, "fixed": ["eta", "theta"]}),
     ("mac", {**GATED, "chunk_size": 4}),                                  # exact chunks (WY)
     ("lmm", {"decay_form": "mamba2", "momentum_form": "ema", "value_width": 4, "fixed": ["theta"]}),
+    ("lmm", TITANS),
+    ("mal", {"inner": "ln_residual", "depth": 1, "momentum_form": "none"}),   # chunks of 4
+    ("mag", {"inner": "ln_residual", "depth": 1, "objective": "huber"}),       # with momentum
 ]
 
 
@@ -92,6 +98,12 @@ def test_knobs_match_reference(block: str, options: dict) -> None:
     ({"decay_form": "mamba2", "fixed": ["alpha"]},
      "model.memory.decay_form: mamba2 parameterises a learned α; it needs memory.adaptive: "
      "true and alpha not in memory.fixed"),
+    ({"inner": "ln_residual"},
+     "model.memory.inner: ln_residual (x + w ⊙ LN(W x) + b) needs memory.depth: 1, values of "
+     "the key width and block lmm, mag or mal (is depth 2, value width 8, key width 8, "
+     "block lmm)"),
+    ({"post_norm": True}, "model.memory.post_norm: true uses the inner model's w, b; it needs "
+                          "model.memory.inner: ln_residual"),
 ])
 def test_refusals(options: dict, message: str) -> None:
     with pytest.raises(SpecError) as e:
@@ -107,11 +119,16 @@ def test_value_width_refused_for_mac_and_documents_refused() -> None:
         tiny_spec(**{"model.memory.momentum_form": "none", "data.documents": True})
 
 
-@pytest.mark.parametrize("block,options", [("lmm", {**GATED, "value_width": 16, "chunk_size": 4})])
+@pytest.mark.parametrize("block,options", [
+    ("lmm", {**GATED, "value_width": 16, "chunk_size": 4}),
+    ("lmm", TITANS),
+    ("mal", {"inner": "ln_residual", "depth": 1, "momentum_form": "none", "post_norm": True}),
+])
 def test_decoding_matches_parallel_forward(block: str, options: dict) -> None:
     """Prefill then token-by-token decoding equals the reference's parallel forward (float64):
-    the step reads after its own write where `read: after_write` says so, and a memory without
-    momentum keeps no S state."""
+    the step reads after its own write where `read: after_write` says so, a memory without
+    momentum keeps no S state, and the write graph (chunks of 4 for mal) fits the inner
+    model `memory.inner` names."""
     over = {"model.block": block, **SMALL,
             **{f"model.memory.{k}": v for k, v in options.items()}}
     prog = titanc.compile(TINY, **over)
@@ -125,17 +142,22 @@ def test_decoding_matches_parallel_forward(block: str, options: dict) -> None:
     torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
     assert ("S1" in st.tensors) == (options.get("momentum_form") != "none")
     layer = memory_stats(prog, toks)["layers"][0]           # the diagnostics without S or η
-    assert layer["s_norm"] == 0.0 and layer["eta"] == 0.0
+    no_momentum = options.get("momentum_form") == "none"
+    assert (layer["s_norm"] == 0.0 and layer["eta"] == 0.0) == no_momentum
     assert layer["inner_loss_after"] < layer["inner_loss_before"]
 
 
 @pytest.mark.slow   # the interpreted triton target: about 100 s for the two on 2 CPU cores
-@pytest.mark.parametrize("block,options", [("lmm", {**GATED, "value_width": 16, "chunk_size": 4}),
-                                           ("mal", {"momentum_form": "none"})])
+@pytest.mark.parametrize("block,options", [
+    ("lmm", {**GATED, "value_width": 16, "chunk_size": 4}),
+    ("mal", {"momentum_form": "none"}),
+    ("lmm", {"inner": "ln_residual", "post_norm": True, "depth": 1}),
+])
 def test_targets_agree(block: str, options: dict) -> None:
     """The cpu and the (interpreted) triton target compute the reference's loss and the same
-    gradients (float64, 1e-10): Gated DeltaNet's knobs in exact chunks of 4 (the WY form), and
-    a chunked depth-2 write without momentum (its aggregated contraction)."""
+    gradients (float64, 1e-10): Gated DeltaNet's knobs in exact chunks of 4 (the WY form), a
+    chunked depth-2 write without momentum (its aggregated contraction), and fla's Titans
+    inner model and post-norm in chunks of 4 with momentum."""
     over = {"model.block": block, **SMALL, **{f"model.memory.{k}": v for k, v in options.items()}}
     progs = [titanc.compile(TINY, **over, **{"compile.target": t}) for t in ("cpu", "triton")]
     params = R.init_params(progs[0].spec.model, seed=4)

@@ -10,7 +10,8 @@ at every iteration of each memory scan (role `memory`; docs/semantics.md, "Neura
 its inputs are the chunk-start state (W_1..W_Ld, S_1..S_Ld) and the chunk's streams (q, k, v,
 θ, log η, log(1 − α)), its outputs the state after the write. Per chunk: the inner loss
 ℓ(M(k; W), v) of the declared `memory.objective` (titanc/model/objective.py: its own value
-graph, evaluated here), averaged over the chunk's tokens, at the state before the write and
+graph, evaluated here; M is `memory.inner`'s model, the scan's last two constants w, b for
+ln_residual), averaged over the chunk's tokens, at the state before the write and
 after it (a write that helps lowers it), the Frobenius norms of W and S (per batch row and
 head, summed over the memory MLP's layers, averaged), and the mean gates θ, η, α. The iteration of the scan
 of role `layer` says which layer a chunk belongs to; MAC's chunks (inside its segment scan)
@@ -26,7 +27,7 @@ import torch
 
 from titanc.ir import Graph, Interpreter, dtype_name
 from titanc.ir.ops import Op
-from titanc.model.objective import Objective, loss_graph, objective_of
+from titanc.model.objective import LN_EPS, Objective, loss_graph, objective_of
 from titanc.runtime.documents import document_inputs
 
 Tensor = torch.Tensor
@@ -41,6 +42,17 @@ def _mlp(ws: list[Tensor], x: Tensor) -> Tensor:
     return x
 
 
+def _model(ws: list[Tensor], x: Tensor, ln: list[Tensor]) -> Tensor:
+    """The inner model at x: `_mlp`, or with ln = [w, b] (Nm, e) x + w ⊙ LN(W x) + b."""
+    y = _mlp(ws, x)
+    if not ln:
+        return y
+    w, b = (t.reshape(1, *t.shape[:1], 1, t.shape[-1]) for t in ln)
+    mean = y.mean(-1, keepdim=True)
+    var = (y - mean).pow(2).mean(-1, keepdim=True)
+    return x + w * (y - mean) * (var + LN_EPS).rsqrt() + b
+
+
 def _norm(ts: list[Tensor]) -> float:
     """Frobenius norm over the MLP's layers, per (batch row, head), averaged."""
     sq = sum(t.pow(2).sum((-2, -1)) for t in ts)
@@ -50,9 +62,10 @@ def _norm(ts: list[Tensor]) -> float:
 class _Watcher(Interpreter):
     """The interpreter, with the scans of role `layer` and `memory` observed."""
 
-    def __init__(self, objective: Objective, depth: int) -> None:
+    def __init__(self, objective: Objective, depth: int, ln_residual: bool = False) -> None:
         super().__init__()
         self.depth = depth
+        self.ln_residual = ln_residual
         self.layer = 0
         self.chunks: list[tuple[int, dict[str, float]]] = []
         self.objective = objective
@@ -82,21 +95,22 @@ class _Watcher(Interpreter):
             x_t = [x[t] for x in xs]
             outs = self.run(body, carries + x_t + consts)
             if a.get("role") == "memory":
-                self._record(carries, x_t, outs[:nc])
+                self._record(carries, x_t, outs[:nc], consts[-2:] if self.ln_residual else [])
             carries = outs[:nc]
             ys.append(outs[nc:])
         stacked = [torch.stack([y[k] for y in ys]) for k in range(len(body.outputs) - nc)]
         return tuple(carries) + tuple(stacked)
 
-    def _record(self, before: list[Tensor], x: list[Tensor], after: list[Tensor]) -> None:
+    def _record(self, before: list[Tensor], x: list[Tensor], after: list[Tensor],
+                ln: list[Tensor]) -> None:
         depth = self.depth
         momentum = len(before) > depth                # memory.momentum_form: none has no S, no η
         _, k, v, theta = x[:4]                        # (data.documents adds the starts)
         log_eta, log_keep = (x[4], x[5]) if momentum else (None, x[4])
         w0, w1, s1 = before[:depth], after[:depth], after[depth:]
         self.chunks.append((self.layer, {
-            "loss_before": self.inner_loss(_mlp(w0, k), v),
-            "loss_after": self.inner_loss(_mlp(w1, k), v),
+            "loss_before": self.inner_loss(_model(w0, k, ln), v),
+            "loss_after": self.inner_loss(_model(w1, k, ln), v),
             "w_norm": _norm(w1), "s_norm": _norm(s1) if momentum else 0.0,
             "theta": float(theta.mean()),
             "eta": float(log_eta.exp().mean()) if momentum else 0.0,
@@ -109,7 +123,8 @@ def memory_stats(prog: Any, tokens: Tensor) -> dict[str, Any]:
     Returns {"layers": []} for a model without memory (block attn)."""
     spec = prog.spec
     g = prog.graph("logits", tokens.shape[0]).graph     # the compiled forward, logits out
-    watcher = _Watcher(objective_of(spec.model.memory), spec.model.memory.depth)
+    mem = spec.model.memory
+    watcher = _Watcher(objective_of(mem), mem.depth, mem.inner == "ln_residual")
     inputs = {"tokens": tokens.to(torch.int64).cpu(),
               **document_inputs(spec, prog.dtype, tokens, None, loss=False),   # data.documents: one per row
               **{n: t.detach().cpu() for n, t in prog.parameters().items()}}

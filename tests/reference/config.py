@@ -43,6 +43,8 @@ class RefMemory:
     objective: str = "l2"  # 'l2' | 'huber' | 'lp': the inner objective's rho(M(k) - v)
     huber_delta: float | None = None  # huber: the threshold (None: 1)
     lp_p: float | None = None  # lp: the power (None: 3)
+    inner: str = "mlp"  # 'mlp' | 'ln_residual': the write fits k + w layer_norm(W k) + b (depth 1)
+    post_norm: bool = False  # ln_residual: the read y becomes y + w layer_norm(y) + b
 
 
 @dataclass(frozen=True)

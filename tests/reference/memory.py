@@ -13,7 +13,6 @@ A memory state is a pair of lists (W, S) of (B, N, O, I) tensors, one entry per 
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 import torch
@@ -69,19 +68,37 @@ def objective(mem) -> Rho:
     return l2
 
 
-def inner_loss(Ws: tuple[Tensor, ...], k: Tensor, v: Tensor, rho: Rho = l2) -> Tensor:
-    """l_t(W) = mean_c rho(M(k_t; W) - v_t)_c for one token of one head (rho: `objective`)."""
-    # Ws[i] (O, I), k (C,), v (C,)
-    return rho(mem_apply(Ws, k) - v).mean()
+LN_EPS = 1e-6  # memory.inner ln_residual's layer norm
 
 
-def inner_grads(Ws: list[Tensor], k: Tensor, v: Tensor, rho: Rho = l2) -> list[Tensor]:
-    """Per-token gradients dl_t/dW_i, all at the same weights Ws (the chunk start)."""
+def layer_norm(x: Tensor) -> Tensor:
+    """(x - mean) / sqrt(var + LN_EPS) over the last axis, no affine (torch's layer_norm)."""
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=LN_EPS)
+
+
+def inner_loss(Ws: tuple[Tensor, ...], k: Tensor, v: Tensor, rho: Rho = l2,
+               ln: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """l_t(W) = mean_c rho(M(k_t; W) - v_t)_c for one token of one head (rho: `objective`);
+    with `ln` (w, b) the inner model is k + w * layer_norm(W k) + b (memory.inner ln_residual)."""
+    # Ws[i] (O, I), k (C,), v (C,), ln (C,) each
+    y = mem_apply(Ws, k)
+    if ln is not None:
+        y = k + ln[0] * layer_norm(y) + ln[1]
+    return rho(y - v).mean()
+
+
+def inner_grads(Ws: list[Tensor], k: Tensor, v: Tensor, rho: Rho = l2,
+                ln: tuple[Tensor, Tensor] | None = None) -> list[Tensor]:
+    """Per-token gradients dl_t/dW_i, all at the same weights Ws (the chunk start); `ln`
+    (w, b), each (N, C): the inner model of `inner_loss`."""
     # Ws[i] (B, N, O, I), k/v (B, N, b, C) -> g[i] (B, N, b, O, I)
-    per_token = vmap(grad(partial(inner_loss, rho=rho)), in_dims=(None, 0, 0))  # over b
-    per_head = vmap(per_token, in_dims=(0, 0, 0))  # over N
-    per_batch = vmap(per_head, in_dims=(0, 0, 0))  # over B
-    return list(per_batch(tuple(Ws), k, v))
+    def loss(Ws, k, v, ln):
+        return inner_loss(Ws, k, v, rho, ln)
+
+    per_token = vmap(grad(loss), in_dims=(None, 0, 0, None))  # over b
+    per_head = vmap(per_token, in_dims=(0, 0, 0, None if ln is None else 0))  # over N
+    per_batch = vmap(per_head, in_dims=(0, 0, 0, None))  # over B
+    return list(per_batch(tuple(Ws), k, v, ln))
 
 
 def chunk_token_loop(
@@ -106,6 +123,7 @@ def chunk_token_loop(
 def memory_scan(
     state: State, q: Tensor, k: Tensor, v: Tensor, theta: Tensor, eta: Tensor, alpha: Tensor, chunk: int,
     doc: Tensor | None = None, init: State | None = None, rho: Rho = l2, mem=None,
+    ln: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, State]:
     """Read then write, chunk by chunk. Returns y_t = M(q_t; W at t's chunk start) and the end state.
 
@@ -115,7 +133,9 @@ def memory_scan(
     resets the state to `init` before each document's first token. `rho`: the inner objective
     (`objective`). `mem` (the memory config; None: the defaults): `read: after_write` reads
     after the chunk's writes; `decay_order: before_grad` (chunks of one token) decays W first
-    and takes the gradient there; eta None: no momentum."""
+    and takes the gradient there; eta None: no momentum. `ln` (w, b) (N, C): writes fit
+    k + w layer_norm(W k) + b (memory.inner ln_residual; no `doc`), and `post_norm` reads
+    y + w layer_norm(y) + b."""
     # q/k/v (B, N, T, C); theta/eta/alpha (B, N, T)
     W, S = state
     T = q.shape[2]
@@ -128,7 +148,7 @@ def memory_scan(
             assert chunk == 1  # the gradient at the decayed state (1 - alpha_t) W_{t-1}
             W = [(1 - a)[..., None] * w for w in W]
             a = torch.zeros_like(a)
-        g = inner_grads(W, k[:, :, sl], v[:, :, sl], rho)  # (B, N, b, O, I) per layer
+        g = inner_grads(W, k[:, :, sl], v[:, :, sl], rho, ln)  # (B, N, b, O, I) per layer
         et = None if eta is None else eta[:, :, sl]
         if doc is None:
             W, S = chunk_token_loop(W, S, g, theta[:, :, sl], et, a)
@@ -148,14 +168,17 @@ def memory_scan(
                 W, S = chunk_token_loop(W, S, [gi[:, :, u.start - c0 : u.start - c0 + 1] for gi in g],
                                         theta[:, :, u], eta[:, :, u], alpha[:, :, u])
         ys.append(y)
-    return torch.cat(ys, dim=2), (W, S)  # (B, N, T, C)
+    y = torch.cat(ys, dim=2)  # (B, N, T, C)
+    if getattr(mem, "post_norm", False):
+        y = y + ln[0][:, None] * layer_norm(y) + ln[1][:, None]
+    return y, (W, S)
 
 
 def scan_chunk(mem) -> int:
     """The chunk the reference scans with: memory.chunk_size, or 1 for a depth-1 memory
     without momentum under l2, whose chunks are exact (docs/semantics.md, "Memory family")."""
     linear = (mem.depth == 1 and mem.momentum_form == "none"
-              and getattr(mem, "objective", "l2") == "l2")
+              and getattr(mem, "objective", "l2") == "l2" and getattr(mem, "inner", "mlp") == "mlp")
     return 1 if linear else mem.chunk_size
 
 
@@ -228,8 +251,10 @@ def lmm(p: dict[str, Tensor], u: Tensor, cfg, doc: Tensor | None = None) -> Tens
     q, k, v = projections(p, u, cfg, doc)  # (B, N, T, C)
     theta, eta, alpha = gates(p, u, cfg)  # (B, N, T)
     init = initial_state(p, u.shape[0], cfg)
+    inner = getattr(cfg.memory, "inner", "mlp") == "ln_residual"
+    ln = (p["mem_ln_w"], p["mem_ln_b"]) if inner else None
     y, _ = memory_scan(init, q, k, v, theta, eta, alpha, scan_chunk(cfg.memory), doc, init,
-                       objective(cfg.memory), cfg.memory)
+                       objective(cfg.memory), cfg.memory, ln)
     y = merge_heads(y)  # (B, T, D)
     if cfg.memory.output_gate:
         y = y * silu(u @ p["mem_wg"])

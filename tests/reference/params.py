@@ -88,6 +88,9 @@ def param_specs(cfg) -> list[tuple[str, tuple[int, ...], float, float]]:
                 specs.append(("layers.mem_alpha_a", (L, N), 0.0, 0.1))  # A of the mamba2 decay
         for i, (o, n_in) in enumerate(mem_shapes(cfg)):
             specs.append((f"layers.mem_w{i + 1}", (L, N, o, n_in), 0.0, lin(n_in)))
+        if getattr(m, "inner", "mlp") == "ln_residual":  # w, b of k + w LN(W k) + b, per head
+            specs += [("layers.mem_ln_w", (L, N, D // N), 1.0, 0.1),
+                      ("layers.mem_ln_b", (L, N, D // N), 0.0, 0.1)]
     if cfg.block == "mac" and cfg.memory.mac_write == "attention":
         specs.append(("layers.mac_norm", (L, D), 1.0, 0.1))
     if cfg.block == "mag":

@@ -15,7 +15,7 @@ from titanc.model.spec import ModelSpec
 
 from titanc.model.attention import mac_attention, swa
 from titanc.model.documents import local
-from titanc.model.neural_memory import (batched, initial_state, memory_scan, project,
+from titanc.model.neural_memory import (batched, initial_state, inner_ln, memory_scan, project,
                                         read_initial, retrieve)
 from titanc.model.nn import dwconv, ffn, merge_heads, rmsnorm
 from titanc.model.objective import objective_of
@@ -190,7 +190,7 @@ class Parallel(Residuals):
         docs = None if doc is None else (local(doc, mem.chunk_size), self._w0(p))
         ws, ss = initial_state(b, p, mem.depth, u.shape[0], mem.momentum_form != "none")
         _, _, y = memory_scan(b, ws, ss, st, mem.chunk_size, st.q, docs, objective_of(mem),
-                              mem)
+                              mem, inner_ln(p, mem))
         return lmm_output(merge_heads(y), u, p)                 # y (B, T, D)
 
     def mac(self, u: Value, segmented: bool = False) -> Value:

@@ -25,7 +25,7 @@ from titanc.ir import Builder, Graph, Value, dtype_name
 from titanc.model.attention import attention
 from titanc.model.blocks import Residuals, block, lmm_output, mac_input, mac_output
 from titanc.model.frontend import lm_logits
-from titanc.model.neural_memory import chunk_write, mlp, project
+from titanc.model.neural_memory import chunk_write, inner_ln, mlp, post_norm, project
 from titanc.model.nn import merge_heads, rotate
 from titanc.model.objective import objective_of
 from titanc.model.params import memory_shapes, param_specs
@@ -119,11 +119,14 @@ class _Step(Residuals):
         host still writes the state through the write graph."""
         mem = self.m.memory
         st = project(self.b, u, self.p, mem, conv=self.conv)
+        ln = inner_ln(self.p, mem)
         if mem.read == "after_write":
             ss = self.weights("S") if st.log_eta is not None else []
             weights, _ = chunk_write(self.b, weights, ss, st.k, st.v, st.theta, st.log_eta,
-                                     st.log_keep, objective_of(mem), mem)
+                                     st.log_keep, objective_of(mem), mem, ln)
         y, _, _ = mlp(self.b, weights, st.q)
+        if mem.post_norm:
+            y = post_norm(y, ln)
         for k, v in (("mk", st.k), ("mv", st.v), ("theta", st.theta),
                      ("log_eta", st.log_eta), ("log_keep", st.log_keep)):
             if v is not None:
@@ -205,16 +208,20 @@ def lower_write(spec: Spec, batch: int, dtype: str | None = None) -> Graph:
     pend.update({k: b.input(f"pending.{k}", (L, batch, nm, U), dt) for k in gate_names})
     mask = b.input("mask", (batch,), dt).reshape(batch, 1, 1, 1)
     names = ["mk", "mv", *gate_names]
+    # the inner model's w, b (memory.inner: ln_residual), parameters bound by name
+    lns = [b.input(f"layers.mem_ln_{x}", (L, nm, e), dt)
+           for x in ("w", "b")] if mem.inner == "ln_residual" else []
 
     def body(bb: Builder, carry: list[Value], xs: list[Value], consts: list[Value]):
         w, s = xs[:depth], xs[depth:depth + n_s]
-        items = dict(zip(names, xs[depth + n_s:]))
+        items = dict(zip(names, xs[depth + n_s:depth + n_s + len(names)]))
+        ln = tuple(xs[depth + n_s + len(names):]) or None
         w2, s2 = chunk_write(bb, w, s, items["mk"], items["mv"], items["theta"],
-                             items.get("log_eta"), items["log_keep"], objective_of(mem), mem)
+                             items.get("log_eta"), items["log_keep"], objective_of(mem), mem, ln)
         msk = consts[0]
         return [], [a + (c - a) * msk for a, c in zip(w + s, w2 + s2)]
 
-    _, ys = b.scan(body, [], ws + ss + [pend[k] for k in names], [mask], length=L,
+    _, ys = b.scan(body, [], ws + ss + [pend[k] for k in names] + lns, [mask], length=L,
                    name="write_layer", role="memory")
     outs = [(f"state.W{i}", ys[i - 1].id) for i in range(1, depth + 1)]
     outs += [(f"state.S{i}", ys[depth + i - 1].id) for i in range(1, n_s + 1)]

@@ -23,11 +23,12 @@ from titanc.ir.elementwise import silu_grad
 
 from titanc.model.documents import gt, positions
 from titanc.model.nn import dwconv, l2norm, log_sigmoid
-from titanc.model.objective import Objective, loss_graph
+from titanc.model.objective import LN_EPS, Objective, loss_graph
 from titanc.model.spec import MemorySpec
 from titanc.passes.autodiff import derivative
 
 L2 = Objective()               # the default inner objective (docs/semantics.md)
+LnParams = tuple[Value, Value]  # w, b (Nm, e) of x + w ⊙ LN(W x) + b
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,44 @@ def mlp(b: Builder, ws: list[Value], x: Value) -> tuple[Value, list[Value], list
     return a, zs, acts
 
 
+def inner_ln(p: dict[str, Value], mem: MemorySpec) -> LnParams | None:
+    """(w, b) of the inner model x + w ⊙ LN(W x) + b (`memory.inner: ln_residual`), else None."""
+    return (p["mem_ln_w"], p["mem_ln_b"]) if mem.inner == "ln_residual" else None
+
+
+def layer_norm(x: Value) -> tuple[Value, Value]:
+    """x̂ = (x − μ)/σ over the last axis and 1/σ, σ = sqrt(var + LN_EPS), var biased."""
+    c = x - x.mean((-1,), keepdim=True)
+    rstd = ((c * c).mean((-1,), keepdim=True) + LN_EPS).rsqrt()
+    return c * rstd, rstd
+
+
+def _per_head(x: Value) -> Value:
+    # (Nm, e) -> (1, Nm, 1, e)
+    Nm, E = x.shape
+    return x.reshape(1, Nm, 1, E)
+
+
+def post_norm(y: Value, ln: LnParams) -> Value:
+    """The read y (B, Nm, t, e) as y + w ⊙ LN(y) + b (`memory.post_norm`, fla's Titans)."""
+    yhat, _ = layer_norm(y)
+    return y + yhat * _per_head(ln[0]) + _per_head(ln[1])
+
+
+def _ln_residual_grads(b: Builder, w: Value, k: Value, v: Value, ln: LnParams,
+                       obj: Objective) -> list[Value]:
+    """Per-token gradient of ℓ(ŷ, v), ŷ = k + w ⊙ x̂ + b, x̂ = LN(z), z = W k, at W (B, Nm, e, e):
+    with δ = w ⊙ ∂ℓ/∂ŷ the layer norm's backward is ∂ℓ/∂z = (δ − mean δ − x̂ mean(δ x̂))/σ
+    and the gradient (∂ℓ/∂z) ⊗ k, (B, Nm, u, e, e)."""
+    z = b.einsum("bnoi,bnti->bnto", w, k)                         # (B, Nm, u, e)
+    zhat, rstd = layer_norm(z)
+    gain = _per_head(ln[0])
+    delta = output_grad(b, k + zhat * gain + _per_head(ln[1]), v, obj) * gain
+    dz = (delta - delta.mean((-1,), keepdim=True)
+          - zhat * (delta * zhat).mean((-1,), keepdim=True)) * rstd
+    return [b.einsum("bnuo,bnui->bnuoi", dz, k)]
+
+
 def initial_state(b: Builder, p: dict[str, Value], depth: int, B: int, momentum: bool = True
                   ) -> tuple[list[Value], list[Value]]:
     """(W⁽⁰⁾, S⁽⁰⁾ = 0) broadcast over the batch; no S without momentum."""
@@ -151,10 +190,13 @@ def output_grad(b: Builder, yhat: Value, v: Value, obj: Objective) -> Value:
 
 
 def _inner_grads(b: Builder, ws: list[Value], k: Value, v: Value,
-                 obj: Objective = L2) -> list[Value]:
+                 obj: Objective = L2, ln: LnParams | None = None) -> list[Value]:
     """Per-token inner gradients of the objective `obj` at the weights ws, direct form:
     g_u = δ_u ⊗ a_u per layer, (B, Nm, u, o, i); δ at the output is ∂ℓ/∂ŷ
-    (`output_grad`), the MLP's backward is the same for every objective."""
+    (`output_grad`), the MLP's backward is the same for every objective. `ln`: the inner
+    model is k + w ⊙ LN(W k) + b instead (`_ln_residual_grads`)."""
+    if ln is not None:
+        return _ln_residual_grads(b, ws[0], k, v, ln, obj)
     yhat, zs, acts = mlp(b, ws, k)
     delta = output_grad(b, yhat, v, obj)                          # ∂ℓ/∂ŷ, (B, Nm, u, e)
     grads: list[Value] = [None] * len(ws)                         # type: ignore[list-item]
@@ -167,11 +209,12 @@ def _inner_grads(b: Builder, ws: list[Value], k: Value, v: Value,
 
 def chunk_update(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value,
                  theta: Value, log_eta: Value, log_keep: Value,
-                 obj: Objective = L2) -> tuple[list[Value], list[Value]]:
-    """One chunk's write of the objective `obj`. k, v (B, Nm, u, e); gates (B, Nm, u).
-    Returns new (W, S)."""
+                 obj: Objective = L2, ln: LnParams | None = None
+                 ) -> tuple[list[Value], list[Value]]:
+    """One chunk's write of the objective `obj` (`ln`: of the inner model `_inner_grads`
+    names). k, v (B, Nm, u, e); gates (B, Nm, u). Returns new (W, S)."""
     B, Nm, U, E = k.shape
-    grads = _inner_grads(b, ws, k, v, obj)
+    grads = _inner_grads(b, ws, k, v, obj, ln)
     # closed form of the per-token recurrences, in log space (products underflow)
     lE = log_eta.cumsum(-1)                                       # log E_t, (B, Nm, u)
     lD = log_keep.cumsum(-1)                                      # log D_t
@@ -257,11 +300,12 @@ def _unchunked(y: Value) -> Value:
 
 
 def chunk_update_plain(b: Builder, ws: list[Value], k: Value, v: Value, theta: Value,
-                       log_keep: Value, obj: Objective = L2) -> list[Value]:
+                       log_keep: Value, obj: Objective = L2, ln: LnParams | None = None
+                       ) -> list[Value]:
     """One chunk's write without momentum (`memory.momentum_form: none`): token by token
     W_t = (1 − α_t) W_{t−1} − θ_t g_t, in closed form W' = D_b W − Σ_u θ_u (D_b/D_u) g_u."""
     B, Nm, U, E = k.shape
-    grads = _inner_grads(b, ws, k, v, obj)
+    grads = _inner_grads(b, ws, k, v, obj, ln)
     lD = log_keep.cumsum(-1)                                      # log D_t, (B, Nm, u)
     lD_b = lD.slice(-1, U - 1, U)                                 # (B, Nm, 1)
     w_u = theta * (lD_b - lD).exp()                               # weight of g_u in W
@@ -326,11 +370,12 @@ def chunk_update_linear(b: Builder, w: Value, k: Value, v: Value, q: Value | Non
 
 def chunk_write(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value,
                 theta: Value, log_eta: Value | None, log_keep: Value, obj: Objective = L2,
-                mem: MemorySpec | None = None) -> tuple[list[Value], list[Value]]:
+                mem: MemorySpec | None = None, ln: LnParams | None = None
+                ) -> tuple[list[Value], list[Value]]:
     """One chunk's write under the memory's write rule: `chunk_update`, or without momentum
     (log_eta None) `chunk_update_plain`; with `memory.decay_order: before_grad` (chunks of
     one token) the gradient is taken at the decayed (1 − α_t) W_{t−1}, which then takes no
-    further decay."""
+    further decay. `ln` (`inner_ln`): the inner model k + w ⊙ LN(W k) + b."""
     if mem is not None and mem.linear:
         new_w, _ = chunk_update_linear(b, ws[0], k, v, None, theta, log_keep, mem)
         return [new_w], []
@@ -341,13 +386,13 @@ def chunk_write(b: Builder, ws: list[Value], ss: list[Value], k: Value, v: Value
         ws = [w * keep for w in ws]
         log_keep = b.full(0.0, (), log_keep.dtype).expand(B, Nm, U)
     if log_eta is None:
-        return chunk_update_plain(b, ws, k, v, theta, log_keep, obj), []
-    return chunk_update(b, ws, ss, k, v, theta, log_eta, log_keep, obj)
+        return chunk_update_plain(b, ws, k, v, theta, log_keep, obj, ln), []
+    return chunk_update(b, ws, ss, k, v, theta, log_eta, log_keep, obj, ln)
 
 
 def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, chunk: int,
                 read: Value | None, docs: tuple[Value, list[Value]] | None = None,
-                obj: Objective = L2, mem: MemorySpec | None = None
+                obj: Objective = L2, mem: MemorySpec | None = None, ln: LnParams | None = None
                 ) -> tuple[list[Value], list[Value], Value]:
     """Scan over chunks of `chunk` tokens: retrieve `read` (B, Nm, T, e) at chunk-start state,
     then write k, v. Returns final W, S and the retrievals (B, Nm, T, e). `docs` (lo, W⁽⁰⁾):
@@ -356,7 +401,9 @@ def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, ch
     (`chunk_update_docs`) and a token whose document began in its chunk reads W⁽⁰⁾. `obj`:
     the inner objective the writes descend. `mem`: the write rule's knobs (`chunk_write`) and
     `memory.read: after_write` (the read after the chunk's write; chunks of one token); None
-    is the default rule. Without momentum (st.log_eta None) ss is [] and so is the S returned."""
+    is the default rule. Without momentum (st.log_eta None) ss is [] and so is the S returned.
+    `ln` (`inner_ln`; no docs): the writes fit k + w ⊙ LN(W k) + b, and with
+    `memory.post_norm` the reads become y + w ⊙ LN(y) + b (`post_norm`)."""
     T = st.k.shape[2]
     n = T // chunk
     L = len(ws)
@@ -375,22 +422,27 @@ def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, ch
         xs.append(_chunked(lo.reshape(B, 1, T).expand(B, Nm, T), n))
         consts = list(w0s)
         names += ["doc_start"] + [f"W0_{i}" for i in range(1, L + 1)]
+    if ln is not None:
+        assert docs is None, "memory.inner: ln_residual has no document path"
+        consts = list(ln)
+        names += ["ln_w", "ln_b"]
 
     def body(bb: Builder, carry: list[Value], x: list[Value], k0: list[Value]):
         w, s = carry[:L], carry[L:]
         q, k, v, th = x[:4]
         le, lk = (x[4], x[5]) if momentum else (None, x[4])
         rest = x[6:] if momentum else x[5:]
+        lnb = None if ln is None else (k0[0], k0[1])
         if docs is None and mem is not None and mem.linear:        # exact chunks, reads inside
             w2, y = chunk_update_linear(bb, w[0], k, v, q, th, lk, mem)
             return [w2], [y]
         if docs is None:
             if after:                                             # read after this chunk's write
-                w2, s2 = chunk_write(bb, w, s, k, v, th, le, lk, obj, mem)
+                w2, s2 = chunk_write(bb, w, s, k, v, th, le, lk, obj, mem, lnb)
                 y, _, _ = mlp(bb, w2, q)
                 return w2 + s2, [y]
             y, _, _ = mlp(bb, w, q)                               # read before this chunk's write
-            w2, s2 = chunk_write(bb, w, s, k, v, th, le, lk, obj, mem)
+            w2, s2 = chunk_write(bb, w, s, k, v, th, le, lk, obj, mem, lnb)
             return w2 + s2, [y]
         y, _, _ = mlp(bb, w, q)
         w0 = batched(k0, q.shape[0])
@@ -400,7 +452,11 @@ def memory_scan(b: Builder, ws: list[Value], ss: list[Value], st: MemStreams, ch
 
     carry, ys = b.scan(body, ws + ss, xs, consts, length=n, name="memory_chunk", names=names,
                        role="memory")
-    return carry[:L], carry[L:], _unchunked(ys[0])
+    y = _unchunked(ys[0])
+    if mem is not None and mem.post_norm:
+        assert ln is not None, "memory.post_norm needs the inner model's w, b"
+        y = post_norm(y, ln)
+    return carry[:L], carry[L:], y
 
 
 def batched(w0s: list[Value], B: int) -> list[Value]:

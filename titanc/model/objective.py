@@ -33,6 +33,7 @@ __all__ = ["Objective", "OBJECTIVES", "LP_EPS", "objective_of", "loss_graph", "t
 LP_EPS = 1e-6                 # ℓp's smoothing: (r² + ε)^(p/2) is differentiable at r = 0
 HUBER_DELTA = 1.0             # memory.huber_delta when the spec leaves it out
 LP_P = 3.0                    # memory.lp_p when the spec leaves it out (MIRAS's Moneta)
+LN_EPS = 1e-6                 # the layer norm of the inner model ln_residual (fla's Titans)
 
 
 @dataclass(frozen=True)

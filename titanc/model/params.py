@@ -92,6 +92,9 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
         for i, (o, n) in enumerate(memory_shapes(d, mem.depth, mem.expansion,
                                                  m.mem_value_dim), 1):
             lay(f"mem_w{i}", (nm, o, n), std=1.0 / math.sqrt(n), decay=False)
+        if mem.inner == "ln_residual":          # w, b of x + w ⊙ LN(W x) + b, per head
+            lay("mem_ln_w", (nm, d), init="ones", decay=False)
+            lay("mem_ln_b", (nm, d), init="zeros", decay=False)
     if block == "mac" and mem.mac_write == "attention":
         norm("mac_norm")           # ŷ = rmsnorm(ỹ): the memory's input, as LMM's is x̂
     if block == "mag":

@@ -142,13 +142,22 @@ class MemorySpec:
     objective: str = bounded("l2", choices=("l2", "huber", "lp"))
     huber_delta: float | None = bounded(None, gt=0, most=SPEC_FLOAT_MAX)   # huber; null: 1
     lp_p: float | None = bounded(None, ge=1, le=8)                         # lp; null: 3
+    # the model each write fits: the MLP M(x) = W_L φ(… W_1 x) (mlp, the paper), or fla's
+    # Titans x + w ⊙ LN(W x) + b with w, b learned per head (ln_residual: depth 1, values of
+    # the key width, not mac); the read stays W q
+    inner: str = bounded("mlp", choices=("mlp", "ln_residual"))
+    # the read y becomes y + w ⊙ LN(y) + b, with the inner model's w, b (fla's Titans output
+    # norm; inner ln_residual)
+    post_norm: bool = False
 
     @property
     def linear(self) -> bool:
-        """A depth-1 memory without momentum under the l2 objective: its chunked write is
-        exact (the WY form, `neural_memory.chunk_update_linear`), so chunk_size is a speed
-        knob and the model is the token-by-token memory at every chunk size."""
-        return self.depth == 1 and self.momentum_form == "none" and self.objective == "l2"
+        """A depth-1 memory without momentum under the l2 objective, its inner model W x: its
+        chunked write is exact (the WY form, `neural_memory.chunk_update_linear`), so
+        chunk_size is a speed knob and the model is the token-by-token memory at every chunk
+        size."""
+        return (self.depth == 1 and self.momentum_form == "none" and self.objective == "l2"
+                and self.inner == "mlp")
 
     @property
     def write_chunk(self) -> int:
@@ -275,6 +284,15 @@ class ModelSpec:
         if mem.decay_form == "mamba2" and mem.decay_max < 1.0:
             raise SpecError(f"model.memory.decay_max: {mem.decay_max} applies to decay_form "
                             f"sigmoid only; remove it or use decay_form: sigmoid")
+        if mem.inner == "ln_residual" and (mem.depth != 1 or self.block == "mac"
+                                           or self.mem_value_dim != self.mem_head_dim):
+            raise SpecError(f"model.memory.inner: ln_residual (x + w ⊙ LN(W x) + b) needs "
+                            f"memory.depth: 1, values of the key width and block lmm, mag or "
+                            f"mal (is depth {mem.depth}, value width {self.mem_value_dim}, key "
+                            f"width {self.mem_head_dim}, block {self.block})")
+        if mem.post_norm and mem.inner != "ln_residual":
+            raise SpecError("model.memory.post_norm: true uses the inner model's w, b; it "
+                            "needs model.memory.inner: ln_residual")
         if mem.value_width is not None and self.block == "mac":
             raise SpecError(f"model.memory.value_width: {mem.value_width} applies to blocks "
                             f"lmm, mag and mal (mac gates the attention with the read, width "
@@ -434,7 +452,8 @@ class Spec:
         SCHEMA.check(self)
         mem = self.model.memory
         token_rules = [f"{key}: {value}" for key, value in (
-            ("momentum_form", "none"), ("read", "after_write"), ("decay_order", "before_grad"))
+            ("momentum_form", "none"), ("read", "after_write"), ("decay_order", "before_grad"),
+            ("inner", "ln_residual"))
             if getattr(mem, key) == value]
         if self.data.documents and self.model.has_memory and token_rules:
             raise SpecError(f"data.documents: true is not implemented with model.memory."

@@ -85,7 +85,8 @@ def test_tiny_has_the_issue_values(tiny_spec: Spec) -> None:
     assert dataclasses.astuple(m.memory) == (2, 2, 2, 16, True, 0.01, 0.9, 0.01, 1.0, True, 4,
                                              "silu", "heavy_ball", "attention", "context",
                                              "memory", (), "before_write", "after_grad",
-                                             "sigmoid", None, "l2", None, None)
+                                             "sigmoid", None, "l2", None, None, "mlp",
+                                             False)
     assert (t.batch_size, t.steps, t.lr, t.warmup, t.weight_decay, t.betas) == (
         8, 200, 3e-3, 20, 0.1, (0.9, 0.95))
     assert (t.grad_clip, t.seed, t.dtype, t.remat, t.remat_budget_mb, t.loss_chunk,
@@ -179,7 +180,7 @@ BAD_SPECS = [
      "unknown key 'model.memory.zzz'; known keys in model.memory: heads, depth, expansion, "
      "chunk_size, adaptive, lr_max, momentum, decay, decay_max, output_gate, conv_kernel, "
      "qk_activation, momentum_form, mac_write, mac_read, gate, fixed, read, decay_order, "
-     "decay_form, value_width, objective, huber_delta, lp_p"),
+     "decay_form, value_width, objective, huber_delta, lp_p, inner, post_norm"),
     (edited(memory={}), "unknown key 'memory'; did you mean 'model.memory'?"),
     (edited(train={"heads": 2}),
      "unknown key 'train.heads'; did you mean 'model.attention.heads'?"),
