@@ -109,7 +109,7 @@ BLOCK_SET: dict[str, Any] = {
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
 NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8,
-             "train_needles": 1, "filler": "prose"}
+             "train_needles": 1, "needle_layout": "packed", "filler": "prose"}
 CURRICULUM = "32:5000,128:500,272:300"
 # a block's own curriculum (`--curriculum` sets every block's): MAC steps slowest, and its
 # later stages are shorter to fit the same CPU budget
@@ -194,13 +194,16 @@ class NeedleRecall:
     starting at a random offset of the repetition).
 
     `train_needles` > 1 (`--train-needles N`) is the training signal that teaches retrieval:
-    a training sequence holds N needles with distinct keys at random non-overlapping places
-    and ends with the N queries (each key, then its value) in random order, so every
-    sequence carries N recall targets at distances from 1 to the length instead of one;
-    held-out sequences keep the one-needle shape."""
+    a training sequence holds N needles with distinct keys and ends with the N queries (each
+    key, then its value), so every sequence carries N recall targets instead of one;
+    held-out sequences keep the one-needle shape. `needle_layout` "packed" (the default):
+    the needles side by side, the first `distance` + 2N positions before the first query,
+    and the queries in the needles' order; "scattered": the needles at random
+    non-overlapping places, the queries in random order."""
 
     def __init__(self, seq_len: int, vocab_size: int, seed: int = 0, n_keys: int = 8,
-                 n_values: int = 8, train_needles: int = 1, filler: str = "prose", **_: Any):
+                 n_values: int = 8, train_needles: int = 1, filler: str = "prose",
+                 needle_layout: str = "packed", **_: Any):
         length = seq_len + 1
         f_lo = n_keys + n_values
         if vocab_size - f_lo < len(HAYSTACK_CHARS) + 1:
@@ -211,6 +214,7 @@ class NeedleRecall:
                              f"n_keys ({n_keys})")
         self.seq_len = seq_len
         self.train_needles = train_needles
+        self.needle_layout = needle_layout
         self.layout = RecallLayout(length, 1, 1, (0, n_keys), (n_keys, f_lo),
                                    (f_lo, f_lo + len(HAYSTACK_CHARS) + 1))
         table = {c: f_lo + i for i, c in enumerate(HAYSTACK_CHARS)}
@@ -250,7 +254,7 @@ class NeedleRecall:
     def batch(self, n: int, split: str = "train", generator: torch.Generator | None = None,
               distance: int | None = None) -> torch.Tensor:
         if split == "train" and self.train_needles > 1:
-            return self._needles(n, generator)
+            return self._needles(n, generator, distance)
         L, lay = self.layout.length, self.layout
         out = self._filler(n, split, generator)
         d = self.max_distance if distance is None else distance
@@ -261,22 +265,28 @@ class NeedleRecall:
         out[:, L - 2], out[:, L - 1] = keys, values
         return out
 
-    def _needles(self, n: int, generator: torch.Generator | None) -> torch.Tensor:
+    def _needles(self, n: int, generator: torch.Generator | None,
+                 distance: int | None) -> torch.Tensor:
         """A training batch of `train_needles` needles a sequence (the class docstring)."""
         L, lay, N = self.layout.length, self.layout, self.train_needles
-        out = self._filler(n, "train", generator)
-        rows = torch.arange(n)[:, None]
-        slots = (L - 2 * N) // 2                # needle slots: token pairs before the queries
-        if slots < N:
+        if L < 4 * N:
             raise SystemExit(f"--train-needles {N}: {N} needles and their queries need "
                              f"{4 * N} tokens, a training sequence has {L}")
-        place = 2 * torch.rand(n, slots, generator=generator).argsort(-1)[:, :N]
+        out = self._filler(n, "train", generator)
+        rows = torch.arange(n)[:, None]
         n_keys = lay.key_range[1] - lay.key_range[0]
         keys = torch.rand(n, n_keys, generator=generator).argsort(-1)[:, :N] + lay.key_range[0]
         values = torch.randint(*lay.value_range, (n, N), generator=generator)
-        out[rows, place], out[rows, place + 1] = keys, values
-        order = torch.rand(n, N, generator=generator).argsort(-1)
         q = L - 2 * N + 2 * torch.arange(N)
+        if self.needle_layout == "packed":
+            d = min(self.max_distance if distance is None else distance, L - 4 * N)
+            place = (L - 2 * N - d - 2 * N + 2 * torch.arange(N)).expand(n, N)
+            order = torch.arange(N).expand(n, N)
+        else:
+            slots = (L - 2 * N) // 2            # token pairs before the queries
+            place = 2 * torch.rand(n, slots, generator=generator).argsort(-1)[:, :N]
+            order = torch.rand(n, N, generator=generator).argsort(-1)
+        out[rows, place], out[rows, place + 1] = keys, values
         out[:, q], out[:, q + 1] = keys.gather(1, order), values.gather(1, order)
         return out
 
@@ -306,7 +316,7 @@ def configure(sets: list[str], task_sets: list[str]) -> dict[str, Any]:
         overrides[key] = parse_value(value)
     for item in task_sets:
         key, _, value = item.partition("=")
-        fixed = {"kind", "filler", "train_needles"}        # set by --task, --train-needles
+        fixed = {"kind", "filler", "train_needles", "needle_layout"}   # set by their flags
         if key not in TASK or key in fixed:
             raise SystemExit(f"--task-set {item}: the task has {sorted(set(TASK) - fixed)}")
         TASK[key] = int(value)
@@ -455,6 +465,10 @@ def main() -> None:
     ap.add_argument("--train-needles", type=int, default=1, metavar="N",
                     help="niah / passkey: N needles and their N queries a training sequence "
                          "(held-out sequences keep one needle; default 1)")
+    ap.add_argument("--needle-layout", choices=("packed", "scattered"), default="packed",
+                    help="with --train-needles: the needles side by side at the batch's "
+                         "distance, queries in their order (packed), or at random places, "
+                         "queries in random order (scattered)")
     ap.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE",
                     help="task override, e.g. n_pairs=6 or n_values=12 (repeatable; with "
                          "--set model.vocab_size=... for a larger vocabulary)")
@@ -472,6 +486,7 @@ def main() -> None:
     if args.task in ("niah", "passkey"):
         TASK.clear()
         TASK.update(NIAH_TASK, kind=args.task, train_needles=args.train_needles,
+                    needle_layout=args.needle_layout,
                     filler="repeat" if args.task == "passkey" else "prose")
     elif args.train_needles != 1:
         raise SystemExit("--train-needles: only with --task niah or --task passkey")
@@ -524,7 +539,7 @@ def write_results(out: Path, config: dict[str, Any], rows: list[dict[str, Any]],
     own = sorted(b for b in config.get("block_curriculum", {}) if b in {r["block"] for r in rows})
     needles = config["task"].get("train_needles", 1)
     if needles > 1:
-        task += f", {needles} needles a training sequence"
+        task += f", {needles} {config['task']['needle_layout']} needles a training sequence"
     title = (f"recall vs distance ({task}): curriculum {config['curriculum']}"
              f"{' (' + ', '.join(own) + ': their own)' if own else ''},\n"
              f"≤{config['budget_cpu_s']:.0f} CPU s/model")

@@ -218,17 +218,24 @@ def test_needle_task_places_one_needle_in_prose() -> None:
     assert not torch.equal(train[:, 2:-2], val[:, 2:-2])                    # disjoint text
 
 
-def test_needle_task_trains_on_several_needles_and_a_repeated_filler() -> None:
+@pytest.mark.parametrize("layout", ["packed", "scattered"])
+def test_needle_task_trains_on_several_needles_and_a_repeated_filler(layout: str) -> None:
     """--train-needles N: a training sequence holds N needles with distinct keys at
-    non-overlapping places and ends with their N queries (key, then its value); held-out
+    non-overlapping places (packed: side by side, `distance` + 2N before the first query,
+    asked in their order) and ends with their N queries (key, then its value); held-out
     sequences keep one needle. --task passkey: the filler is one sentence repeated."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import recall_distance as rd
 
-    task = rd.NeedleRecall(64, 32, seed=0, n_keys=8, n_values=8, train_needles=4)
-    b = task.batch(32, "train", torch.Generator().manual_seed(3))
+    task = rd.NeedleRecall(64, 32, seed=0, n_keys=8, n_values=8, train_needles=4,
+                           needle_layout=layout)
+    b = task.batch(32, "train", torch.Generator().manual_seed(3), distance=20)
     L, N = b.shape[1], 4
+    if layout == "packed":
+        first = L - 2 * N - 20 - 2 * N
+        assert ((b[:, first:first + 2 * N:2] < 8).all()
+                and torch.equal(b[:, first:first + 2 * N], b[:, L - 2 * N:]))
     for row in b:
         body, queries = row[:L - 2 * N], row[L - 2 * N:]
         where = (body < 8).nonzero().flatten()                    # the needles' keys
