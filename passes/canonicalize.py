@@ -196,6 +196,21 @@ def widen_narrow(n: Node, r: Rewriter) -> int | None:
     return None
 
 
+def constant_ys(n: Node, r: Rewriter) -> int | None:
+    """An ITEM of a scan's y that its body computes as one constant everywhere (a FULL,
+    maybe broadcast: a cotangent that is zero at every iteration) is that constant at the
+    stacked shape; the y is then unread and `_prune_scan_outputs` drops it from the body."""
+    scan = r.node(n.inputs[0])
+    k = n.attr("index")
+    if scan.op is not Op.SCAN or k < scan.attr("n_carry"):
+        return None
+    body: Graph = scan.attr("body")
+    v = body.node(body.outputs[k][1])
+    while v.op in OpGroup.VIEW or v.op is Op.CAST:
+        v = body.node(v.inputs[0])
+    return None if v.op is not Op.FULL else r.full(v.attr("value"), n.type)
+
+
 RULES: dict[Op, tuple[Rule, ...]] = {}      # an elementwise op missing here: fold_constants
 RULES[Op.ADD] = (fold_constants, add_zero)
 RULES[Op.SUB] = (fold_constants, add_zero)
@@ -210,6 +225,7 @@ for _op, _entry in STRUCTURAL.items():
 RULES[Op.INDEX_ADD] += (sum_narrow,)
 RULES[Op.CAST] += (widen_narrow,)
 RULES[Op.SLICE] += (cumsum_total,)
+RULES[Op.ITEM] = (constant_ys,)
 
 
 # -- the driver ---------------------------------------------------------------------------------
