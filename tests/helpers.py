@@ -37,6 +37,44 @@ def tokens(spec: Spec, batch: int | None = None, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, spec.model.vocab_size, (B, spec.model.seq_len + 1), generator=gen)
 
 
+def assert_gradients_match_reference(spec: Spec, params: dict[str, torch.Tensor],
+                                     toks: torch.Tensor) -> torch.Tensor:
+    """The spec's forward graph with its gradient graph on the IR interpreter against the eager
+    reference (tests/reference), float64: the loss to 1e-10, every parameter's gradient to
+    rtol 1e-8 (a parameter the loss does not reach: zeros). Returns the reference loss."""
+    import tests.reference as R
+    from titanc.ir import interpret
+    from titanc.model.frontend import lower_forward
+    from titanc.passes.autodiff import grad_graph
+
+    leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref = R.forward_loss(leaf, toks, spec.model)
+    ref.backward()
+    out = interpret(grad_graph(lower_forward(spec), list(params)), {"tokens": toks, **params})
+    assert abs(float(out["loss"]) - float(ref)) < 1e-10
+    for name, p in leaf.items():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
+                                   msg=lambda m: f"grad of {name}: {m}")
+    return ref.detach()
+
+
+def assert_decodes_like_forward(prog: Any, params: dict[str, torch.Tensor], toks: torch.Tensor,
+                                prompt: int) -> Any:
+    """Prefill `prompt` tokens of `toks` (1, T+1), then decode token by token to the end:
+    every position's logits equal the eager reference's parallel forward (float64, 1e-10).
+    Returns the decode state."""
+    import tests.reference as R
+    from titanc.runtime.serve.generate import Generator
+
+    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
+    gen = Generator(prog)
+    st, logits = gen.prefill(toks[0, :prompt].tolist())
+    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(prompt, toks.shape[1] - 1)]
+    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+    return st
+
+
 @dataclasses.dataclass
 class _Entry:
     compiled: Any

@@ -6,7 +6,7 @@ import torch
 
 import tests.reference as R
 import titanc
-from tests.helpers import BLOCKS, TINY, tokens
+from tests.helpers import BLOCKS, TINY, assert_decodes_like_forward, tokens
 from titanc.runtime.serve.generate import DecodeState, Generator, Sampling, sample
 
 
@@ -25,11 +25,7 @@ def test_decoding_matches_parallel_forward(block: str, prompt_len: int) -> None:
     included."""
     prog, params = _program(block)
     toks = tokens(prog.spec, 1, seed=2)
-    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
-    gen = Generator(prog)
-    st, logits = gen.prefill(toks[0, :prompt_len].tolist())
-    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(prompt_len, 16)]
-    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+    assert_decodes_like_forward(prog, params, toks, prompt_len)
 
 
 @pytest.mark.parametrize("block", ["mal", "mac"])
@@ -121,11 +117,7 @@ def test_gate_attention_decodes_like_the_parallel_forward(block: str) -> None:
     included."""
     prog, params = _program(block, **{"model.memory.gate": "attention"})
     toks = tokens(prog.spec, 1, seed=2)
-    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
-    gen = Generator(prog)
-    st, logits = gen.prefill(toks[0, :11].tolist())
-    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(11, 16)]
-    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+    assert_decodes_like_forward(prog, params, toks, 11)
 
 
 @pytest.mark.parametrize("write,read", [("input", "residual"), ("attention", "residual")])
@@ -135,11 +127,7 @@ def test_mac_options_decode_like_the_parallel_forward(write: str, read: str) -> 
     prog, params = _program("mac", **{"model.memory.mac_write": write,
                                       "model.memory.mac_read": read})
     toks = tokens(prog.spec, 1, seed=2)
-    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
-    gen = Generator(prog)
-    st, logits = gen.prefill(toks[0, :11].tolist())
-    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(11, 16)]
-    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+    assert_decodes_like_forward(prog, params, toks, 11)
 
 
 def test_ema_momentum_decodes_like_the_parallel_forward() -> None:
@@ -147,8 +135,4 @@ def test_ema_momentum_decodes_like_the_parallel_forward() -> None:
     forward, a prompt ending mid-chunk included."""
     prog, params = _program("lmm", **{"model.memory.momentum_form": "ema"})
     toks = tokens(prog.spec, 1, seed=2)
-    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
-    gen = Generator(prog)
-    st, logits = gen.prefill(toks[0, :11].tolist())
-    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(11, 16)]
-    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+    assert_decodes_like_forward(prog, params, toks, 11)

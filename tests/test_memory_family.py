@@ -17,13 +17,12 @@ import torch  # noqa: E402
 
 import tests.reference as R  # noqa: E402
 import titanc  # noqa: E402
-from tests.helpers import TINY, tiny_spec, tokens  # noqa: E402
+from tests.helpers import (TINY, assert_decodes_like_forward,  # noqa: E402
+                           assert_gradients_match_reference, tiny_spec, tokens)
 from titanc.errors import SpecError  # noqa: E402
 from titanc.ir import interpret  # noqa: E402
 from titanc.model.frontend import lower_forward  # noqa: E402
-from titanc.passes.autodiff import grad_graph  # noqa: E402
 from titanc.runtime.diagnostics.neural_memory import memory_stats  # noqa: E402
-from titanc.runtime.serve.generate import Generator  # noqa: E402
 
 DELTANET = {"momentum_form": "none", "fixed": ["alpha"], "decay": 0.0, "read": "after_write",
             "chunk_size": 1, "depth": 1}
@@ -63,16 +62,7 @@ def test_knobs_match_reference(block: str, options: dict) -> None:
     spec = _spec(block, options)
     params = R.init_params(spec.model, seed=6)
     toks = tokens(spec, seed=7)
-    leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    ref = R.forward_loss(leaf, toks, spec.model)
-    ref.backward()
-    ref = ref.detach()
-    out = interpret(grad_graph(lower_forward(spec), list(params)), {"tokens": toks, **params})
-    assert abs(float(out["loss"]) - float(ref)) < 1e-10
-    for name, p in leaf.items():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
-                                   msg=lambda m: f"grad of {name}: {m}")
+    ref = assert_gradients_match_reference(spec, params, toks)
     plain = {k: v for k, v in options.items() if k in ("chunk_size", "depth")}
     base = _spec(block, plain)
     base_params = R.init_params(base.model, seed=6)
@@ -135,11 +125,7 @@ def test_decoding_matches_parallel_forward(block: str, options: dict) -> None:
     params = R.init_params(prog.spec.model, seed=3)
     prog.load_state_dict({f"param.{k}": v for k, v in params.items()}, strict=False)
     toks = tokens(prog.spec, 1, seed=2)
-    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
-    gen = Generator(prog)
-    st, logits = gen.prefill(toks[0, :5].tolist())
-    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(5, 8)]
-    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+    st = assert_decodes_like_forward(prog, params, toks, 5)
     assert ("S1" in st.tensors) == (options.get("momentum_form") != "none")
     layer = memory_stats(prog, toks)["layers"][0]           # the diagnostics without S or η
     no_momentum = options.get("momentum_form") == "none"

@@ -22,7 +22,7 @@ import torch
 
 import tests.reference as R
 import titanc
-from tests.helpers import MEMORY_BLOCKS, TINY, tiny_spec, tokens
+from tests.helpers import MEMORY_BLOCKS, TINY, assert_decodes_like_forward, tiny_spec, tokens
 from tests.reference.memory import gates, initial_state, objective, projections
 from tests.reference.ops import layer_params, rmsnorm
 from titanc.ir import Graph, Op, interpret
@@ -207,18 +207,12 @@ def test_huber_trains_on_recall() -> None:
 def test_decoding_follows_the_objective(block: str, obj: str) -> None:
     """Prefill to mid-chunk, then decode token by token (the decode write is the objective's
     chunk write): every position's logits equal the reference's parallel forward, float64."""
-    from titanc.runtime.serve.generate import Generator
-
     prog = titanc.compile(TINY, **{"model.block": block, "train.batch_size": 1,
                                    **OBJECTIVES[obj]})
     params = R.init_params(prog.spec.model, seed=3)
     prog.load_state_dict({f"param.{k}": v for k, v in params.items()}, strict=False)
     toks = tokens(prog.spec, 1, seed=2)
-    want = R.forward_logits(params, toks[:, :-1], prog.spec.model)
-    gen = Generator(prog)
-    st, logits = gen.prefill(toks[0, :11].tolist())
-    rest = [gen.step(st, toks[:, t:t + 1]).clone() for t in range(11, 16)]
-    torch.testing.assert_close(torch.cat([logits] + rest, 1), want, rtol=1e-10, atol=1e-10)
+    assert_decodes_like_forward(prog, params, toks, 11)
 
 
 @pytest.mark.parametrize("block,obj", [("lmm", "huber"), ("mac", "lp")])

@@ -6,13 +6,11 @@ every block kind and chunk sizes 1, interior and the whole sequence (or segment)
 from __future__ import annotations
 
 import pytest
-import torch
 
 import tests.reference as R
-from tests.helpers import BLOCKS, tiny_spec, tokens
+from tests.helpers import BLOCKS, assert_gradients_match_reference, tiny_spec, tokens
 from titanc.model.frontend import lower_forward
 from titanc.ir import interpret
-from titanc.passes.autodiff import grad_graph
 
 
 def _cases():
@@ -27,18 +25,9 @@ def test_forward_and_gradients_match_reference(block: str, chunk: int) -> None:
     spec = tiny_spec(**{"model.block": block, "model.memory.chunk_size": chunk})
     params = R.init_params(spec.model, seed=1)
     toks = tokens(spec)
+    ref_loss = assert_gradients_match_reference(spec, params, toks)
     g = lower_forward(spec)
-    leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    ref_loss = R.forward_loss(leaf, toks, spec.model)
-    ref_loss.backward()
-    ref_loss = ref_loss.detach()
-    out = interpret(grad_graph(g, list(params)), {"tokens": toks, **params})
-    assert abs(float(out["loss"]) - float(ref_loss)) < 1e-10
     assert abs(float(interpret(g, {"tokens": toks, **params})["loss"]) - float(ref_loss)) < 1e-10
-    for name, p in leaf.items():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
-                                   msg=lambda m: f"grad of {name}: {m}")
 
 
 def test_chunk_size_changes_the_model() -> None:
@@ -70,16 +59,7 @@ def test_qk_activation_none_matches(block: str) -> None:
     spec = tiny_spec(**{"model.block": block, "model.memory.qk_activation": "none"})
     params = R.init_params(spec.model, seed=4)
     toks = tokens(spec, seed=5)
-    leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    ref = R.forward_loss(leaf, toks, spec.model)
-    ref.backward()
-    ref = ref.detach()
-    out = interpret(grad_graph(lower_forward(spec), list(params)), {"tokens": toks, **params})
-    assert abs(float(out["loss"]) - float(ref)) < 1e-10
-    for name, p in leaf.items():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
-                                   msg=lambda m: f"grad of {name}: {m}")
+    ref = assert_gradients_match_reference(spec, params, toks)
     silu = tiny_spec(**{"model.block": block})
     other = float(interpret(lower_forward(silu), {"tokens": toks, **params})["loss"])
     assert abs(other - float(ref)) > 1e-6
@@ -97,16 +77,7 @@ def test_write_options_match(block: str, adaptive: bool, options: dict) -> None:
     spec = tiny_spec(**over, **{f"model.memory.{k}": v for k, v in options.items()})
     params = R.init_params(spec.model, seed=6)
     toks = tokens(spec, seed=7)
-    leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    ref = R.forward_loss(leaf, toks, spec.model)
-    ref.backward()
-    ref = ref.detach()
-    out = interpret(grad_graph(lower_forward(spec), list(params)), {"tokens": toks, **params})
-    assert abs(float(out["loss"]) - float(ref)) < 1e-10
-    for name, p in leaf.items():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
-                                   msg=lambda m: f"grad of {name}: {m}")
+    ref = assert_gradients_match_reference(spec, params, toks)
     default = tiny_spec(**over)
     other = float(interpret(lower_forward(default), {"tokens": toks, **params})["loss"])
     assert abs(other - float(ref)) > 1e-6
@@ -129,16 +100,7 @@ def test_block_options_match(block: str, options: dict[str, str]) -> None:
                         **{f"model.memory.{k}": v for k, v in options.items()}})
     params = R.init_params(spec.model, seed=6)
     toks = tokens(spec, seed=7)
-    leaf = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    ref = R.forward_loss(leaf, toks, spec.model)
-    ref.backward()
-    ref = ref.detach()
-    out = interpret(grad_graph(lower_forward(spec), list(params)), {"tokens": toks, **params})
-    assert abs(float(out["loss"]) - float(ref)) < 1e-10
-    for name, p in leaf.items():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
-        torch.testing.assert_close(out[f"grad.{name}"], want, rtol=1e-8, atol=1e-12,
-                                   msg=lambda m: f"grad of {name}: {m}")
+    ref = assert_gradients_match_reference(spec, params, toks)
     default = tiny_spec(**{"model.block": block})
     pp = R.init_params(default.model, seed=6)
     other = float(interpret(lower_forward(default), {"tokens": toks, **pp})["loss"])
