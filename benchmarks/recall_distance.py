@@ -23,6 +23,7 @@ the largest block's (mag) at `model.ffn_hidden`.
     .venv/bin/python benchmarks/recall_distance.py --blocks lmm,attn   # the README's figure
     .venv/bin/python benchmarks/recall_distance.py                     # all five blocks, 3 seeds
     .venv/bin/python benchmarks/recall_distance.py --set model.memory.lr_max=1
+    .venv/bin/python benchmarks/recall_distance.py --blocks deltanet,gated_deltanet,titans_fla
 
 The defaults are the recipe: train.lr 3e-3 (at 1e-2 AdamW collapses the
 adaptive gates θ, η before a binding forms), memory.qk_activation none (zero-mean keys),
@@ -117,6 +118,10 @@ BLOCK_CURRICULUM = {"mac": "32:2500,128:450,272:250",
                     "lmm": "32:10000,128:1000,272:600"}    # the EMA write binds slower
 DISTANCES = "8,16,32,64,128,256,512,1024"
 BLOCKS = "lmm,mac,mag,mal,attn"
+# the memory family (docs/semantics.md "Memory family"): `--blocks deltanet,...` trains the lmm
+# block with examples/NAME.yaml's memory section (its gates, form and chunk) at the benchmark's
+# sizes (d_model 64, 2 memory heads: the presets' own head width, so their lr_max carries over)
+FAMILY = ("deltanet", "gated_deltanet", "titans_fla")
 EVAL_ROWS = 256                # held-out sequences per distance (4 queries each)
 EVAL_SEED = 12345
 METRICS_EVERY = 100           # steps between memory diagnostics with --metrics
@@ -138,14 +143,28 @@ def _apply(s: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
+def kind_of(block: str) -> str:
+    """The block kind a `--blocks` name trains: a FAMILY preset trains the lmm block."""
+    return "lmm" if block in FAMILY else block
+
+
+def preset_memory(name: str) -> dict[str, Any]:
+    """The `model.memory` section of examples/NAME.yaml, as `model.memory.KEY` overrides."""
+    spec = yaml.safe_load((ROOT.parent / "examples" / f"{name}.yaml").read_text())
+    return {f"model.memory.{k}": v for k, v in spec["model"]["memory"].items()}
+
+
 def spec_with(block: str, seed: int, seq_len: int, steps: int,
               overrides: dict[str, Any]) -> dict[str, Any]:
-    """The benchmark spec for one model: the `--set` overrides (a key `BLOCK:key` applies to
-    that block only, after the others) and the FFN width that matches mag's parameter count."""
-    common = _apply(SPEC, {k: v for k, v in overrides.items() if ":" not in k})
-    own = _apply(common, {k.partition(":")[2]: v for k, v in overrides.items()
-                          if k.partition(":")[0] == block and ":" in k})
-    own["model"].update(block=block, seq_len=seq_len)
+    """The benchmark spec for one model: SPEC, a FAMILY preset's memory section
+    (examples/NAME.yaml), the plain `--set` overrides, then those of the `BLOCK:key` form for
+    this block, and the FFN width that matches mag's parameter count."""
+    plain = {k: v for k, v in overrides.items() if ":" not in k}
+    common = _apply(SPEC, plain)
+    own = _apply(_apply(SPEC, preset_memory(block)), plain) if block in FAMILY else common
+    own = _apply(own, {k.partition(":")[2]: v for k, v in overrides.items()
+                       if k.partition(":")[0] == block and ":" in k})
+    own["model"].update(block=kind_of(block), seq_len=seq_len)
     own["train"].update(seed=seed, steps=steps)
     own["model"]["ffn_hidden"] = matched_ffn(own, block, common)
     return own
@@ -153,7 +172,7 @@ def spec_with(block: str, seed: int, seq_len: int, steps: int,
 
 def _count(s: dict[str, Any], block: str, ffn: int) -> int:
     t = json.loads(json.dumps(s))
-    t["model"].update(block=block, ffn_hidden=ffn)
+    t["model"].update(block=kind_of(block), ffn_hidden=ffn)
     t["model"]["seq_len"] = ALIGN
     return param_count(load_spec(t).model)
 

@@ -294,6 +294,33 @@ def test_benchmark_block_options_apply_to_their_block_only() -> None:
     assert all(abs(c - counts["mag"]) <= per8 / 2 for c in counts.values()), counts
 
 
+def test_benchmark_family_presets_train_the_lmm_block_with_their_memory() -> None:
+    """`recall_distance.py --blocks deltanet,gated_deltanet,titans_fla`: each name trains the
+    lmm block with examples/NAME.yaml's memory section at the benchmark's sizes, a plain
+    `--set` still reaches it, and its FFN width matches mag's parameter count."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import recall_distance as rd
+    from titanc.model.params import param_count
+    from titanc.model.spec import load_spec
+
+    over = rd.configure(["model.memory.conv_kernel=2", "deltanet:model.memory.lr_max=8"], [])
+    specs = {b: load_spec(rd.spec_with(b, 0, 32, 10, over)).model
+             for b in ("mag",) + rd.FAMILY}
+    for name in rd.FAMILY:
+        preset = load_spec(str(Path(__file__).resolve().parents[1] / "examples"
+                               / f"{name}.yaml")).model.memory
+        m = specs[name].memory
+        assert specs[name].block == "lmm" and m.conv_kernel == 2
+        for field in ("momentum_form", "read", "decay_form", "decay_order", "inner",
+                      "post_norm", "value_width", "chunk_size", "fixed"):
+            assert getattr(m, field) == getattr(preset, field), (name, field)
+        assert m.lr_max == (8 if name == "deltanet" else preset.lr_max)
+    counts = {b: param_count(s) for b, s in specs.items()}
+    per8 = 3 * 8 * specs["mag"].d_model
+    assert all(abs(c - counts["mag"]) <= per8 / 2 for c in counts.values()), counts
+
+
 def test_benchmark_merges_runs_of_one_configuration(tmp_path: Path) -> None:
     """`recall_distance.py --merge A.json B.json --out M.json`: one sweep from runs made in
     separate processes (rows concatenated, summary over all of them, the plot beside it);
