@@ -431,7 +431,11 @@ def test_every_template_is_reached_by_a_compiled_program() -> None:
     assert on_disk == reached, (sorted(on_disk - reached), sorted(reached - on_disk))
 
 
-@pytest.mark.parametrize("example", ["tiny", "tiny_attn", "tiny_lmm", "tiny_mag", "tiny_mal"])
+# tiny (bf16 and scan kernels too), a block without attention and one with it in sequence;
+# attn and mag in `make test-all`
+@pytest.mark.parametrize("example", ["tiny", "tiny_lmm", "tiny_mal",
+                                     *(pytest.param(e, marks=pytest.mark.slow)
+                                       for e in ("tiny_attn", "tiny_mag"))])
 def test_no_kernel_computes_rotary_tables_per_element(example: str) -> None:
     """Rotary cos/sin come from a table made once at bind time (a ROPE node is a kernel of
     its own that the buffer plan binds as a constant; scan kernels get it from the host), so
