@@ -82,8 +82,9 @@ class Program:
         self.step = 0
         self._last: dict[str, Any] = {}
         # one call at a time: every graph's executor runs in one arena, whose outputs the next
-        # call overwrites, so two threads would read each other's results
-        self._lock = threading.RLock()
+        # call overwrites, so two threads would read each other's results (`run_graph`'s
+        # callers hold it while they read them)
+        self.lock = threading.RLock()
         self.by_batch: dict[int, Any] = {self.batch_size: compiled}   # compiles by rows
 
     # -- state ----------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class Program:
         integer >= 0 always fail, before anything is copied."""
         mine = self.state_dict()
         new, unused, step = check_loadable(sd, mine, strict)
-        with torch.no_grad(), self._lock:
+        with torch.no_grad(), self.lock:
             for k, t in sd.items():
                 if k in mine and k != "opt.step":
                     mine[k].copy_(t.to(mine[k].dtype))
@@ -152,10 +153,11 @@ class Program:
         check_token_ids(tokens, self.spec.model.vocab_size, scratch=self._token_range)
         return tokens.to(torch.int64)
 
-    def _run(self, cg: Any, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    def run_graph(self, cg: Any, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """Run a compiled graph (titanc.compiler.CompiledGraph): on the arena executor of its
         plan, bound to this program's parameters and buffers, or, for `target: reference`, its
-        graph on the interpreter."""
+        graph on the interpreter. The outputs are the executor's own buffers, which the next
+        call overwrites: callers hold `lock` while they read them (the serving decoder)."""
         with torch.no_grad():
             if self.target == "reference":
                 return self._interp(cg.graph, inputs)
@@ -163,20 +165,20 @@ class Program:
             return ex.run({k: v for k, v in inputs.items() if k not in ex.bound})
 
     def loss(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
-        with self._lock:
+        with self.lock:
             tokens = self._check_tokens(tokens)
             cg = self.graph("forward", tokens.shape[0])
             extra = document_inputs(self.spec, self.dtype, tokens, docs)
-            return float(self._run(cg, {"tokens": tokens, **extra, **self.params})["loss"])
+            return float(self.run_graph(cg, {"tokens": tokens, **extra, **self.params})["loss"])
 
     def _forward_output(self, tokens: Tensor, output: str,
                         docs: dict[str, Tensor] | None = None) -> Tensor:
         """A copy of graph output `output`: the executor's own buffer is the next call's."""
-        with self._lock:
+        with self.lock:
             tokens = self._check_tokens(tokens)
             cg = self.graph(output, tokens.shape[0])
             extra = document_inputs(self.spec, self.dtype, tokens, docs, loss=False)
-            return self._run(cg, {"tokens": tokens, **extra, **self.params})[output].clone()
+            return self.run_graph(cg, {"tokens": tokens, **extra, **self.params})[output].clone()
 
     def logits(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> Tensor:
         """Next-token logits [B, T, V] for tokens [B, T+1] (the last column is ignored)."""
@@ -189,16 +191,18 @@ class Program:
     def grads(self, tokens: Tensor, docs: dict[str, Tensor] | None = None
               ) -> tuple[float, dict[str, Tensor]]:
         """Loss and gradients of one batch (copies: the program's buffers stay private)."""
-        with self._lock:
-            loss, g = self._grads(tokens, docs)
+        with self.lock:
+            loss, g = self.grads_in_place(tokens, docs)
             return loss, {n: t.clone() for n, t in g.items()}
 
-    def _grads(self, tokens: Tensor, docs: dict[str, Tensor] | None = None
-               ) -> tuple[float, dict[str, Tensor]]:
+    def grads_in_place(self, tokens: Tensor, docs: dict[str, Tensor] | None = None
+                       ) -> tuple[float, dict[str, Tensor]]:
+        """`grads` without the copies: the gradients are the program's own buffers, valid
+        until its next call (the trainer's evaluation of a held-out batch)."""
         tokens = self._check_tokens(tokens)
         cg = self.graph("training", tokens.shape[0])
         extra = document_inputs(self.spec, self.dtype, tokens, docs)
-        out = self._run(cg, {"tokens": tokens, **extra, **self.params})
+        out = self.run_graph(cg, {"tokens": tokens, **extra, **self.params})
         return float(out["loss"]), {n: out[f"grad.{n}"] for n in self.params}
 
     def train_step(self, tokens: Tensor, docs: dict[str, Tensor] | None = None) -> float:
@@ -206,7 +210,7 @@ class Program:
         (tokens: [grad_accum·batch_size, seq_len+1]; `docs`: `data.documents`' doc_start and
         loss_mask rows, as `loss`). Returns the mean micro-batch loss, which reads it back from
         the device; `advance` is the same step reading nothing back."""
-        with self._lock:
+        with self.lock:
             self.advance(tokens, docs)
             return self.last["loss"]
 
@@ -221,7 +225,7 @@ class Program:
         the loss and the gradient norm stay there (`last` reads them). On CUDA with
         `compile.cuda_graphs` the whole step is one CUDA graph, captured at the second call
         and replayed after (the first compiles the kernels)."""
-        with self._lock:
+        with self.lock:
             self._advance(tokens, docs)
 
     def _advance(self, tokens: Tensor, docs: dict[str, Tensor] | None) -> None:
@@ -241,7 +245,7 @@ class Program:
         """The training graph `cg` on one micro-batch of a step (the executor's own outputs);
         its gradients land in the micro-batch gradient buffer (`grad_flat_tmp`)."""
         if self.target == "reference":               # the interpreter returns new tensors
-            out = self._run(cg, {**micro, **self.params})
+            out = self.run_graph(cg, {**micro, **self.params})
             for n, t in self.grad_tmp.items():
                 t.copy_(out[f"grad.{n}"])
             return out
@@ -256,7 +260,7 @@ class Program:
             inputs[f"grad.{n}"] = self.grad_acc[n]
             inputs[f"opt.m.{n}"] = self.opt_m[n]
             inputs[f"opt.v.{n}"] = self.opt_v[n]
-        out = self._run(self.compiled.graph("optimizer"), inputs)
+        out = self.run_graph(self.compiled.graph("optimizer"), inputs)
         for n in self.params:                       # the executor updates in place
             for dst, key in ((self.params[n], f"param.{n}"), (self.opt_m[n], f"opt.m.{n}"),
                              (self.opt_v[n], f"opt.v.{n}")):
@@ -270,7 +274,7 @@ class Program:
         runtime/train/distributed.py); their losses, read back to the host."""
         losses, B = [], self.batch_size
         for i in range(self.accum):
-            loss, _ = self._grads(tokens[i * B:(i + 1) * B],
+            loss, _ = self.grads_in_place(tokens[i * B:(i + 1) * B],
                                   {k: v[i * B:(i + 1) * B] for k, v in extra.items()})
             losses.append(loss)
             if self.accum > 1:

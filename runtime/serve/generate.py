@@ -250,7 +250,7 @@ class Generator:
         the next step overwrites (clone to keep it). Allocates nothing after warm-up.
 
         The n tokens must lie in one memory chunk (n = 1, or a whole aligned chunk)."""
-        with self.prog._lock:             # the program's executors, and this one's host inputs
+        with self.prog.lock:             # the program's executors, and this one's host inputs
             return self._step(st, tokens)
 
     def _step(self, st: DecodeState, tokens: Tensor) -> Tensor:
@@ -267,7 +267,7 @@ class Generator:
                 self._fill_bias(h, st, b, n)
             inputs.update(rope_cos=h.cos, rope_sin=h.sin, attn_bias=h.bias)
         with _flush_denormals(self._flush_after):
-            out = self.prog._run(self.prog.graph("decode_step", B, n), inputs)
+            out = self.prog.run_graph(self.prog.graph("decode_step", B, n), inputs)
         self._absorb(st, out, n)
         return out["logits"]
 
@@ -368,7 +368,7 @@ class Generator:
         inputs.update({f"pending.{k}": v for k, v in pending.items()})
         inputs["mask"] = mask
         with _flush_denormals(self._flush_after):
-            out = self.prog._run(self.prog.graph("decode_write", B), inputs)
+            out = self.prog.run_graph(self.prog.graph("decode_write", B), inputs)
         for k, v in out.items():
             tensors[k.removeprefix("state.")].copy_(v)
 
@@ -395,7 +395,7 @@ class Generator:
         while s < T:
             aligned = st.pos[0] % self.chunk == 0 and s + self.chunk <= T
             n = self.chunk if aligned else 1
-            with self.prog._lock:                # the view, copied before another step
+            with self.prog.lock:                # the view, copied before another step
                 logits.append(self.step(st, toks[:, s:s + n]).clone())
             s += n
         return st, torch.cat(logits, 1)[:, carry:]
@@ -449,7 +449,7 @@ class Generator:
                     alive[i] = False
             if not any(alive) or k == max_new_tokens - 1:
                 break
-            with self.prog._lock:                # the view, copied before another step
+            with self.prog.lock:                # the view, copied before another step
                 logits = self.step(st, nxt[:, None])[:, -1].clone()
         if state is not None:                    # every token but the last sampled is in
             state.put(0, st)

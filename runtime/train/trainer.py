@@ -276,7 +276,7 @@ class Trainer:
                             rows=self.my_rows)
         first = slice(0, self.spec.train.batch_size)
         docs = {k: v[first] for k, v in docs.items()} if docs else None
-        loss, grads = self.prog._grads(tokens[first], docs)   # its own buffers: no copies
+        loss, grads = self.prog.grads_in_place(tokens[first], docs)   # its own buffers: no copies
         norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
         for what, value in (("the next batch's loss", loss), ("its gradient norm", norm)):
             if not math.isfinite(value):
