@@ -112,16 +112,19 @@ TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens
 NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8,
              "train_needles": 1, "needle_layout": "packed", "filler": "prose"}
 CURRICULUM = "32:5000,128:500,272:300"
-# a block's own curriculum (`--curriculum` sets every block's): MAC steps slowest, and its
-# later stages are shorter to fit the same CPU budget
-BLOCK_CURRICULUM = {"mac": "32:2500,128:450,272:250",
-                    "lmm": "32:10000,128:1000,272:600"}    # the EMA write binds slower
-DISTANCES = "8,16,32,64,128,256,512,1024"
-BLOCKS = "lmm,mac,mag,mal,attn"
 # the memory family (docs/semantics.md "Memory family"): `--blocks deltanet,...` trains the lmm
 # block with examples/NAME.yaml's memory section (its gates, form and chunk) at the benchmark's
 # sizes (d_model 64, 2 memory heads: the presets' own head width, so their lr_max carries over)
 FAMILY = ("deltanet", "gated_deltanet", "titans_fla")
+# a block's own curriculum (`--curriculum` sets every block's): MAC steps slowest, and its
+# later stages are shorter to fit the same CPU budget; the lmm block (a layer of memory alone)
+# binds slower and steps fastest: twice the steps in the same budget, for lmm and the family
+# presets that train it (FAMILY)
+LMM_CURRICULUM = "32:10000,128:1000,272:600"
+BLOCK_CURRICULUM = {"mac": "32:2500,128:450,272:250", "lmm": LMM_CURRICULUM,
+                    **dict.fromkeys(FAMILY, LMM_CURRICULUM)}
+DISTANCES = "8,16,32,64,128,256,512,1024"
+BLOCKS = "lmm,mac,mag,mal,attn"
 EVAL_ROWS = 256                # held-out sequences per distance (4 queries each)
 EVAL_SEED = 12345
 METRICS_EVERY = 100           # steps between memory diagnostics with --metrics
