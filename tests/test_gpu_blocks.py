@@ -77,15 +77,17 @@ def _inputs(c) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("example", ["tiny_lmm"])
 def test_the_cuda_blocks_compute_the_same(example: str) -> None:
+    """The forward plan's kernels (pointwise and row families, the memory's scans) with the
+    CUDA blocks equal them with the interpreter's, bit for bit, and the cpu target."""
     c = _compiled(example)
-    plan, inputs = c.plans["training"], _inputs(c)
+    plan, inputs = c.plans["forward"], _inputs(c)
     want = TritonExecutor(plan).run(inputs)
     cpu = ArenaExecutor(plan).run(inputs)
     with fresh_kernel_modules(cuda_blocks=True) as changed:
         got = TritonExecutor(plan).run(inputs)
     families = {("pointwise" if "BLOCK" in m.cuda_constexprs(90) else "rows") for m in changed}
     assert families == {"pointwise", "rows"}, families      # the test reaches both kinds
-    assert len(changed) >= 10
+    assert len(changed) >= 5                                # forward: 6 modules here
     for k, v in want.items():
         assert torch.equal(got[k], v), k                    # bit for bit: rows never split
         torch.testing.assert_close(got[k], cpu[k], rtol=1e-9, atol=1e-11,
