@@ -217,7 +217,7 @@ def _sample(compiled) -> list[tuple]:
     return out
 
 
-@pytest.mark.parametrize("example", ["tiny", "tiny_mag"])
+@pytest.mark.parametrize("example", ["tiny", pytest.param("tiny_mag", marks=pytest.mark.slow)])
 def test_generated_kernels_match_interpreter(example: str) -> None:
     c = compile_graphs(load_spec(ROOT / "examples" / f"{example}.yaml", small(example)))
     sample = _sample(c)

@@ -68,7 +68,8 @@ def test_attention_of_every_block_kind_compiles_to_the_flash_template(block: str
     assert families["training"] == {"attention_fwd", "attention_bwd"}
 
 
-@pytest.mark.parametrize("example", ["tiny", "tiny_attn", "tiny_mag", "tiny_mal", "large_125m"])
+@pytest.mark.parametrize("example", ["tiny", "large_125m", *(pytest.param(e, marks=pytest.mark.slow)
+                                                 for e in ("tiny_attn", "tiny_mag", "tiny_mal"))])
 def test_no_scores_buffer_in_the_plans_of_the_examples(example: str) -> None:
     spec = load_spec(ROOT / "examples" / f"{example}.yaml")
     c = compile_graphs(spec, verify_each=False)

@@ -156,7 +156,9 @@ def _all_nodes_once(s: Schedule) -> None:
                 assert sub.bodies[scans[0]].graph is sub.graph.node(scans[0]).attr("body")
 
 
-@pytest.mark.parametrize("name", TINY_EXAMPLES)
+# tiny and tiny_mal (attention, memory, both in sequence) in `make test`; the others slow
+@pytest.mark.parametrize("name", [n if n in ("tiny.yaml", "tiny_mal.yaml") else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in TINY_EXAMPLES])
 def test_real_graphs_fuse_validly_and_deterministically(name: str) -> None:
     for g, s in zip(example_graphs(name), example_schedules(name)):
         verify_schedule(s)

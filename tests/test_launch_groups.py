@@ -150,7 +150,7 @@ def test_member_source_refuses_a_template_kernel() -> None:
         member_source(code)
 
 
-@pytest.mark.parametrize("example", ["tiny_mag", "tiny_lmm"])
+@pytest.mark.parametrize("example", [pytest.param("tiny_mag", marks=pytest.mark.slow), "tiny_lmm"])
 def test_grouped_triton_equals_cpu(example: str) -> None:
     """The triton target with launch groups (interpreted) == the cpu target, float64."""
     c = compiled(example)

@@ -64,7 +64,8 @@ def _programs(target: str, accum: int, block: str = "mac") -> tuple[Any, Any]:
             titanc.compile(TINY, **over, **{"compile.target": "cpu"}))
 
 
-@pytest.mark.parametrize("target,accum", [("cpu", 1), ("cpu", 2), ("triton", 2)])
+@pytest.mark.parametrize("target,accum", [pytest.param("cpu", 1, marks=pytest.mark.slow), ("cpu", 2),
+                                          ("triton", 2)])
 def test_steps_read_nothing_back(target: str, accum: int,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     prog, twin = _programs(target, accum, "mac" if target == "cpu" else "attn")

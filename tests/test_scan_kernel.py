@@ -123,10 +123,10 @@ def check_scan(g, n, dt: torch.dtype, seed: int = 0, carry_budget: int | None = 
 
 # --- parity -----------------------------------------------------------------------------------------
 
-# tiny_lmm and tiny in `make test`; every block kind's training step on both targets is in
-# test_codegen, so the other memory kinds' chunk scans against the reference are the slow tier
-@pytest.mark.parametrize("example", ["tiny_lmm", pytest.param("tiny_mag", marks=pytest.mark.slow),
-                                     pytest.param("tiny_mal", marks=pytest.mark.slow), "tiny"])
+# tiny_lmm in `make test`; every block kind's training step on both targets is in
+# test_codegen, so the other examples' chunk scans against the reference are the slow tier
+@pytest.mark.parametrize("example", ["tiny_lmm", *(pytest.param(e, marks=pytest.mark.slow)
+                                                   for e in ("tiny_mag", "tiny_mal", "tiny"))])
 def test_memory_chunk_scans_match_reference(example: str) -> None:
     """Forward, checkpoint and reverse (backward) memory-chunk scans of the training graph
     (memory chunks of 4: two per sequence; the interpreter's time is per chunk)."""
@@ -663,7 +663,7 @@ def test_scan_tiles_cut_the_serial_rounds(monkeypatch) -> None:
     assert all(r > 0 and 2 * r <= b for r, b in zip(now, before)), (now, before)
 
 
-@pytest.mark.parametrize("budget", [None, 0])
+@pytest.mark.parametrize("budget", [pytest.param(None, marks=pytest.mark.slow), 0])
 def test_looped_tiles_match_reference(budget, monkeypatch) -> None:
     """Caps far below the shapes (16-element tiles along a row loop, 16^3 dots) put every
     stage kind in loops over blocks, with the carries on chip and in the workspace: the
