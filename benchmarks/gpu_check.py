@@ -29,7 +29,10 @@ model's FLOPs, `Compiled.model_flops`: nothing recomputed) and HFU (the kernels'
 bfloat16, titans-pytorch's MemoryAsContextTransformer (its default chunking and titanc's
 memory semantics, "matched"; float32 and bf16 autocast) and torch.compile of tests/reference,
 at tiny.yaml, the CPU benchmark's larger size (benchmarks/train_step.py --size large) and, for
-titanc, large_125m.yaml (grad_accum 1: one micro-batch per step; the peer is not run there). `--script NAME=PATH` adds a job that
+titanc, large_125m.yaml (grad_accum 1: one micro-batch per step; also with memory chunks of 512,
+the A/B of the serial chain), titans-pytorch's default there too, and what a user would train
+instead: a plain transformer of the size's dimensions under torch.compile with SDPA (the
+`dense` jobs, benchmarks/dense_transformer.py). `--script NAME=PATH` adds a job that
 runs PATH with $GPU_CHECK_RESULTS (append records there) and $GPU_CHECK_DEADLINE (epoch s).
 """
 from __future__ import annotations
@@ -92,6 +95,8 @@ TITANC = {
     "medium_f32": ("medium", {}),
     "medium_bf16": ("medium", BF16),
     "large_bf16": ("large", {**LARGE, **BF16}),
+    # the A/B that isolates the chunk recurrence's serial chain: 8 chunks a sequence, not 64
+    "large_bf16_chunk512": ("large", {**LARGE, **BF16, "model.memory.chunk_size": 512}),
     # the chunk groups' forward recompute hoisted out of their backward (docs/gpu.md)
     "large_bf16_hoist": ("large", {**LARGE, **BF16, "compile.hoist_groups": True}),
     # every memory chunk's state saved (compile.chunk_groups: false): no chunk recomputed in
@@ -146,11 +151,18 @@ PEER = {
     # its default chunking only (what the acceptance compares against; matched is slow)
     "peer_tiny_default": ("tiny", [(False, False), (False, True)]),
     "peer_medium_default": ("medium", [(False, False), (False, True)]),
+    # at large_125m's dimensions (bf16 autocast only; it may not fit: the row says so)
+    "peer_large_default": ("large", [(False, True)]),
 }
 # name: (size, torch.compile?)
 REF = {"ref_tiny_compile": ("tiny", True), "ref_medium_compile": ("medium", True)}
+# what a user would train instead (benchmarks/dense_transformer.py): a plain transformer of the
+# size's width, depth, heads, FFN and sequence, causal SDPA over the whole sequence, bf16
+# autocast; name: (size, torch.compile?)
+DENSE = {"dense_large": ("large", True), "dense_tiny": ("tiny", True)}
 GROUPS = {"checks": list(CHECKS), "titanc": list(TITANC), "peer": ["peer_tiny", "peer_medium"],
-          "peer_default": ["peer_tiny_default", "peer_medium_default"], "ref": list(REF)}
+          "peer_default": ["peer_tiny_default", "peer_medium_default", "peer_large_default"],
+          "ref": list(REF), "dense": list(DENSE)}
 
 
 # -- records ---------------------------------------------------------------------------------------
@@ -445,16 +457,21 @@ def _adamw_loop(torch: Any, params: list[Any], s: Any, loss_fn: Callable[[], Any
     return step
 
 
-def _time_torch(job: str, step: Callable[[], Any], ntok: int, **extra: Any) -> None:
+def _time_torch(job: str, step: Callable[[], Any], ntok: int, flops: float | None = None,
+                peak: float | None = None, loop: str = "", **extra: Any) -> None:
+    """First step, two warm-up steps, then the timed loop (`_rounds(loop)`); with the step's
+    model `flops` and the device's `peak`, its MFU."""
     t0 = time.perf_counter()
     loss0 = float(step().detach())
     emit(job, "first_step", first_step_s=round(time.perf_counter() - t0, 1), loss=loss0)
     for _ in range(2):
         step()
     reset_peak()
-    rounds, per = _rounds()
+    rounds, per = _rounds(loop)
     times, waits = timed(step, rounds, per)
     med = statistics.median(times)
+    if flops:
+        extra.update(model_gflop=round(flops / 1e9, 3), mfu=flops / med / peak if peak else None)
     emit(job, "result", ms_median=round(1e3 * med, 4), ms_min=round(1e3 * min(times), 4),
          tokens_per_s=round(ntok / med), peak_cuda_mib=peak_mib(), loss_first=loss0,
          tokens_per_step=ntok, **waits, **extra)
@@ -474,7 +491,8 @@ def run_peer(name: str) -> None:
             toks = _tokens(s, rows=s.train.batch_size).to(DEV)
             step = _adamw_loop(torch, list(model.parameters()), s,
                                lambda: model(toks, return_loss=True), bf16)
-            _time_torch(job, step, ntok, size=SIZE_NOTE[size], layers=s.model.n_layers,
+            _time_torch(job, step, ntok, loop=size, size=SIZE_NOTE[size],
+                        layers=s.model.n_layers,
                         parameters=sum(p.numel() for p in model.parameters()))
             del model, step
             if DEV == "cuda":
@@ -495,6 +513,23 @@ def run_ref(name: str) -> None:
     toks = _tokens(s, rows=s.train.batch_size).to(DEV)
     step = _adamw_loop(torch, list(params.values()), s, lambda: fn(params, toks, s.model), False)
     _time_torch(name, step, s.train.batch_size * s.model.seq_len, size=SIZE_NOTE[size])
+
+
+def run_dense(name: str) -> None:
+    """benchmarks/dense_transformer.py at the size's dimensions: compile (the first step),
+    warm-up, timed steps; MFU from its `model_flops` (counted as titanc counts its own)."""
+    from titanc.runtime.diagnostics.timing import device_name, peak_flops
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import dense_transformer as dt
+
+    size, compiled = DENSE[name]
+    s = spec_of(size, LARGE if size == "large" else {})
+    step, model, B = dt.make_step(s, DEV, compiled, True)
+    fl = peak_flops(device_name("triton"), "bfloat16") if DEV == "cuda" else None
+    _time_torch(name, step, B * s.model.seq_len, loop=size, size=SIZE_NOTE[size],
+                layers=s.model.n_layers, parameters=sum(p.numel() for p in model.parameters()),
+                flops=dt.model_flops(dt.Dims.of(s), B), peak=fl)
 
 
 def run_script(name: str, path: str) -> None:
@@ -566,7 +601,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         log = open(logs / f"{name}.log", "w")
         job_env = {**env, "PYTHONPATH": paths["peer" if kind == "peer" else "titanc"],
                    "GPU_CHECK_JOB": name, **JOB_ENV.get(name, {})}
-        if kind == "ref":                    # inductor's compile workers would take every core
+        if kind in ("ref", "dense"):         # inductor's compile workers would take every core
             job_env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         procs[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                         env=job_env), log)
@@ -714,7 +749,7 @@ def run_job(kind: str, name: str, extra: list[str]) -> int:
             run_script(name, extra[0])
         else:
             {"checks": run_check, "titanc": run_titanc, "peer": run_peer,
-             "ref": run_ref}[kind](name)
+             "ref": run_ref, "dense": run_dense}[kind](name)
     except Exception as e:
         emit(name, "error", error=f"{type(e).__name__}: {e}"[:800],
              trace=traceback.format_exc()[-1500:])

@@ -12,7 +12,7 @@ set -u
 START=$(date +%s)
 OUT=${OUT:-/tmp/gpu-out}
 BUDGET=${BUDGET:-520}
-ONLY=${ONLY:-checks,tiny_f32,tiny_tf32,tiny_bf16,tiny_bf16_scan_loops,tiny_bf16_remat_none,tiny_bf16_ffn176,medium_bf16,medium_bf16_scan_loops,medium_bf16_remat_none,large_bf16,peer_default}
+ONLY=${ONLY:-checks,tiny_f32,tiny_tf32,tiny_bf16,tiny_bf16_scan_loops,tiny_bf16_remat_none,tiny_bf16_ffn176,medium_bf16,medium_bf16_scan_loops,medium_bf16_remat_none,large_bf16,large_bf16_chunk512,dense_large,peer_default}
 PROFILE=${PROFILE-benchmarks/gpu_profile.py}     # PROFILE= : no profiled steps
 # RUNS: the first-step runs (benchmarks/first_step.py --runs)
 mkdir -p "$OUT"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -27,6 +28,7 @@ def _load_benchmark(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod              # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -189,3 +191,33 @@ def test_mfu_counts_the_models_flops_not_the_recompute() -> None:
     assert c["none"].model_flops() == pytest.approx(none, rel=0.01)
     assert c["per_layer"].model_flops() == pytest.approx(none, rel=0.01)
     assert step_flops(c["per_layer"]) > 1.2 * c["per_layer"].model_flops()
+
+
+def test_dense_baseline_counts_its_matmul_flops_and_learns() -> None:
+    """benchmarks/dense_transformer.py (gpu_check's `dense` jobs): its `model_flops` less the
+    attention term is what torch's FLOP counter counts in one forward and backward (every
+    projection and the tied LM head; no SDPA on CPU), the causal attention is half the full,
+    and AdamW steps on one batch bring the loss down from ln(vocab)."""
+    import math
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from titanc.model.spec import load_spec
+
+    dt = _load_benchmark("dense_transformer")
+    n = dt.Dims(vocab=32, d=16, layers=2, heads=2, ffn=24, seq=16)
+    torch.manual_seed(0)
+    model = dt.DenseTransformer(n)
+    toks = torch.randint(0, n.vocab, (2, n.seq + 1))
+    with FlopCounterMode(display=False) as fc:
+        model(toks).backward()
+    full, causal = dt.model_flops(n, 2, causal=False), dt.model_flops(n, 2)
+    attention = full - causal
+    assert fc.get_total_flops() == full - 2 * attention == 6 * dt.matmul_params(n) * 2 * n.seq
+    spec = load_spec(TINY, {"model.d_model": 16, "model.n_layers": 1, "model.seq_len": 16,
+                            "model.vocab_size": 32, "model.ffn_hidden": 24,
+                            "model.attention.heads": 2, "train.batch_size": 2})
+    step, _, B = dt.make_step(spec, "cpu", False, False)
+    losses = [float(step()) for _ in range(30)]
+    assert B == 2 and abs(losses[0] - math.log(32)) < 0.3 and losses[-1] < losses[0] - 1.0
