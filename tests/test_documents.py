@@ -149,11 +149,11 @@ def _program(block: str, target: str, layers: int | None = None):
     return titanc.compile(_spec(block, **{"compile.target": target, "model.n_layers": layers}))
 
 
-# MAC and MAL on the cpu target (memory and attention, read in parallel and in sequence; every
-# block is packed against alone on the reference above); the other blocks and the
-# interpreted triton target in the slow tier (the default tier's triton case is the mid-chunk
+# MAC on the cpu target (memory and attention read in parallel; every block is packed against
+# alone on the reference above); the other blocks and the interpreted triton target in the
+# slow tier (the default tier's triton case is the mid-chunk
 # test below: MAC, starts inside chunks, gradients against the cpu target)
-PACKED_CASES = [pytest.param(b, t, marks=[] if t == "cpu" and b in ("mac", "mal")
+PACKED_CASES = [pytest.param(b, t, marks=[] if t == "cpu" and b == "mac"
                              else [pytest.mark.slow])
                 for t in ("cpu", "triton") for b in BLOCKS]
 

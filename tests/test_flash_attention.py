@@ -143,9 +143,11 @@ def _compiled(g: Graph, wrt: list[str], bf16: bool = False) -> BufferPlan:
     return plan_buffers(verify_schedule(fuse(gg)), set())
 
 
+# the last four in `make test-all` (longer sequences of shapes the others cover)
 CASES = [("swa", 16, 4, 0), ("swa", 16, 4, 4), ("swa", 16, 16, 4), ("swa", 16, 24, 0),
-         ("swa", 80, 24, 4), ("swa", 80, 100, 0), ("mac", 8, 0, 0), ("mac", 8, 0, 4),
-         ("mac", 80, 0, 4), ("swa", 200, 24, 4), ("mac", 136, 0, 4)]
+         ("swa", 80, 24, 4), ("mac", 8, 0, 0), ("mac", 8, 0, 4),
+         *(pytest.param(*c, marks=pytest.mark.slow) for c in (
+             ("swa", 80, 100, 0), ("mac", 80, 0, 4), ("swa", 200, 24, 4), ("mac", 136, 0, 4)))]
 
 
 @pytest.mark.parametrize("kind,T,window,P", CASES)

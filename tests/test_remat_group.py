@@ -53,7 +53,7 @@ def _run(spec, executor: bool) -> dict[str, torch.Tensor]:
     pytest.param("mac", "per_layer", False, marks=pytest.mark.slow),
     pytest.param("lmm", "per_layer", False, marks=pytest.mark.slow),
     pytest.param("mag", "per_layer", False, marks=pytest.mark.slow),
-    ("mac", "per_segment", False), ("mac", "per_layer", True),
+    ("mac", "per_segment", False), pytest.param("mac", "per_layer", True, marks=pytest.mark.slow),
     pytest.param("lmm", "per_segment", True, marks=pytest.mark.slow)])
 def test_group_gradients_are_bitwise_per_layer(block: str, remat: str, executor: bool) -> None:
     over = {**BASE, "model.block": block, "train.remat": remat, "train.remat_rows": 1}

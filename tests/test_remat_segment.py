@@ -51,7 +51,7 @@ def _same(got: dict, want: dict) -> None:
 
 @pytest.mark.parametrize("block,rows", [(b, 1) if b == "mac" else
                                        pytest.param(b, 1, marks=pytest.mark.slow)
-                                       for b in BLOCKS] + [("mac", 0)])
+                                       for b in BLOCKS] + [pytest.param("mac", 0, marks=pytest.mark.slow)])
 def test_per_segment_matches_no_remat_float64(block: str, rows: int) -> None:
     """rows 1: MAC one sequence at a time; 0 (auto): the tiny batch in one group."""
     want = _grads(tiny_spec(**BASE, **{"model.block": block, "train.remat": "none"}))

@@ -131,8 +131,8 @@ def test_the_probe_tries_this_ranks_rows_of_the_next_batch(tmp_path: Path,
     global batch the next step gives this rank: on 2 ranks it proved a batch no step trains."""
     t = _rank(tmp_path, 1)
     seen: list[torch.Tensor] = []
-    real = t.prog._grads
-    monkeypatch.setattr(t.prog, "_grads", lambda tokens, docs=None: (
+    real = t.prog.grads_in_place
+    monkeypatch.setattr(t.prog, "grads_in_place", lambda tokens, docs=None: (
         seen.append(tokens.clone()), real(tokens, docs))[1])
     t._probe_next_step()
     gen = torch.Generator()
@@ -177,7 +177,7 @@ def test_a_rank_counts_a_checkpoint_only_once_rank_0_wrote_it(tmp_path: Path) ->
 # ---------------------------------------------------------- the launcher: one line, exit 2
 
 
-@pytest.mark.parametrize("case", ["missing-resume", "locked-out"])
+@pytest.mark.parametrize("case", ["missing-resume", pytest.param("locked-out", marks=pytest.mark.slow)])
 def test_bad_input_under_nproc_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
     """Bad input that every rank (or rank 0 alone) sees used to print one line per rank plus
     the launcher's, and exit 1 as if a rank had crashed."""
