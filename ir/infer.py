@@ -13,6 +13,11 @@ from titanc.ir.types import TensorType, Type
 
 
 def _elementwise(ts: list[TensorType], op: Op) -> TensorType:
+    first = ts[0]
+    if all(t is first or t == first for t in ts[1:]):    # the common case: one type
+        if not first.is_float:
+            raise ShapeError(f"{op.name} needs float operands, got {first.dtype}")
+        return first
     dtypes = {t.dtype for t in ts}
     if len(dtypes) != 1:
         raise ShapeError(f"dtype mismatch {sorted(dtypes)}")

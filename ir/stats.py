@@ -24,6 +24,11 @@ def count_nodes(g: Graph) -> int:
 
 
 def graph_stats(g: Graph) -> dict[str, int]:
-    return {"nodes": count_nodes(g), "top_level_nodes": len(g),
-            "largest_tensor_bytes": largest_tensor_bytes(g),
+    """`count_nodes`, `largest_tensor_bytes` (one walk), top-level nodes and input bytes."""
+    nodes, largest = 0, 0
+    for n in _walk(g):
+        nodes += 1
+        if n.op is not Op.INPUT:
+            largest = max(largest, type_bytes(n.type))
+    return {"nodes": nodes, "top_level_nodes": len(g), "largest_tensor_bytes": largest,
             "input_bytes": sum(type_bytes(g.node(i).type) for i in g.inputs)}

@@ -76,7 +76,7 @@ class Fuser:
         self.info = {gid: self.summary(ms, legal=False) for gid, ms in self.members.items()}
         self.tag = {gid: self.rules.tag(ms) for gid, ms in self.members.items()}
         self.version = {gid: 0 for gid in self.members}
-        self._families: dict[tuple[int, int], tuple | None] = {}
+        self._memo: dict[tuple, object] = {}  # per group version: category, family, tile, union
         self.ws = {gid: sum(peak_live_bytes(bodies[n]) for n in ms if n in bodies)
                    for gid, ms in self.members.items()}
         self.prod = {v: gid for gid, s in self.info.items() for v in s.outputs}
@@ -119,8 +119,14 @@ class Fuser:
         return self.rules.category(members, inside, self._outputs(members, inside))
 
     def compatible(self, a: int, b: int) -> bool:
-        """A necessary condition for `category(a ∪ b)` to be legal."""
-        return self.rules.compatible(*self.tag[a], *self.tag[b])
+        """A necessary condition for `category(a ∪ b)` to be legal: the groups' tags allow it,
+        and contractions in both share one output tile (`KernelRules._contractions`)."""
+        if not self.rules.compatible(*self.tag[a], *self.tag[b]):
+            return False
+        if self.tag[a][1] and self.tag[b][1]:
+            tile = self._tile(a)
+            return tile is not None and tile == self._tile(b)
+        return True
 
     # -- order and liveness -----------------------------------------------------------------------
     def _initial_order(self) -> list[int]:
@@ -168,14 +174,25 @@ class Fuser:
         return max(self.rank[r] for r in self.readers[v])
 
     def union(self, a: int, b: int) -> _Summary:
-        """The summary of a and b as one kernel (without its category)."""
+        """The summary of a and b as one kernel (without its category). A function of the two
+        groups' versions: another merge leaves a value's producer outside the pair and a read
+        value read elsewhere, so it is kept per version pair (`_memo`)."""
+        a, b = min(a, b), max(a, b)
+        key = ("union", a, self.version[a], b, self.version[b])
+        if key not in self._memo:
+            self._memo[key] = self._union(a, b)
+        return self._memo[key]
+
+    def _union(self, a: int, b: int) -> _Summary:
         sa, sb = self.info[a], self.info[b]
-        pair = (a, b)
-        ins = tuple(dict.fromkeys(v for v in sa.inputs + sb.inputs if self.prod.get(v) not in pair))
-        outs = tuple(sorted((v for v in sa.outputs + sb.outputs
-                             if v in self.graph_out or self.readers.get(v, set()) - {a, b}),
+        prod, readers = self.prod, self.readers
+        ins = tuple(dict.fromkeys(v for v in sa.inputs + sb.inputs
+                                  if prod.get(v) != a and prod.get(v) != b))
+        outs = tuple(sorted((v for v in sa.outputs + sb.outputs if v in self.graph_out or (
+            v in readers and len(readers[v]) > (a in readers[v]) + (b in readers[v]))),
                             key=self.pos.__getitem__))
-        return _Summary(None, ins, outs, sum(self.size[v] for v in ins + outs))
+        size = self.size
+        return _Summary(None, ins, outs, sum(size[v] for v in ins) + sum(size[v] for v in outs))
 
     def window(self, x: int, y: int, u: _Summary) -> tuple[list[int], list[int]] | None:
         """Merge x (earlier) and y (later) in the order. Two placements of the merged kernel
@@ -299,8 +316,8 @@ class Fuser:
         version): pointwise over one element count, contractions over one output tile,
         reductions of the same keys; None for a template (alone) and for a cast of an input
         that a reader other than a template can take in (`split_casts`: it goes there)."""
-        key = (gid, self.version[gid])
-        if key not in self._families:
+        key = ("family", gid, self.version[gid])
+        if key not in self._memo:
             t, e, r = self.tag[gid]
             ms = [self.node[n] for n in self.members[gid]]
             if t or (self._cast_only(gid) and any(
@@ -314,14 +331,25 @@ class Fuser:
             else:
                 outs = self.info[gid].outputs
                 fam = ("pointwise", numel(self.node[outs[0]]) if outs else None)
-            self._families[key] = fam
-        return self._families[key]
+            self._memo[key] = fam
+        return self._memo[key]
+
+    def _tile(self, gid: int) -> tuple | None:
+        """The output tile of the group's contractions (one tile: the group is legal)."""
+        key = ("tile", gid, self.version[gid])
+        if key not in self._memo:
+            first = next(n for n in self.members[gid] if self.node[n].op is Op.EINSUM)
+            self._memo[key] = matmul_tile(self.g, self.node[first])
+        return self._memo[key]
 
     def _cast_only(self, gid: int) -> bool:
         """Is the group a cast of an input (with views of it), which only its reader takes?"""
-        ms = [self.node[n] for n in self.members[gid]]
-        return any(n.op is Op.CAST for n in ms) and all(
-            n.op in OpGroup.VIEW or splittable(self.g, n.id) for n in ms)
+        key = ("cast", gid, self.version[gid])
+        if key not in self._memo:
+            ms = [self.node[n] for n in self.members[gid]]
+            self._memo[key] = any(n.op is Op.CAST for n in ms) and all(
+                n.op in OpGroup.VIEW or splittable(self.g, n.id) for n in ms)
+        return self._memo[key]
 
     def run(self) -> None:
         heap: list[tuple] = []
@@ -354,7 +382,8 @@ class Fuser:
         """Merge groups a and b into one kernel if legal, acyclic and not raising the peak
         (else say why, `_refused`); the merged group keeps the label min(a, b)."""
         members = sorted(self.members[a] + self.members[b], key=self.pos.__getitem__)
-        if self.category(members, set(members)) is None:
+        category = self.category(members, set(members))
+        if category is None:
             self._refused(a, b, self.rules.why)
             return False
         x, y = (a, b) if self.rank[a] < self.rank[b] else (b, a)
@@ -372,6 +401,7 @@ class Fuser:
             return False
         self.merge(x, y, u)
         keep = min(a, b)
+        self._memo[("category", keep, self.version[keep])] = category
         self.order = self.order[:i] + [keep if g == x else g for g in new] + self.order[j + 1:]
         self._reindex(self.prof[:i] + prof + self.prof[j + 1:])
         return True
@@ -422,7 +452,9 @@ class Fuser:
         out = []
         for gid in self.order:
             members = self.members[gid]
-            s = self.summary(members)
+            known = self._memo.get(("category", gid, self.version[gid]))
+            s = self.summary(members, legal=known is None)
+            s = s if known is None else _Summary(known, s.inputs, s.outputs, s.bytes)
             flops = sum(node_flops(self.node[n], self.g, self._body_flops(n)) for n in members)
             out.append(Kernel("", s.category, tuple(members), s.inputs, s.outputs, flops,
                               s.bytes))

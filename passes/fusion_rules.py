@@ -264,9 +264,11 @@ class KernelRules:
         return None
 
     def tag(self, members: list[int]) -> tuple[int, int, frozenset]:
-        """(templates, einsums, reduction keys): enough to reject most unions cheaply."""
+        """(nodes that keep a kernel to themselves: templates and rotary tables, einsums,
+        reduction keys): enough to reject most unions cheaply."""
         ops = [self.node[n] for n in members]
-        return (sum(n.op in TEMPLATES for n in ops), sum(n.op is Op.EINSUM for n in ops),
+        return (sum(n.op in TEMPLATES or n.op is Op.ROPE for n in ops),
+                sum(n.op is Op.EINSUM for n in ops),
                 frozenset(self.reduction_key(n) for n in ops if n.op in REDUCTIONS))
 
     @staticmethod

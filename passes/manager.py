@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Protocol
 
@@ -40,12 +41,12 @@ class PassLog:
 
     def run(self, name: str, fn: Callable[[], Graph], before: Graph | None = None) -> Graph:
         """Run one step (`fn` closes over its input, `before`, if any) and record it."""
-        pre = graph_stats(before) if before is not None else {"nodes": 0, "largest_tensor_bytes": 0}
+        pre = _stats(before) if before is not None else {"nodes": 0, "largest_tensor_bytes": 0}
         t0 = time.perf_counter()
         g = fn()
         if self.verify_each:
             verify(g)
-        post = graph_stats(g)
+        post = _stats(g)
         record = {
             "name": name, "graph": g.name,
             "nodes_before": pre["nodes"], "nodes_after": post["nodes"],
@@ -63,6 +64,18 @@ class PassLog:
     def _dump(self, record: dict[str, Any], g: Graph) -> None:
         if self.keep_dumps:
             self.dumps.append((f"{record['name']}_{g.name}", g))
+
+
+# each graph's stats at its node count: a step's input is usually the previous one's output
+_STATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stats(g: Graph) -> dict[str, int]:
+    """`graph_stats(g)`, computed once per graph and size (a graph only grows)."""
+    hit = _STATS.get(g)
+    if hit is None or hit[0] != len(g):
+        hit = _STATS[g] = (len(g), graph_stats(g))
+    return hit[1]
 
 
 def _debug_print(record: dict[str, Any], g: Graph) -> None:

@@ -26,18 +26,19 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
-# The longest test files, longest first (`--durations` of a whole run, 2026-11-26): with
-# `--dist loadfile --no-loadscope-reorder` (the Makefile's) pytest-xdist hands files to the
-# workers in collection order, so these start first and the many short files fill in behind
-# them (longest-processing-time-first). xdist's own reordering sorts files by their number
-# of tests, which put a 3-test file of interpreted training steps last, alone on one worker.
+# The longest test files, longest first (per-file times of a whole run with empty kernel and
+# compile caches, as from a fresh clone): with `--dist loadfile --no-loadscope-reorder` (the
+# Makefile's) pytest-xdist hands files to the workers in collection order, so these start
+# first and the many short files fill in behind them (longest-processing-time-first).
+# xdist's own reordering sorts files by their number of tests, which put a 3-test file of
+# interpreted training steps last, alone on one worker.
 LONGEST_FIRST = (
-    "test_documents.py", "test_readme.py", "test_scan_kernel.py", "test_codegen.py",
-    "test_remat_group.py",
-    "test_flash_attention.py", "test_remat_segment.py", "test_precision.py",
-    "test_no_host_sync.py", "test_distributed.py", "test_sessions.py", "test_lowered.py",
-    "test_remat.py", "test_corpus_e2e.py", "test_serve.py", "test_aot.py", "test_bench.py",
-    "test_cli.py", "test_pipeline.py",
+    "test_scan_kernel.py", "test_aot.py", "test_documents.py", "test_readme.py",
+    "test_flash_attention.py", "test_codegen.py", "test_remat_segment.py", "test_precision.py",
+    "test_remat_group.py", "test_gpu_blocks.py", "test_linear_cross_entropy.py",
+    "test_decode.py", "test_pipeline.py", "test_lowered.py", "test_run_input.py",
+    "test_sessions.py", "test_scan_split.py", "test_distributed.py", "test_bench.py",
+    "test_corpus_e2e.py", "test_precompile.py", "test_objective.py", "test_serve.py",
 )
 
 

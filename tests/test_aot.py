@@ -9,7 +9,9 @@ tensor-core instructions (`mma` on sm_80, `wgmma` on sm_90) in the PTX of every
 matmul-family kernel when tf32 is allowed, and bf16 MMA (`mma...bf16`) in every kernel with
 16-bit dot operands (`dot16`: a bf16 program's matmuls and its scan kernels' dots of bf16
 values). The fast tier (every kernel of tiny.yaml in float32 + tf32, scan kernels included;
-its dot kernels in bfloat16; one small bf16 scan kernel) runs in `make test`;
+its dot kernels in bfloat16; one small bf16 scan kernel; large_125m's column reductions,
+attention and head in bf16) runs in `make test`, the medium width's head and FFN in
+`make test-all`;
 TITANC_AOT_FULL=1 adds every tiny example, in float32 and bfloat16 (the numbers are in the
 README's "targets" section).
 Compiled results are cached on disk by `runtime.targets.aot`, so a second run compiles nothing.
@@ -417,6 +419,7 @@ def test_a_failed_compile_is_not_cached(tmp_path, monkeypatch) -> None:
         assert not list(tmp_path.glob("aot/*.json"))
 
 
+@pytest.mark.slow
 def test_wide_model_head_and_ffn_kernels_fit_the_spill_budget() -> None:
     """At d_model 128 (the GPU check's medium width) the LM head's cross-entropy kernels (exact
     float32 dots: FMAs) and the FFN's three-contraction matmul compile for sm_90 within the

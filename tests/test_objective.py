@@ -84,9 +84,10 @@ def test_objective_matches_reference(block: str, obj: str) -> None:
     assert abs(other - float(ref_loss)) > 1e-6
 
 
-# the cpu target for every block; the interpreted triton target for lmm in the default tier
-# and for the other blocks in the slow tier (each is a few hundred interpreted launches)
-TARGET_CASES = [pytest.param(b, t, marks=[] if t == "cpu" or b == "lmm" else [pytest.mark.slow])
+# lmm on both targets and MAC on the cpu target in the default tier; the other blocks, and the
+# interpreted triton target (a few hundred interpreted launches each), in the slow tier
+TARGET_CASES = [pytest.param(b, t, marks=[] if b == "lmm" or (b, t) == ("mac", "cpu")
+                             else [pytest.mark.slow])
                 for t in ("cpu", "triton") for b in MEMORY_BLOCKS]
 SMALL = {"model.d_model": 8, "model.seq_len": 8, "model.vocab_size": 16, "model.ffn_hidden": 8,
          "train.batch_size": 1, "model.memory.heads": 1, "model.memory.chunk_size": 2,

@@ -16,7 +16,8 @@ workspace they exchange), not the barrier.
 - structure (tier c): the grid is slices x P, at most `MAX_SPLIT_GRID` programs (no split
   where the slices leave no room), carries stay in the workspace with the reason, the serial
   rounds count sub-program 0's blocks; TITANC_SCAN_SPLIT sets `config.scan_split`;
-- validity: a split kernel compiles for sm_90 without a GPU, within the spill budget.
+- validity (`make test-all`: a cold ptxas compile of half a minute): a split kernel compiles
+  for sm_90 without a GPU, within the spill budget.
 """
 from __future__ import annotations
 
@@ -162,6 +163,7 @@ def test_training_step_with_split_kernels_matches_cpu_target(monkeypatch) -> Non
     assert splits and set(splits) == {3}, splits
 
 
+@pytest.mark.slow
 def test_split_scan_kernel_compiles_for_sm90() -> None:
     """tiny_lmm's memory-chunk kernels split over 4 programs a slice (`TITANC_SCAN_SPLIT=4`,
     the cost rule off) compile for sm_90 through the AOT path (SPLIT_SERIAL off: the group

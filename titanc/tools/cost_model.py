@@ -156,7 +156,8 @@ def compiled_cost(c: Compiled) -> dict[str, Any]:
 def step_cost(spec: Any, after: Compiled | None = None) -> dict[str, Any]:
     """report.json `step`: {definition, before, after} (before: the pattern passes off)."""
     after = after or compile_graphs(spec)
-    before = compile_graphs(spec, after.batch, verify_each=False, patterns=False)
+    # no per-pass dumps: a compile the on-disk cache serves to the next process
+    before = compile_graphs(spec, after.batch, verify_each=False, patterns=False, dumps=False)
     return {"definition": "per training step (grad_accum training runs + one optimizer run); "
                           "kernels: distinct kernels launched on the triton target, a scan "
                           "kernel once, a host-loop scan's body kernels each once; "
