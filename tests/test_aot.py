@@ -9,9 +9,9 @@ tensor-core instructions (`mma` on sm_80, `wgmma` on sm_90) in the PTX of every
 matmul-family kernel when tf32 is allowed, and bf16 MMA (`mma...bf16`) in every kernel with
 16-bit dot operands (`dot16`: a bf16 program's matmuls and its scan kernels' dots of bf16
 values). The fast tier (every kernel of tiny.yaml in float32 + tf32, scan kernels included;
-its dot kernels in bfloat16; one small bf16 scan kernel; large_125m's column reductions,
-attention and head in bf16) runs in `make test`, the medium width's head and FFN in
-`make test-all`;
+its dot kernels in bfloat16; one small bf16 scan kernel) runs in `make test`; large_125m's
+column reductions, attention and head in bf16 and the medium width's head and FFN (cold
+ptxas compiles of half a minute) in `make test-all`;
 TITANC_AOT_FULL=1 adds every tiny example, in float32 and bfloat16 (the numbers are in the
 README's "targets" section).
 Compiled results are cached on disk by `runtime.targets.aot`, so a second run compiles nothing.
@@ -437,6 +437,7 @@ def test_wide_model_head_and_ffn_kernels_fit_the_spill_budget() -> None:
     _check(_compile(None, {}, launches=wanted, archs=(90,)), tensor_cores=False)
 
 
+@pytest.mark.slow
 def test_large_bf16_column_reductions_attention_and_head_compile_for_sm90() -> None:
     """At large_125m's sizes in bf16 (one layer, 1,024 tokens), the column reductions (sums
     over the tokens, rows contiguous: 16 rows a program, 128-column blocks on CUDA,

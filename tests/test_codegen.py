@@ -289,11 +289,12 @@ def _import(path: Path, name: str):
     return module
 
 
-@pytest.mark.parametrize("scan_kernels", [True, pytest.param(False, marks=pytest.mark.slow)],
-                         ids=["scan-kernels", "host-loops"])
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_kernels", [True, False], ids=["scan-kernels", "host-loops"])
 def test_emitted_program_matches_executor(tmp_path, monkeypatch, scan_kernels) -> None:
     """program.py == the cpu target, with its scans as scan kernels and as host loops (the
-    `ScanHomes` walk, as when a scan cannot be one kernel)."""
+    `ScanHomes` walk, as when a scan cannot be one kernel). `make test` runs program.py with
+    scan kernels against both targets in float64 (tests/test_lowered.py)."""
     import tests.reference as R
     import titanc.codegen.emit as emit
     import titanc.codegen.lower.dispatch as dispatch

@@ -120,7 +120,12 @@ def test_program_py_equals_both_targets(tmp_path: Path, example: str) -> None:
     """program.py == the triton target == the cpu target on the forward and training graphs
     (float64)."""
     c = compiled(example)
-    emit_artifact(c, tmp_path)
+    art = emit_artifact(c, tmp_path)
+    source = (tmp_path / "program.py").read_text()
+    # the memory's chunk loops are kernels inside the layer scan's body, a host loop
+    # (codegen/scan/kernel.py scan_form)
+    assert "ws = workspace(" in source and "for i, t in enumerate(layout.order()):" in source
+    assert set(art.modules) == {"forward", "training", "optimizer"}
     program = _import(tmp_path / "program.py", f"titanc_lowered_{example}")
     inputs = _inputs(c)
     for graph in ("forward", "training"):

@@ -62,7 +62,9 @@ def test_per_segment_matches_no_remat_float64(block: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("extra", [{"model.memory.conv_kernel": 1},
-                                   {"model.attention.segment": 2, "model.memory.chunk_size": 1}])
+                                   pytest.param({"model.attention.segment": 2,
+                                                 "model.memory.chunk_size": 1},
+                                                marks=pytest.mark.slow)])
 def test_per_segment_mac_conv_history_variants(extra: dict) -> None:
     over = {**BASE, "model.block": "mac", **extra}
     want = _grads(tiny_spec(**over, **{"train.remat": "none"}))

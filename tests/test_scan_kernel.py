@@ -220,8 +220,10 @@ def _run_low(g, n, seed: int = 0) -> tuple[ScanKernel, list[torch.Tensor], tuple
     return sk, outs, want
 
 
-@pytest.mark.parametrize("example, body", [("tiny_lmm", "memory_chunk"),
-                                           pytest.param("tiny", "mac_segment", marks=pytest.mark.slow)])
+# in `make test-all`: interpreted bf16 training scans (tests/test_aot.py checks in `make test`
+# that the bf16 scan kernel multiplies on bf16 tensor cores)
+@pytest.mark.slow
+@pytest.mark.parametrize("example, body", [("tiny_lmm", "memory_chunk"), ("tiny", "mac_segment")])
 def test_bf16_dots_take_bf16_operands_exactly(example: str, body: str, monkeypatch) -> None:
     """Under `train.dtype: bfloat16` a scan kernel holds bf16 values in float32; a dot whose
     operands hold bf16 values (`codegen.meta.value_dtype`: bf16 nodes, and float32 widenings
