@@ -14,14 +14,21 @@ a scan kernel or a host loop): per kernel family of category pointwise or reduct
 "memory_group") and `inside` (the memory's chunk recurrence, issue #50 item 2). The outside
 kernels are also classed (`outside_by_role`: GB per family and role) by their neighbours in
 their schedule: `epilogue` (it reads an einsum kernel's result: a candidate matmul
-epilogue), `prologue` (an einsum kernel reads its result) or `other`. `--top N` lists the N
-outside elementwise kernels moving the most bytes. Prints JSON, then a table.
+epilogue), `prologue` (an einsum kernel reads its result) or `other`; and by what keeps each
+out of the kernel that writes its largest input (`outside_by_reason`, GB per reason): the
+rule of `passes.fusion_rules.KernelRules` that refuses the two as one kernel, node ids as
+`%n` ("%n (permute) views a computed value", "%n reduces a reduction"), or "input" (it reads no kernel's
+output), "template" (a scan or pattern op writes it), "legal" (the rules allow the pair:
+fusion left it for the order, the peak or the score). Which rule to relax first, in bytes.
+`--top N` lists the N outside elementwise kernels moving the most bytes, each with its
+reason. Prints JSON, then a table.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -30,6 +37,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from titanc.compiler import compile_graphs  # noqa: E402
 from titanc.ir import Op  # noqa: E402
 from titanc.ir.kernel_family import family_of  # noqa: E402
+from titanc.passes.fusion_rules import KernelRules  # noqa: E402
 from titanc.model.spec import load_spec, parse_set_args  # noqa: E402
 
 ELEMENTWISE = ("pointwise", "reduction")          # the schedule categories counted
@@ -48,11 +56,32 @@ def _einsum_ids(plan: Any) -> tuple[set[int], set[int]]:
     return made, read
 
 
+def _blocked(plan: Any, k: Any, rules: KernelRules) -> str:
+    """Why kernel `k` is not in the kernel that writes its largest input (see the module
+    docstring): a rule's reason with node ids as `%n`, "input", "template" or "legal"."""
+    s, g = plan.schedule, plan.schedule.graph
+    writer = {v: w for w in s.kernels for v in w.outputs}
+    made = [v for v in k.inputs if v in writer]
+    if not made:
+        return "input"
+    w = writer[max(made, key=lambda v: (g.node(v).type.nbytes, -v))]
+    if w.category == "template":
+        return "template"
+    members = sorted(set(w.nodes) | set(k.nodes))
+    inside, outs = set(members), {v for _, v in g.outputs}
+    written = [m for m in members if not isinstance(g.node(m).type, tuple)
+               and (m in outs or any(u not in inside for u in g.users(m)))]
+    if rules.category(members, inside, written) is not None:
+        return "legal"
+    return re.sub(r"%\d+", "%n", rules.why)
+
+
 def _walk(plan: Any, runs: int, memory: bool, rows: list[dict[str, Any]]) -> None:
     """Add a row per launched elementwise kernel of `plan`, run `runs` times a step, and of
     its scan bodies (`memory`: inside the chunk recurrence, `MEMORY_ROLES`)."""
     g = plan.schedule.graph
     made, read = _einsum_ids(plan)
+    rules = KernelRules(g, {n.id: n for n in g})
     for i, k in enumerate(plan.schedule.kernels):
         if plan.is_noop(i):
             continue
@@ -61,7 +90,7 @@ def _walk(plan: Any, runs: int, memory: bool, rows: list[dict[str, Any]]) -> Non
                     "prologue" if set(k.outputs) & read else "other")
             rows.append({"name": f"{g.name}/{k.name}", "family": family_of(g, k).name,
                          "inside": memory, "launches": runs, "bytes": runs * k.bytes,
-                         "role": role})
+                         "role": role, "blocked": _blocked(plan, k, rules)})
         for nid in k.nodes:
             if nid in plan.bodies:
                 scan = g.node(nid)
@@ -76,6 +105,7 @@ def traffic(path: str, overrides: dict[str, object], top: int = 0) -> dict[str, 
     _walk(c.plans["optimizer"], 1, False, rows)
     fams: dict[str, dict[str, int]] = {}
     roles: dict[str, int] = {}
+    reasons: dict[str, int] = {}
     for r in rows:
         f = fams.setdefault(r["family"], {"launches": 0, "bytes": 0, "outside_bytes": 0,
                                           "inside_bytes": 0})
@@ -85,12 +115,14 @@ def traffic(path: str, overrides: dict[str, object], top: int = 0) -> dict[str, 
         if not r["inside"]:
             key = f"{r['family']} {r['role']}"
             roles[key] = roles.get(key, 0) + r["bytes"]
+            reasons[r["blocked"]] = reasons.get(r["blocked"], 0) + r["bytes"]
     out: dict[str, Any] = {
         "spec": path, "overrides": {k: str(v) for k, v in overrides.items()},
         "bytes": sum(f["bytes"] for f in fams.values()),
         "outside_bytes": sum(f["outside_bytes"] for f in fams.values()),
         "inside_bytes": sum(f["inside_bytes"] for f in fams.values()),
-        "families": fams, "outside_by_role": roles}
+        "families": fams, "outside_by_role": roles,
+        "outside_by_reason": dict(sorted(reasons.items(), key=lambda kv: -kv[1]))}
     if top:
         out["top"] = sorted((r for r in rows if not r["inside"]),
                             key=lambda r: -r["bytes"])[:top]
@@ -121,8 +153,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"{_gb(f['inside_bytes'])}")
         print("outside, by family and role: " + "; ".join(
             f"{k} {v / 1e9:.2f} GB" for k, v in sorted(r["outside_by_role"].items())))
+        print("outside, by what keeps a kernel out of the one writing its largest input:")
+        for why, b in r["outside_by_reason"].items():
+            print(f"  {b / 1e9:8.2f} GB  {why}")
         for t in r.get("top", []):
-            print(f"  {t['bytes'] / 1e9:8.3f} GB  {t['role']:9} {t['name']}")
+            print(f"  {t['bytes'] / 1e9:8.3f} GB  {t['role']:9} {t['name']}  ({t['blocked']})")
     sys.stdout.flush()
 
 

@@ -221,3 +221,17 @@ def test_dense_baseline_counts_its_matmul_flops_and_learns() -> None:
     step, _, B = dt.make_step(spec, "cpu", False, False)
     losses = [float(step()) for _ in range(30)]
     assert B == 2 and abs(losses[0] - math.log(32)) < 0.3 and losses[-1] < losses[0] - 1.0
+
+
+def test_elementwise_traffic_names_what_keeps_each_kernel_out() -> None:
+    """benchmarks/elementwise_traffic.py: the outside bytes split by the rule that keeps a
+    kernel out of the one writing its largest input, adding up to the outside total; a
+    rule's reason with its node ids as %n, so kernels refused alike add up."""
+    bench = _load_benchmark("elementwise_traffic")
+    r = bench.traffic(str(ROOT / "examples" / "tiny.yaml"), {"train.batch_size": 2}, top=50)
+    reasons = r["outside_by_reason"]
+    assert sum(reasons.values()) == r["outside_bytes"] > 0
+    assert all(why and "%" not in why.replace("%n", "") for why in reasons), reasons
+    assert any("views a computed value" in why for why in reasons), reasons
+    assert all(t["blocked"] in reasons for t in r["top"])
+    assert list(reasons.values()) == sorted(reasons.values(), reverse=True)
