@@ -101,7 +101,7 @@ class Fuser:
         for nid in members:
             n = self.node[nid]
             for i in n.inputs:
-                if i not in inside and (i not in self.imm or n.op in TEMPLATES):
+                if i not in inside and (i not in self.imm or nid in self.rules.template):
                     ins.setdefault(i)
         outs = self._outputs(members, inside)
         nbytes = sum(self.size[v] for v in ins) + sum(self.size[v] for v in outs)
@@ -112,7 +112,7 @@ class Fuser:
         """Members some other kernel or the graph's outputs read (immediates: templates only)."""
         return [nid for nid in members if not isinstance(self.node[nid].type, tuple) and (
             nid in self.graph_out or any(u not in inside and (
-                nid not in self.imm or self.node[u].op in TEMPLATES) for u in self.users[nid]))]
+                nid not in self.imm or u in self.rules.template) for u in self.users[nid]))]
 
     def category(self, members: list[int], inside: set[int]) -> str | None:
         """`KernelRules.category` of `members` as one kernel (the reason in `rules.why`)."""
@@ -273,7 +273,7 @@ class Fuser:
         info = self.info[gid]
         near = [(o, 0) for o in sorted(self.preds[gid] | self.succs[gid])]
         for v in info.inputs:
-            if numel(self.node[v]) > 1:
+            if self.rules.size[v] > 1:
                 readers = sorted(self.readers[v] - {gid})
                 if len(readers) <= SIBLING_READERS:
                     near += [(o, 1) for o in readers]

@@ -118,6 +118,8 @@ class KernelRules:
     def __init__(self, g: Graph, node: dict[int, Node]):
         self.g, self.node = g, node
         self.why = ""                       # why the last `category` call refused
+        self.size = {nid: numel(n) for nid, n in node.items()}            # elements
+        self.template = {nid for nid, n in node.items() if n.op in TEMPLATES}
 
     def _refuse(self, why: str) -> None:
         self.why = why
@@ -130,7 +132,7 @@ class KernelRules:
         if len(nodes) > 1 and any(n.op is Op.ROPE for n in nodes):
             return self._refuse("a rotary table stays alone: bound once as a constant table "
                                 "that readers load, never computed per element")
-        if any(n.op in TEMPLATES for n in nodes):
+        if any(n.id in self.template for n in nodes):
             return self._template(nodes)
         einsums = [n for n in nodes if n.op is Op.EINSUM]
         reds = [n for n in nodes if n.op in REDUCTIONS]
@@ -160,7 +162,7 @@ class KernelRules:
                     return self._refuse(f"%{n.id} ({n.op.name.lower()}) reads a computed "
                                         f"operand (gathers read memory)")
             elif n.op in OpGroup.ELEMENTWISE:
-                wide = [i for i in bound if numel(self.node[i]) != numel(n)]
+                wide = [i for i in bound if self.size[i] != self.size[n.id]]
                 if wide and not (reds and all(i in post for i in wide)):   # a row epilogue
                     return self._refuse(f"%{n.id} broadcasts a computed value")
             elif n.op in REDUCTIONS:
@@ -178,15 +180,15 @@ class KernelRules:
             if why:
                 return self._refuse(why)
             computed = [n for n in computed if n.id not in pro]
-            dom = {numel(einsums[0])}
+            dom = {self.size[einsums[0].id]}
             kind = "matmul"
         elif reds:
             r0 = reds[0]
             key = self.reduction_key(r0)
             if any(self.reduction_key(r) != key for r in reds[1:]):
                 return self._refuse("reductions over different axes")
-            n_in, n_out = numel(self.node[r0.inputs[0]]), numel(r0)
-            late = [n for n in computed if numel(n) == n_in != n_out and n.id in post]
+            n_in, n_out = self.size[r0.inputs[0]], self.size[r0.id]
+            late = [n for n in computed if self.size[n.id] == n_in != n_out and n.id in post]
             if late:
                 why = self._row_epilogue(r0, late, inside - free)
                 if why:
@@ -194,9 +196,9 @@ class KernelRules:
             dom = {n_in, n_out}
             kind = "reduction"
         else:
-            dom = {numel(computed[0])} if computed else {numel(n) for n in outs}
+            dom = {self.size[computed[0].id]} if computed else {self.size[n.id] for n in outs}
             kind = "pointwise"
-        if len(dom) == 0 or any(numel(n) not in dom for n in computed + outs):
+        if len(dom) == 0 or any(self.size[n.id] not in dom for n in computed + outs):
             return self._refuse("values of more than one iteration domain")
         if kind == "pointwise" and len(dom) != 1:
             return self._refuse("a pointwise kernel over two domains")
@@ -204,7 +206,7 @@ class KernelRules:
 
     def _template(self, nodes: list[Node]) -> str | None:
         """A template kernel holds one template node (a scan: its ITEMs and prologue too)."""
-        tmpl = [n for n in nodes if n.op in TEMPLATES]
+        tmpl = [n for n in nodes if n.id in self.template]
         t = tmpl[0]
         ok = len(tmpl) == 1 and all(n is t or (n.op is Op.ITEM and n.inputs[0] == t.id)
                                      or prologue_of(self.g, n.id) == t.id for n in nodes)
@@ -249,14 +251,14 @@ class KernelRules:
         x = self.node[r0.inputs[0]].type.shape
         axes = {a % len(x) for a in r0.attr("axes")}
         keep = tuple(1 if d in axes else s for d, s in enumerate(x))
-        n_out = numel(r0)
+        n_out = self.size[r0.id]
         for n in late:
             if n.op not in OpGroup.ELEMENTWISE and n.op not in (Op.RESHAPE, Op.EXPAND):
                 return f"%{n.id} ({n.op.name.lower()}) after the reduction is no elementwise op"
-            if n.op is Op.EXPAND and numel(self.node[n.inputs[0]]) != n_out:
+            if n.op is Op.EXPAND and self.size[n.inputs[0]] != n_out:
                 return f"%{n.id} expands no reduced value"
             for i in n.inputs:
-                if i not in computed or numel(self.node[i]) != n_out:
+                if i not in computed or self.size[i] != n_out:
                     continue                 # read from memory (or free) at its coordinates
                 if n.type.shape != x or self.node[i].type.shape != keep:
                     return (f"%{n.id} reads the reduced %{i} {self.node[i].type.shape} at "
@@ -267,7 +269,7 @@ class KernelRules:
         """(nodes that keep a kernel to themselves: templates and rotary tables, einsums,
         reduction keys): enough to reject most unions cheaply."""
         ops = [self.node[n] for n in members]
-        return (sum(n.op in TEMPLATES or n.op is Op.ROPE for n in ops),
+        return (sum(n.id in self.template or n.op is Op.ROPE for n in ops),
                 sum(n.op is Op.EINSUM for n in ops),
                 frozenset(self.reduction_key(n) for n in ops if n.op in REDUCTIONS))
 
