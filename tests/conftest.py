@@ -37,7 +37,7 @@ LONGEST_FIRST = (
     "test_flash_attention.py", "test_codegen.py", "test_remat_segment.py", "test_precision.py",
     "test_remat_group.py", "test_gpu_blocks.py", "test_linear_cross_entropy.py",
     "test_decode.py", "test_pipeline.py", "test_lowered.py", "test_run_input.py",
-    "test_sessions.py", "test_scan_split.py", "test_distributed.py", "test_bench.py",
+    "test_sessions.py", "test_distributed.py", "test_bench.py",
     "test_corpus_e2e.py", "test_precompile.py", "test_objective.py", "test_serve.py",
 )
 

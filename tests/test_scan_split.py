@@ -6,10 +6,10 @@ turn (SPLIT_SERIAL), the same stage code a GPU runs on P programs meeting at gro
 so what is tested here is the split's math (which blocks each sub-program computes, and the
 workspace they exchange), not the barrier.
 
-- parity (tier e): the memory-chunk scans of a training graph (forward and backward), with
-  tile caps far below the shapes so that every stage kind loops over blocks, split over P = 3
-  (P = 2 too in `make test-all`; 3 divides none of the block counts of some stages) equal the
-  unsplit kernel with its
+- parity (tier e, `make test-all`: split kernels are opt-in, `TITANC_SCAN_SPLIT`): the
+  memory-chunk scans of a training graph (forward and backward), with tile caps far below
+  the shapes so that every stage kind loops over blocks, split over P = 2 and 3 (3 divides
+  none of the block counts of some stages) equal the unsplit kernel with its
   carries in the workspace (bit for bit where no reduction combines partial results, else
   within 1e-13) and the reference interpreter within 1e-10 (float64);
   one float64 training step of tiny_lmm with split kernels equals the cpu target;
@@ -67,7 +67,8 @@ def _run(g, n, split: int, seed: int = 0) -> tuple[ScanKernel, list, tuple]:
     return sk, outs, want
 
 
-@pytest.mark.parametrize("split", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [2, 3])
 def test_split_memory_scans_match_unsplit_and_reference(monkeypatch, split: int) -> None:
     """tiny_lmm, d_model 32 (one memory head of 32, a hidden layer of 64), chunks of 4 tokens,
     64-element tiles and 16^3 dots: forward and backward memory-chunk scans split over 2 or
