@@ -25,7 +25,9 @@ the largest block's (mag) at `model.ffn_hidden`.
     .venv/bin/python benchmarks/recall_distance.py --set model.memory.lr_max=1
     .venv/bin/python benchmarks/recall_distance.py --blocks deltanet,gated_deltanet,titans_fla
 
-The defaults are the recipe: train.lr 3e-3 (at 1e-2 AdamW collapses the
+The defaults are the recipe: the training loss counts the queries' targets alone
+(`--filler-loss 0`, the spec's `data.loss: queries`: the filler's targets are noise or, in
+prose, a language-modelling signal that drowns the recall one), train.lr 3e-3 (at 1e-2 AdamW collapses the
 adaptive gates θ, η before a binding forms), memory.qk_activation none (zero-mean keys),
 memory.chunk_size 4 (at chunk 8 the initial θ = 1 with η 0.9 is past the chunked momentum
 write's stability bound for mag and mal, and bindings learned at 32 tokens were lost at
@@ -46,7 +48,9 @@ shorter curriculum (it steps slowest; the same CPU budget).
 `--task-set n_pairs=6 --task-set n_values=12 --set model.vocab_size=48` varies the task.
 `--task niah` (one needle in prose) and `--task passkey` (one needle in a repeated sentence)
 are the paper's S-NIAH shapes; `--train-needles N` trains them on N needles and N queries a
-sequence (`NeedleRecall`), the recipe that teaches retrieval from prose.
+sequence (`NeedleRecall`), and `--filler-loss 0` counts only the queries' targets in the loss
+(`data.loss: queries`; P in (0, 1) keeps that share of the other targets): together the
+recipe that teaches retrieval from prose.
 The runs behind each choice: benchmarks/results/recall_distance_experiments.md.
 
 Writes runs/recall_distance.json (config, one row per model, summary; `--out` elsewhere) and
@@ -312,6 +316,12 @@ class NeedleRecall:
         out[:, q], out[:, q + 1] = keys.gather(1, order), values.gather(1, order)
         return out
 
+    @property
+    def train_query_positions(self) -> torch.Tensor:
+        """Token indices of a training sequence's queried keys (its N queries)."""
+        N = self.train_needles
+        return self.layout.length - 2 * N + 2 * torch.arange(N)
+
     def accuracy(self, prog: Any, tokens: torch.Tensor) -> float:
         pos = self.layout.query_positions
         pred = prog.logits(tokens)[:, pos].argmax(dim=-1).cpu()
@@ -346,6 +356,18 @@ def configure(sets: list[str], task_sets: list[str]) -> dict[str, Any]:
     return overrides
 
 
+def loss_mask(task: SyntheticRecall | NeedleRecall, batch: int, keep: float,
+              generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """`--filler-loss P`: the `loss_mask` of a training batch (the spec's `data.loss: queries`):
+    every query's target counted, each other target with probability P (0: the queries'
+    alone, as `titanc train` counts them under `data.loss: queries`)."""
+    T = task.seq_len
+    mask = (torch.rand(batch, T, generator=generator) < keep).float()
+    pos = getattr(task, "train_query_positions", task.layout.query_positions)
+    mask[:, pos] = 1.0
+    return {"loss_mask": mask}
+
+
 def parse_curriculum(text: str) -> list[tuple[int, int]]:
     stages = []
     for part in text.split(","):
@@ -357,13 +379,17 @@ def parse_curriculum(text: str) -> list[tuple[int, int]]:
 def train_one(block: str, seed: int, stages: list[tuple[int, int]], distances: list[int],
               overrides: dict[str, Any], budget_s: float, window: int,
               metrics: Path | None = None, fixed: bool = False,
-              save: Path | None = None) -> dict[str, Any]:
-    """Train one model through the curriculum within `budget_s` CPU seconds; score it."""
+              save: Path | None = None, filler_loss: float = 1.0) -> dict[str, Any]:
+    """Train one model through the curriculum within `budget_s` CPU seconds; score it.
+    `filler_loss` < 1: the loss counts every query's target and that share of the others."""
     total = sum(n for _, n in stages)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.process_time()
     prog, state, step, loss, truncated = None, None, 0, float("nan"), False
     for seq_len, n in stages:
+        # a stage holds the task's pairs and queries at least `window` apart (a task with
+        # more pairs than the first stage's 32 tokens hold trains its first stage longer)
+        seq_len = max(seq_len, eval_seq_len(min(window, 8)))
         prog = titanc.compile(spec_with(block, seed, seq_len, total, overrides))
         if state is not None:
             prog.load_state_dict(state)
@@ -375,7 +401,10 @@ def train_one(block: str, seed: int, stages: list[tuple[int, int]], distances: l
                 break
             d = top if fixed else int(torch.randint(min(window, top), top + 1, (),
                                                      generator=gen))
-            loss = prog.train_step(task.batch(prog.batch_size, "train", gen, distance=d))
+            tokens = task.batch(prog.batch_size, "train", gen, distance=d)
+            docs = loss_mask(task, prog.batch_size, filler_loss, gen) if filler_loss < 1 \
+                else None
+            loss = prog.train_step(tokens, docs)
             step += 1
             if metrics is not None and step % METRICS_EVERY == 0 and block != "attn":
                 t_stats = time.process_time()    # diagnostics do not count against the budget
@@ -491,6 +520,9 @@ def main() -> None:
                     help="with --train-needles: the needles side by side at the batch's "
                          "distance, queries in their order (packed), or at random places, "
                          "queries in random order (scattered)")
+    ap.add_argument("--filler-loss", type=float, default=0.0, metavar="P",
+                    help="training loss: every query's target and each other target with "
+                         "probability P (default 0: the queries' alone; 1: every target)")
     ap.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE",
                     help="task override, e.g. n_pairs=6 or n_values=12 (repeatable; with "
                          "--set model.vocab_size=... for a larger vocabulary)")
@@ -514,6 +546,10 @@ def main() -> None:
         raise SystemExit("--train-needles: only with --task niah or --task passkey")
     if args.quick:
         args.curriculum, args.distances = "32:100", "8,16,64"
+    if not 0.0 <= args.filler_loss <= 1.0:
+        raise SystemExit(f"--filler-loss {args.filler_loss}: a probability in [0, 1]")
+    if args.filler_loss < 1:                 # a loss mask: the program takes it as an input
+        args.set = ["data.loss=queries", *args.set]
     overrides = configure(args.set, args.task_set)
     curricula = ({} if args.curriculum else BLOCK_CURRICULUM)
     args.curriculum = args.curriculum or CURRICULUM
@@ -527,6 +563,7 @@ def main() -> None:
               "block_curriculum": curricula,
               "train_distance": args.train_distance, "distances": distances,
               "budget_cpu_s": args.budget, "threads": args.threads, "eval_rows": EVAL_ROWS,
+              "filler_loss": args.filler_loss,
               "chance": chance}
     seeds = [int(s) for s in args.seeds.split(",")]
     rows: list[dict[str, Any]] = []
@@ -541,7 +578,7 @@ def main() -> None:
             stages = parse_curriculum(curricula.get(block, args.curriculum))
             r = train_one(block, seed, stages, distances, overrides, args.budget, window,
                           metrics, args.train_distance == "max",
-                          Path(args.save) if args.save else None)
+                          Path(args.save) if args.save else None, args.filler_loss)
             rows.append(r)
             print(f"# {block} seed {seed}: {r['steps']} steps, {r['cpu_s']} cpu s, "
                   f"acc {r['accuracy']}", flush=True)

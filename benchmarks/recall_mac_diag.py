@@ -103,11 +103,22 @@ def main() -> None:
                     help="stages seq_len:steps,... as recall_distance.py's (overrides "
                          "--seq-len/--steps; each stage continues from the last)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--filler-loss", type=float, default=1.0, metavar="P",
+                    help="as recall_distance.py's: every query's target and a share P of the "
+                         "others in the loss (default 1)")
     ap.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE",
                     help="task override, as recall_distance.py's")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.filler_loss < 1:
+        args.set = ["data.loss=queries", *args.set]
     overrides = rd.configure(args.set, args.task_set)
+
+    mask_gen = torch.Generator().manual_seed(args.seed + 1)
+
+    def masked(task, rows: torch.Tensor):
+        return (rd.loss_mask(task, rows.shape[0], args.filler_loss, mask_gen)
+                if args.filler_loss < 1 else None)
     stages = (rd.parse_curriculum(args.curriculum) if args.curriculum
               else [(args.seq_len, args.steps)])
     total = sum(n for _, n in stages)
@@ -135,7 +146,7 @@ def main() -> None:
                 res[f"qloss{d}"] = round(float(torch.nn.functional.cross_entropy(
                     lg[:, pos].reshape(-1, lg.shape[-1]), rows[:, pos + 1].reshape(-1))), 3)
             rows = task.batch(32, "val", ev, distance=dists[0])
-            res["grad"] = groups(prog.grads(rows)[1])
+            res["grad"] = groups(prog.grads(rows, masked(task, rows))[1])
             if prog.spec.model.kind.memory:
                 ms = memory_stats(prog, rows[:16])["layers"][0]
                 res["mem"] = {k: ms[k] for k in ("inner_loss_before", "inner_loss_after",
@@ -147,7 +158,8 @@ def main() -> None:
 
         for i in range(1, n + 1):
             d = int(torch.randint(min(window, top), top + 1, (), generator=gen))
-            loss = prog.train_step(task.batch(prog.batch_size, "train", gen, distance=d))
+            tokens = task.batch(prog.batch_size, "train", gen, distance=d)
+            loss = prog.train_step(tokens, masked(task, tokens))
             step += 1
             if step == 1 or step % args.every == 0 or i == n:
                 probe(loss)

@@ -18,11 +18,12 @@ def document_inputs(spec: Any, dtype: torch.dtype, tokens: Tensor,
     """The graph inputs of `data.documents` for a batch of `tokens` under `spec`: `docs` may
     hold `doc_start` and `loss_mask` [B, T] (the loader's, runtime/data/datasets.py); absent
     ones default to one document per row and every target counted; `loss` false: the graph
-    computes no loss and takes no `loss_mask`."""
+    computes no loss and takes no `loss_mask`. `data.loss: queries` takes `loss_mask` alone
+    (which targets count; the loader marks the recall task's queries)."""
     if docs is not None and not isinstance(docs, Mapping):
         raise TypeError(f"docs must be a mapping {{'doc_start': tensor, 'loss_mask': "
                         f"tensor}} or None, got {type(docs).__name__}")
-    if not spec.data.documents:
+    if not spec.data.documents and spec.data.loss == "all":
         if docs:
             raise TitancError(f"{', '.join(sorted(docs))} given, but the program has no "
                               f"document inputs; set data.documents=true")
@@ -33,7 +34,8 @@ def document_inputs(spec: Any, dtype: torch.dtype, tokens: Tensor,
         raise TitancError(f"unknown document inputs {sorted(unknown)}; "
                           f"pass doc_start and loss_mask")
     shape = (tokens.shape[0], spec.model.seq_len)
-    names = (["doc_start"] if spec.data.pack else []) + (["loss_mask"] if loss else [])
+    names = (["doc_start"] if spec.data.documents and spec.data.pack else []) \
+        + (["loss_mask"] if loss else [])
     return {name: _document_input(name, docs.get(name), fill, shape, dtype).to(dtype)
             for name, fill in (("doc_start", 0.0), ("loss_mask", 1.0)) if name in names}
 

@@ -332,6 +332,13 @@ class SyntheticRecall:
         out[:, q + 1::2] = values.gather(1, order)
         return out if rows is None else out[rows]
 
+    def query_mask(self, n: int) -> Tensor:
+        """float64 [n, seq_len]: 1 at the positions whose target is a queried value (the
+        `loss_mask` of `data.loss: queries`), 0 elsewhere."""
+        mask = torch.zeros(n, self.seq_len, dtype=torch.float64)
+        mask[:, self.layout.query_positions] = 1.0
+        return mask
+
     def accuracy(self, logits_or_prog: Any, tokens: Tensor) -> float:
         """Fraction of query positions whose argmax prediction is the paired value. Takes logits
         [B, T, V] for `tokens` [B, T+1], or a program with `logits(tokens)`."""
@@ -371,7 +378,11 @@ def recall_accuracy(prog: Any, tokens: Tensor, data: SyntheticRecall | None = No
 def draw(data: Any, spec: Any, n: int, split: str, generator: torch.Generator | None,
          rows: slice | None = None) -> tuple[Tensor, dict[str, Tensor] | None]:
     """A batch as the program takes it: tokens, and with `data.documents` the rows'
-    doc_start / loss_mask (`ShardData.batch_documents`, packed or not per `data.pack`)."""
+    doc_start / loss_mask (`ShardData.batch_documents`, packed or not per `data.pack`); with
+    `data.loss: queries` a loss_mask of the recall task's query targets."""
+    if spec.data.loss == "queries":             # the recall task's queried values alone
+        tokens = data.batch(n, split, generator, rows=rows)
+        return tokens, {"loss_mask": data.query_mask(tokens.shape[0])}
     if not spec.data.documents or not hasattr(data, "batch_documents"):
         # synthetic:recall: every sequence is one document, the program's default for a
         # batch without document inputs (every target counts)

@@ -97,7 +97,8 @@ def lower_forward(spec: Spec, batch: int | None = None, dtype: str | None = None
     doc = b.input("doc_start", (B, T), dt) if spec.data.documents and spec.data.pack else None
     # ... and which positions' targets count in the loss (0: padding, or a target across a
     # document boundary)
-    mask = b.input("loss_mask", (B, T), dt) if spec.data.documents and output == "loss" \
+    masked = spec.data.documents or spec.data.loss == "queries"
+    mask = b.input("loss_mask", (B, T), dt) if masked and output == "loss" \
         else None
     x = b.take(params["embed"], tokens.slice(1, 0, T))            # (B, T, D)
     # remat per_segment shapes the program the training graph differentiates (the loss);

@@ -392,9 +392,16 @@ class DataSpec:
     # with documents: true, rows are windows of the packed stream (a row spans documents);
     # false: one document per row from its start, padded, the padding masked out of the loss
     pack: bool = True
+    # which targets the training loss counts: every next token (all), or the synthetic recall
+    # task's queried values alone (queries: the loader's loss mask; docs/data.md)
+    loss: str = bounded("all", choices=("all", "queries"))
 
     def __post_init__(self) -> None:
         SCHEMA.check(self)
+        if self.loss == "queries" and (self.source != "synthetic:recall" or self.documents):
+            raise SpecError("data.loss: queries counts the synthetic recall task's queried "
+                            "values; use it with data.source synthetic:recall and "
+                            "data.documents false, or set data.loss=all")
         if not self.pack and not self.documents:
             raise SpecError("data.pack: false puts one document per row and needs document "
                             "boundaries; set data.documents=true or data.pack=true")
