@@ -10,10 +10,11 @@ calls: [one `benchmarks/gpu_check.py` results.json per call]}). Every titanc thr
 a call is an anchor: its job's spec and environment (`gpu_check.TITANC`, `JOB_ENV`) are
 compiled here, on the CPU, into today's lowered program, and `cost_model.predict_step` gives
 its step. A call taken on an older tree whose program differs is re-predicted where an
-environment setting gives its program back (`TREE_ENV`: large_125m's H200 call ran its memory
-scans as scan kernels, `TITANC_SCAN_COST=0` today); an anchor whose launches a step differ
-from the call's is printed but not fitted (`fitted: false`, the reason in `note`). Rows a call
-measured while another job held the GPU are left out (`CONTENDED`).
+environment setting gives its program back (`TREE_ENV`: large_125m's H200 call and the medium
+size's `remat: none` calls ran their memory scans as scan kernels, `TITANC_SCAN_COST=0`
+today); an anchor whose launches a step differ from the call's is printed but not fitted
+(`fitted: false`, the reason in `note`). Rows a call measured while another job held the GPU
+are left out (`CONTENDED`).
 
 The fit: every constant of `FIT` but `floor_eager_us` is shared by the devices (they differ in
 their datasheet's peaks and bandwidth), found by coordinate descent (multiplicative steps in a
@@ -50,9 +51,12 @@ FILES = {"gpu_check_h100.json": "h100", "gpu_check_h200.json": "h200",
 # rows measured while large_125m's warm-up steps held the GPU (2x the warm calls')
 CONTENDED = {"gpu_check_h200_large_125m.json": "every job but large_bf16"}
 # the environment that gives a call's program back on today's tree
-TREE_ENV = {("gpu_check_h200_large_125m.json", "large_bf16"): {
-    "TITANC_SCAN_COST": "0", "why": "that call's tree ran the memory scans as 32-program scan "
-                                    "kernels; today's cost rule makes them host loops"}}
+_SCAN_KERNELS = {"TITANC_SCAN_COST": "0",
+                 "why": "that call's tree ran the memory scans as scan kernels; today's cost "
+                        "rule makes them host loops"}
+TREE_ENV = {("gpu_check_h200_large_125m.json", "large_bf16"): _SCAN_KERNELS,
+            ("gpu_check_h100.json", "medium_bf16_remat_none"): _SCAN_KERNELS,
+            ("gpu_check_h200.json", "medium_bf16_remat_none"): _SCAN_KERNELS}
 # environment variable -> (config field, whether the value turns it on)
 ENV_FIELD = {"TITANC_SPLIT_K": ("split_k", lambda v: v == "1"),
              "TITANC_GPU_BLOCKS": ("gpu_blocks", lambda v: v != "0"),
