@@ -111,6 +111,10 @@ BLOCK_SET: dict[str, Any] = {
     "lmm:model.memory.decay_max": 0.0005,        # the decay learned at <= 272 tokens, capped
     "lmm:model.memory.decay": 0.00025,
     "mac:model.memory.chunk_size": 8,            # so does the MAC option (seed 0 not at 4)
+    # mag and mal: the same contractive write and capped decay (recall past the training
+    # length), lr_max = d_head / chunk (32 / 4)
+    **{f"{b}:model.memory.{k}": v for b in ("mag", "mal") for k, v in (
+        ("momentum_form", "ema"), ("lr_max", 8), ("decay_max", 0.0005), ("decay", 0.00025))},
 }
 TASK = {"n_pairs": 4, "n_queries": 4, "n_keys": 8, "n_values": 8, "filler_tokens": 4}
 NIAH_TASK = {"kind": "niah", "n_pairs": 1, "n_queries": 1, "n_keys": 8, "n_values": 8,
