@@ -27,8 +27,9 @@ the largest block's (mag) at `model.ffn_hidden`.
 
 The defaults are the recipe: the training loss counts the queries' targets alone
 (`--filler-loss 0`, the spec's `data.loss: queries`: the filler's targets are noise or, in
-prose, a language-modelling signal that drowns the recall one), train.lr 3e-3 (at 1e-2 AdamW collapses the
-adaptive gates θ, η before a binding forms), memory.qk_activation none (zero-mean keys),
+prose, a language-modelling signal that drowns the recall one), train.lr 3e-3 (at 1e-2
+AdamW collapses the adaptive gates θ, η before a binding forms), memory.qk_activation none
+(zero-mean keys),
 memory.chunk_size 4 (at chunk 8 the initial θ = 1 with η 0.9 is past the chunked momentum
 write's stability bound for mag and mal, and bindings learned at 32 tokens were lost at
 128-272), the curriculum 32 -> 128 -> 272 tokens with a long first stage (5,000 steps at 32:
@@ -39,9 +40,9 @@ lmm with `memory.momentum_form: ema`, one memory head of width 64, lr_max 8 and
 `memory.decay_max` 0.0005 (the write stays contractive and the learned decay small: a write
 keeps at least exp(-0.0005 L) of itself after L tokens, so recall holds past the training
 length) and twice the steps (the EMA write's first step on a pair is
-(1 - η) θ: it binds slower),
-mag and mac with `memory.gate: attention` (the attention output gates the memory's read, not
-the other way round), mac also with `mac_write: input` and `mac_read: residual` (not the
+(1 - η) θ: it binds slower), mag and mal with the same EMA write, decay cap and lr_max 8
+(32 / 4), mag and mac with `memory.gate: attention` (the attention output gates the memory's
+read, not the other way round), mac also with `mac_write: input` and `mac_read: residual` (not the
 paper's MAC: written from the segment's input, its read also on the residual stream) and a
 shorter curriculum (it steps slowest; the same CPU budget).
 `--set BLOCK:key=value` sets an option for one block (`--set mac:model.memory.gate=memory`);
