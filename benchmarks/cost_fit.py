@@ -12,7 +12,9 @@ compiled here, on the CPU, into today's lowered program, and `cost_model.predict
 its step. A call taken on an older tree whose program differs is re-predicted where an
 environment setting gives its program back (`TREE_ENV`: large_125m's H200 call and the medium
 size's `remat: none` calls ran their memory scans as scan kernels, `TITANC_SCAN_COST=0`
-today); an anchor whose launches a step differ from the call's is printed but not fitted
+today), and where a spec default changed since the call, its setting then is compiled
+(`SPEC_THEN`: the calls before 2026-11-29 ran the memory's chunk groups); an anchor whose
+launches a step differ from the call's is printed but not fitted
 (`fitted: false`, the reason in `note`). Rows a call measured while another job held the GPU
 are left out (`CONTENDED`).
 
@@ -57,6 +59,10 @@ _SCAN_KERNELS = {"TITANC_SCAN_COST": "0",
 TREE_ENV = {("gpu_check_h200_large_125m.json", "large_bf16"): _SCAN_KERNELS,
             ("gpu_check_h100.json", "medium_bf16_remat_none"): _SCAN_KERNELS,
             ("gpu_check_h200.json", "medium_bf16_remat_none"): _SCAN_KERNELS}
+# spec defaults that changed since a call: (calls dated before, the blocks it applies to or
+# None for all, the settings then, why)
+SPEC_THEN = [("2026-11-29", None, {"compile.chunk_groups": True},
+              "the memory's chunk groups were the default then")]
 # environment variable -> (config field, whether the value turns it on)
 ENV_FIELD = {"TITANC_SPLIT_K": ("split_k", lambda v: v == "1"),
              "TITANC_GPU_BLOCKS": ("gpu_blocks", lambda v: v != "0"),
@@ -81,20 +87,29 @@ def anchors(only: set[str] | None = None) -> list[dict[str, Any]]:
                 size = gpu_check.TITANC[job][0]
                 if only and size not in only:
                     continue
+                over = gpu_check.TITANC[job][1]
+                block = gpu_check.spec_of(size, over).model.block
+                then = {k: v for until, blocks, sets, _ in SPEC_THEN
+                        if str(call.get("date", "")) < until and block in (blocks or (block,))
+                        for k, v in sets.items() if k not in over}
                 env = {**gpu_check.JOB_ENV.get(job, {}),
                        **{k: v for k, v in TREE_ENV.get((fname, job), {}).items()
                           if k.startswith("TITANC_")}}
                 out.append({"file": fname, "call": i, "date": call.get("date"), "device": dev,
-                            "job": job, "env": env, "measured_ms": rec["ms_median"],
+                            "job": job, "env": env, "then": then,
+                            "measured_ms": rec["ms_median"],
                             "launches_then": rec.get("launches_per_step"),
                             "tree": TREE_ENV.get((fname, job), {}).get("why", ""),
                             "profile": call["jobs"].get(f"profile_{job}")})
     return out
 
 
-def program(job: str, env: dict[str, str]) -> tuple[str, list[cm.LaunchCost]]:
-    """(compute dtype, launches) of a job's step on today's tree, compiled once per job."""
+def program(job: str, env: dict[str, str], then: dict[str, Any] | None = None
+            ) -> tuple[str, list[cm.LaunchCost]]:
+    """(compute dtype, launches) of a job's step on today's tree, compiled once per job and
+    setting (`then`: spec settings of the call's tree, `SPEC_THEN`)."""
     size, over = gpu_check.TITANC[job]
+    over = {**(then or {}), **over}
     key = json.dumps([size, sorted(over.items()), sorted(env.items())])
     if key not in _PROGRAMS:
         from titanc.compiler import compile_graphs
@@ -113,13 +128,13 @@ def evaluate(rows: list[dict[str, Any]], fit: dict[str, Any]) -> list[dict[str, 
     """Each anchor with its prediction under `fit`: ms, error, launches now, fitted or not."""
     out = []
     for a in rows:
-        dtype, launches = program(a["job"], a["env"])
+        dtype, launches = program(a["job"], a["env"], a.get("then"))
         p = cm.predict_step(cm.device(a["device"], fit), launches, dtype)
         now = p["launches"]
         same = a["launches_then"] in (None, now)
         note = a["tree"] or ("" if same else f"today's program launches {now:,} a step, the "
                              f"call's {a['launches_then']:,}: not fitted")
-        out.append({k: a[k] for k in ("file", "call", "date", "device", "job", "env",
+        out.append({k: a[k] for k in ("file", "call", "date", "device", "job", "env", "then",
                                       "measured_ms", "launches_then")}
                    | {"launches_now": now, "predicted_ms": round(1e3 * p["seconds"], 4),
                       "error": round(1e3 * p["seconds"] / a["measured_ms"] - 1, 4),

@@ -97,17 +97,17 @@ TITANC = {
     "large_bf16": ("large", {**LARGE, **BF16}),
     # the A/B that isolates the chunk recurrence's serial chain: 8 chunks a sequence, not 64
     "large_bf16_chunk512": ("large", {**LARGE, **BF16, "model.memory.chunk_size": 512}),
-    # the chunk groups' forward recompute hoisted out of their backward (docs/gpu.md)
-    "large_bf16_hoist": ("large", {**LARGE, **BF16, "compile.hoist_groups": True}),
-    # every memory chunk's state saved (compile.chunk_groups: false): no chunk recomputed in
-    # the backward, 27,681 launches for 35,265 and a 2,468 MiB arena for 2,042 (docs/gpu.md)
-    "large_bf16_no_chunk_groups": ("large", {**LARGE, **BF16, "compile.chunk_groups": False}),
-    # the forward chunk scans' gates hoisted out of their host loops (compile.hoist_gates):
-    # 27,873 launches for 35,265 (a 2,208 MiB arena); with the line above too, 22,593 (2,478)
+    # the memory's chunk groups (compile.chunk_groups: true): each group's chunks recomputed
+    # in its backward for a smaller arena (large_125m: 28,162 launches for 21,538, a 1,962
+    # MiB arena for 2,109; docs/gpu.md), and with their recompute hoisted out of the backward
+    "large_bf16_chunk_groups": ("large", {**LARGE, **BF16, "compile.chunk_groups": True}),
+    "large_bf16_hoist": ("large", {**LARGE, **BF16, "compile.chunk_groups": True,
+                                   "compile.hoist_groups": True}),
+    # the forward chunk scans' gates hoisted out of their host loops (compile.hoist_gates)
     "large_bf16_hoist_gates": ("large", {**LARGE, **BF16, "compile.hoist_gates": True}),
-    "large_bf16_hoist_gates_no_chunk_groups": ("large", {**LARGE, **BF16,
-                                                         "compile.hoist_gates": True,
-                                                         "compile.chunk_groups": False}),
+    # the forward chunk scans' reads kept in their serial loops (compile.sink_reads: never):
+    # what computing them after the scan over the stacked start states saves
+    "large_bf16_reads_in_loop": ("large", {**LARGE, **BF16, "compile.sink_reads": "never"}),
     # every kernel its own launch (no launch groups, docs/gpu.md): what the groups save
     "tiny_bf16_ungrouped": ("tiny", BF16),
     # tiny.yaml saving every activation instead of re-running each layer's segments in the

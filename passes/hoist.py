@@ -44,22 +44,50 @@ reverse scan; the group loop keeps the reverse scan alone. The price is what the
 made to save: every group's recomputed activations live at once (training arena large_125m
 3.61 -> 4.13 GiB, tiny_lmm 15.5 -> 24.7 MB), so it is a choice, not the default.
 
+A cast of an xs slice (mixed precision's bf16 chunk checkpoint, widened by the backward) is
+a conversion on load: the body keeps its own for its readers there and it is hoisted only for
+hoisted readers. Hoisted for the body too, it stored a float32 copy of every chunk's
+checkpoint for the body to read back (large_125m bf16: 43.5 GB a step).
+
+The reads sink (`_sink_reads`, spec `compile.sink_reads`). A forward chunk scan's reads, each
+chunk's queries through the memory at the chunk's start state (docs/semantics.md: a token
+never reads its own chunk's write), feed its ys and no carry: they are computed after the
+scan for every chunk at once, batched matmuls over chunks x batch x memory heads, from the
+start states the scan stacks (a ys output it has already, such as the backward's saved
+checkpoint, or a new one), as flash-linear-attention computes its outputs from the states it
+saves per chunk. The serial loop keeps the write. Sunk: the nodes that no carry output needs,
+that read only the start state (a carry input or a cast of one), the slices, constants and
+each other, and that a ys output or another sunk node alone reads. `auto` sinks where a
+(batch, memory head) slice's state exceeds `SINK_MIN_STATE` values, the size at which the
+scan runs as a host loop of full-chip kernels: large_125m bf16 21,538 launches a step for
+24,034 (the forward and its recompute lose their reads' launches every chunk), training
+arena 2,109 MiB for 2,168; with its memory scans as scan kernels (`TITANC_SCAN_COST=0`) the
+predicted step drops 2,428 -> 2,212 ms on an H200 (the reads' FLOPs leave the 32-program
+serial loop). The stacked start states cost [length] x the state where nothing stacked them.
+
 Pre: `g` verifies. Post: the same outputs; no chunk-recurrence scan body holds a hoistable
-node. Nested bodies are rewritten first (a scan inside a scan body: the hoisted work lands in
+node, nor (where its state is large) a sinkable read. Nested bodies are rewritten first (a scan inside a scan body: the hoisted work lands in
 the enclosing body, and may be hoisted from there in turn).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 from titanc.ir import Graph, Node, Op, OpGroup
 
-__all__ = ["HoistScanInvariants", "hoist_scan_invariants", "HOIST_ROLES"]
+__all__ = ["HoistScanInvariants", "hoist_scan_invariants", "HOIST_ROLES", "SINK_MIN_STATE"]
 
 # scan roles whose bodies are rewritten (`codegen.scan.kernel.KERNEL_ROLES`: one kernel per scan)
 HOIST_ROLES = frozenset({"memory", "memory_group"})
 _WORK = frozenset({Op.SUM, Op.AMAX, Op.CUMSUM, Op.EINSUM})
+# elements of carried state per (batch, memory head) slice above which a forward chunk scan's
+# reads sink (`_sink_reads`): 64K float32 values fill an SM's register file, so one program
+# cannot hold the state, and the scan runs as a host loop of full-chip kernels (the cost rule,
+# `codegen.scan.kernel.scan_kernel_for`) where a read in the loop costs launches every chunk;
+# below it the read is a few tile rounds of the scan kernel, cheaper than kernels outside
+SINK_MIN_STATE = 65_536
 _AXIS_OPS = frozenset({Op.SLICE, Op.PAD, Op.CONCAT, Op.CUMSUM})
 
 
@@ -91,32 +119,150 @@ class HoistScanInvariants:
 
     Pre: `g` verifies. Post: the same outputs; chunk-recurrence bodies hold no hoistable node.
     `nested`: nested scans are hoistable too (compile.hoist_groups); `gates`: a scan whose
-    hoistable work holds no einsum is rewritten too (compile.hoist_gates)."""
+    hoistable work holds no einsum is rewritten too (compile.hoist_gates); `sink`: a forward
+    chunk scan's reads at its chunks' start states run after it where its state per slice
+    exceeds this many values (compile.sink_reads; None: never)."""
     nested: bool = False
     gates: bool = False
+    sink: int | None = SINK_MIN_STATE
     name: ClassVar[str] = "hoist_scan_invariants"
 
     def __call__(self, g: Graph) -> Graph:
-        return hoist_scan_invariants(g, self.nested, self.gates)
+        return hoist_scan_invariants(g, self.nested, self.gates, self.sink)
 
 
-def hoist_scan_invariants(g: Graph, nested: bool = False, gates: bool = False) -> Graph:
+def hoist_scan_invariants(g: Graph, nested: bool = False, gates: bool = False,
+                          sink: int | None = None) -> Graph:
     if not any(n.op is Op.SCAN for n in g):
         return g
     out = Graph(g.name)
     env: dict[int, int] = {}
+    # a scan whose reads sank: its old output index -> ("item", new index) or ("value", id)
+    moved: dict[int, dict[int, tuple[str, int]]] = {}
     for n in g:
         ins = [env[i] for i in n.inputs]
+        if n.op is Op.ITEM and n.inputs[0] in moved:
+            kind, x = moved[n.inputs[0]][n.attr("index")]
+            env[n.id] = x if kind == "value" else out.add_like(n, ins, index=x)
+            continue
         if n.op is not Op.SCAN:
             env[n.id] = out.add_like(n, ins)
             continue
-        body = hoist_scan_invariants(n.attr("body"), nested, gates)
+        body = hoist_scan_invariants(n.attr("body"), nested, gates, sink)
         if n.attr("role", "loop") in HOIST_ROLES:
             env[n.id] = _hoist(out, n, body, ins, nested, gates)
+            sunk = None if sink is None else _sink_reads(out, env[n.id], sink)
+            if sunk is not None:
+                env[n.id], moved[n.id] = sunk
         else:
             env[n.id] = out.add_like(n, ins, body=body)
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
     return out
+
+
+def _sink_reads(out: Graph, sid: int, above: int
+                ) -> tuple[int, dict[int, tuple[str, int]]] | None:
+    """Scan `sid` of `out` (a forward chunk recurrence) rebuilt with its reads after it: the
+    nodes that only its ys need (no carry output does) and that read the iteration's start
+    state (a carry input, or a cast of one), its slices and constants, computed for every
+    iteration at once from the stacked start states (module docstring). Returns (the new
+    scan's id, its old output index -> ("item", new index) or ("value", the sunk value)), or
+    None where nothing with an einsum sinks."""
+    n = out.node(sid)
+    a = n.attr_dict
+    body: Graph = a["body"]
+    nc, nx, length = a["n_carry"], a["n_xs"], a["length"]
+    if a.get("reverse") or length < 2:
+        return None
+    inputs = body.inputs
+    slice_state = sum(math.prod(body.node(v).type.shape[2:]) for v in inputs[:nc])
+    if slice_state <= above:
+        return None
+    carry_in, xs_in, const_in = inputs[:nc], inputs[nc:nc + nx], inputs[nc + nx:]
+    ys = body.outputs[nc:]
+    needed: set[int] = set()                           # what a carry output needs
+    stack = [v for _, v in body.outputs[:nc]]
+    while stack:
+        v = stack.pop()
+        if v not in needed:
+            needed.add(v)
+            stack.extend(body.node(v).inputs)
+    varying = set(inputs) - set(const_in)              # reads a carry or a slice
+    for v in body.order():
+        if any(i in varying for i in body.node(v).inputs):
+            varying.add(v)
+
+    def start_state(v: int) -> bool:                   # a carry input, or a cast of one
+        m = body.node(v)
+        return v in carry_in or (m.op is Op.CAST and m.inputs[0] in carry_in)
+
+    sink = {v for v in varying - needed - set(inputs)
+            if not start_state(v) and _batchable(body.node(v), nested=False)}
+    outputs = {v for _, v in ys}
+    changed = True
+    while changed:                                     # closed under its operands and users
+        changed = False
+        for v in sorted(sink):
+            m = body.node(v)
+            ok_in = all(i in sink or i in xs_in or i not in varying or start_state(i)
+                        for i in m.inputs)
+            ok_out = all(u in sink for u in body.users(v)) or (
+                v in outputs and all(u in sink for u in body.users(v)))
+            if not (ok_in and ok_out):
+                sink.discard(v)
+                changed = True
+    if not any(body.node(v).op is Op.EINSUM for v in sink) or not outputs & sink:
+        return None
+    # the start states the sunk nodes read, stacked by the scan: an existing ys output that
+    # is the same value (the backward's saved checkpoints), or a new one
+    reads = [v for v in body.order() if v in varying and v not in sink and v not in xs_in
+             and any(u in sink for u in body.users(v))]
+
+    def same(u: int, v: int) -> bool:
+        mu, mv = body.node(u), body.node(v)
+        return u == v or (mu.op is Op.CAST and mv.op is Op.CAST and mu.inputs == mv.inputs
+                          and mu.type == mv.type)
+
+    kept = [(name, v) for name, v in ys if v not in sink]
+    stacked: dict[int, int] = {}                       # start-state value -> its ys index
+    extra: list[tuple[str, int]] = []
+    for v in reads:
+        hit = next((k for k, (_, u) in enumerate(kept) if same(u, v)), None)
+        if hit is None:
+            hit = len(kept) + len(extra)
+            extra.append((f"start{len(extra)}", v))
+        stacked[v] = hit
+    # the body without the sunk nodes
+    nb = Graph(body.name)
+    benv: dict[int, int] = {}
+    live: set[int] = set()
+    stack = [v for _, v in body.outputs[:nc]] + [v for _, v in kept + extra]
+    while stack:
+        v = stack.pop()
+        if v not in live:
+            live.add(v)
+            stack.extend(body.node(v).inputs)
+    for v in body.order():
+        if v in inputs or v in live:
+            benv[v] = nb.add_like(body.node(v), [benv[i] for i in body.node(v).inputs])
+    nb.set_outputs([(name, benv[v]) for name, v in body.outputs[:nc] + kept + extra])
+    new = out.add_like(n, n.inputs, body=nb)
+    # the sunk nodes over every iteration: slices and start states stacked [length, ...]
+    bt = _Batcher(out, body, length)
+    for j, v in enumerate(xs_in):
+        bt.batched[v] = n.inputs[nc + j]
+    for j, v in enumerate(const_in):
+        bt.flat[v] = n.inputs[nc + nx + j]
+    for v, k in stacked.items():
+        bt.batched[v] = out.add(Op.ITEM, [new], {"index": nc + k})
+    for v in body.order():
+        if v in sink and any(i in bt.batched for i in body.node(v).inputs):
+            bt.node(v)
+    moved: dict[int, tuple[str, int]] = {k: ("item", k) for k in range(nc)}
+    for k, (_, v) in enumerate(ys):
+        moved[nc + k] = (("value", bt.full(v)) if v in sink else
+                         ("item", nc + next(j for j, (_, u) in enumerate(kept) if u == v)))
+    return new, moved
 
 
 def _hoist(out: Graph, n: Node, body: Graph, ins: list[int], nested: bool,
@@ -151,10 +297,16 @@ def _hoist(out: Graph, n: Node, body: Graph, ins: list[int], nested: bool,
                     u not in hoisted for u in body.users(v)):
                 hoisted.discard(v)
                 changed = True
+    # a cast of an xs slice (the backward's widened checkpoint) is a conversion on load: the
+    # body keeps its own for its readers there, and it is hoisted only for hoisted readers
+    on_load = {v for v in hoisted if body.node(v).op is Op.CAST
+               and all(i in xs_in for i in body.node(v).inputs)}
+    hoisted -= {v for v in on_load
+                if v not in outputs and all(u not in hoisted for u in body.users(v))}
     if not hoisted or not (gates or any(body.node(v).op is Op.EINSUM for v in hoisted)):
         return out.add_like(n, ins, body=body)
     # the hoisted values the body still reads, in body order: the new xs
-    frontier = [v for v in body.order() if v in hoisted and (
+    frontier = [v for v in body.order() if v in hoisted and v not in on_load and (
         v in outputs or any(u not in hoisted for u in body.users(v)))]
 
     bt = _Batcher(out, body, length)
@@ -182,10 +334,10 @@ def _hoist(out: Graph, n: Node, body: Graph, ins: list[int], nested: bool,
         v = stack.pop()
         if v not in live:
             live.add(v)
-            if v not in hoisted:
+            if v not in hoisted or v in on_load:
                 stack.extend(body.node(v).inputs)
     for v in body.order():
-        if v in benv or v in hoisted or v not in live:
+        if v in benv or (v in hoisted and v not in on_load) or v not in live:
             continue
         m = body.node(v)
         benv[v] = nb.add_like(m, [benv[i] for i in m.inputs])

@@ -51,7 +51,8 @@ def test_chunk_groups_hoist_their_recompute_and_keep_values(block: str) -> None:
     state, an xs slice, before its reverse scan. compile.hoist_groups moves that forward scan
     out of the group loop (batched over the groups: passes/hoist.py `_Batcher._scan`), and
     every pass still computes the same loss and gradients in float64."""
-    spec = tiny_spec(**{**spec_overrides(block), "compile.hoist_groups": True})
+    spec = tiny_spec(**{**spec_overrides(block), "compile.chunk_groups": True,
+                        "compile.hoist_groups": True})
     params = R.init_params(spec.model, seed=4)
     inputs = {"tokens": tokens(spec, seed=5), **params}
     c = compile_graphs(spec)
@@ -76,7 +77,8 @@ def test_chunk_groups_hoist_their_recompute_and_keep_values(block: str) -> None:
         assert all(any(i in carries or body.node(i).op is not Op.INPUT for i in m.inputs)
                    for m in inner)
     # by default the recompute stays in the group loop (the groups bound what lives at once)
-    default = compile_graphs(tiny_spec(**spec_overrides(block))).graph("training")
+    default = compile_graphs(tiny_spec(**spec_overrides(block),
+                                       **{"compile.chunk_groups": True})).graph("training")
     assert any(m.op is Op.SCAN and not m.attr("reverse")
                for _, n in _walk(default.graph)
                if n.op is Op.SCAN and n.attr("role") == "memory_group" and n.attr("reverse")
@@ -144,7 +146,7 @@ def test_hoist_gates_moves_the_chunk_scans_gates_out_and_keeps_values() -> None:
 
 
 def spec_overrides(block: str) -> dict:
-    """Eight memory chunks per scan (chunk groups of two)."""
+    """Eight memory chunks per scan (chunk groups of two with `compile.chunk_groups`)."""
     return {"model.block": block, "model.seq_len": 32, "model.attention.segment": 32,
             "model.attention.window": 32}
 
@@ -265,3 +267,44 @@ def test_chunked_loss_keeps_outputs_that_follow_the_loss() -> None:
     want, got = _run(b.graph, ins), _run(g, ins)
     for k in ("loss", "twice"):
         assert abs(float(got[k] - want[k])) < 1e-12
+
+
+def _reads_in_forward_chunk_scans(g: Graph) -> int:
+    """Einsums in the bodies of the forward memory-chunk scans of `g`."""
+    return sum(m.op is Op.EINSUM for _, n in _walk(g)
+               if n.op is Op.SCAN and n.attr("role") == "memory" and not n.attr("reverse")
+               for m in n.attr("body"))
+
+
+@pytest.mark.parametrize("block", ["lmm", "mal", pytest.param("mac", marks=pytest.mark.slow),
+                                   pytest.param("mag", marks=pytest.mark.slow)])
+def test_sunk_reads_run_after_the_chunk_scan_and_keep_values(block: str) -> None:
+    """compile.sink_reads: a forward chunk scan's reads (the queries through the memory at each
+    chunk's start state) run after it, for every chunk at once from the stacked start states;
+    the scans keep only the write's einsums, and the training graph computes the same loss
+    and gradients (float64, interpreter). `auto` leaves tiny states in the loop."""
+    def final(sink: str):
+        spec = tiny_spec(**{**spec_overrides(block), "compile.sink_reads": sink})
+        return spec, compile_graphs(spec).graph("training").graph
+
+    spec, kept = final("never")
+    _, sunk = final("always")
+    _, auto = final("auto")
+    assert _reads_in_forward_chunk_scans(sunk) < _reads_in_forward_chunk_scans(kept)
+    assert _reads_in_forward_chunk_scans(auto) == _reads_in_forward_chunk_scans(kept)
+    inputs = {"tokens": tokens(spec, seed=5), **R.init_params(spec.model, seed=4)}
+    want, got = _run(kept, inputs), _run(sunk, inputs)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-13, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_widened_checkpoint_is_read_narrow_by_the_chunk_backward() -> None:
+    """Mixed precision stores the memory's chunk checkpoints in bf16 and the chunk backward
+    widens them: the widening stays in the backward's body (a conversion on load), so no
+    kernel writes a float32 copy of every chunk's checkpoint (large_125m: 43.5 GB a step)."""
+    spec = tiny_spec(**{**spec_overrides("lmm"), "train.dtype": "bfloat16"})
+    g = compile_graphs(spec).graph("training").graph
+    widened = [n for gg, n in _walk(g) if n.op is Op.CAST and n.type.dtype == "f32"
+               and gg.node(n.inputs[0]).op is Op.ITEM
+               and gg.node(gg.node(n.inputs[0]).inputs[0]).attr("role", "") == "memory"]
+    assert not widened

@@ -149,7 +149,8 @@ def test_hoisted_group_recompute_matches_reference() -> None:
     groups' forward recompute, hoisted out of their backward, is one scan kernel over groups
     x batch x memory heads (4 x 1 x 2 programs), and it and the group backward left behind
     match the reference interpreter."""
-    c = compile_graphs(_spec("tiny_lmm", **{"model.seq_len": 16, "compile.hoist_groups": True}))
+    c = compile_graphs(_spec("tiny_lmm", **{"model.seq_len": 16, "compile.chunk_groups": True,
+                                             "compile.hoist_groups": True}))
 
     def every_scan(plan):
         g = plan.schedule.graph
@@ -194,6 +195,26 @@ def test_training_step_float64_matches_cpu_target() -> None:
            if isinstance(ex, TritonExecutor)]
     assert tri and not any(f["scan"].find("memory_chunk") >= 0 for ex in tri
                            for f in ex.fallbacks)
+
+
+@pytest.mark.parametrize("loops", [False, True])
+def test_sunk_reads_match_the_cpu_target(loops: bool, monkeypatch) -> None:
+    """`compile.sink_reads: always`: the forward chunk scans' reads run after them over the
+    stacked start states (passes/hoist.py); one float64 training step of tiny_lmm on the
+    triton target equals the cpu target's, with the memory scans as scan kernels and (a
+    launch worth no rounds) as host loops."""
+    from titanc.codegen.scan import kernel
+
+    if loops:
+        monkeypatch.setattr(kernel, "ROUNDS_PER_LAUNCH", 0)
+    over = {**SMALL, "model.memory.heads": 1, "train.dtype": "float64",
+            "compile.sink_reads": "always"}
+    with config.override(compile_cache=False):      # keep these decisions off the disk
+        progs = one_step_on_both_targets(ROOT / "examples" / "tiny_lmm.yaml", over, batch=1)
+    tri = [ex for ex in progs["triton"].executors.by_graph.values()
+           if isinstance(ex, TritonExecutor)]
+    loops_run = [f for ex in tri for f in ex.fallbacks if "memory_chunk" in f["scan"]]
+    assert bool(loops_run) == loops
 
 
 # --- bf16 dots --------------------------------------------------------------------------------------
@@ -504,28 +525,28 @@ def test_memory_chunk_scan_is_one_kernel() -> None:
         assert not [(v, n) for v, n in bounds if whole.get(v) == n], "statically true masks"
 
 
-@pytest.mark.parametrize("hoist_groups", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_large_memory_scans_take_one_program_per_batch_row_and_head(hoist_groups) -> None:
+@pytest.mark.parametrize("groups", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_large_memory_scans_take_one_program_per_batch_row_and_head(groups) -> None:
     """large_125m (one layer, 1,024 tokens): every memory-chunk scan launches at least
-    batch 8 x 4 memory heads = 32 programs, the chunk groups' backward included (its
+    batch 8 x 4 memory heads = 32 programs, a chunk groups' backward included (its
     per-program workspace was 4.8M elements: under a total cap of 2**27 it fell back to 8
     programs running the four heads in turn, on an H100 301 ms a launch, 76% of the step;
-    `MAX_WORKSPACE_TOTAL` is 2**28, int32 indices). With compile.hoist_groups the groups'
-    forward recompute, hoisted out of that backward (passes/hoist.py), runs every group at
-    once: 4 x 8 x 4 programs. (By default these scans run as host loops at this size,
-    `test_scan_cost_picks_the_loop_where_the_state_outgrows_a_program`: the kernels are
-    forced here, `TITANC_SCAN_COST=0`.)"""
+    `MAX_WORKSPACE_TOTAL` is 2**28, int32 indices). With compile.chunk_groups and
+    compile.hoist_groups the groups' forward recompute, hoisted out of that backward
+    (passes/hoist.py), runs every group at once: 4 x 8 x 4 programs. (By default these scans
+    run as host loops at this size, `test_scan_cost_picks_the_loop_where_the_state_outgrows_a_program`:
+    the kernels are forced here, `TITANC_SCAN_COST=0`.)"""
     from titanc.runtime.targets.aot import record_launches
 
     c = compile_graphs(load_spec(ROOT / "examples" / "large_125m.yaml", {
         "model.n_layers": 1, "model.seq_len": 1024, "model.vocab_size": 64,
-        "compile.hoist_groups": hoist_groups}))
+        "compile.chunk_groups": groups, "compile.hoist_groups": groups}))
     grids: dict[str, int] = {}
     with config.override(scan_cost=False):
         record_launches(c.plans["training"], grids=grids)
     chunk = {k: v for k, v in grids.items() if "memory_chunk" in k}
-    assert any("group_bwd" in k for k in chunk), chunk
-    assert sorted(chunk.values()) == [32, 32, 32] + [128] * hoist_groups, chunk
+    assert any("group_bwd" in k for k in chunk) == groups, chunk
+    assert sorted(chunk.values()) == [32, 32, 32] + [128] * groups, chunk
 
 
 def test_scan_cost_picks_the_loop_where_the_state_outgrows_a_program() -> None:
@@ -681,7 +702,7 @@ def test_looped_tiles_match_reference(budget, monkeypatch) -> None:
 
 def test_scan_form_rule_and_reasons(monkeypatch, capsys) -> None:
     """`scan_form` (tiny_lmm at its own sizes): the memory's chunk recurrences (forward,
-    backward, the checkpoint groups around them) are kernels with a batch x memory heads
+    backward) are kernels with a batch x memory heads
     grid; the layer scan and its backward are host loops of ordinary kernels, and say why
     (executor `fallbacks`, TITANC_DEBUG=2); the generator refuses a scan with no independent
     axes (the layer backward sums weight gradients over the batch) instead of running it on
@@ -692,7 +713,7 @@ def test_scan_form_rule_and_reasons(monkeypatch, capsys) -> None:
     by_role = {}
     for f in forms:
         by_role.setdefault(f["role"], set()).add(f["form"])
-    assert by_role == {"layer": {"host_loop"}, "memory_group": {"kernel"}}, forms
+    assert by_role == {"layer": {"host_loop"}, "memory": {"kernel"}}, forms
     assert all(f["grid"] == 16 for f in forms if f["form"] == "kernel")
     assert all("big parallel work" in f["why"] for f in forms if f["form"] == "host_loop")
     g, n = next(iter(_scans(c.plans["training"], "layer_bwd")))

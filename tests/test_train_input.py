@@ -224,7 +224,7 @@ def test_strict_allows_every_run_control_field(tmp_path: Path) -> None:
     for field, value in (("train__log_every", 7), ("train__memory_stats_every", 3),
                          ("train__remat_rows", 4),
                          ("compile__fused_loss", False), ("compile__cuda_graphs", False),
-                         ("compile__chunk_groups", False)):
+                         ("compile__chunk_groups", True)):
         spec = tiny("lmm", **{field: value})
         assert spec_to_dict(spec) != meta["spec"]
         check_resumable(tensors, meta, spec, strict=True, path="ckpt")

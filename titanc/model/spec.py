@@ -431,16 +431,23 @@ class CompileSpec:
     # x memory heads), for the activations of every group at once (passes/hoist.py;
     # large_125m's training arena 3.61 -> 4.13 GiB, tiny_lmm's 15.5 -> 24.7 MB)
     hoist_groups: bool = False
-    # the memory's chunk scans of >= 8 chunks checkpointed in groups of about sqrt(n) chunks
-    # (train.remat; passes/checkpoint_chunks.py); false: every chunk's state saved, and the
-    # backward recomputes no chunk (large_125m bf16: training arena 2,042 -> 2,468 MiB,
-    # 35,265 -> 27,681 triton launches a step, its memory scans host loops; tiny_lmm: 15.0
-    # -> 21.3 MiB, and 65 -> 79 launches: a group's scan kernel held its chunks' recompute)
-    chunk_groups: bool = True
+    # every memory chunk's state saved for the backward, which recomputes no chunk; true: the
+    # chunk scans of >= 8 chunks checkpointed in groups of about sqrt(n) chunks, each group's
+    # chunks recomputed in its backward (passes/checkpoint_chunks.py), for less memory where a
+    # scan holds many chunks (large_125m bf16 with groups: training arena 2,109 -> 1,962 MiB
+    # for +1.9 TFLOP and +6,624 triton launches a step; tiny_lmm bf16 12.3 -> 8.6 MiB, 80 ->
+    # 68 launches: a group's scan kernel holds its chunks' recompute)
+    chunk_groups: bool = False
     # a memory scan's carry-independent work hoisted before it even where it holds no einsum
     # (passes/hoist.py): the forward chunk scans' gates (their cumulative decay and the
     # weights of each token's gradient), computed for every chunk at once
     hoist_gates: bool = False
+    # a forward chunk scan's reads (each chunk's queries through the memory at the chunk's
+    # start state) computed after the scan for every chunk at once, from the stacked start
+    # states, as batched matmuls over chunks x batch x memory heads, not in its serial loop
+    # (passes/hoist.py): auto where a (batch, memory head) slice's state outgrows one
+    # program's registers (more than 64K values: the scan runs as a host loop), always, never
+    sink_reads: str = bounded("auto", choices=("auto", "always", "never"))
 
     def __post_init__(self) -> None:
         SCHEMA.check(self)
