@@ -157,7 +157,23 @@ def hoist_scan_invariants(g: Graph, nested: bool = False, gates: bool = False,
         else:
             env[n.id] = out.add_like(n, ins, body=body)
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
-    return out
+    live = out.reachable_from_outputs()                # a rebuilt scan leaves its old one
+    if all(n.id in live or n.op is Op.INPUT for n in out):
+        return out
+    kept = Graph(g.name)
+    kenv: dict[int, int] = {}
+    for n in out:
+        if n.id in live or n.op is Op.INPUT:
+            kenv[n.id] = kept.add_like(n, [kenv[i] for i in n.inputs])
+    kept.set_outputs([(name, kenv[i]) for name, i in out.outputs])
+    return kept
+
+
+def _same_value(body: Graph, u: int, v: int) -> bool:
+    """Are body values u and v the same: one node, or one cast of one value?"""
+    mu, mv = body.node(u), body.node(v)
+    return u == v or (mu.op is Op.CAST and mv.op is Op.CAST and mu.inputs == mv.inputs
+                      and mu.type == mv.type)
 
 
 def _sink_reads(out: Graph, sid: int, above: int
@@ -218,16 +234,11 @@ def _sink_reads(out: Graph, sid: int, above: int
     reads = [v for v in body.order() if v in varying and v not in sink and v not in xs_in
              and any(u in sink for u in body.users(v))]
 
-    def same(u: int, v: int) -> bool:
-        mu, mv = body.node(u), body.node(v)
-        return u == v or (mu.op is Op.CAST and mv.op is Op.CAST and mu.inputs == mv.inputs
-                          and mu.type == mv.type)
-
     kept = [(name, v) for name, v in ys if v not in sink]
     stacked: dict[int, int] = {}                       # start-state value -> its ys index
     extra: list[tuple[str, int]] = []
     for v in reads:
-        hit = next((k for k, (_, u) in enumerate(kept) if same(u, v)), None)
+        hit = next((k for k, (_, u) in enumerate(kept) if _same_value(body, u, v)), None)
         if hit is None:
             hit = len(kept) + len(extra)
             extra.append((f"start{len(extra)}", v))
