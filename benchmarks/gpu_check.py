@@ -98,8 +98,8 @@ TITANC = {
     # the A/B that isolates the chunk recurrence's serial chain: 8 chunks a sequence, not 64
     "large_bf16_chunk512": ("large", {**LARGE, **BF16, "model.memory.chunk_size": 512}),
     # the memory's chunk groups (compile.chunk_groups: true): each group's chunks recomputed
-    # in its backward for a smaller arena (large_125m: 28,162 launches for 21,538, a 1,962
-    # MiB arena for 2,109; docs/gpu.md), and with their recompute hoisted out of the backward
+    # in its backward for a smaller arena (large_125m: 28,162 launches for 21,538, a 1,954
+    # MiB arena for 2,085; docs/gpu.md), and with their recompute hoisted out of the backward
     "large_bf16_chunk_groups": ("large", {**LARGE, **BF16, "compile.chunk_groups": True}),
     "large_bf16_hoist": ("large", {**LARGE, **BF16, "compile.chunk_groups": True,
                                    "compile.hoist_groups": True}),

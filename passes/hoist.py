@@ -57,13 +57,15 @@ start states the scan stacks (a ys output it has already, such as the backward's
 checkpoint, or a new one), as flash-linear-attention computes its outputs from the states it
 saves per chunk. The serial loop keeps the write. Sunk: the nodes that no carry output needs,
 that read only the start state (a carry input or a cast of one), the slices, constants and
-each other, and that a ys output or another sunk node alone reads. `auto` sinks where a
+each other, and that a ys output or another sunk node alone reads; a start state the scan
+also stacks as the backward's checkpoint is stacked once (`_stack_once`), read by one ITEM.
+`auto` sinks where a
 (batch, memory head) slice's state exceeds `SINK_MIN_STATE` values, the size at which the
 scan runs as a host loop of full-chip kernels: large_125m bf16 21,538 launches a step for
 24,034 (the forward and its recompute lose their reads' launches every chunk), training
-arena 2,109 MiB for 2,168; with its memory scans as scan kernels (`TITANC_SCAN_COST=0`) the
-predicted step drops 2,428 -> 2,212 ms on an H200 (the reads' FLOPs leave the 32-program
-serial loop). The stacked start states cost [length] x the state where nothing stacked them.
+arena 2,085 MiB for 2,168, predicted 694 ms for 701 on an H200; with its memory scans as
+scan kernels (`TITANC_SCAN_COST=0`) 2,428 -> 2,198 ms (the reads' FLOPs leave the
+32-program serial loop). The stacked start states cost [length] x the state where nothing stacked them.
 
 Pre: `g` verifies. Post: the same outputs; no chunk-recurrence scan body holds a hoistable
 node, nor (where its state is large) a sinkable read. Nested bodies are rewritten first (a scan inside a scan body: the hoisted work lands in
@@ -139,11 +141,16 @@ def hoist_scan_invariants(g: Graph, nested: bool = False, gates: bool = False,
     env: dict[int, int] = {}
     # a scan whose reads sank: its old output index -> ("item", new index) or ("value", id)
     moved: dict[int, dict[int, tuple[str, int]]] = {}
+    items: dict[tuple[int, int], int] = {}             # (rebuilt scan, element) -> its ITEM
     for n in g:
         ins = [env[i] for i in n.inputs]
         if n.op is Op.ITEM and n.inputs[0] in moved:
             kind, x = moved[n.inputs[0]][n.attr("index")]
-            env[n.id] = x if kind == "value" else out.add_like(n, ins, index=x)
+            if kind == "item":                         # one ITEM an element (ir/verify.py)
+                if (ins[0], x) not in items:
+                    items[ins[0], x] = out.add_like(n, ins, index=x)
+                x = items[ins[0], x]
+            env[n.id] = x
             continue
         if n.op is not Op.SCAN:
             env[n.id] = out.add_like(n, ins)
@@ -154,6 +161,11 @@ def hoist_scan_invariants(g: Graph, nested: bool = False, gates: bool = False,
             sunk = None if sink is None else _sink_reads(out, env[n.id], sink)
             if sunk is not None:
                 env[n.id], moved[n.id] = sunk
+            once = _stack_once(out, env[n.id])
+            if once is not None:
+                env[n.id], twice = once
+                moved[n.id] = {k: twice[v[1]] if v[0] == "item" else v
+                               for k, v in moved.get(n.id, {i: ("item", i) for i in twice}).items()}
         else:
             env[n.id] = out.add_like(n, ins, body=body)
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
@@ -174,6 +186,42 @@ def _same_value(body: Graph, u: int, v: int) -> bool:
     mu, mv = body.node(u), body.node(v)
     return u == v or (mu.op is Op.CAST and mv.op is Op.CAST and mu.inputs == mv.inputs
                       and mu.type == mv.type)
+
+
+def _stack_once(out: Graph, sid: int) -> tuple[int, dict[int, tuple[str, int]]] | None:
+    """Scan `sid` of `out` rebuilt with each of its stacked ys once: a ys output that is the
+    same value as an earlier one (the start state the sunk reads stack, when autodiff saves
+    the same checkpoint of the same carry) is dropped and read from the earlier. Returns (the
+    new scan's id, old output index -> ("item", new index)), or None where none repeats."""
+    n = out.node(sid)
+    body: Graph = n.attr("body")
+    nc = n.attr("n_carry")
+    ys = body.outputs[nc:]
+    first: list[int] = []
+    for k, (_, v) in enumerate(ys):
+        first.append(next(j for j in range(k + 1) if _same_value(body, ys[j][1], v)))
+    if first == list(range(len(ys))):
+        return None
+    keep = [k for k in range(len(ys)) if first[k] == k]
+    outs = body.outputs[:nc] + [ys[k] for k in keep]
+    live: set[int] = set()
+    stack = [v for _, v in outs]
+    while stack:
+        v = stack.pop()
+        if v not in live:
+            live.add(v)
+            stack.extend(body.node(v).inputs)
+    nb = Graph(body.name)
+    benv: dict[int, int] = {}
+    for v in body.order():
+        if v in body.inputs or v in live:
+            benv[v] = nb.add_like(body.node(v), [benv[i] for i in body.node(v).inputs])
+    nb.set_outputs([(name, benv[v]) for name, v in outs])
+    new = out.add_like(n, n.inputs, body=nb)
+    moved = {k: ("item", k) for k in range(nc)}
+    for k in range(len(ys)):
+        moved[nc + k] = ("item", nc + keep.index(first[k]))
+    return new, moved
 
 
 def _sink_reads(out: Graph, sid: int, above: int

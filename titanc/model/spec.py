@@ -434,7 +434,7 @@ class CompileSpec:
     # every memory chunk's state saved for the backward, which recomputes no chunk; true: the
     # chunk scans of >= 8 chunks checkpointed in groups of about sqrt(n) chunks, each group's
     # chunks recomputed in its backward (passes/checkpoint_chunks.py), for less memory where a
-    # scan holds many chunks (large_125m bf16 with groups: training arena 2,109 -> 1,962 MiB
+    # scan holds many chunks (large_125m bf16 with groups: training arena 2,085 -> 1,954 MiB
     # for +1.9 TFLOP and +6,624 triton launches a step; tiny_lmm bf16 12.3 -> 8.6 MiB, 80 ->
     # 68 launches: a group's scan kernel holds its chunks' recompute)
     chunk_groups: bool = False
