@@ -13,7 +13,8 @@ its step. A call taken on an older tree whose program differs is re-predicted wh
 environment setting gives its program back (`TREE_ENV`: large_125m's H200 call and the medium
 size's `remat: none` calls ran their memory scans as scan kernels, `TITANC_SCAN_COST=0`
 today), and where a spec default changed since the call, its setting then is compiled
-(`SPEC_THEN`: the calls before 2026-11-29 ran the memory's chunk groups); an anchor whose
+(`SPEC_THEN`: the calls before 2026-11-29 ran the memory's chunk groups, and MAC wrote its
+memory with rmsnorm(ỹ)); an anchor whose
 launches a step differ from the call's is printed but not fitted
 (`fitted: false`, the reason in `note`). Rows a call measured while another job held the GPU
 are left out (`CONTENDED`).
@@ -62,7 +63,9 @@ TREE_ENV = {("gpu_check_h200_large_125m.json", "large_bf16"): _SCAN_KERNELS,
 # spec defaults that changed since a call: (calls dated before, the blocks it applies to or
 # None for all, the settings then, why)
 SPEC_THEN = [("2026-11-29", None, {"compile.chunk_groups": True},
-              "the memory's chunk groups were the default then")]
+              "the memory's chunk groups were the default then"),
+             ("2026-11-29", ("mac",), {"model.memory.mac_write": "attention_norm"},
+              "MAC wrote its memory with rmsnorm(ỹ) then")]
 # environment variable -> (config field, whether the value turns it on)
 ENV_FIELD = {"TITANC_SPLIT_K": ("split_k", lambda v: v == "1"),
              "TITANC_GPU_BLOCKS": ("gpu_blocks", lambda v: v != "0"),

@@ -120,7 +120,8 @@ def test_gate_attention_decodes_like_the_parallel_forward(block: str) -> None:
     assert_decodes_like_forward(prog, params, toks, 11)
 
 
-@pytest.mark.parametrize("write,read", [("input", "residual"), ("attention", "residual")])
+@pytest.mark.parametrize("write,read", [("input", "residual"), ("attention", "residual"),
+                                        ("attention_norm", "context")])
 def test_mac_options_decode_like_the_parallel_forward(write: str, read: str) -> None:
     """MAC's options (memory.mac_write, memory.mac_read) decode token by token to the eager
     reference's parallel forward, a prompt ending mid-chunk included."""

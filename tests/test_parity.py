@@ -84,6 +84,8 @@ def test_write_options_match(block: str, adaptive: bool, options: dict) -> None:
 
 
 @pytest.mark.parametrize("block,options", [
+    ("mac", {"mac_write": "attention_norm"}),
+    ("mac", {"mac_write": "attention_norm", "mac_read": "residual"}),
     ("mac", {"mac_write": "input", "mac_read": "context"}),
     ("mac", {"mac_write": "attention", "mac_read": "residual"}),
     ("mac", {"mac_write": "input", "mac_read": "residual"}),
@@ -92,7 +94,8 @@ def test_write_options_match(block: str, adaptive: bool, options: dict) -> None:
     ("mag", {"gate": "attention"})])
 def test_block_options_match(block: str, options: dict[str, str]) -> None:
     """The options that depart from the paper's block (docs/semantics.md): mac's
-    `memory.mac_write: input` (the memory written with u_s) and `memory.mac_read: residual`
+    `memory.mac_write: attention_norm` (the memory written with rmsnorm(ỹ, mac_norm)) and
+    `input` (written with u_s), and `memory.mac_read: residual`
     (the segment-start read h also on the output), and `memory.gate: attention` (mac, mag:
     the attention output's σ gates the memory's read): loss and gradients match the reference, and each
     is a different model from the default."""

@@ -71,7 +71,7 @@ EXPECTED = {
     "lmm": COMMON | MEM | {"layers.mem_wg"},
     "mag": COMMON | ATTN | MEM | {"layers.mem_wg", "layers.mag_norm_y", "layers.mag_norm_m", "layers.mag_wo"},
     "mal": COMMON | ATTN | MEM | {"layers.mem_wg", "layers.attn_norm"},
-    "mac": COMMON | ATTN | MEM | {"layers.mac_norm"},
+    "mac": COMMON | ATTN | MEM,
 }
 
 

@@ -32,7 +32,7 @@ class RefMemory:
     conv_kernel: int = 4  # K
     qk_activation: str = "silu"  # 'silu' | 'none': activation of q, k before l2norm
     momentum_form: str = "heavy_ball"  # 'heavy_ball' S = ηS - θg | 'ema' S = ηS - (1-η)θg
-    mac_write: str = "attention"  # mac: 'attention' writes rmsnorm(ỹ) | 'input' writes u_s
+    mac_write: str = "attention"  # mac: 'attention' writes ỹ | 'attention_norm' rmsnorm(ỹ) | 'input' u_s
     mac_read: str = "context"  # mac: 'context' | 'residual' also adds h to the output
     gate: str = "memory"  # mac, mag: 'memory' read gates the attention output | 'attention' output gates the read
     fixed: tuple[str, ...] = ()  # adaptive: gates held at their constants (theta, eta, alpha)

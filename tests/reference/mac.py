@@ -3,10 +3,11 @@
 Per segment s of S tokens (docs/semantics.md, block `mac`, steps 1-4):
   1. h   = M(q(u)_s; state at segment start)         q(u) over the whole sequence
   2. ỹ   = attention of u_s over [persistent ‖ h ‖ u_s], local RoPE, causal, no window
-  3. write ŷ = rmsnorm(ỹ) into memory chunk by chunk (segment-local conv); r = read of
-     q(ŷ) at chunk start
+  3. write ỹ into memory chunk by chunk (segment-local conv); r = read of q(ỹ) at chunk
+     start
   4. x_s += (ỹ * sigmoid(r)) W_O
-Options (docs/semantics.md): memory.mac_write input writes u_s instead of ŷ (step 3);
+Options (docs/semantics.md): memory.mac_write attention_norm writes rmsnorm(ỹ, mac_norm)
+and input writes u_s instead of ỹ (step 3);
 memory.mac_read residual adds h in step 4: x_s += (ỹ * sigmoid(r) + h) W_O.
 
 Ein notation: B batch, T time, S segment length, D model width, H attention heads,
@@ -74,7 +75,9 @@ def mac_block(p: dict[str, Tensor], x: Tensor, cfg, doc: Tensor | None = None) -
         h = merge_heads(hr)  # (B, S, D)
         yt = mac_attention(p, u[:, sl], h, cfg, local)  # (B, S, D)
         if cfg.memory.mac_write == "attention":
-            yn = rmsnorm(yt, p["mac_norm"])  # the memory's input is normalised, as LMM's is
+            yn = yt  # the paper: the memory writes the attention output itself
+        elif cfg.memory.mac_write == "attention_norm":
+            yn = rmsnorm(yt, p["mac_norm"])  # an option: the attention output normalised
         else:
             yn = u[:, sl]  # memory.mac_write: input -- the segment's normalised input
         q, k, v = projections(p, yn, cfg, local)  # (B, N, S, C), conv history zero at segment start

@@ -91,7 +91,7 @@ def param_specs(cfg) -> list[tuple[str, tuple[int, ...], float, float]]:
         if getattr(m, "inner", "mlp") == "ln_residual":  # w, b of k + w LN(W k) + b, per head
             specs += [("layers.mem_ln_w", (L, N, D // N), 1.0, 0.1),
                       ("layers.mem_ln_b", (L, N, D // N), 0.0, 0.1)]
-    if cfg.block == "mac" and cfg.memory.mac_write == "attention":
+    if cfg.block == "mac" and cfg.memory.mac_write == "attention_norm":
         specs.append(("layers.mac_norm", (L, D), 1.0, 0.1))
     if cfg.block == "mag":
         specs += [

@@ -94,9 +94,13 @@ def lmm_output(y: Value, u: Value, p: Params) -> Value:
 
 
 def mac_input(y: Value, u: Value, p: Params, m: ModelSpec) -> Value:
-    """What MAC writes into its memory: ŷ = rmsnorm(ỹ), or the segment input u
+    """What MAC writes into its memory: the attention output ỹ itself (the paper), ŷ =
+    rmsnorm(ỹ) (`memory.mac_write: attention_norm`), or the segment input u
     (`memory.mac_write: input`)."""
-    return rmsnorm(y, p["mac_norm"]) if m.memory.mac_write == "attention" else u
+    write = m.memory.mac_write
+    if write == "attention":
+        return y
+    return rmsnorm(y, p["mac_norm"]) if write == "attention_norm" else u
 
 
 def gated(y: Value, r: Value, m: ModelSpec) -> Value:

@@ -95,8 +95,8 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
         if mem.inner == "ln_residual":          # w, b of x + w ⊙ LN(W x) + b, per head
             lay("mem_ln_w", (nm, d), init="ones", decay=False)
             lay("mem_ln_b", (nm, d), init="zeros", decay=False)
-    if block == "mac" and mem.mac_write == "attention":
-        norm("mac_norm")           # ŷ = rmsnorm(ỹ): the memory's input, as LMM's is x̂
+    if block == "mac" and mem.mac_write == "attention_norm":
+        norm("mac_norm")           # ŷ = rmsnorm(ỹ): the memory's input (an option)
     if block == "mag":
         norm("mag_norm_y")
         norm("mag_norm_m")

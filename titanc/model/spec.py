@@ -111,10 +111,10 @@ class MemorySpec:
     # or none: no momentum state, W_t = (1 - α_t) W_{t-1} - θ_t g_t (DeltaNet's write)
     momentum_form: str = bounded("heavy_ball", choices=("heavy_ball", "ema", "none"))
     # block mac only (docs/semantics.md, "mac"): what the memory is written with, the attention
-    # output ŷ = rmsnorm(ỹ) (the paper) or the segment's normalised input u_s; and where the
-    # segment-start read h goes, only into the attention as context (the paper) or also onto
-    # the block's output (residual)
-    mac_write: str = bounded("attention", choices=("attention", "input"))
+    # output ỹ (the paper), ỹ normalised, rmsnorm(ỹ, mac_norm) (attention_norm), or the
+    # segment's normalised input u_s (input); and where the segment-start read h goes, only
+    # into the attention as context (the paper) or also onto the block's output (residual)
+    mac_write: str = bounded("attention", choices=("attention", "attention_norm", "input"))
     mac_read: str = bounded("context", choices=("context", "residual"))
     # blocks mac and mag: which branch of the paper's y ⊗ M is the sigmoid gate, the memory's
     # read gating the attention output (memory) or the attention output gating the read
