@@ -254,3 +254,17 @@ def test_an_upgrade_stopped_before_its_first_checkpoint_keeps_spec_yaml(
     train(new, run, steps=2, resume=run)               # the first checkpoint writes it
     assert "adaptive: true" in (run / "spec.yaml").read_text()
     run_tokenizer(run)
+
+
+def test_a_mac_checkpoint_with_the_normalised_write_says_how_to_resume(tmp_path: Path) -> None:
+    """A MAC checkpoint whose memory was written with rmsnorm(ỹ) (its layers.mac_norm) under a
+    spec that says `mac_write: attention`, the write's name before it became the paper's ỹ,
+    is refused with the setting that resumes it."""
+    from titanc.runtime.train.checkpoint import check_resumable
+
+    prog = titanc.compile(tiny("mac", model__memory__mac_write="attention_norm"))
+    tensors, meta = load_checkpoint(save_checkpoint(tmp_path / CHECKPOINT_NAME, prog))
+    meta["spec"]["model"]["memory"]["mac_write"] = "attention"   # as such a run recorded it
+    with pytest.raises(TitancError, match=r"mac_norm.*mac_write: attention_norm in its "
+                                          r"spec\.yaml"):
+        check_resumable(tensors, meta, tiny("mac"), strict=False, path="ckpt")

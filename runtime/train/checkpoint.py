@@ -345,6 +345,12 @@ def check_resumable(tensors: dict[str, Tensor], meta: dict[str, Any], spec: Any,
         raise TitancError(f"checkpoint {path} does not fit the spec: tensor {k} has shape "
                           f"{list(theirs[k])} in the checkpoint and {list(expected[k])} "
                           f"in the spec ({origin}); {advice}")
+    if unused and "param.layers.mac_norm" in unused and spec.model.block == "mac" \
+            and spec.model.memory.mac_write == "attention":
+        # MAC's default write was rmsnorm(ỹ, mac_norm) before it became the paper's ỹ
+        advice = ("its MAC writes rmsnorm(ỹ) (its layers.mac_norm): set "
+                  "model.memory.mac_write: attention_norm in its spec.yaml (or --set "
+                  "model.memory.mac_write=attention_norm) to resume it")
     if unused:
         raise TitancError(f"checkpoint {path} is from a different model: {len(unused)} of its "
                           f"tensors have no place in this spec ({_names(unused)}; {origin}); "
