@@ -64,8 +64,8 @@ also stacks as the backward's checkpoint is stacked once (`_stack_once`), read b
 scan runs as a host loop of full-chip kernels: large_125m bf16 21,538 launches a step for
 24,034 (the forward and its recompute lose their reads' launches every chunk), training
 arena 2,085 MiB for 2,168, predicted 694 ms for 701 on an H200; with its memory scans as
-scan kernels (`TITANC_SCAN_COST=0`) 2,428 -> 2,198 ms (the reads' FLOPs leave the
-32-program serial loop). The stacked start states cost [length] x the state where nothing stacked them.
+scan kernels (`TITANC_SCAN_COST=0`) 2,450 -> 2,219 ms (the reads' FLOPs leave the 32-program
+serial loop). The stacked start states cost [length] x the state where nothing stacked them.
 
 Pre: `g` verifies. Post: the same outputs; no chunk-recurrence scan body holds a hoistable
 node, nor (where its state is large) a sinkable read. Nested bodies are rewritten first (a scan inside a scan body: the hoisted work lands in

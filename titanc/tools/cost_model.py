@@ -275,12 +275,12 @@ def occupancy(compiled: Any, arch: int, jit: bool = False) -> dict[str, Any]:
 # Every constant below is shared by the devices but their datasheet peaks and bandwidth;
 # `benchmarks/cost_fit.py` fits them to the measured GPU calls and prints the error per call.
 
-FIT: dict[str, Any] = {          # benchmarks/cost_fit.py --fit, 2026-11-28 (docs/cost_model.md)
+FIT: dict[str, Any] = {          # benchmarks/cost_fit.py --fit, 2026-11-28; round_us refit 2026-11-29
     "floor_graph_us": 5.8425,    # a launch inside a CUDA graph
     "floor_eager_us": 122.6,     # a launch outside one: the executor's host path per launch
     "bandwidth_share": 0.6581,   # of the datasheet's HBM bandwidth
     "efficiency": {"tensor": 0.1396, "cuda": 0.1026},   # of the unit's peak (`UNIT`)
-    "round_us": 0.429,           # a scan kernel's serial tile round: its fixed part, µs ...
+    "round_us": 0.4505,          # a scan kernel's serial tile round: its fixed part, µs ...
     "round_gflops": 194.769,     # ... plus one program's share of its FLOPs at this rate
     "barrier_us": 1.0,           # a split scan kernel's group barrier: an estimate, not fitted
 }                                # (no split kernel has run on a GPU)
