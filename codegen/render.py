@@ -165,7 +165,20 @@ def render(template: str, **context: Any) -> str:
         context["header_lines"] = [sanitize_comment(line) for line in context["header_lines"]]
     if "name" in context:
         context["name"] = sanitize_identifier(context["name"], prefix="titanc_")
-    return _ENV.get_template(template).render(**context)
+    return with_helpers(_ENV.get_template(template).render(**context))
+
+
+_IMPORT_TL = "import triton.language as tl\n"
+
+
+def with_helpers(source: str) -> str:
+    """`source` with the definitions of the helpers its kernels call (`_bf16`,
+    templates/_bf16.py.jinja), after its Triton import."""
+    if "_bf16(" not in source or "def _bf16(" in source or _IMPORT_TL not in source:
+        return source
+    head, tail = source.split(_IMPORT_TL, 1)
+    helper = _ENV.get_template("_bf16.py.jinja").render()
+    return f"{head}{_IMPORT_TL}\n{helper}\n\n{tail}"
 
 
 def cache_dir() -> Path:

@@ -206,7 +206,7 @@ class _Differentiator:
             here = save.rebuild(iter(xsl[:len(flat)]))              # this iteration's saves
             x_t = xsl[len(flat):len(flat) + nx_]
             ct_y = xsl[len(flat) + nx_:len(flat) + nx_ + n_ct_y]
-            inner = _Differentiator(bb, body, self.policy.nested())
+            inner = _Differentiator(bb, body, self.policy.replayed())
             start = [c if c.dtype == t.dtype else bb.op(Op.CAST, c, dtype=t.dtype)
                      for c, t in zip(here.carries, body_types)]   # a narrowed checkpoint, widened
             inner.forward(start + list(x_t) + list(ks), here.values, here.nested)

@@ -6,7 +6,14 @@ which the backward recomputes from the saved carry:
 
 - `recompute` (train.remat = per_layer, per_segment): save only the carry at the start of every
   iteration. For the layer scan that is the per-layer checkpoint; for the memory scan the
-  memory state at every chunk boundary. The backward re-runs one iteration at a time.
+  memory state at every chunk boundary. The backward re-runs one iteration at a time. Its
+  `replay` says what that re-run saves for the backward of the scans nested in it:
+  `recompute` (per_segment, and per_layer with `remat_group` > 1 or with chunk groups,
+  `compile.chunk_groups`: options chosen for memory) only their carries, so their backward
+  runs their bodies a third time (a MAC layer's segment scan, the memory's chunk scans);
+  `mincut` (per_layer) a minimum cut of each nested body as below, so each layer's forward
+  runs twice in a step and no more, at the cost of one layer's saved values live in its
+  backward.
 - `save_all` (train.remat = none): save every non-view intermediate; nothing is recomputed.
 - `mincut` (train.remat = budget): the saved set is a minimum cut of the body's joint graph
   (the approach of PyTorch's partitioner, solved with networkx): the fewest saved bytes from
@@ -88,6 +95,7 @@ def mincut_saves(g: Graph, ban_matmul: bool = True) -> set[int]:
 class Policy:
     mode: str = "recompute"          # recompute | save_all | mincut
     ban_matmul: bool = True
+    replay: str = "recompute"        # the mode of a body the backward recomputes
 
     @property
     def keeps_nested(self) -> bool:
@@ -96,6 +104,12 @@ class Policy:
 
     def nested(self) -> "Policy":
         return self if self.mode == "save_all" else Policy("recompute")
+
+    def replayed(self) -> "Policy":
+        """The policy of a body the backward recomputes (one iteration of this scan, run again
+        from its saved carry): `replay` mincut saves, for the scans nested in it, what their own
+        backward reads, so that no part of the body is run a third time."""
+        return self.nested() if self.replay == "recompute" else Policy(self.replay, self.ban_matmul)
 
     def select(self, body: Graph) -> set[int]:
         if self.mode == "recompute":
@@ -122,9 +136,17 @@ def saved_bytes(g: Graph, policy: Policy) -> int:
     return total
 
 
+def _has_role(g: Graph, role: str) -> bool:
+    """Some scan of `g` or of a body in it has `role`."""
+    return any(n.op is Op.SCAN and (n.attr("role") == role or _has_role(n.attr("body"), role))
+               for n in g)
+
+
 def choose_policy(g: Graph, train: Any) -> Policy:
     if train.remat == "none":
         return Policy("save_all")
+    if train.remat == "per_layer" and train.remat_group == 1 and not _has_role(g, "memory_group"):
+        return Policy("recompute", replay="mincut")
     if train.remat in ("per_layer", "per_segment"):
         return Policy("recompute")
     budget = (train.remat_budget_mb or 0) * 2**20

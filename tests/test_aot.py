@@ -471,3 +471,45 @@ def test_large_bf16_column_reductions_attention_and_head_compile_for_sm90() -> N
             assert 128 in [v for k, v in constexprs.items() if k.endswith("BLOCK_C")], l.name
         else:
             assert constexprs["BLOCK_N"] == 64 and constexprs["BLOCK_M"] in (64, 128), blocks
+
+
+def test_mainloop_counts_the_loop_around_the_tensor_core_instructions() -> None:
+    """`aot.mainloop` on SASS text: the longest loop holding an MMA, its instructions, MMAs and
+    shared stores; a kernel without such a loop has none."""
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "  .L_x_0:",
+        "        /*0010*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;",
+        "        /*0020*/                   STS.128 [R6], R8 ;",
+        "        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;",
+        "        /*0040*/                   IADD3 R3, R3, 0x1, RZ ;",
+        "        /*0050*/              @P0   BRA `(.L_x_0) ;",
+        "        /*0060*/                   EXIT ;"])
+    assert aot.mainloop(sass) == {"instructions": 5, "mma": 1, "shared_stores": 1}
+    assert aot.mainloop(sass.replace("HGMMA.64x64x16.F32.BF16", "FFMA")) is None
+
+
+def test_bf16_matmuls_load_their_operands_straight_into_wgmma() -> None:
+    """A bf16 program of 4,096 tokens a micro-batch (passes/hoist_casts.py casts the layers'
+    weights before the layer scan): its matmuls whose einsums read kernel inputs as stored
+    (no cast or view before them) load both operands straight, so their sm_90 main loop stages nothing through shared stores and
+    issues at most 40 instructions per wgmma (a hand-written bf16 matmul: 28.5; with the
+    float32 weight rounded in the loop: 71-128, docs/gpu_kernels.md)."""
+    assert interpreting()
+    spec = {"model.block": "attn", "model.n_layers": 1, "model.d_model": 64,
+            "model.ffn_hidden": 128, "model.seq_len": 512, "train.batch_size": 8,
+            "train.dtype": "bfloat16"}
+    launches = [l for l in _record(EXAMPLES / "tiny_attn.yaml", spec, graphs=("forward",))
+                if l.is_matmul]
+    # the matmuls whose einsums read kernel inputs as they are: the first IR node of the
+    # kernel's header is an einsum (no cast, view or prologue before it)
+    direct = {l.name for l in launches
+              if re.search(r"# IR nodes:\n#   %\d+:\S+ = einsum\[", l.source)}
+    results = _compile(EXAMPLES / "tiny_attn.yaml", spec, launches=launches, archs=(90,))
+    plain = [r for r in results if r["name"] in direct]
+    assert plain, [r["name"] for r in results]
+    for r in plain:
+        loop = r["mainloop"]
+        assert loop and r["wgmma"], r["name"]
+        assert loop["shared_stores"] == 0 and loop["instructions"] <= 40 * loop["mma"], (
+            r["name"], loop)

@@ -120,15 +120,16 @@ def _arena(path: Path, dtype: str) -> int:
 
 
 @pytest.mark.parametrize("example, bound", [
-    ("tiny_attn.yaml", 0.52), ("tiny.yaml", 0.68),
+    ("tiny_attn.yaml", 0.58), ("tiny.yaml", 0.63),
     *(pytest.param(e, b, marks=pytest.mark.slow)        # the other memory blocks: slow tier
-      for e, b in (("tiny_lmm.yaml", 0.655), ("tiny_mag.yaml", 0.64), ("tiny_mal.yaml", 0.655)))])
+      for e, b in (("tiny_lmm.yaml", 0.61), ("tiny_mag.yaml", 0.595), ("tiny_mal.yaml", 0.575)))])
 def test_bf16_activation_arena_is_smaller(example: str, bound: float) -> None:
     """report.json `memory.arena_bytes` of the training graph, bf16 / float32. Measured:
-    tiny_attn 0.512 (the residual stream, its per-layer checkpoints and its cotangent are bf16
+    tiny_attn 0.566 (the residual stream, its per-layer checkpoints and its cotangent are bf16
     activations; what stays float32 at the peak is 90 KB: the tied embedding's gradient and
-    norm statistics), tiny_mal 0.647, tiny_mag 0.630, tiny_lmm 0.647, tiny.yaml (MAC) 0.673
-    (the fusion rules of tests/unit/passes/test_fusion_rules.py and the carry slot a scan's result lends
+    norm statistics; the bf16 copies of the layer weights the matmuls read, 376 KB, are
+    passes/hoist_casts.py's: 0.511 without them), tiny_mal 0.562, tiny_mag 0.582, tiny_lmm
+    0.596, tiny.yaml (MAC) 0.621 (the fusion rules of tests/unit/passes/test_fusion_rules.py and the carry slot a scan's result lends
     shrink float32 and bf16 arenas by different amounts, so these move with them):
     in the memory models the memory state's carries (W1, W2, S1, S2, and their cotangents in
     the backward: ping-pong slots at each nesting level) stay float32 by policy, about 3 MB of
@@ -261,9 +262,10 @@ def test_bf16_steps_launch_what_float32_steps_launch(block: str) -> None:
     assert [f["scan"].rsplit("_", 1)[0] for f in falls["bfloat16"]] == \
         [f["scan"].rsplit("_", 1)[0] for f in falls["float32"]]
     decode = {dt: counts[dt].pop("decode") for dt in counts}
-    # no more launches than float32 (the greedy fusion may merge differently at bf16's sizes:
-    # MAC's default write 258 for 262)
-    assert counts["bfloat16"]["training"] <= counts["float32"]["training"], counts
+    # no more launches than float32 but for what the min-cut of per_layer's re-run saves
+    # (passes/remat.py `replay`: it weighs bytes, and bf16 values weigh half: lmm, mag and
+    # mal 74 for 72), and the greedy fusion may merge differently at bf16's sizes
+    assert counts["bfloat16"]["training"] <= counts["float32"]["training"] + 2, counts
     assert counts["bfloat16"].get("decode_write_per_chunk") == \
         counts["float32"].get("decode_write_per_chunk"), counts
     assert decode["bfloat16"] <= decode["float32"] + 2, decode
@@ -358,3 +360,43 @@ def test_emitted_bf16_program_matches_the_cpu_executor(tmp_path: Path, monkeypat
     got = program.forward(arena, persistent,
                           {k: inputs[k] for k in program.INPUTS["forward"]})["loss"]
     assert abs(float(got) - float(want)) <= 1e-3 * abs(float(want))
+
+
+def test_hoisted_weight_casts_leave_the_scans_and_keep_every_value(monkeypatch) -> None:
+    """passes/hoist_casts.py: in a step of many tokens the weight slices the layers' matmuls
+    read are cast to bf16 once, before the layer scan, not in its body; the training graph's
+    loss and every gradient are bitwise those of the casts in the body."""
+    import titanc.compiler as compiler
+    from titanc.ir import interpret
+    import tests.reference as R
+
+    spec = load_spec(TINY, {**SMALL_MAC, "model.block": "mac", "model.n_layers": 2,
+                            "model.seq_len": 16, **BF16})
+    real = compiler.compile_graphs.__wrapped__       # past the tests' memo of compiles by spec
+    monkeypatch.setattr(compiler, "HOIST_TOKENS", 1)
+    hoisted = real(spec)
+    monkeypatch.setattr(compiler, "HOIST_TOKENS", 10 ** 9)
+    fused = real(spec)
+    assert "hoist_casts" in {r["name"] for r in hoisted.passes}
+    assert "hoist_casts" not in {r["name"] for r in fused.passes}
+
+    def body_casts(g: Graph) -> int:
+        """f32 -> bf16 casts of a scan body's xs slices that a matmul reads"""
+        n = 0
+        for node in g:
+            if node.op is Op.SCAN:
+                body, nc = node.attr("body"), node.attr("n_carry")
+                outer = set(body.inputs[nc:nc + node.attr("n_xs")])
+                n += sum(m.op is Op.CAST and m.attr("dtype") == "bf16" and m.inputs[0] in outer
+                         and body.node(m.inputs[0]).type.dtype == "f32"
+                         and any(body.node(u).op is Op.EINSUM for u in body.users(m.id))
+                         for m in body)
+                n += body_casts(body)
+        return n
+
+    assert body_casts(fused.graph("forward").graph) > 0
+    assert body_casts(hoisted.graph("forward").graph) == 0
+    feed = {"tokens": tokens(spec), **R.init_params(spec.model, seed=5)}
+    a, b = interpret(hoisted.grad, feed), interpret(fused.grad, feed)
+    for k, v in b.items():
+        assert torch.equal(a[k], v), k

@@ -84,3 +84,38 @@ def _walk(g: Graph):
         yield n
         if n.op is Op.SCAN:
             yield from _walk(n.attr("body"))
+
+
+def _forward_chunk_scans(g: Graph) -> int:
+    """Forward memory chunk scans in g and every body nested in it (backward scans excluded)."""
+    n = 0
+    for node in g:
+        if node.op is Op.SCAN:
+            body = node.attr("body")
+            n += node.attr("role") == "memory" and not body.name.endswith("_bwd")
+            n += _forward_chunk_scans(body)
+    return n
+
+
+@pytest.mark.parametrize("block", ["mac", "lmm"])
+def test_per_layer_runs_each_layer_once_more_in_the_backward(block: str) -> None:
+    """per_layer's backward re-runs a layer's forward once and saves, in that re-run, what the
+    scans nested in it (a MAC layer's segments, the memory's chunks) need for their own
+    backward: the chunk recurrence's forward appears twice in the training graph (the
+    forward, the re-run), not a third time inside the segment backward; the values are those
+    of the policy that re-runs every nested body (float64, 1e-10)."""
+    from titanc.passes.autodiff import grad_graph
+    spec = tiny_spec(**{"model.block": block, "model.seq_len": 32, "model.memory.chunk_size": 2,
+                        "model.attention.segment": 16, "train.loss_chunk": 0})
+    c = compile_graphs(spec)
+    assert c.policy == Policy("recompute", replay="mincut")
+    fwd = c.graph("forward").graph
+    wrt = [p.name for p in c.params]
+    once = grad_graph(fwd, wrt, policy=c.policy)
+    thrice = grad_graph(fwd, wrt, policy=Policy("recompute"))
+    assert _forward_chunk_scans(once) == 2
+    assert _forward_chunk_scans(thrice) == (3 if block == "mac" else 2)
+    feed = {"tokens": tokens(spec), **R.init_params(spec.model, seed=3)}
+    a, b = interpret(once, feed), interpret(thrice, feed)
+    for k, v in b.items():
+        torch.testing.assert_close(a[k], v, rtol=1e-10, atol=1e-12)

@@ -119,14 +119,11 @@ def test_tiny_launches_no_copy_kernel(tiny: dict) -> None:
     and the embedding gather is the layer scan's prologue: of issue 12's 52-60 pure-copy
     kernels of tiny.yaml none is left."""
     assert tiny["after"]["copy_kernels"] == {}
-    # without the pattern passes the backward's recomputed scores and PV contractions read
-    # the key and value concats from two matmul kernels each (stored once, by one kernel:
-    # the two concats are neighbours of one domain), and the segment sum of the plain
-    # embedding backward reads the flattened token slice densely
+    # without the pattern passes the segment sum of the plain embedding backward reads the
+    # flattened token slice densely (the key and value concats the segment backward's
+    # recomputed scores read are per_layer's re-run's, saved: passes/remat.py `replay`)
     before = tiny["before"]["copy_kernels"]
-    assert [k.split("/")[0] for k, why in before.items() if why.startswith("concat")] == \
-        ["mac_segment_bwd"]
-    assert len(before) == 2
+    assert [why for why in before.values()] == ["a view read densely by index_add"]
 
 
 @pytest.mark.parametrize("example", ["tiny_lmm", "tiny_attn"])

@@ -45,6 +45,7 @@ from titanc.passes.chunked_loss import ChunkedLoss
 from titanc.passes.flash_attention import FlashAttention
 from titanc.passes.fused_adamw import FusedAdamW
 from titanc.passes.linear_cross_entropy import LinearCrossEntropy
+from titanc.passes.hoist_casts import HOIST_TOKENS, HoistCasts
 from titanc.passes.remat import Policy, choose_policy
 from titanc.passes.manager import Pass, PassLog
 from titanc.passes.optimizer import optimizer_graph
@@ -213,6 +214,10 @@ _SHARED = (Step("canonicalize", lambda c: Canonicalize()),
 # patterns), then a cleanup; not the optimizer; the training graph inherits the forward's casts
 _MIXED = (Step("mixed_precision", lambda c: MixedPrecision(), "train.dtype bfloat16", _mixed),
           Step("canonicalize", lambda c: Canonicalize(), "train.dtype bfloat16", _mixed))
+# a scan's bf16 casts of its weights run before it, where its matmuls take many rows
+_HOIST_CASTS = Step("hoist_casts", lambda c: HoistCasts(),
+                    f"train.dtype bfloat16, >= {HOIST_TOKENS} tokens a micro-batch",
+                    lambda c: _mixed(c) and c.batch * c.spec.model.seq_len >= HOIST_TOKENS)
 
 # how each kind's graph is made: the frontend's lowering (or the optimizer's graph)
 LOWER: dict[str, tuple[str, Callable[["Compiled", int], Graph]]] = {
@@ -243,7 +248,7 @@ PIPELINE: dict[str, tuple[Step, ...]] = {
                 Step("checkpoint_chunks", lambda c: CheckpointChunks(
                     c.spec.train.remat_group, c.spec.compile.chunk_groups),
                      "train.remat != none", lambda c: c.spec.train.remat != "none"),
-                *_MIXED),
+                *_MIXED, _HOIST_CASTS),
     # forward + backward (scans recompute what the policy does not save), then the shared
     # passes again: aggregate catches any weighted outer-product sum the backward exposes
     "training": (Step("autodiff", lambda c: Autodiff(tuple(p.name for p in c.params), c.policy)),
@@ -254,8 +259,8 @@ PIPELINE: dict[str, tuple[Step, ...]] = {
                       tuple(p.decay for p in c.params), tuple(c.spec.train.betas),
                       c.spec.train.weight_decay, c.spec.train.grad_clip, SHARED),
                        "patterns", lambda c: c.patterns)),
-    "logits": (*_SHARED, *_MIXED),
-    "logprobs": (*_SHARED, *_MIXED),
+    "logits": (*_SHARED, *_MIXED, _HOIST_CASTS),
+    "logprobs": (*_SHARED, *_MIXED, _HOIST_CASTS),
     "decode_step": (*_SHARED, *_MIXED),
     "decode_write": (*_SHARED, *_MIXED),
 }

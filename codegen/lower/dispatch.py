@@ -44,7 +44,7 @@ from titanc.ir.lowering import register_lowering
 from titanc.ir.shapes import parse_einsum
 from titanc.ir.buffer_plan import BufferPlan
 from titanc.ir.kernel_family import family_of, resolve
-from titanc.ir.schedule import Kernel, prologue_kernel
+from titanc.ir.schedule import Kernel, is_immediate, prologue_kernel
 
 from titanc.codegen.families.fused import MatmulContraction, render_matmul, render_pointwise
 from titanc.codegen.families.scatter import render_scatter_along, render_segment_sum
@@ -292,6 +292,11 @@ def _product(low: KernelLowering, e: Node, names: Names, mma16: bool, op16: str)
         outer = group(sec, outer_chars, index_tile(sec, idx[0], dims[0]))
         inner = group(sec, inner_chars, index_tile(sec, idx[1], dims[1]))
         coord = group(sec, batch, Ix("batch")) | outer | inner
+        if mma16 and _stored_as(low, vid, op16):
+            # a kernel input stored as the MMA takes it: its masked load (0 outside the
+            # tile) is the operand, straight from memory to the tensor cores
+            tiles.append(low.load(sec, vid, [coord[ch] for ch in term], (), stored=True).expr)
+            continue
         val = _operand_tile(low, sec, vid, [coord[ch] for ch in term])
         if mma16:                                 # 16-bit MMA, float32 accumulation
             cast = f".to(tl.{op16})"
@@ -299,6 +304,15 @@ def _product(low: KernelLowering, e: Node, names: Names, mma16: bool, op16: str)
             cast = f".to({low.cd})" if val.literal is not None or low.cd != "tl.float32" else ""
         tiles.append(sec.let(f"tl.where({mask}, {val.expr}, 0.0){cast}", "t"))
     return _Product(e, tc, size, (batch, m, n), sz, roles, loads, tiles)
+
+
+def _stored_as(low: KernelLowering, vid: int, op16: str) -> bool:
+    """Operand `vid` is a kernel input whose storage holds `op16` values (a bf16 tensor of a
+    mixed-precision graph, or any float tensor where the compute dtype is `op16`)."""
+    if vid in low.inside or is_immediate(low.g, vid):
+        return False
+    t = low.node(vid).type
+    return t.is_float and ((t.dtype == "bf16" and op16 == "bfloat16") or low.cd == f"tl.{op16}")
 
 
 def _operand_tile(low: KernelLowering, sec: Section, vid: int, coords: list[Ix]) -> Val:

@@ -128,8 +128,8 @@ def check_statement(stmt: str) -> str:
 
     Safe: printable ASCII, no `#`, one `name = expr` (or `name += expr`) whose expression uses
     only names, numbers, arithmetic/comparison operators, indexing with `None`/`:` for
-    broadcasting, `x.to(tl.<dtype>)`, calls to `tl.*` functions, and `float("inf")`-style
-    constants. No strings, no other calls or attributes, no dunder names.
+    broadcasting, `x.to(tl.<dtype>)`, calls to `tl.*` functions and to the module's helpers
+    (`HELPERS`, one argument), and `float("inf")`-style constants. No strings, no other calls or attributes, no dunder names.
     """
     if not stmt.isascii() or not stmt.isprintable() or "#" in stmt or ";" in stmt:
         raise ValueError(f"unsafe statement {stmt!r}: must be one printable ASCII line")
@@ -173,7 +173,13 @@ def _is_tl_attribute(node: ast.Attribute) -> bool:
     return isinstance(base, ast.Name) and base.id == "tl"
 
 
+# the helpers a generated module defines beside its kernels (codegen/render.py with_helpers)
+HELPERS = frozenset({"_bf16"})
+
+
 def _is_allowed_call(node: ast.Call) -> bool:
+    if isinstance(node.func, ast.Name) and node.func.id in HELPERS:
+        return len(node.args) == 1 and not node.keywords
     if isinstance(node.func, ast.Attribute):
         if node.func.attr == "to":
             return (len(node.args) == 1 and isinstance(node.args[0], ast.Attribute)

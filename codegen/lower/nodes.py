@@ -136,8 +136,10 @@ class KernelLowering:
         """A free node at `c`: its rule in the triton target's index table."""
         return TRITON_INDEX[n.op](self, sec, n, c, valid)
 
-    def load(self, sec: Section, vid: int, coords: Sequence[Ix], valid: tuple[str, ...]) -> Val:
-        """`tl.load` of kernel input `vid` at `coords`, 0 where `valid` fails."""
+    def load(self, sec: Section, vid: int, coords: Sequence[Ix], valid: tuple[str, ...],
+             stored: bool = False) -> Val:
+        """`tl.load` of kernel input `vid` at `coords`, 0 where `valid` fails; in the compute
+        dtype, or as stored (`stored`: a 16-bit MMA operand takes its tile as it is)."""
         t = self.node(vid).type
         is_int = not t.is_float
         if (sec.flat is not None and not is_int and not valid and t.numel == sec.numel
@@ -153,7 +155,7 @@ class KernelLowering:
         ptr = f"{name}_ptr" + "".join(f" + {term}" for term in terms)
         # storage holds the compute dtype (hooks render for it), except bf16 tensors of a
         # mixed-precision graph: computed in float32, rounded where they are stored
-        cast = f".to({self.cd})" if t.dtype == "bf16" else ""
+        cast = f".to({self.cd})" if t.dtype == "bf16" and not stored else ""
         if not dims:                                  # one address for the whole tile
             v = self.let(sec, f"tl.load({ptr}){cast}", [], is_int=is_int)
             return self.guard(sec, v, valid)
@@ -221,12 +223,8 @@ class KernelLowering:
 
     def round_bf16(self, sec: Section, v: Val) -> Val:
         """`v` (a float32 tile) rounded to the nearest bfloat16, ties to even, kept in float32:
-        the value a bf16 tensor stores. Bit arithmetic rather than `.to(tl.bfloat16)`, which
-        Triton's interpreter truncates; the same on a GPU (NaN stays NaN)."""
-        u = self.let(sec, f"{v.expr}.to(tl.uint32, bitcast=True)", [v], prefix="u")
-        r = self.let(sec, f"((({u.expr} + 0x7FFF + {u.expr} // 65536 % 2) & 0xFFFF0000)"
-                           f".to(tl.float32, bitcast=True))", [u], prefix="r")
-        return self.let(sec, f"tl.where({v.expr} != {v.expr}, {v.expr}, {r.expr})", [v, r])
+        the value a bf16 tensor stores (`_bf16`, codegen/templates/_bf16.py.jinja)."""
+        return self.let(sec, f"_bf16({v.expr})", [v], prefix="r")
 
     def operand(self, sec: Section, n: Node, vid: int, coords: Sequence[Ix]) -> Val:
         """Operand `vid` of `n` at the element of `n` at `coords`."""

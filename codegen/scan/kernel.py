@@ -410,7 +410,7 @@ def _source(job: _Job, em: ScanEmitter, prefix: tuple[int, ...], counts: tuple[i
     return render("scan.py.jinja", name=job.name, header_lines=header, tensors=tensors,
                   strides=strides, pcs=pcs, body=body, ws=max(em.ws, 16),
                   grid=prod(prefix), split=em.split, index=em.index, num_warps=NUM_WARPS,
-                  round_bf16=any("_bf16(" in line for line in em.lines), dot16=em.dot16,
+                  dot16=em.dot16,
                   num_stages=NUM_STAGES)
 
 

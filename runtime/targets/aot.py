@@ -17,7 +17,8 @@ interpreted, so one process cannot do both):
                             holds tensor-core instructions (`mma` / `wgmma`), and the
                             seconds the compile took (`compile_s`, wall; `compile_cpu_s`,
                             CPU seconds of the compiling process and its ptxas: the figure
-                            a loaded machine does not inflate).
+                            a loaded machine does not inflate), and for a kernel with a
+                            dot its main loop's SASS (`mainloop`, the wheel's nvdisasm).
 
 Results are cached on disk (`codegen.render.cache_dir() / "aot"`, keyed by the launch, the
 architecture and the Triton version), so a second run compiles nothing.
@@ -244,6 +245,57 @@ _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _STACK = re.compile(r"(\d+) bytes stack frame")
 
 
+_MMA_SASS = re.compile(r"\b(HGMMA|HMMA|DMMA|IMMA)\b")
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_SASS_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+_SASS_BRANCH = re.compile(r"\bBRA\b[^;]*?\.?(L_x_\d+)")
+
+
+def mainloop(sass: str) -> dict[str, int] | None:
+    """The main loop of a kernel's SASS (`nvdisasm -c`): the longest loop (a label and a
+    branch back to it) that holds a tensor-core instruction; its instructions (what the warp
+    schedulers issue per iteration), the tensor-core instructions among them, and its shared
+    memory stores (an operand staged through registers is stored each iteration; one loaded
+    by async copy is not). None without such a loop."""
+    ins: list[str] = []
+    labels: dict[str, int] = {}
+    for line in sass.splitlines():
+        label = _SASS_LABEL.match(line)
+        if label:
+            labels[label.group(1)] = len(ins)
+        m = _SASS_LINE.search(line)
+        if m:
+            ins.append(m.group(2).strip())
+    best: list[str] | None = None
+    for i, text in enumerate(ins):
+        m = _SASS_BRANCH.search(text)
+        if m and labels.get(m.group(1), i) < i:
+            body = ins[labels[m.group(1)]:i + 1]
+            if any(_MMA_SASS.search(x) for x in body) and (best is None or len(body) > len(best)):
+                best = body
+    if best is None:
+        return None
+    return {"instructions": len(best), "mma": sum(bool(_MMA_SASS.search(x)) for x in best),
+            "shared_stores": sum(bool(re.search(r"\bSTS\b", x)) for x in best)}
+
+
+def _sass(cubin: bytes) -> str:
+    """The wheel's `nvdisasm -c` of `cubin` ("" where the wheel has none)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = Path(get_ptxas(80).path).with_name("nvdisasm")
+    if not tool.exists():
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        r = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True)
+    return r.stdout
+
+
 def _ptxas_log(ptx: str, arch: int) -> str:
     """`ptxas -v` of `ptx` for sm_`arch` (as Triton runs it: sm_90a on Hopper)."""
     import subprocess
@@ -308,7 +360,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    path = cache_dir() / "aot" / f"{launch.key()}_sm{arch}_{triton.__version__}_v3.json"
+    path = cache_dir() / "aot" / f"{launch.key()}_sm{arch}_{triton.__version__}_v4.json"
     cached = _cached_result(path)
     if cached is not None:
         return cached
@@ -348,6 +400,8 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
                    "mma": bool(re.search(r"\b(w?gmma|mma)\.", ptx)),
                    "mma_bf16": bool(re.search(r"\b(w?gmma|mma)\.[\w.]*\.bf16", ptx)),
                    "wgmma": "wgmma." in ptx}
+        if launch.uses_dot:
+            result["mainloop"] = mainloop(_sass(k.asm["cubin"]))
     finally:
         knobs.nvidia.dump_ptxas_log = False
     if not result["ok"]:          # not cached: a failure can be the process's, not the kernel's

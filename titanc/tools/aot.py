@@ -71,6 +71,14 @@ def _run(args: argparse.Namespace) -> int:
               f"spilling {sum(r['spill_bytes'] > 0 for r in ok)}, "
               f"dot kernels with mma {sum(r['mma'] for r in ok if r['uses_dot'])}"
               f"/{sum(r['uses_dot'] for r in ok)}", file=sys.stderr)
+        loops = sorted((r["mainloop"]["instructions"] / r["mainloop"]["mma"], r["name"],
+                        r["mainloop"]["shared_stores"]) for r in ok if r.get("matmul")
+                       and r.get("mainloop"))
+        if loops:
+            print(f"  matmul main loops: {len(loops)} kernels, SASS instructions per tensor-core "
+                  f"instruction median {loops[len(loops) // 2][0]:.1f}, max {loops[-1][0]:.1f} "
+                  f"({printable(loops[-1][1])}); {sum(s > 0 for _, _, s in loops)} store an "
+                  f"operand to shared memory every iteration", file=sys.stderr)
         for r in rs:
             if not r["ok"]:
                 error = str(r.get("error") or "no error recorded").strip().splitlines()
