@@ -55,13 +55,19 @@ def _run(spec, executor: bool) -> dict[str, torch.Tensor]:
     pytest.param("mag", "per_layer", False, marks=pytest.mark.slow),
     ("mac", "per_segment", False), pytest.param("mac", "per_layer", True, marks=pytest.mark.slow),
     pytest.param("lmm", "per_segment", True, marks=pytest.mark.slow)])
-def test_group_gradients_are_bitwise_per_layer(block: str, remat: str, executor: bool) -> None:
+def test_group_gradients_equal_ungrouped(block: str, remat: str, executor: bool) -> None:
+    """Bitwise under per_segment; under per_layer to float64 rounding: ungrouped, per_layer's
+    re-run saves what its nested scans need (passes/remat.py `replay`) where groups re-run
+    them, so the cotangents are summed in another order."""
     over = {**BASE, "model.block": block, "train.remat": remat, "train.remat_rows": 1}
     want = _run(tiny_spec(**over), executor)
     got = _run(tiny_spec(**over, **{"train.remat_group": 2}), executor)
     assert set(got) == set(want) and want["loss"].dtype == torch.float64
     for k, v in want.items():
-        assert torch.equal(got[k], v), k
+        if remat == "per_segment":
+            assert torch.equal(got[k], v), k
+        else:
+            torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-14, msg=k)
 
 
 def test_group_structure_and_gradient_homes() -> None:
