@@ -214,10 +214,17 @@ _SHARED = (Step("canonicalize", lambda c: Canonicalize()),
 # patterns), then a cleanup; not the optimizer; the training graph inherits the forward's casts
 _MIXED = (Step("mixed_precision", lambda c: MixedPrecision(), "train.dtype bfloat16", _mixed),
           Step("canonicalize", lambda c: Canonicalize(), "train.dtype bfloat16", _mixed))
-# a scan's bf16 casts of its weights run before it, where its matmuls take many rows
-_HOIST_CASTS = Step("hoist_casts", lambda c: HoistCasts(),
-                    f"train.dtype bfloat16, >= {HOIST_TOKENS} tokens a micro-batch",
-                    lambda c: _mixed(c) and c.batch * c.spec.model.seq_len >= HOIST_TOKENS)
+# a scan's bf16 casts of its weights run before it, where its matmuls take many rows: of
+# its xs slices before autodiff; of its consts too where no autodiff follows (a MAC segment
+# scan's weights)
+def _hoist_casts(consts: bool) -> Step:
+    return Step("hoist_casts", lambda c: HoistCasts(consts),
+                f"train.dtype bfloat16, >= {HOIST_TOKENS} tokens a micro-batch"
+                + (", consts too" if consts else ""),
+                lambda c: _mixed(c) and c.batch * c.spec.model.seq_len >= HOIST_TOKENS)
+
+
+_HOIST_CASTS, _HOIST_ALL_CASTS = _hoist_casts(False), _hoist_casts(True)
 
 # how each kind's graph is made: the frontend's lowering (or the optimizer's graph)
 LOWER: dict[str, tuple[str, Callable[["Compiled", int], Graph]]] = {
@@ -252,15 +259,15 @@ PIPELINE: dict[str, tuple[Step, ...]] = {
     # forward + backward (scans recompute what the policy does not save), then the shared
     # passes again: aggregate catches any weighted outer-product sum the backward exposes
     "training": (Step("autodiff", lambda c: Autodiff(tuple(p.name for p in c.params), c.policy)),
-                 *_SHARED),
+                 *_SHARED, _HOIST_ALL_CASTS),
     # clipping + AdamW over the flat parameter set, recognised as one multi-tensor ADAMW op
     "optimizer": (*_SHARED,
                   Step("fused_adamw", lambda c: FusedAdamW(
                       tuple(p.decay for p in c.params), tuple(c.spec.train.betas),
                       c.spec.train.weight_decay, c.spec.train.grad_clip, SHARED),
                        "patterns", lambda c: c.patterns)),
-    "logits": (*_SHARED, *_MIXED, _HOIST_CASTS),
-    "logprobs": (*_SHARED, *_MIXED, _HOIST_CASTS),
+    "logits": (*_SHARED, *_MIXED, _HOIST_ALL_CASTS),
+    "logprobs": (*_SHARED, *_MIXED, _HOIST_ALL_CASTS),
     "decode_step": (*_SHARED, *_MIXED),
     "decode_write": (*_SHARED, *_MIXED),
 }
