@@ -59,10 +59,7 @@ saves per chunk. The serial loop keeps the write. Sunk: the nodes that no carry 
 that read only the start state (a carry input or a cast of one), the slices, constants and
 each other, and that a ys output or another sunk node alone reads; a start state the scan
 also stacks as the backward's checkpoint is stacked once (`_stack_once`), read by one ITEM.
-Every other scan stacks each of its values once too: a MAC segment scan stacks the memory's
-state at each segment start, cast to bf16, for its backward's checkpoint and again for the
-start states of its chunk scans' sunk reads (large_125m bf16: 685 MiB of training arena and
-0.9 GB a step of writes). `auto` sinks where a
+`auto` sinks where a
 (batch, memory head) slice's state exceeds `SINK_MIN_STATE` values, the size at which the
 scan runs as a host loop of full-chip kernels: large_125m bf16 21,538 launches a step for
 24,034 (the forward and its recompute lose their reads' launches every chunk), training
@@ -171,9 +168,6 @@ def hoist_scan_invariants(g: Graph, nested: bool = False, gates: bool = False,
                                for k, v in moved.get(n.id, {i: ("item", i) for i in twice}).items()}
         else:
             env[n.id] = out.add_like(n, ins, body=body)
-            once = _stack_once(out, env[n.id])           # a segment's checkpoint and reads
-            if once is not None:
-                env[n.id], moved[n.id] = once
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
     live = out.reachable_from_outputs()                # a rebuilt scan leaves its old one
     if all(n.id in live or n.op is Op.INPUT for n in out):
