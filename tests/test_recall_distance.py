@@ -76,7 +76,7 @@ def test_recall_seq_len_is_valid_and_shortest() -> None:
 
 
 def _reference_chunks(spec, params: dict[str, torch.Tensor], tok: torch.Tensor, layer: int = 0):
-    """Per-chunk (loss before, loss after, |W|, |S|) of the first layer's memory, computed by
+    """Per-chunk (loss before, loss after, |W|, |S|, rms of v) of the first layer's memory, computed by
     the float64 reference (a 1-layer lmm: the memory input is rmsnorm(embed[tok]))."""
     cfg = spec.model
     p = layer_params({k: v.double() for k, v in params.items()}, layer)
@@ -93,7 +93,8 @@ def _reference_chunks(spec, params: dict[str, torch.Tensor], tok: torch.Tensor, 
         W, S = R.chunk_token_loop(W, S, g, theta[:, :, sl], eta[:, :, sl], alpha[:, :, sl])
         after = (R.mem_apply(W, k[:, :, sl]) - v[:, :, sl]).pow(2).mean()
         norm = lambda ts: float(sum(t.pow(2).sum((-2, -1)) for t in ts).sqrt().mean())  # noqa
-        out.append((float(before), float(after), norm(W), norm(S)))
+        out.append((float(before), float(after), norm(W), norm(S),
+                    float(v[:, :, sl].pow(2).mean().sqrt())))
     return out, (float(theta.mean()), float(eta.mean()), float(alpha.mean()))
 
 
@@ -112,12 +113,13 @@ def test_memory_stats_match_the_reference(depth: int) -> None:
     (layer,) = stats["layers"]
     want, (th, et, al) = _reference_chunks(spec, prog.parameters(), tok)
     assert len(layer["chunk_loss_before"]) == spec.model.seq_len // spec.model.memory.chunk_size
-    for i, (before, after, _, _) in enumerate(want):
+    for i, (before, after, *_) in enumerate(want):
         assert layer["chunk_loss_before"][i] == pytest.approx(before, rel=1e-3, abs=1e-5)
         assert layer["chunk_loss_after"][i] == pytest.approx(after, rel=1e-3, abs=1e-5)
     n = len(want)
     assert layer["w_norm"] == pytest.approx(sum(w[2] for w in want) / n, rel=1e-3)
     assert layer["s_norm"] == pytest.approx(sum(w[3] for w in want) / n, rel=1e-3)
+    assert layer["v_rms"] == pytest.approx(sum(w[4] for w in want) / n, rel=1e-3)
     assert (layer["theta"], layer["eta"], layer["alpha"]) == pytest.approx((th, et, al), rel=1e-3)
     assert any(a < b for a, b in zip(layer["chunk_loss_after"], layer["chunk_loss_before"]))
 
@@ -160,9 +162,10 @@ def test_mac_memory_input_normalised_only_with_attention_norm(write: str) -> Non
     assert a["inner_loss_before"] > 1e-3          # the writes are not trivially empty
     if write == "attention":                     # v(ỹ) and the gates see the scale
         assert b["inner_loss_before"] > 2 * a["inner_loss_before"]
+        assert b["v_rms"] > 2 * a["v_rms"]
         assert abs(b["eta"] - a["eta"]) > 0.1 and abs(b["alpha"] - a["alpha"]) > 0.1
         return
-    for key in ("inner_loss_before", "inner_loss_after", "w_norm", "s_norm",
+    for key in ("inner_loss_before", "inner_loss_after", "w_norm", "s_norm", "v_rms",
                 "theta", "eta", "alpha"):     # the stats are rounded to 5 decimals
         assert b[key] == pytest.approx(a[key], rel=1e-3, abs=2e-5), key
     assert b["chunk_loss_before"] == pytest.approx(a["chunk_loss_before"], rel=1e-3, abs=2e-5)

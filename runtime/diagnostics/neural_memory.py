@@ -13,7 +13,10 @@ its inputs are the chunk-start state (W_1..W_Ld, S_1..S_Ld) and the chunk's stre
 graph, evaluated here; M is `memory.inner`'s model, the scan's last two constants w, b for
 ln_residual), averaged over the chunk's tokens, at the state before the write and
 after it (a write that helps lowers it), the Frobenius norms of W and S (per batch row and
-head, summed over the memory MLP's layers, averaged), and the mean gates θ, η, α. The iteration of the scan
+head, summed over the memory MLP's layers, averaged), the root mean square of the written
+values v (the scale the inner loss is measured in: a growing loss with a steady v_rms is a
+write that does not contract, one that grows with v_rms is a growing target), and the mean
+gates θ, η, α. The iteration of the scan
 of role `layer` says which layer a chunk belongs to; MAC's chunks (inside its segment scan)
 are seen the same way. Nothing here changes what the compiled program computes: it is a
 second, slower look at the same graph, for `train.memory_stats_every` (metrics.jsonl) and
@@ -112,6 +115,7 @@ class _Watcher(Interpreter):
             "loss_before": self.inner_loss(_model(w0, k, ln), v),
             "loss_after": self.inner_loss(_model(w1, k, ln), v),
             "w_norm": _norm(w1), "s_norm": _norm(s1) if momentum else 0.0,
+            "v_rms": float(v.pow(2).mean().sqrt()),
             "theta": float(theta.mean()),
             "eta": float(log_eta.exp().mean()) if momentum else 0.0,
             "alpha": float(1 - log_keep.exp().mean()),
@@ -138,7 +142,8 @@ def memory_stats(prog: Any, tokens: Tensor) -> dict[str, Any]:
         mean = {k: round(sum(r[k] for r in rows) / len(rows), 5) for k in rows[0]}
         layers.append({
             "inner_loss_before": mean["loss_before"], "inner_loss_after": mean["loss_after"],
-            "w_norm": mean["w_norm"], "s_norm": mean["s_norm"], "theta": mean["theta"],
+            "w_norm": mean["w_norm"], "s_norm": mean["s_norm"], "v_rms": mean["v_rms"],
+            "theta": mean["theta"],
             "eta": mean["eta"], "alpha": mean["alpha"],
             "chunk_loss_before": [round(r["loss_before"], 5) for r in rows],
             "chunk_loss_after": [round(r["loss_after"], 5) for r in rows],
