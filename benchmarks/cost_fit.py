@@ -13,8 +13,8 @@ its step. A call taken on an older tree whose program differs is re-predicted wh
 environment setting gives its program back (`TREE_ENV`: large_125m's H200 call and the medium
 size's `remat: none` calls ran their memory scans as scan kernels, `TITANC_SCAN_COST=0`
 today), and where a spec default changed since the call, its setting then is compiled
-(`SPEC_THEN`: the calls before 2026-11-29 ran the memory's chunk groups, and MAC wrote its
-memory with rmsnorm(ỹ)); an anchor whose
+(`SPEC_THEN`: the calls before 2026-11-29 ran the memory's chunk groups, MAC wrote its
+memory with rmsnorm(ỹ), and a scan stacked a value saved for two users twice); an anchor whose
 launches a step differ from the call's is printed but not fitted
 (`fitted: false`, the reason in `note`). Rows a call measured while another job held the GPU
 are left out (`CONTENDED`).
@@ -65,7 +65,9 @@ TREE_ENV = {("gpu_check_h200_large_125m.json", "large_bf16"): _SCAN_KERNELS,
 SPEC_THEN = [("2026-11-29", None, {"compile.chunk_groups": True},
               "the memory's chunk groups were the default then"),
              ("2026-11-29", ("mac",), {"model.memory.mac_write": "attention_norm"},
-              "MAC wrote its memory with rmsnorm(ỹ) then")]
+              "MAC wrote its memory with rmsnorm(ỹ) then"),
+             ("2026-11-29", None, {"compile.stack_once": False},
+              "a scan stacked a value it saves for two users once per user then")]
 # environment variable -> (config field, whether the value turns it on)
 ENV_FIELD = {"TITANC_SPLIT_K": ("split_k", lambda v: v == "1"),
              "TITANC_GPU_BLOCKS": ("gpu_blocks", lambda v: v != "0"),

@@ -59,7 +59,10 @@ saves per chunk. The serial loop keeps the write. Sunk: the nodes that no carry 
 that read only the start state (a carry input or a cast of one), the slices, constants and
 each other, and that a ys output or another sunk node alone reads; a start state the scan
 also stacks as the backward's checkpoint is stacked once (`_stack_once`), read by one ITEM.
-`auto` sinks where a
+Every other scan stacks each of its values once too: a MAC segment scan stacks the memory's
+state at each segment start, cast to bf16, for its backward's checkpoint and again for the
+start states of its chunk scans' sunk reads (large_125m bf16: 685 MiB of training arena and
+0.9 GB a step of writes). `auto` sinks where a
 (batch, memory head) slice's state exceeds `SINK_MIN_STATE` values, the size at which the
 scan runs as a host loop of full-chip kernels: large_125m bf16 21,538 launches a step for
 24,034 (the forward and its recompute lose their reads' launches every chunk), training
@@ -123,18 +126,20 @@ class HoistScanInvariants:
     `nested`: nested scans are hoistable too (compile.hoist_groups); `gates`: a scan whose
     hoistable work holds no einsum is rewritten too (compile.hoist_gates); `sink`: a forward
     chunk scan's reads at its chunks' start states run after it where its state per slice
-    exceeds this many values (compile.sink_reads; None: never)."""
+    exceeds this many values (compile.sink_reads; None: never); `once`: every other scan
+    stacks a value it saves for two users once too (compile.stack_once)."""
     nested: bool = False
     gates: bool = False
     sink: int | None = SINK_MIN_STATE
+    once: bool = True
     name: ClassVar[str] = "hoist_scan_invariants"
 
     def __call__(self, g: Graph) -> Graph:
-        return hoist_scan_invariants(g, self.nested, self.gates, self.sink)
+        return hoist_scan_invariants(g, self.nested, self.gates, self.sink, self.once)
 
 
 def hoist_scan_invariants(g: Graph, nested: bool = False, gates: bool = False,
-                          sink: int | None = None) -> Graph:
+                          sink: int | None = None, once: bool = True) -> Graph:
     if not any(n.op is Op.SCAN for n in g):
         return g
     out = Graph(g.name)
@@ -155,19 +160,22 @@ def hoist_scan_invariants(g: Graph, nested: bool = False, gates: bool = False,
         if n.op is not Op.SCAN:
             env[n.id] = out.add_like(n, ins)
             continue
-        body = hoist_scan_invariants(n.attr("body"), nested, gates, sink)
+        body = hoist_scan_invariants(n.attr("body"), nested, gates, sink, once)
         if n.attr("role", "loop") in HOIST_ROLES:
             env[n.id] = _hoist(out, n, body, ins, nested, gates)
             sunk = None if sink is None else _sink_reads(out, env[n.id], sink)
             if sunk is not None:
                 env[n.id], moved[n.id] = sunk
-            once = _stack_once(out, env[n.id])
-            if once is not None:
-                env[n.id], twice = once
+            single = _stack_once(out, env[n.id])
+            if single is not None:
+                env[n.id], twice = single
                 moved[n.id] = {k: twice[v[1]] if v[0] == "item" else v
                                for k, v in moved.get(n.id, {i: ("item", i) for i in twice}).items()}
         else:
             env[n.id] = out.add_like(n, ins, body=body)
+            stacked = _stack_once(out, env[n.id]) if once else None   # a segment's checkpoint
+            if stacked is not None:                                    # and its chunks' reads
+                env[n.id], moved[n.id] = stacked
     out.set_outputs([(name, env[i]) for name, i in g.outputs])
     live = out.reachable_from_outputs()                # a rebuilt scan leaves its old one
     if all(n.id in live or n.op is Op.INPUT for n in out):

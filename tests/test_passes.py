@@ -276,7 +276,7 @@ def _reads_in_forward_chunk_scans(g: Graph) -> int:
                for m in n.attr("body"))
 
 
-@pytest.mark.parametrize("block", ["lmm", "mal", pytest.param("mac", marks=pytest.mark.slow),
+@pytest.mark.parametrize("block", ["lmm", "mac", pytest.param("mal", marks=pytest.mark.slow),
                                    pytest.param("mag", marks=pytest.mark.slow)])
 def test_sunk_reads_run_after_the_chunk_scan_and_keep_values(block: str) -> None:
     """compile.sink_reads: a forward chunk scan's reads (the queries through the memory at each
@@ -284,7 +284,8 @@ def test_sunk_reads_run_after_the_chunk_scan_and_keep_values(block: str) -> None
     the scans keep only the write's einsums, and the training graph computes the same loss
     and gradients (float64, interpreter). `auto` leaves tiny states in the loop. A start
     state the backward's checkpoint also stacks is one output, read by one ITEM (two ITEMs of
-    one element: the buffer plan fills one of them, the other read stale memory)."""
+    one element: the buffer plan fills one of them, the other read stale memory), in every
+    scan: a MAC segment stacks the memory state for its backward and for its chunks' reads."""
     def final(sink: str):
         spec = tiny_spec(**{**spec_overrides(block), "compile.sink_reads": sink})
         return spec, compile_graphs(spec).graph("training").graph
@@ -294,17 +295,32 @@ def test_sunk_reads_run_after_the_chunk_scan_and_keep_values(block: str) -> None
     _, auto = final("auto")
     assert _reads_in_forward_chunk_scans(sunk) < _reads_in_forward_chunk_scans(kept)
     assert _reads_in_forward_chunk_scans(auto) == _reads_in_forward_chunk_scans(kept)
-    for _, n in _walk(sunk):       # a start state the backward also saves is stacked once
-        if n.op is Op.SCAN and n.attr("role") == "memory":
-            body = n.attr("body")
-            ys = [v for _, v in body.outputs[n.attr("n_carry"):]]
-            keys = [(body.node(v).op, body.node(v).inputs) if body.node(v).op is Op.CAST
-                    else v for v in ys]
-            assert len(set(keys)) == len(keys), body.outputs
+    def repeated(g: Graph) -> list[str]:
+        """The scans of `g` that stack one value (or one cast of it) twice."""
+        out = []
+        for _, n in _walk(g):
+            if n.op is Op.SCAN:
+                body = n.attr("body")
+                ys = [v for _, v in body.outputs[n.attr("n_carry"):]]
+                keys = [(body.node(v).op, body.node(v).inputs) if body.node(v).op is Op.CAST
+                        else v for v in ys]
+                if len(set(keys)) < len(keys):
+                    out.append(n.attr("role"))
+        return out
+
+    assert repeated(sunk) == []    # a start state the backward also saves is stacked once
     inputs = {"tokens": tokens(spec, seed=5), **R.init_params(spec.model, seed=4)}
     want, got = _run(kept, inputs), _run(sunk, inputs)
-    for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-13, msg=lambda m: f"{k}: {m}")
+    graphs = {"sunk": got}
+    if block == "mac":             # compile.stack_once: false, a segment stacks it per user
+        twice = compile_graphs(tiny_spec(**{**spec_overrides(block), "compile.sink_reads":
+                                            "always", "compile.stack_once": False}))
+        assert repeated(twice.graph("training").graph) == ["segment"]
+        graphs["stacked per user"] = _run(twice.graph("training").graph, inputs)
+    for name, got in graphs.items():
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-13,
+                                       msg=lambda m: f"{name} {k}: {m}")
 
 
 def test_a_widened_checkpoint_is_read_narrow_by_the_chunk_backward() -> None:

@@ -157,7 +157,8 @@ class Compiled:
                 g = log.apply(step.make(self), g)
         persistent = self._persistent()
         return _finish(log, kind, g, persistent, start, self.spec.compile.hoist_groups,
-                       self.spec.compile.hoist_gates, self.spec.compile.sink_reads)
+                       self.spec.compile.hoist_gates, self.spec.compile.sink_reads,
+                       self.spec.compile.stack_once)
 
     def graph_key(self, cg: CompiledGraph) -> str | None:
         """What compiled graph `cg` (one of this compile's) was compiled from, as text: the
@@ -306,14 +307,16 @@ def pipeline_text() -> str:
 
 def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int,
             hoist_groups: bool = False, hoist_gates: bool = False,
-            sink_reads: str = "auto") -> CompiledGraph:
+            sink_reads: str = "auto", stack_once: bool = True) -> CompiledGraph:
     # a chunk recurrence's carry-independent work (its backward's forward recompute) runs
     # once over every chunk before the scan, not in its serial loop (with
     # compile.hoist_groups, a chunk group's recompute scan too, over every group; with
     # compile.hoist_gates, a forward chunk scan's gates too), and its reads at each chunk's
-    # start state once over every chunk after it (compile.sink_reads)
+    # start state once over every chunk after it (compile.sink_reads); a value any scan
+    # stacks for two users is stacked once (compile.stack_once)
     sink = {"auto": SINK_MIN_STATE, "always": 0, "never": None}[sink_reads]
-    g = log.apply(HoistScanInvariants(nested=hoist_groups, gates=hoist_gates, sink=sink), g)
+    g = log.apply(HoistScanInvariants(nested=hoist_groups, gates=hoist_gates, sink=sink,
+                                      once=stack_once), g)
     # a cast of an input read by several kernels: one copy per reader, which fusion loads cast
     # (mixed precision's parameter casts launch nothing of their own)
     g = log.apply(SplitCasts(), g)

@@ -448,6 +448,11 @@ class CompileSpec:
     # (passes/hoist.py): auto where a (batch, memory head) slice's state outgrows one
     # program's registers (more than 64K values: the scan runs as a host loop), always, never
     sink_reads: str = bounded("auto", choices=("auto", "always", "never"))
+    # a value a scan outside the chunk recurrence stacks for two users stacked once
+    # (passes/hoist.py `_stack_once`: a MAC segment's memory state at each segment start, for
+    # its backward and its chunks' sunk reads; large_125m bf16: 685 MiB less training arena);
+    # false: once per user, the programs the stored GPU calls ran (benchmarks/cost_fit.py)
+    stack_once: bool = True
 
     def __post_init__(self) -> None:
         SCHEMA.check(self)
