@@ -34,7 +34,8 @@ Kernel families, with what a kernel may contain:
 
 "Free" nodes (generators, and views and float casts whose operands are free or read from
 memory) cost no work and may be used at any index (`passes/split_casts.py` gives each reader
-of a cast of an input its own copy, so the cast fuses into every reader's loads). A view of a value computed in the same kernel must be a
+of a cast of an input its own copy, so the cast fuses into every reader's loads); `passes/views_per_reader.py`
+copies a view that one kernel would write for another into its readers). A view of a value computed in the same kernel must be a
 RESHAPE (the linear index is unchanged); anything else (a broadcast, slice, pad, permute or
 gather of a computed value) would evaluate it more or less than once per element, duplicating
 or scattering work, so such a value is materialized instead.
@@ -69,6 +70,7 @@ from __future__ import annotations
 import re
 from itertools import count
 from typing import Iterator
+from weakref import WeakKeyDictionary
 
 from titanc.ir import Graph, Op, OpGroup
 from titanc.ir.kernel_family import prefix
@@ -90,14 +92,25 @@ def unfused(g: Graph) -> Schedule:
     return _name(_fuse_graph(g, check_peak=True, merge=False), count())
 
 
+# graph -> (its node count and outputs then, check_peak, merge, its unnamed schedule): a
+# scan body fused again when a pass kept it (`views_per_reader` fuses a trial first)
+_FUSED: "WeakKeyDictionary[Graph, tuple]" = WeakKeyDictionary()
+
+
 def _fuse_graph(g: Graph, check_peak: bool, merge: bool = True) -> Schedule:
     """Fuse the scan bodies first (a scan kernel's workspace is its body's peak), then `g`."""
+    key = (len(g), tuple(g.outputs), check_peak, merge)
+    hit = _FUSED.get(g)
+    if hit is not None and hit[0] == key:
+        return hit[1]
     bodies = {n.id: _fuse_graph(n.attr("body"), check_peak, merge)
               for n in g if n.op is Op.SCAN}
     f = Fuser(g, bodies, check_peak)
     if merge:
         f.run()
-    return Schedule(g, f.kernels(), bodies)
+    out = Schedule(g, f.kernels(), bodies)
+    _FUSED[g] = (key, out)
+    return out
 
 
 # -- names ---------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ def test_every_pass_preserves_forward_and_training(block: str) -> None:
     c = compile_graphs(spec)
     fwd_dumps = [g for name, g in c.log.dumps if g.name == "forward"]
     grad_dumps = [g for name, g in c.log.dumps if g.name == "grad"]
-    assert (len(fwd_dumps), len(grad_dumps)) == (10, 7)    # hoist, split_casts, constants_per_reader last
+    assert (len(fwd_dumps), len(grad_dumps)) == (11, 8)    # hoist, split_casts, constants_per_reader,
+    #                                                         views_per_reader last
     want = _run(fwd_dumps[0], inputs)["loss"]
     for g in fwd_dumps[1:]:
         assert abs(float(_run(g, inputs)["loss"] - want)) < 1e-12
@@ -333,3 +334,30 @@ def test_a_widened_checkpoint_is_read_narrow_by_the_chunk_backward() -> None:
                and gg.node(n.inputs[0]).op is Op.ITEM
                and gg.node(gg.node(n.inputs[0]).inputs[0]).attr("role", "") == "memory"]
     assert not widened
+
+
+@pytest.mark.parametrize("block", ["lmm", "mac"])
+def test_views_one_kernel_would_write_for_another_are_copied_into_their_readers(
+        block: str) -> None:
+    """views_per_reader: fused without it, the training graph has kernels writing views of
+    stored values (the depthwise conv's shifted slices, head layouts) for readers in other
+    kernels; with it nearly none do (the second fusion may pair a copy otherwise), and the
+    kernels move fewer bytes. Its values: `test_every_pass_preserves_forward_and_training`."""
+    from titanc.passes.fusion import fuse
+    from titanc.passes.views_per_reader import KEPT_BODIES, written_views
+
+    def schedules(s):
+        yield s
+        for k in s.kernels:
+            for nid in k.nodes:
+                if nid in s.bodies and s.graph.node(nid).attr("role", "loop") not in KEPT_BODIES:
+                    yield from schedules(s.bodies[nid])
+
+    c = compile_graphs(tiny_spec(**{"model.block": block}))
+    dumps = [(name, g) for name, g in c.log.dumps if g.name == "grad"]
+    assert dumps[-1][0] == "views_per_reader_grad"
+    trial, final = fuse(dumps[-2][1]), c.graph("training").schedule
+    before = sum(len(written_views(s)) for s in schedules(trial))
+    after = sum(len(written_views(s)) for s in schedules(final))
+    assert before >= 20 and after * 10 < before, (before, after)
+    assert sum(k.bytes for k in final.all_kernels()) < sum(k.bytes for k in trial.all_kernels())

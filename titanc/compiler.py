@@ -52,6 +52,7 @@ from titanc.passes.optimizer import optimizer_graph
 from titanc.passes.precision import MixedPrecision
 from titanc.passes.hoist import SINK_MIN_STATE, HoistScanInvariants
 from titanc.passes.split_casts import SplitCasts
+from titanc.passes.views_per_reader import ViewsPerReader
 
 from titanc.model.decode import lower_step, lower_write
 from titanc.model.frontend import lower_forward
@@ -323,6 +324,9 @@ def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int,
     # composed constants (RoPE's [cos ‖ cos]) copied per reader: computed in each reader's
     # kernel rather than stored by a kernel of their own; last, as it undoes their CSE
     g = log.apply(ConstantsPerReader(), g)
+    # a view of a stored value copied per reader: each reader's kernel loads the value through
+    # its own copy, and no kernel writes the view for another
+    g = log.apply(ViewsPerReader(), g)
     schedule = _timed(log, f"fusion_{kind}", lambda: verify_schedule(in_waves(fuse(g))))
     persistent = persistent | {n for n in g.input_names() if n.startswith("state.")}
     plan = _timed(log, f"memory_plan_{kind}", lambda: plan_buffers(schedule, persistent))
