@@ -14,7 +14,8 @@ environment setting gives its program back (`TREE_ENV`: large_125m's H200 call a
 size's `remat: none` calls ran their memory scans as scan kernels, `TITANC_SCAN_COST=0`
 today), and where a spec default changed since the call, its setting then is compiled
 (`SPEC_THEN`: the calls before 2026-11-29 ran the memory's chunk groups, MAC wrote its
-memory with rmsnorm(ỹ), and a scan stacked a value saved for two users twice); an anchor whose
+memory with rmsnorm(ỹ), a scan stacked a value saved for two users twice, and views were
+not copied into their readers); an anchor whose
 launches a step differ from the call's is printed but not fitted
 (`fitted: false`, the reason in `note`). Rows a call measured while another job held the GPU
 are left out (`CONTENDED`).
@@ -67,7 +68,9 @@ SPEC_THEN = [("2026-11-29", None, {"compile.chunk_groups": True},
              ("2026-11-29", ("mac",), {"model.memory.mac_write": "attention_norm"},
               "MAC wrote its memory with rmsnorm(ỹ) then"),
              ("2026-11-29", None, {"compile.stack_once": False},
-              "a scan stacked a value it saves for two users once per user then")]
+              "a scan stacked a value it saves for two users once per user then"),
+             ("2026-11-29", None, {"compile.views_per_reader": False},
+              "a kernel wrote a view of a stored value for readers in other kernels then")]
 # environment variable -> (config field, whether the value turns it on)
 ENV_FIELD = {"TITANC_SPLIT_K": ("split_k", lambda v: v == "1"),
              "TITANC_GPU_BLOCKS": ("gpu_blocks", lambda v: v != "0"),

@@ -4,8 +4,8 @@ Every graph kind (`GRAPH_KINDS`) goes through the same steps, declared as a tabl
 `PIPELINE`, `BACKEND`; `titanc inspect --pipeline` prints it, `pipeline_text`):
 
     lower (frontend / decode / optimizer) -> its row of graph passes -> hoist_scan_invariants
-        -> split_casts -> constants_per_reader -> fusion -> waves -> verify_schedule
-        -> buffer plan
+        -> split_casts -> constants_per_reader -> views_per_reader -> fusion -> waves
+        -> verify_schedule -> buffer plan
         =>  `CompiledGraph(kind, graph, schedule, plan, passes)`
 
 The graph passes are canonicalize and aggregate for every kind; the forward graph adds the
@@ -159,7 +159,7 @@ class Compiled:
         persistent = self._persistent()
         return _finish(log, kind, g, persistent, start, self.spec.compile.hoist_groups,
                        self.spec.compile.hoist_gates, self.spec.compile.sink_reads,
-                       self.spec.compile.stack_once)
+                       self.spec.compile.stack_once, self.spec.compile.views_per_reader)
 
     def graph_key(self, cg: CompiledGraph) -> str | None:
         """What compiled graph `cg` (one of this compile's) was compiled from, as text: the
@@ -275,11 +275,11 @@ PIPELINE: dict[str, tuple[Step, ...]] = {
 }
 # what every kind's graph goes through after its row: a chunk recurrence's carry-independent
 # work hoisted before its scan, a cast of an input read by several
-# kernels copied per reader, composed constants (RoPE's [cos ‖ cos]) copied per reader, then
-# fusion into kernels, the kernels in waves of independent ones (passes/waves.py: launch
+# kernels copied per reader, composed constants (RoPE's [cos ‖ cos]) copied per reader, a
+# view one kernel would write for another copied into its readers, then fusion into kernels, the kernels in waves of independent ones (passes/waves.py: launch
 # groups), the schedule's verifier and the buffer plan
-BACKEND = ("hoist_scan_invariants", "split_casts", "constants_per_reader", "fusion", "waves",
-           "verify_schedule", "buffer plan")
+BACKEND = ("hoist_scan_invariants", "split_casts", "constants_per_reader", "views_per_reader",
+           "fusion", "waves", "verify_schedule", "buffer plan")
 
 
 def pipeline_text() -> str:
@@ -308,7 +308,8 @@ def pipeline_text() -> str:
 
 def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int,
             hoist_groups: bool = False, hoist_gates: bool = False,
-            sink_reads: str = "auto", stack_once: bool = True) -> CompiledGraph:
+            sink_reads: str = "auto", stack_once: bool = True,
+            views_per_reader: bool = True) -> CompiledGraph:
     # a chunk recurrence's carry-independent work (its backward's forward recompute) runs
     # once over every chunk before the scan, not in its serial loop (with
     # compile.hoist_groups, a chunk group's recompute scan too, over every group; with
@@ -325,8 +326,9 @@ def _finish(log: PassLog, kind: str, g: Graph, persistent: set[str], start: int,
     # kernel rather than stored by a kernel of their own; last, as it undoes their CSE
     g = log.apply(ConstantsPerReader(), g)
     # a view of a stored value copied per reader: each reader's kernel loads the value through
-    # its own copy, and no kernel writes the view for another
-    g = log.apply(ViewsPerReader(), g)
+    # its own copy, and no kernel writes the view for another (compile.views_per_reader)
+    if views_per_reader:
+        g = log.apply(ViewsPerReader(), g)
     schedule = _timed(log, f"fusion_{kind}", lambda: verify_schedule(in_waves(fuse(g))))
     persistent = persistent | {n for n in g.input_names() if n.startswith("state.")}
     plan = _timed(log, f"memory_plan_{kind}", lambda: plan_buffers(schedule, persistent))
