@@ -418,7 +418,8 @@ def test_hoisted_weight_casts_leave_the_scans_and_keep_every_value(hoisting_from
         assert torch.equal(a[k], v), k
 
 
-@pytest.mark.parametrize("target", ["cpu", "triton"])
+# the triton target interprets every kernel of both programs (~90 s): in `make test-all`
+@pytest.mark.parametrize("target", ["cpu", pytest.param("triton", marks=pytest.mark.slow)])
 def test_hoisted_casts_run_on_each_target_as_in_the_body(hoisting_from, target: str) -> None:
     """A program whose layer and segment scans read bf16 slices and consts cast before them
     (`hoist_casts`) trains, on each target, to the loss and gradients of the one that casts
