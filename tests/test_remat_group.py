@@ -138,6 +138,7 @@ def test_group_backward_lends_its_cotangent_to_the_layer_backward() -> None:
         torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-12, msg=k)
 
 
+@pytest.mark.slow
 def test_large_125m_group_arena() -> None:
     """large_125m at batch 8, seq 4096 (compile only): per_segment with remat_group 3 keeps
     [4, B, T, D] checkpoints at the top level (not [12, ...]) and [3, B, T, D] inside a

@@ -197,7 +197,7 @@ def test_training_step_float64_matches_cpu_target() -> None:
                            for f in ex.fallbacks)
 
 
-@pytest.mark.parametrize("loops", [False, True])
+@pytest.mark.parametrize("loops", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_sunk_reads_match_the_cpu_target(loops: bool, monkeypatch) -> None:
     """`compile.sink_reads: always`: the forward chunk scans' reads run after them over the
     stacked start states (passes/hoist.py); one float64 training step of tiny_lmm on the
